@@ -1,0 +1,106 @@
+//! The device model: one abstraction every exported USB device implements.
+//!
+//! A [`Device`] takes URBs ([`Urb`]) and hands back completions
+//! ([`Completion`]) asynchronously, in the shape of nusb's transfer queue:
+//! [`Device::submit`] never blocks, [`Device::poll_complete`] yields results
+//! in whatever order the device finishes them, [`Device::cancel`] asks for one
+//! URB to end early, and [`Device::reset`] abandons everything and returns the
+//! device to its unconfigured state. The server drives one device from one
+//! task, so implementations need no locking on the data path.
+//!
+//! Virtual devices implement the smaller [`Function`] trait and are wrapped in
+//! a [`VirtualDevice`], which answers the standard control requests (descriptors,
+//! configuration, interfaces, status, halt) from a [`DescriptorSet`] and
+//! validates endpoints, so each gadget only writes its class behaviour.
+//! Real devices (through usbfs) implement [`Device`] directly.
+//!
+//! This crate is not for sockets or wire formats: it knows URBs, not bytes
+//! on the network (it borrows only value types from `usbwire-proto`).
+
+pub mod control;
+pub mod descriptor;
+mod queue;
+mod urb;
+mod virtual_device;
+
+use std::task::{Context, Poll};
+
+pub use queue::CompletionQueue;
+pub use urb::{Completion, TransferType, Urb};
+pub use usbwire_proto::urb::{IsoPacketDescriptor, TransferFlags};
+pub use usbwire_proto::{Direction, Speed, Status};
+pub use virtual_device::{ControlReply, DescriptorSet, Function, VirtualDevice};
+
+/// What the server lists about a device (the parts of `usbip_usb_device` a
+/// device knows; the server adds bus id, path and numbers).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceSummary {
+    pub speed: Speed,
+    pub vendor_id: u16,
+    pub product_id: u16,
+    pub bcd_device: u16,
+    pub class: u8,
+    pub subclass: u8,
+    pub protocol: u8,
+    pub configuration_value: u8,
+    pub num_configurations: u8,
+    /// (class, subclass, protocol) of each interface (alt setting 0) of the listed configuration.
+    pub interfaces: Vec<(u8, u8, u8)>,
+    /// Product string, for humans (`usbip list` looks names up in usb.ids instead).
+    pub product: String,
+    /// Manufacturer string, for humans.
+    pub manufacturer: String,
+}
+
+/// A USB device the server can export.
+///
+/// Contract:
+/// * every submitted URB completes exactly once through [`poll_complete`](Self::poll_complete),
+///   unless [`reset`](Self::reset) abandons it first;
+/// * [`cancel`](Self::cancel) only asks: the URB still completes, with
+///   [`Status::ECONNRESET`] if it was cut short or its real result if it had
+///   already finished;
+/// * URBs on one endpoint complete in submission order; different endpoints
+///   are independent (an interrupt IN that waits forever must not hold up ep0).
+pub trait Device: Send + 'static {
+    /// What to list for this device.
+    fn summary(&self) -> DeviceSummary;
+
+    /// The transfer type of an endpoint (number 0..=15 plus direction) in the
+    /// current configuration, or `None` if there is no such endpoint.
+    fn endpoint_type(&self, direction: Direction, number: u8) -> Option<TransferType>;
+
+    /// Starts a URB. Never blocks; problems are reported as a completion status.
+    fn submit(&mut self, urb: Urb);
+
+    /// The next finished URB, in completion order.
+    fn poll_complete(&mut self, cx: &mut Context<'_>) -> Poll<Completion>;
+
+    /// Asks for the URB with this seqnum to end early (see the trait contract).
+    fn cancel(&mut self, seqnum: u32);
+
+    /// Abandons every URB in flight (no completions follow for them) and puts
+    /// the device back in its default, unconfigured state, ready for a new importer.
+    fn reset(&mut self);
+}
+
+impl<D: Device + ?Sized> Device for Box<D> {
+    fn summary(&self) -> DeviceSummary {
+        (**self).summary()
+    }
+    fn endpoint_type(&self, direction: Direction, number: u8) -> Option<TransferType> {
+        (**self).endpoint_type(direction, number)
+    }
+    fn submit(&mut self, urb: Urb) {
+        (**self).submit(urb);
+    }
+    fn poll_complete(&mut self, cx: &mut Context<'_>) -> Poll<Completion> {
+        (**self).poll_complete(cx)
+    }
+    fn cancel(&mut self, seqnum: u32) {
+        (**self).cancel(seqnum);
+    }
+    fn reset(&mut self) {
+        (**self).reset();
+    }
+}
