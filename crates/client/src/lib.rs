@@ -1,1 +1,360 @@
-//! (being written)
+//! The USB/IP client side, in userspace: list a server's devices, import one,
+//! and run URBs on it with many in flight.
+//!
+//! [`list_devices`] and [`import`] speak the OP phase. An imported device's
+//! socket becomes a [`Connection`]: [`Connection::submit`] sends a
+//! `CMD_SUBMIT` and resolves when its `RET_SUBMIT` arrives (replies are
+//! matched by seqnum, in any order); [`Connection::unlink`] sends
+//! `CMD_UNLINK`. No kernel module is involved.
+//!
+//! Not for the kernel's vhci-hcd attach path (that hands the socket to the
+//! kernel instead of keeping it).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tracing::debug;
+use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest, OpStatus};
+use usbwire_proto::urb::{self, CmdSubmit, CmdUnlink, IsoPacketDescriptor, RetSubmit, ServerMessage, SubmittedShape, TransferFlags};
+use usbwire_proto::{DecodeError, Direction, Limits, Status};
+
+/// How long the OP phase may take before we give up on a server.
+const OP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Client-side failures.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// Nothing listens there, or the network is in the way.
+    #[error("cannot connect to {addr}: {source}")]
+    Connect { addr: String, source: std::io::Error },
+    /// The server did not answer the request in time.
+    #[error("{addr} did not answer within {} s", OP_TIMEOUT.as_secs())]
+    Timeout { addr: String },
+    /// The server closed the connection or the socket failed.
+    #[error("connection lost: {0}")]
+    Io(#[from] std::io::Error),
+    /// The server sent something that is not USB/IP v1.1.1.
+    #[error("protocol error: {0}")]
+    Protocol(#[from] DecodeError),
+    /// The server refused the import.
+    #[error("server refused {busid}: {}", .status.describe())]
+    Refused { busid: String, status: OpStatus },
+    /// The server answered an import for another bus id.
+    #[error("server answered for bus id {got} instead of {wanted}")]
+    WrongDevice { wanted: String, got: String },
+}
+
+/// Why a URB did not complete.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransferError {
+    /// The connection to the server ended (the device may be gone).
+    #[error("connection to the server lost")]
+    Disconnected,
+}
+
+/// Resolves `HOST`, `HOST:PORT` or `[V6]:PORT` (default port 3240).
+pub async fn resolve(target: &str) -> Result<SocketAddr, ClientError> {
+    let with_port = if target.parse::<SocketAddr>().is_ok() || has_port(target) {
+        target.to_owned()
+    } else {
+        format!("{target}:{}", usbwire_proto::DEFAULT_PORT)
+    };
+    let connect_error = |source| ClientError::Connect { addr: target.to_owned(), source };
+    let mut addrs = tokio::net::lookup_host(&with_port).await.map_err(connect_error)?;
+    addrs.next().ok_or_else(|| connect_error(std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))
+}
+
+fn has_port(target: &str) -> bool {
+    match target.rsplit_once(':') {
+        Some((host, port)) => !host.contains(':') && port.parse::<u16>().is_ok(),
+        None => false,
+    }
+}
+
+async fn connect(addr: SocketAddr) -> Result<TcpStream, ClientError> {
+    let stream = tokio::time::timeout(OP_TIMEOUT, TcpStream::connect(addr))
+        .await
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
+        .map_err(|source| ClientError::Connect { addr: addr.to_string(), source })?;
+    stream.set_nodelay(true)?;
+    let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(30)).with_interval(Duration::from_secs(10));
+    let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+    Ok(stream)
+}
+
+/// Asks a server for its exported devices (`OP_REQ_DEVLIST`).
+pub async fn list_devices(addr: SocketAddr) -> Result<Vec<DeviceRecord>, ClientError> {
+    let mut stream = connect(addr).await?;
+    let exchange = async {
+        let mut out = BytesMut::new();
+        OpRequest::DevList.encode(&mut out);
+        stream.write_all(&out).await?;
+        let mut buf = BytesMut::with_capacity(4096);
+        loop {
+            if let Some(devices) = op::decode_devlist_reply(&mut buf, &Limits::default())? {
+                return Ok(devices);
+            }
+            if stream.read_buf(&mut buf).await? == 0 {
+                return Err(ClientError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+        }
+    };
+    tokio::time::timeout(OP_TIMEOUT, exchange).await.map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
+}
+
+/// Imports a device (`OP_REQ_IMPORT`); the returned socket is its URB channel.
+pub async fn import(addr: SocketAddr, busid: &BusId) -> Result<(TcpStream, DeviceRecord), ClientError> {
+    let mut stream = connect(addr).await?;
+    let exchange = async {
+        let mut out = BytesMut::new();
+        OpRequest::Import { busid: busid.clone() }.encode(&mut out);
+        stream.write_all(&out).await?;
+        // Read exactly the reply, no further: URB traffic follows on this socket.
+        let mut header = [0u8; op::OP_HEADER_LEN];
+        stream.read_exact(&mut header).await?;
+        let mut buf = BytesMut::from(&header[..]);
+        if let Some(Err(status)) = op::decode_import_reply(&mut buf)? {
+            return Err(ClientError::Refused { busid: busid.to_string(), status });
+        }
+        let mut body = vec![0u8; op::DEVICE_RECORD_LEN];
+        stream.read_exact(&mut body).await?;
+        buf.extend_from_slice(&body);
+        match op::decode_import_reply(&mut buf)? {
+            Some(Ok(device)) if device.busid == *busid => Ok(device),
+            Some(Ok(device)) => Err(ClientError::WrongDevice { wanted: busid.to_string(), got: device.busid.to_string() }),
+            Some(Err(status)) => Err(ClientError::Refused { busid: busid.to_string(), status }),
+            None => Err(ClientError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+        }
+    };
+    let device = tokio::time::timeout(OP_TIMEOUT, exchange)
+        .await
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })??;
+    Ok((stream, device))
+}
+
+/// A transfer to submit.
+#[derive(Clone, Debug)]
+pub struct Transfer {
+    pub endpoint: u8,
+    pub direction: Direction,
+    /// SETUP packet for control transfers.
+    pub setup: [u8; 8],
+    pub flags: u32,
+    /// IN: bytes wanted. OUT: ignored (the data's length is used).
+    pub length: u32,
+    pub data: Bytes,
+    pub interval: i32,
+    /// Isochronous packets; `Some` marks the endpoint as isochronous.
+    pub iso_packets: Option<Vec<IsoPacketDescriptor>>,
+}
+
+impl Transfer {
+    pub fn control_in(setup: [u8; 8]) -> Self {
+        let length = u32::from(u16::from_le_bytes([setup[6], setup[7]]));
+        Self { endpoint: 0, direction: Direction::In, setup, flags: TransferFlags::DIR_IN, length, data: Bytes::new(), interval: 0, iso_packets: None }
+    }
+
+    pub fn control_out(setup: [u8; 8], data: Bytes) -> Self {
+        Self { endpoint: 0, direction: Direction::Out, setup, flags: 0, length: data.len() as u32, data, interval: 0, iso_packets: None }
+    }
+
+    pub fn bulk_in(endpoint: u8, length: u32) -> Self {
+        Self { endpoint: endpoint & 0x0f, direction: Direction::In, setup: [0; 8], flags: TransferFlags::DIR_IN, length, data: Bytes::new(), interval: 0, iso_packets: None }
+    }
+
+    pub fn bulk_out(endpoint: u8, data: Bytes) -> Self {
+        Self { endpoint: endpoint & 0x0f, direction: Direction::Out, setup: [0; 8], flags: 0, length: data.len() as u32, data, interval: 0, iso_packets: None }
+    }
+}
+
+#[derive(Default)]
+struct Waiters {
+    submits: HashMap<u32, (SubmittedShape, oneshot::Sender<RetSubmit>)>,
+    /// CMD_UNLINK seqnum -> the seqnum it cancels.
+    unlinks: HashMap<u32, u32>,
+}
+
+struct Shared {
+    /// `None` once the connection is gone.
+    waiters: Mutex<Option<Waiters>>,
+    next_seqnum: AtomicU32,
+}
+
+/// The URB channel of an imported device.
+pub struct Connection {
+    devid: u32,
+    shared: Arc<Shared>,
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Connection {
+    /// Starts the reply reader on an imported device's socket.
+    pub fn new(stream: TcpStream, device: &DeviceRecord) -> Self {
+        let (mut read_half, write_half) = stream.into_split();
+        let shared = Arc::new(Shared { waiters: Mutex::new(Some(Waiters::default())), next_seqnum: AtomicU32::new(1) });
+        let reader_shared = shared.clone();
+        let reader = tokio::spawn(async move {
+            let mut buf = BytesMut::with_capacity(256 * 1024);
+            let limits = Limits::default();
+            let outcome: Result<(), ClientError> = async {
+                loop {
+                    loop {
+                        let decoded = {
+                            let guard = reader_shared.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+                            let waiters = guard.as_ref();
+                            urb::decode_return(&mut buf, &limits, |seq| {
+                                waiters.and_then(|w| w.submits.get(&seq)).map(|(shape, _)| *shape)
+                            })?
+                        };
+                        match decoded {
+                            Some(ServerMessage::Submit(ret)) => {
+                                let waiter = reader_shared
+                                    .waiters
+                                    .lock()
+                                    .unwrap_or_else(PoisonError::into_inner)
+                                    .as_mut()
+                                    .and_then(|w| w.submits.remove(&ret.seqnum));
+                                if let Some((_, tx)) = waiter {
+                                    let _ = tx.send(ret);
+                                }
+                            }
+                            Some(ServerMessage::Unlink(ret)) => {
+                                debug!(seqnum = ret.seqnum, status = ?ret.status, "unlink answered");
+                                // Cancelled without a RET_SUBMIT (the kernel stub's way): the
+                                // RET_UNLINK is the URB's only answer, as vhci treats it.
+                                let mut guard = reader_shared.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+                                if let Some(w) = guard.as_mut() {
+                                    if let Some(target) = w.unlinks.remove(&ret.seqnum) {
+                                        if let Some((_, tx)) = w.submits.remove(&target) {
+                                            let _ = tx.send(RetSubmit {
+                                                seqnum: target,
+                                                status: ret.status,
+                                                actual_length: 0,
+                                                start_frame: 0,
+                                                number_of_packets: 0,
+                                                error_count: 0,
+                                                data: Bytes::new(),
+                                                iso_packets: Vec::new(),
+                                            });
+                                        }
+                                    }
+                                }
+                            }
+                            None => break,
+                        }
+                    }
+                    buf.reserve(64 * 1024);
+                    if read_half.read_buf(&mut buf).await? == 0 {
+                        return Ok(());
+                    }
+                }
+            }
+            .await;
+            if let Err(error) = outcome {
+                debug!(%error, "urb channel closed");
+            }
+            // Fail everything still waiting.
+            reader_shared.waiters.lock().unwrap_or_else(PoisonError::into_inner).take();
+        });
+        Self { devid: device.devid(), shared, writer: tokio::sync::Mutex::new(write_half), reader }
+    }
+
+    /// Submits a transfer; returns its seqnum and a future for the reply.
+    pub async fn submit(&self, transfer: Transfer) -> Result<(u32, impl std::future::Future<Output = Result<RetSubmit, TransferError>>), TransferError> {
+        let seqnum = self.shared.next_seqnum.fetch_add(1, Ordering::Relaxed);
+        let length = match transfer.direction {
+            Direction::Out => transfer.data.len() as u32,
+            Direction::In => transfer.length,
+        };
+        let number_of_packets = transfer.iso_packets.as_ref().map_or(0, |p| p.len() as i32);
+        let shape = SubmittedShape {
+            direction: transfer.direction,
+            transfer_buffer_length: length,
+            iso_packets: transfer.iso_packets.as_ref().map(|p| p.len() as i32),
+        };
+        let submit = CmdSubmit {
+            seqnum,
+            devid: self.devid,
+            direction: transfer.direction,
+            ep: transfer.endpoint,
+            transfer_flags: TransferFlags(transfer.flags),
+            transfer_buffer_length: length,
+            start_frame: 0,
+            number_of_packets,
+            interval: transfer.interval,
+            setup: transfer.setup,
+            data: transfer.data,
+            iso_packets: transfer.iso_packets.unwrap_or_default(),
+        };
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut guard = self.shared.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+            guard.as_mut().ok_or(TransferError::Disconnected)?.submits.insert(seqnum, (shape, tx));
+        }
+        let mut writer = self.writer.lock().await;
+        let header = submit.header();
+        let mut trailer = BytesMut::new();
+        for packet in &submit.iso_packets {
+            trailer.extend_from_slice(&packet.offset.to_be_bytes());
+            trailer.extend_from_slice(&packet.length.to_be_bytes());
+            trailer.extend_from_slice(&[0; 8]);
+        }
+        let payload: &[u8] = if submit.direction == Direction::Out { &submit.data } else { &[] };
+        let sent = async {
+            writer.write_all(&header).await?;
+            writer.write_all(payload).await?;
+            writer.write_all(&trailer).await
+        }
+        .await;
+        if sent.is_err() {
+            return Err(TransferError::Disconnected);
+        }
+        Ok((seqnum, async move { rx.await.map_err(|_| TransferError::Disconnected) }))
+    }
+
+    /// Submits and waits for the reply.
+    pub async fn transfer(&self, transfer: Transfer) -> Result<RetSubmit, TransferError> {
+        let (_, reply) = self.submit(transfer).await?;
+        reply.await
+    }
+
+    /// Asks the server to cancel the URB `seqnum`. Its reply (if any) still
+    /// resolves the submit future; a URB cancelled without a RET_SUBMIT
+    /// resolves with [`Status::ECONNRESET`].
+    pub async fn unlink(&self, target: u32) -> Result<(), TransferError> {
+        let seqnum = self.shared.next_seqnum.fetch_add(1, Ordering::Relaxed);
+        let unlink = CmdUnlink { seqnum, devid: self.devid, unlink_seqnum: target };
+        if let Some(w) = self.shared.waiters.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
+            w.unlinks.insert(seqnum, target);
+        }
+        let mut writer = self.writer.lock().await;
+        writer.write_all(&unlink.header()).await.map_err(|_| TransferError::Disconnected)
+    }
+
+    /// Whether the server has closed the connection.
+    pub fn is_closed(&self) -> bool {
+        self.reader.is_finished()
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+/// The status a RET_SUBMIT carries, for callers that only care about success.
+pub fn is_ok(ret: &RetSubmit) -> bool {
+    ret.status == Status::OK
+}

@@ -1,1 +1,196 @@
-//! (being written)
+//! The USB/IP server: exports [`Device`]s over TCP, wire-compatible with the
+//! Linux `usbip` tools and vhci-hcd.
+//!
+//! One task per connection. A connection first speaks the OP phase (one
+//! request: a device list or an import); after a successful import the same
+//! socket becomes that device's URB channel, driven by [`urb_channel`], which
+//! owns the device outright while it is imported — there is no lock on the
+//! data path. When the client goes away, everything in flight is abandoned,
+//! the device is reset and listed as available again.
+//!
+//! This crate is not for building devices (see `usbwire-device` and
+//! `usbwire-gadgets`) nor for parsing bytes (see `usbwire-proto`).
+
+mod connection;
+mod control;
+mod registry;
+mod urb_channel;
+mod write_queue;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tracing::{info, warn, Instrument};
+use usbwire_device::Device;
+use usbwire_proto::op::BusId;
+use usbwire_proto::Limits;
+
+pub use control::{default_control_path, request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput};
+pub use registry::{DeviceState, ExportInfo, Registry};
+
+/// Server settings, with the defaults `usbwire serve` uses.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Address to listen on (default `0.0.0.0:3240`).
+    pub listen: SocketAddr,
+    /// Local control socket (`usbwire type`, `usbwire state`); `None` disables it.
+    pub control_path: Option<PathBuf>,
+    /// Bounds applied to everything a client sends.
+    pub limits: Limits,
+    /// URBs one connection may have in flight before we stop reading from it.
+    pub max_in_flight: usize,
+    /// Concurrent connections (each device list or import is one).
+    pub max_connections: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([0, 0, 0, 0], usbwire_proto::DEFAULT_PORT)),
+            control_path: Some(default_control_path()),
+            limits: Limits::default(),
+            max_in_flight: 1024,
+            max_connections: 256,
+        }
+    }
+}
+
+/// Errors that stop the server from starting.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// The listen address is taken or not ours; pick another with `--listen`.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: SocketAddr, source: std::io::Error },
+    /// The control socket could not be created; pass `--control PATH` to put it elsewhere.
+    #[error("cannot create control socket {path}: {source}")]
+    Control { path: PathBuf, source: std::io::Error },
+}
+
+/// A server being assembled: add devices, then [`bind`](Self::bind).
+pub struct Server {
+    config: ServerConfig,
+    registry: Registry,
+    text_inputs: Vec<(BusId, Arc<dyn TextInput>)>,
+}
+
+impl Server {
+    pub fn new(config: ServerConfig) -> Self {
+        Self { config, registry: Registry::default(), text_inputs: Vec::new() }
+    }
+
+    /// Exports a device under the next free bus id (bus 2 for SuperSpeed,
+    /// bus 1 otherwise, numbered in order). `kind` is a short label for humans.
+    pub fn export(&mut self, kind: &str, device: Box<dyn Device>) -> BusId {
+        self.registry.add(kind, device)
+    }
+
+    /// Lets `usbwire type` reach a keyboard exported under `busid`.
+    pub fn add_text_input(&mut self, busid: BusId, input: Arc<dyn TextInput>) {
+        self.text_inputs.push((busid, input));
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Binds the listening socket and the control socket.
+    pub async fn bind(self) -> Result<BoundServer, ServerError> {
+        let addr = self.config.listen;
+        let listener = TcpListener::bind(addr).await.map_err(|source| ServerError::Listen { addr, source })?;
+        let control = match &self.config.control_path {
+            Some(path) => Some(control::ControlSocket::bind(path).map_err(|source| ServerError::Control {
+                path: path.clone(),
+                source,
+            })?),
+            None => None,
+        };
+        Ok(BoundServer {
+            listener,
+            control,
+            config: Arc::new(self.config),
+            registry: self.registry,
+            text_inputs: Arc::new(self.text_inputs),
+        })
+    }
+}
+
+/// A server with its sockets bound, ready to [`run`](Self::run).
+pub struct BoundServer {
+    listener: TcpListener,
+    control: Option<control::ControlSocket>,
+    config: Arc<ServerConfig>,
+    registry: Registry,
+    text_inputs: Arc<Vec<(BusId, Arc<dyn TextInput>)>>,
+}
+
+impl BoundServer {
+    /// The address actually bound (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().unwrap_or(self.config.listen)
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Serves until `shutdown` resolves, then closes every connection (each
+    /// resets its device) and returns.
+    pub async fn run(mut self, shutdown: impl std::future::Future<Output = ()>) {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let permits = Arc::new(Semaphore::new(self.config.max_connections));
+        let mut tasks = tokio::task::JoinSet::new();
+        if let Some(control) = self.control.take() {
+            let registry = self.registry.clone();
+            let inputs = self.text_inputs.clone();
+            let stop = stop_rx.clone();
+            tasks.spawn(async move { control.serve(registry, inputs, stop).await });
+        }
+        info!(addr = %self.local_addr(), devices = self.registry.len(), "usbwire server listening");
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                accepted = self.listener.accept() => {
+                    let (stream, peer) = match accepted {
+                        Ok(pair) => pair,
+                        Err(error) => {
+                            // EMFILE and friends: back off instead of spinning.
+                            warn!(%error, "accept failed");
+                            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                            continue;
+                        }
+                    };
+                    let Ok(permit) = permits.clone().try_acquire_owned() else {
+                        warn!(%peer, "connection limit reached; closing new connection");
+                        continue;
+                    };
+                    let registry = self.registry.clone();
+                    let config = self.config.clone();
+                    let stop = stop_rx.clone();
+                    let span = tracing::info_span!("conn", %peer);
+                    tasks.spawn(async move {
+                        connection::handle(stream, peer, registry, config, stop).await;
+                        drop(permit);
+                    }.instrument(span));
+                }
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            }
+        }
+        info!("shutting down: closing connections and resetting devices");
+        let _ = stop_tx.send(true);
+        while tasks.join_next().await.is_some() {}
+        if let Some(path) = &self.config.control_path {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Resolves once the server starts shutting down.
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    // The borrow `wait_for` returns is not Send; end it here, inside this function.
+    let _ = stop.wait_for(|stopping| *stopping).await.map(|_| ());
+}

@@ -1,0 +1,111 @@
+//! One client connection: the OP phase, then (after an import) the URB phase.
+//!
+//! Like usbipd, a connection carries exactly one OP request. A device list is
+//! answered and the connection closed; a failed import gets its status and is
+//! closed; a successful import turns the socket into the device's URB channel.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tracing::{debug, info, warn, Instrument};
+use usbwire_proto::op::{self, OpRequest};
+use usbwire_proto::{DecodeError, Limits};
+
+use crate::registry::Registry;
+use crate::{urb_channel, ServerConfig};
+
+/// How long a client may take to send its one OP request.
+const OP_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub(crate) async fn handle(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    registry: Registry,
+    config: Arc<ServerConfig>,
+    stop: watch::Receiver<bool>,
+) {
+    configure_socket(&stream);
+    let mut buf = BytesMut::with_capacity(256);
+    let request = match tokio::time::timeout(OP_REQUEST_TIMEOUT, read_request(&mut stream, &mut buf, &config.limits)).await {
+        Err(_) => {
+            warn!("no request within {} s; closing", OP_REQUEST_TIMEOUT.as_secs());
+            return;
+        }
+        Ok(Err(error)) => {
+            warn!(%error, "invalid request; closing");
+            return;
+        }
+        Ok(Ok(None)) => {
+            debug!("closed before sending a request");
+            return;
+        }
+        Ok(Ok(Some(request))) => request,
+    };
+    let mut reply = BytesMut::new();
+    match request {
+        OpRequest::DevList => {
+            let devices = registry.devlist();
+            op::encode_devlist_reply(&devices, &mut reply);
+            debug!(devices = devices.len(), "device list");
+            if let Err(error) = stream.write_all(&reply).await {
+                debug!(%error, "device list not delivered");
+            }
+        }
+        OpRequest::Import { busid } => match registry.import(&busid, peer) {
+            Err(status) => {
+                info!(%busid, status = status.describe(), "import refused");
+                op::encode_import_reply(Err(status), &mut reply);
+                let _ = stream.write_all(&reply).await;
+            }
+            Ok(mut lease) => {
+                op::encode_import_reply(Ok(lease.record()), &mut reply);
+                if let Err(error) = stream.write_all(&reply).await {
+                    warn!(%busid, %error, "import reply not delivered");
+                    return;
+                }
+                let span = tracing::info_span!("urb", %busid, devid = format_args!("{:#x}", lease.record().devid()));
+                span.in_scope(|| info!("imported"));
+                let outcome = urb_channel::run(stream, buf, &mut lease, &config, stop).instrument(span.clone()).await;
+                let _enter = span.enter();
+                match outcome {
+                    Ok(urb_channel::End::ClientClosed) => info!("client disconnected"),
+                    Ok(urb_channel::End::Shutdown) => info!("closed for server shutdown"),
+                    Err(error) => warn!(%error, "connection closed"),
+                }
+                // Dropping the lease resets the device and makes it available again.
+            }
+        },
+    }
+}
+
+async fn read_request(stream: &mut TcpStream, buf: &mut BytesMut, limits: &Limits) -> Result<Option<OpRequest>, DecodeError> {
+    loop {
+        if let Some(request) = op::decode_request(buf, limits)? {
+            return Ok(Some(request));
+        }
+        match stream.read_buf(buf).await {
+            Ok(0) | Err(_) => return Ok(None),
+            Ok(_) => {}
+        }
+    }
+}
+
+/// TCP_NODELAY (48-byte headers must not wait for Nagle) and keepalive
+/// (USB/IP has no heartbeat, and an interrupt URB may legitimately pend for hours).
+fn configure_socket(stream: &TcpStream) {
+    if let Err(error) = stream.set_nodelay(true) {
+        debug!(%error, "TCP_NODELAY not set");
+    }
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(30))
+        .with_interval(Duration::from_secs(10))
+        .with_retries(3);
+    if let Err(error) = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive) {
+        debug!(%error, "keepalive not set");
+    }
+}

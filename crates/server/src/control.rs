@@ -1,0 +1,235 @@
+//! The local control socket: how `usbwire type` and `usbwire state` reach a
+//! running server on the same machine.
+//!
+//! A Unix stream socket (mode 0600, so only the server's user can drive it)
+//! carrying one JSON request per line and one JSON response per line.
+
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::UNIX_EPOCH;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
+use usbwire_proto::op::BusId;
+
+use crate::registry::{DeviceState, Registry};
+
+/// Something that turns text into key presses on the attached host (a keyboard).
+pub trait TextInput: Send + Sync {
+    /// Queues `text`; returns the number of input reports queued, or why not.
+    fn type_text(&self, text: &str) -> Result<usize, String>;
+    /// Whether a host has the device attached and configured.
+    fn is_attached(&self) -> bool;
+}
+
+/// A request on the control socket.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "command", rename_all = "snake_case")]
+pub enum ControlRequest {
+    /// Type text on a keyboard (the first one unless `busid` names one).
+    Type { text: String, busid: Option<String> },
+    /// Every exported device and who holds it.
+    State,
+}
+
+/// The answer to a [`ControlRequest`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControlResponse {
+    pub ok: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reports: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<StateEntry>>,
+}
+
+/// One device in a `state` answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateEntry {
+    pub busid: String,
+    pub kind: String,
+    pub vendor_id: String,
+    pub product_id: String,
+    pub product: String,
+    pub speed: String,
+    /// `available` or `in_use`.
+    pub state: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client: Option<String>,
+    /// Seconds since the Unix epoch when the current client imported it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub since: Option<u64>,
+}
+
+impl ControlResponse {
+    fn error(message: impl Into<String>) -> Self {
+        Self { ok: false, error: Some(message.into()), reports: None, devices: None }
+    }
+}
+
+/// Where the control socket lives unless `--control` says otherwise:
+/// `/run/usbwire/control.sock` for root, `$XDG_RUNTIME_DIR/usbwire/control.sock`
+/// or `/tmp/usbwire-UID/control.sock` for other users.
+pub fn default_control_path() -> PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    if uid == 0 {
+        return PathBuf::from("/run/usbwire/control.sock");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if !dir.is_empty() => Path::new(&dir).join("usbwire/control.sock"),
+        _ => PathBuf::from(format!("/tmp/usbwire-{uid}/control.sock")),
+    }
+}
+
+pub(crate) struct ControlSocket {
+    listener: UnixListener,
+}
+
+impl ControlSocket {
+    pub(crate) fn bind(path: &Path) -> io::Result<Self> {
+        if let Some(parent) = path.parent() {
+            if !parent.as_os_str().is_empty() && !parent.exists() {
+                std::fs::create_dir_all(parent)?;
+                std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700))?;
+            }
+        }
+        if path.exists() {
+            // A live server answers; a stale socket from a crashed one does not.
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    "another usbwire server is using it (stop it, or pass --control PATH)",
+                ));
+            }
+            std::fs::remove_file(path)?;
+        }
+        let listener = UnixListener::bind(path)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        info!(path = %path.display(), "control socket ready");
+        Ok(Self { listener })
+    }
+
+    pub(crate) async fn serve(
+        self,
+        registry: Registry,
+        inputs: Arc<Vec<(BusId, Arc<dyn TextInput>)>>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        loop {
+            tokio::select! {
+                () = crate::stopped(&mut stop) => return,
+                accepted = self.listener.accept() => match accepted {
+                    Ok((stream, _)) => {
+                        let registry = registry.clone();
+                        let inputs = inputs.clone();
+                        tokio::spawn(async move {
+                            if let Err(error) = serve_client(stream, &registry, &inputs).await {
+                                debug!(%error, "control client");
+                            }
+                        });
+                    }
+                    Err(error) => {
+                        warn!(%error, "control socket accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+async fn serve_client(stream: UnixStream, registry: &Registry, inputs: &[(BusId, Arc<dyn TextInput>)]) -> io::Result<()> {
+    let (reader, mut writer) = stream.into_split();
+    let mut lines = BufReader::new(reader.take(1 << 20)).lines();
+    while let Some(line) = lines.next_line().await? {
+        let response = match serde_json::from_str::<ControlRequest>(&line) {
+            Ok(request) => answer(request, registry, inputs),
+            Err(error) => ControlResponse::error(format!("invalid request: {error}")),
+        };
+        let mut text = serde_json::to_string(&response).map_err(io::Error::other)?;
+        text.push('\n');
+        writer.write_all(text.as_bytes()).await?;
+    }
+    Ok(())
+}
+
+use tokio::io::AsyncReadExt as _;
+
+fn answer(request: ControlRequest, registry: &Registry, inputs: &[(BusId, Arc<dyn TextInput>)]) -> ControlResponse {
+    match request {
+        ControlRequest::Type { text, busid } => {
+            let target = match &busid {
+                Some(wanted) => inputs.iter().find(|(b, _)| b.as_str() == wanted),
+                None => inputs.first(),
+            };
+            let Some((busid, input)) = target else {
+                return ControlResponse::error(match busid {
+                    Some(b) => format!("no keyboard is exported as {b}"),
+                    None => "this server exports no keyboard (start it with --virtual keyboard)".into(),
+                });
+            };
+            if !input.is_attached() {
+                return ControlResponse::error(format!(
+                    "keyboard {busid} is not attached by any host yet (attach it with `usbip attach -r HOST -b {busid}`)"
+                ));
+            }
+            match input.type_text(&text) {
+                Ok(reports) => {
+                    info!(%busid, chars = text.chars().count(), "typing");
+                    ControlResponse { ok: true, error: None, reports: Some(reports), devices: None }
+                }
+                Err(error) => ControlResponse::error(error),
+            }
+        }
+        ControlRequest::State => {
+            let devices = registry
+                .list()
+                .into_iter()
+                .map(|e| {
+                    let (state, client, since) = match e.state {
+                        DeviceState::Available => ("available", None, None),
+                        DeviceState::InUse { client, since } => (
+                            "in_use",
+                            Some(client.to_string()),
+                            since.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs()),
+                        ),
+                    };
+                    StateEntry {
+                        busid: e.record.busid.to_string(),
+                        kind: e.kind,
+                        vendor_id: format!("{:04x}", e.record.id_vendor),
+                        product_id: format!("{:04x}", e.record.id_product),
+                        product: e.summary.product,
+                        speed: e.summary.speed.name().to_owned(),
+                        state: state.to_owned(),
+                        client,
+                        since,
+                    }
+                })
+                .collect();
+            ControlResponse { ok: true, error: None, reports: None, devices: Some(devices) }
+        }
+    }
+}
+
+/// Sends one request to a server's control socket and returns its answer.
+pub async fn request(path: &Path, request: &ControlRequest) -> io::Result<ControlResponse> {
+    let stream = UnixStream::connect(path).await?;
+    let (reader, mut writer) = stream.into_split();
+    let mut text = serde_json::to_string(request).map_err(io::Error::other)?;
+    text.push('\n');
+    writer.write_all(text.as_bytes()).await?;
+    let mut lines = BufReader::new(reader).lines();
+    let line = lines
+        .next_line()
+        .await?
+        .ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "server closed the control connection"))?;
+    serde_json::from_str(&line).map_err(io::Error::other)
+}

@@ -1,0 +1,223 @@
+//! The URB phase of one imported device: CMD_SUBMIT / CMD_UNLINK in,
+//! RET_SUBMIT / RET_UNLINK out.
+//!
+//! A single hand-written poll loop reads commands, submits them to the device,
+//! collects completions in whatever order the device finishes them, and writes
+//! replies — so a long-pending interrupt IN never holds up ep0 or a bulk
+//! stream, and nothing is shared with other connections.
+//!
+//! Unlink, following the kernel stub (strategy A in PROTOCOL.md §4.2): if the
+//! target is still in flight, the device is asked to cancel it; when it comes
+//! back cancelled, only RET_UNLINK(-ECONNRESET) is sent (vhci gives the URB
+//! back on it). If it completed anyway, its RET_SUBMIT goes first and then
+//! RET_UNLINK(0), so no data is lost and vhci never sees a RET_SUBMIT for a URB
+//! it already gave back. An unlink for a URB not in flight gets RET_UNLINK(0)
+//! at once — any RET_SUBMIT for it is already ahead of it in the stream.
+
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::BytesMut;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio_util::io::poll_read_buf;
+use tracing::{trace, warn};
+use usbwire_device::{Completion, Device, TransferType, Urb};
+use usbwire_proto::urb::{self, ClientMessage, RetUnlink};
+use usbwire_proto::{DecodeError, Limits, Status};
+
+use crate::registry::Lease;
+use crate::write_queue::WriteQueue;
+use crate::ServerConfig;
+
+/// Stop collecting completions while this much is waiting to be written
+/// (backpressure towards the device instead of unbounded buffering).
+const OUT_HIGH_WATER: usize = 8 * 1024 * 1024;
+/// Read at least this much at a time.
+const READ_CHUNK: usize = 64 * 1024;
+
+/// How a URB channel ended without a protocol error.
+#[derive(Debug)]
+pub(crate) enum End {
+    ClientClosed,
+    Shutdown,
+}
+
+/// Why a URB channel was closed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ChannelError {
+    #[error("malformed message: {0}")]
+    Decode(#[from] DecodeError),
+    #[error("socket error: {0}")]
+    Io(#[from] io::Error),
+    #[error("devid {got:#x} does not match the imported device ({expected:#x})")]
+    DevidMismatch { got: u32, expected: u32 },
+    #[error("seqnum {0} is already in flight")]
+    DuplicateSeqnum(u32),
+}
+
+pub(crate) async fn run(
+    stream: TcpStream,
+    leftover: BytesMut,
+    lease: &mut Lease,
+    config: &ServerConfig,
+    mut stop: watch::Receiver<bool>,
+) -> Result<End, ChannelError> {
+    let mut channel = Channel {
+        devid: lease.record().devid(),
+        stream,
+        inbuf: leftover,
+        out: WriteQueue::default(),
+        in_flight: HashMap::new(),
+        limits: config.limits.clone(),
+        max_in_flight: config.max_in_flight,
+    };
+    let device = lease.device();
+    tokio::select! {
+        result = std::future::poll_fn(|cx| channel.poll_drive(cx, device)) => result,
+        () = crate::stopped(&mut stop) => Ok(End::Shutdown),
+    }
+}
+
+/// Per in-flight URB: the seqnum of a CMD_UNLINK aimed at it, if any.
+type InFlight = HashMap<u32, Option<u32>>;
+
+struct Channel {
+    devid: u32,
+    stream: TcpStream,
+    inbuf: BytesMut,
+    out: WriteQueue,
+    in_flight: InFlight,
+    limits: Limits,
+    max_in_flight: usize,
+}
+
+impl Channel {
+    fn poll_drive(&mut self, cx: &mut Context<'_>, device: &mut dyn Device) -> Poll<Result<End, ChannelError>> {
+        loop {
+            let mut progressed = false;
+
+            // Commands: decode what is buffered, then read more while under the in-flight cap.
+            progressed |= self.handle_buffered(device)?;
+            if self.in_flight.len() < self.max_in_flight {
+                self.reserve_for_next(device)?;
+                match poll_read_buf(Pin::new(&mut self.stream), cx, &mut self.inbuf) {
+                    Poll::Ready(Ok(0)) => return Poll::Ready(Ok(End::ClientClosed)),
+                    Poll::Ready(Ok(_)) => {
+                        progressed = true;
+                        self.handle_buffered(device)?;
+                    }
+                    Poll::Ready(Err(error)) if is_disconnect(&error) => return Poll::Ready(Ok(End::ClientClosed)),
+                    Poll::Ready(Err(error)) => return Poll::Ready(Err(error.into())),
+                    Poll::Pending => {}
+                }
+            }
+
+            // Completions, in the order the device finishes them.
+            while self.out.queued() < OUT_HIGH_WATER {
+                match device.poll_complete(cx) {
+                    Poll::Ready(done) => {
+                        self.complete(done);
+                        progressed = true;
+                    }
+                    Poll::Pending => break,
+                }
+            }
+
+            // Replies.
+            if !self.out.is_empty() {
+                let before = self.out.queued();
+                match self.out.poll_flush(cx, &mut self.stream) {
+                    Poll::Ready(Err(error)) if is_disconnect(&error) => return Poll::Ready(Ok(End::ClientClosed)),
+                    Poll::Ready(Err(error)) => return Poll::Ready(Err(error.into())),
+                    Poll::Ready(Ok(())) | Poll::Pending => progressed |= self.out.queued() != before,
+                }
+            }
+
+            if !progressed {
+                return Poll::Pending;
+            }
+        }
+    }
+
+    /// Makes room for the whole next message, so a large OUT payload is read
+    /// into one buffer (and handed to the device without a copy).
+    fn reserve_for_next(&mut self, device: &dyn Device) -> Result<(), ChannelError> {
+        let next = urb::command_frame_len(&self.inbuf, &self.limits, |d, ep| is_iso(device, d, ep))?;
+        let wanted = next.unwrap_or(urb::HEADER_LEN).saturating_sub(self.inbuf.len()).max(READ_CHUNK);
+        self.inbuf.reserve(wanted);
+        Ok(())
+    }
+
+    fn handle_buffered(&mut self, device: &mut dyn Device) -> Result<bool, ChannelError> {
+        let mut handled = false;
+        while self.in_flight.len() < self.max_in_flight {
+            let decoded = urb::decode_command(&mut self.inbuf, &self.limits, |d, ep| is_iso(device, d, ep))?;
+            let Some(message) = decoded else { break };
+            handled = true;
+            match message {
+                ClientMessage::Submit(submit) => {
+                    self.check_devid(submit.devid)?;
+                    if self.in_flight.contains_key(&submit.seqnum) {
+                        return Err(ChannelError::DuplicateSeqnum(submit.seqnum));
+                    }
+                    trace!(seqnum = submit.seqnum, ep = submit.ep, dir = ?submit.direction, len = submit.transfer_buffer_length, "submit");
+                    self.in_flight.insert(submit.seqnum, None);
+                    device.submit(Urb::from_submit(submit));
+                }
+                ClientMessage::Unlink(unlink) => {
+                    self.check_devid(unlink.devid)?;
+                    trace!(seqnum = unlink.seqnum, target = unlink.unlink_seqnum, "unlink");
+                    match self.in_flight.get_mut(&unlink.unlink_seqnum) {
+                        Some(pending) => {
+                            *pending = Some(unlink.seqnum);
+                            device.cancel(unlink.unlink_seqnum);
+                        }
+                        None => self.out.push_ret_unlink(&RetUnlink { seqnum: unlink.seqnum, status: Status::OK }),
+                    }
+                }
+            }
+        }
+        Ok(handled)
+    }
+
+    fn complete(&mut self, done: Completion) {
+        let Some(unlink) = self.in_flight.remove(&done.seqnum) else {
+            warn!(seqnum = done.seqnum, "device completed a URB that is not in flight; dropped");
+            return;
+        };
+        trace!(seqnum = done.seqnum, status = ?done.status, len = done.actual_length, "complete");
+        match unlink {
+            Some(unlink_seqnum) if done.status == Status::ECONNRESET => {
+                self.out.push_ret_unlink(&RetUnlink { seqnum: unlink_seqnum, status: Status::ECONNRESET });
+            }
+            Some(unlink_seqnum) => {
+                self.out.push_ret_submit(&done.into_ret_submit());
+                self.out.push_ret_unlink(&RetUnlink { seqnum: unlink_seqnum, status: Status::OK });
+            }
+            None => self.out.push_ret_submit(&done.into_ret_submit()),
+        }
+    }
+
+    fn check_devid(&self, devid: u32) -> Result<(), ChannelError> {
+        // The kernel stub tears the connection down on a mismatch; so do we.
+        if devid == self.devid {
+            Ok(())
+        } else {
+            Err(ChannelError::DevidMismatch { got: devid, expected: self.devid })
+        }
+    }
+}
+
+fn is_iso(device: &dyn Device, direction: usbwire_proto::Direction, ep: u8) -> bool {
+    device.endpoint_type(direction, ep) == Some(TransferType::Isochronous)
+}
+
+fn is_disconnect(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted
+    )
+}
