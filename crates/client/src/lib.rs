@@ -10,6 +10,8 @@
 //! Not for the kernel's vhci-hcd attach path (that hands the socket to the
 //! kernel instead of keeping it).
 
+pub mod vhci;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -1,0 +1,100 @@
+//! The command line, as clap sees it. Verbs a `usbip` user knows keep their
+//! names and flags (`list -r`, `--tcp-port`); ours are added beside them.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "usbwire", version, about = "Share USB devices over IP (USB/IP compatible)")]
+pub(crate) struct Cli {
+    /// More log output (-v debug, -vv trace). RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub(crate) verbose: u8,
+    /// Only warnings and errors.
+    #[arg(short, long, global = true)]
+    pub(crate) quiet: bool,
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum Command {
+    /// Export devices over USB/IP (TCP port 3240 by default).
+    Serve(ServeArgs),
+    /// List the devices a server exports.
+    List(ListArgs),
+    /// Type text on the virtual keyboard of the server running on this machine.
+    Type(TypeArgs),
+    /// Show the exported devices of the server running on this machine and who holds them.
+    State(StateArgs),
+    /// Start a server with a keyboard, a 64 MiB disk and a serial port on loopback, and show what to do next.
+    Demo(DemoArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ServeArgs {
+    /// Address and port to listen on [default: 0.0.0.0:3240].
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub(crate) listen: Option<SocketAddr>,
+    /// TOML configuration file (flags override it).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) config: Option<PathBuf>,
+    /// A virtual device: keyboard, mouse, disk=PATH[,size=64M][,ro][,speed=super], serial[=LINK], loopback[,speed=super]. Repeatable.
+    #[arg(long = "virtual", value_name = "SPEC")]
+    pub(crate) virtual_devices: Vec<String>,
+    #[command(flatten)]
+    pub(crate) control: ControlArgs,
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ControlArgs {
+    /// Local control socket [default: /run/usbwire/control.sock for root, else under $XDG_RUNTIME_DIR or /tmp].
+    #[arg(long, value_name = "PATH")]
+    pub(crate) control: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ListArgs {
+    /// List the devices exported by HOST[:PORT].
+    #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]")]
+    pub(crate) remote: String,
+    /// Port, as `usbip --tcp-port` (when HOST has none).
+    #[arg(long = "tcp-port", value_name = "PORT")]
+    pub(crate) tcp_port: Option<u16>,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct TypeArgs {
+    /// The text to type (US keyboard layout; \n is Enter).
+    pub(crate) text: String,
+    /// Which keyboard, when the server exports several.
+    #[arg(short = 'b', long = "busid")]
+    pub(crate) busid: Option<String>,
+    #[command(flatten)]
+    pub(crate) control: ControlArgs,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct StateArgs {
+    #[arg(long)]
+    pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) control: ControlArgs,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct DemoArgs {
+    /// Address to serve on.
+    #[arg(long, default_value = "127.0.0.1:3240", value_name = "ADDR:PORT")]
+    pub(crate) listen: SocketAddr,
+    /// Directory for the demo's disk image and serial link [default: a per-user directory under /tmp].
+    #[arg(long, value_name = "DIR")]
+    pub(crate) dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) control: ControlArgs,
+}

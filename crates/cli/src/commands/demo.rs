@@ -1,0 +1,65 @@
+//! `usbwire demo`: the main job on an embedded default. Serves a keyboard, a
+//! 64 MiB disk image and a serial port on loopback, lists them back through
+//! the USB/IP client (a real round trip over TCP), and says what to try next.
+
+use std::path::PathBuf;
+
+use anyhow::{anyhow, Context as _};
+use usbwire_server::{default_control_path, ServerConfig, ServerError};
+
+use crate::args::DemoArgs;
+use crate::config::{SpeedChoice, VirtualSpec};
+use crate::exit::Failure;
+
+pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
+    let dir = args.dir.clone().unwrap_or_else(default_dir);
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display())).map_err(Failure::io)?;
+    let disk = dir.join("disk.img");
+    let serial_link = dir.join("serial");
+    let specs = [
+        VirtualSpec::Keyboard,
+        VirtualSpec::Disk { path: disk.clone(), size: Some(64 << 20), read_only: false, speed: SpeedChoice::High },
+        VirtualSpec::Serial { link: Some(serial_link.clone()) },
+    ];
+    let control = args.control.control.clone().unwrap_or_else(default_control_path);
+    let config = ServerConfig { listen: args.listen, control_path: Some(control.clone()), ..ServerConfig::default() };
+    let (server, exported) = super::serve::build(config, &specs)?;
+    let bound = server.bind().await.map_err(|error| match error {
+        ServerError::Listen { addr, source } if source.kind() == std::io::ErrorKind::AddrInUse => Failure::unavailable(anyhow!(
+            "{addr} is taken (is usbipd or another usbwire running?); pass --listen 127.0.0.1:3241"
+        )),
+        other => Failure::unavailable(other.into()),
+    })?;
+    let addr = bound.local_addr();
+    let serving = tokio::spawn(bound.run(super::shutdown_signal()));
+
+    println!("usbwire demo: serving on {addr}");
+    for line in &exported {
+        println!("  {line}");
+    }
+    println!("\nWhat a USB/IP client sees (usbwire list -r {addr}):\n");
+    let devices = usbwire_client::list_devices(addr).await?;
+    print!("{}", super::list::format_like_usbip(&addr.to_string(), &devices, &super::list::UsbIds::load()));
+
+    let host = addr.ip();
+    let port = addr.port();
+    let port_flag = if port == usbwire_proto::DEFAULT_PORT { String::new() } else { format!(" --tcp-port {port}") };
+    let busid_of = |kind: &str| exported.iter().find(|l| l.contains(kind)).and_then(|l| l.split_whitespace().next()).unwrap_or("1-1").to_owned();
+    println!("Next steps (on a Linux machine with the usbip tools; root for attach):");
+    println!("  sudo modprobe vhci-hcd");
+    println!("  sudo usbip{port_flag} attach -r {host} -b {}      # the disk appears as /dev/sdX", busid_of("disk"));
+    println!("  sudo usbip{port_flag} attach -r {host} -b {}      # the keyboard", busid_of("keyboard"));
+    println!("  usbwire type 'hello from usbwire'      # types on the attached keyboard (control socket {})", control.display());
+    println!("  sudo usbip{port_flag} attach -r {host} -b {}      # /dev/ttyACM0 <-> {}", busid_of("serial"), serial_link.display());
+    println!("  usbwire state                          # who holds which device");
+    println!("\nDisk image: {}. Press Ctrl-C to stop.", disk.display());
+
+    serving.await.map_err(|error| Failure::software(error.into()))?;
+    Ok(())
+}
+
+fn default_dir() -> PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    std::env::temp_dir().join(format!("usbwire-demo-{uid}"))
+}

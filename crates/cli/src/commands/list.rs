@@ -1,0 +1,161 @@
+//! `usbwire list -r HOST`: a server's exported devices, printed the way
+//! `usbip list -r` prints them (names from usb.ids when the system has it).
+
+use serde_json::json;
+use usbwire_proto::op::DeviceRecord;
+
+use crate::args::ListArgs;
+use crate::exit::Failure;
+
+pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
+    let target = match args.tcp_port {
+        Some(port) if !args.remote.contains(':') => format!("{}:{port}", args.remote),
+        _ => args.remote.clone(),
+    };
+    let addr = usbwire_client::resolve(&target).await?;
+    let devices = usbwire_client::list_devices(addr).await?;
+    let names = UsbIds::load();
+    if args.json {
+        println!("{}", devices_json(&args.remote, &devices, &names));
+    } else {
+        print!("{}", format_like_usbip(&args.remote, &devices, &names));
+    }
+    Ok(())
+}
+
+pub(crate) fn devices_json(host: &str, devices: &[DeviceRecord], names: &UsbIds) -> serde_json::Value {
+    let devices: Vec<_> = devices
+        .iter()
+        .map(|d| {
+            json!({
+                "busid": d.busid.as_str(),
+                "busnum": d.busnum,
+                "devnum": d.devnum,
+                "path": d.path,
+                "speed": d.speed.name(),
+                "vendor_id": format!("{:04x}", d.id_vendor),
+                "product_id": format!("{:04x}", d.id_product),
+                "vendor": names.vendor(d.id_vendor),
+                "product": names.product(d.id_vendor, d.id_product),
+                "bcd_device": format!("{:04x}", d.bcd_device),
+                "device_class": format!("{:02x}/{:02x}/{:02x}", d.b_device_class, d.b_device_sub_class, d.b_device_protocol),
+                "configuration_value": d.b_configuration_value,
+                "num_configurations": d.b_num_configurations,
+                "interfaces": d.interfaces.iter().enumerate().map(|(i, f)| json!({
+                    "number": i,
+                    "class": format!("{:02x}/{:02x}/{:02x}", f.b_interface_class, f.b_interface_sub_class, f.b_interface_protocol),
+                    "class_name": class_name(f.b_interface_class),
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({ "host": host, "devices": devices })
+}
+
+pub(crate) fn format_like_usbip(host: &str, devices: &[DeviceRecord], names: &UsbIds) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    if devices.is_empty() {
+        let _ = writeln!(out, "{host}: no exportable devices");
+        return out;
+    }
+    let _ = writeln!(out, "Exportable USB devices\n======================\n - {host}");
+    for d in devices {
+        let vendor = names.vendor(d.id_vendor).unwrap_or_else(|| "unknown vendor".into());
+        let product = names.product(d.id_vendor, d.id_product).unwrap_or_else(|| "unknown product".into());
+        let _ = writeln!(out, "{:>11}: {vendor} : {product} ({:04x}:{:04x})", d.busid.as_str(), d.id_vendor, d.id_product);
+        let _ = writeln!(out, "{:>11}: {}", "", d.path);
+        let class = if d.b_device_class == 0 { "(Defined at Interface level)".to_owned() } else { class_name(d.b_device_class).to_owned() };
+        let _ = writeln!(out, "{:>11}: {class} ({:02x}/{:02x}/{:02x})", "", d.b_device_class, d.b_device_sub_class, d.b_device_protocol);
+        let _ = writeln!(out, "{:>11}: speed {}", "", d.speed.name());
+        for (i, f) in d.interfaces.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "{:>11}: {i:2} - {} ({:02x}/{:02x}/{:02x})",
+                "",
+                class_name(f.b_interface_class),
+                f.b_interface_class,
+                f.b_interface_sub_class,
+                f.b_interface_protocol
+            );
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// USB class names for the classes people meet.
+pub(crate) fn class_name(class: u8) -> &'static str {
+    match class {
+        0x01 => "Audio",
+        0x02 => "Communications",
+        0x03 => "Human Interface Device",
+        0x05 => "Physical",
+        0x06 => "Imaging",
+        0x07 => "Printer",
+        0x08 => "Mass Storage",
+        0x09 => "Hub",
+        0x0a => "CDC Data",
+        0x0b => "Chip/SmartCard",
+        0x0d => "Content Security",
+        0x0e => "Video",
+        0x0f => "Personal Healthcare",
+        0x10 => "Audio/Video",
+        0xdc => "Diagnostic",
+        0xe0 => "Wireless",
+        0xef => "Miscellaneous Device",
+        0xfe => "Application Specific Interface",
+        0xff => "Vendor Specific Class",
+        _ => "unknown class",
+    }
+}
+
+/// Vendor and product names from the system's usb.ids (hwdata), when present.
+#[derive(Default)]
+pub(crate) struct UsbIds {
+    text: String,
+}
+
+impl UsbIds {
+    pub(crate) fn load() -> Self {
+        for path in ["/usr/share/hwdata/usb.ids", "/usr/share/misc/usb.ids", "/usr/share/usb.ids"] {
+            if let Ok(text) = std::fs::read_to_string(path) {
+                return Self { text };
+            }
+        }
+        Self::default()
+    }
+
+    pub(crate) fn vendor(&self, vendor: u16) -> Option<String> {
+        let key = format!("{vendor:04x}  ");
+        self.text.lines().find_map(|l| l.strip_prefix(key.as_str())).map(|name| name.trim().to_owned())
+    }
+
+    pub(crate) fn product(&self, vendor: u16, product: u16) -> Option<String> {
+        let key = format!("{vendor:04x}  ");
+        let product_key = format!("\t{product:04x}  ");
+        let mut lines = self.text.lines().skip_while(|l| !l.starts_with(key.as_str()));
+        lines.next()?;
+        lines
+            .take_while(|l| l.starts_with('\t') || l.starts_with('#'))
+            .find_map(|l| l.strip_prefix(product_key.as_str()))
+            .map(|name| name.trim().to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usb_ids_lookup() {
+        let ids = UsbIds {
+            text: "# comment\n1209  Generic\n\t0001  pid.codes Test PID\n\t0002  Other\n1d6b  Linux Foundation\n\t0002  2.0 root hub\n".into(),
+        };
+        assert_eq!(ids.vendor(0x1209).as_deref(), Some("Generic"));
+        assert_eq!(ids.product(0x1209, 0x0002).as_deref(), Some("Other"));
+        assert_eq!(ids.product(0x1209, 0x0003), None);
+        assert_eq!(ids.product(0x1d6b, 0x0002).as_deref(), Some("2.0 root hub"));
+        assert_eq!(ids.vendor(0xffff), None);
+    }
+}

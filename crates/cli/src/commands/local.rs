@@ -1,0 +1,54 @@
+//! Verbs that talk to the server on this machine through its control socket:
+//! `usbwire type` and `usbwire state`.
+
+use std::path::PathBuf;
+
+use anyhow::anyhow;
+use usbwire_server::{control_request, default_control_path, ControlRequest, ControlResponse};
+
+use crate::args::{ControlArgs, StateArgs, TypeArgs};
+use crate::exit::Failure;
+
+async fn ask(control: &ControlArgs, request: ControlRequest) -> Result<ControlResponse, Failure> {
+    let path: PathBuf = control.control.clone().unwrap_or_else(default_control_path);
+    let response = control_request(&path, &request).await.map_err(|error| {
+        Failure::unavailable(anyhow!(
+            "cannot reach a usbwire server through {}: {error} (is `usbwire serve` running? pass --control PATH if it uses another socket)",
+            path.display()
+        ))
+    })?;
+    if response.ok {
+        Ok(response)
+    } else {
+        Err(Failure::unavailable(anyhow!(response.error.unwrap_or_else(|| "the server refused".into()))))
+    }
+}
+
+pub(crate) async fn type_text(args: TypeArgs) -> Result<(), Failure> {
+    let response = ask(&args.control, ControlRequest::Type { text: args.text, busid: args.busid }).await?;
+    tracing::debug!(reports = response.reports, "typed");
+    Ok(())
+}
+
+pub(crate) async fn state(args: StateArgs) -> Result<(), Failure> {
+    let response = ask(&args.control, ControlRequest::State).await?;
+    let devices = response.devices.unwrap_or_default();
+    if args.json {
+        println!("{}", serde_json::json!({ "devices": devices }));
+        return Ok(());
+    }
+    println!("{:<6} {:<9} {:<10} {:<10} {:<22} since", "busid", "kind", "id", "state", "client");
+    for d in devices {
+        let since = d.since.map(|s| format!("{s} (unix)")).unwrap_or_default();
+        println!(
+            "{:<6} {:<9} {:<10} {:<10} {:<22} {}",
+            d.busid,
+            d.kind,
+            format!("{}:{}", d.vendor_id, d.product_id),
+            d.state,
+            d.client.unwrap_or_else(|| "-".into()),
+            since
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,99 @@
+//! `usbwire serve`: build the devices the configuration names and serve them.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use usbwire_gadgets::{DiskOptions, KeyboardHandle, MassStorage};
+use usbwire_server::{Server, ServerConfig, TextInput};
+
+use crate::args::ServeArgs;
+use crate::config::{FileConfig, VirtualSpec};
+use crate::exit::Failure;
+
+pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
+    let file = match &args.config {
+        Some(path) => FileConfig::load(path).map_err(Failure::config)?,
+        None => FileConfig::default(),
+    };
+    let mut specs = file.virtual_devices.clone();
+    for spec in &args.virtual_devices {
+        specs.push(VirtualSpec::parse(spec).map_err(Failure::usage)?);
+    }
+    if specs.is_empty() {
+        return Err(Failure::usage(anyhow::anyhow!(
+            "nothing to export: add --virtual SPEC (e.g. --virtual keyboard --virtual disk=disk.img,size=64M) or [[virtual]] entries in --config"
+        )));
+    }
+    let mut config = ServerConfig::default();
+    if let Some(listen) = args.listen.or(file.listen) {
+        config.listen = listen;
+    }
+    if let Some(control) = args.control.control.clone().or(file.control) {
+        config.control_path = Some(control);
+    }
+    let (server, exported) = build(config, &specs)?;
+    let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
+    println!("usbwire serving on {}", bound.local_addr());
+    for line in &exported {
+        println!("  {line}");
+    }
+    bound.run(super::shutdown_signal()).await;
+    Ok(())
+}
+
+/// What was exported, one human-readable line per device.
+pub(crate) fn build(config: ServerConfig, specs: &[VirtualSpec]) -> Result<(Server, Vec<String>), Failure> {
+    let mut server = Server::new(config);
+    let mut lines = Vec::new();
+    for spec in specs {
+        let (busid, detail) = match spec {
+            VirtualSpec::Keyboard => {
+                let (device, handle) = usbwire_gadgets::keyboard();
+                let busid = server.export("keyboard", Box::new(device));
+                server.add_text_input(busid.clone(), Arc::new(Keyboard(handle)));
+                (busid, "keyboard (usbwire type TEXT types on it)".to_owned())
+            }
+            VirtualSpec::Mouse => {
+                let (device, _handle) = usbwire_gadgets::mouse();
+                (server.export("mouse", Box::new(device)), "mouse".to_owned())
+            }
+            VirtualSpec::Disk { path, size, read_only, speed } => {
+                let options = DiskOptions { size: *size, read_only: *read_only, speed: speed.speed() };
+                let device = MassStorage::open(path, &options)
+                    .with_context(|| format!("disk {}", path.display()))
+                    .map_err(Failure::config)?;
+                let mode = if *read_only { "read-only" } else { "read-write" };
+                (server.export("disk", Box::new(device)), format!("disk {} ({mode}, {})", path.display(), speed.speed().name()))
+            }
+            VirtualSpec::Serial { link } => {
+                let (device, pty) = usbwire_gadgets::serial(link.as_deref()).context("serial port").map_err(Failure::io)?;
+                let shown: PathBuf = link.clone().unwrap_or_else(|| pty.clone());
+                let detail = match link {
+                    Some(link) => format!("serial port bridged to {} (link {})", pty.display(), link.display()),
+                    None => format!("serial port bridged to {}", shown.display()),
+                };
+                (server.export("serial", Box::new(device)), detail)
+            }
+            VirtualSpec::Loopback { speed } => {
+                let device = usbwire_gadgets::loopback(speed.speed());
+                (server.export("loopback", Box::new(device)), format!("loopback test device ({})", speed.speed().name()))
+            }
+        };
+        lines.push(format!("{busid:<5} {detail}"));
+    }
+    Ok((server, lines))
+}
+
+/// Lets the control socket type on a virtual keyboard.
+struct Keyboard(KeyboardHandle);
+
+impl TextInput for Keyboard {
+    fn type_text(&self, text: &str) -> Result<usize, String> {
+        self.0.type_text(text).map_err(|error| error.to_string())
+    }
+
+    fn is_attached(&self) -> bool {
+        self.0.is_attached()
+    }
+}

@@ -1,0 +1,241 @@
+//! The server over real loopback TCP: device list, exclusive import, URB
+//! traffic, unlink semantics, and what happens after every kind of bad input.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use usbwire_client::{Connection, Transfer};
+use usbwire_device::Speed;
+use usbwire_proto::op::{BusId, OpStatus};
+use usbwire_proto::urb::{CmdSubmit, CmdUnlink, TransferFlags};
+use usbwire_proto::{Direction, Status};
+use usbwire_server::{Server, ServerConfig};
+
+const GET_DEVICE_DESCRIPTOR: [u8; 8] = [0x80, 0x06, 0x00, 0x01, 0x00, 0x00, 0x12, 0x00];
+const SET_CONFIGURATION_1: [u8; 8] = [0x00, 0x09, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00];
+
+/// Starts a server with a loopback device (1-1) and a keyboard (1-2) on an ephemeral port.
+async fn start() -> SocketAddr {
+    let config = ServerConfig { listen: "127.0.0.1:0".parse().unwrap(), control_path: None, ..ServerConfig::default() };
+    let mut server = Server::new(config);
+    server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
+    let (keyboard, _handle) = usbwire_gadgets::keyboard();
+    server.export("keyboard", Box::new(keyboard));
+    let bound = server.bind().await.unwrap();
+    let addr = bound.local_addr();
+    tokio::spawn(bound.run(std::future::pending()));
+    addr
+}
+
+fn busid(text: &str) -> BusId {
+    BusId::new(text).unwrap()
+}
+
+async fn configured(addr: SocketAddr, id: &str) -> Connection {
+    let (stream, record) = usbwire_client::import(addr, &busid(id)).await.unwrap();
+    let conn = Connection::new(stream, &record);
+    let ret = conn.transfer(Transfer::control_out(SET_CONFIGURATION_1, Bytes::new())).await.unwrap();
+    assert_eq!(ret.status, Status::OK);
+    conn
+}
+
+/// Waits until `busid` is listed again (the server resets it after a disconnect).
+async fn wait_listed(addr: SocketAddr, id: &str) {
+    for _ in 0..100 {
+        let devices = usbwire_client::list_devices(addr).await.unwrap();
+        if devices.iter().any(|d| d.busid.as_str() == id) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{id} was not listed as available again");
+}
+
+async fn read_to_end_within(stream: &mut TcpStream) -> Vec<u8> {
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut out)).await.expect("server closes the connection").ok();
+    out
+}
+
+/// Imports by raw bytes and returns the socket positioned at the URB phase.
+async fn raw_import(addr: SocketAddr, id: &str) -> (TcpStream, u32) {
+    let (stream, record) = usbwire_client::import(addr, &busid(id)).await.unwrap();
+    (stream, record.devid())
+}
+
+fn submit(seqnum: u32, devid: u32, direction: Direction, ep: u8, len: u32, setup: [u8; 8], data: Bytes) -> CmdSubmit {
+    CmdSubmit {
+        seqnum,
+        devid,
+        direction,
+        ep,
+        transfer_flags: TransferFlags(if direction == Direction::In { TransferFlags::DIR_IN } else { 0 }),
+        transfer_buffer_length: len,
+        start_frame: 0,
+        number_of_packets: 0,
+        interval: 0,
+        setup,
+        data,
+        iso_packets: vec![],
+    }
+}
+
+#[tokio::test]
+async fn devlist_shows_devices_with_interfaces() {
+    let addr = start().await;
+    let devices = usbwire_client::list_devices(addr).await.unwrap();
+    assert_eq!(devices.len(), 2);
+    let loopback = &devices[0];
+    assert_eq!(loopback.busid.as_str(), "1-1");
+    assert_eq!((loopback.id_vendor, loopback.id_product), (0x1209, 0x0005));
+    assert_eq!(loopback.speed, Speed::HIGH);
+    assert_eq!(loopback.devid(), 0x0001_0001);
+    assert_eq!(loopback.interfaces[0].b_interface_class, 0xff);
+    let keyboard = &devices[1];
+    assert_eq!(keyboard.busid.as_str(), "1-2");
+    assert_eq!(
+        (keyboard.interfaces[0].b_interface_class, keyboard.interfaces[0].b_interface_sub_class, keyboard.interfaces[0].b_interface_protocol),
+        (3, 1, 1)
+    );
+}
+
+#[tokio::test]
+async fn import_is_exclusive_and_released_on_disconnect() {
+    let addr = start().await;
+    let first = configured(addr, "1-1").await;
+    // A second importer is refused; the device is not listed while in use.
+    match usbwire_client::import(addr, &busid("1-1")).await {
+        Err(usbwire_client::ClientError::Refused { status, .. }) => assert_eq!(status, OpStatus::DEV_BUSY),
+        other => panic!("expected DEV_BUSY, got {:?}", other.map(|(_, r)| r)),
+    }
+    assert!(usbwire_client::list_devices(addr).await.unwrap().iter().all(|d| d.busid.as_str() != "1-1"));
+    // The first importer is unaffected.
+    let ret = first.transfer(Transfer::control_in(GET_DEVICE_DESCRIPTOR)).await.unwrap();
+    assert_eq!(ret.actual_length, 18);
+    // Unknown bus ids get ST_NODEV.
+    match usbwire_client::import(addr, &busid("9-9")).await {
+        Err(usbwire_client::ClientError::Refused { status, .. }) => assert_eq!(status, OpStatus::NODEV),
+        other => panic!("expected NODEV, got {:?}", other.map(|(_, r)| r)),
+    }
+    drop(first);
+    wait_listed(addr, "1-1").await;
+    // Importable again, and reset: unconfigured until the new client configures it.
+    let (stream, record) = usbwire_client::import(addr, &busid("1-1")).await.unwrap();
+    let conn = Connection::new(stream, &record);
+    let config = conn.transfer(Transfer::control_in([0x80, 0x08, 0, 0, 0, 0, 1, 0])).await.unwrap();
+    assert_eq!(&config.data[..], &[0]);
+}
+
+#[tokio::test]
+async fn many_urbs_in_flight_and_no_head_of_line_blocking() {
+    let addr = start().await;
+    let conn = configured(addr, "1-1").await;
+    // An IN on the loop endpoint pends (nothing queued yet)...
+    let (_, pending_in) = conn.submit(Transfer::bulk_in(0x83, 4096)).await.unwrap();
+    // ...while ep0 and the source endpoint keep working.
+    let ret = conn.transfer(Transfer::control_in(GET_DEVICE_DESCRIPTOR)).await.unwrap();
+    assert_eq!(ret.status, Status::OK);
+    let mut replies = Vec::new();
+    for _ in 0..32 {
+        replies.push(conn.submit(Transfer::bulk_in(0x81, 16384)).await.unwrap().1);
+    }
+    for reply in replies {
+        let ret = reply.await.unwrap();
+        assert_eq!(ret.actual_length, 16384);
+        assert!(ret.data.iter().enumerate().all(|(i, &b)| b == (i % 63) as u8));
+    }
+    // Feeding the loop pair completes the pending IN with the same bytes.
+    let payload = Bytes::from((0..3000u32).map(|i| (i * 7) as u8).collect::<Vec<_>>());
+    let out = conn.transfer(Transfer::bulk_out(0x03, payload.clone())).await.unwrap();
+    assert_eq!(out.actual_length, 3000);
+    let ret = tokio::time::timeout(Duration::from_secs(5), pending_in).await.unwrap().unwrap();
+    assert_eq!(ret.data, payload);
+}
+
+#[tokio::test]
+async fn unlink_of_pending_urb_answers_like_the_kernel_stub() {
+    let addr = start().await;
+    let (mut stream, devid) = raw_import(addr, "1-1").await;
+    let mut wire = BytesMut::new();
+    submit(1, devid, Direction::Out, 0, 0, SET_CONFIGURATION_1, Bytes::new()).encode(&mut wire);
+    submit(2, devid, Direction::In, 3, 512, [0; 8], Bytes::new()).encode(&mut wire); // pends
+    wire.extend_from_slice(&CmdUnlink { seqnum: 3, devid, unlink_seqnum: 2 }.header());
+    wire.extend_from_slice(&CmdUnlink { seqnum: 4, devid, unlink_seqnum: 77 }.header()); // unknown
+    stream.write_all(&wire).await.unwrap();
+    let mut replies = vec![0u8; 48 * 3];
+    tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut replies)).await.unwrap().unwrap();
+    let words = |at: usize| -> Vec<u32> { (0..6).map(|i| u32::from_be_bytes(replies[at + i * 4..at + i * 4 + 4].try_into().unwrap())).collect() };
+    // RET_SUBMIT for SET_CONFIGURATION.
+    assert_eq!(&words(0)[..2], &[3, 1]);
+    // The two RET_UNLINKs, in either order: cancelled target -> -ECONNRESET, unknown -> 0.
+    let mut unlinks = vec![(words(48)[0], words(48)[1], words(48)[5] as i32), (words(96)[0], words(96)[1], words(96)[5] as i32)];
+    unlinks.sort();
+    assert_eq!(unlinks, vec![(4, 3, -104), (4, 4, 0)]);
+    // And no RET_SUBMIT for seqnum 2 follows.
+    let mut extra = [0u8; 1];
+    assert!(tokio::time::timeout(Duration::from_millis(300), stream.read(&mut extra)).await.is_err());
+}
+
+/// Each malformed input closes only its own connection; the device is reset
+/// and importable again at once, and other clients keep working.
+#[tokio::test]
+async fn bad_input_closes_only_that_connection() {
+    let addr = start().await;
+    let bystander = configured(addr, "1-2").await;
+    let header = |f: &dyn Fn(&mut [u8; 48], u32)| {
+        move |devid: u32| {
+            let mut h = submit(1, devid, Direction::In, 1, 64, [0; 8], Bytes::new()).header();
+            f(&mut h, devid);
+            h.to_vec()
+        }
+    };
+    let cases: Vec<(&str, Box<dyn Fn(u32) -> Vec<u8>>)> = vec![
+        ("truncated header", Box::new(|devid| submit(1, devid, Direction::In, 1, 64, [0; 8], Bytes::new()).header()[..20].to_vec())),
+        ("unknown command", Box::new(header(&|h, _| h[3] = 9))),
+        ("bad direction", Box::new(header(&|h, _| h[15] = 7))),
+        ("endpoint 16", Box::new(header(&|h, _| h[19] = 16))),
+        ("oversized transfer", Box::new(header(&|h, _| h[0x18..0x1c].copy_from_slice(&0x7fff_ffffu32.to_be_bytes())))),
+        ("negative transfer", Box::new(header(&|h, _| h[0x18..0x1c].copy_from_slice(&(-5i32).to_be_bytes())))),
+        ("devid mismatch", Box::new(header(&|h, devid| h[8..12].copy_from_slice(&(devid ^ 0x55).to_be_bytes())))),
+        ("duplicate seqnum", Box::new(|devid| {
+            let mut w = BytesMut::new();
+            submit(5, devid, Direction::In, 3, 64, [0; 8], Bytes::new()).encode(&mut w);
+            submit(5, devid, Direction::In, 3, 64, [0; 8], Bytes::new()).encode(&mut w);
+            w.to_vec()
+        })),
+    ];
+    for (name, bytes) in cases {
+        let (mut stream, devid) = raw_import(addr, "1-1").await;
+        stream.write_all(&bytes(devid)).await.unwrap();
+        if name == "truncated header" {
+            // The client vanishes mid-header.
+            drop(stream);
+        } else {
+            let rest = read_to_end_within(&mut stream).await;
+            assert!(rest.is_empty(), "{name}: no reply expected, got {} bytes", rest.len());
+        }
+        wait_listed(addr, "1-1").await;
+        let ret = bystander.transfer(Transfer::control_in(GET_DEVICE_DESCRIPTOR)).await.unwrap();
+        assert_eq!(ret.actual_length, 18, "{name}: bystander still served");
+    }
+    // The device works for the next importer.
+    let conn = configured(addr, "1-1").await;
+    assert_eq!(conn.transfer(Transfer::bulk_in(0x81, 100)).await.unwrap().actual_length, 100);
+}
+
+#[tokio::test]
+async fn op_phase_rejects_garbage_and_urbs_to_missing_endpoints_stall() {
+    let addr = start().await;
+    for garbage in [&[0x01u8, 0x06, 0x80, 0x05, 0, 0, 0, 0][..], &[0x01, 0x11, 0x80, 0x02, 0, 0, 0, 0], b"GET / HTTP/1.1\r\n\r\n"] {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream.write_all(garbage).await.unwrap();
+        assert!(read_to_end_within(&mut stream).await.is_empty());
+    }
+    let conn = configured(addr, "1-1").await;
+    let ret = conn.transfer(Transfer::bulk_in(0x85, 64)).await.unwrap();
+    assert_eq!(ret.status, Status::EPIPE);
+    assert_eq!(conn.transfer(Transfer::bulk_in(0x81, 10)).await.unwrap().actual_length, 10);
+}

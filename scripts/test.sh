@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs every test usbwire has, from a fresh Debian 12 machine: installs what the
+# tests need (Debian packages; crates from crates.io), then lints, unit,
+# property and integration tests, a short fuzzing pass, and the interop tests
+# against real Linux kernels booted under QEMU. Exits non-zero on the first failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+step "Debian packages"
+packages=(qemu-system-x86 usbip busybox-static kmod cpio e2fsprogs python3 gcc libc6-dev hwdata)
+missing=()
+for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup (https://rustup.rs)"; exit 1; }
+
+step "format and lints"
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "unit, property and integration tests"
+cargo test --workspace --locked
+
+step "release build"
+cargo build --release --locked -p usbwire-cli
+
+if [ -x fuzz/run.sh ]; then
+  step "fuzzing (short)"
+  FUZZ_SECONDS="${FUZZ_SECONDS:-20}" fuzz/run.sh
+fi
+
+step "interop with real Linux kernels (QEMU)"
+export USBWIRE_BIN="$PWD/target/release/usbwire"
+for test in tests/interop/test_*.py; do
+  step "$test"
+  python3 "$test"
+done
+
+step "all tests passed"
