@@ -167,13 +167,15 @@ async fn unlink_of_pending_urb_answers_like_the_kernel_stub() {
     stream.write_all(&wire).await.unwrap();
     let mut replies = vec![0u8; 48 * 3];
     tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut replies)).await.unwrap().unwrap();
-    let words = |at: usize| -> Vec<u32> { (0..6).map(|i| u32::from_be_bytes(replies[at + i * 4..at + i * 4 + 4].try_into().unwrap())).collect() };
-    // RET_SUBMIT for SET_CONFIGURATION.
-    assert_eq!(&words(0)[..2], &[3, 1]);
-    // The two RET_UNLINKs, in either order: cancelled target -> -ECONNRESET, unknown -> 0.
-    let mut unlinks = vec![(words(48)[0], words(48)[1], words(48)[5] as i32), (words(96)[0], words(96)[1], words(96)[5] as i32)];
-    unlinks.sort();
-    assert_eq!(unlinks, vec![(4, 3, -104), (4, 4, 0)]);
+    let words = |at: usize| -> Vec<u32> {
+        (0..6).map(|i| u32::from_be_bytes(replies[at + i * 4..at + i * 4 + 4].try_into().unwrap())).collect()
+    };
+    // Replies come in completion order: (command, seqnum, status word).
+    let mut seen: Vec<(u32, u32, i32)> = [0, 48, 96].iter().map(|&at| (words(at)[0], words(at)[1], words(at)[5] as i32)).collect();
+    seen.sort();
+    // RET_SUBMIT(1) for SET_CONFIGURATION; RET_UNLINK(3) = -ECONNRESET for the cancelled
+    // target (and no RET_SUBMIT for it); RET_UNLINK(4) = 0 for the unknown target.
+    assert_eq!(seen, vec![(3, 1, 0), (4, 3, -104), (4, 4, 0)]);
     // And no RET_SUBMIT for seqnum 2 follows.
     let mut extra = [0u8; 1];
     assert!(tokio::time::timeout(Duration::from_millis(300), stream.read(&mut extra)).await.is_err());
@@ -185,21 +187,21 @@ async fn unlink_of_pending_urb_answers_like_the_kernel_stub() {
 async fn bad_input_closes_only_that_connection() {
     let addr = start().await;
     let bystander = configured(addr, "1-2").await;
-    let header = |f: &dyn Fn(&mut [u8; 48], u32)| {
-        move |devid: u32| {
+    fn header(edit: fn(&mut [u8; 48], u32)) -> impl Fn(u32) -> Vec<u8> {
+        move |devid| {
             let mut h = submit(1, devid, Direction::In, 1, 64, [0; 8], Bytes::new()).header();
-            f(&mut h, devid);
+            edit(&mut h, devid);
             h.to_vec()
         }
-    };
+    }
     let cases: Vec<(&str, Box<dyn Fn(u32) -> Vec<u8>>)> = vec![
         ("truncated header", Box::new(|devid| submit(1, devid, Direction::In, 1, 64, [0; 8], Bytes::new()).header()[..20].to_vec())),
-        ("unknown command", Box::new(header(&|h, _| h[3] = 9))),
-        ("bad direction", Box::new(header(&|h, _| h[15] = 7))),
-        ("endpoint 16", Box::new(header(&|h, _| h[19] = 16))),
-        ("oversized transfer", Box::new(header(&|h, _| h[0x18..0x1c].copy_from_slice(&0x7fff_ffffu32.to_be_bytes())))),
-        ("negative transfer", Box::new(header(&|h, _| h[0x18..0x1c].copy_from_slice(&(-5i32).to_be_bytes())))),
-        ("devid mismatch", Box::new(header(&|h, devid| h[8..12].copy_from_slice(&(devid ^ 0x55).to_be_bytes())))),
+        ("unknown command", Box::new(header(|h, _| h[3] = 9))),
+        ("bad direction", Box::new(header(|h, _| h[15] = 7))),
+        ("endpoint 16", Box::new(header(|h, _| h[19] = 16))),
+        ("oversized transfer", Box::new(header(|h, _| h[0x18..0x1c].copy_from_slice(&0x7fff_ffffu32.to_be_bytes())))),
+        ("negative transfer", Box::new(header(|h, _| h[0x18..0x1c].copy_from_slice(&(-5i32).to_be_bytes())))),
+        ("devid mismatch", Box::new(header(|h, devid| h[8..12].copy_from_slice(&(devid ^ 0x55).to_be_bytes())))),
         ("duplicate seqnum", Box::new(|devid| {
             let mut w = BytesMut::new();
             submit(5, devid, Direction::In, 3, 64, [0; 8], Bytes::new()).encode(&mut w);
