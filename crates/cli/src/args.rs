@@ -25,6 +25,12 @@ pub(crate) enum Command {
     Serve(ServeArgs),
     /// List the devices a server exports.
     List(ListArgs),
+    /// Attach a remote device to this machine's kernel (vhci-hcd), like `usbip attach`.
+    Attach(AttachArgs),
+    /// Show the ports of vhci-hcd and what is attached to them, like `usbip port`.
+    Port(PortArgs),
+    /// Detach a vhci-hcd port, like `usbip detach`.
+    Detach(DetachArgs),
     /// Type text on the virtual keyboard of the server running on this machine.
     Type(TypeArgs),
     /// Show the exported devices of the server running on this machine and who holds them.
@@ -97,4 +103,30 @@ pub(crate) struct DemoArgs {
     pub(crate) dir: Option<PathBuf>,
     #[command(flatten)]
     pub(crate) control: ControlArgs,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct AttachArgs {
+    /// The server, HOST[:PORT].
+    #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]")]
+    pub(crate) remote: String,
+    /// Bus id of the device on the server.
+    #[arg(short = 'b', long = "busid")]
+    pub(crate) busid: String,
+    /// Port, as `usbip --tcp-port` (when HOST has none).
+    #[arg(long = "tcp-port", value_name = "PORT")]
+    pub(crate) tcp_port: Option<u16>,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct PortArgs {
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct DetachArgs {
+    /// The vhci port (see `usbwire port`).
+    #[arg(short = 'p', long = "port")]
+    pub(crate) port: u32,
 }

@@ -192,11 +192,22 @@ mod tests {
         assert_eq!(VirtualSpec::parse("keyboard").unwrap(), VirtualSpec::Keyboard);
         assert_eq!(
             VirtualSpec::parse("disk=/tmp/d.img,size=64M,ro,speed=super").unwrap(),
-            VirtualSpec::Disk { path: "/tmp/d.img".into(), size: Some(64 << 20), read_only: true, speed: SpeedChoice::Super }
+            VirtualSpec::Disk {
+                path: "/tmp/d.img".into(),
+                size: Some(64 << 20),
+                read_only: true,
+                speed: SpeedChoice::Super
+            }
         );
         assert_eq!(VirtualSpec::parse("serial").unwrap(), VirtualSpec::Serial { link: None });
-        assert_eq!(VirtualSpec::parse("serial=/tmp/tty").unwrap(), VirtualSpec::Serial { link: Some("/tmp/tty".into()) });
-        assert_eq!(VirtualSpec::parse("loopback,speed=super").unwrap(), VirtualSpec::Loopback { speed: SpeedChoice::Super });
+        assert_eq!(
+            VirtualSpec::parse("serial=/tmp/tty").unwrap(),
+            VirtualSpec::Serial { link: Some("/tmp/tty".into()) }
+        );
+        assert_eq!(
+            VirtualSpec::parse("loopback,speed=super").unwrap(),
+            VirtualSpec::Loopback { speed: SpeedChoice::Super }
+        );
     }
 
     #[test]
@@ -241,7 +252,10 @@ mod tests {
         .unwrap();
         assert_eq!(config.listen, Some("127.0.0.1:4000".parse().unwrap()));
         assert_eq!(config.virtual_devices.len(), 3);
-        assert!(matches!(config.virtual_devices[0], VirtualSpec::Disk { size: Some(1048576), speed: SpeedChoice::Super, .. }));
+        assert!(matches!(
+            config.virtual_devices[0],
+            VirtualSpec::Disk { size: Some(1048576), speed: SpeedChoice::Super, .. }
+        ));
         assert!(toml::from_str::<FileConfig>("lisen = 1").is_err());
     }
 }

@@ -25,7 +25,9 @@ use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tracing::debug;
 use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest, OpStatus};
-use usbwire_proto::urb::{self, CmdSubmit, CmdUnlink, IsoPacketDescriptor, RetSubmit, ServerMessage, SubmittedShape, TransferFlags};
+use usbwire_proto::urb::{
+    self, CmdSubmit, CmdUnlink, IsoPacketDescriptor, RetSubmit, ServerMessage, SubmittedShape, TransferFlags,
+};
 use usbwire_proto::{DecodeError, Direction, Limits, Status};
 
 /// How long the OP phase may take before we give up on a server.
@@ -89,7 +91,8 @@ async fn connect(addr: SocketAddr) -> Result<TcpStream, ClientError> {
         .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
         .map_err(|source| ClientError::Connect { addr: addr.to_string(), source })?;
     stream.set_nodelay(true)?;
-    let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(30)).with_interval(Duration::from_secs(10));
+    let keepalive =
+        socket2::TcpKeepalive::new().with_time(Duration::from_secs(30)).with_interval(Duration::from_secs(10));
     let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
     Ok(stream)
 }
@@ -133,7 +136,9 @@ pub async fn import(addr: SocketAddr, busid: &BusId) -> Result<(TcpStream, Devic
         buf.extend_from_slice(&body);
         match op::decode_import_reply(&mut buf)? {
             Some(Ok(device)) if device.busid == *busid => Ok(device),
-            Some(Ok(device)) => Err(ClientError::WrongDevice { wanted: busid.to_string(), got: device.busid.to_string() }),
+            Some(Ok(device)) => {
+                Err(ClientError::WrongDevice { wanted: busid.to_string(), got: device.busid.to_string() })
+            }
             Some(Err(status)) => Err(ClientError::Refused { busid: busid.to_string(), status }),
             None => Err(ClientError::Io(std::io::ErrorKind::UnexpectedEof.into())),
         }
@@ -163,19 +168,55 @@ pub struct Transfer {
 impl Transfer {
     pub fn control_in(setup: [u8; 8]) -> Self {
         let length = u32::from(u16::from_le_bytes([setup[6], setup[7]]));
-        Self { endpoint: 0, direction: Direction::In, setup, flags: TransferFlags::DIR_IN, length, data: Bytes::new(), interval: 0, iso_packets: None }
+        Self {
+            endpoint: 0,
+            direction: Direction::In,
+            setup,
+            flags: TransferFlags::DIR_IN,
+            length,
+            data: Bytes::new(),
+            interval: 0,
+            iso_packets: None,
+        }
     }
 
     pub fn control_out(setup: [u8; 8], data: Bytes) -> Self {
-        Self { endpoint: 0, direction: Direction::Out, setup, flags: 0, length: data.len() as u32, data, interval: 0, iso_packets: None }
+        Self {
+            endpoint: 0,
+            direction: Direction::Out,
+            setup,
+            flags: 0,
+            length: data.len() as u32,
+            data,
+            interval: 0,
+            iso_packets: None,
+        }
     }
 
     pub fn bulk_in(endpoint: u8, length: u32) -> Self {
-        Self { endpoint: endpoint & 0x0f, direction: Direction::In, setup: [0; 8], flags: TransferFlags::DIR_IN, length, data: Bytes::new(), interval: 0, iso_packets: None }
+        Self {
+            endpoint: endpoint & 0x0f,
+            direction: Direction::In,
+            setup: [0; 8],
+            flags: TransferFlags::DIR_IN,
+            length,
+            data: Bytes::new(),
+            interval: 0,
+            iso_packets: None,
+        }
     }
 
     pub fn bulk_out(endpoint: u8, data: Bytes) -> Self {
-        Self { endpoint: endpoint & 0x0f, direction: Direction::Out, setup: [0; 8], flags: 0, length: data.len() as u32, data, interval: 0, iso_packets: None }
+        Self {
+            endpoint: endpoint & 0x0f,
+            direction: Direction::Out,
+            setup: [0; 8],
+            flags: 0,
+            length: data.len() as u32,
+            data,
+            interval: 0,
+            iso_packets: None,
+        }
     }
 }
 
@@ -273,7 +314,10 @@ impl Connection {
     }
 
     /// Submits a transfer; returns its seqnum and a future for the reply.
-    pub async fn submit(&self, transfer: Transfer) -> Result<(u32, impl std::future::Future<Output = Result<RetSubmit, TransferError>>), TransferError> {
+    pub async fn submit(
+        &self,
+        transfer: Transfer,
+    ) -> Result<(u32, impl std::future::Future<Output = Result<RetSubmit, TransferError>>), TransferError> {
         let seqnum = self.shared.next_seqnum.fetch_add(1, Ordering::Relaxed);
         let length = match transfer.direction {
             Direction::Out => transfer.data.len() as u32,

@@ -190,7 +190,8 @@ fn write_record(port: u32, record: &Record) -> Result<(), VhciError> {
         .mode(0o700)
         .open(&path)
         .map_err(|source| VhciError::Io { path: path.clone(), source })?;
-    writeln!(file, "{} {} {}", record.host, record.service, record.busid).map_err(|source| VhciError::Io { path, source })
+    writeln!(file, "{} {} {}", record.host, record.service, record.busid)
+        .map_err(|source| VhciError::Io { path, source })
 }
 
 #[cfg(test)]
@@ -205,7 +206,17 @@ mod tests {
                     ss  0008 004 000 00000000 000000 0-0\n";
         let ports = parse_status(text);
         assert_eq!(ports.len(), 3);
-        assert_eq!(ports[1], PortStatus { hub: "hs".into(), port: 1, status: 6, speed: Speed::HIGH, devid: 0x10002, local_busid: "3-2".into() });
+        assert_eq!(
+            ports[1],
+            PortStatus {
+                hub: "hs".into(),
+                port: 1,
+                status: 6,
+                speed: Speed::HIGH,
+                devid: 0x10002,
+                local_busid: "3-2".into()
+            }
+        );
         assert_eq!(free_port(&ports, Speed::HIGH), Some(0));
         assert_eq!(free_port(&ports, Speed::SUPER), Some(8));
         assert_eq!(free_port(&ports, Speed::SUPER_PLUS), Some(8));

@@ -74,12 +74,7 @@ impl DeviceDescriptor {
         b.extend_from_slice(&self.vendor_id.to_le_bytes());
         b.extend_from_slice(&self.product_id.to_le_bytes());
         b.extend_from_slice(&self.bcd_device.to_le_bytes());
-        b.extend_from_slice(&[
-            self.manufacturer_index,
-            self.product_index,
-            self.serial_index,
-            self.num_configurations,
-        ]);
+        b.extend_from_slice(&[self.manufacturer_index, self.product_index, self.serial_index, self.num_configurations]);
         b
     }
 
@@ -167,7 +162,15 @@ impl ConfigurationBuilder {
     }
 
     /// Starts interface `number` (alt setting 0) with `endpoints` endpoints to follow.
-    pub fn interface(mut self, number: u8, endpoints: u8, class: u8, subclass: u8, protocol: u8, string_index: u8) -> Self {
+    pub fn interface(
+        mut self,
+        number: u8,
+        endpoints: u8,
+        class: u8,
+        subclass: u8,
+        protocol: u8,
+        string_index: u8,
+    ) -> Self {
         self.bytes.extend_from_slice(&[9, INTERFACE, number, 0, endpoints, class, subclass, protocol, string_index]);
         self.interfaces = self.interfaces.max(number + 1);
         self
@@ -331,10 +334,7 @@ impl ConfigurationInfo {
 
     /// Endpoints of the given alt settings (`alt_of(interface) -> alt`).
     pub fn active_endpoints(&self, alt_of: impl Fn(u8) -> u8) -> impl Iterator<Item = &EndpointInfo> {
-        self.interfaces
-            .iter()
-            .filter(move |i| i.alt_setting == alt_of(i.number))
-            .flat_map(|i| i.endpoints.iter())
+        self.interfaces.iter().filter(move |i| i.alt_setting == alt_of(i.number)).flat_map(|i| i.endpoints.iter())
     }
 }
 

@@ -127,11 +127,8 @@ impl Completion {
     /// The `RET_SUBMIT` that reports this completion. For a non-isochronous
     /// URB `number_of_packets` is 0, as the Linux stub sends it.
     pub fn into_ret_submit(self) -> RetSubmit {
-        let number_of_packets = if self.iso_packets.is_empty() && self.number_of_packets <= 0 {
-            0
-        } else {
-            self.number_of_packets
-        };
+        let number_of_packets =
+            if self.iso_packets.is_empty() && self.number_of_packets <= 0 { 0 } else { self.number_of_packets };
         RetSubmit {
             seqnum: self.seqnum,
             status: self.status,

@@ -151,7 +151,11 @@ impl<F: Function> VirtualDevice<F> {
         // The data stage direction follows the URB (bmRequestType IN with wLength 0 is OUT).
         let reply = match setup.kind() {
             RequestKind::Standard => self.standard_request(&setup, &urb.data),
-            RequestKind::Class if setup.request_type == 0x23 && setup.request == request::SET_FEATURE && setup.value == feature::PORT_RESET => {
+            RequestKind::Class
+                if setup.request_type == 0x23
+                    && setup.request == request::SET_FEATURE
+                    && setup.value == feature::PORT_RESET =>
+            {
                 // What usbip-win clients send to reset the device (the Linux stub resets it).
                 debug!("port reset requested by client");
                 self.reset_state();
@@ -179,7 +183,9 @@ impl<F: Function> VirtualDevice<F> {
             (Recipient::Device, request::GET_DESCRIPTOR) => {
                 let bytes = match setup.descriptor_type() {
                     descriptor::DEVICE => Some(descriptors.device.to_bytes()),
-                    descriptor::CONFIGURATION if setup.descriptor_index() == 0 => Some(descriptors.configuration.clone()),
+                    descriptor::CONFIGURATION if setup.descriptor_index() == 0 => {
+                        Some(descriptors.configuration.clone())
+                    }
                     descriptor::STRING => descriptor::string_descriptor(&descriptors.strings, setup.descriptor_index()),
                     descriptor::BOS => descriptors.bos.clone(),
                     descriptor::DEVICE_QUALIFIER if descriptors.speed == Speed::HIGH => {
@@ -224,7 +230,8 @@ impl<F: Function> VirtualDevice<F> {
             (Recipient::Interface, request::SET_INTERFACE) => {
                 let interface = (setup.index & 0xff) as u8;
                 let alt = (setup.value & 0xff) as u8;
-                let exists = self.configuration.interfaces.iter().any(|i| i.number == interface && i.alt_setting == alt);
+                let exists =
+                    self.configuration.interfaces.iter().any(|i| i.number == interface && i.alt_setting == alt);
                 if self.configuration_value == 0 || !exists || !self.function.set_interface(interface, alt) {
                     return ControlReply::Stall;
                 }
@@ -272,9 +279,8 @@ impl<F: Function> VirtualDevice<F> {
 impl<F: Function> Device for VirtualDevice<F> {
     fn summary(&self) -> DeviceSummary {
         let d = self.function.descriptors();
-        let string = |index: u8| {
-            usize::from(index).checked_sub(1).and_then(|i| d.strings.get(i)).cloned().unwrap_or_default()
-        };
+        let string =
+            |index: u8| usize::from(index).checked_sub(1).and_then(|i| d.strings.get(i)).cloned().unwrap_or_default();
         DeviceSummary {
             speed: d.speed,
             vendor_id: d.device.vendor_id,

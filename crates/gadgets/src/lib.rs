@@ -12,6 +12,7 @@
 //! |---|---|---|
 //! | `0x0001` | [`keyboard`] | boot keyboard, typed into through a [`KeyboardHandle`] |
 //! | `0x0002` | [`mouse`] | boot mouse with wheel, moved through a [`MouseHandle`] |
+//! | `0x0003` | [`MassStorage::open`] | Bulk-Only + SCSI disk on an image file (high speed or SuperSpeed) |
 //! | `0x0004` | [`serial`] | CDC-ACM bridged to `/dev/pts/N` (needs a tokio runtime) |
 //! | `0x0005` | [`loopback`] | source, sink and loop endpoints for tests and benchmarks |
 //!
@@ -30,10 +31,12 @@
 
 pub mod hid;
 pub mod loopback;
+pub mod mass_storage;
 pub mod serial;
 
 pub use hid::{keyboard, mouse, Keyboard, KeyboardHandle, Mouse, MouseHandle, TypeError};
 pub use loopback::{loopback, Loopback};
+pub use mass_storage::{DiskError, DiskOptions, MassStorage};
 pub use serial::{serial, CdcAcm, LineCoding, SerialError};
 
 /// The vendor id of every gadget (pid.codes, the open-source hardware vendor id).

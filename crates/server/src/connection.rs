@@ -31,21 +31,22 @@ pub(crate) async fn handle(
 ) {
     configure_socket(&stream);
     let mut buf = BytesMut::with_capacity(256);
-    let request = match tokio::time::timeout(OP_REQUEST_TIMEOUT, read_request(&mut stream, &mut buf, &config.limits)).await {
-        Err(_) => {
-            warn!("no request within {} s; closing", OP_REQUEST_TIMEOUT.as_secs());
-            return;
-        }
-        Ok(Err(error)) => {
-            warn!(%error, "invalid request; closing");
-            return;
-        }
-        Ok(Ok(None)) => {
-            debug!("closed before sending a request");
-            return;
-        }
-        Ok(Ok(Some(request))) => request,
-    };
+    let request =
+        match tokio::time::timeout(OP_REQUEST_TIMEOUT, read_request(&mut stream, &mut buf, &config.limits)).await {
+            Err(_) => {
+                warn!("no request within {} s; closing", OP_REQUEST_TIMEOUT.as_secs());
+                return;
+            }
+            Ok(Err(error)) => {
+                warn!(%error, "invalid request; closing");
+                return;
+            }
+            Ok(Ok(None)) => {
+                debug!("closed before sending a request");
+                return;
+            }
+            Ok(Ok(Some(request))) => request,
+        };
     let mut reply = BytesMut::new();
     match request {
         OpRequest::DevList => {
@@ -83,7 +84,11 @@ pub(crate) async fn handle(
     }
 }
 
-async fn read_request(stream: &mut TcpStream, buf: &mut BytesMut, limits: &Limits) -> Result<Option<OpRequest>, DecodeError> {
+async fn read_request(
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+    limits: &Limits,
+) -> Result<Option<OpRequest>, DecodeError> {
     loop {
         if let Some(request) = op::decode_request(buf, limits)? {
             return Ok(Some(request));

@@ -145,7 +145,11 @@ impl ControlSocket {
     }
 }
 
-async fn serve_client(stream: UnixStream, registry: &Registry, inputs: &[(BusId, Arc<dyn TextInput>)]) -> io::Result<()> {
+async fn serve_client(
+    stream: UnixStream,
+    registry: &Registry,
+    inputs: &[(BusId, Arc<dyn TextInput>)],
+) -> io::Result<()> {
     let (reader, mut writer) = stream.into_split();
     let mut lines = BufReader::new(reader.take(1 << 20)).lines();
     while let Some(line) = lines.next_line().await? {

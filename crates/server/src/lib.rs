@@ -28,7 +28,9 @@ use usbwire_device::Device;
 use usbwire_proto::op::BusId;
 use usbwire_proto::Limits;
 
-pub use control::{default_control_path, request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput};
+pub use control::{
+    default_control_path, request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput,
+};
 pub use registry::{DeviceState, ExportInfo, Registry};
 
 /// Server settings, with the defaults `usbwire serve` uses.
@@ -102,10 +104,10 @@ impl Server {
         let addr = self.config.listen;
         let listener = TcpListener::bind(addr).await.map_err(|source| ServerError::Listen { addr, source })?;
         let control = match &self.config.control_path {
-            Some(path) => Some(control::ControlSocket::bind(path).map_err(|source| ServerError::Control {
-                path: path.clone(),
-                source,
-            })?),
+            Some(path) => Some(
+                control::ControlSocket::bind(path)
+                    .map_err(|source| ServerError::Control { path: path.clone(), source })?,
+            ),
             None => None,
         };
         Ok(BoundServer {

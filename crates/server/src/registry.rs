@@ -121,11 +121,7 @@ impl Registry {
 
     /// Takes a device for exclusive use by `client`.
     pub(crate) fn import(&self, busid: &BusId, client: SocketAddr) -> Result<Lease, OpStatus> {
-        let export = lock(&self.exports)
-            .iter()
-            .find(|e| &e.record.busid == busid)
-            .cloned()
-            .ok_or(OpStatus::NODEV)?;
+        let export = lock(&self.exports).iter().find(|e| &e.record.busid == busid).cloned().ok_or(OpStatus::NODEV)?;
         let mut slot = lock(&export.slot);
         match std::mem::replace(&mut *slot, Slot::InUse { client, since: SystemTime::now() }) {
             Slot::Available(device) => {

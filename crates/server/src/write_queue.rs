@@ -61,7 +61,11 @@ impl WriteQueue {
     }
 
     /// Writes as much as the socket takes; `Ready(Ok(()))` once everything is out.
-    pub(crate) fn poll_flush<W: AsyncWrite + Unpin>(&mut self, cx: &mut Context<'_>, writer: &mut W) -> Poll<io::Result<()>> {
+    pub(crate) fn poll_flush<W: AsyncWrite + Unpin>(
+        &mut self,
+        cx: &mut Context<'_>,
+        writer: &mut W,
+    ) -> Poll<io::Result<()>> {
         self.seal();
         while !self.frames.is_empty() {
             let slices: Vec<IoSlice<'_>> = self.frames.iter().take(MAX_SLICES).map(|f| IoSlice::new(f)).collect();

@@ -56,7 +56,10 @@ async fn wait_listed(addr: SocketAddr, id: &str) {
 
 async fn read_to_end_within(stream: &mut TcpStream) -> Vec<u8> {
     let mut out = Vec::new();
-    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut out)).await.expect("server closes the connection").ok();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut out))
+        .await
+        .expect("server closes the connection")
+        .ok();
     out
 }
 
@@ -97,7 +100,11 @@ async fn devlist_shows_devices_with_interfaces() {
     let keyboard = &devices[1];
     assert_eq!(keyboard.busid.as_str(), "1-2");
     assert_eq!(
-        (keyboard.interfaces[0].b_interface_class, keyboard.interfaces[0].b_interface_sub_class, keyboard.interfaces[0].b_interface_protocol),
+        (
+            keyboard.interfaces[0].b_interface_class,
+            keyboard.interfaces[0].b_interface_sub_class,
+            keyboard.interfaces[0].b_interface_protocol
+        ),
         (3, 1, 1)
     );
 }
@@ -171,7 +178,8 @@ async fn unlink_of_pending_urb_answers_like_the_kernel_stub() {
         (0..6).map(|i| u32::from_be_bytes(replies[at + i * 4..at + i * 4 + 4].try_into().unwrap())).collect()
     };
     // Replies come in completion order: (command, seqnum, status word).
-    let mut seen: Vec<(u32, u32, i32)> = [0, 48, 96].iter().map(|&at| (words(at)[0], words(at)[1], words(at)[5] as i32)).collect();
+    let mut seen: Vec<(u32, u32, i32)> =
+        [0, 48, 96].iter().map(|&at| (words(at)[0], words(at)[1], words(at)[5] as i32)).collect();
     seen.sort();
     // RET_SUBMIT(1) for SET_CONFIGURATION; RET_UNLINK(3) = -ECONNRESET for the cancelled
     // target (and no RET_SUBMIT for it); RET_UNLINK(4) = 0 for the unknown target.
@@ -194,20 +202,27 @@ async fn bad_input_closes_only_that_connection() {
             h.to_vec()
         }
     }
-    let cases: Vec<(&str, Box<dyn Fn(u32) -> Vec<u8>>)> = vec![
-        ("truncated header", Box::new(|devid| submit(1, devid, Direction::In, 1, 64, [0; 8], Bytes::new()).header()[..20].to_vec())),
+    type Case = (&'static str, Box<dyn Fn(u32) -> Vec<u8>>);
+    let cases: Vec<Case> = vec![
+        (
+            "truncated header",
+            Box::new(|devid| submit(1, devid, Direction::In, 1, 64, [0; 8], Bytes::new()).header()[..20].to_vec()),
+        ),
         ("unknown command", Box::new(header(|h, _| h[3] = 9))),
         ("bad direction", Box::new(header(|h, _| h[15] = 7))),
         ("endpoint 16", Box::new(header(|h, _| h[19] = 16))),
         ("oversized transfer", Box::new(header(|h, _| h[0x18..0x1c].copy_from_slice(&0x7fff_ffffu32.to_be_bytes())))),
         ("negative transfer", Box::new(header(|h, _| h[0x18..0x1c].copy_from_slice(&(-5i32).to_be_bytes())))),
         ("devid mismatch", Box::new(header(|h, devid| h[8..12].copy_from_slice(&(devid ^ 0x55).to_be_bytes())))),
-        ("duplicate seqnum", Box::new(|devid| {
-            let mut w = BytesMut::new();
-            submit(5, devid, Direction::In, 3, 64, [0; 8], Bytes::new()).encode(&mut w);
-            submit(5, devid, Direction::In, 3, 64, [0; 8], Bytes::new()).encode(&mut w);
-            w.to_vec()
-        })),
+        (
+            "duplicate seqnum",
+            Box::new(|devid| {
+                let mut w = BytesMut::new();
+                submit(5, devid, Direction::In, 3, 64, [0; 8], Bytes::new()).encode(&mut w);
+                submit(5, devid, Direction::In, 3, 64, [0; 8], Bytes::new()).encode(&mut w);
+                w.to_vec()
+            }),
+        ),
     ];
     for (name, bytes) in cases {
         let (mut stream, devid) = raw_import(addr, "1-1").await;
@@ -231,7 +246,9 @@ async fn bad_input_closes_only_that_connection() {
 #[tokio::test]
 async fn op_phase_rejects_garbage_and_urbs_to_missing_endpoints_stall() {
     let addr = start().await;
-    for garbage in [&[0x01u8, 0x06, 0x80, 0x05, 0, 0, 0, 0][..], &[0x01, 0x11, 0x80, 0x02, 0, 0, 0, 0], b"GET / HTTP/1.1\r\n\r\n"] {
+    for garbage in
+        [&[0x01u8, 0x06, 0x80, 0x05, 0, 0, 0, 0][..], &[0x01, 0x11, 0x80, 0x02, 0, 0, 0, 0], b"GET / HTTP/1.1\r\n\r\n"]
+    {
         let mut stream = TcpStream::connect(addr).await.unwrap();
         stream.write_all(garbage).await.unwrap();
         assert!(read_to_end_within(&mut stream).await.is_empty());

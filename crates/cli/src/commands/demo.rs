@@ -23,15 +23,16 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     ];
     let control = args.control.control.clone().unwrap_or_else(default_control_path);
     let config = ServerConfig { listen: args.listen, control_path: Some(control.clone()), ..ServerConfig::default() };
+    let shutdown = super::shutdown_signal();
     let (server, exported) = super::serve::build(config, &specs)?;
     let bound = server.bind().await.map_err(|error| match error {
-        ServerError::Listen { addr, source } if source.kind() == std::io::ErrorKind::AddrInUse => Failure::unavailable(anyhow!(
-            "{addr} is taken (is usbipd or another usbwire running?); pass --listen 127.0.0.1:3241"
-        )),
+        ServerError::Listen { addr, source } if source.kind() == std::io::ErrorKind::AddrInUse => Failure::unavailable(
+            anyhow!("{addr} is taken (is usbipd or another usbwire running?); pass --listen 127.0.0.1:3241"),
+        ),
         other => Failure::unavailable(other.into()),
     })?;
     let addr = bound.local_addr();
-    let serving = tokio::spawn(bound.run(super::shutdown_signal()));
+    let serving = tokio::spawn(bound.run(shutdown));
 
     println!("usbwire demo: serving on {addr}");
     for line in &exported {
@@ -44,13 +45,22 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     let host = addr.ip();
     let port = addr.port();
     let port_flag = if port == usbwire_proto::DEFAULT_PORT { String::new() } else { format!(" --tcp-port {port}") };
-    let busid_of = |kind: &str| exported.iter().find(|l| l.contains(kind)).and_then(|l| l.split_whitespace().next()).unwrap_or("1-1").to_owned();
+    let busid_of = |kind: &str| {
+        exported.iter().find(|l| l.contains(kind)).and_then(|l| l.split_whitespace().next()).unwrap_or("1-1").to_owned()
+    };
     println!("Next steps (on a Linux machine with the usbip tools; root for attach):");
     println!("  sudo modprobe vhci-hcd");
     println!("  sudo usbip{port_flag} attach -r {host} -b {}      # the disk appears as /dev/sdX", busid_of("disk"));
     println!("  sudo usbip{port_flag} attach -r {host} -b {}      # the keyboard", busid_of("keyboard"));
-    println!("  usbwire type 'hello from usbwire'      # types on the attached keyboard (control socket {})", control.display());
-    println!("  sudo usbip{port_flag} attach -r {host} -b {}      # /dev/ttyACM0 <-> {}", busid_of("serial"), serial_link.display());
+    println!(
+        "  usbwire type 'hello from usbwire'      # types on the attached keyboard (control socket {})",
+        control.display()
+    );
+    println!(
+        "  sudo usbip{port_flag} attach -r {host} -b {}      # /dev/ttyACM0 <-> {}",
+        busid_of("serial"),
+        serial_link.display()
+    );
     println!("  usbwire state                          # who holds which device");
     println!("\nDisk image: {}. Press Ctrl-C to stop.", disk.display());
 

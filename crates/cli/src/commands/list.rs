@@ -8,11 +8,7 @@ use crate::args::ListArgs;
 use crate::exit::Failure;
 
 pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
-    let target = match args.tcp_port {
-        Some(port) if !args.remote.contains(':') => format!("{}:{port}", args.remote),
-        _ => args.remote.clone(),
-    };
-    let addr = usbwire_client::resolve(&target).await?;
+    let addr = resolve(&args.remote, args.tcp_port).await?;
     let devices = usbwire_client::list_devices(addr).await?;
     let names = UsbIds::load();
     if args.json {
@@ -21,6 +17,15 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
         print!("{}", format_like_usbip(&args.remote, &devices, &names));
     }
     Ok(())
+}
+
+/// `HOST`, `HOST:PORT`, or `HOST` with `--tcp-port PORT`.
+pub(crate) async fn resolve(remote: &str, tcp_port: Option<u16>) -> Result<std::net::SocketAddr, Failure> {
+    let target = match tcp_port {
+        Some(port) if !remote.contains(':') => format!("{remote}:{port}"),
+        _ => remote.to_owned(),
+    };
+    Ok(usbwire_client::resolve(&target).await?)
 }
 
 pub(crate) fn devices_json(host: &str, devices: &[DeviceRecord], names: &UsbIds) -> serde_json::Value {
@@ -63,10 +68,19 @@ pub(crate) fn format_like_usbip(host: &str, devices: &[DeviceRecord], names: &Us
     for d in devices {
         let vendor = names.vendor(d.id_vendor).unwrap_or_else(|| "unknown vendor".into());
         let product = names.product(d.id_vendor, d.id_product).unwrap_or_else(|| "unknown product".into());
-        let _ = writeln!(out, "{:>11}: {vendor} : {product} ({:04x}:{:04x})", d.busid.as_str(), d.id_vendor, d.id_product);
+        let _ =
+            writeln!(out, "{:>11}: {vendor} : {product} ({:04x}:{:04x})", d.busid.as_str(), d.id_vendor, d.id_product);
         let _ = writeln!(out, "{:>11}: {}", "", d.path);
-        let class = if d.b_device_class == 0 { "(Defined at Interface level)".to_owned() } else { class_name(d.b_device_class).to_owned() };
-        let _ = writeln!(out, "{:>11}: {class} ({:02x}/{:02x}/{:02x})", "", d.b_device_class, d.b_device_sub_class, d.b_device_protocol);
+        let class = if d.b_device_class == 0 {
+            "(Defined at Interface level)".to_owned()
+        } else {
+            class_name(d.b_device_class).to_owned()
+        };
+        let _ = writeln!(
+            out,
+            "{:>11}: {class} ({:02x}/{:02x}/{:02x})",
+            "", d.b_device_class, d.b_device_sub_class, d.b_device_protocol
+        );
         let _ = writeln!(out, "{:>11}: speed {}", "", d.speed.name());
         for (i, f) in d.interfaces.iter().enumerate() {
             let _ = writeln!(

@@ -32,13 +32,14 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     if let Some(control) = args.control.control.clone().or(file.control) {
         config.control_path = Some(control);
     }
+    let shutdown = super::shutdown_signal();
     let (server, exported) = build(config, &specs)?;
     let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
     println!("usbwire serving on {}", bound.local_addr());
     for line in &exported {
         println!("  {line}");
     }
-    bound.run(super::shutdown_signal()).await;
+    bound.run(shutdown).await;
     Ok(())
 }
 
@@ -50,13 +51,13 @@ pub(crate) fn build(config: ServerConfig, specs: &[VirtualSpec]) -> Result<(Serv
         let (busid, detail) = match spec {
             VirtualSpec::Keyboard => {
                 let (device, handle) = usbwire_gadgets::keyboard();
-                let busid = server.export("keyboard", Box::new(device));
+                let busid = server.export(spec.kind(), Box::new(device));
                 server.add_text_input(busid.clone(), Arc::new(Keyboard(handle)));
                 (busid, "keyboard (usbwire type TEXT types on it)".to_owned())
             }
             VirtualSpec::Mouse => {
                 let (device, _handle) = usbwire_gadgets::mouse();
-                (server.export("mouse", Box::new(device)), "mouse".to_owned())
+                (server.export(spec.kind(), Box::new(device)), "mouse".to_owned())
             }
             VirtualSpec::Disk { path, size, read_only, speed } => {
                 let options = DiskOptions { size: *size, read_only: *read_only, speed: speed.speed() };
@@ -64,20 +65,27 @@ pub(crate) fn build(config: ServerConfig, specs: &[VirtualSpec]) -> Result<(Serv
                     .with_context(|| format!("disk {}", path.display()))
                     .map_err(Failure::config)?;
                 let mode = if *read_only { "read-only" } else { "read-write" };
-                (server.export("disk", Box::new(device)), format!("disk {} ({mode}, {})", path.display(), speed.speed().name()))
+                (
+                    server.export(spec.kind(), Box::new(device)),
+                    format!("disk {} ({mode}, {})", path.display(), speed.speed().name()),
+                )
             }
             VirtualSpec::Serial { link } => {
-                let (device, pty) = usbwire_gadgets::serial(link.as_deref()).context("serial port").map_err(Failure::io)?;
+                let (device, pty) =
+                    usbwire_gadgets::serial(link.as_deref()).context("serial port").map_err(Failure::io)?;
                 let shown: PathBuf = link.clone().unwrap_or_else(|| pty.clone());
                 let detail = match link {
                     Some(link) => format!("serial port bridged to {} (link {})", pty.display(), link.display()),
                     None => format!("serial port bridged to {}", shown.display()),
                 };
-                (server.export("serial", Box::new(device)), detail)
+                (server.export(spec.kind(), Box::new(device)), detail)
             }
             VirtualSpec::Loopback { speed } => {
                 let device = usbwire_gadgets::loopback(speed.speed());
-                (server.export("loopback", Box::new(device)), format!("loopback test device ({})", speed.speed().name()))
+                (
+                    server.export(spec.kind(), Box::new(device)),
+                    format!("loopback test device ({})", speed.speed().name()),
+                )
             }
         };
         lines.push(format!("{busid:<5} {detail}"));

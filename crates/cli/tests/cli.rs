@@ -1,0 +1,149 @@
+//! The real `usbwire` binary: serve, list, state, type, signals and errors.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("usbwire-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+struct Served {
+    child: Child,
+    addr: String,
+    control: PathBuf,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(dir: &Path, specs: &[&str]) -> Served {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let control = dir.join("control.sock");
+    let mut command = Command::new(BIN);
+    command.args(["serve", "--listen", &addr, "--control"]).arg(&control);
+    for spec in specs {
+        command.args(["--virtual", spec]);
+    }
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    // The server prints its address once it listens.
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    let first = lines.next().expect("server output").unwrap();
+    assert!(first.contains(&addr), "unexpected first line: {first}");
+    std::thread::spawn(move || for _ in lines {});
+    Served { child, addr, control }
+}
+
+fn usbwire(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().unwrap()
+}
+
+#[test]
+fn list_json_shows_exported_devices() {
+    let dir = scratch("list");
+    let disk = dir.join("disk.img");
+    let served = serve(&dir, &["keyboard", &format!("disk={},size=1M,speed=super", disk.display()), "loopback"]);
+    let out = usbwire(&["list", "-r", &served.addr, "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let devices = json["devices"].as_array().unwrap();
+    let summary: Vec<(String, String, String)> = devices
+        .iter()
+        .map(|d| {
+            (
+                d["busid"].as_str().unwrap().into(),
+                d["product_id"].as_str().unwrap().into(),
+                d["speed"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            ("1-1".into(), "0001".into(), "high".into()),
+            ("2-1".into(), "0003".into(), "super".into()),
+            ("1-2".into(), "0005".into(), "high".into())
+        ]
+    );
+    assert_eq!(devices[1]["interfaces"][0]["class"], "08/06/50");
+    assert_eq!(std::fs::metadata(&disk).unwrap().len(), 1 << 20, "image created with the given size");
+
+    let text = usbwire(&["list", "-r", &served.addr]);
+    let text = String::from_utf8(text.stdout).unwrap();
+    assert!(text.contains("1209:0003") && text.contains("Mass Storage (08/06/50)"), "{text}");
+}
+
+#[test]
+fn state_and_type_go_through_the_control_socket() {
+    let dir = scratch("state");
+    let served = serve(&dir, &["keyboard", "loopback"]);
+    let control = served.control.to_str().unwrap();
+    let out = usbwire(&["state", "--json", "--control", control]);
+    assert!(out.status.success());
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["devices"][0]["state"], "available");
+    assert_eq!(json["devices"][1]["kind"], "loopback");
+
+    // No host has the keyboard: a clear error and exit code 69.
+    let out = usbwire(&["type", "--control", control, "hello"]);
+    assert_eq!(out.status.code(), Some(69));
+    let message = String::from_utf8_lossy(&out.stderr);
+    assert!(message.contains("not attached"), "{message}");
+}
+
+#[test]
+fn errors_have_meaningful_exit_codes() {
+    let dir = scratch("errors");
+    // Nothing listens on this port.
+    let port = free_port();
+    let out = usbwire(&["list", "-r", &format!("127.0.0.1:{port}")]);
+    assert_eq!(out.status.code(), Some(69));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot connect"));
+    // Bad spec: usage.
+    let out = usbwire(&["serve", "--listen", "127.0.0.1:0", "--virtual", "webcam"]);
+    assert_eq!(out.status.code(), Some(64));
+    // Missing image without a size: configuration error that says what to do.
+    let missing = dir.join("missing.img");
+    let out = usbwire(&["serve", "--listen", "127.0.0.1:0", "--virtual", &format!("disk={}", missing.display())]);
+    assert_eq!(out.status.code(), Some(78), "{}", String::from_utf8_lossy(&out.stderr));
+    // No control socket to talk to.
+    let out = usbwire(&["state", "--control", dir.join("nope.sock").to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(69));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is `usbwire serve` running"));
+}
+
+#[test]
+fn sigterm_shuts_down_cleanly() {
+    let dir = scratch("sigterm");
+    let mut served = serve(&dir, &["loopback"]);
+    let pid = served.child.id() as i32;
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(status) = served.child.try_wait().unwrap() {
+            assert!(status.success(), "exit status {status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "server did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!served.control.exists(), "control socket removed on shutdown");
+}
