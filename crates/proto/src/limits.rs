@@ -22,10 +22,6 @@ impl Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Self {
-            max_transfer_length: 16 * 1024 * 1024,
-            max_iso_packets: Self::KERNEL_MAX_ISO_PACKETS,
-            max_devices: 1024,
-        }
+        Self { max_transfer_length: 16 * 1024 * 1024, max_iso_packets: Self::KERNEL_MAX_ISO_PACKETS, max_devices: 1024 }
     }
 }

@@ -70,9 +70,7 @@ pub struct BusId(String);
 impl BusId {
     /// Validates a bus id: non-empty, at most 31 bytes, printable ASCII.
     pub fn new(text: &str) -> Option<Self> {
-        let valid = !text.is_empty()
-            && text.len() < BUSID_LEN
-            && text.bytes().all(|b| b.is_ascii_graphic());
+        let valid = !text.is_empty() && text.len() < BUSID_LEN && text.bytes().all(|b| b.is_ascii_graphic());
         valid.then(|| Self(text.to_owned()))
     }
 
@@ -364,10 +362,7 @@ fn put_fixed_str(out: &mut BytesMut, text: &str, size: usize) {
 }
 
 fn fixed_str(field: &[u8]) -> Result<String, DecodeError> {
-    let end = field
-        .iter()
-        .position(|&b| b == 0)
-        .ok_or(DecodeError::StringNotTerminated(field.len()))?;
+    let end = field.iter().position(|&b| b == 0).ok_or(DecodeError::StringNotTerminated(field.len()))?;
     Ok(String::from_utf8_lossy(&field[..end]).into_owned())
 }
 
@@ -390,7 +385,11 @@ mod tests {
             b_device_protocol: 0,
             b_configuration_value: 1,
             b_num_configurations: 1,
-            interfaces: vec![InterfaceRecord { b_interface_class: 3, b_interface_sub_class: 1, b_interface_protocol: 1 }],
+            interfaces: vec![InterfaceRecord {
+                b_interface_class: 3,
+                b_interface_sub_class: 1,
+                b_interface_protocol: 1,
+            }],
             b_num_interfaces: 1,
         }
     }
@@ -476,9 +475,6 @@ mod tests {
     #[test]
     fn devlist_count_is_bounded_before_allocation() {
         let mut buf = BytesMut::from(&[0x01, 0x11, 0x00, 0x05, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff][..]);
-        assert!(matches!(
-            decode_devlist_reply(&mut buf, &Limits::default()),
-            Err(DecodeError::TooManyDevices { .. })
-        ));
+        assert!(matches!(decode_devlist_reply(&mut buf, &Limits::default()), Err(DecodeError::TooManyDevices { .. })));
     }
 }

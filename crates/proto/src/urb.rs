@@ -332,7 +332,10 @@ pub fn decode_return(
             let raw_actual = be_i32(buf, 0x18);
             let actual_length = u32::try_from(raw_actual).map_err(|_| DecodeError::NegativeLength(raw_actual))?;
             if actual_length > shape.transfer_buffer_length || actual_length > limits.max_transfer_length {
-                return Err(DecodeError::ActualLengthTooLong { actual_length, requested: shape.transfer_buffer_length });
+                return Err(DecodeError::ActualLengthTooLong {
+                    actual_length,
+                    requested: shape.transfer_buffer_length,
+                });
             }
             let number_of_packets = be_i32(buf, 0x20);
             let iso_count = match shape.iso_packets {
@@ -438,14 +441,15 @@ mod tests {
     #[test]
     fn kernel_doc_interrupt_in_example_decodes() {
         let words: [u32; 12] = [
-            0x00000001, 0x00000d05, 0x0001000f, 0x00000001, 0x00000001, 0x00000200, 0x00000040, 0xffffffff,
-            0x00000000, 0x00000004, 0x00000000, 0x00000000,
+            0x00000001, 0x00000d05, 0x0001000f, 0x00000001, 0x00000001, 0x00000200, 0x00000040, 0xffffffff, 0x00000000,
+            0x00000004, 0x00000000, 0x00000000,
         ];
         let mut buf = BytesMut::new();
         for w in words {
             buf.put_u32(w);
         }
-        let ClientMessage::Submit(submit) = decode_command(&mut buf, &Limits::default(), no_iso).unwrap().unwrap() else {
+        let ClientMessage::Submit(submit) = decode_command(&mut buf, &Limits::default(), no_iso).unwrap().unwrap()
+        else {
             panic!("expected a submit");
         };
         assert_eq!(submit.seqnum, 0xd05);
@@ -482,10 +486,7 @@ mod tests {
         let mut partial = BytesMut::from(&wire[..52]);
         assert_eq!(decode_command(&mut partial, &Limits::default(), no_iso).unwrap(), None);
         assert_eq!(partial.len(), 52, "partial input must not be consumed");
-        assert_eq!(
-            decode_command(&mut wire, &Limits::default(), no_iso).unwrap(),
-            Some(ClientMessage::Submit(submit))
-        );
+        assert_eq!(decode_command(&mut wire, &Limits::default(), no_iso).unwrap(), Some(ClientMessage::Submit(submit)));
     }
 
     #[test]
@@ -495,7 +496,10 @@ mod tests {
         assert_eq!(&h[..24], &[0, 0, 0, 2, 0, 0, 0, 0x10, 0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x0f]);
         assert!(h[24..].iter().all(|&b| b == 0));
         let ret = RetUnlink { seqnum: 0x10, status: Status::ECONNRESET };
-        assert_eq!(&ret.header()[..24], &[0, 0, 0, 4, 0, 0, 0, 0x10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0x98]);
+        assert_eq!(
+            &ret.header()[..24],
+            &[0, 0, 0, 4, 0, 0, 0, 0x10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0x98]
+        );
     }
 
     #[test]
