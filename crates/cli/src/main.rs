@@ -38,5 +38,11 @@ fn init_logging(verbose: u8, quiet: bool) {
     // RUST_LOG, when set, wins over -v.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("warn,usbwire={default},usbwire_server={default},usbwire_gadgets={default},usbwire_device={default},usbwire_client={default}")));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(verbose > 0).init();
+    use std::io::IsTerminal as _;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(verbose > 0)
+        .init();
 }
