@@ -25,6 +25,8 @@ pub(crate) enum Command {
     Serve(ServeArgs),
     /// List the devices a server exports.
     List(ListArgs),
+    /// Import a remote device, print its descriptors (like `lsusb -v`), then release it.
+    Describe(DescribeArgs),
     /// Attach a remote device to this machine's kernel (vhci-hcd), like `usbip attach`.
     Attach(AttachArgs),
     /// Show the ports of vhci-hcd and what is attached to them, like `usbip port`.
@@ -129,4 +131,20 @@ pub(crate) struct DetachArgs {
     /// The vhci port (see `usbwire port`).
     #[arg(short = 'p', long = "port")]
     pub(crate) port: u32,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct DescribeArgs {
+    /// The server, HOST[:PORT].
+    #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]")]
+    pub(crate) remote: String,
+    /// Bus id of the device on the server.
+    #[arg(short = 'b', long = "busid")]
+    pub(crate) busid: String,
+    /// Port, as `usbip --tcp-port` (when HOST has none).
+    #[arg(long = "tcp-port", value_name = "PORT")]
+    pub(crate) tcp_port: Option<u16>,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub(crate) json: bool,
 }

@@ -147,3 +147,49 @@ fn sigterm_shuts_down_cleanly() {
     }
     assert!(!served.control.exists(), "control socket removed on shutdown");
 }
+
+#[test]
+fn describe_prints_the_descriptor_tree_and_releases_the_device() {
+    let dir = scratch("describe");
+    let disk = dir.join("disk.img");
+    let served = serve(&dir, &[&format!("disk={},size=1M,speed=super", disk.display()), "serial"]);
+    let out = usbwire(&["describe", "-r", &served.addr, "-b", "2-1", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let d: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(d["bcd_usb"], "3.20");
+    assert_eq!(d["product"], "usbwire disk");
+    assert_eq!(d["max_packet_size0"], 9);
+    let endpoints: Vec<(String, String, u64)> = d["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["type"] == "endpoint")
+        .map(|i| {
+            (
+                i["address"].as_str().unwrap().into(),
+                i["transfer_type"].as_str().unwrap().into(),
+                i["max_packet_size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(endpoints, vec![("0x81".into(), "bulk".into(), 1024), ("0x02".into(), "bulk".into(), 1024)]);
+    assert_eq!(d["items"].as_array().unwrap().iter().filter(|i| i["type"] == "super_speed_companion").count(), 2);
+    assert_eq!(d["bos"].as_array().unwrap().len(), 2);
+
+    // The text form of the CDC-ACM device shows its class-specific descriptors.
+    let out = usbwire(&["describe", "-r", &served.addr, "-b", "1-1"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("Interface Association") && text.contains("Descriptor 0x24"), "{text}");
+
+    // Released: both are listed (importable) again once the server saw the close.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let out = usbwire(&["list", "-r", &served.addr, "--json"]);
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        if json["devices"].as_array().unwrap().len() == 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "devices not released: {json}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

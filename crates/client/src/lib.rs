@@ -10,6 +10,7 @@
 //! Not for the kernel's vhci-hcd attach path (that hands the socket to the
 //! kernel instead of keeping it).
 
+pub mod describe;
 pub mod vhci;
 
 use std::collections::HashMap;

@@ -258,3 +258,50 @@ async fn op_phase_rejects_garbage_and_urbs_to_missing_endpoints_stall() {
     assert_eq!(ret.status, Status::EPIPE);
     assert_eq!(conn.transfer(Transfer::bulk_in(0x81, 10)).await.unwrap().actual_length, 10);
 }
+
+/// A userspace client reads and writes sectors of a served disk through
+/// Bulk-Only + SCSI over TCP, and the bytes match the image file.
+#[tokio::test]
+async fn disk_sectors_over_the_network_match_the_image() {
+    let image = std::env::temp_dir().join(format!("usbwire-server-disk-{}.img", std::process::id()));
+    let _ = std::fs::remove_file(&image);
+    let options = usbwire_gadgets::DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::SUPER };
+    let disk = usbwire_gadgets::MassStorage::open(&image, &options).unwrap();
+    let pattern: Vec<u8> = (0..8192u32).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+    std::fs::write(&image, [&pattern[..], &vec![0u8; (1 << 20) - 8192][..]].concat()).unwrap();
+
+    let config = ServerConfig { listen: "127.0.0.1:0".parse().unwrap(), control_path: None, ..ServerConfig::default() };
+    let mut server = Server::new(config);
+    let busid = server.export("disk", Box::new(disk));
+    assert_eq!(busid.as_str(), "2-1");
+    let bound = server.bind().await.unwrap();
+    let addr = bound.local_addr();
+    tokio::spawn(bound.run(std::future::pending()));
+    let conn = configured(addr, "2-1").await;
+
+    let cbw = |tag: u32, len: u32, data_in: bool, cdb: &[u8]| {
+        let mut raw = vec![0u8; 31];
+        raw[0..4].copy_from_slice(&0x4342_5355u32.to_le_bytes());
+        raw[4..8].copy_from_slice(&tag.to_le_bytes());
+        raw[8..12].copy_from_slice(&len.to_le_bytes());
+        raw[12] = if data_in { 0x80 } else { 0 };
+        raw[14] = cdb.len() as u8;
+        raw[15..15 + cdb.len()].copy_from_slice(cdb);
+        Bytes::from(raw)
+    };
+    // READ(10) of 16 sectors.
+    conn.transfer(Transfer::bulk_out(0x02, cbw(1, 8192, true, &[0x28, 0, 0, 0, 0, 0, 0, 0, 16, 0]))).await.unwrap();
+    let data = conn.transfer(Transfer::bulk_in(0x81, 8192)).await.unwrap();
+    let csw = conn.transfer(Transfer::bulk_in(0x81, 13)).await.unwrap();
+    assert_eq!(&data.data[..], &pattern[..]);
+    assert_eq!(csw.data[12], 0);
+    // WRITE(10) of one sector at LBA 100, then it is in the file.
+    let sector = Bytes::from(vec![0xa5u8; 512]);
+    conn.transfer(Transfer::bulk_out(0x02, cbw(2, 512, false, &[0x2a, 0, 0, 0, 0, 100, 0, 0, 1, 0]))).await.unwrap();
+    conn.transfer(Transfer::bulk_out(0x02, sector.clone())).await.unwrap();
+    let csw = conn.transfer(Transfer::bulk_in(0x81, 13)).await.unwrap();
+    assert_eq!(csw.data[12], 0);
+    let file = std::fs::read(&image).unwrap();
+    assert_eq!(&file[100 * 512..101 * 512], &sector[..]);
+    let _ = std::fs::remove_file(&image);
+}

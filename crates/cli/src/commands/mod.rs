@@ -1,6 +1,7 @@
 //! One module per verb; each takes its parsed arguments and does the work.
 
 mod demo;
+mod describe;
 mod kernel;
 mod list;
 mod local;
@@ -13,6 +14,7 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
     match command {
         Command::Serve(args) => serve::run(args).await,
         Command::List(args) => list::run(args).await,
+        Command::Describe(args) => describe::run(args).await,
         Command::Attach(args) => kernel::attach(args).await,
         Command::Port(args) => kernel::port(args),
         Command::Detach(args) => kernel::detach(args),

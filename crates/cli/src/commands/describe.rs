@@ -1,0 +1,107 @@
+//! `usbwire describe`: a remote device's descriptor tree, read over USB/IP.
+
+use std::fmt::Write as _;
+
+use anyhow::anyhow;
+use usbwire_client::describe::{self, Description, Item};
+use usbwire_client::Connection;
+use usbwire_proto::op::BusId;
+
+use crate::args::DescribeArgs;
+use crate::exit::Failure;
+
+pub(crate) async fn run(args: DescribeArgs) -> Result<(), Failure> {
+    let busid = BusId::new(&args.busid).ok_or_else(|| Failure::usage(anyhow!("invalid bus id {:?}", args.busid)))?;
+    let addr = super::list::resolve(&args.remote, args.tcp_port).await?;
+    let description = fetch(addr, &busid).await?;
+    if args.json {
+        let json = serde_json::to_string_pretty(&description).map_err(|e| Failure::software(e.into()))?;
+        println!("{json}");
+    } else {
+        print!("{}", format(&busid, &description));
+    }
+    Ok(())
+}
+
+/// Imports `busid`, reads its descriptors and releases it again.
+pub(crate) async fn fetch(addr: std::net::SocketAddr, busid: &BusId) -> Result<Description, Failure> {
+    let (stream, record) = usbwire_client::import(addr, busid).await?;
+    let connection = Connection::new(stream, &record);
+    let description = describe::describe(&connection).await.map_err(|e| Failure::unavailable(e.into()))?;
+    // Dropping the connection releases the device on the server.
+    drop(connection);
+    Ok(description)
+}
+
+pub(crate) fn format(busid: &BusId, d: &Description) -> String {
+    let mut o = String::new();
+    let name = |s: &Option<String>| s.clone().unwrap_or_default();
+    let _ = writeln!(
+        o,
+        "Device {busid}: ID {}:{} {} {}",
+        d.vendor_id,
+        d.product_id,
+        name(&d.manufacturer),
+        name(&d.product)
+    );
+    let _ = writeln!(o, "Device Descriptor:");
+    let _ = writeln!(o, "  bcdUSB              {}", d.bcd_usb);
+    let _ = writeln!(o, "  class/sub/proto     {}", d.device_class);
+    let _ = writeln!(o, "  bMaxPacketSize0     {}", d.max_packet_size0);
+    let _ = writeln!(o, "  idVendor            0x{}", d.vendor_id);
+    let _ = writeln!(o, "  idProduct           0x{}", d.product_id);
+    let _ = writeln!(o, "  bcdDevice           {}", d.bcd_device);
+    let _ = writeln!(o, "  iManufacturer       {}", name(&d.manufacturer));
+    let _ = writeln!(o, "  iProduct            {}", name(&d.product));
+    let _ = writeln!(o, "  iSerial             {}", name(&d.serial));
+    let _ = writeln!(o, "  bNumConfigurations  {}", d.num_configurations);
+    let _ = writeln!(o, "  Configuration Descriptor:");
+    let _ = writeln!(o, "    bConfigurationValue {}", d.configuration_value);
+    let _ = writeln!(o, "    bmAttributes        {}", d.configuration_attributes);
+    let _ = writeln!(o, "    MaxPower            {}mA", d.max_power_ma);
+    for item in &d.items {
+        match item {
+            Item::InterfaceAssociation { first_interface, interface_count, class } => {
+                let _ = writeln!(
+                    o,
+                    "    Interface Association: interfaces {first_interface}..+{interface_count} class {class}"
+                );
+            }
+            Item::Interface { number, alt_setting, num_endpoints, class, name } => {
+                let _ = writeln!(o, "    Interface Descriptor:");
+                let _ = writeln!(o, "      bInterfaceNumber    {number}");
+                let _ = writeln!(o, "      bAlternateSetting   {alt_setting}");
+                let _ = writeln!(o, "      bNumEndpoints       {num_endpoints}");
+                let _ = writeln!(o, "      class/sub/proto     {class}");
+                if let Some(name) = name {
+                    let _ = writeln!(o, "      iInterface          {name}");
+                }
+            }
+            Item::Endpoint { address, direction, transfer_type, max_packet_size, interval } => {
+                let _ = writeln!(o, "      Endpoint Descriptor:");
+                let _ = writeln!(o, "        bEndpointAddress  {address} EP {direction}");
+                let _ = writeln!(o, "        Transfer Type     {transfer_type}");
+                let _ = writeln!(o, "        wMaxPacketSize    {max_packet_size}");
+                let _ = writeln!(o, "        bInterval         {interval}");
+            }
+            Item::SuperSpeedCompanion { max_burst, attributes, bytes_per_interval } => {
+                let _ = writeln!(
+                    o,
+                    "        SuperSpeed Companion: bMaxBurst {max_burst} bmAttributes {attributes:#04x} wBytesPerInterval {bytes_per_interval}"
+                );
+            }
+            Item::Other { descriptor_type, bytes } => {
+                let _ = writeln!(o, "      Descriptor {descriptor_type}: {bytes}");
+            }
+        }
+    }
+    if !d.bos.is_empty() {
+        let _ = writeln!(o, "Binary Object Store Descriptor:");
+        for item in &d.bos {
+            if let Item::Other { bytes, .. } = item {
+                let _ = writeln!(o, "  Device Capability: {bytes}");
+            }
+        }
+    }
+    o
+}
