@@ -21,6 +21,10 @@ pub enum DecodeError {
     /// A devlist reply announced more devices than [`crate::Limits::max_devices`].
     #[error("device list announces {count} devices (limit {max})")]
     TooManyDevices { count: u32, max: u32 },
+    /// An `OP_REP_DEVLIST` carried a non-zero status: the server refused to list
+    /// its devices (no body follows). Report the status; the connection is over.
+    #[error("peer answered with status {0}")]
+    RequestFailed(u32),
     /// A URB header's command word is not valid in this direction of the stream.
     #[error("unexpected urb command {0}")]
     UnexpectedCommand(u32),

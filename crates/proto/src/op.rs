@@ -259,9 +259,10 @@ pub fn decode_devlist_reply(buf: &mut BytesMut, limits: &Limits) -> Result<Optio
         return Ok(None);
     };
     if status != OpStatus::OK {
-        // The kernel treats any non-OK reply status as failure; there is no body.
+        // Like the kernel's `usbip_net_recv_op_common`, a non-OK status is a
+        // failure (no body follows), not an empty list.
         let _ = buf.split_to(OP_HEADER_LEN);
-        return Ok(Some(Vec::new()));
+        return Err(DecodeError::RequestFailed(status.0));
     }
     if buf.len() < OP_HEADER_LEN + 4 {
         return Ok(None);
@@ -355,8 +356,13 @@ fn peek_reply_header(buf: &[u8], expected: OpCode) -> Result<Option<OpStatus>, D
 }
 
 fn put_fixed_str(out: &mut BytesMut, text: &str, size: usize) {
-    // Leave room for the terminating NUL; longer text is cut (paths are informational).
-    let bytes = &text.as_bytes()[..text.len().min(size - 1)];
+    // Leave room for the terminating NUL; longer text is cut (paths are
+    // informational) at a character boundary, so the peer still gets UTF-8.
+    let mut end = text.len().min(size - 1);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let bytes = &text.as_bytes()[..end];
     out.put_slice(bytes);
     out.put_bytes(0, size - bytes.len());
 }

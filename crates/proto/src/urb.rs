@@ -343,8 +343,12 @@ pub fn decode_return(
                     if number_of_packets != expected {
                         return Err(DecodeError::IsoPacketCountMismatch { expected, got: number_of_packets });
                     }
-                    // `expected` was checked against the limits when it was submitted.
-                    usize::try_from(expected).map_err(|_| DecodeError::BadIsoPacketCount(expected))?
+                    // `expected` should have been checked when it was submitted; check
+                    // again so that a caller's mistake cannot size the frame.
+                    match u32::try_from(expected) {
+                        Ok(count) if count <= limits.max_iso_packets => count as usize,
+                        _ => return Err(DecodeError::BadIsoPacketCount(expected)),
+                    }
                 }
                 None => 0,
             };
