@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use anyhow::{anyhow, Context as _};
+use usbwire_proto::op::BusId;
 use usbwire_server::{default_control_path, ServerConfig, ServerError};
 
 use crate::args::DemoArgs;
@@ -41,6 +42,17 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     println!("\nWhat a USB/IP client sees (usbwire list -r {addr}):\n");
     let devices = usbwire_client::list_devices(addr).await?;
     print!("{}", super::list::format_like_usbip(&addr.to_string(), &devices, &super::list::UsbIds::load()));
+
+    let disk_busid = exported
+        .iter()
+        .find(|l| l.contains("disk"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(BusId::new)
+        .ok_or_else(|| Failure::software(anyhow!("the demo disk was not exported")))?;
+    println!("The disk's descriptors, read over USB/IP (usbwire describe -r {addr} -b {disk_busid}):\n");
+    let description = super::describe::fetch(addr, &disk_busid).await?;
+    print!("{}", super::describe::format(&disk_busid, &description));
+    println!();
 
     let host = addr.ip();
     let port = addr.port();
