@@ -33,6 +33,8 @@ pub(crate) enum Command {
     Port(PortArgs),
     /// Detach a vhci-hcd port, like `usbip detach`.
     Detach(DetachArgs),
+    /// Show (or create) this machine's TLS identity and its fingerprint.
+    Identity(IdentityArgs),
     /// Type text on the virtual keyboard of the server running on this machine.
     Type(TypeArgs),
     /// Show the exported devices of the server running on this machine and who holds them.
@@ -49,6 +51,18 @@ pub(crate) struct ServeArgs {
     /// TOML configuration file (flags override it).
     #[arg(long, value_name = "FILE")]
     pub(crate) config: Option<PathBuf>,
+    /// Require TLS 1.3 with client certificates (plain USB/IP then only from loopback, see --allow-plain).
+    #[arg(long)]
+    pub(crate) tls: bool,
+    /// Server identity directory [default: /etc/usbwire for root, else ~/.config/usbwire]; created if missing.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) identity: Option<PathBuf>,
+    /// With --tls: accept plain USB/IP from `never`, `loopback` (default) or `always`.
+    #[arg(long, value_name = "WHO")]
+    pub(crate) allow_plain: Option<String>,
+    /// With --tls: let the client with this fingerprint use every device (repeatable; finer rules go in --config).
+    #[arg(long = "allow", value_name = "FINGERPRINT")]
+    pub(crate) allow: Vec<String>,
     /// A virtual device: keyboard, mouse, disk=PATH[,size=64M][,ro][,speed=super], serial[=LINK], loopback[,speed=super]. Repeatable.
     #[arg(long = "virtual", value_name = "SPEC")]
     pub(crate) virtual_devices: Vec<String>,
@@ -63,8 +77,24 @@ pub(crate) struct ControlArgs {
     pub(crate) control: Option<PathBuf>,
 }
 
+/// How a client reaches a server: plain USB/IP, or TLS 1.3 with this machine's identity.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct ClientSecurityArgs {
+    /// Use TLS 1.3 with mutual authentication (the server must run with --tls and allow our identity).
+    #[arg(long)]
+    pub(crate) tls: bool,
+    /// Identity directory [default: /etc/usbwire for root, else ~/.config/usbwire].
+    #[arg(long, value_name = "DIR")]
+    pub(crate) identity: Option<PathBuf>,
+    /// Pin the server's key if it is not known yet (trust on first use).
+    #[arg(long)]
+    pub(crate) trust_new: bool,
+}
+
 #[derive(Args, Debug)]
 pub(crate) struct ListArgs {
+    #[command(flatten)]
+    pub(crate) security: ClientSecurityArgs,
     /// List the devices exported by HOST[:PORT].
     #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]")]
     pub(crate) remote: String,
@@ -109,6 +139,8 @@ pub(crate) struct DemoArgs {
 
 #[derive(Args, Debug)]
 pub(crate) struct AttachArgs {
+    #[command(flatten)]
+    pub(crate) security: ClientSecurityArgs,
     /// The server, HOST[:PORT].
     #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]")]
     pub(crate) remote: String,
@@ -135,6 +167,8 @@ pub(crate) struct DetachArgs {
 
 #[derive(Args, Debug)]
 pub(crate) struct DescribeArgs {
+    #[command(flatten)]
+    pub(crate) security: ClientSecurityArgs,
     /// The server, HOST[:PORT].
     #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]")]
     pub(crate) remote: String,
@@ -145,6 +179,18 @@ pub(crate) struct DescribeArgs {
     #[arg(long = "tcp-port", value_name = "PORT")]
     pub(crate) tcp_port: Option<u16>,
     /// Machine-readable output.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct IdentityArgs {
+    /// Identity directory [default: /etc/usbwire for root, else ~/.config/usbwire].
+    #[arg(long, value_name = "DIR")]
+    pub(crate) dir: Option<PathBuf>,
+    /// Create the identity if there is none.
+    #[arg(long)]
+    pub(crate) create: bool,
     #[arg(long)]
     pub(crate) json: bool,
 }

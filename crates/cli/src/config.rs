@@ -174,6 +174,16 @@ pub(crate) struct FileConfig {
     pub(crate) control: Option<PathBuf>,
     #[serde(default, rename = "virtual")]
     pub(crate) virtual_devices: Vec<VirtualSpec>,
+    /// Require TLS 1.3 with client certificates.
+    #[serde(default)]
+    pub(crate) tls: bool,
+    /// Identity directory.
+    pub(crate) identity: Option<PathBuf>,
+    /// `never`, `loopback` or `always`.
+    pub(crate) allow_plain: Option<String>,
+    /// Access rules: `[[allow]] client = "sha256:…" devices = ["1-1", "disk", "*"]`.
+    #[serde(default)]
+    pub(crate) allow: Vec<usbwire_transport::access::Rule>,
 }
 
 impl FileConfig {
@@ -257,5 +267,17 @@ mod tests {
             VirtualSpec::Disk { size: Some(1048576), speed: SpeedChoice::Super, .. }
         ));
         assert!(toml::from_str::<FileConfig>("lisen = 1").is_err());
+        let secure: FileConfig = toml::from_str(
+            r#"
+            tls = true
+            allow_plain = "never"
+            [[allow]]
+            client = "sha256:0000000000000000000000000000000000000000000000000000000000000000"
+            devices = ["1-1", "disk"]
+            "#,
+        )
+        .unwrap();
+        assert!(secure.tls);
+        assert_eq!(secure.allow[0].devices, vec!["1-1".to_string(), "disk".to_string()]);
     }
 }

@@ -33,6 +33,10 @@ impl Drop for Served {
 }
 
 fn serve(dir: &Path, specs: &[&str]) -> Served {
+    serve_with(dir, specs, &[])
+}
+
+fn serve_with(dir: &Path, specs: &[&str], extra: &[&str]) -> Served {
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let control = dir.join("control.sock");
@@ -41,12 +45,13 @@ fn serve(dir: &Path, specs: &[&str]) -> Served {
     for spec in specs {
         command.args(["--virtual", spec]);
     }
+    command.args(extra);
     let mut child = command.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
     // The server prints its address once it listens.
     let stdout = child.stdout.take().unwrap();
     let mut lines = BufReader::new(stdout).lines();
-    let first = lines.next().expect("server output").unwrap();
-    assert!(first.contains(&addr), "unexpected first line: {first}");
+    let first = lines.by_ref().map(|l| l.unwrap()).find(|l| l.starts_with("usbwire serving")).expect("server output");
+    assert!(first.contains(&addr), "unexpected line: {first}");
     std::thread::spawn(move || for _ in lines {});
     Served { child, addr, control }
 }
@@ -192,4 +197,48 @@ fn describe_prints_the_descriptor_tree_and_releases_the_device() {
         assert!(Instant::now() < deadline, "devices not released: {json}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+#[test]
+fn tls_identity_pinning_and_access_end_to_end() {
+    let dir = scratch("tls");
+    let client_dir = dir.join("client");
+    let out = usbwire(&["identity", "--create", "--json", "--dir", client_dir.to_str().unwrap()]);
+    assert!(out.status.success());
+    let id: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let fingerprint = id["fingerprint"].as_str().unwrap().to_owned();
+    assert!(fingerprint.starts_with("sha256:"));
+    let served = serve_with(
+        &dir,
+        &["keyboard", "loopback"],
+        &[
+            "--tls",
+            "--identity",
+            dir.join("server").to_str().unwrap(),
+            "--allow-plain",
+            "never",
+            "--allow",
+            &fingerprint,
+        ],
+    );
+    let tls = ["--tls", "--identity", client_dir.to_str().unwrap()];
+    // Unknown server key: refused with the key to check and what to run.
+    let out = usbwire(&[&["list", "-r", &served.addr][..], &tls[..]].concat());
+    assert_eq!(out.status.code(), Some(69));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--trust-new"));
+    // Trust on first use, then pinned.
+    let out = usbwire(&[&["list", "-r", &served.addr, "--json", "--trust-new"][..], &tls[..]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["devices"].as_array().unwrap().len(), 2);
+    let out = usbwire(&[&["list", "-r", &served.addr, "--json"][..], &tls[..]].concat());
+    assert!(out.status.success());
+    // Plain USB/IP (a downgrade) is refused before anything is listed.
+    let out = usbwire(&["list", "-r", &served.addr]);
+    assert_eq!(out.status.code(), Some(69));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("may require TLS"));
+    // Another client identity is not allowed.
+    let stranger = dir.join("stranger");
+    let out = usbwire(&["list", "-r", &served.addr, "--tls", "--trust-new", "--identity", stranger.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(69));
 }

@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use tokio::io::WriteHalf;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tracing::debug;
@@ -30,6 +30,9 @@ use usbwire_proto::urb::{
     self, CmdSubmit, CmdUnlink, IsoPacketDescriptor, RetSubmit, ServerMessage, SubmittedShape, TransferFlags,
 };
 use usbwire_proto::{DecodeError, Direction, Limits, Status};
+use usbwire_transport::known_servers::KnownServers;
+use usbwire_transport::tls::ServerTrust;
+use usbwire_transport::{Fingerprint, Identity, PeerStream};
 
 /// How long the OP phase may take before we give up on a server.
 const OP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -53,6 +56,22 @@ pub enum ClientError {
     /// The server refused the import.
     #[error("server refused {busid}: {}", .status.describe())]
     Refused { busid: String, status: OpStatus },
+    /// TLS: the server's key is not pinned yet and trusting a new one was not allowed.
+    #[error("{addr} presented an unknown key {fingerprint}; if that is the server's (`usbwire identity` on it shows it), run again with --trust-new to pin it in {}", .known.display())]
+    UnknownServer { addr: String, fingerprint: String, known: std::path::PathBuf },
+    /// TLS: the server's key differs from the pinned one.
+    #[error("{addr} presented key {got}, but {expected} is pinned in {}: someone may be in the middle; if the server's key really changed, remove its line from that file", .known.display())]
+    ServerKeyChanged { addr: String, expected: String, got: String, known: std::path::PathBuf },
+    /// TLS: the handshake failed (for instance the server does not know our identity).
+    #[error(
+        "TLS with {addr} failed: {reason} (does the server allow this client's identity? `usbwire identity` shows it)"
+    )]
+    Tls { addr: String, reason: String },
+    /// The server closed the connection before answering (plain USB/IP refused, or TLS required).
+    #[error(
+        "{addr} closed the connection without answering (it may require TLS: use --tls, or it refused this client)"
+    )]
+    ClosedWithoutAnswer { addr: String },
     /// The server answered an import for another bus id.
     #[error("server answered for bus id {got} instead of {wanted}")]
     WrongDevice { wanted: String, got: String },
@@ -86,7 +105,76 @@ fn has_port(target: &str) -> bool {
     }
 }
 
-async fn connect(addr: SocketAddr) -> Result<TcpStream, ClientError> {
+/// How to reach a server: plain USB/IP, or TLS 1.3 with our identity and the
+/// server's pinned fingerprint.
+#[derive(Clone, Default)]
+pub enum Security {
+    #[default]
+    Plain,
+    Tls(Arc<TlsClient>),
+}
+
+/// A client identity and where pinned server keys are kept.
+#[derive(Debug)]
+pub struct TlsClient {
+    pub identity: Identity,
+    pub known: KnownServers,
+    /// Pin an unknown server's key on first use instead of refusing it.
+    pub trust_new: bool,
+}
+
+async fn connect(addr: SocketAddr, security: &Security) -> Result<PeerStream, ClientError> {
+    let tcp = connect_tcp(addr).await?;
+    let Security::Tls(tls) = security else {
+        return Ok(PeerStream::Plain(tcp));
+    };
+    let key = addr.to_string();
+    let pinned = tls.known.lookup(&key);
+    let trust = match (pinned, tls.trust_new) {
+        (Some(fingerprint), _) => ServerTrust::Pinned(fingerprint),
+        (None, true) => ServerTrust::FirstUse,
+        (None, false) => ServerTrust::Unknown,
+    };
+    let (config, seen) = usbwire_transport::tls::client_config(&tls.identity, trust)
+        .map_err(|e| ClientError::Tls { addr: key.clone(), reason: e.to_string() })?;
+    let connector = tokio_rustls::TlsConnector::from(config);
+    let handshake = tokio::time::timeout(OP_TIMEOUT, connector.connect(usbwire_transport::tls::server_name(), tcp));
+    let stream = match handshake.await {
+        Err(_) => return Err(ClientError::Timeout { addr: key }),
+        Ok(Ok(stream)) => stream,
+        Ok(Err(error)) => {
+            let got = seen.fingerprint();
+            return Err(match (pinned, got) {
+                (Some(expected), Some(got)) if expected != got => ClientError::ServerKeyChanged {
+                    addr: key,
+                    expected: expected.to_string(),
+                    got: got.to_string(),
+                    known: tls.known.path().to_path_buf(),
+                },
+                (None, Some(got)) if !tls.trust_new => ClientError::UnknownServer {
+                    addr: key,
+                    fingerprint: got.to_string(),
+                    known: tls.known.path().to_path_buf(),
+                },
+                _ => ClientError::Tls { addr: key, reason: error.to_string() },
+            });
+        }
+    };
+    if pinned.is_none() {
+        if let Some(fingerprint) = seen.fingerprint() {
+            pin(&tls.known, &key, fingerprint)?;
+        }
+    }
+    Ok(PeerStream::ClientTls(Box::new(stream)))
+}
+
+fn pin(known: &KnownServers, key: &str, fingerprint: Fingerprint) -> Result<(), ClientError> {
+    known.add(key, fingerprint)?;
+    tracing::info!(server = key, %fingerprint, file = %known.path().display(), "pinned the server's key (trust on first use)");
+    Ok(())
+}
+
+async fn connect_tcp(addr: SocketAddr) -> Result<TcpStream, ClientError> {
     let stream = tokio::time::timeout(OP_TIMEOUT, TcpStream::connect(addr))
         .await
         .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
@@ -99,35 +187,67 @@ async fn connect(addr: SocketAddr) -> Result<TcpStream, ClientError> {
 }
 
 /// Asks a server for its exported devices (`OP_REQ_DEVLIST`).
-pub async fn list_devices(addr: SocketAddr) -> Result<Vec<DeviceRecord>, ClientError> {
-    let mut stream = connect(addr).await?;
+pub async fn list_devices(addr: SocketAddr, security: &Security) -> Result<Vec<DeviceRecord>, ClientError> {
+    let mut stream = connect(addr, security).await?;
     let exchange = async {
         let mut out = BytesMut::new();
         OpRequest::DevList.encode(&mut out);
         stream.write_all(&out).await?;
+        stream.flush().await?;
         let mut buf = BytesMut::with_capacity(4096);
         loop {
             if let Some(devices) = op::decode_devlist_reply(&mut buf, &Limits::default())? {
                 return Ok(devices);
             }
             if stream.read_buf(&mut buf).await? == 0 {
-                return Err(ClientError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+                return Err(ClientError::ClosedWithoutAnswer { addr: addr.to_string() });
             }
         }
     };
-    tokio::time::timeout(OP_TIMEOUT, exchange).await.map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
+    let result = tokio::time::timeout(OP_TIMEOUT, exchange)
+        .await
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?;
+    result.map_err(|e| closed_early(e, addr))
+}
+
+/// A server that hangs up during the OP phase (a refused plain or TLS client)
+/// resets or ends the connection; say so rather than "connection reset".
+fn closed_early(error: ClientError, addr: SocketAddr) -> ClientError {
+    match error {
+        ClientError::Io(io)
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::BrokenPipe
+            ) =>
+        {
+            ClientError::ClosedWithoutAnswer { addr: addr.to_string() }
+        }
+        other => other,
+    }
 }
 
 /// Imports a device (`OP_REQ_IMPORT`); the returned socket is its URB channel.
-pub async fn import(addr: SocketAddr, busid: &BusId) -> Result<(TcpStream, DeviceRecord), ClientError> {
-    let mut stream = connect(addr).await?;
+pub async fn import(
+    addr: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+) -> Result<(PeerStream, DeviceRecord), ClientError> {
+    let mut stream = connect(addr, security).await?;
     let exchange = async {
         let mut out = BytesMut::new();
         OpRequest::Import { busid: busid.clone() }.encode(&mut out);
         stream.write_all(&out).await?;
+        stream.flush().await?;
         // Read exactly the reply, no further: URB traffic follows on this socket.
         let mut header = [0u8; op::OP_HEADER_LEN];
-        stream.read_exact(&mut header).await?;
+        if let Err(error) = stream.read_exact(&mut header).await {
+            return Err(match error.kind() {
+                std::io::ErrorKind::UnexpectedEof => ClientError::ClosedWithoutAnswer { addr: addr.to_string() },
+                _ => ClientError::Io(error),
+            });
+        }
         let mut buf = BytesMut::from(&header[..]);
         if let Some(Err(status)) = op::decode_import_reply(&mut buf)? {
             return Err(ClientError::Refused { busid: busid.to_string(), status });
@@ -146,7 +266,8 @@ pub async fn import(addr: SocketAddr, busid: &BusId) -> Result<(TcpStream, Devic
     };
     let device = tokio::time::timeout(OP_TIMEOUT, exchange)
         .await
-        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })??;
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
+        .map_err(|e| closed_early(e, addr))?;
     Ok((stream, device))
 }
 
@@ -238,14 +359,14 @@ struct Shared {
 pub struct Connection {
     devid: u32,
     shared: Arc<Shared>,
-    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    writer: tokio::sync::Mutex<WriteHalf<PeerStream>>,
     reader: tokio::task::JoinHandle<()>,
 }
 
 impl Connection {
     /// Starts the reply reader on an imported device's socket.
-    pub fn new(stream: TcpStream, device: &DeviceRecord) -> Self {
-        let (mut read_half, write_half) = stream.into_split();
+    pub fn new(stream: PeerStream, device: &DeviceRecord) -> Self {
+        let (mut read_half, write_half) = tokio::io::split(stream);
         let shared = Arc::new(Shared { waiters: Mutex::new(Some(Waiters::default())), next_seqnum: AtomicU32::new(1) });
         let reader_shared = shared.clone();
         let reader = tokio::spawn(async move {
@@ -361,7 +482,8 @@ impl Connection {
         let sent = async {
             writer.write_all(&header).await?;
             writer.write_all(payload).await?;
-            writer.write_all(&trailer).await
+            writer.write_all(&trailer).await?;
+            writer.flush().await
         }
         .await;
         if sent.is_err() {
@@ -386,7 +508,8 @@ impl Connection {
             w.unlinks.insert(seqnum, target);
         }
         let mut writer = self.writer.lock().await;
-        writer.write_all(&unlink.header()).await.map_err(|_| TransferError::Disconnected)
+        writer.write_all(&unlink.header()).await.map_err(|_| TransferError::Disconnected)?;
+        writer.flush().await.map_err(|_| TransferError::Disconnected)
     }
 
     /// Whether the server has closed the connection.

@@ -15,21 +15,31 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn, Instrument};
 use usbwire_proto::op::{self, OpRequest};
 use usbwire_proto::{DecodeError, Limits};
+use usbwire_transport::access::ClientId;
+use usbwire_transport::{PeerStream, TLS_HANDSHAKE_BYTE};
 
 use crate::registry::Registry;
-use crate::{urb_channel, ServerConfig};
+use crate::{urb_channel, PlainPolicy, ServerConfig};
 
 /// How long a client may take to send its one OP request.
 const OP_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub(crate) async fn handle(
-    mut stream: TcpStream,
+    tcp: TcpStream,
     peer: SocketAddr,
     registry: Registry,
     config: Arc<ServerConfig>,
     stop: watch::Receiver<bool>,
 ) {
-    configure_socket(&stream);
+    configure_socket(&tcp);
+    let Some((mut stream, client)) = secure(tcp, peer, &config).await else {
+        return;
+    };
+    let visible = |kind: &str, busid: &str| match client {
+        // Plain clients see everything unless a rule names them.
+        ClientId::Plain if !config.security.access.rules.iter().any(|r| r.client == "plain") => true,
+        _ => config.security.access.allows(&client, busid, kind),
+    };
     let mut buf = BytesMut::with_capacity(256);
     let request =
         match tokio::time::timeout(OP_REQUEST_TIMEOUT, read_request(&mut stream, &mut buf, &config.limits)).await {
@@ -50,16 +60,16 @@ pub(crate) async fn handle(
     let mut reply = BytesMut::new();
     match request {
         OpRequest::DevList => {
-            let devices = registry.devlist();
+            let devices = registry.devlist(visible);
             op::encode_devlist_reply(&devices, &mut reply);
             debug!(devices = devices.len(), "device list");
             if let Err(error) = stream.write_all(&reply).await {
                 debug!(%error, "device list not delivered");
             }
         }
-        OpRequest::Import { busid } => match registry.import(&busid, peer) {
+        OpRequest::Import { busid } => match registry.import(&busid, peer, visible) {
             Err(status) => {
-                info!(%busid, status = status.describe(), "import refused");
+                info!(%busid, %client, status = status.describe(), "import refused");
                 op::encode_import_reply(Err(status), &mut reply);
                 let _ = stream.write_all(&reply).await;
             }
@@ -84,8 +94,60 @@ pub(crate) async fn handle(
     }
 }
 
+/// Tells TLS from plain USB/IP by the first byte, applies the plain-connection
+/// policy, runs the TLS handshake and identifies the client. `None` means the
+/// connection was refused (and logged) before anything was listed.
+async fn secure(tcp: TcpStream, peer: SocketAddr, config: &ServerConfig) -> Option<(PeerStream, ClientId)> {
+    let security = &config.security;
+    let mut first = [0u8; 1];
+    match tokio::time::timeout(OP_REQUEST_TIMEOUT, tcp.peek(&mut first)).await {
+        Ok(Ok(1)) => {}
+        Ok(_) => return None,
+        Err(_) => {
+            warn!("nothing received within {} s; closing", OP_REQUEST_TIMEOUT.as_secs());
+            return None;
+        }
+    }
+    if first[0] != TLS_HANDSHAKE_BYTE {
+        let allowed = match (security.tls.is_some(), security.plain) {
+            (false, _) | (true, PlainPolicy::Always) => true,
+            (true, PlainPolicy::Loopback) => peer.ip().is_loopback(),
+            (true, PlainPolicy::Never) => false,
+        };
+        if !allowed {
+            warn!("plain USB/IP refused: this server requires TLS (connect with usbwire --tls)");
+            return None;
+        }
+        return Some((PeerStream::Plain(tcp), ClientId::Plain));
+    }
+    let Some(tls) = &security.tls else {
+        warn!("TLS client, but this server has no TLS identity (start it with --tls)");
+        return None;
+    };
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls.clone());
+    let stream = match tokio::time::timeout(OP_REQUEST_TIMEOUT, acceptor.accept(tcp)).await {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(error)) => {
+            warn!(%error, "TLS handshake failed");
+            return None;
+        }
+        Err(_) => {
+            warn!("TLS handshake timed out");
+            return None;
+        }
+    };
+    let fingerprint = usbwire_transport::tls::client_fingerprint(stream.get_ref().1)?;
+    let client = ClientId::Certificate(fingerprint);
+    if !security.access.knows(&client) {
+        warn!(%client, "unknown client identity refused (add it to an [[allow]] rule to admit it)");
+        return None;
+    }
+    info!(%client, "TLS client authenticated");
+    Some((PeerStream::ServerTls(Box::new(stream)), client))
+}
+
 async fn read_request(
-    stream: &mut TcpStream,
+    stream: &mut PeerStream,
     buf: &mut BytesMut,
     limits: &Limits,
 ) -> Result<Option<OpRequest>, DecodeError> {

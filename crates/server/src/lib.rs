@@ -23,6 +23,7 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
+use tokio_rustls::rustls as rustls_config;
 use tracing::{info, warn, Instrument};
 use usbwire_device::Device;
 use usbwire_proto::op::BusId;
@@ -32,6 +33,7 @@ pub use control::{
     default_control_path, request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput,
 };
 pub use registry::{DeviceState, ExportInfo, Registry};
+pub use usbwire_transport::access::AccessRules;
 
 /// Server settings, with the defaults `usbwire serve` uses.
 #[derive(Clone, Debug)]
@@ -46,6 +48,35 @@ pub struct ServerConfig {
     pub max_in_flight: usize,
     /// Concurrent connections (each device list or import is one).
     pub max_connections: usize,
+    /// TLS, the plain-connection policy and per-client access rules.
+    pub security: Security,
+}
+
+/// Whether plain (unencrypted, unauthenticated) USB/IP connections are accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlainPolicy {
+    Never,
+    /// Only from the loopback interface (the default once TLS is configured).
+    Loopback,
+    Always,
+}
+
+/// Who may connect and what they may use.
+#[derive(Clone, Debug)]
+pub struct Security {
+    /// TLS 1.3 with client certificates, on the same port as plain USB/IP.
+    pub tls: Option<Arc<rustls_config::ServerConfig>>,
+    pub plain: PlainPolicy,
+    /// Which client sees and imports which device. Plain clients are matched by
+    /// `client = "plain"` rules, or see everything when no rule names them.
+    pub access: AccessRules,
+}
+
+impl Default for Security {
+    /// Plain USB/IP for everyone, as usbipd does.
+    fn default() -> Self {
+        Self { tls: None, plain: PlainPolicy::Always, access: AccessRules::open() }
+    }
 }
 
 impl Default for ServerConfig {
@@ -56,6 +87,7 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             max_in_flight: 1024,
             max_connections: 256,
+            security: Security::default(),
         }
     }
 }

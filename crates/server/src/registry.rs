@@ -115,13 +115,28 @@ impl Registry {
     }
 
     /// What `OP_REP_DEVLIST` carries: like usbipd, only devices that can be imported.
-    pub(crate) fn devlist(&self) -> Vec<DeviceRecord> {
-        self.list().into_iter().filter(|e| e.state == DeviceState::Available).map(|e| e.record).collect()
+    /// `visible(kind, busid)` says what this client may see.
+    pub(crate) fn devlist(&self, visible: impl Fn(&str, &str) -> bool) -> Vec<DeviceRecord> {
+        self.list()
+            .into_iter()
+            .filter(|e| e.state == DeviceState::Available && visible(&e.kind, e.record.busid.as_str()))
+            .map(|e| e.record)
+            .collect()
     }
 
-    /// Takes a device for exclusive use by `client`.
-    pub(crate) fn import(&self, busid: &BusId, client: SocketAddr) -> Result<Lease, OpStatus> {
-        let export = lock(&self.exports).iter().find(|e| &e.record.busid == busid).cloned().ok_or(OpStatus::NODEV)?;
+    /// Takes a device for exclusive use by `client`. A device this client may
+    /// not see (`visible(kind, busid)`) does not exist for it: `ST_NODEV`.
+    pub(crate) fn import(
+        &self,
+        busid: &BusId,
+        client: SocketAddr,
+        visible: impl Fn(&str, &str) -> bool,
+    ) -> Result<Lease, OpStatus> {
+        let export = lock(&self.exports)
+            .iter()
+            .find(|e| &e.record.busid == busid && visible(&e.kind, busid.as_str()))
+            .cloned()
+            .ok_or(OpStatus::NODEV)?;
         let mut slot = lock(&export.slot);
         match std::mem::replace(&mut *slot, Slot::InUse { client, since: SystemTime::now() }) {
             Slot::Available(device) => {

@@ -20,13 +20,14 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::BytesMut;
-use tokio::net::TcpStream;
+use tokio::io::AsyncWrite;
 use tokio::sync::watch;
 use tokio_util::io::poll_read_buf;
 use tracing::{trace, warn};
 use usbwire_device::{Completion, Device, TransferType, Urb};
 use usbwire_proto::urb::{self, ClientMessage, RetUnlink};
 use usbwire_proto::{DecodeError, Limits, Status};
+use usbwire_transport::PeerStream;
 
 use crate::registry::Lease;
 use crate::write_queue::WriteQueue;
@@ -59,7 +60,7 @@ pub(crate) enum ChannelError {
 }
 
 pub(crate) async fn run(
-    stream: TcpStream,
+    stream: PeerStream,
     leftover: BytesMut,
     lease: &mut Lease,
     config: &ServerConfig,
@@ -68,6 +69,7 @@ pub(crate) async fn run(
     let mut channel = Channel {
         devid: lease.record().devid(),
         stream,
+        unflushed: false,
         inbuf: leftover,
         out: WriteQueue::default(),
         in_flight: HashMap::new(),
@@ -86,7 +88,9 @@ type InFlight = HashMap<u32, Option<u32>>;
 
 struct Channel {
     devid: u32,
-    stream: TcpStream,
+    stream: PeerStream,
+    /// Written since the last flush (TLS buffers records until flushed).
+    unflushed: bool,
     inbuf: BytesMut,
     out: WriteQueue,
     in_flight: InFlight,
@@ -132,7 +136,19 @@ impl Channel {
                 match self.out.poll_flush(cx, &mut self.stream) {
                     Poll::Ready(Err(error)) if is_disconnect(&error) => return Poll::Ready(Ok(End::ClientClosed)),
                     Poll::Ready(Err(error)) => return Poll::Ready(Err(error.into())),
-                    Poll::Ready(Ok(())) | Poll::Pending => progressed |= self.out.queued() != before,
+                    Poll::Ready(Ok(())) | Poll::Pending => {
+                        let wrote = self.out.queued() != before;
+                        progressed |= wrote;
+                        self.unflushed |= wrote;
+                    }
+                }
+            }
+            if self.unflushed && self.out.is_empty() {
+                match Pin::new(&mut self.stream).poll_flush(cx) {
+                    Poll::Ready(Ok(())) => self.unflushed = false,
+                    Poll::Ready(Err(error)) if is_disconnect(&error) => return Poll::Ready(Ok(End::ClientClosed)),
+                    Poll::Ready(Err(error)) => return Poll::Ready(Err(error.into())),
+                    Poll::Pending => {}
                 }
             }
 

@@ -7,12 +7,13 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use usbwire_client::{Connection, Transfer};
+use usbwire_client::{Connection, Security, Transfer};
 use usbwire_device::Speed;
 use usbwire_proto::op::{BusId, OpStatus};
 use usbwire_proto::urb::{CmdSubmit, CmdUnlink, TransferFlags};
 use usbwire_proto::{Direction, Status};
 use usbwire_server::{Server, ServerConfig};
+use usbwire_transport::PeerStream;
 
 const GET_DEVICE_DESCRIPTOR: [u8; 8] = [0x80, 0x06, 0x00, 0x01, 0x00, 0x00, 0x12, 0x00];
 const SET_CONFIGURATION_1: [u8; 8] = [0x00, 0x09, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00];
@@ -35,7 +36,7 @@ fn busid(text: &str) -> BusId {
 }
 
 async fn configured(addr: SocketAddr, id: &str) -> Connection {
-    let (stream, record) = usbwire_client::import(addr, &busid(id)).await.unwrap();
+    let (stream, record) = usbwire_client::import(addr, &busid(id), &Security::Plain).await.unwrap();
     let conn = Connection::new(stream, &record);
     let ret = conn.transfer(Transfer::control_out(SET_CONFIGURATION_1, Bytes::new())).await.unwrap();
     assert_eq!(ret.status, Status::OK);
@@ -45,7 +46,7 @@ async fn configured(addr: SocketAddr, id: &str) -> Connection {
 /// Waits until `busid` is listed again (the server resets it after a disconnect).
 async fn wait_listed(addr: SocketAddr, id: &str) {
     for _ in 0..100 {
-        let devices = usbwire_client::list_devices(addr).await.unwrap();
+        let devices = usbwire_client::list_devices(addr, &Security::Plain).await.unwrap();
         if devices.iter().any(|d| d.busid.as_str() == id) {
             return;
         }
@@ -54,7 +55,7 @@ async fn wait_listed(addr: SocketAddr, id: &str) {
     panic!("{id} was not listed as available again");
 }
 
-async fn read_to_end_within(stream: &mut TcpStream) -> Vec<u8> {
+async fn read_to_end_within(stream: &mut (impl tokio::io::AsyncRead + Unpin)) -> Vec<u8> {
     let mut out = Vec::new();
     tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut out))
         .await
@@ -64,8 +65,8 @@ async fn read_to_end_within(stream: &mut TcpStream) -> Vec<u8> {
 }
 
 /// Imports by raw bytes and returns the socket positioned at the URB phase.
-async fn raw_import(addr: SocketAddr, id: &str) -> (TcpStream, u32) {
-    let (stream, record) = usbwire_client::import(addr, &busid(id)).await.unwrap();
+async fn raw_import(addr: SocketAddr, id: &str) -> (PeerStream, u32) {
+    let (stream, record) = usbwire_client::import(addr, &busid(id), &Security::Plain).await.unwrap();
     (stream, record.devid())
 }
 
@@ -89,7 +90,7 @@ fn submit(seqnum: u32, devid: u32, direction: Direction, ep: u8, len: u32, setup
 #[tokio::test]
 async fn devlist_shows_devices_with_interfaces() {
     let addr = start().await;
-    let devices = usbwire_client::list_devices(addr).await.unwrap();
+    let devices = usbwire_client::list_devices(addr, &Security::Plain).await.unwrap();
     assert_eq!(devices.len(), 2);
     let loopback = &devices[0];
     assert_eq!(loopback.busid.as_str(), "1-1");
@@ -114,23 +115,27 @@ async fn import_is_exclusive_and_released_on_disconnect() {
     let addr = start().await;
     let first = configured(addr, "1-1").await;
     // A second importer is refused; the device is not listed while in use.
-    match usbwire_client::import(addr, &busid("1-1")).await {
+    match usbwire_client::import(addr, &busid("1-1"), &Security::Plain).await {
         Err(usbwire_client::ClientError::Refused { status, .. }) => assert_eq!(status, OpStatus::DEV_BUSY),
         other => panic!("expected DEV_BUSY, got {:?}", other.map(|(_, r)| r)),
     }
-    assert!(usbwire_client::list_devices(addr).await.unwrap().iter().all(|d| d.busid.as_str() != "1-1"));
+    assert!(usbwire_client::list_devices(addr, &Security::Plain)
+        .await
+        .unwrap()
+        .iter()
+        .all(|d| d.busid.as_str() != "1-1"));
     // The first importer is unaffected.
     let ret = first.transfer(Transfer::control_in(GET_DEVICE_DESCRIPTOR)).await.unwrap();
     assert_eq!(ret.actual_length, 18);
     // Unknown bus ids get ST_NODEV.
-    match usbwire_client::import(addr, &busid("9-9")).await {
+    match usbwire_client::import(addr, &busid("9-9"), &Security::Plain).await {
         Err(usbwire_client::ClientError::Refused { status, .. }) => assert_eq!(status, OpStatus::NODEV),
         other => panic!("expected NODEV, got {:?}", other.map(|(_, r)| r)),
     }
     drop(first);
     wait_listed(addr, "1-1").await;
     // Importable again, and reset: unconfigured until the new client configures it.
-    let (stream, record) = usbwire_client::import(addr, &busid("1-1")).await.unwrap();
+    let (stream, record) = usbwire_client::import(addr, &busid("1-1"), &Security::Plain).await.unwrap();
     let conn = Connection::new(stream, &record);
     let config = conn.transfer(Transfer::control_in([0x80, 0x08, 0, 0, 0, 0, 1, 0])).await.unwrap();
     assert_eq!(&config.data[..], &[0]);

@@ -40,7 +40,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         println!("  {line}");
     }
     println!("\nWhat a USB/IP client sees (usbwire list -r {addr}):\n");
-    let devices = usbwire_client::list_devices(addr).await?;
+    let devices = usbwire_client::list_devices(addr, &usbwire_client::Security::Plain).await?;
     print!("{}", super::list::format_like_usbip(&addr.to_string(), &devices, &super::list::UsbIds::load()));
 
     let disk_busid = exported
@@ -50,7 +50,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         .and_then(BusId::new)
         .ok_or_else(|| Failure::software(anyhow!("the demo disk was not exported")))?;
     println!("The disk's descriptors, read over USB/IP (usbwire describe -r {addr} -b {disk_busid}):\n");
-    let description = super::describe::fetch(addr, &disk_busid).await?;
+    let description = super::describe::fetch(addr, &disk_busid, &usbwire_client::Security::Plain).await?;
     print!("{}", super::describe::format(&disk_busid, &description));
     println!();
 

@@ -13,7 +13,8 @@ use crate::exit::Failure;
 pub(crate) async fn run(args: DescribeArgs) -> Result<(), Failure> {
     let busid = BusId::new(&args.busid).ok_or_else(|| Failure::usage(anyhow!("invalid bus id {:?}", args.busid)))?;
     let addr = super::list::resolve(&args.remote, args.tcp_port).await?;
-    let description = fetch(addr, &busid).await?;
+    let security = super::client_security(&args.security)?;
+    let description = fetch(addr, &busid, &security).await?;
     if args.json {
         let json = serde_json::to_string_pretty(&description).map_err(|e| Failure::software(e.into()))?;
         println!("{json}");
@@ -24,8 +25,12 @@ pub(crate) async fn run(args: DescribeArgs) -> Result<(), Failure> {
 }
 
 /// Imports `busid`, reads its descriptors and releases it again.
-pub(crate) async fn fetch(addr: std::net::SocketAddr, busid: &BusId) -> Result<Description, Failure> {
-    let (stream, record) = usbwire_client::import(addr, busid).await?;
+pub(crate) async fn fetch(
+    addr: std::net::SocketAddr,
+    busid: &BusId,
+    security: &usbwire_client::Security,
+) -> Result<Description, Failure> {
+    let (stream, record) = usbwire_client::import(addr, busid, security).await?;
     let connection = Connection::new(stream, &record);
     let description = describe::describe(&connection).await.map_err(|e| Failure::unavailable(e.into()))?;
     // Dropping the connection releases the device on the server.

@@ -9,7 +9,8 @@ use crate::exit::Failure;
 
 pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     let addr = resolve(&args.remote, args.tcp_port).await?;
-    let devices = usbwire_client::list_devices(addr).await?;
+    let security = super::client_security(&args.security)?;
+    let devices = usbwire_client::list_devices(addr, &security).await?;
     let names = UsbIds::load();
     if args.json {
         println!("{}", devices_json(&args.remote, &devices, &names));

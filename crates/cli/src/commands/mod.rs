@@ -2,12 +2,20 @@
 
 mod demo;
 mod describe;
+mod identity;
 mod kernel;
 mod list;
 mod local;
 mod serve;
 
-use crate::args::Command;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use usbwire_client::{Security, TlsClient};
+use usbwire_transport::known_servers::KnownServers;
+use usbwire_transport::Identity;
+
+use crate::args::{ClientSecurityArgs, Command};
 use crate::exit::Failure;
 
 pub(crate) async fn run(command: Command) -> Result<(), Failure> {
@@ -18,6 +26,7 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
         Command::Attach(args) => kernel::attach(args).await,
         Command::Port(args) => kernel::port(args),
         Command::Detach(args) => kernel::detach(args),
+        Command::Identity(args) => identity::run(args),
         Command::Type(args) => local::type_text(args).await,
         Command::State(args) => local::state(args).await,
         Command::Demo(args) => demo::run(args).await,
@@ -44,4 +53,31 @@ pub(crate) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
             }
         }
     }
+}
+
+/// The client's transport, from `--tls`, `--identity` and `--trust-new`.
+/// A client identity is created on first use (its fingerprint is what a
+/// server's `--allow` needs).
+pub(crate) fn client_security(args: &ClientSecurityArgs) -> Result<Security, Failure> {
+    if !args.tls {
+        return Ok(Security::Plain);
+    }
+    let dir = args.identity.clone().unwrap_or_else(usbwire_transport::identity::default_dir);
+    let (identity, created) = Identity::load_or_create(&dir, &hostname())
+        .with_context(|| format!("identity in {}", dir.display()))
+        .map_err(Failure::config)?;
+    if created {
+        eprintln!(
+            "usbwire: created identity {} in {} (allow it on the server with --allow)",
+            identity.fingerprint(),
+            dir.display()
+        );
+    }
+    Ok(Security::Tls(Arc::new(TlsClient { identity, known: KnownServers::in_dir(&dir), trust_new: args.trust_new })))
+}
+
+pub(crate) fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "usbwire".into())
 }

@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use usbwire_gadgets::{DiskOptions, KeyboardHandle, MassStorage};
-use usbwire_server::{Server, ServerConfig, TextInput};
+use usbwire_server::{AccessRules, PlainPolicy, Security, Server, ServerConfig, TextInput};
+use usbwire_transport::access::Rule;
+use usbwire_transport::Identity;
 
 use crate::args::ServeArgs;
 use crate::config::{FileConfig, VirtualSpec};
@@ -29,9 +31,10 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     if let Some(listen) = args.listen.or(file.listen) {
         config.listen = listen;
     }
-    if let Some(control) = args.control.control.clone().or(file.control) {
+    if let Some(control) = args.control.control.clone().or(file.control.clone()) {
         config.control_path = Some(control);
     }
+    config.security = security(&args, &file)?;
     let shutdown = super::shutdown_signal();
     let (server, exported) = build(config, &specs)?;
     let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
@@ -104,4 +107,51 @@ impl TextInput for Keyboard {
     fn is_attached(&self) -> bool {
         self.0.is_attached()
     }
+}
+
+/// TLS, plain policy and access rules from flags and the config file.
+fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
+    if !(args.tls || file.tls) {
+        if !args.allow.is_empty() || !file.allow.is_empty() || args.allow_plain.is_some() {
+            return Err(Failure::usage(anyhow::anyhow!(
+                "--allow, --allow-plain and [[allow]] rules need --tls (or tls = true)"
+            )));
+        }
+        return Ok(Security::default());
+    }
+    let dir = args
+        .identity
+        .clone()
+        .or_else(|| file.identity.clone())
+        .unwrap_or_else(usbwire_transport::identity::default_dir);
+    let (identity, created) = Identity::load_or_create(&dir, &super::hostname())
+        .with_context(|| format!("server identity in {}", dir.display()))
+        .map_err(Failure::config)?;
+    if created {
+        println!("created server identity in {}", dir.display());
+    }
+    println!("server key fingerprint {} (clients pin it on first use)", identity.fingerprint());
+    let tls = usbwire_transport::tls::server_config(&identity).map_err(|e| Failure::software(e.into()))?;
+    let plain = match args.allow_plain.as_deref().or(file.allow_plain.as_deref()).unwrap_or("loopback") {
+        "never" => PlainPolicy::Never,
+        "loopback" => PlainPolicy::Loopback,
+        "always" => PlainPolicy::Always,
+        other => return Err(Failure::usage(anyhow::anyhow!("--allow-plain {other:?}: use never, loopback or always"))),
+    };
+    let mut rules = file.allow.clone();
+    for fingerprint in &args.allow {
+        rules.push(Rule { client: fingerprint.clone(), devices: vec!["*".into()] });
+    }
+    let access = AccessRules { rules };
+    let invalid = access.invalid_clients();
+    if !invalid.is_empty() {
+        return Err(Failure::config(anyhow::anyhow!(
+            "not fingerprints: {} (use the sha256:… that `usbwire identity` prints on the client)",
+            invalid.join(", ")
+        )));
+    }
+    if access.rules.is_empty() {
+        eprintln!("usbwire: no client is allowed yet: add --allow FINGERPRINT (from `usbwire identity` on the client)");
+    }
+    Ok(Security { tls: Some(tls), plain, access })
 }

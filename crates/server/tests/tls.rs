@@ -1,0 +1,193 @@
+//! TLS 1.3 with mutual authentication, the plain-connection policy, per-device
+//! access rules and tamper detection, over real loopback TCP.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use usbwire_client::{ClientError, Connection, Security, TlsClient, Transfer, TransferError};
+use usbwire_device::Speed;
+use usbwire_proto::op::{BusId, OpStatus};
+use usbwire_proto::Status;
+use usbwire_server::{PlainPolicy, Security as ServerSecurity, Server, ServerConfig};
+use usbwire_transport::access::{AccessRules, Rule};
+use usbwire_transport::known_servers::KnownServers;
+use usbwire_transport::Identity;
+
+struct Setup {
+    addr: SocketAddr,
+    server: Identity,
+    alice: Identity,
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("usbwire-tls-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A TLS server exporting three devices; Alice may use only 1-1.
+async fn start(plain: PlainPolicy) -> Setup {
+    let server = Identity::generate("server").unwrap();
+    let alice = Identity::generate("alice").unwrap();
+    let security = ServerSecurity {
+        tls: Some(usbwire_transport::tls::server_config(&server).unwrap()),
+        plain,
+        access: AccessRules {
+            rules: vec![Rule { client: alice.fingerprint().to_string(), devices: vec!["1-1".into()] }],
+        },
+    };
+    let config = ServerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        control_path: None,
+        security,
+        ..ServerConfig::default()
+    };
+    let mut s = Server::new(config);
+    s.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
+    s.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
+    s.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
+    let bound = s.bind().await.unwrap();
+    let addr = bound.local_addr();
+    tokio::spawn(bound.run(std::future::pending()));
+    Setup { addr, server, alice }
+}
+
+fn tls(identity: &Identity, known: KnownServers, trust_new: bool) -> Security {
+    // Identities are not Clone (the key stays in one place); re-load a copy from disk.
+    let dir = scratch(&format!("copy-{}", identity.fingerprint().to_string()[7..15].to_owned()));
+    identity.save(&dir).unwrap();
+    let copy = Identity::load(&dir).unwrap();
+    Security::Tls(Arc::new(TlsClient { identity: copy, known, trust_new }))
+}
+
+fn pinned(setup: &Setup, addr: SocketAddr, name: &str) -> KnownServers {
+    let known = KnownServers::in_dir(&scratch(name));
+    known.add(&addr.to_string(), setup.server.fingerprint()).unwrap();
+    known
+}
+
+#[tokio::test]
+async fn allowed_client_sees_and_imports_only_its_device_over_tls() {
+    let setup = start(PlainPolicy::Never).await;
+    let alice = tls(&setup.alice, pinned(&setup, setup.addr, "alice-known"), false);
+    let devices = usbwire_client::list_devices(setup.addr, &alice).await.unwrap();
+    assert_eq!(devices.iter().map(|d| d.busid.as_str()).collect::<Vec<_>>(), vec!["1-1"]);
+    match usbwire_client::import(setup.addr, &BusId::new("1-2").unwrap(), &alice).await {
+        Err(ClientError::Refused { status, .. }) => assert_eq!(status, OpStatus::NODEV),
+        other => panic!("expected refusal, got {:?}", other.map(|(_, r)| r)),
+    }
+    let (stream, record) = usbwire_client::import(setup.addr, &BusId::new("1-1").unwrap(), &alice).await.unwrap();
+    assert!(stream.is_tls());
+    let conn = Connection::new(stream, &record);
+    let ret = conn.transfer(Transfer::control_out([0, 9, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
+    assert_eq!(ret.status, Status::OK);
+    let payload = Bytes::from(vec![0x3cu8; 100_000]);
+    conn.transfer(Transfer::bulk_out(0x03, payload.clone())).await.unwrap();
+    let back = conn.transfer(Transfer::bulk_in(0x83, 100_000)).await.unwrap();
+    assert_eq!(back.data, payload);
+}
+
+#[tokio::test]
+async fn refused_before_any_device_is_listed() {
+    let setup = start(PlainPolicy::Never).await;
+    // No client key at all: plain USB/IP, which this policy forbids (a downgrade).
+    let plain = usbwire_client::list_devices(setup.addr, &Security::Plain).await;
+    assert!(matches!(plain, Err(ClientError::ClosedWithoutAnswer { .. })), "{plain:?}");
+    // An unknown key: the handshake completes, then the server hangs up.
+    let mallory = Identity::generate("mallory").unwrap();
+    let unknown = tls(&mallory, pinned(&setup, setup.addr, "mallory-known"), false);
+    let result = usbwire_client::list_devices(setup.addr, &unknown).await;
+    assert!(matches!(result, Err(ClientError::ClosedWithoutAnswer { .. }) | Err(ClientError::Io(_))), "{result:?}");
+    // A server whose key is not the pinned one (a key for another server).
+    let other_server = Identity::generate("other").unwrap();
+    let known = KnownServers::in_dir(&scratch("wrong-pin"));
+    known.add(&setup.addr.to_string(), other_server.fingerprint()).unwrap();
+    let result = usbwire_client::list_devices(setup.addr, &tls(&setup.alice, known, false)).await;
+    assert!(matches!(result, Err(ClientError::ServerKeyChanged { .. })), "{result:?}");
+    // An unknown server without --trust-new: refused, and the error shows the key to check.
+    let known = KnownServers::in_dir(&scratch("unpinned"));
+    match usbwire_client::list_devices(setup.addr, &tls(&setup.alice, known.clone(), false)).await {
+        Err(ClientError::UnknownServer { fingerprint, .. }) => {
+            assert_eq!(fingerprint, setup.server.fingerprint().to_string())
+        }
+        other => panic!("expected an unknown-server error, got {other:?}"),
+    }
+    assert_eq!(known.lookup(&setup.addr.to_string()), None);
+    // With --trust-new it is pinned and used.
+    let devices = usbwire_client::list_devices(setup.addr, &tls(&setup.alice, known.clone(), true)).await.unwrap();
+    assert_eq!(devices.len(), 1);
+    assert_eq!(known.lookup(&setup.addr.to_string()), Some(setup.server.fingerprint()));
+}
+
+#[tokio::test]
+async fn plain_from_loopback_is_allowed_by_the_default_tls_policy() {
+    let setup = start(PlainPolicy::Loopback).await;
+    // Loopback plain clients see everything unless a rule names "plain".
+    let devices = usbwire_client::list_devices(setup.addr, &Security::Plain).await.unwrap();
+    assert_eq!(devices.len(), 3);
+}
+
+/// A proxy that flips one byte of the client-to-server stream at `at`.
+async fn tampering_proxy(target: SocketAddr, at: usize) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut client, _) = listener.accept().await.unwrap();
+        let mut server = TcpStream::connect(target).await.unwrap();
+        let (mut cr, mut cw) = client.split();
+        let (mut sr, mut sw) = server.split();
+        let upstream = async {
+            let mut seen = 0usize;
+            let mut buf = vec![0u8; 65536];
+            loop {
+                let n = match cr.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                if seen <= at && at < seen + n {
+                    buf[at - seen] ^= 0x40;
+                }
+                seen += n;
+                if sw.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+            let _ = sw.shutdown().await;
+        };
+        let downstream = async {
+            let _ = tokio::io::copy(&mut sr, &mut cw).await;
+            let _ = cw.shutdown().await;
+        };
+        tokio::join!(upstream, downstream);
+    });
+    addr
+}
+
+#[tokio::test]
+async fn bytes_altered_on_the_wire_drop_the_connection() {
+    let setup = start(PlainPolicy::Never).await;
+    // Flip a byte well after the handshake, inside the OUT payload's TLS records.
+    let proxy = tampering_proxy(setup.addr, 60_000).await;
+    let alice = tls(&setup.alice, pinned(&setup, proxy, "tamper-known"), false);
+    let (stream, record) = usbwire_client::import(proxy, &BusId::new("1-1").unwrap(), &alice).await.unwrap();
+    let conn = Connection::new(stream, &record);
+    conn.transfer(Transfer::control_out([0, 9, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
+    let sent = Bytes::from(vec![0x11u8; 200_000]);
+    let out =
+        tokio::time::timeout(Duration::from_secs(5), conn.transfer(Transfer::bulk_out(0x03, sent))).await.unwrap();
+    assert_eq!(out, Err(TransferError::Disconnected), "the server must drop the connection, not complete the URB");
+    // And the device is reset and available again (through a clean path).
+    let direct = tls(&setup.alice, pinned(&setup, setup.addr, "after-tamper"), false);
+    for _ in 0..100 {
+        if usbwire_client::list_devices(setup.addr, &direct).await.unwrap().len() == 1 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("device not available again after the tampered connection");
+}

@@ -1,0 +1,29 @@
+//! Secure transport for USB/IP: TLS 1.3 with mutual authentication, on the
+//! same port as plain USB/IP.
+//!
+//! * [`identity`]: a key pair per machine (server or client), its certificate
+//!   and its fingerprint (`sha256:…` of the certificate), kept in files with
+//!   mode 0600.
+//! * [`tls`]: rustls configurations. Servers require a client certificate and
+//!   authorise it by fingerprint after the handshake; clients pin the
+//!   server's fingerprint (trust on first use, like ssh's known_hosts, see
+//!   [`known_servers`]).
+//! * [`access`]: which client may see and import which device.
+//! * [`PeerStream`]: one type for a plain or a TLS connection, so the server
+//!   and client code above it does not care which it has.
+//!
+//! Not for the USB/IP protocol itself (that is `usbwire-proto`), nor for
+//! deciding policy (the server's configuration does).
+
+pub mod access;
+pub mod identity;
+pub mod known_servers;
+mod stream;
+pub mod tls;
+
+pub use identity::{Fingerprint, Identity, IdentityError};
+pub use stream::PeerStream;
+
+/// The first byte of a TLS handshake record (content type 22). A plain USB/IP
+/// request starts with its version's high byte, 0x01.
+pub const TLS_HANDSHAKE_BYTE: u8 = 0x16;

@@ -1,0 +1,87 @@
+//! One stream type for plain and TLS connections.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+/// A connection to a peer, plain or inside TLS.
+#[derive(Debug)]
+pub enum PeerStream {
+    Plain(TcpStream),
+    ServerTls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+    ClientTls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl PeerStream {
+    /// The TCP socket underneath.
+    pub fn tcp(&self) -> &TcpStream {
+        match self {
+            Self::Plain(s) => s,
+            Self::ServerTls(s) => s.get_ref().0,
+            Self::ClientTls(s) => s.get_ref().0,
+        }
+    }
+
+    pub fn is_tls(&self) -> bool {
+        !matches!(self, Self::Plain(_))
+    }
+}
+
+impl AsyncRead for PeerStream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Self::ServerTls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            Self::ClientTls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for PeerStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Self::ServerTls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            Self::ClientTls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Self::ServerTls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+            Self::ClientTls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Self::Plain(s) => s.is_write_vectored(),
+            Self::ServerTls(s) => s.is_write_vectored(),
+            Self::ClientTls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_flush(cx),
+            Self::ServerTls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            Self::ClientTls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Self::ServerTls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            Self::ClientTls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! rustls configurations for both ends.
+//!
+//! TLS 1.3 only. Servers demand a client certificate and accept any whose
+//! handshake signature checks out: *who* the client is (its fingerprint) is
+//! decided after the handshake by the access rules, so an unknown client can
+//! be told it is unknown and logged with its fingerprint. Clients accept only
+//! the server fingerprint they pinned; an unknown server is refused before
+//! a single USB/IP byte is sent, with its fingerprint in the error so the user
+//! can check it and trust it.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{verify_tls13_signature, CryptoProvider, WebPkiSupportedAlgorithms};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, Error, SignatureScheme};
+
+use crate::{Fingerprint, Identity};
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn algorithms() -> WebPkiSupportedAlgorithms {
+    rustls::crypto::ring::default_provider().signature_verification_algorithms
+}
+
+/// The server side: TLS 1.3, client certificate required.
+pub fn server_config(identity: &Identity) -> Result<Arc<rustls::ServerConfig>, Error> {
+    let config = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_client_cert_verifier(Arc::new(AnyClientCertificate { algorithms: algorithms() }))
+        .with_single_cert(vec![identity.certificate.clone()], identity.key.clone_key())?;
+    Ok(Arc::new(config))
+}
+
+/// What the client expects of the server's certificate.
+#[derive(Clone, Debug)]
+pub enum ServerTrust {
+    /// Only this fingerprint.
+    Pinned(Fingerprint),
+    /// Any certificate (trust on first use: the caller records what was seen).
+    FirstUse,
+    /// None yet, and the user did not allow trusting a new one: refuse.
+    Unknown,
+}
+
+/// The fingerprint the server presented, as seen by the client's verifier.
+#[derive(Clone, Debug, Default)]
+pub struct SeenServer(Arc<Mutex<Option<Fingerprint>>>);
+
+impl SeenServer {
+    pub fn fingerprint(&self) -> Option<Fingerprint> {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The client side: TLS 1.3 with our identity, the server pinned per `trust`.
+pub fn client_config(
+    identity: &Identity,
+    trust: ServerTrust,
+) -> Result<(Arc<rustls::ClientConfig>, SeenServer), Error> {
+    let seen = SeenServer::default();
+    let verifier = PinnedServer { trust, seen: seen.clone(), algorithms: algorithms() };
+    let config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(verifier))
+        .with_client_auth_cert(vec![identity.certificate.clone()], identity.key.clone_key())?;
+    Ok((Arc::new(config), seen))
+}
+
+/// The name put in the ClientHello. Servers are identified by fingerprint,
+/// not by name, so this is constant.
+pub fn server_name() -> ServerName<'static> {
+    ServerName::try_from("usbwire").expect("a valid DNS name").to_owned()
+}
+
+/// The fingerprint of the client certificate of an established server-side connection.
+pub fn client_fingerprint(connection: &rustls::ServerConnection) -> Option<Fingerprint> {
+    connection.peer_certificates().and_then(|certs| certs.first()).map(|c| Fingerprint::of(c))
+}
+
+#[derive(Debug)]
+struct AnyClientCertificate {
+    algorithms: WebPkiSupportedAlgorithms,
+}
+
+impl ClientCertVerifier for AnyClientCertificate {
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _now: UnixTime,
+    ) -> Result<ClientCertVerified, Error> {
+        // Authorisation is by fingerprint, after the handshake (see module docs).
+        Ok(ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _message: &[u8],
+        _cert: &CertificateDer<'_>,
+        _dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        Err(Error::PeerIncompatible(rustls::PeerIncompatible::Tls12NotOffered))
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        // Proof that the client holds the key of the certificate it presented.
+        verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+}
+
+#[derive(Debug)]
+struct PinnedServer {
+    trust: ServerTrust,
+    seen: SeenServer,
+    algorithms: WebPkiSupportedAlgorithms,
+}
+
+impl ServerCertVerifier for PinnedServer {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, Error> {
+        let fingerprint = Fingerprint::of(end_entity);
+        *self.seen.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(fingerprint);
+        match self.trust {
+            ServerTrust::Pinned(expected) if expected == fingerprint => Ok(ServerCertVerified::assertion()),
+            ServerTrust::FirstUse => Ok(ServerCertVerified::assertion()),
+            ServerTrust::Pinned(_) | ServerTrust::Unknown => {
+                Err(Error::InvalidCertificate(CertificateError::ApplicationVerificationFailure))
+            }
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _message: &[u8],
+        _cert: &CertificateDer<'_>,
+        _dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        Err(Error::PeerIncompatible(rustls::PeerIncompatible::Tls12NotOffered))
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+}
