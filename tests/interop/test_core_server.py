@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""The Linux kernel's USB/IP client (usbip + vhci-hcd, Debian's kernel under
+QEMU) against `usbwire serve` on the host: list, attach, use and detach every
+virtual device, and check the kernel saw nothing wrong.
+
+Run: python3 tests/interop/test_core_server.py   (USBWIRE_BIN=path/to/usbwire)
+"""
+
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import guest  # noqa: E402
+
+BIN = os.environ.get("USBWIRE_BIN", os.path.join(guest.HERE, "..", "..", "target", "release", "usbwire"))
+WORD = "usbwire42"
+FILE_TEXT = "written by the guest through vhci-hcd"
+
+GUEST_SCRIPT = r"""
+set -u
+P=__PORT__
+U="usbip --tcp-port $P"
+check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
+port_of() { usbip port 2>/dev/null | awk -v b="$1" '/^Port/ {p=$2; sub(":","",p)} $0 ~ "/"b"$" {print p+0; exit}'; }
+wait_path() { i=0; while [ $i -lt 100 ]; do [ -e "$1" ] && return 0; sleep 0.2; i=$((i+1)); done; return 1; }
+
+echo "@@LIST-BEGIN"; $U list -r 10.0.2.2; echo "@@LIST-END rc=$?"
+
+# Disk (SuperSpeed): make a filesystem, write, read back, detach.
+$U attach -r 10.0.2.2 -b 2-1; check disk-attach $?
+wait_path /sys/block/sda; check disk-block-device $?
+sleep 1
+SIZE=$(cat /sys/block/sda/size); echo "@@DISK-SECTORS $SIZE"
+mke2fs -q /dev/sda >/tmp/mkfs.log 2>&1; check disk-mkfs $? "$(cat /tmp/mkfs.log)"
+mount -t ext2 /dev/sda /mnt; check disk-mount $?
+echo "__TEXT__" > /mnt/hello.txt; sync
+[ "$(cat /mnt/hello.txt)" = "__TEXT__" ]; check disk-read-back $?
+umount /mnt; check disk-umount $?
+p=$(port_of 2-1); $U detach -p "$p"; check disk-detach $?
+i=0; while [ -e /sys/block/sda ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); done
+echo "@@DISK-DETACHED"
+
+# Keyboard: find its event device, read raw events while the host types.
+$U attach -r 10.0.2.2 -b 1-1; check keyboard-attach $?
+i=0; while ! grep -q "usbwire keyboard" /proc/bus/input/devices && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); done
+grep -q "usbwire keyboard" /proc/bus/input/devices; check keyboard-input-device $?
+EV=$(awk '/usbwire keyboard/ {f=1} f && /Handlers=/ {for (i=1;i<=NF;i++) if ($i ~ /^event/) {print $i; exit}}' /proc/bus/input/devices)
+echo "@@KEYBOARD-EVENT $EV"
+(timeout 12 cat /dev/input/$EV > /tmp/events) &
+sleep 0.5
+echo "@@READY-FOR-TYPE"
+wait
+echo "@@EVENTS-BEGIN"; od -A n -t x1 -v /tmp/events; echo "@@EVENTS-END"
+
+# Mouse: enumerates as an input device.
+$U attach -r 10.0.2.2 -b 1-2; check mouse-attach $?
+i=0; while ! grep -q "usbwire mouse" /proc/bus/input/devices && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); done
+grep -q "usbwire mouse" /proc/bus/input/devices; check mouse-input-device $?
+
+# Serial: bytes both ways between /dev/ttyACM0 and the host's pty.
+$U attach -r 10.0.2.2 -b 1-3; check serial-attach $?
+wait_path /dev/ttyACM0; check serial-tty $?
+stty -F /dev/ttyACM0 raw -echo 115200
+(timeout 15 head -n 1 /dev/ttyACM0 > /tmp/serial-in) &
+sleep 0.3
+echo "@@SERIAL-READY"
+echo "ping-from-guest" > /dev/ttyACM0
+wait
+echo "@@SERIAL-IN $(cat /tmp/serial-in)"
+
+# Loopback: source, sink and loop through usbfs.
+$U attach -r 10.0.2.2 -b 1-4; check loopback-attach $?
+DEV=""; i=0
+while [ -z "$DEV" ] && [ $i -lt 50 ]; do
+  for d in /sys/bus/usb/devices/*; do
+    if [ "$(cat $d/idVendor 2>/dev/null)" = 1209 ] && [ "$(cat $d/idProduct 2>/dev/null)" = 0005 ]; then
+      DEV=$(printf "/dev/bus/usb/%03d/%03d" $(cat $d/busnum) $(cat $d/devnum))
+    fi
+  done
+  sleep 0.2; i=$((i+1))
+done
+wait_path "$DEV"
+usbloop "$DEV"; check loopback-usbloop $?
+
+# Re-attach the disk: the file is still there.
+$U attach -r 10.0.2.2 -b 2-1; check disk-reattach $?
+wait_path /sys/block/sda; sleep 1
+mount -t ext2 /dev/sda /mnt; check disk-remount $?
+[ "$(cat /mnt/hello.txt)" = "__TEXT__" ]; check disk-file-survived $?
+umount /mnt
+
+# Detach everything.
+for b in 2-1 1-1 1-2 1-3 1-4; do p=$(port_of $b); [ -n "$p" ] && $U detach -p "$p" >/dev/null; done
+sleep 1
+echo "@@PORTS $(usbip port 2>/dev/null | grep -c '^Port')"
+echo "@@DMESG-BEGIN"; dmesg | grep -iE "usbip|vhci|given back|report|error" ; echo "@@DMESG-END"
+exit 0
+"""
+
+# Linux input key codes of the characters typed.
+KEYCODES = {c: 30 + i for i, c in enumerate("asdfghjkl")}
+KEYCODES.update({c: 16 + i for i, c in enumerate("qwertyuiop")})
+KEYCODES.update({c: 44 + i for i, c in enumerate("zxcvbnm")})
+KEYCODES.update({str((i + 1) % 10): 2 + i for i in range(10)})
+
+
+class Checks:
+    def __init__(self):
+        self.failed = []
+
+    def check(self, name, ok, detail=""):
+        print(f"{'PASS' if ok else 'FAIL'} {name}{(': ' + detail) if detail and not ok else ''}", flush=True)
+        if not ok:
+            self.failed.append(name)
+
+
+def collect(g, begin, end, timeout=120):
+    g.wait_for(begin, timeout)
+    lines = []
+    while True:
+        line = g.wait_for("", timeout)
+        if end in line:
+            return lines, line
+        lines.append(line)
+
+
+def decode_keys(hex_lines):
+    data = bytes(int(b, 16) for line in hex_lines for b in line.split() if re.fullmatch(r"[0-9a-f]{2}", b))
+    presses = []
+    for at in range(0, len(data) - 23, 24):
+        _sec, _usec, ev_type, code, value = struct.unpack_from("<qqHHi", data, at)
+        if ev_type == 1 and value == 1:
+            presses.append(code)
+    return presses
+
+
+def main():
+    if not os.path.exists(BIN):
+        sys.exit(f"no usbwire binary at {BIN}: build it with `cargo build --release -p usbwire-cli` or set USBWIRE_BIN")
+    guest.build()
+    checks = Checks()
+    work = tempfile.mkdtemp(prefix="usbwire-interop-")
+    image = os.path.join(work, "disk.img")
+    link = os.path.join(work, "ttyUSBWIRE")
+    control = os.path.join(work, "control.sock")
+    port = guest.free_port()
+    server_log = open(os.path.join(guest.LOGS, "core-server.server.log"), "w")
+    server = subprocess.Popen(
+        [BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--control", control,
+         "--virtual", "keyboard", "--virtual", "mouse",
+         "--virtual", f"disk={image},size=64M,speed=super",
+         "--virtual", f"serial={link}", "--virtual", "loopback"],
+        stdout=server_log, stderr=subprocess.STDOUT)
+    g = None
+    try:
+        for _ in range(100):
+            if subprocess.run([BIN, "list", "-r", f"127.0.0.1:{port}"], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        script = GUEST_SCRIPT.replace("__PORT__", str(port)).replace("__TEXT__", FILE_TEXT)
+        g = guest.Guest("core-server", script, timeout=400)
+        g.wait_for("@@BOOTED", 120)
+
+        listing, _ = collect(g, "@@LIST-BEGIN", "@@LIST-END")
+        text = "\n".join(listing)
+        for busid, ids in [("1-1", "1209:0001"), ("1-2", "1209:0002"), ("2-1", "1209:0003"), ("1-3", "1209:0004"), ("1-4", "1209:0005")]:
+            checks.check(f"usbip list -r shows {busid} ({ids})", f"{busid}:" in text and ids in text, text)
+        checks.check("usbip list -r shows interface classes", "(03/01/01)" in text and "(08/06/50)" in text and "(ff/00/00)" in text, text)
+
+        def guest_check(name, timeout=120):
+            line = g.wait_for(f"@@CHECK {name} ", timeout)
+            checks.check(f"guest: {name}", " PASS" in line, line)
+
+        for name in ["disk-attach", "disk-block-device"]:
+            guest_check(name)
+        sectors = int(g.wait_for("@@DISK-SECTORS").split()[-1])
+        checks.check("disk is 64 MiB", sectors * 512 == 64 << 20, f"{sectors} sectors")
+        for name in ["disk-mkfs", "disk-mount", "disk-read-back", "disk-umount", "disk-detach"]:
+            guest_check(name)
+        g.wait_for("@@DISK-DETACHED")
+        out = subprocess.run(["debugfs", "-R", "cat /hello.txt", image], capture_output=True, text=True)
+        checks.check("the guest's file is in the host's image", out.stdout.strip() == FILE_TEXT, out.stdout + out.stderr)
+
+        for name in ["keyboard-attach", "keyboard-input-device"]:
+            guest_check(name)
+        g.wait_for("@@READY-FOR-TYPE")
+        typed = None
+        for _ in range(50):
+            typed = subprocess.run([BIN, "type", "--control", control, WORD], capture_output=True, text=True)
+            if typed.returncode == 0:
+                break
+            time.sleep(0.1)
+        checks.check("usbwire type accepted the text", typed.returncode == 0, typed.stderr)
+        events, _ = collect(g, "@@EVENTS-BEGIN", "@@EVENTS-END", 60)
+        presses = decode_keys(events)
+        expected = [KEYCODES[c] for c in WORD]
+        checks.check("typed text arrives as key presses", presses == expected, f"expected {expected}, got {presses}")
+
+        for name in ["mouse-attach", "mouse-input-device", "serial-attach", "serial-tty"]:
+            guest_check(name)
+        fd = os.open(link, os.O_RDWR | os.O_NOCTTY)
+        g.wait_for("@@SERIAL-READY")
+        got = b""
+        deadline = time.time() + 20
+        while b"\n" not in got and time.time() < deadline:
+            import select
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                got += os.read(fd, 1024)
+        checks.check("serial: guest -> host pty", b"ping-from-guest" in got, repr(got))
+        os.write(fd, b"pong-from-host\n")
+        line = g.wait_for("@@SERIAL-IN", 30)
+        checks.check("serial: host pty -> guest ttyACM0", "pong-from-host" in line, line)
+        os.close(fd)
+
+        for name in ["loopback-attach", "loopback-usbloop", "disk-reattach", "disk-remount", "disk-file-survived"]:
+            guest_check(name, 180)
+        ports = g.wait_for("@@PORTS", 60)
+        checks.check("every port detached", ports.split()[-1] == "0", ports)
+        dmesg, _ = collect(g, "@@DMESG-BEGIN", "@@DMESG-END", 60)
+        joined = "\n".join(dmesg)
+        checks.check("no 'already given back' in dmesg", "given back" not in joined, joined)
+        checks.check("no short HID reports in dmesg", "was too short" not in joined, joined)
+        rc = g.finish(60)
+        checks.check("guest script exit code", rc == 0, str(rc))
+        print(f"guest ran {time.time() - g.started:.1f} s", flush=True)
+    except Exception as error:  # a wait that timed out is a failure with a reason
+        checks.check("test ran to the end", False, str(error))
+    finally:
+        if g:
+            g.kill()
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        server_log.close()
+    if checks.failed:
+        print(f"\n{len(checks.failed)} check(s) failed: {', '.join(checks.failed)}")
+        print(f"guest console: {os.path.join(guest.LOGS, 'core-server.console.log')}")
+        print(f"server log:    {os.path.join(guest.LOGS, 'core-server.server.log')}")
+        sys.exit(1)
+    print("all checks passed")
+
+
+if __name__ == "__main__":
+    main()
