@@ -28,6 +28,7 @@ cargo test --workspace --locked
 
 step "release build"
 cargo build --release --locked -p usbwire-cli
+cargo build --release --locked -p usbwire-client --examples
 
 if [ -x fuzz/run.sh ]; then
   step "fuzzing (short)"

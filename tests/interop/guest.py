@@ -9,6 +9,7 @@ starts without: `build()` runs automatically from the tests.
 """
 
 import glob
+import hashlib
 import lzma
 import os
 import queue
@@ -32,6 +33,7 @@ MODULES = [
     "crc32c_generic", "ext4",
     "usbhid", "hid-generic", "evdev",
     "cdc-acm",
+    "xhci-pci", "usb-storage", "usbserial", "ftdi_sio",
 ]
 
 
@@ -193,7 +195,9 @@ def build():
     root, version = fetch_kernel()
     bzimage = os.path.join(root, "boot", f"vmlinuz-{version}")
     kernel = extract_vmlinux(bzimage, os.path.join(CACHE, "vmlinux")) or bzimage
-    initrd = os.path.join(CACHE, "base.cpio")
+    # The cache key covers everything that goes into the initramfs.
+    key = hashlib.sha256((repr(MODULES) + INIT + open(os.path.join(HERE, "usbloop.c")).read() + version).encode()).hexdigest()[:12]
+    initrd = os.path.join(CACHE, f"base-{key}.cpio")
     if os.path.exists(initrd):
         return kernel, initrd
     log("building initramfs")
@@ -228,7 +232,7 @@ def build():
 class Guest:
     """A running guest. `wait_for(marker)` returns the console line that has it."""
 
-    def __init__(self, name, script, files=None, hostfwd=None, timeout=300):
+    def __init__(self, name, script, files=None, hostfwd=None, timeout=300, qemu_args=()):
         kernel, initrd = build()
         os.makedirs(LOGS, exist_ok=True)
         self.name = name
@@ -253,7 +257,7 @@ class Guest:
                "-kernel", kernel, "-initrd", combined,
                "-append", "console=ttyS0,115200 panic=-1 loglevel=4 rdinit=/init",
                "-serial", "stdio", "-serial", f"file:{self.result_path}",
-               "-netdev", netdev, "-device", "virtio-net-pci,netdev=n0"]
+               "-netdev", netdev, "-device", "virtio-net-pci,netdev=n0", *qemu_args]
         self.lines = queue.Queue()
         self.log = open(self.console_path, "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
