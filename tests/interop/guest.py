@@ -191,7 +191,7 @@ poweroff -f
 
 def build():
     """Builds (or reuses) vmlinux and the base initramfs; returns their paths."""
-    os.makedirs(CACHE, exist_ok=True)
+    os.makedirs(LOGS, exist_ok=True)
     root, version = fetch_kernel()
     bzimage = os.path.join(root, "boot", f"vmlinuz-{version}")
     kernel = extract_vmlinux(bzimage, os.path.join(CACHE, "vmlinux")) or bzimage

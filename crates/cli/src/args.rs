@@ -27,6 +27,8 @@ pub(crate) enum Command {
     List(ListArgs),
     /// Import a remote device, print its descriptors (like `lsusb -v`), then release it.
     Describe(DescribeArgs),
+    /// Measure throughput and latency against the raw-TCP ceiling of the same path (local loopback device by default).
+    Bench(BenchArgs),
     /// Attach a remote device to this machine's kernel (vhci-hcd), like `usbip attach`.
     Attach(AttachArgs),
     /// Show the ports of vhci-hcd and what is attached to them, like `usbip port`.
@@ -193,4 +195,54 @@ pub(crate) struct IdentityArgs {
     pub(crate) create: bool,
     #[arg(long)]
     pub(crate) json: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct BenchArgs {
+    /// Bench a device on this server instead of an in-process loopback device.
+    #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]", requires = "busid")]
+    pub(crate) remote: Option<String>,
+    /// Bus id of the device on the server (it needs a bulk IN source and/or a bulk OUT sink).
+    #[arg(short = 'b', long = "busid")]
+    pub(crate) busid: Option<String>,
+    /// Bulk IN endpoint to read from [default: the first bulk IN].
+    #[arg(long, value_name = "ADDR", value_parser = parse_endpoint)]
+    pub(crate) in_ep: Option<u8>,
+    /// Bulk OUT endpoint to write to [default: the first bulk OUT].
+    #[arg(long, value_name = "ADDR", value_parser = parse_endpoint)]
+    pub(crate) out_ep: Option<u8>,
+    /// A small matrix (4 sizes x 3 depths, 0.3 s a point) for a first look.
+    #[arg(long)]
+    pub(crate) quick: bool,
+    /// URB sizes in bytes [default: 512 2K 8K 64K 256K 1M].
+    #[arg(long, value_delimiter = ',', value_name = "BYTES")]
+    pub(crate) sizes: Vec<String>,
+    /// Queue depths [default: 1,2,4,8,16,32].
+    #[arg(long, value_delimiter = ',', value_name = "N")]
+    pub(crate) depths: Vec<usize>,
+    /// Emulated round-trip times in ms, each a run of the matrix behind the delay proxy [default: 0].
+    #[arg(long, value_delimiter = ',', value_name = "MS")]
+    pub(crate) rtt_ms: Vec<f64>,
+    /// Random extra delay per direction, up to this many ms (never reordering).
+    #[arg(long, default_value_t = 0.0, value_name = "MS")]
+    pub(crate) jitter_ms: f64,
+    /// Seconds per measured point.
+    #[arg(long, value_name = "S")]
+    pub(crate) seconds: Option<f64>,
+    /// One JSON record per measured point, plus the model fit.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Also write the records as CSV.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) csv: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) security: ClientSecurityArgs,
+}
+
+fn parse_endpoint(text: &str) -> Result<u8, String> {
+    let value = match text.strip_prefix("0x") {
+        Some(hex) => u8::from_str_radix(hex, 16),
+        None => text.parse(),
+    };
+    value.map_err(|_| format!("{text:?} is not an endpoint address (e.g. 0x81)"))
 }

@@ -11,7 +11,9 @@ use clap::Parser;
 
 fn main() -> std::process::ExitCode {
     let cli = args::Cli::parse();
-    init_logging(cli.verbose, cli.quiet);
+    // Commands that print a report keep the in-process server's log quiet.
+    let quiet = cli.quiet || matches!(cli.command, args::Command::Bench(_));
+    init_logging(cli.verbose, quiet);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {

@@ -242,3 +242,41 @@ fn tls_identity_pinning_and_access_end_to_end() {
     let out = usbwire(&["list", "-r", &served.addr, "--tls", "--trust-new", "--identity", stranger.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(69));
 }
+
+#[test]
+fn bench_json_has_a_record_per_point_with_the_ceiling_beside_it() {
+    let dir = scratch("bench");
+    let csv = dir.join("bench.csv");
+    let out = usbwire(&[
+        "bench",
+        "--sizes",
+        "512,64K",
+        "--depths",
+        "1,4",
+        "--seconds",
+        "0.05",
+        "--rtt-ms",
+        "0,4",
+        "--json",
+        "--csv",
+        csv.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let records = report["records"].as_array().unwrap();
+    assert_eq!(records.len(), 2 * 2 * 2 * 2, "rtt x direction x size x depth");
+    for r in records {
+        for field in ["direction", "urb_size", "depth", "rtt_ms", "mib_per_s", "ratio_to_raw_tcp", "raw_tcp_mib_per_s"]
+        {
+            assert!(!r[field].is_null(), "missing {field} in {r}");
+        }
+        assert!(r["mib_per_s"].as_f64().unwrap() > 0.0 && r["raw_tcp_mib_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["latency_us"]["p99"].as_f64().unwrap() >= r["latency_us"]["p50"].as_f64().unwrap());
+        assert!(r["raw_tcp_latency_us"]["p50"].as_f64().unwrap() > 0.0);
+    }
+    // With 4 ms of emulated RTT, a depth-1 round trip takes at least that long.
+    let delayed = records.iter().find(|r| r["rtt_ms"] == 4.0 && r["depth"] == 1).unwrap();
+    assert!(delayed["latency_us"]["p50"].as_f64().unwrap() >= 4000.0, "{delayed}");
+    assert_eq!(report["model"].as_array().unwrap().len(), 4);
+    assert_eq!(std::fs::read_to_string(&csv).unwrap().lines().count(), 1 + 16);
+}

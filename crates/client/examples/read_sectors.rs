@@ -26,7 +26,14 @@ fn cbw(tag: u32, length: u32, data_in: bool, cdb: &[u8]) -> Bytes {
 }
 
 /// One SCSI command with an IN data phase; returns (data, CSW status).
-async fn command_in(conn: &Connection, ep_in: u8, ep_out: u8, tag: u32, cdb: &[u8], length: u32) -> anyhow::Result<(Bytes, u8)> {
+async fn command_in(
+    conn: &Connection,
+    ep_in: u8,
+    ep_out: u8,
+    tag: u32,
+    cdb: &[u8],
+    length: u32,
+) -> anyhow::Result<(Bytes, u8)> {
     conn.transfer(Transfer::bulk_out(ep_out, cbw(tag, length, true, cdb))).await?;
     let data = if length > 0 { conn.transfer(Transfer::bulk_in(ep_in, length)).await?.data } else { Bytes::new() };
     let csw = conn.transfer(Transfer::bulk_in(ep_in, 13)).await?;
@@ -57,9 +64,16 @@ async fn main() -> anyhow::Result<()> {
         .find(|i| i.class == 0x08 && i.protocol == 0x50)
         .ok_or_else(|| anyhow::anyhow!("not a Bulk-Only mass-storage device"))?;
     let bulk = |dir_in: bool| {
-        storage.endpoints.iter().find(|e| e.transfer_type == TransferType::Bulk && (e.address & 0x80 != 0) == dir_in).map(|e| e.address)
+        storage
+            .endpoints
+            .iter()
+            .find(|e| e.transfer_type == TransferType::Bulk && (e.address & 0x80 != 0) == dir_in)
+            .map(|e| e.address)
     };
-    let (ep_in, ep_out) = (bulk(true).ok_or_else(|| anyhow::anyhow!("no bulk IN"))?, bulk(false).ok_or_else(|| anyhow::anyhow!("no bulk OUT"))?);
+    let (ep_in, ep_out) = (
+        bulk(true).ok_or_else(|| anyhow::anyhow!("no bulk IN"))?,
+        bulk(false).ok_or_else(|| anyhow::anyhow!("no bulk OUT"))?,
+    );
     let set = conn.transfer(Transfer::control_out([0, 9, info.value, 0, 0, 0, 0, 0], Bytes::new())).await?;
     anyhow::ensure!(set.status.is_ok(), "SET_CONFIGURATION failed: {}", set.status);
 
@@ -68,14 +82,19 @@ async fn main() -> anyhow::Result<()> {
     let length = u32::from(count) * SECTOR;
     // A fresh device reports UNIT ATTENTION once; read the sense and retry.
     for attempt in 1..=4u32 {
-        let (data, status) = command_in(&conn, ep_in, ep_out, attempt, &[0x28, 0, l0, l1, l2, l3, 0, c0, c1, 0], length).await?;
+        let (data, status) =
+            command_in(&conn, ep_in, ep_out, attempt, &[0x28, 0, l0, l1, l2, l3, 0, c0, c1, 0], length).await?;
         if status == 0 {
             use std::io::Write as _;
             std::io::stdout().write_all(&data)?;
             return Ok(());
         }
         let (sense, _) = command_in(&conn, ep_in, ep_out, 100 + attempt, &[0x03, 0, 0, 0, 18, 0], 18).await?;
-        eprintln!("READ(10) failed (sense key {:#x}, asc {:#x}); retrying", sense.get(2).copied().unwrap_or(0) & 0xf, sense.get(12).copied().unwrap_or(0));
+        eprintln!(
+            "READ(10) failed (sense key {:#x}, asc {:#x}); retrying",
+            sense.get(2).copied().unwrap_or(0) & 0xf,
+            sense.get(12).copied().unwrap_or(0)
+        );
     }
     anyhow::bail!("READ(10) kept failing")
 }

@@ -34,6 +34,9 @@ use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::tls::ServerTrust;
 use usbwire_transport::{Fingerprint, Identity, PeerStream};
 
+/// OUT payloads up to this size are copied next to their header (one write).
+const SMALL_PAYLOAD: usize = 16 * 1024;
+
 /// How long the OP phase may take before we give up on a server.
 const OP_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -470,19 +473,29 @@ impl Connection {
             let mut guard = self.shared.waiters.lock().unwrap_or_else(PoisonError::into_inner);
             guard.as_mut().ok_or(TransferError::Disconnected)?.submits.insert(seqnum, (shape, tx));
         }
-        let mut writer = self.writer.lock().await;
-        let header = submit.header();
+        // Small messages go out in one write; a large OUT payload follows its
+        // header as a second write, without being copied.
+        let large = submit.direction == Direction::Out && submit.data.len() > SMALL_PAYLOAD;
+        let mut message = BytesMut::with_capacity(urb::HEADER_LEN + if large { 0 } else { submit.data.len() });
+        message.extend_from_slice(&submit.header());
+        if submit.direction == Direction::Out && !large {
+            message.extend_from_slice(&submit.data);
+        }
         let mut trailer = BytesMut::new();
         for packet in &submit.iso_packets {
             trailer.extend_from_slice(&packet.offset.to_be_bytes());
             trailer.extend_from_slice(&packet.length.to_be_bytes());
             trailer.extend_from_slice(&[0; 8]);
         }
-        let payload: &[u8] = if submit.direction == Direction::Out { &submit.data } else { &[] };
+        let mut writer = self.writer.lock().await;
         let sent = async {
-            writer.write_all(&header).await?;
-            writer.write_all(payload).await?;
-            writer.write_all(&trailer).await?;
+            writer.write_all(&message).await?;
+            if large {
+                writer.write_all(&submit.data).await?;
+            }
+            if !trailer.is_empty() {
+                writer.write_all(&trailer).await?;
+            }
             writer.flush().await
         }
         .await;

@@ -54,6 +54,20 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     print!("{}", super::describe::format(&disk_busid, &description));
     println!();
 
+    println!("A short benchmark (usbwire bench --quick for more): a loopback device, our client and server, next to raw TCP:\n");
+    let plan = super::bench::Plan {
+        sizes: vec![512, 64 << 10],
+        depths: vec![1, 8],
+        rtts_ms: vec![0.0],
+        jitter_ms: 0.0,
+        seconds: 0.2,
+    };
+    let (loopback, loopback_busid) = super::bench::local_loopback().await?;
+    let report =
+        super::bench::execute(&plan, loopback, &loopback_busid, &usbwire_client::Security::Plain, (None, None), false)
+            .await?;
+    println!("{}", report.table());
+
     let host = addr.ip();
     let port = addr.port();
     let port_flag = if port == usbwire_proto::DEFAULT_PORT { String::new() } else { format!(" --tcp-port {port}") };

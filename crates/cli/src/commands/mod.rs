@@ -1,5 +1,6 @@
 //! One module per verb; each takes its parsed arguments and does the work.
 
+mod bench;
 mod demo;
 mod describe;
 mod identity;
@@ -23,6 +24,7 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
         Command::Serve(args) => serve::run(args).await,
         Command::List(args) => list::run(args).await,
         Command::Describe(args) => describe::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
         Command::Attach(args) => kernel::attach(args).await,
         Command::Port(args) => kernel::port(args),
         Command::Detach(args) => kernel::detach(args),

@@ -1,0 +1,64 @@
+//! Benchmarks for USB/IP links, in the shape of the USB/IP paper's analysis:
+//! throughput per URB size and queue depth in both directions, small-URB
+//! latency, each next to the **ceiling** — raw TCP over the same path with the
+//! same message shapes and the same number in flight, against an ideal server
+//! that does no work ([`ceiling`]). A userspace [`proxy`] adds RTT and jitter
+//! (this kernel has no netem). [`model`] fits time-per-URB = a·size + RTT and
+//! gives the queue depth a periodic stream needs.
+//!
+//! Benchmarks are not tests: nothing here asserts on timings.
+
+pub mod ceiling;
+pub mod measure;
+pub mod model;
+pub mod proxy;
+
+use serde::Serialize;
+
+/// Transfer direction, as a benchmark sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Direction {
+    /// Device to host (bulk IN, "source").
+    In,
+    /// Host to device (bulk OUT, "sink").
+    Out,
+}
+
+/// Latency percentiles in microseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+impl Percentiles {
+    /// From samples in microseconds (sorted in place).
+    pub fn of(samples: &mut [f64]) -> Self {
+        if samples.is_empty() {
+            return Self::default();
+        }
+        samples.sort_by(f64::total_cmp);
+        let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+        Self { p50: at(0.50), p90: at(0.90), p99: at(0.99), max: samples[samples.len() - 1] }
+    }
+}
+
+/// One measured point: usbwire and the ceiling side by side.
+#[derive(Clone, Debug, Serialize)]
+pub struct Record {
+    pub direction: Direction,
+    pub urb_size: usize,
+    pub depth: usize,
+    pub rtt_ms: f64,
+    pub mib_per_s: f64,
+    pub raw_tcp_mib_per_s: f64,
+    pub ratio_to_raw_tcp: f64,
+    /// Round trips per second.
+    pub urbs_per_s: f64,
+    /// Per-URB latency (submit to completion) at this point.
+    pub latency_us: Percentiles,
+    pub raw_tcp_latency_us: Percentiles,
+}

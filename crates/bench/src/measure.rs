@@ -1,0 +1,100 @@
+//! Measuring usbwire itself: a userspace client keeps `depth` URBs in flight
+//! on a bulk endpoint and counts what completes.
+
+use std::time::{Duration, Instant};
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use usbwire_client::{Connection, Transfer};
+use usbwire_device::descriptor::ConfigurationInfo;
+use usbwire_device::TransferType;
+
+use crate::ceiling::Measured;
+use crate::{Direction, Percentiles};
+
+/// The bulk endpoints to measure.
+#[derive(Clone, Copy, Debug)]
+pub struct Endpoints {
+    /// A bulk IN endpoint that always has data (a "source").
+    pub source: Option<u8>,
+    /// A bulk OUT endpoint that takes anything (a "sink").
+    pub sink: Option<u8>,
+}
+
+/// Configures the device (SET_CONFIGURATION 1) and finds its first bulk IN and
+/// OUT endpoints.
+pub async fn prepare(conn: &Connection) -> Result<Endpoints, String> {
+    let header = conn.transfer(Transfer::control_in([0x80, 6, 0, 2, 0, 0, 9, 0])).await.map_err(|e| e.to_string())?;
+    if header.data.len() < 9 {
+        return Err("the device returned no configuration descriptor".into());
+    }
+    let [lo, hi] = [header.data[2], header.data[3]];
+    let config = conn.transfer(Transfer::control_in([0x80, 6, 0, 2, 0, 0, lo, hi])).await.map_err(|e| e.to_string())?;
+    let info = ConfigurationInfo::parse(&config.data).ok_or("malformed configuration descriptor")?;
+    let set = conn
+        .transfer(Transfer::control_out([0, 9, info.value, 0, 0, 0, 0, 0], bytes::Bytes::new()))
+        .await
+        .map_err(|e| e.to_string())?;
+    if !set.status.is_ok() {
+        return Err(format!("SET_CONFIGURATION failed: {}", set.status));
+    }
+    let bulk = |dir_in: bool| {
+        info.active_endpoints(|_| 0)
+            .find(|e| e.transfer_type == TransferType::Bulk && (e.address & 0x80 != 0) == dir_in)
+            .map(|e| e.address)
+    };
+    Ok(Endpoints { source: bulk(true), sink: bulk(false) })
+}
+
+/// Keeps `depth` URBs of `size` bytes in flight on `endpoint` for `duration`.
+pub async fn measure(
+    conn: &Connection,
+    endpoint: u8,
+    direction: Direction,
+    size: usize,
+    depth: usize,
+    duration: Duration,
+) -> Result<Measured, String> {
+    let payload = bytes::Bytes::from(vec![0xa5u8; size]);
+    let transfer = || match direction {
+        Direction::In => Transfer::bulk_in(endpoint, size as u32),
+        Direction::Out => Transfer::bulk_out(endpoint, payload.clone()),
+    };
+    let mut in_flight = FuturesUnordered::new();
+    let started = Instant::now();
+    let stop = started + duration;
+    for _ in 0..depth {
+        let submitted = Instant::now();
+        let (_, reply) = conn.submit(transfer()).await.map_err(|e| e.to_string())?;
+        in_flight.push(timed(submitted, reply));
+    }
+    let mut done = 0u64;
+    let mut bytes = 0u64;
+    let mut latencies = Vec::new();
+    let mut finished = started;
+    while let Some((submitted, reply)) = in_flight.next().await {
+        let ret = reply.map_err(|e| e.to_string())?;
+        if !ret.status.is_ok() {
+            return Err(format!("URB failed: {}", ret.status));
+        }
+        latencies.push(submitted.elapsed().as_secs_f64() * 1e6);
+        done += 1;
+        bytes += u64::from(ret.actual_length);
+        finished = Instant::now();
+        if finished < stop {
+            let submitted = Instant::now();
+            let (_, reply) = conn.submit(transfer()).await.map_err(|e| e.to_string())?;
+            in_flight.push(timed(submitted, reply));
+        }
+    }
+    let seconds = finished.duration_since(started).as_secs_f64().max(1e-9);
+    Ok(Measured {
+        mib_per_s: bytes as f64 / seconds / (1024.0 * 1024.0),
+        urbs_per_s: done as f64 / seconds,
+        latency: Percentiles::of(&mut latencies),
+    })
+}
+
+/// Pairs a reply with the instant its URB was submitted (one future type for every URB).
+async fn timed<T>(submitted: Instant, reply: impl std::future::Future<Output = T>) -> (Instant, T) {
+    (submitted, reply.await)
+}

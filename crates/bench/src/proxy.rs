@@ -1,0 +1,110 @@
+//! A userspace delay proxy: each direction of each connection is delayed by
+//! half the RTT plus random jitter, without ever reordering bytes.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// Release times for chunks that arrive at given instants: arrival + delay +
+/// jitter, but never before the previous chunk's release (bytes stay in order).
+#[derive(Debug)]
+pub struct Schedule {
+    delay: Duration,
+    jitter: Duration,
+    last: Option<Instant>,
+}
+
+impl Schedule {
+    pub fn new(delay: Duration, jitter: Duration) -> Self {
+        Self { delay, jitter, last: None }
+    }
+
+    pub fn release(&mut self, arrival: Instant, rng: &mut impl Rng) -> Instant {
+        let extra = if self.jitter.is_zero() { Duration::ZERO } else { rng.gen_range(Duration::ZERO..=self.jitter) };
+        let at = arrival + self.delay + extra;
+        let at = self.last.map_or(at, |last| at.max(last));
+        self.last = Some(at);
+        at
+    }
+}
+
+/// Starts a proxy on 127.0.0.1 in front of `target` adding `rtt` (split across
+/// both directions) and up to `jitter` per direction. Returns its address.
+pub async fn start(target: SocketAddr, rtt: Duration, jitter: Duration) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = TcpStream::connect(target).await else { continue };
+            let _ = client.set_nodelay(true);
+            let _ = server.set_nodelay(true);
+            let (cr, cw) = client.into_split();
+            let (sr, sw) = server.into_split();
+            tokio::spawn(pipe(cr, sw, rtt / 2, jitter));
+            tokio::spawn(pipe(sr, cw, rtt / 2, jitter));
+        }
+    });
+    Ok(addr)
+}
+
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay: Duration,
+    jitter: Duration,
+) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let reader = async move {
+        let mut schedule = Schedule::new(delay, jitter);
+        let mut rng = rand::rngs::StdRng::from_entropy();
+        let mut buf = vec![0u8; 256 * 1024];
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let at = schedule.release(Instant::now(), &mut rng);
+            if tx.send((at, buf[..n].to_vec())).is_err() {
+                break;
+            }
+        }
+    };
+    let writer = async move {
+        while let Some((at, chunk)) = rx.recv().await {
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&chunk).await.is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown().await;
+    };
+    tokio::join!(reader, writer);
+}
+
+use rand::SeedableRng as _;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn releases_never_reorder_and_respect_the_delay() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let mut schedule = Schedule::new(Duration::from_millis(10), Duration::from_millis(50));
+        let start = Instant::now();
+        let mut previous = start;
+        for i in 0..1000u64 {
+            let arrival = start + Duration::from_micros(i * 100);
+            let at = schedule.release(arrival, &mut rng);
+            assert!(at >= previous, "reordered at {i}");
+            assert!(at >= arrival + Duration::from_millis(10));
+            assert!(at <= arrival + Duration::from_millis(60) || at == previous);
+            previous = at;
+        }
+    }
+}

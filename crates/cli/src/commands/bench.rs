@@ -1,0 +1,273 @@
+//! `usbwire bench`: throughput and latency per URB size, queue depth and
+//! emulated RTT, each as a ratio to raw TCP over the same path.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::anyhow;
+use serde_json::json;
+use usbwire_bench::{ceiling, measure, model, proxy, Direction, Record};
+use usbwire_client::{Connection, Security};
+use usbwire_device::Speed;
+use usbwire_proto::op::BusId;
+use usbwire_server::{Server, ServerConfig};
+
+use crate::args::BenchArgs;
+use crate::config::parse_size;
+use crate::exit::Failure;
+
+/// What the matrix covers.
+pub(crate) struct Plan {
+    pub(crate) sizes: Vec<usize>,
+    pub(crate) depths: Vec<usize>,
+    pub(crate) rtts_ms: Vec<f64>,
+    pub(crate) jitter_ms: f64,
+    pub(crate) seconds: f64,
+}
+
+impl Plan {
+    fn from_args(args: &BenchArgs) -> Result<Self, Failure> {
+        let sizes = if args.sizes.is_empty() {
+            if args.quick {
+                vec![512, 8 << 10, 64 << 10, 1 << 20]
+            } else {
+                vec![512, 2 << 10, 8 << 10, 64 << 10, 256 << 10, 1 << 20]
+            }
+        } else {
+            args.sizes
+                .iter()
+                .map(|s| parse_size(s).map(|n| n as usize))
+                .collect::<Result<_, _>>()
+                .map_err(Failure::usage)?
+        };
+        let depths = if args.depths.is_empty() {
+            if args.quick {
+                vec![1, 8, 32]
+            } else {
+                vec![1, 2, 4, 8, 16, 32]
+            }
+        } else {
+            args.depths.clone()
+        };
+        if sizes.iter().any(|&s| s == 0 || s > 16 << 20) || depths.iter().any(|&d| d == 0 || d > 1024) {
+            return Err(Failure::usage(anyhow!("sizes must be 1 B..16 MiB and depths 1..1024")));
+        }
+        Ok(Self {
+            sizes,
+            depths,
+            rtts_ms: if args.rtt_ms.is_empty() { vec![0.0] } else { args.rtt_ms.clone() },
+            jitter_ms: args.jitter_ms,
+            seconds: args.seconds.unwrap_or(if args.quick { 0.3 } else { 1.0 }),
+        })
+    }
+}
+
+pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
+    let plan = Plan::from_args(&args)?;
+    let security = super::client_security(&args.security)?;
+    let (target, busid) = match (&args.remote, &args.busid) {
+        (Some(remote), Some(busid)) => {
+            let busid = BusId::new(busid).ok_or_else(|| Failure::usage(anyhow!("invalid bus id {busid:?}")))?;
+            (super::list::resolve(remote, None).await?, busid)
+        }
+        _ => local_loopback().await?,
+    };
+    let progress = !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let report = execute(&plan, target, &busid, &security, (args.in_ep, args.out_ep), progress).await?;
+    if let Some(path) = &args.csv {
+        std::fs::write(path, csv(&report.records)).map_err(|e| Failure::io(anyhow!("{}: {e}", path.display())))?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report.json()).map_err(|e| Failure::software(e.into()))?);
+    } else {
+        print!("{}", report.table());
+    }
+    Ok(())
+}
+
+/// An in-process server with one loopback device on 127.0.0.1.
+pub(crate) async fn local_loopback() -> Result<(SocketAddr, BusId), Failure> {
+    let config =
+        ServerConfig { listen: "127.0.0.1:0".parse().expect("valid"), control_path: None, ..ServerConfig::default() };
+    let mut server = Server::new(config);
+    let busid = server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
+    let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
+    let addr = bound.local_addr();
+    tokio::spawn(bound.run(std::future::pending()));
+    Ok((addr, busid))
+}
+
+pub(crate) struct Report {
+    pub(crate) records: Vec<Record>,
+    fits: Vec<(f64, Direction, model::Fit)>,
+}
+
+pub(crate) async fn execute(
+    plan: &Plan,
+    target: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+    endpoints: (Option<u8>, Option<u8>),
+    progress: bool,
+) -> Result<Report, Failure> {
+    let ideal = ceiling::start_server().await.map_err(|e| Failure::io(e.into()))?;
+    let points = plan.rtts_ms.len() * 2 * plan.sizes.len() * plan.depths.len();
+    let bar = if progress {
+        let bar = indicatif::ProgressBar::new(points as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let mut records = Vec::new();
+    let mut fits = Vec::new();
+    let duration = Duration::from_secs_f64(plan.seconds);
+    for &rtt_ms in &plan.rtts_ms {
+        let rtt = Duration::from_secs_f64(rtt_ms / 1000.0);
+        let jitter = Duration::from_secs_f64(plan.jitter_ms / 1000.0);
+        let delayed = !rtt.is_zero() || !jitter.is_zero();
+        let via = |addr| async move {
+            if delayed {
+                proxy::start(addr, rtt, jitter).await
+            } else {
+                Ok(addr)
+            }
+        };
+        let usbwire_addr = via(target).await.map_err(|e| Failure::io(e.into()))?;
+        let ideal_addr = via(ideal).await.map_err(|e| Failure::io(e.into()))?;
+        let (stream, record) = usbwire_client::import(usbwire_addr, busid, security).await?;
+        let conn = Connection::new(stream, &record);
+        let found = measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
+        let source = endpoints.0.or(found.source);
+        let sink = endpoints.1.or(found.sink);
+        if source.is_none() && sink.is_none() {
+            return Err(Failure::unavailable(anyhow!(
+                "{busid} has no bulk endpoint to measure (name one with --in-ep / --out-ep)"
+            )));
+        }
+        for (direction, endpoint) in [(Direction::In, source), (Direction::Out, sink)] {
+            let Some(endpoint) = endpoint else {
+                bar.inc((plan.sizes.len() * plan.depths.len()) as u64);
+                continue;
+            };
+            let mut depth_one = Vec::new();
+            for &size in &plan.sizes {
+                for &depth in &plan.depths {
+                    bar.set_message(format!("rtt {rtt_ms} ms {direction:?} {size} B x{depth}"));
+                    let ours =
+                        measure::measure(&conn, endpoint, direction, size, depth, duration).await.map_err(|e| {
+                            Failure::unavailable(anyhow!("{busid} {direction:?} {size} B depth {depth}: {e}"))
+                        })?;
+                    let raw = ceiling::measure(ideal_addr, direction, size, depth, duration)
+                        .await
+                        .map_err(|e| Failure::io(e.into()))?;
+                    if depth == 1 {
+                        depth_one.push((size, 1.0 / ours.urbs_per_s.max(1e-9)));
+                    }
+                    records.push(Record {
+                        direction,
+                        urb_size: size,
+                        depth,
+                        rtt_ms,
+                        mib_per_s: ours.mib_per_s,
+                        raw_tcp_mib_per_s: raw.mib_per_s,
+                        ratio_to_raw_tcp: if raw.mib_per_s > 0.0 { ours.mib_per_s / raw.mib_per_s } else { 0.0 },
+                        urbs_per_s: ours.urbs_per_s,
+                        latency_us: ours.latency,
+                        raw_tcp_latency_us: raw.latency,
+                    });
+                    bar.inc(1);
+                }
+            }
+            if let Some(fit) = model::fit(&depth_one) {
+                fits.push((rtt_ms, direction, fit));
+            }
+        }
+    }
+    bar.finish_and_clear();
+    Ok(Report { records, fits })
+}
+
+impl Report {
+    pub(crate) fn json(&self) -> serde_json::Value {
+        let fits: Vec<_> = self
+            .fits
+            .iter()
+            .map(|(rtt_ms, direction, fit)| {
+                json!({
+                    "rtt_ms": rtt_ms,
+                    "direction": direction,
+                    "a_us_per_kib": fit.a_us_per_kib,
+                    "round_trip_us": fit.rtt_us,
+                    "advised_depth_1ms": model::advised_depth(fit.rtt_us, 1000.0),
+                    "advised_depth_8ms": model::advised_depth(fit.rtt_us, 8000.0),
+                })
+            })
+            .collect();
+        json!({ "records": self.records, "model": fits })
+    }
+
+    pub(crate) fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{:>6} {:>4} {:>9} {:>5} {:>10} {:>10} {:>6} {:>9} {:>9}",
+            "rtt_ms", "dir", "urb_size", "depth", "MiB/s", "raw MiB/s", "ratio", "p50 us", "raw p50"
+        );
+        for r in &self.records {
+            let _ = writeln!(
+                out,
+                "{:>6} {:>4} {:>9} {:>5} {:>10.1} {:>10.1} {:>6.2} {:>9.0} {:>9.0}",
+                r.rtt_ms,
+                format!("{:?}", r.direction).to_lowercase(),
+                r.urb_size,
+                r.depth,
+                r.mib_per_s,
+                r.raw_tcp_mib_per_s,
+                r.ratio_to_raw_tcp,
+                r.latency_us.p50,
+                r.raw_tcp_latency_us.p50
+            );
+        }
+        for (rtt_ms, direction, fit) in &self.fits {
+            let _ = writeln!(
+                out,
+                "\nmodel (rtt {rtt_ms} ms, {direction:?}): time per URB = {:.3} us/KiB x size + {:.0} us; a periodic stream needs depth > RTT/x + 1: {} URBs at 1 ms, {} at 8 ms",
+                fit.a_us_per_kib,
+                fit.rtt_us,
+                model::advised_depth(fit.rtt_us, 1000.0),
+                model::advised_depth(fit.rtt_us, 8000.0)
+            );
+        }
+        out
+    }
+}
+
+fn csv(records: &[Record]) -> String {
+    let mut out = String::from("direction,urb_size,depth,rtt_ms,mib_per_s,raw_tcp_mib_per_s,ratio_to_raw_tcp,urbs_per_s,p50_us,p90_us,p99_us,max_us,raw_p50_us,raw_p99_us\n");
+    for r in records {
+        let _ = writeln!(
+            out,
+            "{},{},{},{},{:.3},{:.3},{:.4},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1}",
+            format!("{:?}", r.direction).to_lowercase(),
+            r.urb_size,
+            r.depth,
+            r.rtt_ms,
+            r.mib_per_s,
+            r.raw_tcp_mib_per_s,
+            r.ratio_to_raw_tcp,
+            r.urbs_per_s,
+            r.latency_us.p50,
+            r.latency_us.p90,
+            r.latency_us.p99,
+            r.latency_us.max,
+            r.raw_tcp_latency_us.p50,
+            r.raw_tcp_latency_us.p99
+        );
+    }
+    out
+}
