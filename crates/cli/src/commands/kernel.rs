@@ -24,11 +24,7 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
     vhci::ports().map_err(vhci_failure)?;
     let addr = super::list::resolve(&args.remote, args.tcp_port).await?;
     if args.security.tls {
-        // vhci-hcd speaks plain USB/IP on the socket it is given; TLS needs a relay
-        // process between the two, which is not built yet.
-        return Err(Failure::usage(anyhow!(
-            "kernel attach over TLS needs the local relay, which this version does not have yet; attach without --tls on a trusted network, or use the userspace client"
-        )));
+        return attach_through_relay(&args, busid).await;
     }
     let (stream, device) = usbwire_client::import(addr, &busid, &usbwire_client::Security::Plain).await?;
     let usbwire_transport::PeerStream::Plain(tcp) = stream else {
@@ -89,4 +85,78 @@ pub(crate) fn detach(args: DetachArgs) -> Result<(), Failure> {
     vhci::detach(args.port).map_err(vhci_failure)?;
     println!("port {} detached", args.port);
     Ok(())
+}
+
+/// `attach --tls`: vhci-hcd speaks plain USB/IP on whatever socket it is
+/// given, so it gets one end of a Unix socket pair and this process relays
+/// between the other end and the TLS connection. The relay lives as long as
+/// the attachment: `usbwire detach` (or the device going away) ends both, and
+/// SIGINT/SIGTERM detach the port before exiting.
+async fn attach_through_relay(args: &AttachArgs, busid: BusId) -> Result<(), Failure> {
+    vhci::ports().map_err(vhci_failure)?;
+    let security = super::client_security(&args.security)?;
+    let addr = super::list::resolve(&args.remote, args.tcp_port).await?;
+    let shutdown = super::shutdown_signal();
+    let (stream, device) = usbwire_client::import(addr, &busid, &security).await?;
+    let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair().map_err(|e| Failure::io(e.into()))?;
+    let record =
+        vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: busid.to_string() };
+    let port = vhci::attach(&kernel_end, device.devid(), device.speed, &record).map_err(vhci_failure)?;
+    drop(kernel_end);
+    our_end.set_nonblocking(true).map_err(|e| Failure::io(e.into()))?;
+    let kernel = tokio::net::UnixStream::from_std(our_end).map_err(|e| Failure::io(e.into()))?;
+    println!(
+        "attached {busid} from {addr} to port {port} ({} speed) over TLS; relaying until `usbwire detach -p {port}`",
+        device.speed.for_vhci().name()
+    );
+    tokio::select! {
+        result = relay(stream, kernel) => {
+            let _ = std::fs::remove_file(vhci::record_path(port));
+            match result {
+                Ok(()) => println!("port {port} detached; relay stopped"),
+                Err(error) => {
+                    let _ = vhci::detach(port);
+                    return Err(Failure::unavailable(anyhow!("relay for port {port} ended: {error}")));
+                }
+            }
+        }
+        () = shutdown => {
+            let _ = vhci::detach(port);
+            println!("port {port} detached on signal");
+        }
+    }
+    Ok(())
+}
+
+/// Copies both ways until either side closes, flushing TLS after every write.
+async fn relay(remote: usbwire_transport::PeerStream, kernel: tokio::net::UnixStream) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut remote_read, mut remote_write) = tokio::io::split(remote);
+    let (mut kernel_read, mut kernel_write) = kernel.into_split();
+    let upstream = async {
+        let mut buf = vec![0u8; 256 * 1024];
+        loop {
+            let n = kernel_read.read(&mut buf).await?;
+            if n == 0 {
+                return Ok::<(), std::io::Error>(());
+            }
+            remote_write.write_all(&buf[..n]).await?;
+            remote_write.flush().await?;
+        }
+    };
+    let downstream = async {
+        let mut buf = vec![0u8; 256 * 1024];
+        loop {
+            let n = remote_read.read(&mut buf).await?;
+            if n == 0 {
+                return Ok::<(), std::io::Error>(());
+            }
+            kernel_write.write_all(&buf[..n]).await?;
+        }
+    };
+    // Whichever side ends first ends the attachment.
+    tokio::select! {
+        result = upstream => result,
+        result = downstream => result,
+    }
 }
