@@ -142,16 +142,7 @@ pub(crate) struct DemoArgs {
 #[derive(Args, Debug)]
 pub(crate) struct AttachArgs {
     #[command(flatten)]
-    pub(crate) security: ClientSecurityArgs,
-    /// The server, HOST[:PORT].
-    #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]")]
-    pub(crate) remote: String,
-    /// Bus id of the device on the server.
-    #[arg(short = 'b', long = "busid")]
-    pub(crate) busid: String,
-    /// Port, as `usbip --tcp-port` (when HOST has none).
-    #[arg(long = "tcp-port", value_name = "PORT")]
-    pub(crate) tcp_port: Option<u16>,
+    pub(crate) device: RemoteDevice,
 }
 
 #[derive(Args, Debug)]
@@ -170,16 +161,7 @@ pub(crate) struct DetachArgs {
 #[derive(Args, Debug)]
 pub(crate) struct DescribeArgs {
     #[command(flatten)]
-    pub(crate) security: ClientSecurityArgs,
-    /// The server, HOST[:PORT].
-    #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]")]
-    pub(crate) remote: String,
-    /// Bus id of the device on the server.
-    #[arg(short = 'b', long = "busid")]
-    pub(crate) busid: String,
-    /// Port, as `usbip --tcp-port` (when HOST has none).
-    #[arg(long = "tcp-port", value_name = "PORT")]
-    pub(crate) tcp_port: Option<u16>,
+    pub(crate) device: RemoteDevice,
     /// Machine-readable output.
     #[arg(long)]
     pub(crate) json: bool,
@@ -245,4 +227,20 @@ fn parse_endpoint(text: &str) -> Result<u8, String> {
         None => text.parse(),
     };
     value.map_err(|_| format!("{text:?} is not an endpoint address (e.g. 0x81)"))
+}
+
+/// A device on a server, and how to reach the server.
+#[derive(Args, Debug)]
+pub(crate) struct RemoteDevice {
+    #[command(flatten)]
+    pub(crate) security: ClientSecurityArgs,
+    /// The server, HOST[:PORT].
+    #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]")]
+    pub(crate) remote: String,
+    /// Bus id of the device on the server.
+    #[arg(short = 'b', long = "busid")]
+    pub(crate) busid: String,
+    /// Port, as `usbip --tcp-port` (when HOST has none).
+    #[arg(long = "tcp-port", value_name = "PORT")]
+    pub(crate) tcp_port: Option<u16>,
 }

@@ -11,9 +11,10 @@ use crate::args::DescribeArgs;
 use crate::exit::Failure;
 
 pub(crate) async fn run(args: DescribeArgs) -> Result<(), Failure> {
-    let busid = BusId::new(&args.busid).ok_or_else(|| Failure::usage(anyhow!("invalid bus id {:?}", args.busid)))?;
-    let addr = super::list::resolve(&args.remote, args.tcp_port).await?;
-    let security = super::client_security(&args.security)?;
+    let busid = BusId::new(&args.device.busid)
+        .ok_or_else(|| Failure::usage(anyhow!("invalid bus id {:?}", args.device.busid)))?;
+    let addr = super::list::resolve(&args.device.remote, args.device.tcp_port).await?;
+    let security = super::client_security(&args.device.security)?;
     let description = fetch(addr, &busid, &security).await?;
     if args.json {
         let json = serde_json::to_string_pretty(&description).map_err(|e| Failure::software(e.into()))?;

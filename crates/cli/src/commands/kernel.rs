@@ -19,11 +19,12 @@ fn vhci_failure(error: VhciError) -> Failure {
 }
 
 pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
-    let busid = BusId::new(&args.busid).ok_or_else(|| Failure::usage(anyhow!("invalid bus id {:?}", args.busid)))?;
+    let busid = BusId::new(&args.device.busid)
+        .ok_or_else(|| Failure::usage(anyhow!("invalid bus id {:?}", args.device.busid)))?;
     // Check vhci before asking the server, so a missing module costs nothing remote.
     vhci::ports().map_err(vhci_failure)?;
-    let addr = super::list::resolve(&args.remote, args.tcp_port).await?;
-    if args.security.tls {
+    let addr = super::list::resolve(&args.device.remote, args.device.tcp_port).await?;
+    if args.device.security.tls {
         return attach_through_relay(&args, busid).await;
     }
     let (stream, device) = usbwire_client::import(addr, &busid, &usbwire_client::Security::Plain).await?;
@@ -94,8 +95,8 @@ pub(crate) fn detach(args: DetachArgs) -> Result<(), Failure> {
 /// SIGINT/SIGTERM detach the port before exiting.
 async fn attach_through_relay(args: &AttachArgs, busid: BusId) -> Result<(), Failure> {
     vhci::ports().map_err(vhci_failure)?;
-    let security = super::client_security(&args.security)?;
-    let addr = super::list::resolve(&args.remote, args.tcp_port).await?;
+    let security = super::client_security(&args.device.security)?;
+    let addr = super::list::resolve(&args.device.remote, args.device.tcp_port).await?;
     let shutdown = super::shutdown_signal();
     let (stream, device) = usbwire_client::import(addr, &busid, &security).await?;
     let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair().map_err(|e| Failure::io(e.into()))?;
