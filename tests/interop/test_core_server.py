@@ -8,6 +8,7 @@ Run: python3 tests/interop/test_core_server.py   (USBWIRE_BIN=path/to/usbwire)
 
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -157,6 +158,12 @@ def main():
          "--virtual", f"serial={link}", "--virtual", "loopback"],
         stdout=server_log, stderr=subprocess.STDOUT)
     g = None
+    capture = os.path.join(guest.LOGS, "core-server.pcap")
+    tshark = None
+    if shutil.which("tshark"):
+        tshark = subprocess.Popen(["tshark", "-q", "-i", "lo", "-f", f"tcp port {port}", "-w", capture],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(2)
     try:
         for _ in range(100):
             if subprocess.run([BIN, "list", "-r", f"127.0.0.1:{port}"], capture_output=True).returncode == 0:
@@ -228,12 +235,26 @@ def main():
         checks.check("no short HID reports in dmesg", "was too short" not in joined, joined)
         rc = g.finish(60)
         checks.check("guest script exit code", rc == 0, str(rc))
+        if tshark:
+            # Wireshark's USB/IP dissector as an independent conformance check.
+            tshark.terminate()
+            tshark.wait(10)
+            tshark = None
+            decode = ["-d", f"tcp.port=={port},usbip"]
+            count = lambda flt: len(subprocess.run(["tshark", "-r", capture, *decode, "-Y", flt],
+                                                   capture_output=True, text=True).stdout.splitlines())
+            dissected = count("usbip")
+            malformed = count("_ws.malformed")
+            checks.check("tshark dissects the USB/IP traffic", dissected > 100, f"{dissected} packets")
+            checks.check("tshark finds no malformed USB/IP packet", malformed == 0, f"{malformed} malformed")
         print(f"guest ran {time.time() - g.started:.1f} s", flush=True)
     except Exception as error:  # a wait that timed out is a failure with a reason
         checks.check("test ran to the end", False, str(error))
     finally:
         if g:
             g.kill()
+        if tshark:
+            tshark.terminate()
         server.terminate()
         try:
             server.wait(10)
