@@ -208,9 +208,12 @@ pub(crate) struct BenchArgs {
     /// Random extra delay per direction, up to this many ms (never reordering).
     #[arg(long, default_value_t = 0.0, value_name = "MS")]
     pub(crate) jitter_ms: f64,
-    /// Seconds per measured point.
+    /// Seconds per run of a measured point.
     #[arg(long, value_name = "S")]
     pub(crate) seconds: Option<f64>,
+    /// Runs per point, alternating with the ceiling; the median is reported [default: 3, --quick 1].
+    #[arg(long, value_name = "N")]
+    pub(crate) repeat: Option<usize>,
     /// One JSON record per measured point, plus the model fit.
     #[arg(long)]
     pub(crate) json: bool,

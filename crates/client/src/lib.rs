@@ -20,7 +20,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::WriteHalf;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
@@ -362,14 +361,27 @@ struct Shared {
 pub struct Connection {
     devid: u32,
     shared: Arc<Shared>,
-    writer: tokio::sync::Mutex<WriteHalf<PeerStream>>,
+    writer: tokio::sync::Mutex<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
     reader: tokio::task::JoinHandle<()>,
 }
 
 impl Connection {
     /// Starts the reply reader on an imported device's socket.
     pub fn new(stream: PeerStream, device: &DeviceRecord) -> Self {
-        let (mut read_half, write_half) = tokio::io::split(stream);
+        // Plain TCP splits without a lock between the halves; TLS needs tokio's split.
+        let (mut read_half, write_half): (
+            Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+            Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+        ) = match stream {
+            PeerStream::Plain(tcp) => {
+                let (r, w) = tcp.into_split();
+                (Box::new(r), Box::new(w))
+            }
+            tls => {
+                let (r, w) = tokio::io::split(tls);
+                (Box::new(r), Box::new(w))
+            }
+        };
         let shared = Arc::new(Shared { waiters: Mutex::new(Some(Waiters::default())), next_seqnum: AtomicU32::new(1) });
         let reader_shared = shared.clone();
         let reader = tokio::spawn(async move {
@@ -473,8 +485,8 @@ impl Connection {
             let mut guard = self.shared.waiters.lock().unwrap_or_else(PoisonError::into_inner);
             guard.as_mut().ok_or(TransferError::Disconnected)?.submits.insert(seqnum, (shape, tx));
         }
-        // Small messages go out in one write; a large OUT payload follows its
-        // header as a second write, without being copied.
+        // Small messages are packed into one buffer; a large OUT payload goes out
+        // beside its header in the same vectored write, without being copied.
         let large = submit.direction == Direction::Out && submit.data.len() > SMALL_PAYLOAD;
         let mut message = BytesMut::with_capacity(urb::HEADER_LEN + if large { 0 } else { submit.data.len() });
         message.extend_from_slice(&submit.header());
@@ -488,14 +500,9 @@ impl Connection {
             trailer.extend_from_slice(&[0; 8]);
         }
         let mut writer = self.writer.lock().await;
+        let payload: &[u8] = if large { &submit.data } else { &[] };
         let sent = async {
-            writer.write_all(&message).await?;
-            if large {
-                writer.write_all(&submit.data).await?;
-            }
-            if !trailer.is_empty() {
-                writer.write_all(&trailer).await?;
-            }
+            write_all_vectored(&mut *writer, [&message[..], payload, &trailer[..]]).await?;
             writer.flush().await
         }
         .await;
@@ -534,6 +541,34 @@ impl Connection {
 impl Drop for Connection {
     fn drop(&mut self) {
         self.reader.abort();
+    }
+}
+
+/// Writes every byte of `parts`, in order, with as few system calls as the socket allows.
+async fn write_all_vectored<W: tokio::io::AsyncWrite + Unpin + ?Sized>(
+    writer: &mut W,
+    parts: [&[u8]; 3],
+) -> std::io::Result<()> {
+    let mut offsets = [0usize; 3];
+    loop {
+        let slices: Vec<std::io::IoSlice<'_>> = parts
+            .iter()
+            .zip(&offsets)
+            .filter(|(p, o)| **o < p.len())
+            .map(|(p, o)| std::io::IoSlice::new(&p[*o..]))
+            .collect();
+        if slices.is_empty() {
+            return Ok(());
+        }
+        let mut written = writer.write_vectored(&slices).await?;
+        if written == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        for (part, offset) in parts.iter().zip(offsets.iter_mut()) {
+            let take = (part.len() - *offset).min(written);
+            *offset += take;
+            written -= take;
+        }
     }
 }
 

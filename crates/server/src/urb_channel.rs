@@ -37,7 +37,7 @@ use crate::ServerConfig;
 /// (backpressure towards the device instead of unbounded buffering).
 const OUT_HIGH_WATER: usize = 8 * 1024 * 1024;
 /// Read at least this much at a time.
-const READ_CHUNK: usize = 64 * 1024;
+const READ_CHUNK: usize = 256 * 1024;
 
 /// How a URB channel ended without a protocol error.
 #[derive(Debug)]

@@ -24,6 +24,8 @@ pub(crate) struct Plan {
     pub(crate) rtts_ms: Vec<f64>,
     pub(crate) jitter_ms: f64,
     pub(crate) seconds: f64,
+    /// Runs per point (the median is reported).
+    pub(crate) repeat: usize,
 }
 
 impl Plan {
@@ -58,7 +60,8 @@ impl Plan {
             depths,
             rtts_ms: if args.rtt_ms.is_empty() { vec![0.0] } else { args.rtt_ms.clone() },
             jitter_ms: args.jitter_ms,
-            seconds: args.seconds.unwrap_or(if args.quick { 0.3 } else { 1.0 }),
+            seconds: args.seconds.unwrap_or(if args.quick { 0.2 } else { 0.5 }),
+            repeat: args.repeat.unwrap_or(if args.quick { 1 } else { 3 }).max(1),
         })
     }
 }
@@ -158,13 +161,20 @@ pub(crate) async fn execute(
             for &size in &plan.sizes {
                 for &depth in &plan.depths {
                     bar.set_message(format!("rtt {rtt_ms} ms {direction:?} {size} B x{depth}"));
-                    let ours =
-                        measure::measure(&conn, endpoint, direction, size, depth, duration).await.map_err(|e| {
+                    // Alternate ours and the ceiling and keep the median of each: on a
+                    // small machine a single run is at the mercy of the scheduler.
+                    let mut ours_runs = Vec::new();
+                    let mut raw_runs = Vec::new();
+                    for _ in 0..plan.repeat {
+                        let ours = measure::measure(&conn, endpoint, direction, size, depth, duration).await;
+                        ours_runs.push(ours.map_err(|e| {
                             Failure::unavailable(anyhow!("{busid} {direction:?} {size} B depth {depth}: {e}"))
-                        })?;
-                    let raw = ceiling::measure(ideal_addr, direction, size, depth, duration)
-                        .await
-                        .map_err(|e| Failure::io(e.into()))?;
+                        })?);
+                        let raw = ceiling::measure(ideal_addr, direction, size, depth, duration).await;
+                        raw_runs.push(raw.map_err(|e| Failure::io(e.into()))?);
+                    }
+                    let ours = median(ours_runs);
+                    let raw = median(raw_runs);
                     if depth == 1 {
                         depth_one.push((size, 1.0 / ours.urbs_per_s.max(1e-9)));
                     }
@@ -245,6 +255,12 @@ impl Report {
         }
         out
     }
+}
+
+/// The run with the median throughput.
+fn median(mut runs: Vec<ceiling::Measured>) -> ceiling::Measured {
+    runs.sort_by(|a, b| a.mib_per_s.total_cmp(&b.mib_per_s));
+    runs[runs.len() / 2]
 }
 
 fn csv(records: &[Record]) -> String {

@@ -61,6 +61,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         rtts_ms: vec![0.0],
         jitter_ms: 0.0,
         seconds: 0.2,
+        repeat: 1,
     };
     let (loopback, loopback_busid) = super::bench::local_loopback().await?;
     let report =
