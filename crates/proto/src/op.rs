@@ -213,9 +213,10 @@ pub fn decode_request(buf: &mut BytesMut, _limits: &Limits) -> Result<Option<OpR
             }
             let frame = buf.split_to(OP_HEADER_LEN + BUSID_LEN);
             let text = fixed_str(&frame[OP_HEADER_LEN..])?;
-            // An empty or non-printable busid cannot name anything we export;
-            // keep the request so the server can answer ST_NODEV like usbipd.
-            let busid = BusId::new(&text).unwrap_or_else(|| BusId(String::from("?")));
+            // An empty or non-printable busid cannot name anything we export (every
+            // exported BusId went through `BusId::new`); keep it, escaped so it is safe
+            // to log, and the server answers ST_NODEV like usbipd.
+            let busid = BusId::new(&text).unwrap_or_else(|| BusId(text.escape_debug().to_string()));
             Ok(Some(OpRequest::Import { busid }))
         }
         other => Err(DecodeError::UnexpectedOpCode(other.0)),
