@@ -310,3 +310,49 @@ async fn disk_sectors_over_the_network_match_the_image() {
     assert_eq!(&file[100 * 512..101 * 512], &sector[..]);
     let _ = std::fs::remove_file(&image);
 }
+
+/// Our client against our server for the serial and mouse classes (the disk,
+/// loopback and keyboard have their own tests above).
+#[tokio::test]
+async fn serial_and_mouse_over_the_network() {
+    use std::io::{Read, Write};
+    let config = ServerConfig { listen: "127.0.0.1:0".parse().unwrap(), control_path: None, ..ServerConfig::default() };
+    let mut server = Server::new(config);
+    let (serial, pty) = usbwire_gadgets::serial(None).unwrap();
+    let (mouse, mouse_handle) = usbwire_gadgets::mouse();
+    assert_eq!(server.export("serial", Box::new(serial)).as_str(), "1-1");
+    assert_eq!(server.export("mouse", Box::new(mouse)).as_str(), "1-2");
+    let bound = server.bind().await.unwrap();
+    let addr = bound.local_addr();
+    tokio::spawn(bound.run(std::future::pending()));
+
+    // CDC-ACM: SET_LINE_CODING, then bytes both ways between bulk endpoints and the pty.
+    let conn = configured(addr, "1-1").await;
+    let coding = Bytes::from_static(&[0x00, 0xc2, 0x01, 0x00, 0, 0, 8]); // 115200 8N1
+    let ret = conn.transfer(Transfer::control_out([0x21, 0x20, 0, 0, 0, 0, 7, 0], coding.clone())).await.unwrap();
+    assert_eq!(ret.status, Status::OK);
+    let got = conn.transfer(Transfer::control_in([0xa1, 0x21, 0, 0, 0, 0, 7, 0])).await.unwrap();
+    assert_eq!(got.data, coding);
+    let mut slave = std::fs::OpenOptions::new().read(true).write(true).open(&pty).unwrap();
+    conn.transfer(Transfer::bulk_out(0x02, Bytes::from_static(b"to-the-pty\n"))).await.unwrap();
+    let mut buf = [0u8; 11];
+    slave.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"to-the-pty\n");
+    let (_, pending) = conn.submit(Transfer::bulk_in(0x81, 512)).await.unwrap();
+    slave.write_all(b"from-the-pty").unwrap();
+    let ret = tokio::time::timeout(Duration::from_secs(5), pending).await.unwrap().unwrap();
+    assert_eq!(&ret.data[..], b"from-the-pty");
+
+    // Mouse: a queued movement completes the pending interrupt IN.
+    let mouse_conn = configured(addr, "1-2").await;
+    let (_, report) = mouse_conn.submit(Transfer::bulk_in(0x81, 8)).await.unwrap();
+    for _ in 0..100 {
+        if mouse_handle.is_attached() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(mouse_handle.move_by(5, -3, 1, 0));
+    let ret = tokio::time::timeout(Duration::from_secs(5), report).await.unwrap().unwrap();
+    assert_eq!(&ret.data[..3], &[1, 5, (-3i8) as u8]);
+}
