@@ -86,6 +86,36 @@ pub enum TransferError {
     /// The connection to the server ended (the device may be gone).
     #[error("connection to the server lost")]
     Disconnected,
+    /// The endpoint stalled (-EPIPE): clear the halt, or the request is not supported.
+    #[error("endpoint stalled")]
+    Stall,
+    /// The device sent more than the buffer holds (-EOVERFLOW, babble).
+    #[error("device sent more data than requested (babble)")]
+    Overflow,
+    /// The URB was cancelled (-ECONNRESET / -ENOENT), usually by our unlink.
+    #[error("transfer cancelled")]
+    Cancelled,
+    /// The device went away on the server (-ENODEV / -ESHUTDOWN).
+    #[error("device gone")]
+    DeviceGone,
+    /// Any other failure status the server reported.
+    #[error("transfer failed: {0}")]
+    Failed(Status),
+}
+
+impl TransferError {
+    /// The typed error for a failed URB status (`None` for success and for a
+    /// short read, which is not an error unless the caller asked for it).
+    pub fn from_status(status: Status) -> Option<Self> {
+        Some(match status {
+            Status::OK => return None,
+            Status::EPIPE => Self::Stall,
+            Status::EOVERFLOW => Self::Overflow,
+            Status::ECONNRESET | Status::ENOENT => Self::Cancelled,
+            Status::ENODEV | Status::ESHUTDOWN => Self::DeviceGone,
+            other => Self::Failed(other),
+        })
+    }
 }
 
 /// Resolves `HOST`, `HOST:PORT` or `[V6]:PORT` (default port 3240).
@@ -512,10 +542,19 @@ impl Connection {
         Ok((seqnum, async move { rx.await.map_err(|_| TransferError::Disconnected) }))
     }
 
-    /// Submits and waits for the reply.
+    /// Submits and waits for the reply (whatever its status).
     pub async fn transfer(&self, transfer: Transfer) -> Result<RetSubmit, TransferError> {
         let (_, reply) = self.submit(transfer).await?;
         reply.await
+    }
+
+    /// Submits, waits, and turns a failure status into a typed [`TransferError`].
+    pub async fn transfer_checked(&self, transfer: Transfer) -> Result<RetSubmit, TransferError> {
+        let ret = self.transfer(transfer).await?;
+        match TransferError::from_status(ret.status) {
+            Some(error) => Err(error),
+            None => Ok(ret),
+        }
     }
 
     /// Asks the server to cancel the URB `seqnum`. Its reply (if any) still
@@ -575,4 +614,20 @@ async fn write_all_vectored<W: tokio::io::AsyncWrite + Unpin + ?Sized>(
 /// The status a RET_SUBMIT carries, for callers that only care about success.
 pub fn is_ok(ret: &RetSubmit) -> bool {
     ret.status == Status::OK
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_map_to_typed_errors() {
+        assert_eq!(TransferError::from_status(Status::OK), None);
+        assert_eq!(TransferError::from_status(Status::EPIPE), Some(TransferError::Stall));
+        assert_eq!(TransferError::from_status(Status::EOVERFLOW), Some(TransferError::Overflow));
+        assert_eq!(TransferError::from_status(Status::ECONNRESET), Some(TransferError::Cancelled));
+        assert_eq!(TransferError::from_status(Status::ESHUTDOWN), Some(TransferError::DeviceGone));
+        assert_eq!(TransferError::from_status(Status::EPROTO), Some(TransferError::Failed(Status::EPROTO)));
+        assert!(has_port("host:3240") && !has_port("host") && !has_port("::1"));
+    }
 }
