@@ -60,11 +60,13 @@ async fn serve(stream: TcpStream) -> std::io::Result<()> {
 }
 
 /// Result of one ceiling run.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Measured {
     pub mib_per_s: f64,
     pub urbs_per_s: f64,
     pub latency: Percentiles,
+    /// Every URB's latency in µs, sorted (for CDF plots).
+    pub samples: Vec<f64>,
 }
 
 /// Runs `depth`-deep request/reply traffic of `size`-byte payloads for `duration`.
@@ -138,5 +140,6 @@ pub async fn measure(
         mib_per_s: done as f64 * size as f64 / seconds / (1024.0 * 1024.0),
         urbs_per_s: done as f64 / seconds,
         latency: Percentiles::of(&mut latencies),
+        samples: latencies,
     })
 }

@@ -11,6 +11,7 @@
 pub mod ceiling;
 pub mod measure;
 pub mod model;
+pub mod plot;
 pub mod proxy;
 
 use serde::Serialize;

@@ -91,6 +91,7 @@ pub async fn measure(
         mib_per_s: bytes as f64 / seconds / (1024.0 * 1024.0),
         urbs_per_s: done as f64 / seconds,
         latency: Percentiles::of(&mut latencies),
+        samples: latencies,
     })
 }
 

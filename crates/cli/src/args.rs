@@ -217,6 +217,9 @@ pub(crate) struct BenchArgs {
     /// One JSON record per measured point, plus the model fit.
     #[arg(long)]
     pub(crate) json: bool,
+    /// Write PNG charts into DIR: throughput vs URB size per direction and RTT, latency CDF.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) plot: Option<PathBuf>,
     /// Also write the records as CSV.
     #[arg(long, value_name = "FILE")]
     pub(crate) csv: Option<PathBuf>,

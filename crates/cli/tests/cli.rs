@@ -260,6 +260,8 @@ fn bench_json_has_a_record_per_point_with_the_ceiling_beside_it() {
         "--json",
         "--csv",
         csv.to_str().unwrap(),
+        "--plot",
+        dir.join("plots").to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -279,4 +281,10 @@ fn bench_json_has_a_record_per_point_with_the_ceiling_beside_it() {
     assert!(delayed["latency_us"]["p50"].as_f64().unwrap() >= 4000.0, "{delayed}");
     assert_eq!(report["model"].as_array().unwrap().len(), 4);
     assert_eq!(std::fs::read_to_string(&csv).unwrap().lines().count(), 1 + 16);
+    // 2 directions x 2 RTTs of throughput charts, and a latency CDF for each.
+    let pngs: Vec<_> = std::fs::read_dir(dir.join("plots")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(pngs.len(), 8, "{pngs:?}");
+    for png in pngs {
+        assert_eq!(&std::fs::read(&png).unwrap()[1..4], b"PNG");
+    }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::anyhow;
 use serde_json::json;
-use usbwire_bench::{ceiling, measure, model, proxy, Direction, Record};
+use usbwire_bench::{ceiling, measure, model, plot, proxy, Direction, Record};
 use usbwire_client::{Connection, Security};
 use usbwire_device::Speed;
 use usbwire_proto::op::BusId;
@@ -78,6 +78,11 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
     };
     let progress = !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let report = execute(&plan, target, &busid, &security, (args.in_ep, args.out_ep), progress).await?;
+    if let Some(dir) = &args.plot {
+        let files = plot::write_all(dir, &report.records, &report.latencies)
+            .map_err(|e| Failure::io(anyhow!("plots in {}: {e}", dir.display())))?;
+        eprintln!("wrote {} charts to {}", files.len(), dir.display());
+    }
     if let Some(path) = &args.csv {
         std::fs::write(path, csv(&report.records)).map_err(|e| Failure::io(anyhow!("{}: {e}", path.display())))?;
     }
@@ -103,6 +108,7 @@ pub(crate) async fn local_loopback() -> Result<(SocketAddr, BusId), Failure> {
 
 pub(crate) struct Report {
     pub(crate) records: Vec<Record>,
+    latencies: Vec<plot::LatencySamples>,
     fits: Vec<(f64, Direction, model::Fit)>,
 }
 
@@ -127,7 +133,9 @@ pub(crate) async fn execute(
         indicatif::ProgressBar::hidden()
     };
     let mut records = Vec::new();
+    let mut latencies = Vec::new();
     let mut fits = Vec::new();
+    let smallest = plan.sizes.iter().copied().min().unwrap_or(512);
     let duration = Duration::from_secs_f64(plan.seconds);
     for &rtt_ms in &plan.rtts_ms {
         let rtt = Duration::from_secs_f64(rtt_ms / 1000.0);
@@ -177,6 +185,15 @@ pub(crate) async fn execute(
                     let raw = median(raw_runs);
                     if depth == 1 {
                         depth_one.push((size, 1.0 / ours.urbs_per_s.max(1e-9)));
+                        if size == smallest {
+                            latencies.push(plot::LatencySamples {
+                                rtt_ms,
+                                direction,
+                                urb_size: size,
+                                ours: ours.samples.clone(),
+                                raw: raw.samples.clone(),
+                            });
+                        }
                     }
                     records.push(Record {
                         direction,
@@ -199,7 +216,7 @@ pub(crate) async fn execute(
         }
     }
     bar.finish_and_clear();
-    Ok(Report { records, fits })
+    Ok(Report { records, latencies, fits })
 }
 
 impl Report {
@@ -260,7 +277,8 @@ impl Report {
 /// The run with the median throughput.
 fn median(mut runs: Vec<ceiling::Measured>) -> ceiling::Measured {
     runs.sort_by(|a, b| a.mib_per_s.total_cmp(&b.mib_per_s));
-    runs[runs.len() / 2]
+    let middle = runs.len() / 2;
+    runs.swap_remove(middle)
 }
 
 fn csv(records: &[Record]) -> String {

@@ -1,0 +1,122 @@
+//! PNG charts of a benchmark: throughput against URB size (one line per queue
+//! depth, the raw-TCP ceiling dashed beside it), per direction and RTT; and the
+//! latency CDF of small URBs at depth 1, usbwire against raw TCP.
+
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+
+use crate::{Direction, Record};
+
+/// Latency samples (µs, sorted) of one depth-1 point, ours and the ceiling's.
+#[derive(Clone, Debug)]
+pub struct LatencySamples {
+    pub rtt_ms: f64,
+    pub direction: Direction,
+    pub urb_size: usize,
+    pub ours: Vec<f64>,
+    pub raw: Vec<f64>,
+}
+
+type PlotResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+const PALETTE: [RGBColor; 6] = [RED, BLUE, GREEN, MAGENTA, CYAN, RGBColor(200, 120, 0)];
+
+/// Writes every chart into `dir`; returns the files written.
+pub fn write_all(dir: &Path, records: &[Record], latencies: &[LatencySamples]) -> PlotResult<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir)?;
+    let mut written = Vec::new();
+    let mut rtts: Vec<f64> = records.iter().map(|r| r.rtt_ms).collect();
+    rtts.dedup();
+    for rtt in rtts {
+        for direction in [Direction::In, Direction::Out] {
+            let points: Vec<&Record> = records.iter().filter(|r| r.rtt_ms == rtt && r.direction == direction).collect();
+            if points.is_empty() {
+                continue;
+            }
+            let name = format!("throughput-{}-rtt{rtt}ms.png", if direction == Direction::In { "in" } else { "out" });
+            let path = dir.join(name);
+            throughput(&path, rtt, direction, &points)?;
+            written.push(path);
+        }
+    }
+    for samples in latencies {
+        let name = format!(
+            "latency-cdf-{}-{}B-rtt{}ms.png",
+            if samples.direction == Direction::In { "in" } else { "out" },
+            samples.urb_size,
+            samples.rtt_ms
+        );
+        let path = dir.join(name);
+        cdf(&path, samples)?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+fn throughput(path: &Path, rtt: f64, direction: Direction, points: &[&Record]) -> PlotResult<()> {
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let min_size = points.iter().map(|r| r.urb_size).min().unwrap_or(512) as f64;
+    let max_size = points.iter().map(|r| r.urb_size).max().unwrap_or(1 << 20) as f64;
+    let top = points.iter().map(|r| r.mib_per_s.max(r.raw_tcp_mib_per_s)).fold(1.0, f64::max) * 1.1;
+    let title = format!("{direction:?} throughput, RTT {rtt} ms (solid: usbwire, dashed: raw TCP)");
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d((min_size * 0.9..max_size * 1.1).log_scale(), 0f64..top)?;
+    chart.configure_mesh().x_desc("URB size (bytes)").y_desc("MiB/s").draw()?;
+    let mut depths: Vec<usize> = points.iter().map(|r| r.depth).collect();
+    depths.sort_unstable();
+    depths.dedup();
+    for (i, depth) in depths.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        let mut line: Vec<&&Record> = points.iter().filter(|r| r.depth == *depth).collect();
+        line.sort_by_key(|r| r.urb_size);
+        chart
+            .draw_series(LineSeries::new(line.iter().map(|r| (r.urb_size as f64, r.mib_per_s)), color.stroke_width(2)))?
+            .label(format!("depth {depth}"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        // The ceiling as a dashed line in the same colour.
+        let raw: Vec<(f64, f64)> = line.iter().map(|r| (r.urb_size as f64, r.raw_tcp_mib_per_s)).collect();
+        for pair in raw.windows(2) {
+            chart.draw_series(DashedLineSeries::new(pair.iter().copied(), 6, 4, color.stroke_width(1)))?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE)
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+fn cdf(path: &Path, samples: &LatencySamples) -> PlotResult<()> {
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let max = samples.ours.iter().chain(&samples.raw).fold(1.0, |a: f64, b| a.max(*b));
+    let title = format!(
+        "Latency CDF, {} B {:?} at depth 1, RTT {} ms (red: usbwire, blue: raw TCP)",
+        samples.urb_size, samples.direction, samples.rtt_ms
+    );
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((1f64..max * 1.1).log_scale(), 0f64..1f64)?;
+    chart.configure_mesh().x_desc("round trip (µs)").y_desc("fraction of URBs").draw()?;
+    for (values, color) in [(&samples.ours, RED), (&samples.raw, BLUE)] {
+        let n = values.len().max(1) as f64;
+        chart.draw_series(LineSeries::new(
+            values.iter().enumerate().map(|(i, v)| (v.max(1.0), (i + 1) as f64 / n)),
+            color.stroke_width(2),
+        ))?;
+    }
+    root.present()?;
+    Ok(())
+}
