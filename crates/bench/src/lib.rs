@@ -14,7 +14,40 @@ pub mod model;
 pub mod plot;
 pub mod proxy;
 
+use std::future::Future;
+use std::net::SocketAddr;
+
 use serde::Serialize;
+
+/// Runs a server on a thread of its own with a single-threaded runtime, as if
+/// it were another process: `start` binds and spawns its tasks and returns the
+/// address; the thread then serves until the process exits.
+///
+/// Why: client and server sharing one multi-threaded runtime on a small
+/// machine measure tokio's cross-worker wake-ups more than either side. Both
+/// usbwire's server and the ideal server run this way, so the comparison
+/// stays like for like.
+pub fn server_thread<F, Fut>(name: &str, start: F) -> std::io::Result<SocketAddr>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = std::io::Result<SocketAddr>>,
+{
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(runtime) => runtime,
+            Err(error) => {
+                let _ = tx.send(Err(error));
+                return;
+            }
+        };
+        runtime.block_on(async move {
+            let _ = tx.send(start().await);
+            std::future::pending::<()>().await;
+        });
+    })?;
+    rx.recv().map_err(|_| std::io::Error::other("the server thread ended before it started"))?
+}
 
 /// Transfer direction, as a benchmark sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

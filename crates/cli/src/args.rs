@@ -187,13 +187,16 @@ pub(crate) struct BenchArgs {
     /// Bus id of the device on the server (it needs a bulk IN source and/or a bulk OUT sink).
     #[arg(short = 'b', long = "busid")]
     pub(crate) busid: Option<String>,
+    /// Bench an in-process server with a loopback device (what you get without -r).
+    #[arg(long, conflicts_with = "remote")]
+    pub(crate) local: bool,
     /// Bulk IN endpoint to read from [default: the first bulk IN].
     #[arg(long, value_name = "ADDR", value_parser = parse_endpoint)]
     pub(crate) in_ep: Option<u8>,
     /// Bulk OUT endpoint to write to [default: the first bulk OUT].
     #[arg(long, value_name = "ADDR", value_parser = parse_endpoint)]
     pub(crate) out_ep: Option<u8>,
-    /// A small matrix (4 sizes x 3 depths, 0.3 s a point) for a first look.
+    /// A small matrix (512 B, 64 KiB, 1 MiB x depths 1, 8, 32; 0.1 s a point) for a first look.
     #[arg(long)]
     pub(crate) quick: bool,
     /// URB sizes in bytes [default: 512 2K 8K 64K 256K 1M].

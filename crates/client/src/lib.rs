@@ -22,7 +22,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 use tracing::debug;
 use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest, OpStatus};
 use usbwire_proto::urb::{
@@ -391,9 +391,22 @@ struct Shared {
 pub struct Connection {
     devid: u32,
     shared: Arc<Shared>,
-    writer: tokio::sync::Mutex<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
+    /// Messages for the writer task, in the order they go on the wire.
+    outgoing: mpsc::UnboundedSender<Frame>,
     reader: tokio::task::JoinHandle<()>,
 }
+
+/// One message for the writer task: the header (with a small payload and any
+/// isochronous descriptors packed behind it) and a large OUT payload, uncopied.
+struct Frame {
+    head: Bytes,
+    payload: Bytes,
+}
+
+/// Slices per `writev` (Linux allows 1024).
+const MAX_SLICES: usize = 512;
+/// Bytes the writer gathers before it writes, so one batch does not hold many large payloads.
+const MAX_BATCH_BYTES: usize = 4 << 20;
 
 impl Connection {
     /// Starts the reply reader on an imported device's socket.
@@ -464,7 +477,7 @@ impl Connection {
                             None => break,
                         }
                     }
-                    buf.reserve(64 * 1024);
+                    buf.reserve(next_read_room(&buf, &limits));
                     if read_half.read_buf(&mut buf).await? == 0 {
                         return Ok(());
                     }
@@ -477,7 +490,9 @@ impl Connection {
             // Fail everything still waiting.
             reader_shared.waiters.lock().unwrap_or_else(PoisonError::into_inner).take();
         });
-        Self { devid: device.devid(), shared, writer: tokio::sync::Mutex::new(write_half), reader }
+        let (outgoing, frames) = mpsc::unbounded_channel();
+        tokio::spawn(write_frames(write_half, frames, shared.clone()));
+        Self { devid: device.devid(), shared, outgoing, reader }
     }
 
     /// Submits a transfer; returns its seqnum and a future for the reply.
@@ -517,26 +532,22 @@ impl Connection {
         }
         // Small messages are packed into one buffer; a large OUT payload goes out
         // beside its header in the same vectored write, without being copied.
-        let large = submit.direction == Direction::Out && submit.data.len() > SMALL_PAYLOAD;
-        let mut message = BytesMut::with_capacity(urb::HEADER_LEN + if large { 0 } else { submit.data.len() });
-        message.extend_from_slice(&submit.header());
-        if submit.direction == Direction::Out && !large {
-            message.extend_from_slice(&submit.data);
+        // Isochronous descriptors follow the payload, so they force the copy.
+        let iso_len = submit.iso_packets.len() * urb::ISO_DESCRIPTOR_LEN;
+        let out_len = if submit.direction == Direction::Out { submit.data.len() } else { 0 };
+        let large = out_len > SMALL_PAYLOAD && iso_len == 0;
+        let mut head = BytesMut::with_capacity(urb::HEADER_LEN + if large { 0 } else { out_len } + iso_len);
+        head.extend_from_slice(&submit.header());
+        if out_len > 0 && !large {
+            head.extend_from_slice(&submit.data);
         }
-        let mut trailer = BytesMut::new();
         for packet in &submit.iso_packets {
-            trailer.extend_from_slice(&packet.offset.to_be_bytes());
-            trailer.extend_from_slice(&packet.length.to_be_bytes());
-            trailer.extend_from_slice(&[0; 8]);
+            head.extend_from_slice(&packet.offset.to_be_bytes());
+            head.extend_from_slice(&packet.length.to_be_bytes());
+            head.extend_from_slice(&[0; 8]);
         }
-        let mut writer = self.writer.lock().await;
-        let payload: &[u8] = if large { &submit.data } else { &[] };
-        let sent = async {
-            write_all_vectored(&mut *writer, [&message[..], payload, &trailer[..]]).await?;
-            writer.flush().await
-        }
-        .await;
-        if sent.is_err() {
+        let payload = if large { submit.data } else { Bytes::new() };
+        if self.outgoing.send(Frame { head: head.freeze(), payload }).is_err() {
             return Err(TransferError::Disconnected);
         }
         Ok((seqnum, async move { rx.await.map_err(|_| TransferError::Disconnected) }))
@@ -566,9 +577,8 @@ impl Connection {
         if let Some(w) = self.shared.waiters.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
             w.unlinks.insert(seqnum, target);
         }
-        let mut writer = self.writer.lock().await;
-        writer.write_all(&unlink.header()).await.map_err(|_| TransferError::Disconnected)?;
-        writer.flush().await.map_err(|_| TransferError::Disconnected)
+        let head = Bytes::copy_from_slice(&unlink.header());
+        self.outgoing.send(Frame { head, payload: Bytes::new() }).map_err(|_| TransferError::Disconnected)
     }
 
     /// Whether the server has closed the connection.
@@ -583,32 +593,92 @@ impl Drop for Connection {
     }
 }
 
+/// Room to reserve before the next read: the rest of a RET_SUBMIT whose
+/// header is already buffered (bounded by the limits), so a large IN payload
+/// lands in one allocation instead of growing the buffer (and copying it) read
+/// by read; at least 64 KiB otherwise.
+fn next_read_room(buf: &[u8], limits: &Limits) -> usize {
+    const MIN_READ: usize = 64 * 1024;
+    if buf.len() < urb::HEADER_LEN {
+        return MIN_READ;
+    }
+    let field = |at: usize| u32::from_be_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]);
+    if urb::Command(field(0)) != urb::Command::RET_SUBMIT {
+        return MIN_READ;
+    }
+    let payload = field(0x18).min(limits.max_transfer_length) as usize;
+    (urb::HEADER_LEN + payload).saturating_sub(buf.len()).max(MIN_READ)
+}
+
+/// The writer task: takes every message queued since its last write and sends
+/// them with as few `writev` calls as the socket allows, so URBs submitted
+/// while it was writing share one system call (and, with TCP_NODELAY, as few
+/// segments as their bytes need). Submitters never wait for the socket.
+///
+/// Ends when the [`Connection`] is dropped (after writing what was queued) or
+/// the socket fails; then every URB still waiting fails as disconnected.
+async fn write_frames(
+    mut writer: Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+    mut frames: mpsc::UnboundedReceiver<Frame>,
+    shared: Arc<Shared>,
+) {
+    let mut batch: Vec<Bytes> = Vec::new();
+    while let Some(first) = frames.recv().await {
+        let mut bytes = 0;
+        let mut next = Some(first);
+        while let Some(frame) = next.take() {
+            bytes += frame.head.len() + frame.payload.len();
+            batch.push(frame.head);
+            if !frame.payload.is_empty() {
+                batch.push(frame.payload);
+            }
+            if batch.len() < MAX_SLICES && bytes < MAX_BATCH_BYTES {
+                next = frames.try_recv().ok();
+            }
+        }
+        let sent = async {
+            write_all_vectored(&mut *writer, &batch).await?;
+            writer.flush().await
+        }
+        .await;
+        batch.clear();
+        if let Err(error) = sent {
+            debug!(%error, "urb channel write failed");
+            shared.waiters.lock().unwrap_or_else(PoisonError::into_inner).take();
+            return;
+        }
+    }
+}
+
 /// Writes every byte of `parts`, in order, with as few system calls as the socket allows.
 async fn write_all_vectored<W: tokio::io::AsyncWrite + Unpin + ?Sized>(
     writer: &mut W,
-    parts: [&[u8]; 3],
+    parts: &[Bytes],
 ) -> std::io::Result<()> {
-    let mut offsets = [0usize; 3];
-    loop {
-        let slices: Vec<std::io::IoSlice<'_>> = parts
-            .iter()
-            .zip(&offsets)
-            .filter(|(p, o)| **o < p.len())
-            .map(|(p, o)| std::io::IoSlice::new(&p[*o..]))
+    let (mut index, mut offset) = (0usize, 0usize);
+    while index < parts.len() {
+        let slices: Vec<std::io::IoSlice<'_>> = std::iter::once(&parts[index][offset..])
+            .chain(parts[index + 1..].iter().map(|p| &p[..]))
+            .take(MAX_SLICES)
+            .map(std::io::IoSlice::new)
             .collect();
-        if slices.is_empty() {
-            return Ok(());
-        }
         let mut written = writer.write_vectored(&slices).await?;
         if written == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
-        for (part, offset) in parts.iter().zip(offsets.iter_mut()) {
-            let take = (part.len() - *offset).min(written);
-            *offset += take;
-            written -= take;
+        while written > 0 || (index < parts.len() && parts[index].len() == offset) {
+            let left = parts[index].len() - offset;
+            if written < left {
+                offset += written;
+                written = 0;
+            } else {
+                written -= left;
+                index += 1;
+                offset = 0;
+            }
         }
     }
+    Ok(())
 }
 
 /// The status a RET_SUBMIT carries, for callers that only care about success.

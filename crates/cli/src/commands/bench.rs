@@ -32,7 +32,7 @@ impl Plan {
     fn from_args(args: &BenchArgs) -> Result<Self, Failure> {
         let sizes = if args.sizes.is_empty() {
             if args.quick {
-                vec![512, 8 << 10, 64 << 10, 1 << 20]
+                vec![512, 64 << 10, 1 << 20]
             } else {
                 vec![512, 2 << 10, 8 << 10, 64 << 10, 256 << 10, 1 << 20]
             }
@@ -60,7 +60,7 @@ impl Plan {
             depths,
             rtts_ms: if args.rtt_ms.is_empty() { vec![0.0] } else { args.rtt_ms.clone() },
             jitter_ms: args.jitter_ms,
-            seconds: args.seconds.unwrap_or(if args.quick { 0.2 } else { 0.5 }),
+            seconds: args.seconds.unwrap_or(if args.quick { 0.1 } else { 0.5 }),
             repeat: args.repeat.unwrap_or(if args.quick { 1 } else { 3 }).max(1),
         })
     }
@@ -70,7 +70,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
     let plan = Plan::from_args(&args)?;
     let security = super::client_security(&args.security)?;
     let (target, busid) = match (&args.remote, &args.busid) {
-        (Some(remote), Some(busid)) => {
+        (Some(remote), Some(busid)) if !args.local => {
             let busid = BusId::new(busid).ok_or_else(|| Failure::usage(anyhow!("invalid bus id {busid:?}")))?;
             (super::list::resolve(remote, None).await?, busid)
         }
@@ -94,15 +94,25 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-/// An in-process server with one loopback device on 127.0.0.1.
+/// An in-process server with one loopback device on 127.0.0.1, on a thread of
+/// its own like the ceiling's ideal server (see [`usbwire_bench::server_thread`]).
 pub(crate) async fn local_loopback() -> Result<(SocketAddr, BusId), Failure> {
-    let config =
-        ServerConfig { listen: "127.0.0.1:0".parse().expect("valid"), control_path: None, ..ServerConfig::default() };
-    let mut server = Server::new(config);
-    let busid = server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
-    let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
-    let addr = bound.local_addr();
-    tokio::spawn(bound.run(std::future::pending()));
+    let (busid_tx, busid_rx) = std::sync::mpsc::channel();
+    let addr = usbwire_bench::server_thread("usbwire-server", move || async move {
+        let config = ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            control_path: None,
+            ..ServerConfig::default()
+        };
+        let mut server = Server::new(config);
+        let _ = busid_tx.send(server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH))));
+        let bound = server.bind().await.map_err(std::io::Error::other)?;
+        let addr = bound.local_addr();
+        tokio::spawn(bound.run(std::future::pending()));
+        Ok(addr)
+    })
+    .map_err(|e| Failure::unavailable(e.into()))?;
+    let busid = busid_rx.recv().map_err(|e| Failure::software(e.into()))?;
     Ok((addr, busid))
 }
 
@@ -120,7 +130,7 @@ pub(crate) async fn execute(
     endpoints: (Option<u8>, Option<u8>),
     progress: bool,
 ) -> Result<Report, Failure> {
-    let ideal = ceiling::start_server().await.map_err(|e| Failure::io(e.into()))?;
+    let ideal = ceiling::start_server().map_err(|e| Failure::io(e.into()))?;
     let points = plan.rtts_ms.len() * 2 * plan.sizes.len() * plan.depths.len();
     let bar = if progress {
         let bar = indicatif::ProgressBar::new(points as u64);
