@@ -180,6 +180,10 @@ pub enum OpRequest {
     DevList,
     /// `OP_REQ_IMPORT`: take a device; on success the connection becomes its URB channel.
     Import { busid: BusId },
+    /// `OP_REQ_IMPORT` naming something that cannot be a bus id (empty or not
+    /// printable ASCII): the bytes before the NUL, kept exactly so they can be
+    /// logged escaped and encoded back unchanged. Servers answer `ST_NODEV`.
+    ImportMalformedBusId { requested: Vec<u8> },
 }
 
 impl OpRequest {
@@ -189,6 +193,12 @@ impl OpRequest {
             Self::Import { busid } => {
                 put_header(out, OpCode::REQ_IMPORT, OpStatus::OK);
                 put_fixed_str(out, busid.as_str(), BUSID_LEN);
+            }
+            Self::ImportMalformedBusId { requested } => {
+                put_header(out, OpCode::REQ_IMPORT, OpStatus::OK);
+                let kept = &requested[..requested.len().min(BUSID_LEN - 1)];
+                out.put_slice(kept);
+                out.put_bytes(0, BUSID_LEN - kept.len());
             }
         }
     }
@@ -212,12 +222,16 @@ pub fn decode_request(buf: &mut BytesMut, _limits: &Limits) -> Result<Option<OpR
                 return Ok(None);
             }
             let frame = buf.split_to(OP_HEADER_LEN + BUSID_LEN);
-            let text = fixed_str(&frame[OP_HEADER_LEN..])?;
+            let field = &frame[OP_HEADER_LEN..];
+            let end = field.iter().position(|&b| b == 0).ok_or(DecodeError::StringNotTerminated(BUSID_LEN))?;
+            let requested = &field[..end];
             // An empty or non-printable busid cannot name anything we export (every
-            // exported BusId went through `BusId::new`); keep it, escaped so it is safe
-            // to log, and the server answers ST_NODEV like usbipd.
-            let busid = BusId::new(&text).unwrap_or_else(|| BusId(text.escape_debug().to_string()));
-            Ok(Some(OpRequest::Import { busid }))
+            // exported BusId went through `BusId::new`); the server answers ST_NODEV
+            // like usbipd.
+            match std::str::from_utf8(requested).ok().and_then(BusId::new) {
+                Some(busid) => Ok(Some(OpRequest::Import { busid })),
+                None => Ok(Some(OpRequest::ImportMalformedBusId { requested: requested.to_vec() })),
+            }
         }
         other => Err(DecodeError::UnexpectedOpCode(other.0)),
     }
@@ -415,6 +429,29 @@ mod tests {
         let mut expected = vec![0x01, 0x11, 0x80, 0x03, 0, 0, 0, 0, b'1', b'-', b'1'];
         expected.resize(40, 0);
         assert_eq!(&out[..], &expected[..]);
+    }
+
+    /// Found by the op_phase fuzz target: a busid of non-ASCII bytes must decode
+    /// to the same bytes (so the server can refuse and log it) and encode back
+    /// unchanged, not to an escaped string that no longer fits the field.
+    #[test]
+    fn malformed_busid_is_kept_byte_for_byte() {
+        let mut frame = vec![0x01, 0x11, 0x80, 0x03, 0, 0, 0, 0, b'1', b'-'];
+        frame.extend([0x97; 29]);
+        frame.resize(40, 0);
+        let mut buf = BytesMut::from(&frame[..]);
+        let request = decode_request(&mut buf, &Limits::default()).unwrap().unwrap();
+        let mut requested = b"1-".to_vec();
+        requested.extend([0x97; 29]);
+        assert_eq!(request, OpRequest::ImportMalformedBusId { requested });
+        let mut out = BytesMut::new();
+        request.encode(&mut out);
+        assert_eq!(&out[..], &frame[..]);
+
+        let mut empty = vec![0x01, 0x11, 0x80, 0x03, 0, 0, 0, 0];
+        empty.resize(40, 0);
+        let request = decode_request(&mut BytesMut::from(&empty[..]), &Limits::default()).unwrap().unwrap();
+        assert_eq!(request, OpRequest::ImportMalformedBusId { requested: vec![] });
     }
 
     #[test]

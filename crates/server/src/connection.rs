@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tracing::{debug, info, warn, Instrument};
-use usbwire_proto::op::{self, OpRequest};
+use usbwire_proto::op::{self, OpRequest, OpStatus};
 use usbwire_proto::{DecodeError, Limits};
 use usbwire_transport::access::ClientId;
 use usbwire_transport::{PeerStream, TLS_HANDSHAKE_BYTE};
@@ -66,6 +66,11 @@ pub(crate) async fn handle(
             if let Err(error) = stream.write_all(&reply).await {
                 debug!(%error, "device list not delivered");
             }
+        }
+        OpRequest::ImportMalformedBusId { requested } => {
+            info!(busid = %requested.escape_ascii(), %client, "import refused: not a bus id");
+            op::encode_import_reply(Err(OpStatus::NODEV), &mut reply);
+            let _ = stream.write_all(&reply).await;
         }
         OpRequest::Import { busid } => match registry.import(&busid, peer, visible) {
             Err(status) => {
