@@ -308,6 +308,24 @@ class Guest:
             self.proc.wait()
 
 
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+# The binary under test and the client example that reads disk sectors.
+BIN = os.environ.get("USBWIRE_BIN", os.path.join(ROOT, "target", "release", "usbwire"))
+READ_SECTORS = os.path.join(os.path.dirname(BIN), "examples", "read_sectors")
+
+
+class Checks:
+    """Named pass/fail checks, printed as they happen; `failed` lists the failures."""
+
+    def __init__(self):
+        self.failed = []
+
+    def check(self, name, ok, detail=""):
+        print(f"{'PASS' if ok else 'FAIL'} {name}{(': ' + str(detail)) if detail and not ok else ''}", flush=True)
+        if not ok:
+            self.failed.append(name)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,9 +23,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import guest  # noqa: E402
 
-ROOT = os.path.abspath(os.path.join(guest.HERE, "..", ".."))
-BIN = os.environ.get("USBWIRE_BIN", os.path.join(ROOT, "target", "release", "usbwire"))
-READ_SECTORS = os.path.join(os.path.dirname(BIN), "examples", "read_sectors")
+BIN = guest.BIN
+READ_SECTORS = guest.READ_SECTORS
 
 ATTACH_SCRIPT = r"""
 set -u
@@ -64,15 +63,6 @@ echo "@@DMESG-BEGIN"; dmesg | grep -iE "usbip|stub" ; echo "@@DMESG-END"
 exit 0
 """
 
-
-class Checks:
-    def __init__(self):
-        self.failed = []
-
-    def check(self, name, ok, detail=""):
-        print(f"{'PASS' if ok else 'FAIL'} {name}{(': ' + str(detail)) if detail and not ok else ''}", flush=True)
-        if not ok:
-            self.failed.append(name)
 
 
 def attach_from_a_vhci_guest(checks):
@@ -200,7 +190,7 @@ def main():
         if not os.path.exists(path):
             sys.exit(f"missing {path}: run `cargo build --release -p usbwire-cli --examples -p usbwire-client`")
     guest.build()
-    checks = Checks()
+    checks = guest.Checks()
     attach_from_a_vhci_guest(checks)
     userspace_client_against_kernel_stub(checks)
     if checks.failed:

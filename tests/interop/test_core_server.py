@@ -18,7 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import guest  # noqa: E402
 
-BIN = os.environ.get("USBWIRE_BIN", os.path.join(guest.HERE, "..", "..", "target", "release", "usbwire"))
+BIN = guest.BIN
 WORD = "usbwire42"
 FILE_TEXT = "written by the guest through vhci-hcd"
 
@@ -110,15 +110,6 @@ KEYCODES.update({c: 44 + i for i, c in enumerate("zxcvbnm")})
 KEYCODES.update({str((i + 1) % 10): 2 + i for i in range(10)})
 
 
-class Checks:
-    def __init__(self):
-        self.failed = []
-
-    def check(self, name, ok, detail=""):
-        print(f"{'PASS' if ok else 'FAIL'} {name}{(': ' + detail) if detail and not ok else ''}", flush=True)
-        if not ok:
-            self.failed.append(name)
-
 
 def collect(g, begin, end, timeout=120):
     g.wait_for(begin, timeout)
@@ -144,7 +135,7 @@ def main():
     if not os.path.exists(BIN):
         sys.exit(f"no usbwire binary at {BIN}: build it with `cargo build --release -p usbwire-cli` or set USBWIRE_BIN")
     guest.build()
-    checks = Checks()
+    checks = guest.Checks()
     work = tempfile.mkdtemp(prefix="usbwire-interop-")
     image = os.path.join(work, "disk.img")
     link = os.path.join(work, "ttyUSBWIRE")

@@ -17,8 +17,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import guest  # noqa: E402
 
-ROOT = os.path.abspath(os.path.join(guest.HERE, "..", ".."))
-BIN = os.environ.get("USBWIRE_BIN", os.path.join(ROOT, "target", "release", "usbwire"))
+BIN = guest.BIN
 
 SCRIPT = r"""
 set -u

@@ -41,6 +41,10 @@ pub(crate) enum Command {
     Type(TypeArgs),
     /// Show the exported devices of the server running on this machine and who holds them.
     State(StateArgs),
+    /// Export a real USB device of this machine through the running server, like `usbip bind`.
+    Bind(BindArgs),
+    /// Stop exporting a real device and give it back to its kernel drivers, like `usbip unbind`.
+    Unbind(BindArgs),
     /// Start a server with a keyboard, a 64 MiB disk and a serial port on loopback, and show what to do next.
     Demo(DemoArgs),
 }
@@ -68,6 +72,10 @@ pub(crate) struct ServeArgs {
     /// A virtual device: keyboard, mouse, disk=PATH[,size=64M][,ro][,speed=super], serial[=LINK], loopback[,speed=super]. Repeatable.
     #[arg(long = "virtual", value_name = "SPEC")]
     pub(crate) virtual_devices: Vec<String>,
+    /// Export real USB devices of this machine matching a bus id (1-1.2), VID:PID, serial=TEXT or class=HEX,
+    /// now and whenever one is plugged in. Repeatable.
+    #[arg(long = "bind", value_name = "SELECTOR")]
+    pub(crate) bind: Vec<String>,
     #[command(flatten)]
     pub(crate) control: ControlArgs,
 }
@@ -98,8 +106,17 @@ pub(crate) struct ListArgs {
     #[command(flatten)]
     pub(crate) security: ClientSecurityArgs,
     /// List the devices exported by HOST[:PORT].
-    #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]")]
-    pub(crate) remote: String,
+    #[arg(
+        short = 'r',
+        long = "remote",
+        value_name = "HOST[:PORT]",
+        required_unless_present = "local",
+        conflicts_with = "local"
+    )]
+    pub(crate) remote: Option<String>,
+    /// List the USB devices plugged into this machine, with the kernel driver of each interface.
+    #[arg(short = 'l', long = "local")]
+    pub(crate) local: bool,
     /// Port, as `usbip --tcp-port` (when HOST has none).
     #[arg(long = "tcp-port", value_name = "PORT")]
     pub(crate) tcp_port: Option<u16>,
@@ -115,6 +132,15 @@ pub(crate) struct TypeArgs {
     /// Which keyboard, when the server exports several.
     #[arg(short = 'b', long = "busid")]
     pub(crate) busid: Option<String>,
+    #[command(flatten)]
+    pub(crate) control: ControlArgs,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct BindArgs {
+    /// Bus id of the device, as `usbwire list -l` shows it (e.g. 1-1.2).
+    #[arg(short = 'b', long = "busid")]
+    pub(crate) busid: String,
     #[command(flatten)]
     pub(crate) control: ControlArgs,
 }

@@ -14,6 +14,9 @@
 //!
 //! [[virtual]]
 //! kind = "keyboard"
+//!
+//! [[bind]]            # a real device of this machine, now and on hotplug
+//! device = "0781:5567" # bus id (1-1.2), VID:PID, serial=TEXT or class=HEX
 //! ```
 
 use std::net::SocketAddr;
@@ -174,6 +177,9 @@ pub(crate) struct FileConfig {
     pub(crate) control: Option<PathBuf>,
     #[serde(default, rename = "virtual")]
     pub(crate) virtual_devices: Vec<VirtualSpec>,
+    /// Real devices to export.
+    #[serde(default)]
+    pub(crate) bind: Vec<BindRule>,
     /// Require TLS 1.3 with client certificates.
     #[serde(default)]
     pub(crate) tls: bool,
@@ -184,6 +190,19 @@ pub(crate) struct FileConfig {
     /// Access rules: `[[allow]] client = "sha256:…" devices = ["1-1", "disk", "*"]`.
     #[serde(default)]
     pub(crate) allow: Vec<usbwire_transport::access::Rule>,
+}
+
+/// `[[bind]] device = "SELECTOR"`: export matching real devices.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct BindRule {
+    #[serde(deserialize_with = "selector_field")]
+    pub(crate) device: usbwire_server::Selector,
+}
+
+fn selector_field<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<usbwire_server::Selector, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    text.parse().map_err(serde::de::Error::custom)
 }
 
 impl FileConfig {
@@ -257,16 +276,24 @@ mod tests {
             [[virtual]]
             kind = "serial"
             link = "/tmp/ttyUW"
+            [[bind]]
+            device = "46f4:0001"
+            [[bind]]
+            device = "serial=A1"
             "#,
         )
         .unwrap();
         assert_eq!(config.listen, Some("127.0.0.1:4000".parse().unwrap()));
         assert_eq!(config.virtual_devices.len(), 3);
+        assert_eq!(config.bind.len(), 2);
+        assert_eq!(config.bind[1].device, "serial=A1".parse().unwrap());
         assert!(matches!(
             config.virtual_devices[0],
             VirtualSpec::Disk { size: Some(1048576), speed: SpeedChoice::Super, .. }
         ));
         assert!(toml::from_str::<FileConfig>("lisen = 1").is_err());
+        let bad = toml::from_str::<FileConfig>("[[bind]]\ndevice = \"usb stick\"").unwrap_err().to_string();
+        assert!(bad.contains("VID:PID"), "{bad}");
         let secure: FileConfig = toml::from_str(
             r#"
             tls = true

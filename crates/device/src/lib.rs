@@ -82,6 +82,11 @@ pub trait Device: Send + 'static {
     /// Abandons every URB in flight (no completions follow for them) and puts
     /// the device back in its default, unconfigured state, ready for a new importer.
     fn reset(&mut self);
+    /// Whether the device has gone away (unplugged). Once true, every URB has
+    /// completed and the server ends the connection and drops the export.
+    fn is_gone(&self) -> bool {
+        false
+    }
 }
 
 impl<D: Device + ?Sized> Device for Box<D> {
@@ -102,5 +107,8 @@ impl<D: Device + ?Sized> Device for Box<D> {
     }
     fn reset(&mut self) {
         (**self).reset();
+    }
+    fn is_gone(&self) -> bool {
+        (**self).is_gone()
     }
 }

@@ -86,11 +86,18 @@ pub(crate) async fn handle(
                 }
                 let span = tracing::info_span!("urb", %busid, devid = format_args!("{:#x}", lease.record().devid()));
                 span.in_scope(|| info!("imported"));
-                let outcome = urb_channel::run(stream, buf, &mut lease, &config, stop).instrument(span.clone()).await;
+                let mut withdrawn = lease.withdrawn();
+                let channel = urb_channel::run(stream, buf, &mut lease, &config, stop).instrument(span.clone());
+                let outcome = tokio::select! {
+                    outcome = channel => outcome,
+                    _ = withdrawn.wait_for(|withdrawn| *withdrawn) => Ok(urb_channel::End::Withdrawn),
+                };
                 let _enter = span.enter();
                 match outcome {
                     Ok(urb_channel::End::ClientClosed) => info!("client disconnected"),
                     Ok(urb_channel::End::Shutdown) => info!("closed for server shutdown"),
+                    Ok(urb_channel::End::DeviceGone) => info!("device unplugged; connection closed"),
+                    Ok(urb_channel::End::Withdrawn) => info!("device unbound; connection closed"),
                     Err(error) => warn!(%error, "connection closed"),
                 }
                 // Dropping the lease resets the device and makes it available again.

@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 use usbwire_proto::op::BusId;
 
+use crate::host_exports::HostExports;
 use crate::registry::{DeviceState, Registry};
 
 /// Something that turns text into key presses on the attached host (a keyboard).
@@ -35,6 +36,10 @@ pub enum ControlRequest {
     Type { text: String, busid: Option<String> },
     /// Every exported device and who holds it.
     State,
+    /// Export the real device at `busid` (now and when plugged in again).
+    Bind { busid: String },
+    /// Stop exporting `busid`, ending any import, and give it back to its kernel drivers.
+    Unbind { busid: String },
 }
 
 /// The answer to a [`ControlRequest`].
@@ -120,6 +125,7 @@ impl ControlSocket {
         self,
         registry: Registry,
         inputs: Arc<Vec<(BusId, Arc<dyn TextInput>)>>,
+        hosts: HostExports,
         mut stop: watch::Receiver<bool>,
     ) {
         loop {
@@ -129,8 +135,9 @@ impl ControlSocket {
                     Ok((stream, _)) => {
                         let registry = registry.clone();
                         let inputs = inputs.clone();
+                        let hosts = hosts.clone();
                         tokio::spawn(async move {
-                            if let Err(error) = serve_client(stream, &registry, &inputs).await {
+                            if let Err(error) = serve_client(stream, &registry, &inputs, &hosts).await {
                                 debug!(%error, "control client");
                             }
                         });
@@ -148,13 +155,20 @@ impl ControlSocket {
 async fn serve_client(
     stream: UnixStream,
     registry: &Registry,
-    inputs: &[(BusId, Arc<dyn TextInput>)],
+    inputs: &Arc<Vec<(BusId, Arc<dyn TextInput>)>>,
+    hosts: &HostExports,
 ) -> io::Result<()> {
     let (reader, mut writer) = stream.into_split();
     let mut lines = BufReader::new(reader.take(1 << 20)).lines();
     while let Some(line) = lines.next_line().await? {
         let response = match serde_json::from_str::<ControlRequest>(&line) {
-            Ok(request) => answer(request, registry, inputs),
+            // Binding opens a device and unbinding waits for its URBs: keep them off the reactor.
+            Ok(request) => {
+                let (registry, inputs, hosts) = (registry.clone(), inputs.clone(), hosts.clone());
+                tokio::task::spawn_blocking(move || answer(request, &registry, &inputs, &hosts))
+                    .await
+                    .unwrap_or_else(|error| ControlResponse::error(format!("request failed: {error}")))
+            }
             Err(error) => ControlResponse::error(format!("invalid request: {error}")),
         };
         let mut text = serde_json::to_string(&response).map_err(io::Error::other)?;
@@ -166,8 +180,27 @@ async fn serve_client(
 
 use tokio::io::AsyncReadExt as _;
 
-fn answer(request: ControlRequest, registry: &Registry, inputs: &[(BusId, Arc<dyn TextInput>)]) -> ControlResponse {
+fn answer(
+    request: ControlRequest,
+    registry: &Registry,
+    inputs: &[(BusId, Arc<dyn TextInput>)],
+    hosts: &HostExports,
+) -> ControlResponse {
     match request {
+        ControlRequest::Bind { busid } => match hosts.bind(&busid) {
+            Ok(busid) => {
+                info!(%busid, "bound");
+                ControlResponse { ok: true, error: None, reports: None, devices: None }
+            }
+            Err(error) => ControlResponse::error(error),
+        },
+        ControlRequest::Unbind { busid } => match hosts.unbind(&busid) {
+            Ok(()) => {
+                info!(%busid, "unbound");
+                ControlResponse { ok: true, error: None, reports: None, devices: None }
+            }
+            Err(error) => ControlResponse::error(error),
+        },
         ControlRequest::Type { text, busid } => {
             let target = match &busid {
                 Some(wanted) => inputs.iter().find(|(b, _)| b.as_str() == wanted),

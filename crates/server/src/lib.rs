@@ -13,6 +13,7 @@
 
 mod connection;
 mod control;
+mod host_exports;
 mod registry;
 mod urb_channel;
 mod write_queue;
@@ -32,7 +33,9 @@ use usbwire_proto::Limits;
 pub use control::{
     default_control_path, request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput,
 };
+pub use host_exports::HOST_KIND;
 pub use registry::{DeviceState, ExportInfo, Registry};
+pub use usbwire_host::{Selector, SelectorError};
 pub use usbwire_transport::access::AccessRules;
 
 /// Server settings, with the defaults `usbwire serve` uses.
@@ -50,6 +53,8 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// TLS, the plain-connection policy and per-client access rules.
     pub security: Security,
+    /// Real devices to export (by bus id, VID:PID, serial or class), now and on hotplug.
+    pub host_rules: Vec<Selector>,
 }
 
 /// Whether plain (unencrypted, unauthenticated) USB/IP connections are accepted.
@@ -88,6 +93,7 @@ impl Default for ServerConfig {
             max_in_flight: 1024,
             max_connections: 256,
             security: Security::default(),
+            host_rules: Vec::new(),
         }
     }
 }
@@ -145,6 +151,7 @@ impl Server {
         Ok(BoundServer {
             listener,
             control,
+            host_exports: host_exports::HostExports::new(self.registry.clone(), self.config.host_rules.clone()),
             config: Arc::new(self.config),
             registry: self.registry,
             text_inputs: Arc::new(self.text_inputs),
@@ -159,6 +166,7 @@ pub struct BoundServer {
     config: Arc<ServerConfig>,
     registry: Registry,
     text_inputs: Arc<Vec<(BusId, Arc<dyn TextInput>)>>,
+    host_exports: host_exports::HostExports,
 }
 
 impl BoundServer {
@@ -177,11 +185,17 @@ impl BoundServer {
         let (stop_tx, stop_rx) = watch::channel(false);
         let permits = Arc::new(Semaphore::new(self.config.max_connections));
         let mut tasks = tokio::task::JoinSet::new();
+        if !self.config.host_rules.is_empty() {
+            let exported = self.host_exports.export_matching();
+            info!(?exported, "real devices exported by bind rules");
+        }
+        tasks.spawn(self.host_exports.clone().watch(stop_rx.clone()));
         if let Some(control) = self.control.take() {
             let registry = self.registry.clone();
             let inputs = self.text_inputs.clone();
+            let hosts = self.host_exports.clone();
             let stop = stop_rx.clone();
-            tasks.spawn(async move { control.serve(registry, inputs, stop).await });
+            tasks.spawn(async move { control.serve(registry, inputs, hosts, stop).await });
         }
         info!(addr = %self.local_addr(), devices = self.registry.len(), "usbwire server listening");
         tokio::pin!(shutdown);

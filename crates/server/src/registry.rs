@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::SystemTime;
 
+use tokio::sync::watch;
 use tracing::info;
 use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
@@ -34,11 +35,15 @@ struct Export {
     record: DeviceRecord,
     summary: DeviceSummary,
     slot: Mutex<Slot>,
+    /// Set when the export is withdrawn (unbind, unplug): the importer's
+    /// connection ends and the device is not put back.
+    withdrawn: watch::Sender<bool>,
 }
 
 enum Slot {
     Available(Box<dyn Device>),
     InUse { client: SocketAddr, since: SystemTime },
+    Withdrawn,
 }
 
 /// Every exported device. Cheap to clone (shared).
@@ -48,15 +53,71 @@ pub struct Registry {
 }
 
 impl Registry {
+    /// Exports a virtual device under the next free bus id: bus 2 for
+    /// SuperSpeed (vhci puts those on its SS hub), bus 1 otherwise.
     pub(crate) fn add(&self, kind: &str, device: Box<dyn Device>) -> BusId {
-        let summary = device.summary();
+        let busnum: u32 = if device.summary().speed.is_superspeed() { 2 } else { 1 };
         let mut exports = lock(&self.exports);
-        // vhci puts SuperSpeed devices on its SS hub; mirror that in the bus number.
-        let busnum: u32 = if summary.speed.is_superspeed() { 2 } else { 1 };
-        let devnum = exports.iter().filter(|e| e.record.busnum == busnum).count() as u32 + 1;
-        let busid = BusId::new(&format!("{busnum}-{devnum}")).expect("short numeric bus ids are valid");
+        let busid = (1..)
+            .map(|devnum| BusId::new(&format!("{busnum}-{devnum}")).expect("short numeric bus ids are valid"))
+            .find(|busid| exports.iter().all(|e| &e.record.busid != busid))
+            .expect("a free bus id exists");
+        let devnum = busid.as_str()[2..].parse().unwrap_or(0);
+        let path = format!("/sys/devices/usbwire/{kind}/{busid}");
+        Self::insert(&mut exports, kind, busid.clone(), busnum, devnum, path, device);
+        busid
+    }
+
+    /// Exports a device under a bus id it already has (a real device keeps
+    /// its own, as usbipd does). Fails if that bus id is taken.
+    pub(crate) fn add_named(
+        &self,
+        kind: &str,
+        busid: BusId,
+        (busnum, devnum): (u32, u32),
+        path: String,
+        device: Box<dyn Device>,
+    ) -> Result<(), Box<dyn Device>> {
+        let mut exports = lock(&self.exports);
+        if exports.iter().any(|e| e.record.busid == busid) {
+            return Err(device);
+        }
+        Self::insert(&mut exports, kind, busid, busnum, devnum, path, device);
+        Ok(())
+    }
+
+    /// Withdraws an export: gone from the list at once; if imported, the
+    /// importer's connection is closed and the device dropped, not put back.
+    pub(crate) fn remove(&self, busid: &str) -> bool {
+        let mut exports = lock(&self.exports);
+        let Some(at) = exports.iter().position(|e| e.record.busid.as_str() == busid) else {
+            return false;
+        };
+        let export = exports.remove(at);
+        drop(exports);
+        export.withdrawn.send_replace(true);
+        // An available device is dropped here; an imported one when its lease ends.
+        *lock(&export.slot) = Slot::Withdrawn;
+        info!(busid, "export withdrawn");
+        true
+    }
+
+    pub(crate) fn contains(&self, busid: &str) -> bool {
+        lock(&self.exports).iter().any(|e| e.record.busid.as_str() == busid)
+    }
+
+    fn insert(
+        exports: &mut Vec<Arc<Export>>,
+        kind: &str,
+        busid: BusId,
+        busnum: u32,
+        devnum: u32,
+        path: String,
+        device: Box<dyn Device>,
+    ) {
+        let summary = device.summary();
         let record = DeviceRecord {
-            path: format!("/sys/devices/usbwire/{kind}/{busid}"),
+            path,
             busid: busid.clone(),
             busnum,
             devnum,
@@ -86,8 +147,8 @@ impl Registry {
             record,
             summary,
             slot: Mutex::new(Slot::Available(device)),
+            withdrawn: watch::Sender::new(false),
         }));
-        busid
     }
 
     pub fn len(&self) -> usize {
@@ -107,7 +168,7 @@ impl Registry {
                 record: e.record.clone(),
                 summary: e.summary.clone(),
                 state: match &*lock(&e.slot) {
-                    Slot::Available(_) => DeviceState::Available,
+                    Slot::Available(_) | Slot::Withdrawn => DeviceState::Available,
                     Slot::InUse { client, since } => DeviceState::InUse { client: *client, since: *since },
                 },
             })
@@ -141,11 +202,15 @@ impl Registry {
         match std::mem::replace(&mut *slot, Slot::InUse { client, since: SystemTime::now() }) {
             Slot::Available(device) => {
                 drop(slot);
-                Ok(Lease { export, device: Some(device) })
+                Ok(Lease { export, device: Some(device), registry: self.clone() })
             }
             busy @ Slot::InUse { .. } => {
                 *slot = busy;
                 Err(OpStatus::DEV_BUSY)
+            }
+            Slot::Withdrawn => {
+                *slot = Slot::Withdrawn;
+                Err(OpStatus::NODEV)
             }
         }
     }
@@ -157,6 +222,7 @@ impl Registry {
 pub(crate) struct Lease {
     export: Arc<Export>,
     device: Option<Box<dyn Device>>,
+    registry: Registry,
 }
 
 impl Lease {
@@ -167,19 +233,79 @@ impl Lease {
     pub(crate) fn device(&mut self) -> &mut dyn Device {
         self.device.as_deref_mut().expect("the device is present until the lease drops")
     }
+
+    /// Resolves when the export is withdrawn (unbind or unplug).
+    pub(crate) fn withdrawn(&self) -> watch::Receiver<bool> {
+        self.export.withdrawn.subscribe()
+    }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if let Some(mut device) = self.device.take() {
-            device.reset();
-            *lock(&self.export.slot) = Slot::Available(device);
-            info!(busid = %self.export.record.busid, "device reset and available again");
+        let Some(mut device) = self.device.take() else { return };
+        let busid = &self.export.record.busid;
+        if device.is_gone() {
+            // Unplugged: nothing to give back, nothing to list.
+            drop(device);
+            self.registry.remove(busid.as_str());
+            return;
         }
+        let mut slot = lock(&self.export.slot);
+        if matches!(*slot, Slot::Withdrawn) {
+            drop(slot);
+            // Dropping a real device gives its interfaces back to the kernel.
+            drop(device);
+            info!(%busid, "device released (no longer exported)");
+            return;
+        }
+        device.reset();
+        *slot = Slot::Available(device);
+        info!(%busid, "device reset and available again");
     }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock leaves plain data behind; keep serving.
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer() -> SocketAddr {
+        "127.0.0.1:5000".parse().unwrap()
+    }
+
+    fn loopback() -> Box<dyn Device> {
+        Box::new(usbwire_gadgets::loopback(usbwire_device::Speed::HIGH))
+    }
+
+    #[test]
+    fn named_exports_keep_their_bus_id_and_virtual_ones_avoid_it() {
+        let registry = Registry::default();
+        let busid = BusId::new("1-1").unwrap();
+        assert!(registry.add_named("host", busid.clone(), (1, 4), "/sys/devices/x/1-1".into(), loopback()).is_ok());
+        assert!(registry.add_named("host", busid, (1, 4), String::new(), loopback()).is_err(), "taken");
+        assert_eq!(registry.add("loopback", loopback()).as_str(), "1-2");
+        let listed = registry.list();
+        assert_eq!((listed[0].record.busnum, listed[0].record.devnum), (1, 4));
+        assert_eq!(listed[0].record.path, "/sys/devices/x/1-1");
+    }
+
+    #[test]
+    fn withdrawing_an_imported_device_signals_its_importer_and_does_not_put_it_back() {
+        let registry = Registry::default();
+        let busid = registry.add("loopback", loopback());
+        let lease = registry.import(&busid, peer(), |_, _| true).unwrap();
+        let withdrawn = lease.withdrawn();
+        assert!(!*withdrawn.borrow());
+        assert!(registry.remove(busid.as_str()));
+        assert!(*withdrawn.borrow(), "the importer is told");
+        assert!(registry.list().is_empty());
+        drop(lease);
+        assert!(registry.list().is_empty(), "not put back after the import ends");
+        assert!(matches!(registry.import(&busid, peer(), |_, _| true), Err(OpStatus::NODEV)));
+        assert!(!registry.remove(busid.as_str()));
+    }
 }

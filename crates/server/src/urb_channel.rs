@@ -44,6 +44,10 @@ const READ_CHUNK: usize = 256 * 1024;
 pub(crate) enum End {
     ClientClosed,
     Shutdown,
+    /// The device was unplugged; every URB in flight has been answered.
+    DeviceGone,
+    /// The export was withdrawn (`usbwire unbind`) while imported.
+    Withdrawn,
 }
 
 /// Why a URB channel was closed.
@@ -152,6 +156,9 @@ impl Channel {
                 }
             }
 
+            if device.is_gone() && self.in_flight.is_empty() && self.out.is_empty() && !self.unflushed {
+                return Poll::Ready(Ok(End::DeviceGone));
+            }
             if !progressed {
                 return Poll::Pending;
             }

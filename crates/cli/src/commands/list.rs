@@ -8,14 +8,60 @@ use crate::args::ListArgs;
 use crate::exit::Failure;
 
 pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
-    let addr = resolve(&args.remote, args.tcp_port).await?;
+    let Some(remote) = &args.remote else {
+        return local_devices(args.json);
+    };
+    let addr = resolve(remote, args.tcp_port).await?;
     let security = super::client_security(&args.security)?;
     let devices = usbwire_client::list_devices(addr, &security).await?;
     let names = UsbIds::load();
     if args.json {
-        println!("{}", devices_json(&args.remote, &devices, &names));
+        println!("{}", devices_json(remote, &devices, &names));
     } else {
-        print!("{}", format_like_usbip(&args.remote, &devices, &names));
+        print!("{}", format_like_usbip(remote, &devices, &names));
+    }
+    Ok(())
+}
+
+/// `usbwire list -l`: what is plugged into this machine, like `usbip list -l`
+/// plus strings, speed and the driver of each interface.
+fn local_devices(json: bool) -> Result<(), Failure> {
+    let devices = usbwire_host::list().map_err(|error| Failure::unavailable(error.into()))?;
+    if json {
+        println!("{}", json!({ "devices": devices }));
+        return Ok(());
+    }
+    if devices.is_empty() {
+        println!("no USB devices on this machine");
+        return Ok(());
+    }
+    let names = UsbIds::load();
+    for d in &devices {
+        let vendor =
+            d.manufacturer.clone().or_else(|| names.vendor(d.vendor_id)).unwrap_or_else(|| "unknown vendor".into());
+        let product = d
+            .product
+            .clone()
+            .or_else(|| names.product(d.vendor_id, d.product_id))
+            .unwrap_or_else(|| "unknown product".into());
+        println!(" - busid {} ({:04x}:{:04x})", d.busid, d.vendor_id, d.product_id);
+        print!("   {vendor} : {product}, {} speed", d.speed.name());
+        match &d.serial {
+            Some(serial) => println!(", serial {serial}"),
+            None => println!(),
+        }
+        for i in &d.interfaces {
+            let driver = i.driver.as_deref().unwrap_or("(none)");
+            println!(
+                "   {}: {:02x}/{:02x}/{:02x} {} - driver {driver}",
+                i.number,
+                i.class,
+                i.subclass,
+                i.protocol,
+                class_name(i.class)
+            );
+        }
+        println!();
     }
     Ok(())
 }

@@ -1,12 +1,12 @@
 //! Verbs that talk to the server on this machine through its control socket:
-//! `usbwire type` and `usbwire state`.
+//! `usbwire type`, `usbwire state`, `usbwire bind` and `usbwire unbind`.
 
 use std::path::PathBuf;
 
 use anyhow::anyhow;
 use usbwire_server::{control_request, default_control_path, ControlRequest, ControlResponse};
 
-use crate::args::{ControlArgs, StateArgs, TypeArgs};
+use crate::args::{BindArgs, ControlArgs, StateArgs, TypeArgs};
 use crate::exit::Failure;
 
 async fn ask(control: &ControlArgs, request: ControlRequest) -> Result<ControlResponse, Failure> {
@@ -50,5 +50,17 @@ pub(crate) async fn state(args: StateArgs) -> Result<(), Failure> {
             since
         );
     }
+    Ok(())
+}
+
+pub(crate) async fn bind(args: BindArgs) -> Result<(), Failure> {
+    ask(&args.control, ControlRequest::Bind { busid: args.busid.clone() }).await?;
+    println!("bind device on busid {}: complete", args.busid);
+    Ok(())
+}
+
+pub(crate) async fn unbind(args: BindArgs) -> Result<(), Failure> {
+    ask(&args.control, ControlRequest::Unbind { busid: args.busid.clone() }).await?;
+    println!("unbind device on busid {}: complete", args.busid);
     Ok(())
 }

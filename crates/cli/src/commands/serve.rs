@@ -22,12 +22,19 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     for spec in &args.virtual_devices {
         specs.push(VirtualSpec::parse(spec).map_err(Failure::usage)?);
     }
-    if specs.is_empty() {
-        return Err(Failure::usage(anyhow::anyhow!(
-            "nothing to export: add --virtual SPEC (e.g. --virtual keyboard --virtual disk=disk.img,size=64M) or [[virtual]] entries in --config"
-        )));
+    let mut config = ServerConfig {
+        host_rules: file.bind.iter().map(|rule| rule.device.clone()).collect(),
+        ..ServerConfig::default()
+    };
+    for selector in &args.bind {
+        config.host_rules.push(selector.parse().map_err(|e: usbwire_server::SelectorError| Failure::usage(e.into()))?);
     }
-    let mut config = ServerConfig::default();
+    if specs.is_empty() && config.host_rules.is_empty() {
+        eprintln!(
+            "note: nothing exported yet: `usbwire bind -b BUSID` exports a real device (see `usbwire list -l`); \
+             --virtual SPEC adds a virtual one"
+        );
+    }
     if let Some(listen) = args.listen.or(file.listen) {
         config.listen = listen;
     }

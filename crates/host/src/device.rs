@@ -1,0 +1,637 @@
+//! One real USB device exported through usbfs: [`HostDevice`] implements the
+//! server's [`Device`] trait by submitting each URB to the kernel as a usbfs
+//! URB and reaping completions when the usbfs file becomes writable.
+//!
+//! Like the kernel's stub (`drivers/usb/usbip/stub_rx.c`), a few control
+//! requests are not forwarded but carried out here: SET_ADDRESS is absorbed,
+//! SET_CONFIGURATION / SET_INTERFACE / CLEAR_FEATURE(ENDPOINT_HALT) and a hub
+//! port reset go through the matching usbfs ioctls so the kernel's view of
+//! the device stays right. Interfaces are claimed (kernel drivers detached)
+//! when the first URB arrives and given back on [`Device::reset`] or drop.
+
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::path::{Path, PathBuf};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tracing::{debug, info, warn};
+use usbwire_device::descriptor::{ConfigurationInfo, DeviceDescriptor};
+use usbwire_device::{Completion, Device, DeviceSummary, Direction, Status, TransferFlags, TransferType, Urb};
+use usbwire_proto::urb::IsoPacketDescriptor;
+
+use crate::usbfs::{self, IsoPacket, RawUrb};
+use crate::LocalDevice;
+
+/// How long a reset waits for cancelled URBs to come back.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `-ESHUTDOWN`: what the kernel gives URBs of a device that went away.
+const ESHUTDOWN: Status = Status(-libc::ESHUTDOWN);
+const ENODEV: Status = Status(-libc::ENODEV);
+const EINVAL: Status = Status(-libc::EINVAL);
+
+/// A URB the kernel holds: the usbfs URB (with its iso packet array) and
+/// buffer must not move until it is reaped.
+struct InFlight {
+    /// `RawUrb` followed by `IsoPacket`s, in 8-byte words for alignment.
+    block: Box<[u64]>,
+    buffer: Vec<u8>,
+    urb: Urb,
+    cancelled: bool,
+}
+
+impl InFlight {
+    fn raw(&mut self) -> *mut RawUrb {
+        self.block.as_mut_ptr().cast()
+    }
+}
+
+/// A real device opened through `/dev/bus/usb/BBB/DDD`.
+pub struct HostDevice {
+    busid: String,
+    sysfs_path: PathBuf,
+    /// A duplicate of `file`'s fd (same usbfs session) registered with tokio.
+    reactor: Option<AsyncFd<File>>,
+    file: File,
+    summary: DeviceSummary,
+    configurations: Vec<ConfigurationInfo>,
+    active: Option<ConfigurationInfo>,
+    alt_settings: HashMap<u8, u8>,
+    endpoints: HashMap<u8, TransferType>,
+    claimed: Vec<u8>,
+    in_flight: HashMap<u32, InFlight>,
+    finished: VecDeque<Completion>,
+    gone: bool,
+}
+
+impl HostDevice {
+    /// Opens a device found by [`crate::list`]. Needs read-write access to its
+    /// usbfs node (root, or a udev rule; see README).
+    pub fn open(local: &LocalDevice) -> io::Result<Self> {
+        let node = format!("/dev/bus/usb/{:03}/{:03}", local.busnum, local.devnum);
+        let mut file = File::options().read(true).write(true).open(&node).map_err(|error| {
+            io::Error::new(error.kind(), format!("cannot open {node} for {}: {error}", local.busid))
+        })?;
+        // Reading a usbfs node gives the device descriptor and every configuration descriptor.
+        let mut descriptors = Vec::new();
+        file.read_to_end(&mut descriptors)?;
+        let device = DeviceDescriptor::parse(&descriptors)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("{node}: no device descriptor")))?;
+        let mut configurations = Vec::new();
+        let mut at = usize::from(descriptors[0]);
+        while at + 4 <= descriptors.len() {
+            let total = usize::from(u16::from_le_bytes([descriptors[at + 2], descriptors[at + 3]]));
+            let end = (at + total.max(9)).min(descriptors.len());
+            if let Some(config) = ConfigurationInfo::parse(&descriptors[at..end]) {
+                configurations.push(config);
+            }
+            at = end;
+        }
+        let active_value = read_sysfs(&local.sysfs_path, "bConfigurationValue").and_then(|v| v.parse::<u8>().ok());
+        let active = configurations.iter().find(|c| Some(c.value) == active_value).cloned();
+        let listed = active.as_ref().or(configurations.first());
+        let summary = DeviceSummary {
+            speed: local.speed,
+            vendor_id: device.vendor_id,
+            product_id: device.product_id,
+            bcd_device: device.bcd_device,
+            class: device.class,
+            subclass: device.subclass,
+            protocol: device.protocol,
+            configuration_value: active.as_ref().map_or(0, |c| c.value),
+            num_configurations: device.num_configurations,
+            interfaces: listed
+                .map(|c| {
+                    c.interfaces
+                        .iter()
+                        .filter(|i| i.alt_setting == 0)
+                        .map(|i| (i.class, i.subclass, i.protocol))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            product: local.product.clone().unwrap_or_default(),
+            manufacturer: local.manufacturer.clone().unwrap_or_default(),
+        };
+        let mut host = Self {
+            busid: local.busid.clone(),
+            sysfs_path: local.sysfs_path.clone(),
+            reactor: None,
+            file,
+            summary,
+            configurations,
+            active,
+            alt_settings: HashMap::new(),
+            endpoints: HashMap::new(),
+            claimed: Vec::new(),
+            in_flight: HashMap::new(),
+            finished: VecDeque::new(),
+            gone: false,
+        };
+        host.refresh_endpoints();
+        Ok(host)
+    }
+
+    pub fn busid(&self) -> &str {
+        &self.busid
+    }
+
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    fn refresh_endpoints(&mut self) {
+        self.endpoints.clear();
+        if let Some(active) = &self.active {
+            let alt_settings = &self.alt_settings;
+            for endpoint in active.active_endpoints(|interface| alt_settings.get(&interface).copied().unwrap_or(0)) {
+                self.endpoints.insert(endpoint.address, endpoint.transfer_type);
+            }
+        }
+    }
+
+    /// Claims every interface of the active configuration, detaching kernel drivers.
+    fn claim_interfaces(&mut self) {
+        let Some(active) = &self.active else { return };
+        let mut numbers: Vec<u8> = active.interfaces.iter().map(|i| i.number).collect();
+        numbers.dedup();
+        for number in numbers {
+            if self.claimed.contains(&number) {
+                continue;
+            }
+            match usbfs::disconnect_and_claim(self.file.as_fd(), number) {
+                Ok(()) => self.claimed.push(number),
+                Err(error) => warn!(busid = %self.busid, interface = number, %error, "cannot claim interface"),
+            }
+        }
+        if !self.claimed.is_empty() {
+            info!(busid = %self.busid, interfaces = ?self.claimed, "interfaces claimed from their kernel drivers");
+        }
+    }
+
+    /// Releases our claims and lets the kernel's drivers bind again.
+    fn give_back_interfaces(&mut self) {
+        for number in std::mem::take(&mut self.claimed) {
+            if let Err(error) = usbfs::release_interface(self.fd(), number) {
+                debug!(busid = %self.busid, interface = number, %error, "release interface");
+            }
+            if let Err(error) = usbfs::connect_kernel_driver(self.fd(), number) {
+                debug!(busid = %self.busid, interface = number, %error, "reconnect kernel driver");
+            }
+        }
+    }
+
+    /// Carries out the control requests the stub does not forward. `None`
+    /// means: forward this URB to the device.
+    fn handle_special_request(&mut self, urb: &Urb) -> Option<Completion> {
+        let [request_type, request, value_lo, value_hi, index_lo, _, _, _] = urb.setup;
+        let value = u16::from_le_bytes([value_lo, value_hi]);
+        let status = |result: io::Result<()>| match result {
+            Ok(()) => Status::OK,
+            Err(error) => Status(-error.raw_os_error().unwrap_or(libc::EIO)),
+        };
+        match (request_type, request) {
+            // SET_ADDRESS: the device already has its address on this bus.
+            (0x00, 0x05) => Some(urb.complete_with(Status::OK)),
+            // SET_CONFIGURATION.
+            (0x00, 0x09) => {
+                let wanted = value as u8;
+                if self.active.as_ref().map(|c| c.value) == Some(wanted) {
+                    return Some(urb.complete_with(Status::OK));
+                }
+                let had_claims = !self.claimed.is_empty();
+                for number in std::mem::take(&mut self.claimed) {
+                    let _ = usbfs::release_interface(self.fd(), number);
+                }
+                let result = usbfs::set_configuration(self.fd(), wanted);
+                if result.is_ok() {
+                    self.active = self.configurations.iter().find(|c| c.value == wanted).cloned();
+                    self.alt_settings.clear();
+                    self.refresh_endpoints();
+                }
+                if had_claims || result.is_ok() {
+                    self.claim_interfaces();
+                }
+                Some(urb.complete_with(status(result)))
+            }
+            // SET_INTERFACE.
+            (0x01, 0x0b) => {
+                let interface = index_lo;
+                let result = usbfs::set_interface(self.fd(), interface, value as u8);
+                if result.is_ok() {
+                    self.alt_settings.insert(interface, value as u8);
+                    self.refresh_endpoints();
+                }
+                Some(urb.complete_with(status(result)))
+            }
+            // CLEAR_FEATURE(ENDPOINT_HALT).
+            (0x02, 0x01) if value == 0 => Some(urb.complete_with(status(usbfs::clear_halt(self.fd(), index_lo)))),
+            // A hub's SET_FEATURE(PORT_RESET) aimed at the port this device sits on.
+            (0x23, 0x03) if value == 4 => {
+                let result = usbfs::reset(self.fd());
+                info!(busid = %self.busid, ok = result.is_ok(), "port reset");
+                Some(urb.complete_with(status(result)))
+            }
+            _ => None,
+        }
+    }
+
+    /// Builds the usbfs URB and buffer for `urb`, or the status to complete it with.
+    fn prepare(&self, urb: Urb) -> Result<InFlight, (Urb, Status)> {
+        let kind = if urb.endpoint == 0 {
+            TransferType::Control
+        } else {
+            match self.endpoints.get(&urb.endpoint_address()) {
+                Some(&kind) => kind,
+                None => return Err((urb, Status::EPIPE)),
+            }
+        };
+        let length = urb.length as usize;
+        let mut flags = 0;
+        let mut iso_packets = Vec::new();
+        let buffer = match kind {
+            TransferType::Control => {
+                let w_length = usize::from(u16::from_le_bytes([urb.setup[6], urb.setup[7]]));
+                if urb.is_in() && length < w_length || !urb.is_in() && urb.data.len() != w_length {
+                    return Err((urb, EINVAL));
+                }
+                let mut buffer = Vec::with_capacity(8 + w_length);
+                buffer.extend_from_slice(&urb.setup);
+                if urb.is_in() {
+                    buffer.resize(8 + w_length, 0);
+                } else {
+                    buffer.extend_from_slice(&urb.data);
+                }
+                buffer
+            }
+            TransferType::Isochronous => {
+                if urb.iso_packets.is_empty() {
+                    return Err((urb, EINVAL));
+                }
+                let mut buffer = Vec::new();
+                for packet in &urb.iso_packets {
+                    iso_packets.push(IsoPacket { length: packet.length, ..IsoPacket::default() });
+                    if !urb.is_in() {
+                        let start = packet.offset as usize;
+                        let Some(bytes) = urb.data.get(start..start + packet.length as usize) else {
+                            return Err((urb, EINVAL));
+                        };
+                        buffer.extend_from_slice(bytes);
+                    }
+                }
+                if urb.is_in() {
+                    buffer.resize(iso_packets.iter().map(|p| p.length as usize).sum(), 0);
+                }
+                flags |= usbfs::URB_ISO_ASAP;
+                buffer
+            }
+            TransferType::Bulk | TransferType::Interrupt => {
+                if urb.is_in() {
+                    if urb.flags.contains(TransferFlags::SHORT_NOT_OK) {
+                        flags |= usbfs::URB_SHORT_NOT_OK;
+                    }
+                    vec![0; length]
+                } else {
+                    if urb.flags.contains(TransferFlags::ZERO_PACKET) {
+                        flags |= usbfs::URB_ZERO_PACKET;
+                    }
+                    urb.data.to_vec()
+                }
+            }
+        };
+        let words = (std::mem::size_of::<RawUrb>() + iso_packets.len() * std::mem::size_of::<IsoPacket>()).div_ceil(8);
+        let mut in_flight = InFlight { block: vec![0u64; words].into_boxed_slice(), buffer, urb, cancelled: false };
+        let raw = in_flight.raw();
+        let buffer_ptr = in_flight.buffer.as_mut_ptr();
+        // SAFETY: `block` is zeroed, 8-byte aligned and large enough for a RawUrb
+        // followed by `iso_packets.len()` IsoPackets.
+        unsafe {
+            let header = &mut *raw;
+            header.kind = match kind {
+                TransferType::Control => usbfs::URB_TYPE_CONTROL,
+                TransferType::Isochronous => usbfs::URB_TYPE_ISO,
+                TransferType::Bulk => usbfs::URB_TYPE_BULK,
+                TransferType::Interrupt => usbfs::URB_TYPE_INTERRUPT,
+            };
+            header.endpoint = in_flight.urb.endpoint_address();
+            header.flags = flags;
+            header.buffer = buffer_ptr.cast();
+            header.buffer_length = in_flight.buffer.len() as i32;
+            header.number_of_packets = iso_packets.len() as i32;
+            header.user_context = in_flight.urb.seqnum as usize as *mut _;
+            let packets = raw.add(1).cast::<IsoPacket>();
+            for (i, packet) in iso_packets.iter().enumerate() {
+                packets.add(i).write(*packet);
+            }
+        }
+        Ok(in_flight)
+    }
+
+    /// Turns a reaped usbfs URB back into a completion.
+    fn finish(&mut self, mut done: InFlight) -> Completion {
+        let raw = done.raw();
+        // SAFETY: the kernel has handed the URB back; nothing else touches it.
+        let header = unsafe { &*raw };
+        let mut status = Status(header.status);
+        if done.cancelled && (status == Status::ENOENT || status == Status::ECONNRESET) {
+            status = Status::ECONNRESET;
+        }
+        let actual = (header.actual_length.max(0) as usize).min(done.buffer.len());
+        let urb = &done.urb;
+        let mut completion = urb.complete_with(status);
+        completion.start_frame = header.start_frame;
+        completion.error_count = header.error_count;
+        match self.endpoint_kind(urb) {
+            TransferType::Control => {
+                completion.actual_length = actual as u32;
+                if urb.is_in() {
+                    completion.data = Bytes::copy_from_slice(&done.buffer[8..8 + actual.min(done.buffer.len() - 8)]);
+                }
+            }
+            TransferType::Isochronous => {
+                // SAFETY: the packet array follows the header in `block`.
+                let packets =
+                    unsafe { std::slice::from_raw_parts(raw.add(1).cast::<IsoPacket>(), urb.iso_packets.len()) };
+                let mut data = Vec::new();
+                let mut at = 0usize;
+                let mut total = 0u32;
+                completion.iso_packets = urb
+                    .iso_packets
+                    .iter()
+                    .zip(packets)
+                    .map(|(sent, got)| {
+                        let got_len = got.actual_length.min(got.length);
+                        if urb.is_in() {
+                            // usbfs leaves each packet at its place; USB/IP sends them back to back.
+                            data.extend_from_slice(&done.buffer[at..at + got_len as usize]);
+                        }
+                        at += got.length as usize;
+                        total += got_len;
+                        IsoPacketDescriptor {
+                            offset: sent.offset,
+                            length: sent.length,
+                            actual_length: got_len,
+                            status: Status(got.status as i32),
+                        }
+                    })
+                    .collect();
+                completion.actual_length = total;
+                completion.data = data.into();
+            }
+            TransferType::Bulk | TransferType::Interrupt => {
+                completion.actual_length = actual as u32;
+                if urb.is_in() {
+                    done.buffer.truncate(actual);
+                    completion.data = std::mem::take(&mut done.buffer).into();
+                }
+            }
+        }
+        completion
+    }
+
+    fn endpoint_kind(&self, urb: &Urb) -> TransferType {
+        if urb.endpoint == 0 {
+            TransferType::Control
+        } else if !urb.iso_packets.is_empty() {
+            TransferType::Isochronous
+        } else {
+            self.endpoints.get(&urb.endpoint_address()).copied().unwrap_or(TransferType::Bulk)
+        }
+    }
+
+    /// Reaps every finished URB. Returns whether anything was reaped.
+    fn reap_all(&mut self) -> bool {
+        let mut reaped = false;
+        while !self.gone {
+            match usbfs::reap(self.fd()) {
+                Ok(Some(raw)) => {
+                    // SAFETY: the kernel returns a pointer we submitted; read our tag only.
+                    let seqnum = unsafe { (*raw).user_context } as usize as u32;
+                    if let Some(done) = self.in_flight.remove(&seqnum) {
+                        let mut completion = self.finish(done);
+                        if completion.status != Status::OK
+                            && completion.status != Status::ECONNRESET
+                            && self.disconnected()
+                        {
+                            // However the kernel tore it down, tell the client what an unplug is.
+                            completion.status = ESHUTDOWN;
+                            self.finished.push_back(completion);
+                            self.mark_gone();
+                        } else {
+                            self.finished.push_back(completion);
+                        }
+                    }
+                    reaped = true;
+                }
+                Ok(None) => break,
+                Err(error) => {
+                    if error.raw_os_error() != Some(libc::ENODEV) {
+                        warn!(busid = %self.busid, %error, "usbfs reap failed; treating the device as gone");
+                    }
+                    self.mark_gone();
+                    reaped = true;
+                }
+            }
+        }
+        reaped
+    }
+
+    /// Whether usbfs reports the device gone (POLLHUP/POLLERR on its file).
+    fn disconnected(&self) -> bool {
+        let mut poll = libc::pollfd { fd: self.file.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+        // SAFETY: one valid pollfd, zero timeout.
+        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+        ready > 0 && poll.revents & (libc::POLLHUP | libc::POLLERR) != 0
+    }
+
+    /// The device was unplugged: every URB still out ends with `-ESHUTDOWN`.
+    fn mark_gone(&mut self) {
+        if self.gone {
+            return;
+        }
+        self.gone = true;
+        self.claimed.clear();
+        warn!(busid = %self.busid, in_flight = self.in_flight.len(), "device disconnected");
+        let seqnums: Vec<u32> = self.in_flight.keys().copied().collect();
+        for seqnum in seqnums {
+            // The kernel freed its side with the device; our buffers are ours again.
+            if let Some(done) = self.in_flight.remove(&seqnum) {
+                self.finished.push_back(done.urb.complete_with(ESHUTDOWN));
+            }
+        }
+    }
+
+    fn reactor(&mut self) -> io::Result<&AsyncFd<File>> {
+        if self.reactor.is_none() {
+            let duplicate = self.file.try_clone()?;
+            // SAFETY: the AsyncFd owns `duplicate`, so the fd stays open (and is not
+            // reused) for as long as it is registered.
+            let registered = unsafe { AsyncFd::register_with_interest(duplicate, Interest::WRITABLE) }
+                .map_err(|error| error.into_parts().1)?;
+            self.reactor = Some(registered);
+        }
+        Ok(self.reactor.as_ref().expect("just set"))
+    }
+
+    /// Cancels everything in flight and waits (bounded) for the kernel to hand it back.
+    fn drain(&mut self) {
+        let raws: Vec<*mut RawUrb> = self.in_flight.values_mut().map(InFlight::raw).collect();
+        for raw in raws {
+            // SAFETY: each URB is still in flight on this fd.
+            let _ = unsafe { usbfs::discard(self.fd(), raw) };
+        }
+        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        while !self.in_flight.is_empty() && !self.gone && Instant::now() < deadline {
+            if !self.reap_all() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        if !self.in_flight.is_empty() && !self.gone {
+            // Never free memory the kernel may still write: keep it for the process's life.
+            warn!(busid = %self.busid, stuck = self.in_flight.len(), "URBs did not come back after cancel");
+            std::mem::forget(std::mem::take(&mut self.in_flight));
+        }
+        self.finished.clear();
+    }
+}
+
+impl Device for HostDevice {
+    fn summary(&self) -> DeviceSummary {
+        self.summary.clone()
+    }
+
+    fn endpoint_type(&self, direction: Direction, number: u8) -> Option<TransferType> {
+        if number == 0 {
+            return Some(TransferType::Control);
+        }
+        let address = if direction == Direction::In { number | 0x80 } else { number };
+        self.endpoints.get(&address).copied()
+    }
+
+    fn submit(&mut self, urb: Urb) {
+        if self.gone {
+            self.finished.push_back(urb.complete_with(ENODEV));
+            return;
+        }
+        if self.claimed.is_empty() {
+            self.claim_interfaces();
+        }
+        if urb.endpoint == 0 {
+            if let Some(done) = self.handle_special_request(&urb) {
+                self.finished.push_back(done);
+                return;
+            }
+        }
+        let seqnum = urb.seqnum;
+        match self.prepare(urb) {
+            Err((urb, status)) => self.finished.push_back(urb.complete_with(status)),
+            Ok(mut in_flight) => {
+                let raw = in_flight.raw();
+                // SAFETY: `in_flight` (block and buffer, both heap allocations that do
+                // not move when the struct does) stays in `self.in_flight` until reaped.
+                match unsafe { usbfs::submit(self.file.as_fd(), raw) } {
+                    Ok(()) => {
+                        self.in_flight.insert(seqnum, in_flight);
+                    }
+                    Err(error) => {
+                        let errno = error.raw_os_error().unwrap_or(libc::EIO);
+                        debug!(busid = %self.busid, seqnum, %error, "usbfs refused the URB");
+                        if errno == libc::ENODEV {
+                            self.mark_gone();
+                        }
+                        self.finished.push_back(in_flight.urb.complete_with(Status(-errno)));
+                    }
+                }
+            }
+        }
+    }
+
+    fn poll_complete(&mut self, cx: &mut Context<'_>) -> Poll<Completion> {
+        loop {
+            if let Some(done) = self.finished.pop_front() {
+                return Poll::Ready(done);
+            }
+            if self.in_flight.is_empty() || self.gone {
+                return Poll::Pending;
+            }
+            let reactor = match self.reactor() {
+                Ok(reactor) => reactor,
+                Err(error) => {
+                    warn!(busid = %self.busid, %error, "cannot watch the usbfs file");
+                    self.mark_gone();
+                    continue;
+                }
+            };
+            match reactor.poll_write_ready(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(error)) => {
+                    warn!(busid = %self.busid, %error, "usbfs poll failed");
+                    self.mark_gone();
+                }
+                Poll::Ready(Ok(mut guard)) => {
+                    guard.clear_ready();
+                    self.reap_all();
+                }
+            }
+        }
+    }
+
+    fn cancel(&mut self, seqnum: u32) {
+        if let Some(in_flight) = self.in_flight.get_mut(&seqnum) {
+            in_flight.cancelled = true;
+            let raw = in_flight.raw();
+            // SAFETY: the URB is in flight on this fd. EINVAL means it already finished.
+            if let Err(error) = unsafe { usbfs::discard(self.file.as_fd(), raw) } {
+                debug!(busid = %self.busid, seqnum, %error, "discard");
+            }
+        }
+    }
+
+    fn reset(&mut self) {
+        if self.gone {
+            self.in_flight.clear();
+            self.finished.clear();
+            return;
+        }
+        self.drain();
+        if !self.claimed.is_empty() {
+            // Like usbip-host when its client goes: reset, so the next user starts clean.
+            if let Err(error) = usbfs::reset(self.fd()) {
+                debug!(busid = %self.busid, %error, "device reset");
+            }
+        }
+        self.give_back_interfaces();
+        self.alt_settings.clear();
+        self.active = read_sysfs(&self.sysfs_path, "bConfigurationValue")
+            .and_then(|v| v.parse::<u8>().ok())
+            .and_then(|value| self.configurations.iter().find(|c| c.value == value).cloned())
+            .or_else(|| self.active.take());
+        self.refresh_endpoints();
+    }
+
+    fn is_gone(&self) -> bool {
+        self.gone
+    }
+}
+
+impl Drop for HostDevice {
+    fn drop(&mut self) {
+        if !self.gone && (!self.in_flight.is_empty() || !self.claimed.is_empty()) {
+            self.drain();
+            self.give_back_interfaces();
+        }
+    }
+}
+
+// SAFETY: the raw pointers inside `InFlight` point into allocations owned by the
+// same value; the device is used from one task at a time.
+unsafe impl Send for HostDevice {}
+
+pub(crate) fn read_sysfs(device: &Path, attribute: &str) -> Option<String> {
+    std::fs::read_to_string(device.join(attribute)).ok().map(|text| text.trim().to_owned())
+}

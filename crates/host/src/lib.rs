@@ -1,0 +1,173 @@
+//! Real USB devices on this machine, shared from userspace through Linux usbfs.
+//!
+//! [`list`] enumerates local devices (through nusb) with what a user needs to
+//! pick one: bus id as usbip names it, VID:PID, strings, speed, and the kernel
+//! driver of each interface. [`Selector`] matches them by bus id, VID:PID,
+//! serial or class (bind rules). [`HostDevice`] is an opened device that the
+//! server exports: it implements `usbwire_device::Device` over usbfs URBs.
+//! [`watch`] reports hotplug.
+//!
+//! Not for virtual devices (see `usbwire-gadgets`) nor for sockets.
+
+mod device;
+mod selector;
+mod usbfs;
+
+use std::io;
+use std::path::PathBuf;
+
+use nusb::MaybeFuture;
+use serde::Serialize;
+use usbwire_device::Speed;
+
+pub use device::HostDevice;
+pub use nusb::hotplug::HotplugEvent;
+pub use nusb::DeviceId;
+pub use selector::{Selector, SelectorError};
+
+/// A USB device plugged into this machine.
+#[derive(Clone, Debug, Serialize)]
+pub struct LocalDevice {
+    /// As usbip names it: `BUS-PORT[.PORT...]`, e.g. `1-1.2`.
+    pub busid: String,
+    pub busnum: u8,
+    pub devnum: u8,
+    #[serde(serialize_with = "hex16")]
+    pub vendor_id: u16,
+    #[serde(serialize_with = "hex16")]
+    pub product_id: u16,
+    pub manufacturer: Option<String>,
+    pub product: Option<String>,
+    pub serial: Option<String>,
+    #[serde(serialize_with = "speed_name")]
+    pub speed: Speed,
+    #[serde(serialize_with = "hex8")]
+    pub class: u8,
+    pub interfaces: Vec<LocalInterface>,
+    #[serde(skip)]
+    pub sysfs_path: PathBuf,
+    #[serde(skip)]
+    pub id: Option<DeviceId>,
+}
+
+/// One interface of a [`LocalDevice`] and the kernel driver bound to it.
+#[derive(Clone, Debug, Serialize)]
+pub struct LocalInterface {
+    pub number: u8,
+    #[serde(serialize_with = "hex8")]
+    pub class: u8,
+    #[serde(serialize_with = "hex8")]
+    pub subclass: u8,
+    #[serde(serialize_with = "hex8")]
+    pub protocol: u8,
+    /// `None` when no driver is bound; `usbfs` while a usbwire server holds it.
+    pub driver: Option<String>,
+}
+
+impl LocalDevice {
+    fn from_info(info: &nusb::DeviceInfo) -> Option<Self> {
+        let sysfs_path = info.sysfs_path().to_path_buf();
+        let busid = sysfs_path.file_name()?.to_str()?.to_owned();
+        // Root hubs (`usb1`) are not devices anyone shares.
+        if busid.starts_with("usb") {
+            return None;
+        }
+        let configuration = device::read_sysfs(&sysfs_path, "bConfigurationValue").unwrap_or_default();
+        let interfaces = info
+            .interfaces()
+            .map(|interface| {
+                let number = interface.interface_number();
+                let link = sysfs_path.join(format!("{busid}:{configuration}.{number}/driver"));
+                let driver =
+                    std::fs::read_link(link).ok().and_then(|t| t.file_name().map(|n| n.to_string_lossy().into()));
+                LocalInterface {
+                    number,
+                    class: interface.class(),
+                    subclass: interface.subclass(),
+                    protocol: interface.protocol(),
+                    driver,
+                }
+            })
+            .collect();
+        Some(Self {
+            busid,
+            busnum: info.busnum(),
+            devnum: info.device_address(),
+            vendor_id: info.vendor_id(),
+            product_id: info.product_id(),
+            manufacturer: info.manufacturer_string().map(str::to_owned),
+            product: info.product_string().map(str::to_owned),
+            serial: info.serial_number().map(str::to_owned),
+            speed: match info.speed() {
+                Some(nusb::Speed::Low) => Speed::LOW,
+                Some(nusb::Speed::Full) => Speed::FULL,
+                Some(nusb::Speed::High) => Speed::HIGH,
+                Some(nusb::Speed::Super) => Speed::SUPER,
+                Some(nusb::Speed::SuperPlus) => Speed::SUPER_PLUS,
+                _ => Speed::UNKNOWN,
+            },
+            class: info.class(),
+            interfaces,
+            sysfs_path,
+            id: Some(info.id()),
+        })
+    }
+
+    /// The device's class, or its interfaces' classes when it defers to them.
+    pub fn classes(&self) -> impl Iterator<Item = u8> + '_ {
+        std::iter::once(self.class).filter(|&c| c != 0).chain(self.interfaces.iter().map(|i| i.class))
+    }
+}
+
+/// Every USB device on this machine (root hubs left out), sorted by bus id.
+pub fn list() -> io::Result<Vec<LocalDevice>> {
+    if !std::path::Path::new("/sys/bus/usb/devices").exists() {
+        // A kernel without USB support (or a container without /sys/bus/usb): nothing plugged in.
+        return Ok(Vec::new());
+    }
+    let devices = nusb::list_devices().wait().map_err(|error| {
+        io::Error::other(format!("cannot enumerate USB devices ({error}); is sysfs mounted at /sys?"))
+    })?;
+    let mut found: Vec<LocalDevice> = devices.filter_map(|info| LocalDevice::from_info(&info)).collect();
+    found.sort_by_key(|device| busid_order(&device.busid));
+    Ok(found)
+}
+
+/// Turns a hotplug arrival into a [`LocalDevice`].
+pub fn arrived(info: &nusb::DeviceInfo) -> Option<LocalDevice> {
+    LocalDevice::from_info(info)
+}
+
+/// Hotplug events (arrivals and departures) from the kernel's uevents.
+pub fn watch() -> io::Result<nusb::hotplug::HotplugWatch> {
+    nusb::watch_devices().map_err(|error| io::Error::other(format!("cannot watch USB hotplug: {error}")))
+}
+
+/// Numeric order for bus ids, so `1-10` sorts after `1-2`.
+fn busid_order(busid: &str) -> Vec<u32> {
+    busid.split(['-', '.']).map(|part| part.parse().unwrap_or(u32::MAX)).collect()
+}
+
+fn hex16<S: serde::Serializer>(value: &u16, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&format!("{value:04x}"))
+}
+
+fn hex8<S: serde::Serializer>(value: &u8, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&format!("{value:02x}"))
+}
+
+fn speed_name<S: serde::Serializer>(speed: &Speed, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(speed.name())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_ids_sort_numerically() {
+        let mut ids = vec!["1-10", "1-2", "2-1", "1-2.3", "1-2.10", "1-2.2"];
+        ids.sort_by_key(|id| busid_order(id));
+        assert_eq!(ids, ["1-2", "1-2.2", "1-2.3", "1-2.10", "1-10", "2-1"]);
+    }
+}

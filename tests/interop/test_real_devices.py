@@ -1,0 +1,352 @@
+#!/usr/bin/env python3
+"""Real USB devices shared through usbfs (issue 4), against a real kernel.
+
+A QEMU guest with QEMU-emulated USB devices on xHCI (a flash drive, a keyboard,
+an FTDI serial adapter) runs our binary: `usbwire list -l` shows them with
+their kernel drivers, `usbwire serve` + `usbwire bind` exports them. From the
+host, with our client and with a minimal independent USB/IP client written
+here: list, describe, read disk sectors (must match the image), write bytes
+through the serial adapter (must reach QEMU's chardev), bad URBs get error
+statuses, the kernel driver is detached while imported and comes back on
+release and on unbind, and a device unplugged (QEMU `device_del`) while
+imported ends its pending URB with -ESHUTDOWN and a clean close, leaving the
+server healthy.
+
+Run: python3 tests/interop/test_real_devices.py   (USBWIRE_BIN=path/to/usbwire)
+"""
+
+import http.server
+import json
+import os
+import queue
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import guest  # noqa: E402
+
+BIN = guest.BIN
+READ_SECTORS = guest.READ_SECTORS
+
+# The guest runs whatever the host hands it, one command at a time, and prints
+# the result; the host drives the test through `Remote.run`.
+SERVER_SCRIPT = r"""
+set -u
+export C="--control /run/usbwire.sock"
+usbwire serve -v --listen 0.0.0.0:3240 $C > /tmp/serve.log 2>&1 &
+i=0; while [ ! -S /run/usbwire.sock ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
+echo "@@SERVER-UP"
+while true; do
+  cmd=$(wget -q -O - http://10.0.2.2:__CMD__/next 2>/dev/null) || { sleep 0.3; continue; }
+  [ "$cmd" = exit ] && break
+  out=$(sh -c "$cmd" 2>&1); rc=$?
+  echo "@@OUT rc=$rc $(echo "$out" | tr '\n' ' ')"
+done
+echo "@@SERVE-LOG-BEGIN"; cat /tmp/serve.log; echo "@@SERVE-LOG-END"
+exit 0
+"""
+
+ESHUTDOWN = -108
+EPIPE = -32
+EINVAL = -22
+
+
+
+class Remote:
+    """Runs shell commands in the guest: it fetches them over HTTP from us."""
+
+    def __init__(self, g):
+        self.g = g
+        self.commands = queue.Queue()
+        commands = self.commands
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                try:
+                    cmd = commands.get(timeout=5)
+                except queue.Empty:
+                    self.send_response(204)
+                    self.end_headers()
+                    return
+                body = cmd.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.http.server_address[1]
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def run(self, cmd, timeout=60):
+        """(exit code, output with newlines as spaces)."""
+        self.commands.put(cmd)
+        line = self.g.wait_for("@@OUT rc=", timeout)
+        rc, _, out = line.split("@@OUT rc=", 1)[1].partition(" ")
+        return int(rc), out
+
+    def close(self):
+        self.commands.put("exit")
+
+
+class UsbipClient:
+    """A minimal USB/IP client, independent of ours: import, submit, read replies."""
+
+    def __init__(self, addr, busid):
+        host, port = addr.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=30)
+        self.sock.sendall(struct.pack(">HHI", 0x0111, 0x8003, 0) + busid.encode().ljust(32, b"\0"))
+        header = self.recv(8)
+        _, code, status = struct.unpack(">HHI", header)
+        if status != 0:
+            raise RuntimeError(f"import of {busid} refused with status {status}")
+        record = self.recv(312)
+        self.busnum, self.devnum = struct.unpack(">II", record[288:296])
+        self.devid = (self.busnum << 16) | self.devnum
+        self.seq = 0
+        self.direction_in = {}
+
+    def recv(self, n):
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError(f"connection closed after {len(data)} of {n} bytes")
+            data += chunk
+        return data
+
+    def submit(self, ep, direction_in, length=0, data=b"", setup=b"\0" * 8):
+        self.seq += 1
+        header = struct.pack(">IIIII", 1, self.seq, self.devid, 1 if direction_in else 0, ep)
+        header += struct.pack(">IiiiI", 0, len(data) if not direction_in else length, 0, 0, 0) + setup
+        self.sock.sendall(header + (b"" if direction_in else data))
+        self.direction_in[self.seq] = direction_in
+        return self.seq
+
+    def reply(self):
+        """(seqnum, status, actual_length, data) of the next RET_SUBMIT."""
+        head = self.recv(48)
+        # Like the kernel stub, RET_SUBMIT need not repeat devid/direction/ep: use ours.
+        command, seq = struct.unpack(">II", head[:8])
+        status, actual = struct.unpack(">iI", head[20:28])
+        assert command == 3, f"expected RET_SUBMIT, got command {command}"
+        data = self.recv(actual) if self.direction_in.get(seq) and actual else b""
+        return seq, status, actual, data
+
+    def close(self):
+        self.sock.close()
+
+
+def qemu_monitor(path, command):
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.settimeout(5)
+        s.recv(4096)  # banner
+        s.sendall(command.encode() + b"\n")
+        time.sleep(0.5)
+        return s.recv(4096).decode(errors="replace")
+
+
+def by_id(devices, vid, pid):
+    return next((d for d in devices if d["vendor_id"] == vid and d["product_id"] == pid), None)
+
+
+def main():
+    for path in [BIN, READ_SECTORS]:
+        if not os.path.exists(path):
+            sys.exit(f"missing {path}: run `cargo build --release -p usbwire-cli --examples -p usbwire-client`")
+    guest.build()
+    checks = guest.Checks()
+    work = tempfile.mkdtemp(prefix="usbwire-real-")
+    image = os.path.join(work, "stick.img")
+    with open(image, "wb") as f:
+        f.write(os.urandom(8 << 20))
+    serial_out = os.path.join(work, "serial.out")
+    monitor = os.path.join(work, "monitor.sock")
+    port = guest.free_port()
+    qemu = ["-device", "qemu-xhci,id=xhci",
+            "-drive", f"if=none,id=stickdrive,format=raw,file={image}",
+            "-device", "usb-storage,bus=xhci.0,drive=stickdrive,id=stick",
+            "-device", "usb-kbd,bus=xhci.0,id=kbd",
+            "-chardev", f"file,id=ser,path={serial_out}",
+            "-device", "usb-serial,bus=xhci.0,chardev=ser,id=serial",
+            "-monitor", f"unix:{monitor},server=on,wait=off"]
+    g = None
+    remote = None
+    try:
+        # The guest fetches commands from a port we learn only after starting the HTTP server.
+        placeholder = {"g": None}
+
+        class LateGuest:
+            def wait_for(self, marker, timeout=120):
+                return placeholder["g"].wait_for(marker, timeout)
+
+        remote = Remote(LateGuest())
+        g = guest.Guest("real-devices", SERVER_SCRIPT.replace("__CMD__", str(remote.port)), files={BIN: "/usr/bin/usbwire"},
+                        hostfwd={3240: port}, timeout=400, qemu_args=qemu)
+        placeholder["g"] = g
+        g.wait_for("@@SERVER-UP", 150)
+        addr = f"127.0.0.1:{port}"
+
+        rc, out = remote.run("usbwire list -l --json")
+        local = json.loads(out)["devices"] if rc == 0 else []
+        stick, kbd, serial = by_id(local, "46f4", "0001"), by_id(local, "0627", "0001"), by_id(local, "0403", "6001")
+        checks.check("list -l shows the flash drive, keyboard and serial adapter", stick and kbd and serial, out)
+        if not (stick and kbd and serial):
+            return checks
+        drivers = {d["busid"]: [i["driver"] for i in d["interfaces"]] for d in local}
+        checks.check("list -l names each interface's kernel driver",
+                     drivers[stick["busid"]] == ["usb-storage"] and drivers[kbd["busid"]] == ["usbhid"]
+                     and drivers[serial["busid"]] == ["ftdi_sio"], drivers)
+        checks.check("list -l reports real speeds", stick["speed"] == "super" and kbd["speed"] in ("full", "high"),
+                     (stick["speed"], kbd["speed"]))
+        rc, out = remote.run("usbwire list -l")
+        checks.check("list -l text names the busids", rc == 0 and stick["busid"] in out and "usb-storage" in out, out)
+
+        rc, out = remote.run("usbwire bind -b 9-9 $C")
+        checks.check("bind of an absent device is a clear error", rc == 69 and "no USB device at 9-9" in out, out)
+        for d in (stick, kbd, serial):
+            rc, out = remote.run(f"usbwire bind -b {d['busid']} $C")
+            checks.check(f"bind {d['busid']}", rc == 0 and "complete" in out, out)
+        rc, out = remote.run(f"usbwire bind -b {stick['busid']} $C")
+        checks.check("binding twice is refused", rc != 0 and "already exported" in out, out)
+
+        out = subprocess.run([BIN, "list", "-r", addr, "--json"], capture_output=True, text=True)
+        exported = json.loads(out.stdout)["devices"] if out.returncode == 0 else []
+        checks.check("usbwire list -r shows the three real devices under their own busids",
+                     sorted(d["busid"] for d in exported) == sorted([stick["busid"], kbd["busid"], serial["busid"]]),
+                     out.stdout + out.stderr)
+        listed_stick = by_id(exported, "46f4", "0001") or {}
+        checks.check("the flash drive is listed as SuperSpeed with its sysfs path",
+                     listed_stick.get("speed") == "super" and listed_stick.get("path", "").startswith("/sys/devices/"),
+                     listed_stick)
+
+        out = subprocess.run([BIN, "describe", "-r", addr, "-b", stick["busid"], "--json"], capture_output=True, text=True)
+        ok = out.returncode == 0 and "08/06/50" in [i["class"] for i in json.loads(out.stdout)["items"] if i["type"] == "interface"]
+        checks.check("describe the real flash drive", ok, out.stderr[-300:])
+
+        for attempt in range(20):
+            read = subprocess.run([READ_SECTORS, addr, stick["busid"], "100", "16"], capture_output=True)
+            if read.returncode == 0:
+                break
+            time.sleep(0.5)
+        with open(image, "rb") as f:
+            f.seek(100 * 512)
+            expected = f.read(16 * 512)
+        checks.check("sectors read through usbfs match the image", read.stdout == expected,
+                     read.stderr.decode(errors="replace")[-300:])
+        rc, out = remote.run("usbwire list -l --json")
+        back = by_id(json.loads(out)["devices"], "46f4", "0001") if rc == 0 else None
+        checks.check("after release the flash drive is back with usb-storage",
+                     back and [i["driver"] for i in back["interfaces"]] == ["usb-storage"], out)
+
+        # Serial adapter: bytes written to its bulk OUT endpoint reach QEMU's chardev;
+        # a URB for an endpoint it does not have, and a malformed control, get error statuses.
+        client = UsbipClient(addr, serial["busid"])
+        message = b"through-usbfs-" + os.urandom(4).hex().encode()
+        client.submit(2, False, data=message)
+        _, status, actual, _ = client.reply()
+        checks.check("bulk OUT to the serial adapter completes", status == 0 and actual == len(message), (status, actual))
+        client.submit(5, True, length=64)
+        _, status, _, _ = client.reply()
+        checks.check("a URB for an endpoint the device lacks gets -EPIPE", status == EPIPE, status)
+        client.submit(0, True, length=4, setup=bytes([0x80, 6, 0, 1, 0, 0, 18, 0]))
+        _, status, _, _ = client.reply()
+        checks.check("a control IN shorter than its wLength gets -EINVAL", status == EINVAL, status)
+        client.submit(0, True, length=18, setup=bytes([0x80, 6, 0, 1, 0, 0, 18, 0]))
+        _, status, actual, data = client.reply()
+        checks.check("the connection still works after bad URBs (device descriptor)",
+                     status == 0 and actual == 18 and data[8:12] == bytes([0x03, 0x04, 0x01, 0x60]), (status, data.hex()))
+        client.close()
+        time.sleep(1)
+        with open(serial_out, "rb") as f:
+            written = f.read()
+        checks.check("the bytes came out of the emulated serial adapter", message in written, written[-80:])
+
+        # Keyboard: import and keep an interrupt IN pending; the kernel driver is detached meanwhile.
+        client = UsbipClient(addr, kbd["busid"])
+        pending = client.submit(1, True, length=8)
+        time.sleep(1)
+        rc, out = remote.run("usbwire list -l --json")
+        held = by_id(json.loads(out)["devices"], "0627", "0001") if rc == 0 else None
+        checks.check("while imported the keyboard's interface is held by usbfs",
+                     held and [i["driver"] for i in held["interfaces"]] == ["usbfs"], out)
+        rc, out = remote.run("usbwire state --json $C")
+        state = {d["busid"]: d for d in json.loads(out)["devices"]} if rc == 0 else {}
+        checks.check("state shows the keyboard in use", state.get(kbd["busid"], {}).get("state") == "in_use", out)
+
+        # Unplug it while imported: the pending URB ends with -ESHUTDOWN, then the server closes.
+        reply = qemu_monitor(monitor, "device_del kbd")
+        started = time.time()
+        try:
+            seq, status, _, _ = client.reply()
+            checks.check("unplug ends the pending URB with -ESHUTDOWN", (seq, status) == (pending, ESHUTDOWN), (seq, status, reply))
+            client.sock.settimeout(10)
+            try:
+                closed = client.sock.recv(1) == b""
+            except OSError:
+                closed = True
+            checks.check("then the server closes the connection cleanly", closed, f"{time.time() - started:.1f}s")
+        except Exception as error:
+            checks.check("unplug ends the pending URB with -ESHUTDOWN", False, f"{error} ({reply})")
+        client.close()
+        time.sleep(1)
+        out = subprocess.run([BIN, "list", "-r", addr, "--json"], capture_output=True, text=True)
+        after = sorted(d["busid"] for d in json.loads(out.stdout)["devices"]) if out.returncode == 0 else None
+        checks.check("the server stays healthy and no longer lists the unplugged keyboard",
+                     after == sorted([stick["busid"], serial["busid"]]), out.stdout + out.stderr)
+
+        # Unbind while imported: the importer is cut off and the drive returns to usb-storage.
+        client = UsbipClient(addr, stick["busid"])
+        client.submit(0, True, length=18, setup=bytes([0x80, 6, 0, 1, 0, 0, 18, 0]))
+        client.reply()
+        rc, out = remote.run(f"usbwire unbind -b {stick['busid']} $C")
+        checks.check("unbind", rc == 0 and "complete" in out, out)
+        client.sock.settimeout(10)
+        try:
+            closed = client.sock.recv(1) == b""
+        except OSError:
+            closed = True
+        checks.check("unbind closes the importer's connection", closed)
+        client.close()
+        rc, out = remote.run("i=0; while [ ! -e /sys/block/sda ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); done; "
+                             "usbwire list -l --json; ls /sys/block")
+        checks.check("after unbind the drive works locally again (usb-storage, /sys/block/sda)",
+                     rc == 0 and '"driver":"usb-storage"' in out and "sda" in out, out)
+        rc, out = remote.run(f"usbwire unbind -b {stick['busid']} $C")
+        checks.check("unbinding what is not exported is a clear error", rc == 69 and "not exported" in out, out)
+        remote.close()
+        log = []
+        g.wait_for("@@SERVE-LOG-BEGIN", 60)
+        while True:
+            line = g.wait_for("", 60)
+            if "@@SERVE-LOG-END" in line:
+                break
+            log.append(line)
+        joined = "\n".join(log)
+        checks.check("the server log has no panic", "panicked" not in joined, joined[-2000:])
+        checks.check("guest script exit code", g.finish(60) == 0)
+    except Exception as error:
+        checks.check("real-device test ran to the end", False, error)
+    finally:
+        if g:
+            g.kill()
+        if remote:
+            remote.http.shutdown()
+    return checks
+
+
+if __name__ == "__main__":
+    result = main()
+    if result.failed:
+        print(f"\n{len(result.failed)} check(s) failed: {', '.join(result.failed)}; logs in {guest.LOGS}")
+        sys.exit(1)
+    print("all checks passed")
