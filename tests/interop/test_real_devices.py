@@ -38,11 +38,12 @@ READ_SECTORS = guest.READ_SECTORS
 SERVER_SCRIPT = r"""
 set -u
 export C="--control /run/usbwire.sock"
-usbwire serve -v --listen 0.0.0.0:3240 $C > /tmp/serve.log 2>&1 &
+usbwire serve -v --listen 0.0.0.0:3240 --bind 0627:0001 $C > /tmp/serve.log 2>&1 &
 i=0; while [ ! -S /run/usbwire.sock ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
 echo "@@SERVER-UP"
 while true; do
   cmd=$(wget -q -O - http://10.0.2.2:__CMD__/next 2>/dev/null) || { sleep 0.3; continue; }
+  [ -z "$cmd" ] && continue
   [ "$cmd" = exit ] && break
   out=$(sh -c "$cmd" 2>&1); rc=$?
   echo "@@OUT rc=$rc $(echo "$out" | tr '\n' ' ')"
@@ -131,6 +132,31 @@ class UsbipClient:
         self.direction_in[self.seq] = direction_in
         return self.seq
 
+    def submit_iso_out(self, ep, packets):
+        """An isochronous OUT URB, one packet per bytes object; returns the seqnum."""
+        self.seq += 1
+        data = b"".join(packets)
+        header = struct.pack(">IIIII", 1, self.seq, self.devid, 0, ep)
+        header += struct.pack(">IiiiI", 0x0002, len(data), 0, len(packets), 1) + b"\0" * 8
+        descriptors, offset = b"", 0
+        for packet in packets:
+            descriptors += struct.pack(">IIIi", offset, len(packet), 0, 0)
+            offset += len(packet)
+        self.sock.sendall(header + data + descriptors)
+        self.direction_in[self.seq] = False
+        return self.seq
+
+    def reply_iso(self):
+        """(seqnum, status, [(length, actual_length, status)]) of an isochronous OUT RET_SUBMIT."""
+        head = self.recv(48)
+        seq, = struct.unpack(">I", head[4:8])
+        status, actual, _, number_of_packets, error_count = struct.unpack(">iIiii", head[20:40])
+        packets = []
+        for _ in range(max(number_of_packets, 0)):
+            _, length, got, packet_status = struct.unpack(">IIIi", self.recv(16))
+            packets.append((length, got, packet_status))
+        return seq, status, packets
+
     def reply(self):
         """(seqnum, status, actual_length, data) of the next RET_SUBMIT."""
         head = self.recv(48)
@@ -178,6 +204,8 @@ def main():
             "-device", "usb-kbd,bus=xhci.0,id=kbd",
             "-chardev", f"file,id=ser,path={serial_out}",
             "-device", "usb-serial,bus=xhci.0,chardev=ser,id=serial",
+            "-audiodev", "none,id=snd0",
+            "-device", "usb-audio,bus=xhci.0,audiodev=snd0,id=audio",
             "-monitor", f"unix:{monitor},server=on,wait=off"]
     g = None
     remote = None
@@ -196,11 +224,18 @@ def main():
         g.wait_for("@@SERVER-UP", 150)
         addr = f"127.0.0.1:{port}"
 
-        rc, out = remote.run("usbwire list -l --json")
-        local = json.loads(out)["devices"] if rc == 0 else []
+        # The guest may still be enumerating the slower devices.
+        for _ in range(30):
+            rc, out = remote.run("usbwire list -l --json")
+            local = json.loads(out)["devices"] if rc == 0 else []
+            if len(local) >= 4:
+                break
+            time.sleep(1)
         stick, kbd, serial = by_id(local, "46f4", "0001"), by_id(local, "0627", "0001"), by_id(local, "0403", "6001")
-        checks.check("list -l shows the flash drive, keyboard and serial adapter", stick and kbd and serial, out)
-        if not (stick and kbd and serial):
+        audio = by_id(local, "46f4", "0002")
+        checks.check("list -l shows the flash drive, keyboard, serial adapter and audio device",
+                     stick and kbd and serial and audio, out)
+        if not (stick and kbd and serial and audio):
             return checks
         drivers = {d["busid"]: [i["driver"] for i in d["interfaces"]] for d in local}
         checks.check("list -l names each interface's kernel driver",
@@ -213,16 +248,16 @@ def main():
 
         rc, out = remote.run("usbwire bind -b 9-9 $C")
         checks.check("bind of an absent device is a clear error", rc == 69 and "no USB device at 9-9" in out, out)
-        for d in (stick, kbd, serial):
+        for d in (stick, serial, audio):
             rc, out = remote.run(f"usbwire bind -b {d['busid']} $C")
             checks.check(f"bind {d['busid']}", rc == 0 and "complete" in out, out)
-        rc, out = remote.run(f"usbwire bind -b {stick['busid']} $C")
-        checks.check("binding twice is refused", rc != 0 and "already exported" in out, out)
+        rc, out = remote.run(f"usbwire bind -b {kbd['busid']} $C")
+        checks.check("the keyboard is already exported by the serve --bind VID:PID rule", rc != 0 and "already exported" in out, out)
 
         out = subprocess.run([BIN, "list", "-r", addr, "--json"], capture_output=True, text=True)
         exported = json.loads(out.stdout)["devices"] if out.returncode == 0 else []
-        checks.check("usbwire list -r shows the three real devices under their own busids",
-                     sorted(d["busid"] for d in exported) == sorted([stick["busid"], kbd["busid"], serial["busid"]]),
+        checks.check("usbwire list -r shows the four real devices under their own busids",
+                     sorted(d["busid"] for d in exported) == sorted(d["busid"] for d in (stick, kbd, serial, audio)),
                      out.stdout + out.stderr)
         listed_stick = by_id(exported, "46f4", "0001") or {}
         checks.check("the flash drive is listed as SuperSpeed with its sysfs path",
@@ -271,6 +306,21 @@ def main():
             written = f.read()
         checks.check("the bytes came out of the emulated serial adapter", message in written, written[-80:])
 
+        # Audio: isochronous OUT streaming on alt setting 1 of interface 1, four URBs of
+        # eight 1 ms packets (48 kHz stereo 16-bit = 192 bytes) in flight.
+        client = UsbipClient(addr, audio["busid"])
+        client.submit(0, False, setup=bytes([0x01, 0x0b, 1, 0, 1, 0, 0, 0]))
+        _, status, _, _ = client.reply()
+        checks.check("SET_INTERFACE selects the audio streaming alt setting", status == 0, status)
+        sent = [client.submit_iso_out(1, [os.urandom(192) for _ in range(8)]) for _ in range(4)]
+        results = [client.reply_iso() for _ in sent]
+        checks.check("every isochronous URB completes, in order",
+                     [r[0] for r in results] == sent and all(r[1] == 0 for r in results), [(r[0], r[1]) for r in results])
+        packets = [p for r in results for p in r[2]]
+        checks.check("32 packets come back with their lengths, all sent",
+                     len(packets) == 32 and all(p == (192, 192, 0) for p in packets), packets[:4])
+        client.close()
+
         # Keyboard: import and keep an interrupt IN pending; the kernel driver is detached meanwhile.
         client = UsbipClient(addr, kbd["busid"])
         pending = client.submit(1, True, length=8)
@@ -302,7 +352,18 @@ def main():
         out = subprocess.run([BIN, "list", "-r", addr, "--json"], capture_output=True, text=True)
         after = sorted(d["busid"] for d in json.loads(out.stdout)["devices"]) if out.returncode == 0 else None
         checks.check("the server stays healthy and no longer lists the unplugged keyboard",
-                     after == sorted([stick["busid"], serial["busid"]]), out.stdout + out.stderr)
+                     after == sorted(d["busid"] for d in (stick, serial, audio)), out.stdout + out.stderr)
+
+        # Hotplug: a keyboard plugged in later matches the serve --bind 0627:0001 rule.
+        reply = qemu_monitor(monitor, "device_add usb-kbd,bus=xhci.0,id=kbd2")
+        replugged = None
+        for _ in range(40):
+            out = subprocess.run([BIN, "list", "-r", addr, "--json"], capture_output=True, text=True)
+            replugged = by_id(json.loads(out.stdout)["devices"], "0627", "0001") if out.returncode == 0 else None
+            if replugged:
+                break
+            time.sleep(0.5)
+        checks.check("a keyboard plugged in later is exported by the rule, no restart", replugged is not None, reply)
 
         # Unbind while imported: the importer is cut off and the drive returns to usb-storage.
         client = UsbipClient(addr, stick["busid"])

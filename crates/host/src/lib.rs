@@ -5,11 +5,12 @@
 //! driver of each interface. [`Selector`] matches them by bus id, VID:PID,
 //! serial or class (bind rules). [`HostDevice`] is an opened device that the
 //! server exports: it implements `usbwire_device::Device` over usbfs URBs.
-//! [`watch`] reports hotplug.
+//! [`hotplug::watch`] reports arrivals and departures.
 //!
 //! Not for virtual devices (see `usbwire-gadgets`) nor for sockets.
 
 mod device;
+pub mod hotplug;
 mod selector;
 mod usbfs;
 
@@ -21,8 +22,6 @@ use serde::Serialize;
 use usbwire_device::Speed;
 
 pub use device::HostDevice;
-pub use nusb::hotplug::HotplugEvent;
-pub use nusb::DeviceId;
 pub use selector::{Selector, SelectorError};
 
 /// A USB device plugged into this machine.
@@ -46,8 +45,6 @@ pub struct LocalDevice {
     pub interfaces: Vec<LocalInterface>,
     #[serde(skip)]
     pub sysfs_path: PathBuf,
-    #[serde(skip)]
-    pub id: Option<DeviceId>,
 }
 
 /// One interface of a [`LocalDevice`] and the kernel driver bound to it.
@@ -109,7 +106,6 @@ impl LocalDevice {
             class: info.class(),
             interfaces,
             sysfs_path,
-            id: Some(info.id()),
         })
     }
 
@@ -131,16 +127,6 @@ pub fn list() -> io::Result<Vec<LocalDevice>> {
     let mut found: Vec<LocalDevice> = devices.filter_map(|info| LocalDevice::from_info(&info)).collect();
     found.sort_by_key(|device| busid_order(&device.busid));
     Ok(found)
-}
-
-/// Turns a hotplug arrival into a [`LocalDevice`].
-pub fn arrived(info: &nusb::DeviceInfo) -> Option<LocalDevice> {
-    LocalDevice::from_info(info)
-}
-
-/// Hotplug events (arrivals and departures) from the kernel's uevents.
-pub fn watch() -> io::Result<nusb::hotplug::HotplugWatch> {
-    nusb::watch_devices().map_err(|error| io::Error::other(format!("cannot watch USB hotplug: {error}")))
 }
 
 /// Numeric order for bus ids, so `1-10` sorts after `1-2`.

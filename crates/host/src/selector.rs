@@ -95,7 +95,6 @@ mod tests {
             class: 0,
             interfaces: vec![LocalInterface { number: 0, class: 8, subclass: 6, protocol: 0x50, driver: None }],
             sysfs_path: Default::default(),
-            id: None,
         }
     }
 

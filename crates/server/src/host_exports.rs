@@ -3,13 +3,15 @@
 //! and hotplug — a device that arrives and matches a rule is exported at
 //! once; one that leaves is withdrawn (its importer sees a clean close).
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use futures_util::StreamExt;
+use std::time::Duration;
+
 use tokio::sync::watch;
-use tracing::{info, warn};
-use usbwire_host::{DeviceId, HostDevice, HotplugEvent, LocalDevice, Selector};
+use tracing::{debug, info, warn};
+use usbwire_host::hotplug::Hotplug;
+use usbwire_host::{HostDevice, LocalDevice, Selector};
 use usbwire_proto::op::BusId;
 
 use crate::registry::Registry;
@@ -27,13 +29,13 @@ pub(crate) struct HostExports {
 #[derive(Default)]
 struct Bindings {
     rules: Vec<Selector>,
-    /// Exported real devices by bus id, with nusb's id to recognise departures.
-    exported: HashMap<String, Option<DeviceId>>,
+    /// Bus ids of the real devices exported.
+    exported: HashSet<String>,
 }
 
 impl HostExports {
     pub(crate) fn new(registry: Registry, rules: Vec<Selector>) -> Self {
-        Self { registry, inner: Arc::new(Mutex::new(Bindings { rules, exported: HashMap::new() })) }
+        Self { registry, inner: Arc::new(Mutex::new(Bindings { rules, exported: HashSet::new() })) }
     }
 
     /// Exports every present device that matches a rule and is not exported yet.
@@ -58,7 +60,7 @@ impl HostExports {
             .ok_or_else(|| format!("no USB device at {busid} on this machine (see `usbwire list -l`)"))?;
         {
             let mut inner = lock(&self.inner);
-            if inner.exported.contains_key(&device.busid) {
+            if inner.exported.contains(&device.busid) {
                 return Err(format!("{busid} is already exported"));
             }
             if !inner.rules.contains(&selector) {
@@ -72,7 +74,7 @@ impl HostExports {
     pub(crate) fn unbind(&self, busid: &str) -> Result<(), String> {
         let mut inner = lock(&self.inner);
         inner.rules.retain(|rule| !matches!(rule, Selector::BusId(b) if b == busid));
-        if inner.exported.remove(busid).is_none() {
+        if !inner.exported.remove(busid) {
             return Err(format!("{busid} is not exported by this server (see `usbwire state`)"));
         }
         drop(inner);
@@ -82,11 +84,11 @@ impl HostExports {
 
     /// Follows hotplug until the server stops.
     pub(crate) async fn watch(self, mut stop: watch::Receiver<bool>) {
-        let mut events = match usbwire_host::watch() {
+        let mut events = match usbwire_host::hotplug::watch() {
             Ok(events) => events,
             Err(error) => {
                 if lock(&self.inner).rules.is_empty() {
-                    tracing::debug!(%error, "USB hotplug unavailable");
+                    debug!(%error, "USB hotplug unavailable");
                 } else {
                     warn!(%error, "USB hotplug unavailable; devices plugged in later need `usbwire bind`");
                 }
@@ -99,35 +101,42 @@ impl HostExports {
                 event = events.next() => event,
             };
             match event {
-                Some(HotplugEvent::Connected(info)) => {
-                    if let Some(device) = usbwire_host::arrived(&info) {
-                        if self.wanted(&device) {
-                            let _ = self.export(&device);
-                        }
-                    }
-                }
-                Some(HotplugEvent::Disconnected(id)) => {
-                    let busid = {
-                        let mut inner = lock(&self.inner);
-                        let busid = inner.exported.iter().find(|(_, v)| **v == Some(id)).map(|(b, _)| b.clone());
-                        if let Some(busid) = &busid {
-                            inner.exported.remove(busid);
-                        }
-                        busid
-                    };
-                    if let Some(busid) = busid {
+                Ok(Hotplug::Added(busid)) => self.arrived(&busid).await,
+                Ok(Hotplug::Removed(busid)) => {
+                    if lock(&self.inner).exported.remove(&busid) {
                         info!(%busid, "unplugged");
                         self.registry.remove(&busid);
                     }
                 }
-                None => return,
+                Err(error) => {
+                    warn!(%error, "USB hotplug stopped; devices plugged in later need `usbwire bind`");
+                    return;
+                }
             }
+        }
+    }
+
+    /// A device just appeared: export it if a rule wants it. Its usbfs node may
+    /// lag the event (udev sets permissions afterwards), so opening is retried briefly.
+    async fn arrived(&self, busid: &str) {
+        for attempt in 0..10 {
+            let found = usbwire_host::list().ok().and_then(|all| all.into_iter().find(|d| d.busid == busid));
+            let Some(device) = found else { return };
+            if !self.wanted(&device) {
+                return;
+            }
+            if self.export(&device).is_ok() {
+                info!(busid, "plugged in and exported");
+                return;
+            }
+            debug!(busid, attempt, "cannot export yet; retrying");
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 
     fn wanted(&self, device: &LocalDevice) -> bool {
         let inner = lock(&self.inner);
-        !inner.exported.contains_key(&device.busid) && inner.rules.iter().any(|rule| rule.matches(device))
+        !inner.exported.contains(&device.busid) && inner.rules.iter().any(|rule| rule.matches(device))
     }
 
     fn export(&self, device: &LocalDevice) -> Result<String, String> {
@@ -146,7 +155,7 @@ impl HostExports {
         self.registry
             .add_named(HOST_KIND, busid, numbers, path, Box::new(host))
             .map_err(|_| format!("bus id {} is taken", device.busid))?;
-        lock(&self.inner).exported.insert(device.busid.clone(), device.id);
+        lock(&self.inner).exported.insert(device.busid.clone());
         Ok(device.busid.clone())
     }
 }

@@ -95,9 +95,11 @@ impl Registry {
         };
         let export = exports.remove(at);
         drop(exports);
-        export.withdrawn.send_replace(true);
+        // Mark the slot before telling the importer, so its lease never puts the device back.
         // An available device is dropped here; an imported one when its lease ends.
-        *lock(&export.slot) = Slot::Withdrawn;
+        let previous = std::mem::replace(&mut *lock(&export.slot), Slot::Withdrawn);
+        export.withdrawn.send_replace(true);
+        drop(previous);
         info!(busid, "export withdrawn");
         true
     }
