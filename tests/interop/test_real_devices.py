@@ -35,12 +35,7 @@ READ_SECTORS = guest.READ_SECTORS
 
 # The guest runs whatever the host hands it, one command at a time, and prints
 # the result; the host drives the test through `Remote.run`.
-SERVER_SCRIPT = r"""
-set -u
-export C="--control /run/usbwire.sock"
-usbwire serve -v --listen 0.0.0.0:3240 --bind 0627:0001 $C > /tmp/serve.log 2>&1 &
-i=0; while [ ! -S /run/usbwire.sock ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
-echo "@@SERVER-UP"
+COMMAND_LOOP = r"""
 while true; do
   cmd=$(wget -q -O - http://10.0.2.2:__CMD__/next 2>/dev/null) || { sleep 0.3; continue; }
   [ -z "$cmd" ] && continue
@@ -48,9 +43,22 @@ while true; do
   out=$(sh -c "$cmd" 2>&1); rc=$?
   echo "@@OUT rc=$rc $(echo "$out" | tr '\n' ' ')"
 done
+"""
+
+SERVER_SCRIPT = r"""
+set -u
+export C="--control /run/usbwire.sock"
+usbwire serve -v --listen 0.0.0.0:3240 --bind 0627:0001 $C > /tmp/serve.log 2>&1 &
+i=0; while [ ! -S /run/usbwire.sock ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
+echo "@@SERVER-UP"
+""" + COMMAND_LOOP + r"""
 echo "@@SERVE-LOG-BEGIN"; cat /tmp/serve.log; echo "@@SERVE-LOG-END"
 exit 0
 """
+
+# The second guest only has vhci-hcd: the kernel's client and ours attach from it.
+VHCI_SCRIPT = "set -u\necho @@VHCI-UP\n" + COMMAND_LOOP + "exit 0\n"
+
 
 ESHUTDOWN = -108
 EPIPE = -32
@@ -61,8 +69,8 @@ EINVAL = -22
 class Remote:
     """Runs shell commands in the guest: it fetches them over HTTP from us."""
 
-    def __init__(self, g):
-        self.g = g
+    def __init__(self):
+        self.g = None
         self.commands = queue.Queue()
         commands = self.commands
 
@@ -193,8 +201,12 @@ def main():
     checks = guest.Checks()
     work = tempfile.mkdtemp(prefix="usbwire-real-")
     image = os.path.join(work, "stick.img")
-    with open(image, "wb") as f:
-        f.write(os.urandom(8 << 20))
+    files = os.path.join(work, "files")
+    os.makedirs(files)
+    known = "shared-through-usbfs-" + os.urandom(4).hex()
+    with open(os.path.join(files, "hello.txt"), "w") as f:
+        f.write(known + "\n")
+    guest.run(["mke2fs", "-q", "-t", "ext2", "-d", files, image, "8M"], capture_output=True)
     serial_out = os.path.join(work, "serial.out")
     monitor = os.path.join(work, "monitor.sock")
     port = guest.free_port()
@@ -208,19 +220,15 @@ def main():
             "-device", "usb-audio,bus=xhci.0,audiodev=snd0,id=audio",
             "-monitor", f"unix:{monitor},server=on,wait=off"]
     g = None
-    remote = None
+    remote = vhci = None
     try:
         # The guest fetches commands from a port we learn only after starting the HTTP server.
-        placeholder = {"g": None}
-
-        class LateGuest:
-            def wait_for(self, marker, timeout=120):
-                return placeholder["g"].wait_for(marker, timeout)
-
-        remote = Remote(LateGuest())
+        remote, vhci = Remote(), Remote()
         g = guest.Guest("real-devices", SERVER_SCRIPT.replace("__CMD__", str(remote.port)), files={BIN: "/usr/bin/usbwire"},
-                        hostfwd={3240: port}, timeout=400, qemu_args=qemu)
-        placeholder["g"] = g
+                        hostfwd={3240: port}, timeout=500, qemu_args=qemu)
+        remote.g = g
+        vhci.g = guest.Guest("real-devices-vhci", VHCI_SCRIPT.replace("__CMD__", str(vhci.port)),
+                             files={BIN: "/usr/bin/usbwire"}, timeout=500)
         g.wait_for("@@SERVER-UP", 150)
         addr = f"127.0.0.1:{port}"
 
@@ -269,15 +277,56 @@ def main():
         checks.check("describe the real flash drive", ok, out.stderr[-300:])
 
         for attempt in range(20):
-            read = subprocess.run([READ_SECTORS, addr, stick["busid"], "100", "16"], capture_output=True)
+            read = subprocess.run([READ_SECTORS, addr, stick["busid"], "0", "64"], capture_output=True)
             if read.returncode == 0:
                 break
             time.sleep(0.5)
         with open(image, "rb") as f:
-            f.seek(100 * 512)
-            expected = f.read(16 * 512)
+            expected = f.read(64 * 512)
         checks.check("sectors read through usbfs match the image", read.stdout == expected,
                      read.stderr.decode(errors="replace")[-300:])
+        # A second guest with vhci-hcd attaches the real devices: the disk with the
+        # kernel's own `usbip attach`, the keyboard with ours; keys pressed on the
+        # emulated keyboard of the first guest arrive as input events in the second.
+        vhci.g.wait_for("@@VHCI-UP", 150)
+        server = f"10.0.2.2:{port}"
+        rc, out = vhci.run(f"usbip --tcp-port {port} attach -r 10.0.2.2 -b {stick['busid']}")
+        checks.check("kernel usbip attach of the real flash drive", rc == 0, out)
+        rc, out = vhci.run("i=0; while [ ! -e /sys/block/sda ] && [ $i -lt 100 ]; do sleep 0.2; i=$((i+1)); done; sleep 1; "
+                           "mount -t ext2 -o ro /dev/sda /mnt && cat /mnt/hello.txt; umount /mnt", 90)
+        checks.check("the vhci guest mounts the shared drive and reads the known file", known in out, out)
+        rc, out = vhci.run(f"usbwire attach -r {server} -b {kbd['busid']}")
+        checks.check("usbwire attach of the real keyboard", rc == 0, out)
+        rc, out = vhci.run("i=0; while ! grep -q 'QEMU USB Keyboard' /proc/bus/input/devices && [ $i -lt 100 ]; do sleep 0.2; "
+                           "i=$((i+1)); done; awk '/QEMU USB Keyboard/ {f=1} f && /Handlers=/ {for (i=1;i<=NF;i++) "
+                           "if ($i ~ /^event/) {print $i; exit}}' /proc/bus/input/devices", 60)
+        event = out.strip()
+        checks.check("the keyboard appears as an input device in the vhci guest", rc == 0 and event.startswith("event"), out)
+        vhci.commands.put(f"timeout 10 cat /dev/input/{event} > /tmp/events; od -A n -t x1 -v /tmp/events")
+        time.sleep(3)
+        for key in "usb":
+            qemu_monitor(monitor, f"sendkey {key}")
+        line = vhci.g.wait_for("@@OUT rc=", 60)
+        data = bytes(int(b, 16) for b in line.split("@@OUT rc=", 1)[1].split()[1:] if len(b) == 2)
+        presses = [struct.unpack_from("<qqHHi", data, at)[3] for at in range(0, len(data) - 23, 24)
+                   if struct.unpack_from("<qqHHi", data, at)[2:5:2] == (1, 1)]
+        # KEY_U, KEY_S, KEY_B
+        checks.check("keys pressed on the real keyboard arrive in the vhci guest", presses == [22, 31, 48], presses)
+        rc, out = vhci.run("for p in $(usbwire port --json | tr ',{}' '\\n\\n\\n' | sed -n 's/.*\"port\":\\([0-9]*\\).*/\\1/p'); "
+                           "do usbwire detach -p $p || exit 1; done; usbwire port")
+        checks.check("detach both from the vhci guest", rc == 0, out)
+        vhci.close()
+        checks.check("vhci guest exit code", vhci.g.finish(60) == 0)
+        # The server resets a released device and its kernel drivers bind again.
+        time.sleep(2)
+        for _ in range(20):
+            rc, out = remote.run("usbwire list -l --json")
+            kbd_back = by_id(json.loads(out)["devices"], "0627", "0001") if rc == 0 else None
+            if kbd_back and [i["driver"] for i in kbd_back["interfaces"]] == ["usbhid"]:
+                break
+            time.sleep(0.5)
+        checks.check("after detach the keyboard is back with usbhid",
+                     kbd_back and [i["driver"] for i in kbd_back["interfaces"]] == ["usbhid"], out)
         rc, out = remote.run("usbwire list -l --json")
         back = by_id(json.loads(out)["devices"], "46f4", "0001") if rc == 0 else None
         checks.check("after release the flash drive is back with usb-storage",
@@ -398,10 +447,11 @@ def main():
     except Exception as error:
         checks.check("real-device test ran to the end", False, error)
     finally:
-        if g:
-            g.kill()
-        if remote:
-            remote.http.shutdown()
+        for r in (remote, vhci):
+            if r:
+                if r.g:
+                    r.g.kill()
+                r.http.shutdown()
     return checks
 
 
