@@ -165,6 +165,21 @@ class UsbipClient:
             packets.append((length, got, packet_status))
         return seq, status, packets
 
+    def unlink(self, target):
+        """Sends CMD_UNLINK for `target`; returns the unlink's own seqnum."""
+        self.seq += 1
+        self.sock.sendall(struct.pack(">IIIIII", 2, self.seq, self.devid, 0, 0, target) + b"\0" * 24)
+        return self.seq
+
+    def reply_any(self):
+        """(command, seqnum, status) of the next reply, reading any data it carries."""
+        head = self.recv(48)
+        command, seq = struct.unpack(">II", head[:8])
+        status, actual = struct.unpack(">iI", head[20:28])
+        if command == 3 and self.direction_in.get(seq) and actual:
+            self.recv(actual)
+        return command, seq, status
+
     def reply(self):
         """(seqnum, status, actual_length, data) of the next RET_SUBMIT."""
         head = self.recv(48)
@@ -370,8 +385,16 @@ def main():
                      len(packets) == 32 and all(p == (192, 192, 0) for p in packets), packets[:4])
         client.close()
 
-        # Keyboard: import and keep an interrupt IN pending; the kernel driver is detached meanwhile.
+        # Keyboard: CMD_UNLINK of a pending interrupt IN cancels it on the device: only
+        # RET_UNLINK(-ECONNRESET) comes back, as from the kernel's stub.
         client = UsbipClient(addr, kbd["busid"])
+        doomed = client.submit(1, True, length=8)
+        time.sleep(0.5)
+        unlink = client.unlink(doomed)
+        answer = client.reply_any()
+        checks.check("unlink of a pending URB on the real device answers RET_UNLINK(-ECONNRESET)",
+                     answer == (4, unlink, -104), answer)
+        # Then keep one pending; the kernel driver is detached meanwhile.
         pending = client.submit(1, True, length=8)
         time.sleep(1)
         rc, out = remote.run("usbwire list -l --json")
