@@ -128,13 +128,13 @@ pub fn decode_return(data: &[u8]) {
     drive(stream, chunking, &decode, check);
 }
 
-/// OP phase: `[chunking, limits, which] ++ stream`; `which % 3` selects
-/// `op::decode_request` (server side), `op::decode_devlist_reply` or
-/// `op::decode_import_reply` (client side).
+/// OP phase: `[chunking, limits, which] ++ stream`; `which % 4` selects
+/// `op::decode_request` (server side), `op::decode_devlist_reply`,
+/// `op::decode_import_reply` or `op::decode_devstate_reply` (client side).
 pub fn op_phase(data: &[u8]) {
     let Some((&[chunking, limits, which], stream)) = split_control::<3>(data) else { return };
     let limits = limits_from(limits);
-    match which % 3 {
+    match which % 4 {
         0 => drive(
             stream,
             chunking,
@@ -148,7 +148,7 @@ pub fn op_phase(data: &[u8]) {
                 let requested = match request {
                     OpRequest::Import { busid } => Some(busid.as_str().as_bytes()),
                     OpRequest::ImportMalformedBusId { requested } => Some(&requested[..]),
-                    OpRequest::DevList => None,
+                    OpRequest::DevList | OpRequest::DevState => None,
                 };
                 if let Some(requested) = requested {
                     let sent = &consumed[op::OP_HEADER_LEN..];
@@ -184,6 +184,12 @@ pub fn op_phase(data: &[u8]) {
                 }
             },
         ),
+        3 => drive(stream, chunking, op::decode_devstate_reply, |body: &Vec<u8>, consumed| {
+            assert!(body.len() <= op::MAX_DEVSTATE_LEN as usize);
+            let mut encoded = BytesMut::new();
+            op::encode_devstate_reply(body, &mut encoded);
+            assert_eq!(&encoded[..], consumed);
+        }),
         _ => drive(stream, chunking, op::decode_import_reply, |reply: &Result<DeviceRecord, OpStatus>, consumed| {
             let mut encoded = BytesMut::new();
             op::encode_import_reply(reply.as_ref().map_err(|status| *status), &mut encoded);

@@ -62,7 +62,7 @@ pub fn all() -> Vec<Seed> {
     stream.extend(parse_hex(vector!("ret_submit_get_descriptor").1));
     add("decode_return", "stream_in", &[2, 0, 1, 0, 0, 0, 64, 0], stream);
 
-    // op_phase: [chunking, limits, which]; 0 request, 1 devlist reply, 2 import reply.
+    // op_phase: [chunking, limits, which]; 0 request, 1 devlist reply, 2 import reply, 3 devstate reply.
     for (which, (name, text)) in [
         (0u8, vector!("op_req_devlist")),
         (0, vector!("op_req_import")),
@@ -73,6 +73,12 @@ pub fn all() -> Vec<Seed> {
     ] {
         add("op_phase", name, &[3, 0, which], parse_hex(text));
     }
+    let body = br#"{"devices":[{"busid":"1-1","state":"in_use","client":"10.0.0.2:40000"}]}"#;
+    let mut devstate = vec![0x01, 0x11, 0x00, 0xf1, 0, 0, 0, 0];
+    devstate.extend((body.len() as u32).to_be_bytes());
+    devstate.extend(body);
+    add("op_phase", "op_rep_devstate", &[3, 0, 3], devstate);
+    add("op_phase", "op_req_devstate", &[3, 0, 0], vec![0x01, 0x11, 0x80, 0xf1, 0, 0, 0, 0]);
     seeds
 }
 

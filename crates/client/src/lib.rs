@@ -242,6 +242,89 @@ pub async fn list_devices(addr: SocketAddr, security: &Security) -> Result<Vec<D
     result.map_err(|e| closed_early(e, addr))
 }
 
+/// One device as a usbwire server reports it through `OP_REQ_DEVSTATE`:
+/// in use or not, by whom, since when, with its strings.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+pub struct RemoteDeviceState {
+    pub busid: String,
+    #[serde(default)]
+    pub kind: String,
+    pub vendor_id: String,
+    pub product_id: String,
+    #[serde(default)]
+    pub product: String,
+    #[serde(default)]
+    pub manufacturer: String,
+    #[serde(default)]
+    pub serial: String,
+    #[serde(default)]
+    pub speed: String,
+    /// `available` or `in_use`.
+    pub state: String,
+    /// The importer's address, when in use.
+    #[serde(default)]
+    pub client: Option<String>,
+    /// The importer's certificate fingerprint, when it came over TLS.
+    #[serde(default)]
+    pub identity: Option<String>,
+    /// Seconds since the Unix epoch when it was imported.
+    #[serde(default)]
+    pub since: Option<u64>,
+}
+
+/// Asks a usbwire server for the state of every device this client may see,
+/// in use or not (`OP_REQ_DEVSTATE`, our extension). `Ok(None)`: the server
+/// does not speak it (Linux usbipd and usbipd-win hang up on it).
+pub async fn device_states(
+    addr: SocketAddr,
+    security: &Security,
+) -> Result<Option<Vec<RemoteDeviceState>>, ClientError> {
+    let mut stream = connect(addr, security).await?;
+    let exchange = async {
+        let mut out = BytesMut::new();
+        OpRequest::DevState.encode(&mut out);
+        stream.write_all(&out).await?;
+        stream.flush().await?;
+        let mut buf = BytesMut::with_capacity(4096);
+        loop {
+            match op::decode_devstate_reply(&mut buf) {
+                Ok(Some(body)) => return Ok(Some(body)),
+                Ok(None) => {}
+                // Something else answered: not a usbwire server.
+                Err(_) => return Ok(None),
+            }
+            match stream.read_buf(&mut buf).await {
+                Ok(0) => return Ok(None),
+                Ok(_) => {}
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof
+                    ) =>
+                {
+                    return Ok(None)
+                }
+                Err(error) => return Err(ClientError::Io(error)),
+            }
+        }
+    };
+    let body = tokio::time::timeout(OP_TIMEOUT, exchange)
+        .await
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })??;
+    let Some(body) = body else { return Ok(None) };
+    #[derive(serde::Deserialize)]
+    struct Body {
+        devices: Vec<RemoteDeviceState>,
+    }
+    let parsed: Body = serde_json::from_slice(&body).map_err(|error| {
+        ClientError::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("bad device state reply: {error}"),
+        ))
+    })?;
+    Ok(Some(parsed.devices))
+}
+
 /// A server that hangs up during the OP phase (a refused plain or TLS client)
 /// resets or ends the connection; say so rather than "connection reset".
 fn closed_early(error: ClientError, addr: SocketAddr) -> ClientError {

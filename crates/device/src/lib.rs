@@ -50,6 +50,8 @@ pub struct DeviceSummary {
     pub product: String,
     /// Manufacturer string, for humans.
     pub manufacturer: String,
+    /// Serial number string (empty if the device has none); attach rules match on it.
+    pub serial: String,
 }
 
 /// A USB device the server can export.

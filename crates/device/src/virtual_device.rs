@@ -301,6 +301,7 @@ impl<F: Function> Device for VirtualDevice<F> {
                 .collect(),
             product: string(d.device.product_index),
             manufacturer: string(d.device.manufacturer_index),
+            serial: string(d.device.serial_index),
         }
     }
 

@@ -117,6 +117,7 @@ impl HostDevice {
                 .unwrap_or_default(),
             product: local.product.clone().unwrap_or_default(),
             manufacturer: local.manufacturer.clone().unwrap_or_default(),
+            serial: local.serial.clone().unwrap_or_default(),
         };
         let mut host = Self {
             busid: local.busid.clone(),

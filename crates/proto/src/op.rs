@@ -29,7 +29,16 @@ impl OpCode {
     pub const REP_DEVLIST: Self = Self(0x0005);
     pub const REQ_IMPORT: Self = Self(0x8003);
     pub const REP_IMPORT: Self = Self(0x0003);
+    /// usbwire extension: the state of every device the client may see, in use
+    /// or not, as a JSON document. Only our client sends it; usbipd and
+    /// usbipd-win close the connection on it, which tells our client to fall
+    /// back to `OP_REQ_DEVLIST` alone.
+    pub const REQ_DEVSTATE: Self = Self(0x80f1);
+    pub const REP_DEVSTATE: Self = Self(0x00f1);
 }
+
+/// Largest `OP_REP_DEVSTATE` body accepted.
+pub const MAX_DEVSTATE_LEN: u32 = 1 << 20;
 
 /// The status word of an OP reply (`ST_*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -184,6 +193,8 @@ pub enum OpRequest {
     /// printable ASCII): the bytes before the NUL, kept exactly so they can be
     /// logged escaped and encoded back unchanged. Servers answer `ST_NODEV`.
     ImportMalformedBusId { requested: Vec<u8> },
+    /// `OP_REQ_DEVSTATE` (usbwire extension): every visible device with its state.
+    DevState,
 }
 
 impl OpRequest {
@@ -194,6 +205,7 @@ impl OpRequest {
                 put_header(out, OpCode::REQ_IMPORT, OpStatus::OK);
                 put_fixed_str(out, busid.as_str(), BUSID_LEN);
             }
+            Self::DevState => put_header(out, OpCode::REQ_DEVSTATE, OpStatus::OK),
             Self::ImportMalformedBusId { requested } => {
                 put_header(out, OpCode::REQ_IMPORT, OpStatus::OK);
                 let kept = &requested[..requested.len().min(BUSID_LEN - 1)];
@@ -216,6 +228,10 @@ pub fn decode_request(buf: &mut BytesMut, _limits: &Limits) -> Result<Option<OpR
         OpCode::REQ_DEVLIST => {
             let _ = buf.split_to(OP_HEADER_LEN);
             Ok(Some(OpRequest::DevList))
+        }
+        OpCode::REQ_DEVSTATE => {
+            let _ = buf.split_to(OP_HEADER_LEN);
+            Ok(Some(OpRequest::DevState))
         }
         OpCode::REQ_IMPORT => {
             if buf.len() < OP_HEADER_LEN + BUSID_LEN {
@@ -270,19 +286,9 @@ pub fn encode_import_reply(result: Result<&DeviceRecord, OpStatus>, out: &mut By
 /// Records have variable size (312 + 4·bNumInterfaces), so they are walked one by one;
 /// nothing is allocated before the count is checked against the limits.
 pub fn decode_devlist_reply(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Vec<DeviceRecord>>, DecodeError> {
-    let Some(status) = peek_reply_header(buf, OpCode::REP_DEVLIST)? else {
+    let Some(count) = peek_counted_reply(buf, OpCode::REP_DEVLIST)? else {
         return Ok(None);
     };
-    if status != OpStatus::OK {
-        // Like the kernel's `usbip_net_recv_op_common`, a non-OK status is a
-        // failure (no body follows), not an empty list.
-        let _ = buf.split_to(OP_HEADER_LEN);
-        return Err(DecodeError::RequestFailed(status.0));
-    }
-    if buf.len() < OP_HEADER_LEN + 4 {
-        return Ok(None);
-    }
-    let count = be_u32(buf, OP_HEADER_LEN);
     if count > limits.max_devices {
         return Err(DecodeError::TooManyDevices { count, max: limits.max_devices });
     }
@@ -317,6 +323,29 @@ pub fn decode_devlist_reply(buf: &mut BytesMut, limits: &Limits) -> Result<Optio
     Ok(Some(devices))
 }
 
+/// Encodes `OP_REP_DEVSTATE`: header, body length (u32), body.
+pub fn encode_devstate_reply(body: &[u8], out: &mut BytesMut) {
+    put_header(out, OpCode::REP_DEVSTATE, OpStatus::OK);
+    out.put_u32(body.len() as u32);
+    out.put_slice(body);
+}
+
+/// Decodes `OP_REP_DEVSTATE` (client side): the body, at most [`MAX_DEVSTATE_LEN`] bytes.
+pub fn decode_devstate_reply(buf: &mut BytesMut) -> Result<Option<Vec<u8>>, DecodeError> {
+    let Some(len) = peek_counted_reply(buf, OpCode::REP_DEVSTATE)? else {
+        return Ok(None);
+    };
+    if len > MAX_DEVSTATE_LEN {
+        return Err(DecodeError::TransferTooLong { len, max: MAX_DEVSTATE_LEN });
+    }
+    let end = OP_HEADER_LEN + 4 + len as usize;
+    if buf.len() < end {
+        return Ok(None);
+    }
+    let frame = buf.split_to(end);
+    Ok(Some(frame[OP_HEADER_LEN + 4..].to_vec()))
+}
+
 /// Decodes `OP_REP_IMPORT` (client side): the device on success, the status otherwise.
 pub fn decode_import_reply(buf: &mut BytesMut) -> Result<Option<Result<DeviceRecord, OpStatus>>, DecodeError> {
     let Some(status) = peek_reply_header(buf, OpCode::REP_IMPORT)? else {
@@ -331,6 +360,24 @@ pub fn decode_import_reply(buf: &mut BytesMut) -> Result<Option<Result<DeviceRec
     }
     let frame = buf.split_to(OP_HEADER_LEN + DEVICE_RECORD_LEN);
     DeviceRecord::decode(&frame[OP_HEADER_LEN..]).map(|device| Some(Ok(device)))
+}
+
+/// For replies whose header is followed by a u32 count or length: that number,
+/// once 12 bytes are there.
+fn peek_counted_reply(buf: &mut BytesMut, expected: OpCode) -> Result<Option<u32>, DecodeError> {
+    let Some(status) = peek_reply_header(buf, expected)? else {
+        return Ok(None);
+    };
+    if status != OpStatus::OK {
+        // Like the kernel's `usbip_net_recv_op_common`, a non-OK status is a
+        // failure (no body follows), not an empty reply.
+        let _ = buf.split_to(OP_HEADER_LEN);
+        return Err(DecodeError::RequestFailed(status.0));
+    }
+    if buf.len() < OP_HEADER_LEN + 4 {
+        return Ok(None);
+    }
+    Ok(Some(be_u32(buf, OP_HEADER_LEN)))
 }
 
 fn put_header(out: &mut BytesMut, code: OpCode, status: OpStatus) {
@@ -452,6 +499,22 @@ mod tests {
         empty.resize(40, 0);
         let request = decode_request(&mut BytesMut::from(&empty[..]), &Limits::default()).unwrap().unwrap();
         assert_eq!(request, OpRequest::ImportMalformedBusId { requested: vec![] });
+    }
+
+    #[test]
+    fn devstate_round_trip_and_limit() {
+        let mut out = BytesMut::new();
+        OpRequest::DevState.encode(&mut out);
+        assert_eq!(&out[..], &[0x01, 0x11, 0x80, 0xf1, 0, 0, 0, 0]);
+        assert_eq!(decode_request(&mut out, &Limits::default()), Ok(Some(OpRequest::DevState)));
+        let mut reply = BytesMut::new();
+        encode_devstate_reply(br#"{"devices":[]}"#, &mut reply);
+        assert_eq!(&reply[..12], &[0x01, 0x11, 0x00, 0xf1, 0, 0, 0, 0, 0, 0, 0, 14]);
+        let mut partial = BytesMut::from(&reply[..20]);
+        assert_eq!(decode_devstate_reply(&mut partial), Ok(None));
+        assert_eq!(decode_devstate_reply(&mut reply), Ok(Some(br#"{"devices":[]}"#.to_vec())));
+        let mut huge = BytesMut::from(&[0x01, 0x11, 0x00, 0xf1, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff][..]);
+        assert!(matches!(decode_devstate_reply(&mut huge), Err(DecodeError::TransferTooLong { .. })));
     }
 
     #[test]

@@ -72,7 +72,14 @@ pub(crate) async fn handle(
             op::encode_import_reply(Err(OpStatus::NODEV), &mut reply);
             let _ = stream.write_all(&reply).await;
         }
-        OpRequest::Import { busid } => match registry.import(&busid, peer, visible) {
+        OpRequest::DevState => {
+            let devices = crate::control::state_entries(&registry, visible);
+            let body = serde_json::to_vec(&serde_json::json!({ "devices": devices })).unwrap_or_default();
+            op::encode_devstate_reply(&body, &mut reply);
+            debug!(devices = devices.len(), "device state");
+            let _ = stream.write_all(&reply).await;
+        }
+        OpRequest::Import { busid } => match registry.import(&busid, peer, identity(&client), visible) {
             Err(status) => {
                 info!(%busid, %client, status = status.describe(), "import refused");
                 op::encode_import_reply(Err(status), &mut reply);
@@ -103,6 +110,14 @@ pub(crate) async fn handle(
                 // Dropping the lease resets the device and makes it available again.
             }
         },
+    }
+}
+
+/// What `usbwire state` shows as the importer's identity.
+fn identity(client: &ClientId) -> Option<String> {
+    match client {
+        ClientId::Certificate(fingerprint) => Some(fingerprint.to_string()),
+        ClientId::Plain => None,
     }
 }
 

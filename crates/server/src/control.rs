@@ -63,10 +63,18 @@ pub struct StateEntry {
     pub product_id: String,
     pub product: String,
     pub speed: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub manufacturer: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub serial: String,
     /// `available` or `in_use`.
     pub state: String,
+    /// The importer's address.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client: Option<String>,
+    /// The importer's certificate fingerprint, over TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
     /// Seconds since the Unix epoch when the current client imported it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub since: Option<u64>,
@@ -226,34 +234,45 @@ fn answer(
             }
         }
         ControlRequest::State => {
-            let devices = registry
-                .list()
-                .into_iter()
-                .map(|e| {
-                    let (state, client, since) = match e.state {
-                        DeviceState::Available => ("available", None, None),
-                        DeviceState::InUse { client, since } => (
-                            "in_use",
-                            Some(client.to_string()),
-                            since.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs()),
-                        ),
-                    };
-                    StateEntry {
-                        busid: e.record.busid.to_string(),
-                        kind: e.kind,
-                        vendor_id: format!("{:04x}", e.record.id_vendor),
-                        product_id: format!("{:04x}", e.record.id_product),
-                        product: e.summary.product,
-                        speed: e.summary.speed.name().to_owned(),
-                        state: state.to_owned(),
-                        client,
-                        since,
-                    }
-                })
-                .collect();
+            let devices = state_entries(registry, |_, _| true);
             ControlResponse { ok: true, error: None, reports: None, devices: Some(devices) }
         }
     }
+}
+
+/// Every exported device this viewer may see, with its state: what `usbwire
+/// state` prints and what `OP_REP_DEVSTATE` carries.
+pub(crate) fn state_entries(registry: &Registry, visible: impl Fn(&str, &str) -> bool) -> Vec<StateEntry> {
+    registry
+        .list()
+        .into_iter()
+        .filter(|e| visible(&e.kind, e.record.busid.as_str()))
+        .map(|e| {
+            let (state, client, since, identity) = match e.state {
+                DeviceState::Available => ("available", None, None, None),
+                DeviceState::InUse { client, since, identity } => (
+                    "in_use",
+                    Some(client.to_string()),
+                    since.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs()),
+                    identity,
+                ),
+            };
+            StateEntry {
+                busid: e.record.busid.to_string(),
+                kind: e.kind,
+                vendor_id: format!("{:04x}", e.record.id_vendor),
+                product_id: format!("{:04x}", e.record.id_product),
+                product: e.summary.product,
+                speed: e.summary.speed.name().to_owned(),
+                manufacturer: e.summary.manufacturer,
+                serial: e.summary.serial,
+                state: state.to_owned(),
+                client,
+                identity,
+                since,
+            }
+        })
+        .collect()
 }
 
 /// Sends one request to a server's control socket and returns its answer.

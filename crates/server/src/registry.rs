@@ -18,7 +18,12 @@ use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceState {
     Available,
-    InUse { client: SocketAddr, since: SystemTime },
+    /// Imported by `client` since `since`; `identity` is its certificate fingerprint over TLS.
+    InUse {
+        client: SocketAddr,
+        since: SystemTime,
+        identity: Option<String>,
+    },
 }
 
 /// A listed device: its record as USB/IP sends it plus what only we know.
@@ -42,7 +47,7 @@ struct Export {
 
 enum Slot {
     Available(Box<dyn Device>),
-    InUse { client: SocketAddr, since: SystemTime },
+    InUse { client: SocketAddr, since: SystemTime, identity: Option<String> },
     Withdrawn,
 }
 
@@ -171,7 +176,9 @@ impl Registry {
                 summary: e.summary.clone(),
                 state: match &*lock(&e.slot) {
                     Slot::Available(_) | Slot::Withdrawn => DeviceState::Available,
-                    Slot::InUse { client, since } => DeviceState::InUse { client: *client, since: *since },
+                    Slot::InUse { client, since, identity } => {
+                        DeviceState::InUse { client: *client, since: *since, identity: identity.clone() }
+                    }
                 },
             })
             .collect()
@@ -193,6 +200,7 @@ impl Registry {
         &self,
         busid: &BusId,
         client: SocketAddr,
+        identity: Option<String>,
         visible: impl Fn(&str, &str) -> bool,
     ) -> Result<Lease, OpStatus> {
         let export = lock(&self.exports)
@@ -201,7 +209,7 @@ impl Registry {
             .cloned()
             .ok_or(OpStatus::NODEV)?;
         let mut slot = lock(&export.slot);
-        match std::mem::replace(&mut *slot, Slot::InUse { client, since: SystemTime::now() }) {
+        match std::mem::replace(&mut *slot, Slot::InUse { client, since: SystemTime::now(), identity }) {
             Slot::Available(device) => {
                 drop(slot);
                 Ok(Lease { export, device: Some(device), registry: self.clone() })
@@ -299,7 +307,7 @@ mod tests {
     fn withdrawing_an_imported_device_signals_its_importer_and_does_not_put_it_back() {
         let registry = Registry::default();
         let busid = registry.add("loopback", loopback());
-        let lease = registry.import(&busid, peer(), |_, _| true).unwrap();
+        let lease = registry.import(&busid, peer(), None, |_, _| true).unwrap();
         let withdrawn = lease.withdrawn();
         assert!(!*withdrawn.borrow());
         assert!(registry.remove(busid.as_str()));
@@ -307,7 +315,7 @@ mod tests {
         assert!(registry.list().is_empty());
         drop(lease);
         assert!(registry.list().is_empty(), "not put back after the import ends");
-        assert!(matches!(registry.import(&busid, peer(), |_, _| true), Err(OpStatus::NODEV)));
+        assert!(matches!(registry.import(&busid, peer(), None, |_, _| true), Err(OpStatus::NODEV)));
         assert!(!registry.remove(busid.as_str()));
     }
 }

@@ -111,6 +111,43 @@ async fn devlist_shows_devices_with_interfaces() {
 }
 
 #[tokio::test]
+async fn device_state_says_who_holds_what_since_when() {
+    let addr = start().await;
+    let states = usbwire_client::device_states(addr, &Security::Plain).await.unwrap().expect("a usbwire server");
+    assert_eq!(states.len(), 2);
+    assert!(states.iter().all(|s| s.state == "available" && s.client.is_none()), "{states:?}");
+    let keyboard = states.iter().find(|s| s.busid == "1-2").unwrap();
+    assert_eq!((keyboard.vendor_id.as_str(), keyboard.product_id.as_str()), ("1209", "0001"));
+    assert!(!keyboard.serial.is_empty(), "virtual devices have serial numbers");
+
+    let held = configured(addr, "1-1").await;
+    let states = usbwire_client::device_states(addr, &Security::Plain).await.unwrap().unwrap();
+    let loopback = states.iter().find(|s| s.busid == "1-1").unwrap();
+    assert_eq!(loopback.state, "in_use");
+    let client = loopback.client.as_deref().unwrap();
+    assert!(client.starts_with("127.0.0.1:"), "{client}");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    assert!(now.abs_diff(loopback.since.unwrap()) <= 5);
+    assert_eq!(loopback.identity, None, "a plain client has no identity");
+    drop(held);
+    wait_listed(addr, "1-1").await;
+}
+
+#[tokio::test]
+async fn device_state_from_a_server_without_the_extension_is_none() {
+    // A peer that hangs up on an unknown op code, as usbipd does.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let mut header = [0u8; 8];
+            let _ = stream.read_exact(&mut header).await;
+        }
+    });
+    assert_eq!(usbwire_client::device_states(addr, &Security::Plain).await.unwrap(), None);
+}
+
+#[tokio::test]
 async fn import_is_exclusive_and_released_on_disconnect() {
     let addr = start().await;
     let first = configured(addr, "1-1").await;

@@ -90,6 +90,11 @@ async fn allowed_client_sees_and_imports_only_its_device_over_tls() {
     conn.transfer(Transfer::bulk_out(0x03, payload.clone())).await.unwrap();
     let back = conn.transfer(Transfer::bulk_in(0x83, 100_000)).await.unwrap();
     assert_eq!(back.data, payload);
+    // Device state names the holder by identity, and shows Alice only what she may see.
+    let states = usbwire_client::device_states(setup.addr, &alice).await.unwrap().unwrap();
+    assert_eq!(states.len(), 1, "{states:?}");
+    assert_eq!(states[0].state, "in_use");
+    assert_eq!(states[0].identity.as_deref(), Some(setup.alice.fingerprint().to_string().as_str()));
 }
 
 #[tokio::test]

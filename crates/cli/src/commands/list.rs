@@ -14,13 +14,77 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     let addr = resolve(remote, args.tcp_port).await?;
     let security = super::client_security(&args.security)?;
     let devices = usbwire_client::list_devices(addr, &security).await?;
+    // usbwire servers also say what is in use and by whom; others do not, and that is fine.
+    let states = match usbwire_client::device_states(addr, &security).await {
+        Ok(states) => states,
+        Err(error) => {
+            tracing::debug!(%error, "no device state from this server");
+            None
+        }
+    };
     let names = UsbIds::load();
     if args.json {
-        println!("{}", devices_json(remote, &devices, &names));
+        let mut listing = devices_json(remote, &devices, &names);
+        add_states(&mut listing, states.as_deref());
+        println!("{listing}");
     } else {
         print!("{}", format_like_usbip(remote, &devices, &names));
+        if let Some(states) = &states {
+            print!("{}", format_in_use(states));
+        }
     }
     Ok(())
+}
+
+/// Adds each listed device's state and serial, and an `in_use` list of the
+/// devices a DEVLIST leaves out (null when the server does not report state).
+fn add_states(listing: &mut serde_json::Value, states: Option<&[usbwire_client::RemoteDeviceState]>) {
+    let Some(states) = states else {
+        listing["in_use"] = serde_json::Value::Null;
+        return;
+    };
+    if let Some(devices) = listing["devices"].as_array_mut() {
+        for device in devices {
+            if let Some(state) = states.iter().find(|s| Some(s.busid.as_str()) == device["busid"].as_str()) {
+                device["state"] = json!(state.state);
+                device["serial"] = json!(state.serial);
+                device["product_string"] = json!(state.product);
+            }
+        }
+    }
+    listing["in_use"] = json!(states.iter().filter(|s| s.state == "in_use").collect::<Vec<_>>());
+}
+
+/// The devices in use, with who holds them and since when.
+fn format_in_use(states: &[usbwire_client::RemoteDeviceState]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let in_use: Vec<_> = states.iter().filter(|s| s.state == "in_use").collect();
+    if in_use.is_empty() {
+        return out;
+    }
+    let _ = writeln!(out, "In use\n======");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    for s in in_use {
+        let who = match (&s.identity, &s.client) {
+            (Some(identity), Some(client)) => format!("{identity} at {client}"),
+            (None, Some(client)) => client.clone(),
+            (Some(identity), None) => identity.clone(),
+            (None, None) => "unknown".into(),
+        };
+        let since = s.since.map_or(String::new(), |t| format!(" for {}", elapsed(now.saturating_sub(t))));
+        let _ =
+            writeln!(out, "{:>11}: {} ({}:{}) in use by {who}{since}", s.busid, s.product, s.vendor_id, s.product_id);
+    }
+    out
+}
+
+fn elapsed(seconds: u64) -> String {
+    match seconds {
+        0..=119 => format!("{seconds} s"),
+        120..=7199 => format!("{} min", seconds / 60),
+        _ => format!("{} h", seconds / 3600),
+    }
 }
 
 /// `usbwire list -l`: what is plugged into this machine, like `usbip list -l`
@@ -218,5 +282,51 @@ mod tests {
         assert_eq!(ids.product(0x1209, 0x0003), None);
         assert_eq!(ids.product(0x1d6b, 0x0002).as_deref(), Some("2.0 root hub"));
         assert_eq!(ids.vendor(0xffff), None);
+    }
+
+    fn state(
+        busid: &str,
+        state: &str,
+        client: Option<&str>,
+        identity: Option<&str>,
+        since: Option<u64>,
+    ) -> usbwire_client::RemoteDeviceState {
+        usbwire_client::RemoteDeviceState {
+            busid: busid.into(),
+            kind: "disk".into(),
+            vendor_id: "1209".into(),
+            product_id: "0003".into(),
+            product: "usbwire disk".into(),
+            manufacturer: String::new(),
+            serial: "S1".into(),
+            speed: "super".into(),
+            state: state.into(),
+            client: client.map(Into::into),
+            identity: identity.map(Into::into),
+            since,
+        }
+    }
+
+    #[test]
+    fn in_use_devices_are_listed_with_holder_and_age() {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        let states = [
+            state("1-1", "available", None, None, None),
+            state("2-1", "in_use", Some("10.0.0.9:4000"), Some("sha256:ab"), Some(now - 300)),
+        ];
+        let text = format_in_use(&states);
+        assert!(
+            text.contains("2-1: usbwire disk (1209:0003) in use by sha256:ab at 10.0.0.9:4000 for 5 min"),
+            "{text}"
+        );
+        assert!(!text.contains("1-1"));
+        let mut listing = json!({ "devices": [{ "busid": "1-1" }] });
+        add_states(&mut listing, Some(&states));
+        assert_eq!(listing["devices"][0]["state"], "available");
+        assert_eq!(listing["devices"][0]["serial"], "S1");
+        assert_eq!(listing["in_use"][0]["busid"], "2-1");
+        let mut unknown = json!({ "devices": [] });
+        add_states(&mut unknown, None);
+        assert!(unknown["in_use"].is_null());
     }
 }
