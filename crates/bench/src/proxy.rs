@@ -36,20 +36,59 @@ impl Schedule {
 /// Starts a proxy on 127.0.0.1 in front of `target` adding `rtt` (split across
 /// both directions) and up to `jitter` per direction. Returns its address.
 pub async fn start(target: SocketAddr, rtt: Duration, jitter: Duration) -> std::io::Result<SocketAddr> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let Ok(server) = TcpStream::connect(target).await else { continue };
-            let _ = client.set_nodelay(true);
-            let _ = server.set_nodelay(true);
-            let (cr, cw) = client.into_split();
-            let (sr, sw) = server.into_split();
-            tokio::spawn(pipe(cr, sw, rtt / 2, jitter));
-            tokio::spawn(pipe(sr, cw, rtt / 2, jitter));
-        }
-    });
+    let proxy = Proxy::start(target, rtt, jitter).await?;
+    let addr = proxy.addr;
+    // Keep it serving for the life of the process.
+    std::mem::forget(proxy);
     Ok(addr)
+}
+
+/// A running delay proxy that can also cut every connection through it (a
+/// network drop, for reattach tests). Dropping it stops accepting; connections
+/// already open keep going until either side closes.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    cut: watch::Sender<u64>,
+}
+
+impl Proxy {
+    pub async fn start(target: SocketAddr, rtt: Duration, jitter: Duration) -> std::io::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (cut, cuts) = watch::channel(0u64);
+        let mut stopped = cuts.clone();
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    accepted = listener.accept() => accepted,
+                    // The Proxy was dropped: stop accepting (open connections keep going).
+                    () = async { while stopped.changed().await.is_ok() {} } => break,
+                };
+                let Ok((client, _)) = accepted else { break };
+                let Ok(server) = TcpStream::connect(target).await else { continue };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                let mut cuts = cuts.clone();
+                cuts.mark_unchanged();
+                tokio::spawn(async move {
+                    let both = async { tokio::join!(pipe(cr, sw, rtt / 2, jitter), pipe(sr, cw, rtt / 2, jitter)) };
+                    // A cut drops both pipes, closing both sockets at once.
+                    tokio::select! {
+                        _ = both => {}
+                        Ok(()) = cuts.changed() => {}
+                    }
+                });
+            }
+        });
+        Ok(Self { addr, cut })
+    }
+
+    /// Closes every connection open through the proxy now; new ones are accepted.
+    pub fn cut_all(&self) {
+        self.cut.send_modify(|n| *n += 1);
+    }
 }
 
 async fn pipe(
@@ -87,6 +126,7 @@ async fn pipe(
 }
 
 use rand::SeedableRng as _;
+use tokio::sync::watch;
 
 #[cfg(test)]
 mod tests {

@@ -11,7 +11,10 @@
 //! kernel instead of keeping it).
 
 pub mod describe;
+pub mod reattach;
 pub mod vhci;
+
+pub use reattach::{Backoff, ReattachingDevice};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -1,0 +1,121 @@
+//! Keeping a device imported: after the connection drops or the server
+//! restarts, reconnect and import again with exponential backoff — the first
+//! retry at once, then doubling up to a cap of a few seconds — logging each
+//! step, so a long-running user of a device sees a pause, not an end.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tracing::{info, warn};
+use usbwire_proto::op::BusId;
+
+use crate::{ClientError, Connection, Security};
+
+/// Delays between reconnection attempts: 0, then `first`, doubling up to `cap`.
+#[derive(Clone, Debug)]
+pub struct Backoff {
+    first: Duration,
+    cap: Duration,
+    next: Option<Duration>,
+}
+
+impl Backoff {
+    pub fn new(first: Duration, cap: Duration) -> Self {
+        Self { first, cap, next: None }
+    }
+
+    /// The wait before the next attempt.
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = self.next.unwrap_or(Duration::ZERO);
+        self.next = Some(match self.next {
+            None => self.first,
+            Some(previous) => (previous * 2).min(self.cap),
+        });
+        delay
+    }
+
+    /// After a success: the next failure is retried at once again.
+    pub fn reset(&mut self) {
+        self.next = None;
+    }
+}
+
+impl Default for Backoff {
+    /// At once, then 100 ms doubling to 2 s.
+    fn default() -> Self {
+        Self::new(Duration::from_millis(100), Duration::from_secs(2))
+    }
+}
+
+/// One remote device, imported again whenever its connection is lost.
+pub struct ReattachingDevice {
+    addr: SocketAddr,
+    busid: BusId,
+    security: Security,
+    backoff: Backoff,
+    connection: Option<Connection>,
+    imports: u64,
+}
+
+impl ReattachingDevice {
+    pub fn new(addr: SocketAddr, busid: BusId, security: Security) -> Self {
+        Self { addr, busid, security, backoff: Backoff::default(), connection: None, imports: 0 }
+    }
+
+    /// The live connection, importing the device first if there is none or the
+    /// last one closed; retries (with backoff) until it succeeds, so callers
+    /// bound it with a timeout. The flag is true after a fresh import: the
+    /// server has reset the device, so configure it again.
+    pub async fn connection(&mut self) -> (&Connection, bool) {
+        if self.connection.as_ref().is_some_and(Connection::is_closed) {
+            warn!(addr = %self.addr, busid = %self.busid, "connection lost; importing again");
+            self.connection = None;
+        }
+        let fresh = self.connection.is_none();
+        while self.connection.is_none() {
+            let delay = self.backoff.next_delay();
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            match self.import().await {
+                Ok(connection) => {
+                    self.imports += 1;
+                    self.backoff.reset();
+                    info!(addr = %self.addr, busid = %self.busid, imports = self.imports, "imported");
+                    self.connection = Some(connection);
+                }
+                Err(error) => warn!(addr = %self.addr, busid = %self.busid, %error, "import failed; retrying"),
+            }
+        }
+        (self.connection.as_ref().expect("just imported"), fresh)
+    }
+
+    /// Forgets the current connection (after a transfer reported it lost).
+    pub fn disconnect(&mut self) {
+        self.connection = None;
+    }
+
+    /// How many times the device has been imported.
+    pub fn imports(&self) -> u64 {
+        self.imports
+    }
+
+    async fn import(&self) -> Result<Connection, ClientError> {
+        let (stream, record) = crate::import(self.addr, &self.busid, &self.security).await?;
+        Ok(Connection::new(stream, &record))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_starts_at_once_doubles_and_caps() {
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_millis(500));
+        let delays: Vec<u64> = (0..6).map(|_| backoff.next_delay().as_millis() as u64).collect();
+        assert_eq!(delays, [0, 100, 200, 400, 500, 500]);
+        backoff.reset();
+        assert_eq!(backoff.next_delay(), Duration::ZERO);
+    }
+}
