@@ -288,6 +288,16 @@ class Guest:
             if marker in line:
                 return line
 
+    def collect(self, begin, end, timeout=120):
+        """The console lines between the `begin` and `end` markers, joined by newlines."""
+        self.wait_for(begin, timeout)
+        lines = []
+        while True:
+            line = self.wait_for("", timeout)
+            if end in line:
+                return "\n".join(lines)
+            lines.append(line)
+
     def finish(self, timeout=120):
         """Waits for the guest to power off; returns the script's exit code."""
         try:
@@ -324,6 +334,21 @@ class Checks:
         print(f"{'PASS' if ok else 'FAIL'} {name}{(': ' + str(detail)) if detail and not ok else ''}", flush=True)
         if not ok:
             self.failed.append(name)
+
+    def exit(self):
+        """Ends the test run: exit status 1 naming the failures, or 0."""
+        if self.failed:
+            print(f"\n{len(self.failed)} check(s) failed: {', '.join(self.failed)}; logs in {LOGS}")
+            sys.exit(1)
+        print("all checks passed")
+
+
+def require(*paths):
+    """Exits with what to build when a binary under test is missing."""
+    for path in paths:
+        if not os.path.exists(path):
+            sys.exit(f"missing {path}: run `cargo build --release -p usbwire-cli -p usbwire-client --examples` "
+                     "or set USBWIRE_BIN")
 
 
 def free_port():

@@ -168,14 +168,7 @@ def userspace_client_against_kernel_stub(checks):
                 pass
 
         threading.Thread(target=hang_up, daemon=True).start()
-        dmesg = []
-        g.wait_for("@@DMESG-BEGIN", 60)
-        while True:
-            line = g.wait_for("", 60)
-            if "@@DMESG-END" in line:
-                break
-            dmesg.append(line)
-        joined = "\n".join(dmesg)
+        joined = g.collect("@@DMESG-BEGIN", "@@DMESG-END", 60)
         checks.check("stub saw no errors", "error" not in joined.lower(), joined)
         checks.check("stub guest exit code", g.finish(60) == 0)
     except Exception as error:
@@ -186,17 +179,12 @@ def userspace_client_against_kernel_stub(checks):
 
 
 def main():
-    for path in [BIN, READ_SECTORS]:
-        if not os.path.exists(path):
-            sys.exit(f"missing {path}: run `cargo build --release -p usbwire-cli --examples -p usbwire-client`")
+    guest.require(BIN, READ_SECTORS)
     guest.build()
     checks = guest.Checks()
     attach_from_a_vhci_guest(checks)
     userspace_client_against_kernel_stub(checks)
-    if checks.failed:
-        print(f"\n{len(checks.failed)} check(s) failed: {', '.join(checks.failed)}; logs in {guest.LOGS}")
-        sys.exit(1)
-    print("all checks passed")
+    checks.exit()
 
 
 if __name__ == "__main__":

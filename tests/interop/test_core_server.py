@@ -111,16 +111,6 @@ KEYCODES.update({str((i + 1) % 10): 2 + i for i in range(10)})
 
 
 
-def collect(g, begin, end, timeout=120):
-    g.wait_for(begin, timeout)
-    lines = []
-    while True:
-        line = g.wait_for("", timeout)
-        if end in line:
-            return lines, line
-        lines.append(line)
-
-
 def decode_keys(hex_lines):
     data = bytes(int(b, 16) for line in hex_lines for b in line.split() if re.fullmatch(r"[0-9a-f]{2}", b))
     presses = []
@@ -132,8 +122,7 @@ def decode_keys(hex_lines):
 
 
 def main():
-    if not os.path.exists(BIN):
-        sys.exit(f"no usbwire binary at {BIN}: build it with `cargo build --release -p usbwire-cli` or set USBWIRE_BIN")
+    guest.require(BIN)
     guest.build()
     checks = guest.Checks()
     work = tempfile.mkdtemp(prefix="usbwire-interop-")
@@ -164,7 +153,7 @@ def main():
         g = guest.Guest("core-server", script, timeout=400)
         g.wait_for("@@BOOTED", 120)
 
-        listing, _ = collect(g, "@@LIST-BEGIN", "@@LIST-END")
+        listing = g.collect("@@LIST-BEGIN", "@@LIST-END").splitlines()
         text = "\n".join(listing)
         for busid, ids in [("1-1", "1209:0001"), ("1-2", "1209:0002"), ("2-1", "1209:0003"), ("1-3", "1209:0004"), ("1-4", "1209:0005")]:
             checks.check(f"usbip list -r shows {busid} ({ids})", f"{busid}:" in text and ids in text, text)
@@ -194,7 +183,7 @@ def main():
                 break
             time.sleep(0.1)
         checks.check("usbwire type accepted the text", typed.returncode == 0, typed.stderr)
-        events, _ = collect(g, "@@EVENTS-BEGIN", "@@EVENTS-END", 60)
+        events = g.collect("@@EVENTS-BEGIN", "@@EVENTS-END", 60).splitlines()
         presses = decode_keys(events)
         expected = [KEYCODES[c] for c in WORD]
         checks.check("typed text arrives as key presses", presses == expected, f"expected {expected}, got {presses}")
@@ -220,7 +209,7 @@ def main():
             guest_check(name, 180)
         ports = g.wait_for("@@PORTS", 60)
         checks.check("every port detached", ports.split()[-1] == "0", ports)
-        dmesg, _ = collect(g, "@@DMESG-BEGIN", "@@DMESG-END", 60)
+        dmesg = g.collect("@@DMESG-BEGIN", "@@DMESG-END", 60).splitlines()
         joined = "\n".join(dmesg)
         checks.check("no 'already given back' in dmesg", "given back" not in joined, joined)
         checks.check("no short HID reports in dmesg", "was too short" not in joined, joined)
@@ -252,12 +241,7 @@ def main():
         except subprocess.TimeoutExpired:
             server.kill()
         server_log.close()
-    if checks.failed:
-        print(f"\n{len(checks.failed)} check(s) failed: {', '.join(checks.failed)}")
-        print(f"guest console: {os.path.join(guest.LOGS, 'core-server.console.log')}")
-        print(f"server log:    {os.path.join(guest.LOGS, 'core-server.server.log')}")
-        sys.exit(1)
-    print("all checks passed")
+    checks.exit()
 
 
 if __name__ == "__main__":

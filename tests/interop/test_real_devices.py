@@ -209,9 +209,7 @@ def by_id(devices, vid, pid):
 
 
 def main():
-    for path in [BIN, READ_SECTORS]:
-        if not os.path.exists(path):
-            sys.exit(f"missing {path}: run `cargo build --release -p usbwire-cli --examples -p usbwire-client`")
+    guest.require(BIN, READ_SECTORS)
     guest.build()
     checks = guest.Checks()
     work = tempfile.mkdtemp(prefix="usbwire-real-")
@@ -457,14 +455,7 @@ def main():
         rc, out = remote.run(f"usbwire unbind -b {stick['busid']} $C")
         checks.check("unbinding what is not exported is a clear error", rc == 69 and "not exported" in out, out)
         remote.close()
-        log = []
-        g.wait_for("@@SERVE-LOG-BEGIN", 60)
-        while True:
-            line = g.wait_for("", 60)
-            if "@@SERVE-LOG-END" in line:
-                break
-            log.append(line)
-        joined = "\n".join(log)
+        joined = g.collect("@@SERVE-LOG-BEGIN", "@@SERVE-LOG-END", 60)
         checks.check("the server log has no panic", "panicked" not in joined, joined[-2000:])
         checks.check("guest script exit code", g.finish(60) == 0)
     except Exception as error:
@@ -480,7 +471,4 @@ def main():
 
 if __name__ == "__main__":
     result = main()
-    if result.failed:
-        print(f"\n{len(result.failed)} check(s) failed: {', '.join(result.failed)}; logs in {guest.LOGS}")
-        sys.exit(1)
-    print("all checks passed")
+    result.exit()

@@ -41,6 +41,8 @@ pub(crate) enum Command {
     Type(TypeArgs),
     /// Show the exported devices of the server running on this machine and who holds them.
     State(StateArgs),
+    /// Keep the devices named by `[[attach]]` rules attached to this kernel, attaching again after any drop.
+    Client(ClientArgs),
     /// Export a real USB device of this machine through the running server, like `usbip bind`.
     Bind(BindArgs),
     /// Stop exporting a real device and give it back to its kernel drivers, like `usbip unbind`.
@@ -134,6 +136,13 @@ pub(crate) struct TypeArgs {
     pub(crate) busid: Option<String>,
     #[command(flatten)]
     pub(crate) control: ControlArgs,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ClientArgs {
+    /// TOML file with `[[attach]]` rules (server, device selector, other identities, tls); SIGHUP re-reads it.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) config: PathBuf,
 }
 
 #[derive(Args, Debug)]

@@ -1,5 +1,6 @@
-//! Server configuration: the TOML file and `--virtual` specs, parsed into
-//! plain values. Nothing here touches the system; `commands::serve` does.
+//! Configuration: the server's TOML file and `--virtual` specs, and the
+//! client service's `[[attach]]` rules, parsed into plain values. Nothing
+//! here touches the system; `commands::serve` and `commands::service` do.
 //!
 //! ```toml
 //! listen = "0.0.0.0:3240"
@@ -205,6 +206,71 @@ fn selector_field<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u
     text.parse().map_err(serde::de::Error::custom)
 }
 
+fn selector_list<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<usbwire_server::Selector>, D::Error> {
+    let texts = Vec::<String>::deserialize(deserializer)?;
+    texts.iter().map(|t| t.parse().map_err(serde::de::Error::custom)).collect()
+}
+
+/// The client service's file (`usbwire client --config FILE`):
+///
+/// ```toml
+/// identity = "/etc/usbwire"        # for rules with tls = true
+///
+/// [[attach]]
+/// server = "192.168.1.5:3240"
+/// device = "0483:5740"              # bus id, VID:PID, serial=TEXT or class=HEX
+/// also = ["0483:df11"]              # the same device in another mode (its DFU bootloader)
+/// tls = false
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ClientConfig {
+    pub(crate) identity: Option<PathBuf>,
+    #[serde(default)]
+    pub(crate) attach: Vec<AttachRule>,
+}
+
+/// Keep a device matching `device` (or any of `also`) on `server` attached.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct AttachRule {
+    pub(crate) server: String,
+    #[serde(deserialize_with = "selector_field")]
+    pub(crate) device: usbwire_server::Selector,
+    #[serde(default, deserialize_with = "selector_list")]
+    pub(crate) also: Vec<usbwire_server::Selector>,
+    #[serde(default)]
+    pub(crate) tls: bool,
+}
+
+impl AttachRule {
+    /// Every identity the device may show up under.
+    pub(crate) fn selectors(&self) -> impl Iterator<Item = &usbwire_server::Selector> {
+        std::iter::once(&self.device).chain(&self.also)
+    }
+}
+
+impl std::fmt::Display for AttachRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.device)?;
+        for other in &self.also {
+            write!(f, "|{other}")?;
+        }
+        write!(f, " on {}", self.server)
+    }
+}
+
+impl ClientConfig {
+    pub(crate) fn load(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
+        let config: Self = toml::from_str(&text).with_context(|| format!("invalid config {}", path.display()))?;
+        if config.attach.is_empty() {
+            bail!("{} has no [[attach]] rules: nothing to keep attached", path.display());
+        }
+        Ok(config)
+    }
+}
+
 impl FileConfig {
     pub(crate) fn load(path: &Path) -> anyhow::Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
@@ -259,6 +325,29 @@ mod tests {
         assert_eq!(parse_size("1G").unwrap(), 1 << 30);
         assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
         assert!(parse_size("M").is_err());
+    }
+
+    #[test]
+    fn client_config_rules() {
+        let config: ClientConfig = toml::from_str(
+            r#"
+            [[attach]]
+            server = "10.0.2.2:3240"
+            device = "0483:5740"
+            also = ["0483:df11", "serial=X"]
+            [[attach]]
+            server = "host"
+            device = "2-1"
+            tls = true
+            "#,
+        )
+        .unwrap();
+        assert_eq!(config.attach.len(), 2);
+        assert_eq!(config.attach[0].to_string(), "0483:5740|0483:df11|serial=X on 10.0.2.2:3240");
+        assert_eq!(config.attach[0].selectors().count(), 3);
+        assert!(config.attach[1].tls && !config.attach[0].tls);
+        let bad = toml::from_str::<ClientConfig>("[[attach]]\nserver = \"h\"\ndevice = \"1-1\"\nalso = [\"nope\"]");
+        assert!(bad.unwrap_err().to_string().contains("not a device selector"));
     }
 
     #[test]

@@ -130,7 +130,10 @@ async fn attach_through_relay(args: &AttachArgs, busid: BusId) -> Result<(), Fai
 }
 
 /// Copies both ways until either side closes, flushing TLS after every write.
-async fn relay(remote: usbwire_transport::PeerStream, kernel: tokio::net::UnixStream) -> std::io::Result<()> {
+pub(crate) async fn relay(
+    remote: usbwire_transport::PeerStream,
+    kernel: tokio::net::UnixStream,
+) -> std::io::Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (mut remote_read, mut remote_write) = tokio::io::split(remote);
     let (mut kernel_read, mut kernel_write) = kernel.into_split();

@@ -8,6 +8,7 @@ mod kernel;
 mod list;
 mod local;
 mod serve;
+mod service;
 
 use std::sync::Arc;
 
@@ -31,6 +32,7 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
         Command::Identity(args) => identity::run(args),
         Command::Type(args) => local::type_text(args).await,
         Command::State(args) => local::state(args).await,
+        Command::Client(args) => service::run(args).await,
         Command::Bind(args) => local::bind(args).await,
         Command::Unbind(args) => local::unbind(args).await,
         Command::Demo(args) => demo::run(args).await,

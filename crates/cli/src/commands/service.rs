@@ -1,0 +1,275 @@
+//! `usbwire client --config FILE`: the long-running client. It keeps every
+//! device an `[[attach]]` rule names attached to this kernel (vhci-hcd):
+//! when the connection drops, the device goes away or the server restarts,
+//! it attaches again — the first retry at once, then backing off to a few
+//! seconds — and logs each step. SIGHUP re-reads the file: rules that did not
+//! change keep their devices attached, removed rules detach, new rules start.
+//! SIGTERM / SIGINT detach what this service attached and exit.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::anyhow;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+use usbwire_client::vhci::{self, VhciError};
+use usbwire_client::{Backoff, Security};
+use usbwire_proto::op::DeviceRecord;
+use usbwire_server::Selector;
+
+use crate::args::{ClientArgs, ClientSecurityArgs};
+use crate::config::{AttachRule, ClientConfig};
+use crate::exit::Failure;
+
+/// How often an attached port is checked for having been lost.
+const WATCH_INTERVAL: Duration = Duration::from_millis(500);
+
+pub(crate) async fn run(args: ClientArgs) -> Result<(), Failure> {
+    let config = ClientConfig::load(&args.config).map_err(Failure::config)?;
+    match vhci::ports() {
+        Err(VhciError::NotLoaded) => {
+            return Err(Failure::unavailable(anyhow!(
+                "vhci-hcd is not loaded: run `modprobe vhci-hcd` (as root) first"
+            )))
+        }
+        Err(error) => return Err(Failure::io(error.into())),
+        Ok(_) => {}
+    }
+    let mut hangup =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).map_err(|e| Failure::io(e.into()))?;
+    let shutdown = super::shutdown_signal();
+    tokio::pin!(shutdown);
+    let mut running: Vec<Running> = Vec::new();
+    apply(&config, &mut running).await?;
+    println!("usbwire client keeping {} rule(s) attached from {}", running.len(), args.config.display());
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            _ = hangup.recv() => match ClientConfig::load(&args.config) {
+                Ok(config) => {
+                    info!(file = %args.config.display(), "reloading rules");
+                    if let Err(error) = apply(&config, &mut running).await {
+                        warn!(error = %error.error, "reload failed; keeping the rules that run");
+                    }
+                }
+                Err(error) => warn!(%error, "config not reloaded; keeping the rules that run"),
+            },
+        }
+    }
+    info!("stopping: detaching what this service attached");
+    for rule in running {
+        rule.stop().await;
+    }
+    Ok(())
+}
+
+/// A rule being kept attached.
+struct Running {
+    rule: AttachRule,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Running {
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+}
+
+/// Starts the rules that are new, stops the ones that are gone, leaves the rest alone.
+async fn apply(config: &ClientConfig, running: &mut Vec<Running>) -> Result<(), Failure> {
+    let (kept, removed): (Vec<Running>, Vec<Running>) =
+        std::mem::take(running).into_iter().partition(|r| config.attach.contains(&r.rule));
+    for rule in removed {
+        info!(rule = %rule.rule, "rule removed; detaching");
+        rule.stop().await;
+    }
+    *running = kept;
+    for rule in &config.attach {
+        if running.iter().any(|r| &r.rule == rule) {
+            continue;
+        }
+        let security = super::client_security(&ClientSecurityArgs {
+            tls: rule.tls,
+            identity: config.identity.clone(),
+            trust_new: false,
+        })?;
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(keep_attached(rule.clone(), security, stopped));
+        running.push(Running { rule: rule.clone(), stop, task });
+    }
+    Ok(())
+}
+
+/// Attaches the rule's device and attaches it again whenever it is lost, until stopped.
+async fn keep_attached(rule: AttachRule, security: Security, mut stop: watch::Receiver<bool>) {
+    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(4));
+    loop {
+        let delay = backoff.next_delay();
+        if !delay.is_zero() {
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                _ = stop.wait_for(|stop| *stop) => return,
+            }
+        }
+        let attached = tokio::select! {
+            attached = attach_once(&rule, &security) => attached,
+            _ = stop.wait_for(|stop| *stop) => return,
+        };
+        match attached {
+            Ok(attachment) => {
+                info!(rule = %rule, port = attachment.port, busid = %attachment.busid, "attached");
+                backoff.reset();
+                tokio::select! {
+                    reason = attachment.lost() => warn!(rule = %rule, port = attachment.port, reason, "attachment lost; attaching again"),
+                    _ = stop.wait_for(|stop| *stop) => {
+                        attachment.detach();
+                        return;
+                    }
+                }
+            }
+            Err(error) => warn!(rule = %rule, %error, retry_in_ms = backoff_preview(&backoff), "attach failed"),
+        }
+    }
+}
+
+fn backoff_preview(backoff: &Backoff) -> u128 {
+    backoff.clone().next_delay().as_millis()
+}
+
+/// A device attached to a vhci port by this service.
+struct Attachment {
+    port: u32,
+    devid: u32,
+    busid: String,
+    /// Over TLS the service relays between the kernel's socket and the server.
+    relay: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+impl Attachment {
+    /// Resolves when the port no longer carries this device (connection
+    /// dropped, device gone, detached by hand) or the relay ended.
+    async fn lost(&self) -> &'static str {
+        loop {
+            tokio::time::sleep(WATCH_INTERVAL).await;
+            if self.relay.as_ref().is_some_and(JoinHandle::is_finished) {
+                let _ = vhci::detach(self.port);
+                return "relay ended";
+            }
+            match vhci::ports() {
+                Ok(ports) => match ports.iter().find(|p| p.port == self.port) {
+                    Some(p) if !p.is_free() && p.devid == self.devid => {}
+                    _ => {
+                        let _ = std::fs::remove_file(vhci::record_path(self.port));
+                        return "port released";
+                    }
+                },
+                Err(_) => return "vhci-hcd unavailable",
+            }
+        }
+    }
+
+    fn detach(self) {
+        if let Some(relay) = &self.relay {
+            relay.abort();
+        }
+        match vhci::detach(self.port) {
+            Ok(()) => info!(port = self.port, busid = %self.busid, "detached"),
+            Err(error) => warn!(port = self.port, %error, "detach failed"),
+        }
+    }
+}
+
+/// Finds an available device matching the rule on its server and attaches it.
+async fn attach_once(rule: &AttachRule, security: &Security) -> anyhow::Result<Attachment> {
+    let addr: SocketAddr = usbwire_client::resolve(&rule.server).await?;
+    let devices = usbwire_client::list_devices(addr, security).await?;
+    let states = usbwire_client::device_states(addr, security).await.ok().flatten().unwrap_or_default();
+    let serial_of = |busid: &str| states.iter().find(|s| s.busid == busid).map(|s| s.serial.as_str());
+    let device = devices
+        .iter()
+        .find(|d| rule.selectors().any(|s| matches_remote(s, d, serial_of(d.busid.as_str()))))
+        .ok_or_else(|| anyhow!("no available device on {} matches {}", rule.server, rule))?;
+    let (stream, record) = usbwire_client::import(addr, &device.busid, security).await?;
+    let vhci_record =
+        vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: device.busid.to_string() };
+    let busid = device.busid.to_string();
+    match stream {
+        usbwire_transport::PeerStream::Plain(tcp) => {
+            let socket = tcp.into_std()?;
+            let port = vhci::attach(&socket, record.devid(), record.speed, &vhci_record)?;
+            Ok(Attachment { port, devid: record.devid(), busid, relay: None })
+        }
+        tls => {
+            let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair()?;
+            let port = vhci::attach(&kernel_end, record.devid(), record.speed, &vhci_record)?;
+            drop(kernel_end);
+            our_end.set_nonblocking(true)?;
+            let kernel = tokio::net::UnixStream::from_std(our_end)?;
+            let relay = tokio::spawn(super::kernel::relay(tls, kernel));
+            Ok(Attachment { port, devid: record.devid(), busid, relay: Some(relay) })
+        }
+    }
+}
+
+/// Whether a listed remote device matches a selector (`serial` comes from the
+/// server's device state, when it reports one).
+fn matches_remote(selector: &Selector, device: &DeviceRecord, serial: Option<&str>) -> bool {
+    match selector {
+        Selector::BusId(busid) => device.busid.as_str() == busid,
+        Selector::VidPid { vendor_id, product_id } => {
+            device.id_vendor == *vendor_id && device.id_product == *product_id
+        }
+        Selector::Serial(wanted) => serial == Some(wanted.as_str()),
+        Selector::Class(class) => {
+            device.b_device_class == *class || device.interfaces.iter().any(|i| i.b_interface_class == *class)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use usbwire_proto::op::{BusId, InterfaceRecord};
+    use usbwire_proto::Speed;
+
+    fn disk() -> DeviceRecord {
+        DeviceRecord {
+            path: String::new(),
+            busid: BusId::new("2-1").unwrap(),
+            busnum: 2,
+            devnum: 1,
+            speed: Speed::SUPER,
+            id_vendor: 0x1209,
+            id_product: 0x0003,
+            bcd_device: 0x0100,
+            b_device_class: 0,
+            b_device_sub_class: 0,
+            b_device_protocol: 0,
+            b_configuration_value: 1,
+            b_num_configurations: 1,
+            b_num_interfaces: 1,
+            interfaces: vec![InterfaceRecord {
+                b_interface_class: 8,
+                b_interface_sub_class: 6,
+                b_interface_protocol: 0x50,
+            }],
+        }
+    }
+
+    #[test]
+    fn remote_devices_match_by_busid_ids_class_and_serial() {
+        let d = disk();
+        let sel = |text: &str| text.parse::<Selector>().unwrap();
+        assert!(matches_remote(&sel("2-1"), &d, None));
+        assert!(!matches_remote(&sel("1-1"), &d, None));
+        assert!(matches_remote(&sel("1209:0003"), &d, None));
+        assert!(matches_remote(&sel("class=08"), &d, None));
+        assert!(!matches_remote(&sel("class=03"), &d, None));
+        assert!(matches_remote(&sel("serial=A1"), &d, Some("A1")));
+        assert!(!matches_remote(&sel("serial=A1"), &d, Some("B2")));
+        assert!(!matches_remote(&sel("serial=A1"), &d, None), "no serial known: no match");
+    }
+}

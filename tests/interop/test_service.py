@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""`usbwire client` as a service in a vhci-hcd guest (issue 6): an attach rule
+gets the host's disk attached at boot; after the host's server restarts it is
+attached again by itself and usable (a file written then is in the image);
+SIGHUP with the rule removed detaches it; SIGTERM ends the service.
+
+Run: python3 tests/interop/test_service.py   (USBWIRE_BIN=path/to/usbwire)
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import guest  # noqa: E402
+
+BIN = guest.BIN
+
+SCRIPT = r"""
+set -u
+check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
+wait_for() { i=0; while [ $i -lt $2 ]; do eval "$1" && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
+mkdir -p /etc/usbwire
+cat > /etc/usbwire/client.toml <<EOF
+[[attach]]
+server = "10.0.2.2:__PORT__"
+device = "1209:0003"
+EOF
+usbwire client -v --config /etc/usbwire/client.toml > /tmp/client.log 2>&1 &
+CLIENT=$!
+wait_for '[ -e /sys/block/sda ]' 600; check attached-at-boot $?
+echo "@@PORT $(usbwire port --json)"
+echo "@@READY-FOR-RESTART"
+wait_for '[ ! -e /sys/block/sda ]' 600; check detached-when-server-stopped $?
+wait_for '[ -e /sys/block/sda ]' 600; check attached-again-after-restart $?
+sleep 1
+mke2fs -q /dev/sda && mount -t ext2 /dev/sda /mnt && echo after-restart > /mnt/f.txt && sync && umount /mnt
+check usable-after-reattach $?
+cat > /etc/usbwire/client.toml <<EOF
+[[attach]]
+server = "10.0.2.2:__PORT__"
+device = "1209:0001"
+EOF
+kill -HUP $CLIENT
+wait_for '[ ! -e /sys/block/sda ]' 300; check sighup-detaches-removed-rule $?
+wait_for 'grep -q "usbwire keyboard" /proc/bus/input/devices' 300; check sighup-starts-new-rule $?
+kill -TERM $CLIENT; wait $CLIENT; check sigterm-exits-cleanly $?
+n=$(usbwire port --json | grep -o '"port"' | wc -l); [ "$n" = 0 ]; check sigterm-detaches $? "$n ports left"
+echo "@@CLIENT-LOG-BEGIN"; cat /tmp/client.log; echo "@@CLIENT-LOG-END"
+exit 0
+"""
+
+
+def start_server(port, image, work, log):
+    return subprocess.Popen([BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--control", os.path.join(work, "c.sock"),
+                             "--virtual", "keyboard", "--virtual", f"disk={image},size=32M,speed=super"],
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def main():
+    guest.require(BIN)
+    guest.build()
+    checks = guest.Checks()
+    work = tempfile.mkdtemp(prefix="usbwire-service-")
+    image = os.path.join(work, "disk.img")
+    port = guest.free_port()
+    log = open(os.path.join(guest.LOGS, "service.server.log"), "w")
+    server = start_server(port, image, work, log)
+    g = None
+    try:
+        g = guest.Guest("service", SCRIPT.replace("__PORT__", str(port)), files={BIN: "/usr/bin/usbwire"}, timeout=400)
+        line = g.wait_for("@@CHECK attached-at-boot ", 200)
+        checks.check("the attach rule attaches the disk at boot", " PASS" in line, line)
+        line = g.wait_for("@@PORT", 30)
+        checks.check("usbwire port shows it with its remote", f'"remote_port":"{port}"' in line and '"remote_busid":"2-1"' in line, line)
+        g.wait_for("@@READY-FOR-RESTART", 30)
+        server.send_signal(signal.SIGTERM)
+        server.wait(20)
+        stopped = time.time()
+        line = g.wait_for("@@CHECK detached-when-server-stopped ", 90)
+        checks.check("the disk goes away when the server stops", " PASS" in line, line)
+        time.sleep(max(0.0, 1.0 - (time.time() - stopped)))
+        server = start_server(port, image, work, log)
+        restarted = time.time()
+        line = g.wait_for("@@CHECK attached-again-after-restart ", 90)
+        took = time.time() - restarted
+        checks.check("attached again by itself after the server restarts", " PASS" in line, line)
+        print(f"reattached {took:.1f} s after the server came back (guest under TCG)")
+        checks.check("reattach within 10 s of the server's return (TCG guest)", took < 10, f"{took:.1f} s")
+        for name in ["usable-after-reattach", "sighup-detaches-removed-rule", "sighup-starts-new-rule",
+                     "sigterm-exits-cleanly", "sigterm-detaches"]:
+            line = g.wait_for(f"@@CHECK {name} ", 120)
+            checks.check(f"service: {name}", " PASS" in line, line)
+        text = g.collect("@@CLIENT-LOG-BEGIN", "@@CLIENT-LOG-END", 30)
+        checks.check("the service logs each step", "attached" in text and "attachment lost" in text and "reloading rules" in text,
+                     text[-1500:])
+        checks.check("guest script exit code", g.finish(60) == 0)
+        server.send_signal(signal.SIGTERM)
+        server.wait(20)
+        out = subprocess.run(["debugfs", "-R", "cat /f.txt", image], capture_output=True, text=True)
+        checks.check("the file written after the reattach is in the image", out.stdout.strip() == "after-restart",
+                     out.stdout + out.stderr)
+    except Exception as error:
+        checks.check("service test ran to the end", False, error)
+    finally:
+        if g:
+            g.kill()
+        if server.poll() is None:
+            server.kill()
+        log.close()
+    checks.exit()
+
+
+if __name__ == "__main__":
+    main()
