@@ -43,6 +43,8 @@ pub(crate) enum Command {
     State(StateArgs),
     /// Keep the devices named by `[[attach]]` rules attached to this kernel, attaching again after any drop.
     Client(ClientArgs),
+    /// Check this machine's setup (vhci-hcd, usbfs access, local server, a remote server's port and TLS) and say what to fix.
+    Doctor(DoctorArgs),
     /// Export a real USB device of this machine through the running server, like `usbip bind`.
     Bind(BindArgs),
     /// Stop exporting a real device and give it back to its kernel drivers, like `usbip unbind`.
@@ -143,6 +145,24 @@ pub(crate) struct ClientArgs {
     /// TOML file with `[[attach]]` rules (server, device selector, other identities, tls); SIGHUP re-reads it.
     #[arg(long, value_name = "FILE")]
     pub(crate) config: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct DoctorArgs {
+    /// Also check this server: port reachable, USB/IP answers, TLS required.
+    #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]")]
+    pub(crate) remote: Option<String>,
+    /// Port, when HOST has none.
+    #[arg(long = "tcp-port", value_name = "PORT")]
+    pub(crate) tcp_port: Option<u16>,
+    /// Identity directory to check [default: /etc/usbwire for root, else ~/.config/usbwire].
+    #[arg(long, value_name = "DIR")]
+    pub(crate) identity: Option<PathBuf>,
+    /// Local server's control socket to check.
+    #[arg(long, value_name = "PATH")]
+    pub(crate) control: Option<PathBuf>,
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 #[derive(Args, Debug)]

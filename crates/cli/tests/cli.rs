@@ -288,3 +288,28 @@ fn bench_json_has_a_record_per_point_with_the_ceiling_beside_it() {
         assert_eq!(&std::fs::read(&png).unwrap()[1..4], b"PNG");
     }
 }
+
+#[test]
+fn doctor_checks_the_local_server_and_a_remote_port() {
+    let dir = scratch("doctor");
+    let served = serve(&dir, &["keyboard", "loopback"]);
+    let control = served.control.to_str().unwrap();
+    let out = usbwire(&["doctor", "--json", "--control", control, "-r", &served.addr]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let verdict = |name: &str| {
+        report["checks"].as_array().unwrap().iter().find(|c| c["name"] == name).map(|c| c["verdict"].clone())
+    };
+    assert_eq!(verdict("local server"), Some("ok".into()), "{report}");
+    assert_eq!(verdict("server port"), Some("ok".into()), "{report}");
+    assert_eq!(verdict("usbip"), Some("ok".into()), "{report}");
+    let detail = report["checks"].as_array().unwrap().iter().find(|c| c["name"] == "local server").unwrap();
+    assert!(detail["detail"].as_str().unwrap().contains("2 devices exported"), "{detail}");
+
+    // Nothing listening: a failed check with what to do, exit code 69.
+    let closed = format!("127.0.0.1:{}", free_port());
+    let out = usbwire(&["doctor", "--control", control, "-r", &closed]);
+    assert_eq!(out.status.code(), Some(69));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("[FAIL] server port") && text.contains("start `usbwire serve`"), "{text}");
+}

@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod describe;
+mod doctor;
 mod identity;
 mod kernel;
 mod list;
@@ -33,6 +34,7 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
         Command::Type(args) => local::type_text(args).await,
         Command::State(args) => local::state(args).await,
         Command::Client(args) => service::run(args).await,
+        Command::Doctor(args) => doctor::run(args).await,
         Command::Bind(args) => local::bind(args).await,
         Command::Unbind(args) => local::unbind(args).await,
         Command::Demo(args) => demo::run(args).await,
