@@ -14,6 +14,7 @@ import lzma
 import os
 import queue
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -260,7 +261,9 @@ class Guest:
                "-netdev", netdev, "-device", "virtio-net-pci,netdev=n0", *qemu_args]
         self.lines = queue.Queue()
         self.log = open(self.console_path, "w")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # Its own process group, so kill() reaches QEMU and not just `timeout`.
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         self.started = time.time()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -303,7 +306,7 @@ class Guest:
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.kill()
             raise TimeoutError(f"guest {self.name} did not power off (console: {self.console_path})")
         time.sleep(0.2)
         text = open(self.result_path, errors="replace").read() if os.path.exists(self.result_path) else ""
@@ -314,7 +317,10 @@ class Guest:
 
     def kill(self):
         if self.proc.poll() is None:
-            self.proc.kill()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait()
 
 
