@@ -28,6 +28,7 @@ cat > /etc/usbwire/client.toml <<EOF
 [[attach]]
 server = "10.0.2.2:__PORT__"
 device = "1209:0003"
+also = ["1209:0004"]
 EOF
 usbwire client -v --config /etc/usbwire/client.toml > /tmp/client.log 2>&1 &
 CLIENT=$!
@@ -39,13 +40,16 @@ wait_for '[ -e /sys/block/sda ]' 600; check attached-again-after-restart $?
 sleep 1
 mke2fs -q /dev/sda && mount -t ext2 /dev/sda /mnt && echo after-restart > /mnt/f.txt && sync && umount /mnt
 check usable-after-reattach $?
+echo "@@READY-FOR-MODE-CHANGE"
+wait_for '[ ! -e /sys/block/sda ]' 600; check disk-gone-for-mode-change $?
+wait_for '[ -e /dev/ttyACM0 ]' 600; check follows-the-other-identity $?
 cat > /etc/usbwire/client.toml <<EOF
 [[attach]]
 server = "10.0.2.2:__PORT__"
 device = "1209:0001"
 EOF
 kill -HUP $CLIENT
-wait_for '[ ! -e /sys/block/sda ]' 300; check sighup-detaches-removed-rule $?
+wait_for '[ ! -e /dev/ttyACM0 ]' 300; check sighup-detaches-removed-rule $?
 wait_for 'grep -q "usbwire keyboard" /proc/bus/input/devices' 300; check sighup-starts-new-rule $?
 kill -TERM $CLIENT; wait $CLIENT; check sigterm-exits-cleanly $?
 n=$(usbwire port --json | grep -o '"port"' | wc -l); [ "$n" = 0 ]; check sigterm-detaches $? "$n ports left"
@@ -54,10 +58,16 @@ exit 0
 """
 
 
-def start_server(port, image, work, log):
+def start_server(port, work, log, *devices):
+    specs = [arg for device in devices for arg in ("--virtual", device)]
     return subprocess.Popen([BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--control", os.path.join(work, "c.sock"),
-                             "--virtual", "keyboard", "--virtual", f"disk={image},size=32M,speed=super"],
-                            stdout=log, stderr=subprocess.STDOUT)
+                             *specs], stdout=log, stderr=subprocess.STDOUT)
+
+
+def restart(server, port, work, log, *devices):
+    server.send_signal(signal.SIGTERM)
+    server.wait(20)
+    return start_server(port, work, log, *devices)
 
 
 def main():
@@ -68,7 +78,8 @@ def main():
     image = os.path.join(work, "disk.img")
     port = guest.free_port()
     log = open(os.path.join(guest.LOGS, "service.server.log"), "w")
-    server = start_server(port, image, work, log)
+    disk = f"disk={image},size=32M,speed=super"
+    server = start_server(port, work, log, "keyboard", disk)
     g = None
     try:
         g = guest.Guest("service", SCRIPT.replace("__PORT__", str(port)), files={BIN: "/usr/bin/usbwire"}, timeout=400)
@@ -83,14 +94,20 @@ def main():
         line = g.wait_for("@@CHECK detached-when-server-stopped ", 90)
         checks.check("the disk goes away when the server stops", " PASS" in line, line)
         time.sleep(max(0.0, 1.0 - (time.time() - stopped)))
-        server = start_server(port, image, work, log)
+        server = start_server(port, work, log, "keyboard", disk)
         restarted = time.time()
         line = g.wait_for("@@CHECK attached-again-after-restart ", 90)
         took = time.time() - restarted
         checks.check("attached again by itself after the server restarts", " PASS" in line, line)
         print(f"reattached {took:.1f} s after the server came back (guest under TCG)")
         checks.check("reattach within 10 s of the server's return (TCG guest)", took < 10, f"{took:.1f} s")
-        for name in ["usable-after-reattach", "sighup-detaches-removed-rule", "sighup-starts-new-rule",
+        line = g.wait_for("@@CHECK usable-after-reattach ", 120)
+        checks.check("service: usable-after-reattach", " PASS" in line, line)
+        # The device "re-enumerates" under its other identity (as into a bootloader):
+        # the server comes back with a CDC-ACM device (1209:0004) instead of the disk.
+        g.wait_for("@@READY-FOR-MODE-CHANGE", 60)
+        server = restart(server, port, work, log, "keyboard", "serial")
+        for name in ["disk-gone-for-mode-change", "follows-the-other-identity", "sighup-detaches-removed-rule", "sighup-starts-new-rule",
                      "sigterm-exits-cleanly", "sigterm-detaches"]:
             line = g.wait_for(f"@@CHECK {name} ", 120)
             checks.check(f"service: {name}", " PASS" in line, line)

@@ -18,6 +18,7 @@
 //!
 //! [[bind]]            # a real device of this machine, now and on hotplug
 //! device = "0781:5567" # bus id (1-1.2), VID:PID, serial=TEXT or class=HEX
+//! also = ["0781:df11"] # the same device in another mode
 //! ```
 
 use std::net::SocketAddr;
@@ -199,6 +200,9 @@ pub(crate) struct FileConfig {
 pub(crate) struct BindRule {
     #[serde(deserialize_with = "selector_field")]
     pub(crate) device: usbwire_server::Selector,
+    /// The same device under other identities (after it re-enumerates, e.g. into its bootloader).
+    #[serde(default, deserialize_with = "selector_list")]
+    pub(crate) also: Vec<usbwire_server::Selector>,
 }
 
 fn selector_field<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<usbwire_server::Selector, D::Error> {
@@ -369,6 +373,7 @@ mod tests {
             device = "46f4:0001"
             [[bind]]
             device = "serial=A1"
+            also = ["0483:df11"]
             "#,
         )
         .unwrap();
@@ -376,6 +381,7 @@ mod tests {
         assert_eq!(config.virtual_devices.len(), 3);
         assert_eq!(config.bind.len(), 2);
         assert_eq!(config.bind[1].device, "serial=A1".parse().unwrap());
+        assert_eq!(config.bind[1].also, vec!["0483:df11".parse().unwrap()]);
         assert!(matches!(
             config.virtual_devices[0],
             VirtualSpec::Disk { size: Some(1048576), speed: SpeedChoice::Super, .. }

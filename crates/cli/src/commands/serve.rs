@@ -23,7 +23,12 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
         specs.push(VirtualSpec::parse(spec).map_err(Failure::usage)?);
     }
     let mut config = ServerConfig {
-        host_rules: file.bind.iter().map(|rule| rule.device.clone()).collect(),
+        host_rules: file
+            .bind
+            .iter()
+            .flat_map(|rule| std::iter::once(&rule.device).chain(&rule.also))
+            .cloned()
+            .collect(),
         ..ServerConfig::default()
     };
     for selector in &args.bind {
