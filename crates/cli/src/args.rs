@@ -76,6 +76,9 @@ pub(crate) struct ServeArgs {
     /// A virtual device: keyboard, mouse, disk=PATH[,size=64M][,ro][,speed=super], serial[=LINK], loopback[,speed=super]. Repeatable.
     #[arg(long = "virtual", value_name = "SPEC")]
     pub(crate) virtual_devices: Vec<String>,
+    /// Do not announce this server with mDNS/DNS-SD (`_usbip._tcp`).
+    #[arg(long)]
+    pub(crate) no_advertise: bool,
     /// Export real USB devices of this machine matching a bus id (1-1.2), VID:PID, serial=TEXT or class=HEX,
     /// now and whenever one is plugged in. Repeatable.
     #[arg(long = "bind", value_name = "SELECTOR")]
@@ -114,13 +117,19 @@ pub(crate) struct ListArgs {
         short = 'r',
         long = "remote",
         value_name = "HOST[:PORT]",
-        required_unless_present = "local",
-        conflicts_with = "local"
+        required_unless_present_any = ["local", "discover"],
+        conflicts_with_all = ["local", "discover"]
     )]
     pub(crate) remote: Option<String>,
     /// List the USB devices plugged into this machine, with the kernel driver of each interface.
-    #[arg(short = 'l', long = "local")]
+    #[arg(short = 'l', long = "local", conflicts_with = "discover")]
     pub(crate) local: bool,
+    /// Find servers on the local network (mDNS/DNS-SD `_usbip._tcp`) and list their devices.
+    #[arg(long)]
+    pub(crate) discover: bool,
+    /// With --discover: how long to listen for answers, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 3.0)]
+    pub(crate) timeout: f64,
     /// Port, as `usbip --tcp-port` (when HOST has none).
     #[arg(long = "tcp-port", value_name = "PORT")]
     pub(crate) tcp_port: Option<u16>,

@@ -182,6 +182,8 @@ pub(crate) struct FileConfig {
     /// Real devices to export.
     #[serde(default)]
     pub(crate) bind: Vec<BindRule>,
+    /// Announce the server with mDNS/DNS-SD (default true).
+    pub(crate) advertise: Option<bool>,
     /// Require TLS 1.3 with client certificates.
     #[serde(default)]
     pub(crate) tls: bool,

@@ -179,6 +179,11 @@ impl BoundServer {
         &self.registry
     }
 
+    /// TLS and plain-connection settings it runs with.
+    pub fn security(&self) -> &Security {
+        &self.config.security
+    }
+
     /// Serves until `shutdown` resolves, then closes every connection (each
     /// resets its device) and returns.
     pub async fn run(mut self, shutdown: impl std::future::Future<Output = ()>) {

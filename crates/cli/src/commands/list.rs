@@ -8,6 +8,9 @@ use crate::args::ListArgs;
 use crate::exit::Failure;
 
 pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
+    if args.discover {
+        return discovered(&args).await;
+    }
     let Some(remote) = &args.remote else {
         return local_devices(args.json);
     };
@@ -85,6 +88,53 @@ fn elapsed(seconds: u64) -> String {
         120..=7199 => format!("{} min", seconds / 60),
         _ => format!("{} h", seconds / 3600),
     }
+}
+
+/// `usbwire list --discover`: servers that answer mDNS/DNS-SD, each with its devices.
+async fn discovered(args: &ListArgs) -> Result<(), Failure> {
+    let wait = std::time::Duration::from_secs_f64(args.timeout.clamp(0.1, 60.0));
+    let servers = tokio::task::spawn_blocking(move || usbwire_discovery::browse(wait))
+        .await
+        .map_err(|e| Failure::software(e.into()))?
+        .map_err(|e| Failure::unavailable(anyhow::anyhow!("cannot browse with mDNS: {e}")))?;
+    let security = super::client_security(&args.security)?;
+    let names = UsbIds::load();
+    let mut records = Vec::new();
+    for server in &servers {
+        let Some(ip) = server.addresses.first() else { continue };
+        let addr = std::net::SocketAddr::new(*ip, server.port);
+        let host = addr.to_string();
+        let listing = if server.requires_tls() && !args.security.tls {
+            Err(format!("{host} requires TLS: list it with --tls"))
+        } else {
+            usbwire_client::list_devices(addr, &security).await.map_err(|e| e.to_string())
+        };
+        if args.json {
+            let mut record = json!({
+                "name": server.name, "host": server.host, "addresses": server.addresses,
+                "port": server.port, "txt": server.txt,
+            });
+            match &listing {
+                Ok(devices) => record["devices"] = devices_json(&host, devices, &names)["devices"].clone(),
+                Err(error) => record["error"] = json!(error),
+            }
+            records.push(record);
+        } else {
+            let txt: Vec<String> = server.txt.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            println!("{} at {host} ({})", server.name, txt.join(" "));
+            match &listing {
+                Ok(devices) => print!("{}", format_like_usbip(&host, devices, &names)),
+                Err(error) => println!("  {error}"),
+            }
+            println!();
+        }
+    }
+    if args.json {
+        println!("{}", json!({ "servers": records }));
+    } else if servers.is_empty() {
+        println!("no USB/IP servers answered within {:.1} s (mDNS, _usbip._tcp)", wait.as_secs_f64());
+    }
+    Ok(())
 }
 
 /// `usbwire list -l`: what is plugged into this machine, like `usbip list -l`

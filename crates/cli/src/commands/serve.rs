@@ -54,8 +54,51 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     for line in &exported {
         println!("  {line}");
     }
+    let advertising = if args.no_advertise || !file.advertise.unwrap_or(true) { None } else { advertise(&bound) };
     bound.run(shutdown).await;
+    if let Some(task) = advertising {
+        task.abort();
+    }
     Ok(())
+}
+
+/// Announces the server with DNS-SD (`_usbip._tcp`) and keeps its device
+/// count current. Not when it listens on loopback only: nobody else could connect.
+fn advertise(bound: &usbwire_server::BoundServer) -> Option<tokio::task::JoinHandle<()>> {
+    let addr = bound.local_addr();
+    if addr.ip().is_loopback() {
+        tracing::info!("listening on loopback only: not advertising");
+        return None;
+    }
+    let config_tls = bound.security();
+    let tls = match (config_tls.tls.is_some(), config_tls.plain) {
+        (false, _) => usbwire_discovery::TlsMode::Off,
+        (true, PlainPolicy::Always) => usbwire_discovery::TlsMode::Optional,
+        (true, _) => usbwire_discovery::TlsMode::Required,
+    };
+    let registry = bound.registry().clone();
+    let announcement = usbwire_discovery::Announcement {
+        name: format!("{}-{}", super::hostname(), addr.port()),
+        port: addr.port(),
+        tls,
+        devices: registry.len(),
+    };
+    let mut advertisement = match usbwire_discovery::advertise(announcement) {
+        Ok(advertisement) => advertisement,
+        Err(error) => {
+            tracing::warn!(%error, "cannot advertise with mDNS (clients can still connect by address)");
+            return None;
+        }
+    };
+    println!("advertised as {} (mDNS; --no-advertise to stay quiet)", advertisement.fullname());
+    Some(tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+            if let Err(error) = advertisement.set_devices(registry.len()) {
+                tracing::warn!(%error, "mDNS update failed");
+            }
+        }
+    }))
 }
 
 /// What was exported, one human-readable line per device.
