@@ -48,7 +48,9 @@ done
 SERVER_SCRIPT = r"""
 set -u
 export C="--control /run/usbwire.sock"
-usbwire serve -v --listen 0.0.0.0:3240 --bind 0627:0001 $C > /tmp/serve.log 2>&1 &
+mkdir -p /etc/usbwire
+printf '[[bind]]\ndevice = "0627:0001"\n' > /etc/usbwire/server.toml
+usbwire serve -v --listen 0.0.0.0:3240 --config /etc/usbwire/server.toml $C > /tmp/serve.log 2>&1 &
 i=0; while [ ! -S /run/usbwire.sock ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
 echo "@@SERVER-UP"
 """ + COMMAND_LOOP + r"""
@@ -273,7 +275,7 @@ def main():
             rc, out = remote.run(f"usbwire bind -b {d['busid']} $C")
             checks.check(f"bind {d['busid']}", rc == 0 and "complete" in out, out)
         rc, out = remote.run(f"usbwire bind -b {kbd['busid']} $C")
-        checks.check("the keyboard is already exported by the serve --bind VID:PID rule", rc != 0 and "already exported" in out, out)
+        checks.check("the keyboard is already exported by the config's [[bind]] VID:PID rule", rc != 0 and "already exported" in out, out)
 
         out = subprocess.run([BIN, "list", "-r", addr, "--json"], capture_output=True, text=True)
         exported = json.loads(out.stdout)["devices"] if out.returncode == 0 else []
@@ -434,6 +436,7 @@ def main():
                 break
             time.sleep(0.5)
         checks.check("a keyboard plugged in later is exported by the rule, no restart", replugged is not None, reply)
+        replugged_busid = replugged["busid"] if replugged else None
 
         # Unbind while imported: the importer is cut off and the drive returns to usb-storage.
         client = UsbipClient(addr, stick["busid"])
@@ -454,6 +457,13 @@ def main():
                      rc == 0 and '"driver":"usb-storage"' in out and "sda" in out, out)
         rc, out = remote.run(f"usbwire unbind -b {stick['busid']} $C")
         checks.check("unbinding what is not exported is a clear error", rc == 69 and "not exported" in out, out)
+
+        # SIGHUP reloads the [[bind]] rules: the keyboard rule is replaced by one for the drive.
+        rc, out = remote.run("printf '[[bind]]\\ndevice = \"46f4:0001\"\\n' > /etc/usbwire/server.toml && "
+                             "kill -HUP $(pidof usbwire) && sleep 2 && usbwire state --json $C")
+        state = {d["busid"] for d in json.loads(out)["devices"]} if rc == 0 else set()
+        checks.check("SIGHUP exports what a new rule matches and withdraws what no rule wants",
+                     stick["busid"] in state and replugged_busid not in state, out)
         remote.close()
         joined = g.collect("@@SERVE-LOG-BEGIN", "@@SERVE-LOG-END", 60)
         checks.check("the server log has no panic", "panicked" not in joined, joined[-2000:])

@@ -223,7 +223,7 @@ fn selector_list<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Ve
 /// identity = "/etc/usbwire"        # for rules with tls = true
 ///
 /// [[attach]]
-/// server = "192.168.1.5:3240"
+/// server = "192.168.1.5:3240"      # or "discover": any server that answers mDNS
 /// device = "0483:5740"              # bus id, VID:PID, serial=TEXT or class=HEX
 /// also = ["0483:df11"]              # the same device in another mode (its DFU bootloader)
 /// tls = false

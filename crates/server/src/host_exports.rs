@@ -21,21 +21,24 @@ pub const HOST_KIND: &str = "host";
 
 /// Bind rules and what they exported. Cheap to clone (shared).
 #[derive(Clone)]
-pub(crate) struct HostExports {
+pub struct HostExports {
     registry: Registry,
     inner: Arc<Mutex<Bindings>>,
 }
 
 #[derive(Default)]
 struct Bindings {
+    /// From the config file and `serve --bind` (replaced on reload).
     rules: Vec<Selector>,
+    /// From `usbwire bind` (kept across reloads until `usbwire unbind`).
+    bound_by_hand: Vec<Selector>,
     /// Bus ids of the real devices exported.
     exported: HashSet<String>,
 }
 
 impl HostExports {
     pub(crate) fn new(registry: Registry, rules: Vec<Selector>) -> Self {
-        Self { registry, inner: Arc::new(Mutex::new(Bindings { rules, exported: HashSet::new() })) }
+        Self { registry, inner: Arc::new(Mutex::new(Bindings { rules, ..Bindings::default() })) }
     }
 
     /// Exports every present device that matches a rule and is not exported yet.
@@ -63,8 +66,8 @@ impl HostExports {
             if inner.exported.contains(&device.busid) {
                 return Err(format!("{busid} is already exported"));
             }
-            if !inner.rules.contains(&selector) {
-                inner.rules.push(selector);
+            if !inner.bound_by_hand.contains(&selector) {
+                inner.bound_by_hand.push(selector);
             }
         }
         self.export(device)
@@ -73,7 +76,7 @@ impl HostExports {
     /// `usbwire unbind -b BUSID`: stop exporting it (ending any import) and give it back to its kernel drivers.
     pub(crate) fn unbind(&self, busid: &str) -> Result<(), String> {
         let mut inner = lock(&self.inner);
-        inner.rules.retain(|rule| !matches!(rule, Selector::BusId(b) if b == busid));
+        inner.bound_by_hand.retain(|rule| !matches!(rule, Selector::BusId(b) if b == busid));
         if !inner.exported.remove(busid) {
             return Err(format!("{busid} is not exported by this server (see `usbwire state`)"));
         }
@@ -87,7 +90,7 @@ impl HostExports {
         let mut events = match usbwire_host::hotplug::watch() {
             Ok(events) => events,
             Err(error) => {
-                if lock(&self.inner).rules.is_empty() {
+                if lock(&self.inner).rules.is_empty() && lock(&self.inner).bound_by_hand.is_empty() {
                     debug!(%error, "USB hotplug unavailable");
                 } else {
                     warn!(%error, "USB hotplug unavailable; devices plugged in later need `usbwire bind`");
@@ -136,7 +139,32 @@ impl HostExports {
 
     fn wanted(&self, device: &LocalDevice) -> bool {
         let inner = lock(&self.inner);
-        !inner.exported.contains(&device.busid) && inner.rules.iter().any(|rule| rule.matches(device))
+        !inner.exported.contains(&device.busid) && inner.matches(device)
+    }
+
+    /// New rules from a reloaded config: devices no rule wants any more are
+    /// withdrawn (an importer is disconnected), newly matching ones exported,
+    /// the rest untouched. Returns (exported, withdrawn) bus ids.
+    pub fn reload_rules(&self, rules: Vec<Selector>) -> (Vec<String>, Vec<String>) {
+        let devices = usbwire_host::list().unwrap_or_default();
+        let withdrawn: Vec<String> = {
+            let mut inner = lock(&self.inner);
+            inner.rules = rules;
+            let unwanted: Vec<String> = inner
+                .exported
+                .iter()
+                .filter(|busid| !devices.iter().any(|d| &&d.busid == busid && inner.matches(d)))
+                .cloned()
+                .collect();
+            for busid in &unwanted {
+                inner.exported.remove(busid);
+            }
+            unwanted
+        };
+        for busid in &withdrawn {
+            self.registry.remove(busid);
+        }
+        (self.export_matching(), withdrawn)
     }
 
     fn export(&self, device: &LocalDevice) -> Result<String, String> {
@@ -157,6 +185,12 @@ impl HostExports {
             .map_err(|_| format!("bus id {} is taken", device.busid))?;
         lock(&self.inner).exported.insert(device.busid.clone());
         Ok(device.busid.clone())
+    }
+}
+
+impl Bindings {
+    fn matches(&self, device: &LocalDevice) -> bool {
+        self.rules.iter().chain(&self.bound_by_hand).any(|rule| rule.matches(device))
     }
 }
 

@@ -33,7 +33,7 @@ use usbwire_proto::Limits;
 pub use control::{
     default_control_path, request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput,
 };
-pub use host_exports::HOST_KIND;
+pub use host_exports::{HostExports, HOST_KIND};
 pub use registry::{DeviceState, ExportInfo, Registry};
 pub use usbwire_host::{Selector, SelectorError};
 pub use usbwire_transport::access::AccessRules;
@@ -177,6 +177,11 @@ impl BoundServer {
 
     pub fn registry(&self) -> &Registry {
         &self.registry
+    }
+
+    /// The real-device bind rules, to reload them while running.
+    pub fn host_exports(&self) -> HostExports {
+        self.host_exports.clone()
     }
 
     /// TLS and plain-connection settings it runs with.

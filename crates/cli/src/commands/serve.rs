@@ -55,11 +55,51 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
         println!("  {line}");
     }
     let advertising = if args.no_advertise || !file.advertise.unwrap_or(true) { None } else { advertise(&bound) };
+    let reloading = tokio::spawn(reload_on_hangup(args.config.clone(), args.bind.clone(), file, bound.host_exports()));
     bound.run(shutdown).await;
+    reloading.abort();
     if let Some(task) = advertising {
         task.abort();
     }
     Ok(())
+}
+
+/// SIGHUP re-reads the config file's `[[bind]]` rules: devices no rule wants
+/// any more are withdrawn, newly matching ones exported, imports of the others
+/// go on undisturbed. Other settings need a restart, and the log says so.
+async fn reload_on_hangup(
+    path: Option<std::path::PathBuf>,
+    cli_rules: Vec<String>,
+    started_with: FileConfig,
+    hosts: usbwire_server::HostExports,
+) {
+    let Ok(mut hangups) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
+    while hangups.recv().await.is_some() {
+        let Some(path) = &path else {
+            tracing::warn!("SIGHUP: started without --config, nothing to reload");
+            continue;
+        };
+        let file = match FileConfig::load(path) {
+            Ok(file) => file,
+            Err(error) => {
+                tracing::warn!(error = %format!("{error:#}"), "SIGHUP: config not reloaded");
+                continue;
+            }
+        };
+        let mut rules: Vec<usbwire_server::Selector> =
+            file.bind.iter().flat_map(|rule| std::iter::once(&rule.device).chain(&rule.also)).cloned().collect();
+        rules.extend(cli_rules.iter().filter_map(|text| text.parse().ok()));
+        let others_changed =
+            FileConfig { bind: Vec::new(), ..file.clone() } != FileConfig { bind: Vec::new(), ..started_with.clone() };
+        let hosts = hosts.clone();
+        match tokio::task::spawn_blocking(move || hosts.reload_rules(rules)).await {
+            Ok((exported, withdrawn)) => tracing::info!(?exported, ?withdrawn, "SIGHUP: bind rules reloaded"),
+            Err(error) => tracing::warn!(%error, "SIGHUP: reload failed"),
+        }
+        if others_changed {
+            tracing::warn!("SIGHUP: only [[bind]] rules are reloaded; restart the server for the other changes");
+        }
+    }
 }
 
 /// Announces the server with DNS-SD (`_usbip._tcp`) and keeps its device

@@ -182,16 +182,41 @@ impl Attachment {
     }
 }
 
-/// Finds an available device matching the rule on its server and attaches it.
+/// The servers a rule looks at: its named server, or (`server = "discover"`)
+/// every server that answers mDNS/DNS-SD.
+async fn candidate_servers(rule: &AttachRule) -> anyhow::Result<Vec<SocketAddr>> {
+    if rule.server != "discover" {
+        return Ok(vec![usbwire_client::resolve(&rule.server).await?]);
+    }
+    let found = tokio::task::spawn_blocking(|| usbwire_discovery::browse(Duration::from_secs(2))).await??;
+    let addrs: Vec<SocketAddr> =
+        found.iter().filter_map(|s| s.addresses.first().map(|ip| SocketAddr::new(*ip, s.port))).collect();
+    if addrs.is_empty() {
+        anyhow::bail!("no USB/IP server answered mDNS");
+    }
+    Ok(addrs)
+}
+
+/// Finds an available device matching the rule and attaches it.
 async fn attach_once(rule: &AttachRule, security: &Security) -> anyhow::Result<Attachment> {
-    let addr: SocketAddr = usbwire_client::resolve(&rule.server).await?;
+    let mut last_error = None;
+    for addr in candidate_servers(rule).await? {
+        match attach_from(addr, rule, security).await {
+            Ok(attachment) => return Ok(attachment),
+            Err(error) => last_error = Some(error),
+        }
+    }
+    Err(last_error.unwrap_or_else(|| anyhow!("no server to try")))
+}
+
+async fn attach_from(addr: SocketAddr, rule: &AttachRule, security: &Security) -> anyhow::Result<Attachment> {
     let devices = usbwire_client::list_devices(addr, security).await?;
     let states = usbwire_client::device_states(addr, security).await.ok().flatten().unwrap_or_default();
     let serial_of = |busid: &str| states.iter().find(|s| s.busid == busid).map(|s| s.serial.as_str());
     let device = devices
         .iter()
         .find(|d| rule.selectors().any(|s| matches_remote(s, d, serial_of(d.busid.as_str()))))
-        .ok_or_else(|| anyhow!("no available device on {} matches {}", rule.server, rule))?;
+        .ok_or_else(|| anyhow!("no available device on {addr} matches {rule}"))?;
     let (stream, record) = usbwire_client::import(addr, &device.busid, security).await?;
     let vhci_record =
         vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: device.busid.to_string() };
