@@ -148,7 +148,7 @@ pub fn op_phase(data: &[u8]) {
                 let requested = match request {
                     OpRequest::Import { busid } => Some(busid.as_str().as_bytes()),
                     OpRequest::ImportMalformedBusId { requested } => Some(&requested[..]),
-                    OpRequest::DevList | OpRequest::DevState => None,
+                    OpRequest::DevList | OpRequest::DevState | OpRequest::Transforms { .. } => None,
                 };
                 if let Some(requested) = requested {
                     let sent = &consumed[op::OP_HEADER_LEN..];

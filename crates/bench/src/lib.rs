@@ -11,6 +11,7 @@
 pub mod ceiling;
 pub mod measure;
 pub mod model;
+pub mod periodic;
 pub mod plot;
 pub mod proxy;
 

@@ -45,16 +45,46 @@ pub async fn prepare(conn: &Connection) -> Result<Endpoints, String> {
     Ok(Endpoints { source: bulk(true), sink: bulk(false) })
 }
 
+/// What OUT URBs carry.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Payload {
+    /// One repeated byte: compresses to almost nothing.
+    #[default]
+    Constant,
+    /// Pseudo-random bytes: does not compress at all.
+    Random,
+}
+
+impl Payload {
+    fn bytes(self, size: usize) -> bytes::Bytes {
+        match self {
+            Self::Constant => bytes::Bytes::from(vec![0xa5u8; size]),
+            Self::Random => {
+                let mut state = 0x9e37_79b9_7f4a_7c15u64;
+                let mut data = Vec::with_capacity(size + 8);
+                while data.len() < size {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    data.extend_from_slice(&state.to_le_bytes());
+                }
+                data.truncate(size);
+                data.into()
+            }
+        }
+    }
+}
+
 /// Keeps `depth` URBs of `size` bytes in flight on `endpoint` for `duration`.
 pub async fn measure(
     conn: &Connection,
     endpoint: u8,
     direction: Direction,
-    size: usize,
+    (size, payload): (usize, Payload),
     depth: usize,
     duration: Duration,
 ) -> Result<Measured, String> {
-    let payload = bytes::Bytes::from(vec![0xa5u8; size]);
+    let payload = payload.bytes(size);
     let transfer = || match direction {
         Direction::In => Transfer::bulk_in(endpoint, size as u32),
         Direction::Out => Transfer::bulk_out(endpoint, payload.clone()),

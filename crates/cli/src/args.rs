@@ -290,6 +290,19 @@ pub(crate) struct BenchArgs {
     /// Also write the records as CSV.
     #[arg(long, value_name = "FILE")]
     pub(crate) csv: Option<PathBuf>,
+    /// Compress the stream (usbwire servers): zstd or lz4. Frames that do not shrink travel as they are.
+    #[arg(long, value_name = "ALGO", value_parser = ["zstd", "lz4"])]
+    pub(crate) compress: Option<String>,
+    /// Re-time what the server sends to its original spacing, holding it up to MS (usbwire servers).
+    #[arg(long, value_name = "MS")]
+    pub(crate) jitter_buffer: Option<u64>,
+    /// What OUT URBs carry: `constant` (compresses to nothing) or `random` (does not compress).
+    #[arg(long, value_name = "KIND", default_value = "constant", value_parser = ["constant", "random"])]
+    pub(crate) payload: String,
+    /// Instead of the throughput matrix, measure the spacing of periodic completions on this
+    /// interrupt IN endpoint (the loopback device's 0x84 stamps its own time) against the device's.
+    #[arg(long, value_name = "ADDR", value_parser = parse_endpoint)]
+    pub(crate) periodic: Option<u8>,
     #[command(flatten)]
     pub(crate) security: ClientSecurityArgs,
 }

@@ -15,6 +15,8 @@ pub mod reattach;
 pub mod vhci;
 
 pub use reattach::{Backoff, ReattachingDevice};
+pub use usbwire_transport::transform::TransformSpec;
+use usbwire_transport::transform::{Pipeline, Side, TransformedStream};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -78,6 +80,8 @@ pub enum ClientError {
     )]
     ClosedWithoutAnswer { addr: String },
     /// The server answered an import for another bus id.
+    #[error("{addr} did not agree to stream transforms (a usbwire server is needed; leave out --compress / --jitter-buffer)")]
+    NoTransforms { addr: String },
     #[error("server answered for bus id {got} instead of {wanted}")]
     WrongDevice { wanted: String, got: String },
 }
@@ -352,7 +356,50 @@ pub async fn import(
     busid: &BusId,
     security: &Security,
 ) -> Result<(PeerStream, DeviceRecord), ClientError> {
-    let mut stream = connect(addr, security).await?;
+    import_with(addr, busid, security, &[]).await
+}
+
+/// Offers stream transforms (usbwire servers only) and wraps the stream in
+/// those the server accepted. An empty offer sends nothing.
+async fn negotiate(stream: PeerStream, offer: &[TransformSpec], addr: SocketAddr) -> Result<PeerStream, ClientError> {
+    if offer.is_empty() {
+        return Ok(stream);
+    }
+    let mut stream = stream;
+    let exchange = async {
+        let mut out = BytesMut::new();
+        OpRequest::Transforms { offer: TransformSpec::list_text(offer) }.encode(&mut out);
+        stream.write_all(&out).await?;
+        stream.flush().await?;
+        // Exactly the answer: the framed stream starts right after it.
+        let mut head = [0u8; op::OP_HEADER_LEN + 4];
+        stream.read_exact(&mut head).await.map_err(|_| ClientError::NoTransforms { addr: addr.to_string() })?;
+        let len = u32::from_be_bytes([head[8], head[9], head[10], head[11]]).min(op::MAX_TRANSFORMS_LEN) as usize;
+        let mut buf = BytesMut::from(&head[..]);
+        buf.resize(head.len() + len, 0);
+        stream.read_exact(&mut buf[head.len()..]).await?;
+        op::decode_transforms_reply(&mut buf)?.ok_or(ClientError::NoTransforms { addr: addr.to_string() })
+    };
+    let accepted = tokio::time::timeout(OP_TIMEOUT, exchange)
+        .await
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })??;
+    let specs = TransformSpec::parse_list(&accepted);
+    tracing::info!(offered = %TransformSpec::list_text(offer), accepted = %accepted, "stream transforms");
+    if specs.is_empty() {
+        return Ok(stream);
+    }
+    Ok(PeerStream::Transformed(Box::new(TransformedStream::new(stream, Pipeline::new(&specs, Side::Client)))))
+}
+
+/// [`import`] with stream transforms offered first (compression, jitter buffer).
+pub async fn import_with(
+    addr: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+    transforms: &[TransformSpec],
+) -> Result<(PeerStream, DeviceRecord), ClientError> {
+    let stream = connect(addr, security).await?;
+    let mut stream = negotiate(stream, transforms, addr).await?;
     let exchange = async {
         let mut out = BytesMut::new();
         OpRequest::Import { busid: busid.clone() }.encode(&mut out);

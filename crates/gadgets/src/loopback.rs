@@ -1,6 +1,8 @@
 //! A gadget-zero-like test device: a source that fills IN URBs with a known
-//! pattern, a sink that swallows OUT URBs, and a loop pair that hands OUT
-//! data back on IN.
+//! pattern, a sink that swallows OUT URBs, a loop pair that hands OUT data
+//! back on IN, a noise source (incompressible data, for compression
+//! benchmarks) and a periodic interrupt endpoint that completes one URB per
+//! 8 ms tick with the device's own timestamp (for jitter measurements).
 //!
 //! Benchmarks drive it, so the source and the sink never allocate or copy
 //! per URB: the source slices one shared pattern buffer and the sink only
@@ -30,6 +32,14 @@ pub const LOOP_OUT: u8 = 0x03;
 /// Bulk IN: returns the data written to [`LOOP_OUT`], oldest first.
 pub const LOOP_IN: u8 = 0x83;
 
+/// Interrupt IN: one URB per [`TICK_INTERVAL`], carrying the tick number and
+/// the device time in µs (two little-endian u64s).
+pub const TICK_IN: u8 = 0x84;
+/// Bulk IN: like [`SOURCE_IN`] but pseudo-random bytes that do not compress.
+pub const NOISE_IN: u8 = 0x85;
+/// Spacing of [`TICK_IN`] completions.
+pub const TICK_INTERVAL: std::time::Duration = std::time::Duration::from_millis(8);
+
 /// Loop data held before OUT URBs are left pending (a URB is always taken
 /// when nothing is queued, however large).
 pub const MAX_QUEUED: usize = 16 * 1024 * 1024;
@@ -50,6 +60,24 @@ fn pattern(len: usize) -> Bytes {
     (0..len).map(pattern_byte).collect::<Vec<u8>>().into()
 }
 
+/// xorshift noise, built once: incompressible, and the same in every run.
+fn shared_noise() -> &'static Bytes {
+    static NOISE: OnceLock<Bytes> = OnceLock::new();
+    NOISE.get_or_init(|| {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let len = Limits::default().max_transfer_length as usize;
+        let mut data = Vec::with_capacity(len);
+        while data.len() < len {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            data.extend_from_slice(&state.to_le_bytes());
+        }
+        data.truncate(len);
+        data.into()
+    })
+}
+
 /// The loopback function (see [`loopback`]).
 #[derive(Debug)]
 pub struct Loopback {
@@ -62,6 +90,11 @@ pub struct Loopback {
     parked_out: VecDeque<Urb>,
     /// Loop IN URBs waiting for data.
     waiting_in: VecDeque<Urb>,
+    /// Tick URBs waiting for their tick, and the clock that paces them.
+    waiting_ticks: VecDeque<Urb>,
+    ticker: Option<tokio::time::Interval>,
+    ticks: u64,
+    born: tokio::time::Instant,
     done: CompletionQueue,
 }
 
@@ -77,6 +110,8 @@ pub fn loopback(speed: Speed) -> VirtualDevice<Loopback> {
         .endpoint(EndpointSpec::bulk(SINK_OUT, speed))
         .endpoint(EndpointSpec::bulk(LOOP_IN, speed))
         .endpoint(EndpointSpec::bulk(LOOP_OUT, speed))
+        .endpoint(EndpointSpec::interrupt(TICK_IN, 16, 8, speed))
+        .endpoint(EndpointSpec::bulk(NOISE_IN, speed))
         .build();
     let descriptors = DescriptorSet::new(
         speed,
@@ -91,6 +126,10 @@ pub fn loopback(speed: Speed) -> VirtualDevice<Loopback> {
         queued: 0,
         parked_out: VecDeque::new(),
         waiting_in: VecDeque::new(),
+        waiting_ticks: VecDeque::new(),
+        ticker: None,
+        ticks: 0,
+        born: tokio::time::Instant::now(),
         done: CompletionQueue::new(),
     })
 }
@@ -180,6 +219,16 @@ impl Function for Loopback {
                 }
                 self.shuffle();
             }
+            NOISE_IN => {
+                let noise = shared_noise();
+                let done = if urb.length as usize <= noise.len() {
+                    urb.complete_in(noise.clone())
+                } else {
+                    urb.complete_with(Status::EOVERFLOW)
+                };
+                self.done.push(done);
+            }
+            TICK_IN => self.waiting_ticks.push_back(urb),
             LOOP_IN if urb.length == 0 => self.done.push(urb.complete_in(Bytes::new())),
             LOOP_IN => {
                 self.waiting_in.push_back(urb);
@@ -190,12 +239,33 @@ impl Function for Loopback {
     }
 
     fn poll_complete(&mut self, cx: &mut Context<'_>) -> Poll<Completion> {
-        self.done.poll_pop(cx)
+        if let Poll::Ready(done) = self.done.poll_pop(cx) {
+            return Poll::Ready(done);
+        }
+        if self.waiting_ticks.is_empty() {
+            return Poll::Pending;
+        }
+        let ticker = self.ticker.get_or_insert_with(|| {
+            let mut ticker = tokio::time::interval(TICK_INTERVAL);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            ticker
+        });
+        if ticker.poll_tick(cx).is_pending() {
+            return Poll::Pending;
+        }
+        let urb = self.waiting_ticks.pop_front().expect("checked non-empty");
+        self.ticks += 1;
+        let mut report = Vec::with_capacity(16);
+        report.extend_from_slice(&self.ticks.to_le_bytes());
+        report.extend_from_slice(&(self.born.elapsed().as_micros() as u64).to_le_bytes());
+        Poll::Ready(urb.complete_in(report.into()))
     }
 
     fn cancel(&mut self, seqnum: u32) {
         let urb = if let Some(i) = self.waiting_in.iter().position(|u| u.seqnum == seqnum) {
             self.waiting_in.remove(i)
+        } else if let Some(i) = self.waiting_ticks.iter().position(|u| u.seqnum == seqnum) {
+            self.waiting_ticks.remove(i)
         } else if let Some(i) = self.parked_out.iter().position(|u| u.seqnum == seqnum) {
             self.parked_out.remove(i)
         } else {
@@ -211,6 +281,8 @@ impl Function for Loopback {
         self.queued = 0;
         self.parked_out.clear();
         self.waiting_in.clear();
+        self.waiting_ticks.clear();
+        self.ticker = None;
         self.done.clear();
     }
 }
@@ -322,6 +394,34 @@ mod tests {
         assert_eq!(dev.function().queued_bytes(), 0);
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn ticks_come_one_per_interval_with_the_device_time() {
+        let mut dev = configured(Speed::HIGH);
+        for seqnum in 1..=3 {
+            dev.submit(data_in(seqnum, TICK_IN, 16));
+        }
+        let mut times = Vec::new();
+        for _ in 0..3 {
+            let done = std::future::poll_fn(|cx| dev.poll_complete(cx)).await;
+            assert_eq!(done.actual_length, 16);
+            times.push(u64::from_le_bytes(done.data[8..16].try_into().unwrap()));
+        }
+        // Paused time: the clock moves exactly one interval per tick.
+        assert!(times[2] - times[1] >= 7_000, "{times:?}");
+    }
+
+    #[test]
+    fn noise_does_not_compress_and_does_not_copy() {
+        let mut dev = configured(Speed::HIGH);
+        dev.submit(data_in(1, NOISE_IN, 65536));
+        let a = next(&mut dev).unwrap();
+        dev.submit(data_in(2, NOISE_IN, 65536));
+        let b = next(&mut dev).unwrap();
+        assert_eq!(a.data.as_ptr(), b.data.as_ptr(), "a slice of one shared buffer");
+        let distinct: std::collections::HashSet<u8> = a.data.iter().copied().collect();
+        assert!(distinct.len() > 250, "noise uses every byte value");
+    }
+
     #[test]
     fn high_speed_descriptors() {
         let mut dev = loopback(Speed::HIGH);
@@ -330,7 +430,7 @@ mod tests {
         assert_eq!(info.interfaces.len(), 1);
         assert_eq!((info.interfaces[0].class, info.interfaces[0].subclass), (0xff, 0));
         let eps: Vec<_> = info.active_endpoints(|_| 0).map(|e| (e.address, e.max_packet_size)).collect();
-        assert_eq!(eps, vec![(0x81, 512), (0x02, 512), (0x83, 512), (0x03, 512)]);
+        assert_eq!(eps, vec![(0x81, 512), (0x02, 512), (0x83, 512), (0x03, 512), (0x84, 16), (0x85, 512)]);
         let summary = dev.summary();
         assert_eq!((summary.vendor_id, summary.product_id, summary.speed), (0x1209, 0x0005, Speed::HIGH));
         assert_eq!(summary.product, "usbwire loopback");
@@ -343,11 +443,11 @@ mod tests {
         assert_eq!(&device[2..4], &[0x20, 0x03], "bcdUSB 3.2");
         assert_eq!(device[7], 9, "512-byte ep0");
         let config = request(&mut dev, [0x80, 6, 0, 2, 0, 0, 0xff, 0], &[]);
-        assert_eq!(config.len(), 9 + 9 + 4 * (7 + 6));
+        assert_eq!(config.len(), 9 + 9 + 6 * (7 + 6));
         let companions = config.windows(2).filter(|w| w == &[6, descriptor::SS_ENDPOINT_COMPANION]).count();
-        assert_eq!(companions, 4);
+        assert_eq!(companions, 6);
         let info = ConfigurationInfo::parse(&config).unwrap();
-        assert!(info.active_endpoints(|_| 0).all(|e| e.max_packet_size == 1024));
+        assert!(info.active_endpoints(|_| 0).filter(|e| e.address != TICK_IN).all(|e| e.max_packet_size == 1024));
         let bos = request(&mut dev, [0x80, 6, 0, 0x0f, 0, 0, 0xff, 0], &[]);
         assert_eq!(bos[1], descriptor::BOS);
         // Data still flows at SuperSpeed.

@@ -55,6 +55,9 @@ pub enum DecodeError {
     /// A reply's `actual_length` exceeds the length that was requested.
     #[error("actual length {actual_length} exceeds the requested {requested}")]
     ActualLengthTooLong { actual_length: u32, requested: u32 },
+    /// A text field of an extension message is not UTF-8.
+    #[error("text field is not UTF-8")]
+    NotUtf8,
     /// A `RET_SUBMIT` for a seqnum that is not outstanding.
     #[error("reply for unknown seqnum {0}")]
     UnknownSeqnum(u32),

@@ -35,7 +35,15 @@ impl OpCode {
     /// back to `OP_REQ_DEVLIST` alone.
     pub const REQ_DEVSTATE: Self = Self(0x80f1);
     pub const REP_DEVSTATE: Self = Self(0x00f1);
+    /// usbwire extension: the client offers stream transforms (`zstd,jitter=40`),
+    /// the server answers with the ones it applies; after that reply both sides
+    /// frame the stream, and the real request (DEVLIST, IMPORT …) follows.
+    pub const REQ_TRANSFORMS: Self = Self(0x80f2);
+    pub const REP_TRANSFORMS: Self = Self(0x00f2);
 }
+
+/// Largest transform offer or answer accepted.
+pub const MAX_TRANSFORMS_LEN: u32 = 1024;
 
 /// Largest `OP_REP_DEVSTATE` body accepted.
 pub const MAX_DEVSTATE_LEN: u32 = 1 << 20;
@@ -195,6 +203,8 @@ pub enum OpRequest {
     ImportMalformedBusId { requested: Vec<u8> },
     /// `OP_REQ_DEVSTATE` (usbwire extension): every visible device with its state.
     DevState,
+    /// `OP_REQ_TRANSFORMS` (usbwire extension): the transforms the client offers, comma-separated.
+    Transforms { offer: String },
 }
 
 impl OpRequest {
@@ -206,6 +216,11 @@ impl OpRequest {
                 put_fixed_str(out, busid.as_str(), BUSID_LEN);
             }
             Self::DevState => put_header(out, OpCode::REQ_DEVSTATE, OpStatus::OK),
+            Self::Transforms { offer } => {
+                put_header(out, OpCode::REQ_TRANSFORMS, OpStatus::OK);
+                out.put_u32(offer.len() as u32);
+                out.put_slice(offer.as_bytes());
+            }
             Self::ImportMalformedBusId { requested } => {
                 put_header(out, OpCode::REQ_IMPORT, OpStatus::OK);
                 let kept = &requested[..requested.len().min(BUSID_LEN - 1)];
@@ -232,6 +247,10 @@ pub fn decode_request(buf: &mut BytesMut, _limits: &Limits) -> Result<Option<OpR
         OpCode::REQ_DEVSTATE => {
             let _ = buf.split_to(OP_HEADER_LEN);
             Ok(Some(OpRequest::DevState))
+        }
+        OpCode::REQ_TRANSFORMS => {
+            let Some(offer) = counted_text(buf)? else { return Ok(None) };
+            Ok(Some(OpRequest::Transforms { offer }))
         }
         OpCode::REQ_IMPORT => {
             if buf.len() < OP_HEADER_LEN + BUSID_LEN {
@@ -321,6 +340,44 @@ pub fn decode_devlist_reply(buf: &mut BytesMut, limits: &Limits) -> Result<Optio
         devices.push(device);
     }
     Ok(Some(devices))
+}
+
+/// A u32 length and that much UTF-8 after the header (at most
+/// [`MAX_TRANSFORMS_LEN`]); consumed once whole.
+fn counted_text(buf: &mut BytesMut) -> Result<Option<String>, DecodeError> {
+    if buf.len() < OP_HEADER_LEN + 4 {
+        return Ok(None);
+    }
+    let len = be_u32(buf, OP_HEADER_LEN);
+    if len > MAX_TRANSFORMS_LEN {
+        return Err(DecodeError::TransferTooLong { len, max: MAX_TRANSFORMS_LEN });
+    }
+    let end = OP_HEADER_LEN + 4 + len as usize;
+    if buf.len() < end {
+        return Ok(None);
+    }
+    let text = std::str::from_utf8(&buf[OP_HEADER_LEN + 4..end]).map_err(|_| DecodeError::NotUtf8)?.to_owned();
+    let _ = buf.split_to(end);
+    Ok(Some(text))
+}
+
+/// Encodes `OP_REP_TRANSFORMS`: the transforms the server applies, comma-separated.
+pub fn encode_transforms_reply(accepted: &str, out: &mut BytesMut) {
+    put_header(out, OpCode::REP_TRANSFORMS, OpStatus::OK);
+    out.put_u32(accepted.len() as u32);
+    out.put_slice(accepted.as_bytes());
+}
+
+/// Decodes `OP_REP_TRANSFORMS` (client side).
+pub fn decode_transforms_reply(buf: &mut BytesMut) -> Result<Option<String>, DecodeError> {
+    let Some(status) = peek_reply_header(buf, OpCode::REP_TRANSFORMS)? else {
+        return Ok(None);
+    };
+    if status != OpStatus::OK {
+        let _ = buf.split_to(OP_HEADER_LEN);
+        return Err(DecodeError::RequestFailed(status.0));
+    }
+    counted_text(buf)
 }
 
 /// Encodes `OP_REP_DEVSTATE`: header, body length (u32), body.
@@ -499,6 +556,24 @@ mod tests {
         empty.resize(40, 0);
         let request = decode_request(&mut BytesMut::from(&empty[..]), &Limits::default()).unwrap().unwrap();
         assert_eq!(request, OpRequest::ImportMalformedBusId { requested: vec![] });
+    }
+
+    #[test]
+    fn transforms_negotiation_round_trip() {
+        let mut out = BytesMut::new();
+        OpRequest::Transforms { offer: "zstd,jitter=40".into() }.encode(&mut out);
+        assert_eq!(&out[..12], &[0x01, 0x11, 0x80, 0xf2, 0, 0, 0, 0, 0, 0, 0, 14]);
+        let mut partial = BytesMut::from(&out[..15]);
+        assert_eq!(decode_request(&mut partial, &Limits::default()), Ok(None));
+        assert_eq!(
+            decode_request(&mut out, &Limits::default()),
+            Ok(Some(OpRequest::Transforms { offer: "zstd,jitter=40".into() }))
+        );
+        let mut reply = BytesMut::new();
+        encode_transforms_reply("zstd", &mut reply);
+        assert_eq!(decode_transforms_reply(&mut reply), Ok(Some("zstd".into())));
+        let mut huge = BytesMut::from(&[0x01, 0x11, 0x80, 0xf2, 0, 0, 0, 0, 0, 1, 0, 0][..]);
+        assert!(decode_request(&mut huge, &Limits::default()).is_err());
     }
 
     #[test]

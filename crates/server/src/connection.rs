@@ -16,6 +16,7 @@ use tracing::{debug, info, warn, Instrument};
 use usbwire_proto::op::{self, OpRequest, OpStatus};
 use usbwire_proto::{DecodeError, Limits};
 use usbwire_transport::access::ClientId;
+use usbwire_transport::transform::{Pipeline, Side, TransformSpec, TransformedStream};
 use usbwire_transport::{PeerStream, TLS_HANDSHAKE_BYTE};
 
 use crate::registry::Registry;
@@ -41,53 +42,82 @@ pub(crate) async fn handle(
         _ => config.security.access.allows(&client, busid, kind),
     };
     let mut buf = BytesMut::with_capacity(256);
-    let request =
-        match tokio::time::timeout(OP_REQUEST_TIMEOUT, read_request(&mut stream, &mut buf, &config.limits)).await {
-            Err(_) => {
-                warn!("no request within {} s; closing", OP_REQUEST_TIMEOUT.as_secs());
-                return;
-            }
-            Ok(Err(error)) => {
-                warn!(%error, "invalid request; closing");
-                return;
-            }
-            Ok(Ok(None)) => {
-                debug!("closed before sending a request");
-                return;
-            }
-            Ok(Ok(Some(request))) => request,
-        };
+    let Some(mut request) = next_request(&mut stream, &mut buf, &config).await else { return };
+    if let OpRequest::Transforms { offer } = &request {
+        // Our extension: agree on transforms, then the real request comes framed.
+        let specs = TransformSpec::parse_list(offer);
+        let accepted = TransformSpec::list_text(&specs);
+        let mut reply = BytesMut::new();
+        op::encode_transforms_reply(&accepted, &mut reply);
+        if stream.write_all(&reply).await.is_err() || stream.flush().await.is_err() {
+            return;
+        }
+        if !buf.is_empty() {
+            warn!("client sent more before the transform answer; closing");
+            return;
+        }
+        info!(offered = %offer, accepted = %accepted, "stream transforms");
+        if !specs.is_empty() {
+            stream =
+                PeerStream::Transformed(Box::new(TransformedStream::new(stream, Pipeline::new(&specs, Side::Server))));
+        }
+        let Some(next) = next_request(&mut stream, &mut buf, &config).await else { return };
+        request = next;
+    }
     let mut reply = BytesMut::new();
     match request {
         OpRequest::DevList => {
             let devices = registry.devlist(visible);
             op::encode_devlist_reply(&devices, &mut reply);
             debug!(devices = devices.len(), "device list");
-            if let Err(error) = stream.write_all(&reply).await {
+            if let Err(error) = async {
+                stream.write_all(&reply).await?;
+                stream.flush().await
+            }
+            .await
+            {
                 debug!(%error, "device list not delivered");
             }
         }
         OpRequest::ImportMalformedBusId { requested } => {
             info!(busid = %requested.escape_ascii(), %client, "import refused: not a bus id");
             op::encode_import_reply(Err(OpStatus::NODEV), &mut reply);
-            let _ = stream.write_all(&reply).await;
+            let _ = async {
+                stream.write_all(&reply).await?;
+                stream.flush().await
+            }
+            .await;
         }
+        OpRequest::Transforms { .. } => warn!("transforms offered twice; closing"),
         OpRequest::DevState => {
             let devices = crate::control::state_entries(&registry, visible);
             let body = serde_json::to_vec(&serde_json::json!({ "devices": devices })).unwrap_or_default();
             op::encode_devstate_reply(&body, &mut reply);
             debug!(devices = devices.len(), "device state");
-            let _ = stream.write_all(&reply).await;
+            let _ = async {
+                stream.write_all(&reply).await?;
+                stream.flush().await
+            }
+            .await;
         }
         OpRequest::Import { busid } => match registry.import(&busid, peer, identity(&client), visible) {
             Err(status) => {
                 info!(%busid, %client, status = status.describe(), "import refused");
                 op::encode_import_reply(Err(status), &mut reply);
-                let _ = stream.write_all(&reply).await;
+                let _ = async {
+                    stream.write_all(&reply).await?;
+                    stream.flush().await
+                }
+                .await;
             }
             Ok(mut lease) => {
                 op::encode_import_reply(Ok(lease.record()), &mut reply);
-                if let Err(error) = stream.write_all(&reply).await {
+                if let Err(error) = async {
+                    stream.write_all(&reply).await?;
+                    stream.flush().await
+                }
+                .await
+                {
                     warn!(%busid, %error, "import reply not delivered");
                     return;
                 }
@@ -171,6 +201,26 @@ async fn secure(tcp: TcpStream, peer: SocketAddr, config: &ServerConfig) -> Opti
     }
     info!(%client, "TLS client authenticated");
     Some((PeerStream::ServerTls(Box::new(stream)), client))
+}
+
+/// The next OP request, or `None` (logged) when the client sent garbage, went
+/// quiet or hung up.
+async fn next_request(stream: &mut PeerStream, buf: &mut BytesMut, config: &ServerConfig) -> Option<OpRequest> {
+    match tokio::time::timeout(OP_REQUEST_TIMEOUT, read_request(stream, buf, &config.limits)).await {
+        Err(_) => {
+            warn!("no request within {} s; closing", OP_REQUEST_TIMEOUT.as_secs());
+            None
+        }
+        Ok(Err(error)) => {
+            warn!(%error, "invalid request; closing");
+            None
+        }
+        Ok(Ok(None)) => {
+            debug!("closed before sending a request");
+            None
+        }
+        Ok(Ok(Some(request))) => Some(request),
+    }
 }
 
 async fn read_request(

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use usbwire_client::{ClientError, Connection, Security, TlsClient, Transfer, TransferError};
+use usbwire_client::{ClientError, Connection, Security, TlsClient, Transfer, TransferError, TransformSpec};
 use usbwire_device::Speed;
 use usbwire_proto::op::{BusId, OpStatus};
 use usbwire_proto::Status;
@@ -195,4 +195,51 @@ async fn bytes_altered_on_the_wire_drop_the_connection() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("device not available again after the tampered connection");
+}
+
+#[tokio::test]
+async fn negotiated_transforms_carry_urbs_over_tls_and_plain() {
+    let setup = start(PlainPolicy::Loopback).await;
+    let alice = tls(&setup.alice, pinned(&setup, setup.addr, "alice-transforms"), false);
+    let offer = [TransformSpec::Zstd, TransformSpec::Jitter(std::time::Duration::from_millis(20))];
+    for security in [alice, Security::Plain] {
+        let (stream, record) =
+            usbwire_client::import_with(setup.addr, &BusId::new("1-1").unwrap(), &security, &offer).await.unwrap();
+        assert_eq!(stream.transforms(), ["zstd", "jitter"]);
+        let conn = Connection::new(stream, &record);
+        conn.transfer(Transfer::control_out([0, 9, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
+        // Compressible and incompressible payloads both come back intact through the loop pair.
+        let compressible = Bytes::from(vec![0x3cu8; 300_000]);
+        let noise: Bytes = (0..300_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+        for payload in [compressible, noise] {
+            conn.transfer(Transfer::bulk_out(0x03, payload.clone())).await.unwrap();
+            let mut back = Vec::new();
+            while back.len() < payload.len() {
+                let ret = conn.transfer(Transfer::bulk_in(0x83, 300_000)).await.unwrap();
+                back.extend_from_slice(&ret.data);
+            }
+            assert_eq!(back, payload);
+        }
+        drop(conn);
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn asking_a_stock_server_for_transforms_is_a_clear_error() {
+    // A peer that hangs up on an unknown op code, as usbipd does.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let mut header = [0u8; 8];
+            let _ = tokio::io::AsyncReadExt::read_exact(&mut stream, &mut header).await;
+        }
+    });
+    let result =
+        usbwire_client::import_with(addr, &BusId::new("1-1").unwrap(), &Security::Plain, &[TransformSpec::Lz4]).await;
+    match result {
+        Err(ClientError::NoTransforms { .. }) => {}
+        other => panic!("expected NoTransforms, got {:?}", other.map(|(_, r)| r)),
+    }
 }

@@ -20,6 +20,7 @@ pub mod identity;
 pub mod known_servers;
 mod stream;
 pub mod tls;
+pub mod transform;
 
 pub use identity::{Fingerprint, Identity, IdentityError};
 pub use stream::PeerStream;

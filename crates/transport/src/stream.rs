@@ -13,6 +13,8 @@ pub enum PeerStream {
     Plain(TcpStream),
     ServerTls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
     ClientTls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+    /// Either of the above carrying negotiated transforms (compression, jitter buffer).
+    Transformed(Box<crate::transform::TransformedStream<Self>>),
 }
 
 impl PeerStream {
@@ -22,11 +24,24 @@ impl PeerStream {
             Self::Plain(s) => s,
             Self::ServerTls(s) => s.get_ref().0,
             Self::ClientTls(s) => s.get_ref().0,
+            Self::Transformed(s) => s.get_ref().tcp(),
         }
     }
 
     pub fn is_tls(&self) -> bool {
-        !matches!(self, Self::Plain(_))
+        match self {
+            Self::Plain(_) => false,
+            Self::Transformed(s) => s.get_ref().is_tls(),
+            _ => true,
+        }
+    }
+
+    /// The transforms in use (empty unless negotiated).
+    pub fn transforms(&self) -> Vec<&'static str> {
+        match self {
+            Self::Transformed(s) => s.transforms(),
+            _ => Vec::new(),
+        }
     }
 }
 
@@ -36,6 +51,7 @@ impl AsyncRead for PeerStream {
             Self::Plain(s) => Pin::new(s).poll_read(cx, buf),
             Self::ServerTls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
             Self::ClientTls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            Self::Transformed(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
         }
     }
 }
@@ -46,6 +62,7 @@ impl AsyncWrite for PeerStream {
             Self::Plain(s) => Pin::new(s).poll_write(cx, buf),
             Self::ServerTls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
             Self::ClientTls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            Self::Transformed(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
         }
     }
 
@@ -58,6 +75,7 @@ impl AsyncWrite for PeerStream {
             Self::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
             Self::ServerTls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
             Self::ClientTls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+            Self::Transformed(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
         }
     }
 
@@ -66,6 +84,7 @@ impl AsyncWrite for PeerStream {
             Self::Plain(s) => s.is_write_vectored(),
             Self::ServerTls(s) => s.is_write_vectored(),
             Self::ClientTls(s) => s.is_write_vectored(),
+            Self::Transformed(s) => s.is_write_vectored(),
         }
     }
 
@@ -74,6 +93,7 @@ impl AsyncWrite for PeerStream {
             Self::Plain(s) => Pin::new(s).poll_flush(cx),
             Self::ServerTls(s) => Pin::new(s.as_mut()).poll_flush(cx),
             Self::ClientTls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            Self::Transformed(s) => Pin::new(s.as_mut()).poll_flush(cx),
         }
     }
 
@@ -82,6 +102,7 @@ impl AsyncWrite for PeerStream {
             Self::Plain(s) => Pin::new(s).poll_shutdown(cx),
             Self::ServerTls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
             Self::ClientTls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            Self::Transformed(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
 }

@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use anyhow::anyhow;
 use serde_json::json;
+use usbwire_bench::measure::Payload;
 use usbwire_bench::{ceiling, measure, model, plot, proxy, Direction, Record};
-use usbwire_client::{Connection, Security};
+use usbwire_client::{Connection, Security, TransformSpec};
 use usbwire_device::Speed;
 use usbwire_proto::op::BusId;
 use usbwire_server::{Server, ServerConfig};
@@ -26,6 +27,9 @@ pub(crate) struct Plan {
     pub(crate) seconds: f64,
     /// Runs per point (the median is reported).
     pub(crate) repeat: usize,
+    /// Stream transforms offered to the server.
+    pub(crate) transforms: Vec<TransformSpec>,
+    pub(crate) payload: Payload,
 }
 
 impl Plan {
@@ -62,8 +66,24 @@ impl Plan {
             jitter_ms: args.jitter_ms,
             seconds: args.seconds.unwrap_or(if args.quick { 0.1 } else { 0.5 }),
             repeat: args.repeat.unwrap_or(if args.quick { 1 } else { 3 }).max(1),
+            transforms: transforms(args.compress.as_deref(), args.jitter_buffer),
+            payload: if args.payload == "random" { Payload::Random } else { Payload::Constant },
         })
     }
+}
+
+/// The transforms `--compress` and `--jitter-buffer` ask for, in that order.
+pub(crate) fn transforms(compress: Option<&str>, jitter_buffer_ms: Option<u64>) -> Vec<TransformSpec> {
+    let mut specs = Vec::new();
+    match compress {
+        Some("zstd") => specs.push(TransformSpec::Zstd),
+        Some("lz4") => specs.push(TransformSpec::Lz4),
+        _ => {}
+    }
+    if let Some(ms) = jitter_buffer_ms {
+        specs.push(TransformSpec::Jitter(Duration::from_millis(ms)));
+    }
+    specs
 }
 
 pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
@@ -76,6 +96,9 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
         }
         _ => local_loopback().await?,
     };
+    if let Some(endpoint) = args.periodic {
+        return periodic(&plan, target, &busid, &security, endpoint, args.json).await;
+    }
     let progress = !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let report = execute(&plan, target, &busid, &security, (args.in_ep, args.out_ep), progress).await?;
     if let Some(dir) = &args.plot {
@@ -90,6 +113,65 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
         println!("{}", serde_json::to_string_pretty(&report.json()).map_err(|e| Failure::software(e.into()))?);
     } else {
         print!("{}", report.table());
+    }
+    Ok(())
+}
+
+/// `bench --periodic EP`: spacing of interrupt completions at the client
+/// against the device's own, per emulated RTT, with the plan's jitter and transforms.
+async fn periodic(
+    plan: &Plan,
+    target: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+    endpoint: u8,
+    json: bool,
+) -> Result<(), Failure> {
+    let count = (plan.seconds * 1000.0 / 8.0).max(64.0) as usize;
+    let mut results = Vec::new();
+    for &rtt_ms in &plan.rtts_ms {
+        let rtt = Duration::from_secs_f64(rtt_ms / 1000.0);
+        let jitter = Duration::from_secs_f64(plan.jitter_ms / 1000.0);
+        let addr = if rtt.is_zero() && jitter.is_zero() {
+            target
+        } else {
+            proxy::start(target, rtt, jitter).await.map_err(|e| Failure::io(e.into()))?
+        };
+        let (stream, record) = usbwire_client::import_with(addr, busid, security, &plan.transforms).await?;
+        let conn = Connection::new(stream, &record);
+        measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
+        // Enough URBs queued to cover the RTT and the jitter (Eq. 2 with room to spare).
+        let depth = ((rtt_ms + 2.0 * plan.jitter_ms) / 8.0).ceil() as usize + 4;
+        let spacing = usbwire_bench::periodic::measure(&conn, endpoint, count, depth)
+            .await
+            .map_err(|e| Failure::unavailable(anyhow!("{busid} endpoint {endpoint:#04x}: {e}")))?;
+        results.push((rtt_ms, spacing));
+    }
+    let transforms = TransformSpec::list_text(&plan.transforms);
+    if json {
+        let records: Vec<_> = results
+            .iter()
+            .map(|(rtt_ms, s)| json!({ "rtt_ms": rtt_ms, "jitter_ms": plan.jitter_ms, "transforms": transforms, "spacing": s }))
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({ "periodic": records })).map_err(|e| Failure::software(e.into()))?
+        );
+    } else {
+        println!(
+            "periodic completions on {endpoint:#04x}, jitter up to {} ms, transforms [{transforms}]",
+            plan.jitter_ms
+        );
+        println!(
+            "{:>7} {:>6} {:>10} {:>10} {:>10} {:>10}",
+            "rtt ms", "n", "device us", "err p50", "err p99", "err max"
+        );
+        for (rtt_ms, s) in &results {
+            println!(
+                "{rtt_ms:>7} {:>6} {:>10.0} {:>10.0} {:>10.0} {:>10.0}",
+                s.completions, s.device_interval_us, s.error_us.p50, s.error_us.p99, s.error_us.max
+            );
+        }
     }
     Ok(())
 }
@@ -160,7 +242,7 @@ pub(crate) async fn execute(
         };
         let usbwire_addr = via(target).await.map_err(|e| Failure::io(e.into()))?;
         let ideal_addr = via(ideal).await.map_err(|e| Failure::io(e.into()))?;
-        let (stream, record) = usbwire_client::import(usbwire_addr, busid, security).await?;
+        let (stream, record) = usbwire_client::import_with(usbwire_addr, busid, security, &plan.transforms).await?;
         let conn = Connection::new(stream, &record);
         let found = measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
         let source = endpoints.0.or(found.source);
@@ -184,7 +266,8 @@ pub(crate) async fn execute(
                     let mut ours_runs = Vec::new();
                     let mut raw_runs = Vec::new();
                     for _ in 0..plan.repeat {
-                        let ours = measure::measure(&conn, endpoint, direction, size, depth, duration).await;
+                        let ours =
+                            measure::measure(&conn, endpoint, direction, (size, plan.payload), depth, duration).await;
                         ours_runs.push(ours.map_err(|e| {
                             Failure::unavailable(anyhow!("{busid} {direction:?} {size} B depth {depth}: {e}"))
                         })?);

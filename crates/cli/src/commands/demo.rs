@@ -62,6 +62,8 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         jitter_ms: 0.0,
         seconds: 0.2,
         repeat: 1,
+        transforms: Vec::new(),
+        payload: usbwire_bench::measure::Payload::Constant,
     };
     let (loopback, loopback_busid) = super::bench::local_loopback().await?;
     let report =

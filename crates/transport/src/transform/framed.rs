@@ -1,0 +1,286 @@
+//! [`TransformedStream`]: an `AsyncRead + AsyncWrite` over another stream
+//! that carries frames through a [`Pipeline`]. Each write becomes one frame
+//! (vectored writes are gathered into one); reads hand out decoded frames in
+//! order, each once its release time has come (the jitter buffer's doing).
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Sleep;
+use tokio_util::io::poll_read_buf;
+
+use super::{Frame, Pipeline, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD, MAX_WIRE_PAYLOAD};
+
+/// Encoded bytes held before `poll_write` pushes back.
+const OUT_HIGH_WATER: usize = 4 * MAX_FRAME_PAYLOAD;
+
+pub struct TransformedStream<S> {
+    inner: S,
+    pipeline: Pipeline,
+    epoch: Instant,
+    /// Encoded frames not yet written to `inner`.
+    out: BytesMut,
+    /// Bytes read from `inner`, not yet a whole frame.
+    raw: BytesMut,
+    /// Decoded frames waiting for their release time.
+    waiting: VecDeque<(Instant, Bytes)>,
+    /// The frame being read out.
+    current: Bytes,
+    timer: Option<Pin<Box<Sleep>>>,
+    inner_eof: bool,
+}
+
+impl<S> TransformedStream<S> {
+    pub fn new(inner: S, pipeline: Pipeline) -> Self {
+        Self {
+            inner,
+            pipeline,
+            epoch: Instant::now(),
+            out: BytesMut::new(),
+            raw: BytesMut::new(),
+            waiting: VecDeque::new(),
+            current: Bytes::new(),
+            timer: None,
+            inner_eof: false,
+        }
+    }
+
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    pub fn transforms(&self) -> Vec<&'static str> {
+        self.pipeline.names()
+    }
+
+    fn encode(&mut self, data: &[u8]) {
+        let mut frame =
+            Frame { flags: 0, sent_at_us: self.epoch.elapsed().as_micros() as u64, payload: BytesMut::from(data) };
+        self.pipeline.encode(&mut frame);
+        self.out.reserve(FRAME_HEADER_LEN + frame.payload.len());
+        self.out.put_u32(frame.payload.len() as u32);
+        self.out.put_u8(frame.flags);
+        self.out.put_u64(frame.sent_at_us);
+        self.out.extend_from_slice(&frame.payload);
+    }
+
+    /// Parses every whole frame in `raw`, decodes it and queues it with its release time.
+    fn decode_available(&mut self) -> io::Result<()> {
+        let arrived = Instant::now();
+        while self.raw.len() >= FRAME_HEADER_LEN {
+            let len = u32::from_be_bytes([self.raw[0], self.raw[1], self.raw[2], self.raw[3]]) as usize;
+            if len > MAX_WIRE_PAYLOAD {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("transform frame of {len} bytes")));
+            }
+            if self.raw.len() < FRAME_HEADER_LEN + len {
+                self.raw.reserve(FRAME_HEADER_LEN + len - self.raw.len());
+                break;
+            }
+            let flags = self.raw[4];
+            let sent_at_us = u64::from_be_bytes(self.raw[5..13].try_into().expect("8 bytes"));
+            self.raw.advance(FRAME_HEADER_LEN);
+            let payload = self.raw.split_to(len);
+            let mut frame = Frame { flags, sent_at_us, payload };
+            self.pipeline.decode(&mut frame)?;
+            let release = self.pipeline.release_at(&frame, arrived);
+            self.waiting.push_back((release, frame.payload.freeze()));
+        }
+        Ok(())
+    }
+}
+
+impl<S: AsyncWrite + Unpin> TransformedStream<S> {
+    /// Writes encoded frames to `inner` until it would block or all are out.
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while !self.out.is_empty() {
+            match Pin::new(&mut self.inner).poll_write(cx, &self.out) {
+                Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                Poll::Ready(Ok(n)) => self.out.advance(n),
+                Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for TransformedStream<S> {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        loop {
+            if !this.current.is_empty() {
+                let n = this.current.len().min(buf.remaining());
+                buf.put_slice(&this.current.split_to(n));
+                return Poll::Ready(Ok(()));
+            }
+            // Take in whatever has arrived, so arrival times are when frames came.
+            while !this.inner_eof {
+                match poll_read_buf(Pin::new(&mut this.inner), cx, &mut this.raw) {
+                    Poll::Ready(Ok(0)) => this.inner_eof = true,
+                    Poll::Ready(Ok(_)) => this.decode_available()?,
+                    Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                    Poll::Pending => break,
+                }
+            }
+            match this.waiting.front() {
+                Some(&(release, _)) if release <= Instant::now() => {
+                    this.current = this.waiting.pop_front().expect("front exists").1;
+                    this.timer = None;
+                }
+                Some(&(release, _)) => {
+                    let deadline = tokio::time::Instant::from_std(release);
+                    let timer = this.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                    timer.as_mut().reset(deadline);
+                    if timer.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                }
+                None if this.inner_eof => {
+                    return if this.raw.is_empty() {
+                        Poll::Ready(Ok(()))
+                    } else {
+                        Poll::Ready(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "stream ended inside a frame")))
+                    };
+                }
+                None => return Poll::Pending,
+            }
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for TransformedStream<S> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.out.len() >= OUT_HIGH_WATER {
+            if let Poll::Ready(Err(error)) = this.poll_drain(cx) {
+                return Poll::Ready(Err(error));
+            }
+            if this.out.len() >= OUT_HIGH_WATER {
+                return Poll::Pending;
+            }
+        }
+        let n = buf.len().min(MAX_FRAME_PAYLOAD);
+        this.encode(&buf[..n]);
+        if let Poll::Ready(Err(error)) = this.poll_drain(cx) {
+            return Poll::Ready(Err(error));
+        }
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        // Gather the slices into one frame (compression wants contiguous input anyway).
+        let mut gathered = Vec::new();
+        for slice in bufs {
+            let room = MAX_FRAME_PAYLOAD - gathered.len();
+            if room == 0 {
+                break;
+            }
+            gathered.extend_from_slice(&slice[..slice.len().min(room)]);
+        }
+        self.poll_write(cx, &gathered)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        match this.poll_drain(cx) {
+            Poll::Ready(Ok(())) => Pin::new(&mut this.inner).poll_flush(cx),
+            other => other,
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        match this.poll_drain(cx) {
+            Poll::Ready(Ok(())) => Pin::new(&mut this.inner).poll_shutdown(cx),
+            other => other,
+        }
+    }
+}
+
+impl<S: std::fmt::Debug> std::fmt::Debug for TransformedStream<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransformedStream").field("inner", &self.inner).field("transforms", &self.transforms()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transform::{Side, TransformSpec};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn pair(
+        specs: &[TransformSpec],
+    ) -> (TransformedStream<tokio::io::DuplexStream>, TransformedStream<tokio::io::DuplexStream>) {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        (
+            TransformedStream::new(a, Pipeline::new(specs, Side::Client)),
+            TransformedStream::new(b, Pipeline::new(specs, Side::Server)),
+        )
+    }
+
+    #[tokio::test]
+    async fn bytes_come_out_as_they_went_in_both_ways() {
+        for specs in [
+            vec![],
+            vec![TransformSpec::Zstd],
+            vec![TransformSpec::Lz4, TransformSpec::Jitter(std::time::Duration::from_millis(5))],
+        ] {
+            let (mut client, mut server) = pair(&specs).await;
+            let compressible = vec![0x5au8; 300_000];
+            let random: Vec<u8> = (0..70_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+            let writer = async {
+                server.write_all(&compressible).await.unwrap();
+                server.write_all(&random).await.unwrap();
+                server.flush().await.unwrap();
+                server.shutdown().await.unwrap();
+                server
+            };
+            let reader = async {
+                let mut got = Vec::new();
+                client.read_to_end(&mut got).await.unwrap();
+                got
+            };
+            let (_server, got) = tokio::join!(writer, reader);
+            assert_eq!(got.len(), compressible.len() + random.len(), "{specs:?}");
+            assert_eq!(&got[..compressible.len()], &compressible[..]);
+            assert_eq!(&got[compressible.len()..], &random[..]);
+            client.write_all(b"and back").await.unwrap();
+            client.flush().await.unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn altered_or_oversized_frames_are_errors_not_data() {
+        let (a, mut raw) = tokio::io::duplex(1 << 16);
+        let mut client = TransformedStream::new(a, Pipeline::new(&[TransformSpec::Zstd], Side::Client));
+        // A frame claiming zstd whose payload is not zstd.
+        let mut frame = BytesMut::new();
+        frame.put_u32(4);
+        frame.put_u8(0x01);
+        frame.put_u64(0);
+        frame.extend_from_slice(b"junk");
+        raw.write_all(&frame).await.unwrap();
+        let mut buf = [0u8; 16];
+        assert!(client.read(&mut buf).await.is_err());
+
+        let (a, mut raw) = tokio::io::duplex(1 << 16);
+        let mut client = TransformedStream::new(a, Pipeline::new(&[], Side::Client));
+        raw.write_all(&[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 0, 0]).await.unwrap();
+        assert!(client.read(&mut buf).await.is_err(), "a 4 GiB frame is refused before allocating");
+    }
+}
