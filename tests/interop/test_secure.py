@@ -25,7 +25,7 @@ check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FA
 wait_path() { i=0; while [ $i -lt 100 ]; do [ -e "$1" ] && return 0; sleep 0.2; i=$((i+1)); done; return 1; }
 usbip --tcp-port __PORT__ list -r 10.0.2.2 > /tmp/plain.out 2>&1
 [ $? != 0 ] && ! grep -q 2-1 /tmp/plain.out; check plain-usbip-refused $? "$(cat /tmp/plain.out)"
-usbwire attach --tls --identity /etc/usbwire -r 10.0.2.2:__PORT__ -b 2-1 > /tmp/relay.out 2>&1 &
+usbwire attach --tls --compress zstd --identity /etc/usbwire -r 10.0.2.2:__PORT__ -b 2-1 > /tmp/relay.out 2>&1 &
 RELAY=$!
 wait_path /sys/block/sda; check tls-disk-appears $? "$(cat /tmp/relay.out)"
 sleep 1
@@ -74,7 +74,7 @@ def main():
             line = g.wait_for(f"@@CHECK {name} ", 150)
             check(f"guest: {name}", " PASS" in line, line)
         line = g.wait_for("@@RELAY-OUT", 30)
-        check("relay said it attached over TLS", "over TLS" in line, line)
+        check("relay said it attached over TLS with zstd", "over TLS with zstd" in line, line)
         check("guest script exit code", g.finish(60) == 0)
         out = subprocess.run(["debugfs", "-R", "cat /secret.txt", image], capture_output=True, text=True)
         check("file written through the TLS relay is in the image", out.stdout.strip() == "through-the-tls-relay", out.stdout + out.stderr)

@@ -207,6 +207,12 @@ pub(crate) struct DemoArgs {
 pub(crate) struct AttachArgs {
     #[command(flatten)]
     pub(crate) device: RemoteDevice,
+    /// Compress the stream (usbwire servers): zstd or lz4; the kernel gets it through a local relay.
+    #[arg(long, value_name = "ALGO", value_parser = ["zstd", "lz4"])]
+    pub(crate) compress: Option<String>,
+    /// Re-time the device's completions to their original spacing, holding them up to MS (usbwire servers).
+    #[arg(long, value_name = "MS")]
+    pub(crate) jitter_buffer: Option<u64>,
 }
 
 #[derive(Args, Debug)]

@@ -24,8 +24,9 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
     // Check vhci before asking the server, so a missing module costs nothing remote.
     vhci::ports().map_err(vhci_failure)?;
     let addr = super::list::resolve(&args.device.remote, args.device.tcp_port).await?;
-    if args.device.security.tls {
-        return attach_through_relay(&args, busid).await;
+    let transforms = super::bench::transforms(args.compress.as_deref(), args.jitter_buffer);
+    if args.device.security.tls || !transforms.is_empty() {
+        return attach_through_relay(&args, busid, &transforms).await;
     }
     let (stream, device) = usbwire_client::import(addr, &busid, &usbwire_client::Security::Plain).await?;
     let usbwire_transport::PeerStream::Plain(tcp) = stream else {
@@ -93,12 +94,16 @@ pub(crate) fn detach(args: DetachArgs) -> Result<(), Failure> {
 /// between the other end and the TLS connection. The relay lives as long as
 /// the attachment: `usbwire detach` (or the device going away) ends both, and
 /// SIGINT/SIGTERM detach the port before exiting.
-async fn attach_through_relay(args: &AttachArgs, busid: BusId) -> Result<(), Failure> {
+async fn attach_through_relay(
+    args: &AttachArgs,
+    busid: BusId,
+    transforms: &[usbwire_client::TransformSpec],
+) -> Result<(), Failure> {
     vhci::ports().map_err(vhci_failure)?;
     let security = super::client_security(&args.device.security)?;
     let addr = super::list::resolve(&args.device.remote, args.device.tcp_port).await?;
     let shutdown = super::shutdown_signal();
-    let (stream, device) = usbwire_client::import(addr, &busid, &security).await?;
+    let (stream, device) = usbwire_client::import_with(addr, &busid, &security, transforms).await?;
     let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair().map_err(|e| Failure::io(e.into()))?;
     let record =
         vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: busid.to_string() };
@@ -107,8 +112,10 @@ async fn attach_through_relay(args: &AttachArgs, busid: BusId) -> Result<(), Fai
     our_end.set_nonblocking(true).map_err(|e| Failure::io(e.into()))?;
     let kernel = tokio::net::UnixStream::from_std(our_end).map_err(|e| Failure::io(e.into()))?;
     println!(
-        "attached {busid} from {addr} to port {port} ({} speed) over TLS; relaying until `usbwire detach -p {port}`",
-        device.speed.for_vhci().name()
+        "attached {busid} from {addr} to port {port} ({} speed){}{}; relaying until `usbwire detach -p {port}`",
+        device.speed.for_vhci().name(),
+        if stream.is_tls() { " over TLS" } else { "" },
+        if transforms.is_empty() { String::new() } else { format!(" with {}", usbwire_client::TransformSpec::list_text(transforms)) }
     );
     tokio::select! {
         result = relay(stream, kernel) => {
