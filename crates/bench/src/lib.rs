@@ -96,4 +96,7 @@ pub struct Record {
     /// Per-URB latency (submit to completion) at this point.
     pub latency_us: Percentiles,
     pub raw_tcp_latency_us: Percentiles,
+    /// With compression negotiated: payload bytes per byte on the wire in this direction.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compression_ratio: Option<f64>,
 }

@@ -55,20 +55,25 @@ pub enum Payload {
     Random,
 }
 
+/// Random bytes enough for 16 MiB of consecutive, never repeated URB payloads.
+const RANDOM_POOL: usize = 16 << 20;
+
 impl Payload {
-    fn bytes(self, size: usize) -> bytes::Bytes {
+    /// A buffer to take OUT payloads from: one URB's worth, or the random pool.
+    fn pool(self, size: usize) -> bytes::Bytes {
         match self {
             Self::Constant => bytes::Bytes::from(vec![0xa5u8; size]),
             Self::Random => {
+                let len = RANDOM_POOL.max(size);
                 let mut state = 0x9e37_79b9_7f4a_7c15u64;
-                let mut data = Vec::with_capacity(size + 8);
-                while data.len() < size {
+                let mut data = Vec::with_capacity(len + 8);
+                while data.len() < len {
                     state ^= state << 13;
                     state ^= state >> 7;
                     state ^= state << 17;
                     data.extend_from_slice(&state.to_le_bytes());
                 }
-                data.truncate(size);
+                data.truncate(len);
                 data.into()
             }
         }
@@ -84,10 +89,18 @@ pub async fn measure(
     depth: usize,
     duration: Duration,
 ) -> Result<Measured, String> {
-    let payload = payload.bytes(size);
-    let transfer = || match direction {
+    let pool = payload.pool(size);
+    let mut at = 0usize;
+    // Consecutive OUT URBs take consecutive slices of the pool (zero-copy).
+    let mut transfer = || match direction {
         Direction::In => Transfer::bulk_in(endpoint, size as u32),
-        Direction::Out => Transfer::bulk_out(endpoint, payload.clone()),
+        Direction::Out => {
+            if at + size > pool.len() {
+                at = 0;
+            }
+            at += size;
+            Transfer::bulk_out(endpoint, pool.slice(at - size..at))
+        }
     };
     let mut in_flight = FuturesUnordered::new();
     let started = Instant::now();

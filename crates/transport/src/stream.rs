@@ -36,6 +36,14 @@ impl PeerStream {
         }
     }
 
+    /// Byte counters of the transforms, if any were negotiated.
+    pub fn transform_stats(&self) -> Option<std::sync::Arc<crate::transform::TransformStats>> {
+        match self {
+            Self::Transformed(s) => Some(s.stats()),
+            _ => None,
+        }
+    }
+
     /// The transforms in use (empty unless negotiated).
     pub fn transforms(&self) -> Vec<&'static str> {
         match self {

@@ -243,6 +243,7 @@ pub(crate) async fn execute(
         let usbwire_addr = via(target).await.map_err(|e| Failure::io(e.into()))?;
         let ideal_addr = via(ideal).await.map_err(|e| Failure::io(e.into()))?;
         let (stream, record) = usbwire_client::import_with(usbwire_addr, busid, security, &plan.transforms).await?;
+        let wire = stream.transform_stats();
         let conn = Connection::new(stream, &record);
         let found = measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
         let source = endpoints.0.or(found.source);
@@ -265,6 +266,7 @@ pub(crate) async fn execute(
                     // small machine a single run is at the mercy of the scheduler.
                     let mut ours_runs = Vec::new();
                     let mut raw_runs = Vec::new();
+                    let before = wire.as_deref().map(counters);
                     for _ in 0..plan.repeat {
                         let ours =
                             measure::measure(&conn, endpoint, direction, (size, plan.payload), depth, duration).await;
@@ -276,6 +278,14 @@ pub(crate) async fn execute(
                     }
                     let ours = median(ours_runs);
                     let raw = median(raw_runs);
+                    let compression_ratio = before.zip(wire.as_deref().map(counters)).map(|(a, b)| {
+                        // [plain sent, wire sent, wire received, plain received]
+                        let delta = |i: usize| (b[i] - a[i]) as f64;
+                        match direction {
+                            Direction::Out => delta(0) / delta(1).max(1.0),
+                            Direction::In => delta(3) / delta(2).max(1.0),
+                        }
+                    });
                     if depth == 1 {
                         depth_one.push((size, 1.0 / ours.urbs_per_s.max(1e-9)));
                         if size == smallest {
@@ -299,6 +309,7 @@ pub(crate) async fn execute(
                         urbs_per_s: ours.urbs_per_s,
                         latency_us: ours.latency,
                         raw_tcp_latency_us: raw.latency,
+                        compression_ratio,
                     });
                     bar.inc(1);
                 }
@@ -335,13 +346,13 @@ impl Report {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:>6} {:>4} {:>9} {:>5} {:>10} {:>10} {:>6} {:>9} {:>9}",
-            "rtt_ms", "dir", "urb_size", "depth", "MiB/s", "raw MiB/s", "ratio", "p50 us", "raw p50"
+            "{:>6} {:>4} {:>9} {:>5} {:>10} {:>10} {:>6} {:>9} {:>9} {:>9}",
+            "rtt_ms", "dir", "urb_size", "depth", "MiB/s", "raw MiB/s", "ratio", "p50 us", "raw p50", "compress"
         );
         for r in &self.records {
             let _ = writeln!(
                 out,
-                "{:>6} {:>4} {:>9} {:>5} {:>10.1} {:>10.1} {:>6.2} {:>9.0} {:>9.0}",
+                "{:>6} {:>4} {:>9} {:>5} {:>10.1} {:>10.1} {:>6.2} {:>9.0} {:>9.0} {:>9}",
                 r.rtt_ms,
                 format!("{:?}", r.direction).to_lowercase(),
                 r.urb_size,
@@ -350,7 +361,8 @@ impl Report {
                 r.raw_tcp_mib_per_s,
                 r.ratio_to_raw_tcp,
                 r.latency_us.p50,
-                r.raw_tcp_latency_us.p50
+                r.raw_tcp_latency_us.p50,
+                r.compression_ratio.map_or("-".to_owned(), |c| format!("{c:.1}x"))
             );
         }
         for (rtt_ms, direction, fit) in &self.fits {
@@ -365,6 +377,16 @@ impl Report {
         }
         out
     }
+}
+
+fn counters(stats: &usbwire_transport::transform::TransformStats) -> [u64; 4] {
+    use std::sync::atomic::Ordering::Relaxed;
+    [
+        stats.plain_sent.load(Relaxed),
+        stats.wire_sent.load(Relaxed),
+        stats.wire_received.load(Relaxed),
+        stats.plain_received.load(Relaxed),
+    ]
 }
 
 /// The run with the median throughput.

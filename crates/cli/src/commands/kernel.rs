@@ -115,7 +115,11 @@ async fn attach_through_relay(
         "attached {busid} from {addr} to port {port} ({} speed){}{}; relaying until `usbwire detach -p {port}`",
         device.speed.for_vhci().name(),
         if stream.is_tls() { " over TLS" } else { "" },
-        if transforms.is_empty() { String::new() } else { format!(" with {}", usbwire_client::TransformSpec::list_text(transforms)) }
+        if transforms.is_empty() {
+            String::new()
+        } else {
+            format!(" with {}", usbwire_client::TransformSpec::list_text(transforms))
+        }
     );
     tokio::select! {
         result = relay(stream, kernel) => {

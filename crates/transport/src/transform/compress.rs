@@ -11,6 +11,8 @@ use super::{Frame, Transform, MAX_FRAME_PAYLOAD};
 
 /// Frames smaller than this are not worth compressing.
 const MIN_COMPRESS: usize = 256;
+/// Bytes tried first on a large frame.
+const PROBE: usize = 4096;
 
 /// A compression algorithm.
 pub trait Codec: Send + 'static {
@@ -80,6 +82,14 @@ impl<C: Codec> Transform for Compression<C> {
     fn encode(&mut self, frame: &mut Frame) {
         if frame.payload.len() < MIN_COMPRESS {
             return;
+        }
+        // A large frame is probed by its first 4 KiB: incompressible data then
+        // costs a small attempt per frame, not a full one.
+        if frame.payload.len() > 4 * PROBE {
+            let probe = &frame.payload[..PROBE];
+            if self.codec.compress(probe).is_none_or(|c| c.len() + PROBE / 16 >= PROBE) {
+                return;
+            }
         }
         if let Some(compressed) = self.codec.compress(&frame.payload) {
             // Worth it only if it saves at least 1/16.

@@ -7,6 +7,8 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -20,12 +22,38 @@ use super::{Frame, Pipeline, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD, MAX_WIRE_PAYLO
 /// Encoded bytes held before `poll_write` pushes back.
 const OUT_HIGH_WATER: usize = 4 * MAX_FRAME_PAYLOAD;
 
+/// Bytes before and after the transforms, both ways (shared with whoever asked).
+#[derive(Debug, Default)]
+pub struct TransformStats {
+    pub plain_sent: AtomicU64,
+    pub wire_sent: AtomicU64,
+    pub wire_received: AtomicU64,
+    pub plain_received: AtomicU64,
+}
+
+impl TransformStats {
+    /// Plain bytes per wire byte, sent and received (1.0 when nothing moved).
+    pub fn ratios(&self) -> (f64, f64) {
+        let ratio = |plain: &AtomicU64, wire: &AtomicU64| {
+            let wire = wire.load(Ordering::Relaxed);
+            if wire == 0 {
+                1.0
+            } else {
+                plain.load(Ordering::Relaxed) as f64 / wire as f64
+            }
+        };
+        (ratio(&self.plain_sent, &self.wire_sent), ratio(&self.plain_received, &self.wire_received))
+    }
+}
+
 pub struct TransformedStream<S> {
     inner: S,
+    stats: Arc<TransformStats>,
     pipeline: Pipeline,
     epoch: Instant,
-    /// Encoded frames not yet written to `inner`.
-    out: BytesMut,
+    /// Encoded frames (headers and payloads, uncopied) not yet written to `inner`.
+    out: VecDeque<Bytes>,
+    out_len: usize,
     /// Bytes read from `inner`, not yet a whole frame.
     raw: BytesMut,
     /// Decoded frames waiting for their release time.
@@ -40,9 +68,11 @@ impl<S> TransformedStream<S> {
     pub fn new(inner: S, pipeline: Pipeline) -> Self {
         Self {
             inner,
+            stats: Arc::default(),
             pipeline,
             epoch: Instant::now(),
-            out: BytesMut::new(),
+            out: VecDeque::new(),
+            out_len: 0,
             raw: BytesMut::new(),
             waiting: VecDeque::new(),
             current: Bytes::new(),
@@ -59,15 +89,24 @@ impl<S> TransformedStream<S> {
         self.pipeline.names()
     }
 
-    fn encode(&mut self, data: &[u8]) {
-        let mut frame =
-            Frame { flags: 0, sent_at_us: self.epoch.elapsed().as_micros() as u64, payload: BytesMut::from(data) };
+    /// Byte counters, live for as long as the caller keeps them.
+    pub fn stats(&self) -> Arc<TransformStats> {
+        self.stats.clone()
+    }
+
+    fn encode(&mut self, payload: BytesMut) {
+        let plain_len = payload.len();
+        let mut frame = Frame { flags: 0, sent_at_us: self.epoch.elapsed().as_micros() as u64, payload };
         self.pipeline.encode(&mut frame);
-        self.out.reserve(FRAME_HEADER_LEN + frame.payload.len());
-        self.out.put_u32(frame.payload.len() as u32);
-        self.out.put_u8(frame.flags);
-        self.out.put_u64(frame.sent_at_us);
-        self.out.extend_from_slice(&frame.payload);
+        self.stats.plain_sent.fetch_add(plain_len as u64, Ordering::Relaxed);
+        self.stats.wire_sent.fetch_add((FRAME_HEADER_LEN + frame.payload.len()) as u64, Ordering::Relaxed);
+        let mut header = BytesMut::with_capacity(FRAME_HEADER_LEN);
+        header.put_u32(frame.payload.len() as u32);
+        header.put_u8(frame.flags);
+        header.put_u64(frame.sent_at_us);
+        self.out_len += FRAME_HEADER_LEN + frame.payload.len();
+        self.out.push_back(header.freeze());
+        self.out.push_back(frame.payload.freeze());
     }
 
     /// Parses every whole frame in `raw`, decodes it and queues it with its release time.
@@ -87,7 +126,9 @@ impl<S> TransformedStream<S> {
             self.raw.advance(FRAME_HEADER_LEN);
             let payload = self.raw.split_to(len);
             let mut frame = Frame { flags, sent_at_us, payload };
+            self.stats.wire_received.fetch_add((FRAME_HEADER_LEN + len) as u64, Ordering::Relaxed);
             self.pipeline.decode(&mut frame)?;
+            self.stats.plain_received.fetch_add(frame.payload.len() as u64, Ordering::Relaxed);
             let release = self.pipeline.release_at(&frame, arrived);
             self.waiting.push_back((release, frame.payload.freeze()));
         }
@@ -98,10 +139,27 @@ impl<S> TransformedStream<S> {
 impl<S: AsyncWrite + Unpin> TransformedStream<S> {
     /// Writes encoded frames to `inner` until it would block or all are out.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        while !self.out.is_empty() {
-            match Pin::new(&mut self.inner).poll_write(cx, &self.out) {
+        while self.out_len > 0 {
+            let slices: Vec<io::IoSlice<'_>> =
+                self.out.iter().take(64).filter(|b| !b.is_empty()).map(|b| io::IoSlice::new(b)).collect();
+            match Pin::new(&mut self.inner).poll_write_vectored(cx, &slices) {
                 Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
-                Poll::Ready(Ok(n)) => self.out.advance(n),
+                Poll::Ready(Ok(mut n)) => {
+                    self.out_len -= n;
+                    while n > 0 {
+                        let front = self.out.front_mut().expect("written bytes were queued");
+                        if front.len() <= n {
+                            n -= front.len();
+                            self.out.pop_front();
+                        } else {
+                            front.advance(n);
+                            n = 0;
+                        }
+                    }
+                    while self.out.front().is_some_and(Bytes::is_empty) {
+                        self.out.pop_front();
+                    }
+                }
                 Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
                 Poll::Pending => return Poll::Pending,
             }
@@ -156,21 +214,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for TransformedStream<S> {
 
 impl<S: AsyncWrite + Unpin> AsyncWrite for TransformedStream<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        if this.out.len() >= OUT_HIGH_WATER {
-            if let Poll::Ready(Err(error)) = this.poll_drain(cx) {
-                return Poll::Ready(Err(error));
-            }
-            if this.out.len() >= OUT_HIGH_WATER {
-                return Poll::Pending;
-            }
-        }
-        let n = buf.len().min(MAX_FRAME_PAYLOAD);
-        this.encode(&buf[..n]);
-        if let Poll::Ready(Err(error)) = this.poll_drain(cx) {
-            return Poll::Ready(Err(error));
-        }
-        Poll::Ready(Ok(n))
+        self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
     }
 
     fn poll_write_vectored(
@@ -178,16 +222,30 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for TransformedStream<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        // Gather the slices into one frame (compression wants contiguous input anyway).
-        let mut gathered = Vec::new();
+        let this = self.get_mut();
+        if this.out_len >= OUT_HIGH_WATER {
+            if let Poll::Ready(Err(error)) = this.poll_drain(cx) {
+                return Poll::Ready(Err(error));
+            }
+            if this.out_len >= OUT_HIGH_WATER {
+                return Poll::Pending;
+            }
+        }
+        // Gather the slices into one frame (compression wants contiguous input anyway): the one copy.
+        let total: usize = bufs.iter().map(|b| b.len()).sum::<usize>().min(MAX_FRAME_PAYLOAD);
+        let mut gathered = BytesMut::with_capacity(total);
         for slice in bufs {
-            let room = MAX_FRAME_PAYLOAD - gathered.len();
+            let room = total - gathered.len();
             if room == 0 {
                 break;
             }
             gathered.extend_from_slice(&slice[..slice.len().min(room)]);
         }
-        self.poll_write(cx, &gathered)
+        this.encode(gathered);
+        if let Poll::Ready(Err(error)) = this.poll_drain(cx) {
+            return Poll::Ready(Err(error));
+        }
+        Poll::Ready(Ok(total))
     }
 
     fn is_write_vectored(&self) -> bool {

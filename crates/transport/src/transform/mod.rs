@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 
 pub use compress::{Compression, Lz4, Zstd};
-pub use framed::TransformedStream;
+pub use framed::{TransformStats, TransformedStream};
 pub use jitter::JitterBuffer;
 
 /// Frame header length.
