@@ -296,9 +296,9 @@ async fn op_phase_rejects_garbage_and_urbs_to_missing_endpoints_stall() {
         assert!(read_to_end_within(&mut stream).await.is_empty());
     }
     let conn = configured(addr, "1-1").await;
-    let ret = conn.transfer(Transfer::bulk_in(0x85, 64)).await.unwrap();
+    let ret = conn.transfer(Transfer::bulk_in(0x86, 64)).await.unwrap();
     assert_eq!(ret.status, Status::EPIPE);
-    assert_eq!(conn.transfer_checked(Transfer::bulk_in(0x85, 64)).await, Err(usbwire_client::TransferError::Stall));
+    assert_eq!(conn.transfer_checked(Transfer::bulk_in(0x86, 64)).await, Err(usbwire_client::TransferError::Stall));
     assert_eq!(conn.transfer(Transfer::bulk_in(0x81, 10)).await.unwrap().actual_length, 10);
 }
 
