@@ -322,6 +322,27 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Whatever a peer sends, the decoder yields frames or an error, never a panic,
+        /// and never a payload larger than a frame may be.
+        #[test]
+        fn arbitrary_bytes_never_panic(raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..4096), pick in 0u8..3) {
+            let specs = match pick {
+                0 => vec![],
+                1 => vec![TransformSpec::Zstd, TransformSpec::Jitter(std::time::Duration::from_millis(5))],
+                _ => vec![TransformSpec::Lz4],
+            };
+            let (a, _b) = tokio::io::duplex(16);
+            let mut stream = TransformedStream::new(a, Pipeline::new(&specs, Side::Client));
+            stream.raw.extend_from_slice(&raw);
+            let result = stream.decode_available();
+            for (_, payload) in &stream.waiting {
+                proptest::prop_assert!(payload.len() <= MAX_FRAME_PAYLOAD);
+            }
+            let _ = result;
+        }
+    }
+
     #[tokio::test]
     async fn altered_or_oversized_frames_are_errors_not_data() {
         let (a, mut raw) = tokio::io::duplex(1 << 16);
