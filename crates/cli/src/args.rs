@@ -70,9 +70,13 @@ pub(crate) struct ServeArgs {
     /// With --tls: accept plain USB/IP from `never`, `loopback` (default) or `always`.
     #[arg(long, value_name = "WHO")]
     pub(crate) allow_plain: Option<String>,
-    /// With --tls: let the client with this fingerprint use every device (repeatable; finer rules go in --config).
+    /// With --tls: let the client with this fingerprint (or `ca:NAME`, issued by --ca) use every device
+    /// (repeatable; finer rules go in --config).
     #[arg(long = "allow", value_name = "FINGERPRINT")]
     pub(crate) allow: Vec<String>,
+    /// With --tls: trust client identities issued by this private CA (its directory or ca.crt).
+    #[arg(long = "ca", value_name = "PATH")]
+    pub(crate) ca: Option<PathBuf>,
     /// A virtual device: keyboard, mouse, disk=PATH[,size=64M][,ro][,speed=super], serial[=LINK], loopback[,speed=super]. Repeatable.
     #[arg(long = "virtual", value_name = "SPEC")]
     pub(crate) virtual_devices: Vec<String>,
@@ -245,6 +249,18 @@ pub(crate) struct IdentityArgs {
     /// Create the identity if there is none.
     #[arg(long)]
     pub(crate) create: bool,
+    /// Create a private CA named NAME in --dir (ca.crt, ca.key): servers trust it with --ca.
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["create", "ca_issue"])]
+    pub(crate) ca_create: Option<String>,
+    /// Issue a client identity for NAME from the CA in --ca into --dir; servers admit it with `--allow ca:NAME`.
+    #[arg(long, value_name = "NAME", requires = "ca")]
+    pub(crate) ca_issue: Option<String>,
+    /// The CA directory for --ca-issue.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) ca: Option<PathBuf>,
+    /// Days an issued identity stays valid.
+    #[arg(long, default_value_t = 365)]
+    pub(crate) days: i64,
     #[arg(long)]
     pub(crate) json: bool,
 }

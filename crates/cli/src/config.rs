@@ -191,6 +191,8 @@ pub(crate) struct FileConfig {
     pub(crate) identity: Option<PathBuf>,
     /// `never`, `loopback` or `always`.
     pub(crate) allow_plain: Option<String>,
+    /// A private CA whose client identities `client = "ca:NAME"` rules admit.
+    pub(crate) ca: Option<PathBuf>,
     /// Access rules: `[[allow]] client = "sha256:…" devices = ["1-1", "disk", "*"]`.
     #[serde(default)]
     pub(crate) allow: Vec<usbwire_transport::access::Rule>,

@@ -147,6 +147,7 @@ pub(crate) async fn handle(
 fn identity(client: &ClientId) -> Option<String> {
     match client {
         ClientId::Certificate(fingerprint) => Some(fingerprint.to_string()),
+        ClientId::CaIssued { .. } => Some(client.to_string()),
         ClientId::Plain => None,
     }
 }
@@ -194,7 +195,20 @@ async fn secure(tcp: TcpStream, peer: SocketAddr, config: &ServerConfig) -> Opti
         }
     };
     let fingerprint = usbwire_transport::tls::client_fingerprint(stream.get_ref().1)?;
-    let client = ClientId::Certificate(fingerprint);
+    let client = match (&security.ca, stream.get_ref().1.peer_certificates().and_then(|c| c.first())) {
+        // A certificate the CA issued, for a name some rule admits.
+        (Some(ca), Some(leaf)) => security
+            .access
+            .rules
+            .iter()
+            .filter_map(|rule| rule.ca_name())
+            .find(|name| ca.vouches_for(leaf, name))
+            .map_or(ClientId::Certificate(fingerprint), |name| ClientId::CaIssued {
+                fingerprint,
+                name: name.to_owned(),
+            }),
+        _ => ClientId::Certificate(fingerprint),
+    };
     if !security.access.knows(&client) {
         warn!(%client, "unknown client identity refused (add it to an [[allow]] rule to admit it)");
         return None;

@@ -75,12 +75,14 @@ pub struct Security {
     /// Which client sees and imports which device. Plain clients are matched by
     /// `client = "plain"` rules, or see everything when no rule names them.
     pub access: AccessRules,
+    /// A private CA whose client certificates `client = "ca:NAME"` rules admit.
+    pub ca: Option<usbwire_transport::ca::TrustedCa>,
 }
 
 impl Default for Security {
     /// Plain USB/IP for everyone, as usbipd does.
     fn default() -> Self {
-        Self { tls: None, plain: PlainPolicy::Always, access: AccessRules::open() }
+        Self { tls: None, plain: PlainPolicy::Always, access: AccessRules::open(), ca: None }
     }
 }
 

@@ -32,14 +32,23 @@ fn scratch(name: &str) -> std::path::PathBuf {
 
 /// A TLS server exporting three devices; Alice may use only 1-1.
 async fn start(plain: PlainPolicy) -> Setup {
+    start_with_ca(plain, None).await
+}
+
+/// The same, also trusting `ca` for `ca:bob` on 1-2.
+async fn start_with_ca(plain: PlainPolicy, ca: Option<usbwire_transport::ca::TrustedCa>) -> Setup {
     let server = Identity::generate("server").unwrap();
     let alice = Identity::generate("alice").unwrap();
     let security = ServerSecurity {
         tls: Some(usbwire_transport::tls::server_config(&server).unwrap()),
         plain,
         access: AccessRules {
-            rules: vec![Rule { client: alice.fingerprint().to_string(), devices: vec!["1-1".into()] }],
+            rules: vec![
+                Rule { client: alice.fingerprint().to_string(), devices: vec!["1-1".into()] },
+                Rule { client: "ca:bob".into(), devices: vec!["1-2".into()] },
+            ],
         },
+        ca,
     };
     let config = ServerConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
@@ -242,4 +251,39 @@ async fn asking_a_stock_server_for_transforms_is_a_clear_error() {
         Err(ClientError::NoTransforms { .. }) => {}
         other => panic!("expected NoTransforms, got {:?}", other.map(|(_, r)| r)),
     }
+}
+
+#[tokio::test]
+async fn a_private_ca_admits_the_names_it_issued_and_nothing_else() {
+    use usbwire_transport::ca::{CertificateAuthority, TrustedCa};
+    let ca_dir = scratch("fleet-ca");
+    let ca = CertificateAuthority::create(&ca_dir, "fleet").unwrap();
+    let setup = start_with_ca(PlainPolicy::Never, Some(TrustedCa::load(&ca_dir).unwrap())).await;
+    let client = |identity: &Identity, name: &str| tls(identity, pinned(&setup, setup.addr, name), false);
+
+    let bob = ca.issue("bob", 30).unwrap();
+    let devices = usbwire_client::list_devices(setup.addr, &client(&bob, "bob-known")).await.unwrap();
+    assert_eq!(devices.iter().map(|d| d.busid.as_str()).collect::<Vec<_>>(), ["1-2"], "bob sees only his device");
+    let (_stream, _) =
+        usbwire_client::import(setup.addr, &BusId::new("1-2").unwrap(), &client(&bob, "bob-import")).await.unwrap();
+    let states = usbwire_client::device_states(setup.addr, &client(&bob, "bob-state")).await.unwrap().unwrap();
+    assert!(states[0].identity.as_deref().unwrap().starts_with("ca:bob"), "{states:?}");
+
+    let refused = |result: &Result<Vec<usbwire_proto::op::DeviceRecord>, ClientError>| {
+        matches!(result, Err(ClientError::ClosedWithoutAnswer { .. }) | Err(ClientError::Io(_)))
+    };
+    // Issued by the CA, but for a name no rule admits.
+    let eve = ca.issue("eve", 30).unwrap();
+    let result = usbwire_client::list_devices(setup.addr, &client(&eve, "eve-known")).await;
+    assert!(refused(&result), "{result:?}");
+    // Named bob, but by another CA.
+    let other = CertificateAuthority::create(&scratch("other-ca"), "other").unwrap();
+    let fake_bob = other.issue("bob", 30).unwrap();
+    let result = usbwire_client::list_devices(setup.addr, &client(&fake_bob, "fake-known")).await;
+    assert!(refused(&result), "{result:?}");
+    // Bob's certificate, expired.
+    let now = time::OffsetDateTime::now_utc();
+    let old_bob = ca.issue_valid("bob", now - time::Duration::days(30), now - time::Duration::days(1)).unwrap();
+    let result = usbwire_client::list_devices(setup.addr, &client(&old_bob, "old-known")).await;
+    assert!(refused(&result), "{result:?}");
 }

@@ -17,10 +17,13 @@ use serde::Deserialize;
 use crate::Fingerprint;
 
 /// Who is asking.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ClientId {
     /// A TLS client with this certificate fingerprint.
     Certificate(Fingerprint),
+    /// A TLS client whose certificate the server's CA issued for `name`
+    /// (matched by `client = "ca:NAME"` rules, and by its fingerprint too).
+    CaIssued { fingerprint: Fingerprint, name: String },
     /// A plain USB/IP client (admitted by the plain-connection policy).
     Plain,
 }
@@ -29,6 +32,7 @@ impl std::fmt::Display for ClientId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Certificate(fp) => fp.fmt(f),
+            Self::CaIssued { fingerprint, name } => write!(f, "ca:{name} ({fingerprint})"),
             Self::Plain => f.write_str("plain"),
         }
     }
@@ -40,6 +44,27 @@ impl std::fmt::Display for ClientId {
 pub struct Rule {
     pub client: String,
     pub devices: Vec<String>,
+}
+
+impl Rule {
+    /// Whether this rule's `client` names `client`.
+    fn names(&self, client: &ClientId) -> bool {
+        let by_fingerprint = |fp: &Fingerprint| {
+            self.client == "*" || self.client.parse::<Fingerprint>().is_ok_and(|wanted| wanted == *fp)
+        };
+        match client {
+            ClientId::Plain => self.client == "plain",
+            ClientId::Certificate(fp) => by_fingerprint(fp),
+            ClientId::CaIssued { fingerprint, name } => {
+                by_fingerprint(fingerprint) || self.client.strip_prefix("ca:") == Some(name.as_str())
+            }
+        }
+    }
+
+    /// The CA-issued name this rule admits (`client = "ca:NAME"`).
+    pub fn ca_name(&self) -> Option<&str> {
+        self.client.strip_prefix("ca:").filter(|n| !n.is_empty())
+    }
 }
 
 /// The rules, in order.
@@ -61,25 +86,14 @@ impl AccessRules {
 
     /// Whether `client` may see and import the device `busid` of kind `kind`.
     pub fn allows(&self, client: &ClientId, busid: &str, kind: &str) -> bool {
-        self.rules.iter().any(|rule| {
-            let client_matches = match client {
-                ClientId::Plain => rule.client == "plain",
-                ClientId::Certificate(fp) => {
-                    rule.client == "*" || rule.client.parse::<Fingerprint>().is_ok_and(|wanted| wanted == *fp)
-                }
-            };
-            client_matches && rule.devices.iter().any(|d| d == "*" || d == busid || d == kind)
-        })
+        self.rules
+            .iter()
+            .any(|rule| rule.names(client) && rule.devices.iter().any(|d| d == "*" || d == busid || d == kind))
     }
 
     /// Whether `client` is named by any rule at all (an unknown client is refused outright).
     pub fn knows(&self, client: &ClientId) -> bool {
-        self.rules.iter().any(|rule| match client {
-            ClientId::Plain => rule.client == "plain",
-            ClientId::Certificate(fp) => {
-                rule.client == "*" || rule.client.parse::<Fingerprint>().is_ok_and(|w| w == *fp)
-            }
-        })
+        self.rules.iter().any(|rule| rule.names(client))
     }
 
     /// Fingerprints that fail to parse, for a configuration error at startup.
@@ -87,7 +101,12 @@ impl AccessRules {
         self.rules
             .iter()
             .map(|r| &r.client)
-            .filter(|c| *c != "*" && *c != "plain" && c.parse::<Fingerprint>().is_err())
+            .filter(|c| {
+                *c != "*"
+                    && *c != "plain"
+                    && c.parse::<Fingerprint>().is_err()
+                    && c.strip_prefix("ca:").is_none_or(str::is_empty)
+            })
             .cloned()
             .collect()
     }

@@ -117,6 +117,26 @@ impl Identity {
         Fingerprint::of(&self.certificate)
     }
 
+    /// The certificate presented to peers.
+    pub fn certificate(&self) -> &CertificateDer<'static> {
+        &self.certificate
+    }
+
+    /// An identity from a certificate issued elsewhere (a CA) and its key pair.
+    pub(crate) fn from_parts(
+        certificate: CertificateDer<'static>,
+        certificate_pem: &str,
+        key_pair: &rcgen::KeyPair,
+    ) -> Result<Self, IdentityError> {
+        Ok(Self {
+            certificate,
+            key: PrivateKeyDer::try_from(key_pair.serialize_der())
+                .map_err(|e| IdentityError::Generate(e.to_string()))?,
+            certificate_pem: certificate_pem.to_owned(),
+            key_pem: key_pair.serialize_pem(),
+        })
+    }
+
     /// Loads `identity.crt` and `identity.key` from `dir`.
     pub fn load(dir: &Path) -> Result<Self, IdentityError> {
         let cert_path = dir.join(CERT_FILE);
@@ -206,9 +226,7 @@ mod tests {
     use super::*;
 
     fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("usbwire-identity-{}-{name}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        dir
+        crate::scratch_dir(&format!("identity-{name}"))
     }
 
     #[test]

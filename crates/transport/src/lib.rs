@@ -16,6 +16,7 @@
 //! deciding policy (the server's configuration does).
 
 pub mod access;
+pub mod ca;
 pub mod identity;
 pub mod known_servers;
 mod stream;
@@ -28,3 +29,11 @@ pub use stream::PeerStream;
 /// The first byte of a TLS handshake record (content type 22). A plain USB/IP
 /// request starts with its version's high byte, 0x01.
 pub const TLS_HANDSHAKE_BYTE: u8 = 0x16;
+
+/// A fresh, empty directory for one unit test (removed first if a previous run left it).
+#[cfg(test)]
+pub(crate) fn scratch_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("usbwire-transport-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}

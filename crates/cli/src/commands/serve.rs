@@ -241,12 +241,19 @@ fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
     let invalid = access.invalid_clients();
     if !invalid.is_empty() {
         return Err(Failure::config(anyhow::anyhow!(
-            "not fingerprints: {} (use the sha256:… that `usbwire identity` prints on the client)",
+            "not fingerprints or ca:NAME: {} (use the sha256:… that `usbwire identity` prints on the client)",
             invalid.join(", ")
         )));
     }
     if access.rules.is_empty() {
         eprintln!("usbwire: no client is allowed yet: add --allow FINGERPRINT (from `usbwire identity` on the client)");
     }
-    Ok(Security { tls: Some(tls), plain, access })
+    let ca = match args.ca.as_ref().or(file.ca.as_ref()) {
+        Some(path) => Some(usbwire_transport::ca::TrustedCa::load(path).map_err(|e| Failure::config(e.into()))?),
+        None => None,
+    };
+    if ca.is_none() && access.rules.iter().any(|r| r.ca_name().is_some()) {
+        return Err(Failure::config(anyhow::anyhow!("ca:NAME rules need the CA: pass --ca PATH (or ca = \"PATH\")")));
+    }
+    Ok(Security { tls: Some(tls), plain, access, ca })
 }

@@ -1,0 +1,199 @@
+//! A private certificate authority for fleets: one CA key signs client
+//! identities that carry a name, and a server that trusts the CA admits any
+//! client it issued for a name its `[[allow]]` rules mention (`ca:NAME`),
+//! with no per-client fingerprint to collect. Issued certificates expire
+//! (`days`); an expired, foreign or misnamed one is refused like an unknown key.
+
+use std::fs;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+
+use crate::identity::{Identity, IdentityError};
+
+const CA_CERT_FILE: &str = "ca.crt";
+const CA_KEY_FILE: &str = "ca.key";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CaError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("no CA in {0} (create one with `usbwire identity --ca-create --dir DIR`)")]
+    Missing(PathBuf),
+    #[error("{path} is not a {what}")]
+    Malformed { path: PathBuf, what: &'static str },
+    #[error("{path} is readable by others (mode {mode:o}): chmod 600 it")]
+    KeyTooOpen { path: PathBuf, mode: u32 },
+    #[error("certificate generation failed: {0}")]
+    Generate(String),
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
+}
+
+fn generate_error(error: impl std::fmt::Display) -> CaError {
+    CaError::Generate(error.to_string())
+}
+
+/// The CA's own parameters, rebuilt the same way each time so a loaded CA
+/// signs with the subject its stored certificate carries.
+fn ca_params(name: &str) -> Result<rcgen::CertificateParams, CaError> {
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(generate_error)?;
+    params.distinguished_name.push(rcgen::DnType::CommonName, format!("usbwire CA {name}"));
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
+    Ok(params)
+}
+
+/// A CA able to issue client identities.
+pub struct CertificateAuthority {
+    name: String,
+    key: rcgen::KeyPair,
+    certificate: rcgen::Certificate,
+}
+
+impl CertificateAuthority {
+    /// Creates a CA named `name` and writes `ca.crt` (0644) and `ca.key` (0600) into `dir`.
+    pub fn create(dir: &Path, name: &str) -> Result<Self, CaError> {
+        let key = rcgen::KeyPair::generate().map_err(generate_error)?;
+        let certificate = ca_params(name)?.self_signed(&key).map_err(generate_error)?;
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| CaError::Io { path, source }
+        };
+        fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(io(dir))?;
+        let key_path = dir.join(CA_KEY_FILE);
+        let mut file = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&key_path)
+            .map_err(io(&key_path))?;
+        file.set_permissions(fs::Permissions::from_mode(0o600)).map_err(io(&key_path))?;
+        std::io::Write::write_all(&mut file, format!("# usbwire CA {name}\n{}", key.serialize_pem()).as_bytes())
+            .map_err(io(&key_path))?;
+        let cert_path = dir.join(CA_CERT_FILE);
+        fs::write(&cert_path, certificate.pem()).map_err(io(&cert_path))?;
+        Ok(Self { name: name.to_owned(), key, certificate })
+    }
+
+    /// Loads the CA in `dir` (its key must be 0600).
+    pub fn load(dir: &Path) -> Result<Self, CaError> {
+        let key_path = dir.join(CA_KEY_FILE);
+        let text = fs::read_to_string(&key_path).map_err(|_| CaError::Missing(dir.to_path_buf()))?;
+        let mode = fs::metadata(&key_path).map(|m| m.permissions().mode() & 0o777).unwrap_or(0);
+        if mode & 0o077 != 0 {
+            return Err(CaError::KeyTooOpen { path: key_path, mode });
+        }
+        let name = text.lines().next().and_then(|l| l.strip_prefix("# usbwire CA ")).unwrap_or("usbwire").to_owned();
+        let key = rcgen::KeyPair::from_pem(&text)
+            .map_err(|_| CaError::Malformed { path: key_path.clone(), what: "PEM private key" })?;
+        let certificate = ca_params(&name)?.self_signed(&key).map_err(generate_error)?;
+        Ok(Self { name, key, certificate })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Issues a client identity for `name`, valid from yesterday for `days` days.
+    pub fn issue(&self, name: &str, days: i64) -> Result<Identity, CaError> {
+        let now = time::OffsetDateTime::now_utc();
+        self.issue_valid(name, now - time::Duration::days(1), now + time::Duration::days(days))
+    }
+
+    /// Issues a client identity for `name` valid between the two times.
+    pub fn issue_valid(
+        &self,
+        name: &str,
+        not_before: time::OffsetDateTime,
+        not_after: time::OffsetDateTime,
+    ) -> Result<Identity, CaError> {
+        let key = rcgen::KeyPair::generate().map_err(generate_error)?;
+        let mut params = rcgen::CertificateParams::new(vec![name.to_owned()]).map_err(generate_error)?;
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        params.not_before = not_before;
+        params.not_after = not_after;
+        let certificate = params.signed_by(&key, &self.certificate, &self.key).map_err(generate_error)?;
+        Ok(Identity::from_parts(certificate.der().clone(), &certificate.pem(), &key)?)
+    }
+}
+
+/// A CA certificate a server trusts for client identities.
+#[derive(Clone, Debug)]
+pub struct TrustedCa {
+    certificate: CertificateDer<'static>,
+}
+
+impl TrustedCa {
+    /// Loads `ca.crt` (a directory holding it, or the file itself).
+    pub fn load(path: &Path) -> Result<Self, CaError> {
+        let file = if path.is_dir() { path.join(CA_CERT_FILE) } else { path.to_path_buf() };
+        let pem = fs::read(&file).map_err(|source| CaError::Io { path: file.clone(), source })?;
+        let certificate = CertificateDer::from_pem_slice(&pem)
+            .map_err(|_| CaError::Malformed { path: file, what: "PEM certificate" })?;
+        Ok(Self { certificate })
+    }
+
+    /// Whether `leaf` was issued by this CA for `name`, is for client
+    /// authentication and is valid now.
+    pub fn vouches_for(&self, leaf: &CertificateDer<'_>, name: &str) -> bool {
+        let Ok(anchor) = webpki::anchor_from_trusted_cert(&self.certificate) else { return false };
+        let Ok(end_entity) = webpki::EndEntityCert::try_from(leaf) else { return false };
+        let Ok(subject) = ServerName::try_from(name) else { return false };
+        let now = UnixTime::now();
+        end_entity
+            .verify_for_usage(
+                webpki::ALL_VERIFICATION_ALGS,
+                &[anchor],
+                &[],
+                now,
+                webpki::KeyUsage::client_auth(),
+                None,
+                None,
+            )
+            .is_ok()
+            && end_entity.verify_is_valid_for_subject_name(&subject).is_ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        crate::scratch_dir(&format!("ca-{name}"))
+    }
+
+    #[test]
+    fn issued_identities_are_vouched_for_by_name_validity_and_issuer() {
+        let dir = scratch("fleet");
+        let ca = CertificateAuthority::create(&dir, "fleet").unwrap();
+        let trusted = TrustedCa::load(&dir).unwrap();
+        let bob = ca.issue("bob", 30).unwrap();
+        assert!(trusted.vouches_for(bob.certificate(), "bob"));
+        assert!(!trusted.vouches_for(bob.certificate(), "eve"), "wrong name");
+        let now = time::OffsetDateTime::now_utc();
+        let expired = ca.issue_valid("bob", now - time::Duration::days(10), now - time::Duration::days(1)).unwrap();
+        assert!(!trusted.vouches_for(expired.certificate(), "bob"), "expired");
+        let other = CertificateAuthority::create(&scratch("other"), "other").unwrap();
+        assert!(!trusted.vouches_for(other.issue("bob", 30).unwrap().certificate(), "bob"), "another CA");
+        // A reloaded CA still issues what the stored certificate vouches for.
+        let reloaded = CertificateAuthority::load(&dir).unwrap();
+        assert_eq!(reloaded.name(), "fleet");
+        assert!(trusted.vouches_for(reloaded.issue("carol", 1).unwrap().certificate(), "carol"));
+        // A self-signed identity is not CA-issued.
+        assert!(!trusted.vouches_for(Identity::generate("bob").unwrap().certificate(), "bob"));
+    }
+
+    #[test]
+    fn an_open_ca_key_is_refused() {
+        let dir = scratch("open");
+        CertificateAuthority::create(&dir, "open").unwrap();
+        fs::set_permissions(dir.join(CA_KEY_FILE), fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(matches!(CertificateAuthority::load(&dir), Err(CaError::KeyTooOpen { .. })));
+    }
+}
