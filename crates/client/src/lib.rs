@@ -18,9 +18,8 @@ pub mod vhci;
 
 pub use queue::TransferQueue;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::Waker;
 use std::time::Duration;
@@ -34,7 +33,7 @@ use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest, OpStatus};
 use usbwire_proto::urb::{
     self, CmdSubmit, CmdUnlink, IsoPacketDescriptor, RetSubmit, ServerMessage, SubmittedShape, TransferFlags,
 };
-use usbwire_proto::{DecodeError, Direction, Limits, Status};
+use usbwire_proto::{DecodeError, Direction, Limits, SeqnumMap, Status};
 use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::tls::ServerTrust;
 use usbwire_transport::{Fingerprint, Identity, PeerStream};
@@ -382,9 +381,9 @@ impl Transfer {
 
 #[derive(Default)]
 struct Waiters {
-    submits: HashMap<u32, (SubmittedShape, Waiter)>,
+    submits: SeqnumMap<(SubmittedShape, Waiter)>,
     /// CMD_UNLINK seqnum -> the seqnum it cancels.
-    unlinks: HashMap<u32, u32>,
+    unlinks: SeqnumMap<u32>,
 }
 
 /// Who gets a URB's reply.
@@ -413,6 +412,8 @@ struct Shared {
     /// `None` once the connection is gone.
     waiters: Mutex<Option<Waiters>>,
     next_seqnum: AtomicU32,
+    /// Set with `waiters` becoming `None`, readable without the lock.
+    closed: AtomicBool,
 }
 
 impl Shared {
@@ -423,6 +424,7 @@ impl Shared {
     /// The connection is gone: every URB still waiting fails as disconnected
     /// (dropped reply senders; queues are told).
     fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
         let Some(waiters) = self.waiters().take() else { return };
         for (_, waiter) in waiters.submits.into_values() {
             if let Waiter::Queue(inbox) = waiter {
@@ -470,7 +472,11 @@ impl Connection {
                 (Box::new(r), Box::new(w))
             }
         };
-        let shared = Arc::new(Shared { waiters: Mutex::new(Some(Waiters::default())), next_seqnum: AtomicU32::new(1) });
+        let shared = Arc::new(Shared {
+            waiters: Mutex::new(Some(Waiters::default())),
+            next_seqnum: AtomicU32::new(1),
+            closed: AtomicBool::new(false),
+        });
         let reader_shared = shared.clone();
         let reader = tokio::spawn(async move {
             let mut buf = BytesMut::with_capacity(256 * 1024);
@@ -479,9 +485,15 @@ impl Connection {
             let outcome: Result<(), ClientError> = async {
                 loop {
                     let decoded = dispatch_buffered(&reader_shared, &mut buf, &limits, &mut wake);
-                    // Wake after the lock is released, each waiting queue once per read.
-                    wake.drain(..).for_each(Waker::wake);
                     decoded?;
+                    // Wake after the lock is released, each waiting queue once per read,
+                    // then let it run: while replies keep coming this loop would otherwise
+                    // read on until its budget runs out, and on a single-threaded runtime
+                    // the queue could not submit more URBs to keep the server busy.
+                    if !wake.is_empty() {
+                        wake.drain(..).for_each(Waker::wake);
+                        tokio::task::yield_now().await;
+                    }
                     buf.reserve(next_read_room(&buf, &limits));
                     if read_half.read_buf(&mut buf).await? == 0 {
                         return Ok(());

@@ -16,7 +16,7 @@ use std::task::{Context, Poll, Waker};
 
 use bytes::{Bytes, BytesMut};
 use tokio::sync::mpsc;
-use usbwire_proto::urb::RetSubmit;
+use usbwire_proto::urb::{RetSubmit, SubmittedShape};
 
 use crate::{encode_submit, Frame, Shared, Transfer, TransferError, Waiter};
 
@@ -79,6 +79,11 @@ pub struct TransferQueue {
     inbox: Arc<Inbox>,
     /// Submitted and not yet collected.
     pending: usize,
+    /// Replies taken from the inbox in one swap, handed out without its lock.
+    ready: VecDeque<RetSubmit>,
+    /// Seqnums and reply shapes of URBs not handed to the writer yet; they
+    /// join the waiter map together, under one lock, just before they are sent.
+    unsent_waiters: Vec<(u32, SubmittedShape)>,
     /// Headers (and small payloads) of URBs not handed to the writer yet.
     unsent_head: BytesMut,
     /// Whole frames not handed to the writer yet (each ends with a large OUT payload).
@@ -93,6 +98,8 @@ impl TransferQueue {
             outgoing,
             inbox: Arc::default(),
             pending: 0,
+            ready: VecDeque::new(),
+            unsent_waiters: Vec::new(),
             unsent_head: BytesMut::new(),
             unsent: Vec::new(),
         }
@@ -101,16 +108,12 @@ impl TransferQueue {
     /// Queues a transfer and returns its seqnum. It is sent when the queue
     /// next waits for a completion.
     pub fn submit(&mut self, transfer: Transfer) -> Result<u32, TransferError> {
+        if self.shared.closed.load(Ordering::Relaxed) {
+            return Err(TransferError::Disconnected);
+        }
         let seqnum = self.shared.next_seqnum.fetch_add(1, Ordering::Relaxed);
-        let before = self.unsent_head.len();
         let (shape, payload) = encode_submit(self.devid, seqnum, transfer, &mut self.unsent_head);
-        match self.shared.waiters().as_mut() {
-            Some(waiters) => waiters.submits.insert(seqnum, (shape, Waiter::Queue(self.inbox.clone()))),
-            None => {
-                self.unsent_head.truncate(before);
-                return Err(TransferError::Disconnected);
-            }
-        };
+        self.unsent_waiters.push((seqnum, shape));
         if !payload.is_empty() {
             self.unsent.push(Frame { head: self.unsent_head.split().freeze(), payload });
         }
@@ -133,7 +136,10 @@ impl TransferQueue {
     /// A completion that has already arrived, without sending or waiting:
     /// for draining a batch after [`next_complete`](Self::next_complete).
     pub fn try_next_complete(&mut self) -> Option<RetSubmit> {
-        let ret = self.inbox.state().ready.pop_front()?;
+        if self.ready.is_empty() {
+            std::mem::swap(&mut self.ready, &mut self.inbox.state().ready);
+        }
+        let ret = self.ready.pop_front()?;
         self.pending -= 1;
         Some(ret)
     }
@@ -146,8 +152,13 @@ impl TransferQueue {
         if self.pending == 0 {
             return Poll::Ready(None);
         }
+        if let Some(ret) = self.ready.pop_front() {
+            self.pending -= 1;
+            return Poll::Ready(Some(Ok(ret)));
+        }
         let mut state = self.inbox.state();
-        if let Some(ret) = state.ready.pop_front() {
+        std::mem::swap(&mut self.ready, &mut state.ready);
+        if let Some(ret) = self.ready.pop_front() {
             self.pending -= 1;
             return Poll::Ready(Some(Ok(ret)));
         }
@@ -172,6 +183,18 @@ impl TransferQueue {
 
     /// Hands everything submitted to the writer task, in order.
     fn send_unsent(&mut self) -> Result<(), TransferError> {
+        if !self.unsent_waiters.is_empty() {
+            let mut guard = self.shared.waiters();
+            let Some(waiters) = guard.as_mut() else {
+                self.unsent_waiters.clear();
+                self.unsent.clear();
+                self.unsent_head.clear();
+                return Err(TransferError::Disconnected);
+            };
+            for (seqnum, shape) in self.unsent_waiters.drain(..) {
+                waiters.submits.insert(seqnum, (shape, Waiter::Queue(self.inbox.clone())));
+            }
+        }
         if !self.unsent_head.is_empty() {
             let head = self.unsent_head.split().freeze();
             self.unsent.push(Frame { head, payload: Bytes::new() });
