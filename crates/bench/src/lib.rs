@@ -50,6 +50,32 @@ where
     rx.recv().map_err(|_| std::io::Error::other("the server thread ended before it started"))?
 }
 
+/// Runs a benchmark's clients to completion on a thread of their own with a
+/// single-threaded runtime, like the servers ([`server_thread`]); the caller
+/// awaits the result without blocking its runtime.
+///
+/// Why: on a multi-threaded runtime the measuring loop (in `block_on`, on the
+/// main thread) and the connection's reader and writer tasks (on workers)
+/// wake each other across threads for every batch, and the ceiling's client
+/// pays a cross-thread wake from the I/O driver for every read; both measure
+/// the runtime more than the protocol. A client process of its own with one
+/// thread is the setup every party then shares: the ceiling's client and
+/// usbwire's run on this same thread.
+pub async fn client_thread<F, Fut, T>(name: &str, work: F) -> std::io::Result<T>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = T>,
+    T: Send + 'static,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        let outcome =
+            tokio::runtime::Builder::new_current_thread().enable_all().build().map(|runtime| runtime.block_on(work()));
+        let _ = tx.send(outcome);
+    })?;
+    rx.await.map_err(|_| std::io::Error::other("the client thread ended without a result"))?
+}
+
 /// Transfer direction, as a benchmark sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]

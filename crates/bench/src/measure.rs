@@ -1,9 +1,9 @@
 //! Measuring usbwire itself: a userspace client keeps `depth` URBs in flight
 //! on a bulk endpoint and counts what completes.
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use futures_util::stream::{FuturesUnordered, StreamExt};
 use usbwire_client::{Connection, Transfer};
 use usbwire_device::descriptor::ConfigurationInfo;
 use usbwire_device::TransferType;
@@ -81,6 +81,10 @@ impl Payload {
 }
 
 /// Keeps `depth` URBs of `size` bytes in flight on `endpoint` for `duration`.
+///
+/// Like the ceiling's client, one task keeps the window full: it collects
+/// every completion that has arrived, reads the clock once for the batch and
+/// tops the window up with one batch of submits (a [`usbwire_client::TransferQueue`]).
 pub async fn measure(
     conn: &Connection,
     endpoint: u8,
@@ -102,32 +106,39 @@ pub async fn measure(
             Transfer::bulk_out(endpoint, pool.slice(at - size..at))
         }
     };
-    let mut in_flight = FuturesUnordered::new();
-    let started = Instant::now();
-    let stop = started + duration;
-    for _ in 0..depth {
-        let submitted = Instant::now();
-        let (_, reply) = conn.submit(transfer()).await.map_err(|e| e.to_string())?;
-        in_flight.push(timed(submitted, reply));
-    }
+    let mut queue = conn.queue();
+    // Seqnum and submit time of each URB in flight, oldest first.
+    let mut submitted: VecDeque<(u32, Instant)> = VecDeque::with_capacity(depth);
     let mut done = 0u64;
     let mut bytes = 0u64;
     let mut latencies = Vec::new();
+    let started = Instant::now();
+    let stop = started + duration;
     let mut finished = started;
-    while let Some((submitted, reply)) = in_flight.next().await {
-        let ret = reply.map_err(|e| e.to_string())?;
-        if !ret.status.is_ok() {
-            return Err(format!("URB failed: {}", ret.status));
+    let mut now = started;
+    loop {
+        if now < stop {
+            while queue.pending() < depth {
+                submitted.push_back((queue.submit(transfer()).map_err(|e| e.to_string())?, now));
+            }
         }
-        latencies.push(submitted.elapsed().as_secs_f64() * 1e6);
-        done += 1;
-        bytes += u64::from(ret.actual_length);
-        finished = Instant::now();
-        if finished < stop {
-            let submitted = Instant::now();
-            let (_, reply) = conn.submit(transfer()).await.map_err(|e| e.to_string())?;
-            in_flight.push(timed(submitted, reply));
+        let Some(first) = queue.next_complete().await else { break };
+        now = Instant::now();
+        let mut next = Some(first.map_err(|e| e.to_string())?);
+        while let Some(ret) = next {
+            if !ret.status.is_ok() {
+                return Err(format!("URB failed: {}", ret.status));
+            }
+            // In order on one endpoint, so the front almost always matches.
+            let at = submitted.iter().position(|&(seqnum, _)| seqnum == ret.seqnum);
+            if let Some((_, at)) = at.and_then(|i| submitted.remove(i)) {
+                latencies.push(now.duration_since(at).as_secs_f64() * 1e6);
+            }
+            done += 1;
+            bytes += u64::from(ret.actual_length);
+            next = queue.try_next_complete();
         }
+        finished = now;
     }
     let seconds = finished.duration_since(started).as_secs_f64().max(1e-9);
     Ok(Measured {
@@ -136,9 +147,4 @@ pub async fn measure(
         latency: Percentiles::of(&mut latencies),
         samples: latencies,
     })
-}
-
-/// Pairs a reply with the instant its URB was submitted (one future type for every URB).
-async fn timed<T>(submitted: Instant, reply: impl std::future::Future<Output = T>) -> (Instant, T) {
-    (submitted, reply.await)
 }

@@ -5,23 +5,27 @@
 //! socket becomes a [`Connection`]: [`Connection::submit`] sends a
 //! `CMD_SUBMIT` and resolves when its `RET_SUBMIT` arrives (replies are
 //! matched by seqnum, in any order); [`Connection::unlink`] sends
-//! `CMD_UNLINK`. No kernel module is involved.
+//! `CMD_UNLINK`. No kernel module is involved. For many URBs in flight from
+//! one task, a [`TransferQueue`] ([`Connection::queue`]) delivers completions
+//! in batches instead of one future per URB.
 //!
 //! Not for the kernel's vhci-hcd attach path (that hands the socket to the
 //! kernel instead of keeping it).
 
 pub mod describe;
+mod queue;
 pub mod reattach;
 pub mod vhci;
 
+pub use queue::TransferQueue;
 pub use reattach::{Backoff, ReattachingDevice};
 pub use usbwire_transport::transform::TransformSpec;
 use usbwire_transport::transform::{Pipeline, Side, TransformedStream};
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::Waker;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -33,7 +37,7 @@ use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest, OpStatus};
 use usbwire_proto::urb::{
     self, CmdSubmit, CmdUnlink, IsoPacketDescriptor, RetSubmit, ServerMessage, SubmittedShape, TransferFlags,
 };
-use usbwire_proto::{DecodeError, Direction, Limits, Status};
+use usbwire_proto::{DecodeError, Direction, Limits, SeqnumMap, Status};
 use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::tls::ServerTrust;
 use usbwire_transport::{Fingerprint, Identity, PeerStream};
@@ -509,15 +513,57 @@ impl Transfer {
 
 #[derive(Default)]
 struct Waiters {
-    submits: HashMap<u32, (SubmittedShape, oneshot::Sender<RetSubmit>)>,
+    submits: SeqnumMap<(SubmittedShape, Waiter)>,
     /// CMD_UNLINK seqnum -> the seqnum it cancels.
-    unlinks: HashMap<u32, u32>,
+    unlinks: SeqnumMap<u32>,
+}
+
+/// Who gets a URB's reply.
+enum Waiter {
+    /// The future [`Connection::submit`] returned.
+    Reply(oneshot::Sender<RetSubmit>),
+    /// A [`TransferQueue`]'s inbox: the reply joins its ready list.
+    Queue(Arc<queue::Inbox>),
+}
+
+impl Waiter {
+    /// Hands the reply over. A queue's waker is added to `wake` instead of
+    /// being woken here, so the reader wakes each queue once per read, not
+    /// once per URB.
+    fn deliver(self, ret: RetSubmit, wake: &mut Vec<Waker>) {
+        match self {
+            Self::Reply(tx) => {
+                let _ = tx.send(ret);
+            }
+            Self::Queue(inbox) => inbox.push(ret, wake),
+        }
+    }
 }
 
 struct Shared {
     /// `None` once the connection is gone.
     waiters: Mutex<Option<Waiters>>,
     next_seqnum: AtomicU32,
+    /// Set with `waiters` becoming `None`, readable without the lock.
+    closed: AtomicBool,
+}
+
+impl Shared {
+    fn waiters(&self) -> std::sync::MutexGuard<'_, Option<Waiters>> {
+        self.waiters.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The connection is gone: every URB still waiting fails as disconnected
+    /// (dropped reply senders; queues are told).
+    fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
+        let Some(waiters) = self.waiters().take() else { return };
+        for (_, waiter) in waiters.submits.into_values() {
+            if let Waiter::Queue(inbox) = waiter {
+                inbox.disconnect();
+            }
+        }
+    }
 }
 
 /// The URB channel of an imported device.
@@ -558,57 +604,27 @@ impl Connection {
                 (Box::new(r), Box::new(w))
             }
         };
-        let shared = Arc::new(Shared { waiters: Mutex::new(Some(Waiters::default())), next_seqnum: AtomicU32::new(1) });
+        let shared = Arc::new(Shared {
+            waiters: Mutex::new(Some(Waiters::default())),
+            next_seqnum: AtomicU32::new(1),
+            closed: AtomicBool::new(false),
+        });
         let reader_shared = shared.clone();
         let reader = tokio::spawn(async move {
             let mut buf = BytesMut::with_capacity(256 * 1024);
             let limits = Limits::default();
+            let mut wake = Vec::new();
             let outcome: Result<(), ClientError> = async {
                 loop {
-                    loop {
-                        let decoded = {
-                            let guard = reader_shared.waiters.lock().unwrap_or_else(PoisonError::into_inner);
-                            let waiters = guard.as_ref();
-                            urb::decode_return(&mut buf, &limits, |seq| {
-                                waiters.and_then(|w| w.submits.get(&seq)).map(|(shape, _)| *shape)
-                            })?
-                        };
-                        match decoded {
-                            Some(ServerMessage::Submit(ret)) => {
-                                let waiter = reader_shared
-                                    .waiters
-                                    .lock()
-                                    .unwrap_or_else(PoisonError::into_inner)
-                                    .as_mut()
-                                    .and_then(|w| w.submits.remove(&ret.seqnum));
-                                if let Some((_, tx)) = waiter {
-                                    let _ = tx.send(ret);
-                                }
-                            }
-                            Some(ServerMessage::Unlink(ret)) => {
-                                debug!(seqnum = ret.seqnum, status = ?ret.status, "unlink answered");
-                                // Cancelled without a RET_SUBMIT (the kernel stub's way): the
-                                // RET_UNLINK is the URB's only answer, as vhci treats it.
-                                let mut guard = reader_shared.waiters.lock().unwrap_or_else(PoisonError::into_inner);
-                                if let Some(w) = guard.as_mut() {
-                                    if let Some(target) = w.unlinks.remove(&ret.seqnum) {
-                                        if let Some((_, tx)) = w.submits.remove(&target) {
-                                            let _ = tx.send(RetSubmit {
-                                                seqnum: target,
-                                                status: ret.status,
-                                                actual_length: 0,
-                                                start_frame: 0,
-                                                number_of_packets: 0,
-                                                error_count: 0,
-                                                data: Bytes::new(),
-                                                iso_packets: Vec::new(),
-                                            });
-                                        }
-                                    }
-                                }
-                            }
-                            None => break,
-                        }
+                    let decoded = dispatch_buffered(&reader_shared, &mut buf, &limits, &mut wake);
+                    decoded?;
+                    // Wake after the lock is released, each waiting queue once per read,
+                    // then let it run: while replies keep coming this loop would otherwise
+                    // read on until its budget runs out, and on a single-threaded runtime
+                    // the queue could not submit more URBs to keep the server busy.
+                    if !wake.is_empty() {
+                        wake.drain(..).for_each(Waker::wake);
+                        tokio::task::yield_now().await;
                     }
                     buf.reserve(next_read_room(&buf, &limits));
                     if read_half.read_buf(&mut buf).await? == 0 {
@@ -620,8 +636,7 @@ impl Connection {
             if let Err(error) = outcome {
                 debug!(%error, "urb channel closed");
             }
-            // Fail everything still waiting.
-            reader_shared.waiters.lock().unwrap_or_else(PoisonError::into_inner).take();
+            reader_shared.close();
         });
         let (outgoing, frames) = mpsc::unbounded_channel();
         tokio::spawn(write_frames(write_half, frames, shared.clone()));
@@ -634,56 +649,25 @@ impl Connection {
         transfer: Transfer,
     ) -> Result<(u32, impl std::future::Future<Output = Result<RetSubmit, TransferError>>), TransferError> {
         let seqnum = self.shared.next_seqnum.fetch_add(1, Ordering::Relaxed);
-        let length = match transfer.direction {
-            Direction::Out => transfer.data.len() as u32,
-            Direction::In => transfer.length,
-        };
-        let number_of_packets = transfer.iso_packets.as_ref().map_or(0, |p| p.len() as i32);
-        let shape = SubmittedShape {
-            direction: transfer.direction,
-            transfer_buffer_length: length,
-            iso_packets: transfer.iso_packets.as_ref().map(|p| p.len() as i32),
-        };
-        let submit = CmdSubmit {
-            seqnum,
-            devid: self.devid,
-            direction: transfer.direction,
-            ep: transfer.endpoint,
-            transfer_flags: TransferFlags(transfer.flags),
-            transfer_buffer_length: length,
-            start_frame: 0,
-            number_of_packets,
-            interval: transfer.interval,
-            setup: transfer.setup,
-            data: transfer.data,
-            iso_packets: transfer.iso_packets.unwrap_or_default(),
-        };
+        let mut head = BytesMut::new();
+        let (shape, payload) = encode_submit(self.devid, seqnum, transfer, &mut head);
         let (tx, rx) = oneshot::channel();
-        {
-            let mut guard = self.shared.waiters.lock().unwrap_or_else(PoisonError::into_inner);
-            guard.as_mut().ok_or(TransferError::Disconnected)?.submits.insert(seqnum, (shape, tx));
-        }
-        // Small messages are packed into one buffer; a large OUT payload goes out
-        // beside its header in the same vectored write, without being copied.
-        // Isochronous descriptors follow the payload, so they force the copy.
-        let iso_len = submit.iso_packets.len() * urb::ISO_DESCRIPTOR_LEN;
-        let out_len = if submit.direction == Direction::Out { submit.data.len() } else { 0 };
-        let large = out_len > SMALL_PAYLOAD && iso_len == 0;
-        let mut head = BytesMut::with_capacity(urb::HEADER_LEN + if large { 0 } else { out_len } + iso_len);
-        head.extend_from_slice(&submit.header());
-        if out_len > 0 && !large {
-            head.extend_from_slice(&submit.data);
-        }
-        for packet in &submit.iso_packets {
-            head.extend_from_slice(&packet.offset.to_be_bytes());
-            head.extend_from_slice(&packet.length.to_be_bytes());
-            head.extend_from_slice(&[0; 8]);
-        }
-        let payload = if large { submit.data } else { Bytes::new() };
+        self.shared
+            .waiters()
+            .as_mut()
+            .ok_or(TransferError::Disconnected)?
+            .submits
+            .insert(seqnum, (shape, Waiter::Reply(tx)));
         if self.outgoing.send(Frame { head: head.freeze(), payload }).is_err() {
             return Err(TransferError::Disconnected);
         }
         Ok((seqnum, async move { rx.await.map_err(|_| TransferError::Disconnected) }))
+    }
+
+    /// A queue for URBs submitted and collected by one task: completions come
+    /// back in batches, without a future per URB (see [`TransferQueue`]).
+    pub fn queue(&self) -> TransferQueue {
+        TransferQueue::new(self.devid, self.shared.clone(), self.outgoing.clone())
     }
 
     /// Submits and waits for the reply (whatever its status).
@@ -707,7 +691,7 @@ impl Connection {
     pub async fn unlink(&self, target: u32) -> Result<(), TransferError> {
         let seqnum = self.shared.next_seqnum.fetch_add(1, Ordering::Relaxed);
         let unlink = CmdUnlink { seqnum, devid: self.devid, unlink_seqnum: target };
-        if let Some(w) = self.shared.waiters.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
+        if let Some(w) = self.shared.waiters().as_mut() {
             w.unlinks.insert(seqnum, target);
         }
         let head = Bytes::copy_from_slice(&unlink.header());
@@ -724,6 +708,102 @@ impl Drop for Connection {
     fn drop(&mut self) {
         self.reader.abort();
     }
+}
+
+/// Decodes every whole message in `buf` and hands each reply to its waiter,
+/// under one lock for the lot.
+fn dispatch_buffered(
+    shared: &Shared,
+    buf: &mut BytesMut,
+    limits: &Limits,
+    wake: &mut Vec<Waker>,
+) -> Result<(), ClientError> {
+    let mut guard = shared.waiters();
+    loop {
+        let decoded = {
+            let waiters = guard.as_ref();
+            urb::decode_return(buf, limits, |seq| waiters.and_then(|w| w.submits.get(&seq)).map(|(shape, _)| *shape))?
+        };
+        let Some(waiters) = guard.as_mut() else {
+            // Closed by the writer: nobody is waiting any more.
+            return Ok(());
+        };
+        match decoded {
+            Some(ServerMessage::Submit(ret)) => {
+                if let Some((_, waiter)) = waiters.submits.remove(&ret.seqnum) {
+                    waiter.deliver(ret, wake);
+                }
+            }
+            Some(ServerMessage::Unlink(ret)) => {
+                debug!(seqnum = ret.seqnum, status = ?ret.status, "unlink answered");
+                // Cancelled without a RET_SUBMIT (the kernel stub's way): the
+                // RET_UNLINK is the URB's only answer, as vhci treats it.
+                let cancelled = waiters
+                    .unlinks
+                    .remove(&ret.seqnum)
+                    .and_then(|target| waiters.submits.remove(&target).map(|(_, waiter)| (target, waiter)));
+                if let Some((target, waiter)) = cancelled {
+                    let reply = RetSubmit {
+                        seqnum: target,
+                        status: ret.status,
+                        actual_length: 0,
+                        start_frame: 0,
+                        number_of_packets: 0,
+                        error_count: 0,
+                        data: Bytes::new(),
+                        iso_packets: Vec::new(),
+                    };
+                    waiter.deliver(reply, wake);
+                }
+            }
+            None => return Ok(()),
+        }
+    }
+}
+
+/// Encodes a `CMD_SUBMIT` for `transfer` onto `head` and says what the reply
+/// will look like. Small messages are packed into `head`; a large OUT payload
+/// is returned to go out beside it in the same vectored write, uncopied.
+/// Isochronous descriptors follow the payload, so they force the copy.
+fn encode_submit(devid: u32, seqnum: u32, transfer: Transfer, head: &mut BytesMut) -> (SubmittedShape, Bytes) {
+    let length = match transfer.direction {
+        Direction::Out => transfer.data.len() as u32,
+        Direction::In => transfer.length,
+    };
+    let number_of_packets = transfer.iso_packets.as_ref().map_or(0, |p| p.len() as i32);
+    let shape = SubmittedShape {
+        direction: transfer.direction,
+        transfer_buffer_length: length,
+        iso_packets: transfer.iso_packets.as_ref().map(|p| p.len() as i32),
+    };
+    let submit = CmdSubmit {
+        seqnum,
+        devid,
+        direction: transfer.direction,
+        ep: transfer.endpoint,
+        transfer_flags: TransferFlags(transfer.flags),
+        transfer_buffer_length: length,
+        start_frame: 0,
+        number_of_packets,
+        interval: transfer.interval,
+        setup: transfer.setup,
+        data: transfer.data,
+        iso_packets: transfer.iso_packets.unwrap_or_default(),
+    };
+    let iso_len = submit.iso_packets.len() * urb::ISO_DESCRIPTOR_LEN;
+    let out_len = if submit.direction == Direction::Out { submit.data.len() } else { 0 };
+    let large = out_len > SMALL_PAYLOAD && iso_len == 0;
+    head.reserve(urb::HEADER_LEN + if large { 0 } else { out_len } + iso_len);
+    head.extend_from_slice(&submit.header());
+    if out_len > 0 && !large {
+        head.extend_from_slice(&submit.data);
+    }
+    for packet in &submit.iso_packets {
+        head.extend_from_slice(&packet.offset.to_be_bytes());
+        head.extend_from_slice(&packet.length.to_be_bytes());
+        head.extend_from_slice(&[0; 8]);
+    }
+    (shape, if large { submit.data } else { Bytes::new() })
 }
 
 /// Room to reserve before the next read: the rest of a RET_SUBMIT whose
@@ -777,7 +857,7 @@ async fn write_frames(
         batch.clear();
         if let Err(error) = sent {
             debug!(%error, "urb channel write failed");
-            shared.waiters.lock().unwrap_or_else(PoisonError::into_inner).take();
+            shared.close();
             return;
         }
     }

@@ -33,7 +33,7 @@ impl CompletionQueue {
         match self.ready.pop_front() {
             Some(completion) => Poll::Ready(completion),
             None => {
-                self.waker = Some(cx.waker().clone());
+                self.register(cx);
                 Poll::Pending
             }
         }
@@ -42,7 +42,11 @@ impl CompletionQueue {
     /// Registers the task's waker without popping (for devices that wait on
     /// several sources).
     pub fn register(&mut self, cx: &mut Context<'_>) {
-        self.waker = Some(cx.waker().clone());
+        match &mut self.waker {
+            // The same task polls every time: keep its waker, no clone.
+            Some(waker) if waker.will_wake(cx.waker()) => {}
+            slot => *slot = Some(cx.waker().clone()),
+        }
     }
 
     /// Wakes the last poller, e.g. after an external event made progress possible.

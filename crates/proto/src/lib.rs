@@ -31,11 +31,13 @@
 mod error;
 mod limits;
 pub mod op;
+mod seqnum_map;
 pub mod urb;
 mod wire;
 
 pub use error::DecodeError;
 pub use limits::Limits;
+pub use seqnum_map::{SeqnumHasher, SeqnumMap};
 pub use wire::{Direction, Speed, Status};
 
 /// The protocol version carried in every OP header (v1.1.1).

@@ -9,7 +9,7 @@
 //! [`decode_command`] asks whether an endpoint is isochronous,
 //! [`decode_return`] asks what was submitted under a seqnum.
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::wire::{be_i32, be_u32, put_u32, Direction, Status};
 use crate::{DecodeError, Limits};
@@ -259,14 +259,14 @@ pub fn decode_command(
     if buf.len() < total {
         return Ok(None);
     }
-    let header = buf.split_to(HEADER_LEN);
+    let header = take_header(buf);
     let seqnum = be_u32(&header, 4);
     let devid = be_u32(&header, 8);
     if Command(be_u32(&header, 0)) == Command::UNLINK {
         return Ok(Some(ClientMessage::Unlink(CmdUnlink { seqnum, devid, unlink_seqnum: be_u32(&header, 0x14) })));
     }
     let shape = SubmitShape::parse(&header, limits, &is_iso)?;
-    let data = buf.split_to(shape.payload_len).freeze();
+    let data = take_payload(buf, shape.payload_len);
     let mut iso_packets = Vec::with_capacity(shape.iso_count);
     if shape.iso_count > 0 {
         let descriptors = buf.split_to(shape.iso_count * ISO_DESCRIPTOR_LEN);
@@ -357,8 +357,8 @@ pub fn decode_return(
             if buf.len() < total {
                 return Ok(None);
             }
-            let header = buf.split_to(HEADER_LEN);
-            let data = buf.split_to(payload_len).freeze();
+            let header = take_header(buf);
+            let data = take_payload(buf, payload_len);
             let mut iso_packets = Vec::with_capacity(iso_count);
             if iso_count > 0 {
                 let descriptors = buf.split_to(iso_count * ISO_DESCRIPTOR_LEN);
@@ -388,6 +388,24 @@ pub fn decode_return(
             })))
         }
         other => Err(DecodeError::UnexpectedCommand(other.0)),
+    }
+}
+
+/// Copies the 48-byte header out and drops it from `buf` (cheaper than
+/// splitting off a reference-counted view that is only read and dropped).
+fn take_header(buf: &mut BytesMut) -> [u8; HEADER_LEN] {
+    let mut header = [0u8; HEADER_LEN];
+    header.copy_from_slice(&buf[..HEADER_LEN]);
+    buf.advance(HEADER_LEN);
+    header
+}
+
+/// The next `len` bytes as a zero-copy `Bytes`; no reference taken when empty.
+fn take_payload(buf: &mut BytesMut, len: usize) -> Bytes {
+    if len == 0 {
+        Bytes::new()
+    } else {
+        buf.split_to(len).freeze()
     }
 }
 

@@ -14,7 +14,6 @@
 //! it already gave back. An unlink for a URB not in flight gets RET_UNLINK(0)
 //! at once — any RET_SUBMIT for it is already ahead of it in the stream.
 
-use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -26,7 +25,7 @@ use tokio_util::io::poll_read_buf;
 use tracing::{trace, warn};
 use usbwire_device::{Completion, Device, TransferType, Urb};
 use usbwire_proto::urb::{self, ClientMessage, RetUnlink};
-use usbwire_proto::{DecodeError, Limits, Status};
+use usbwire_proto::{DecodeError, Limits, SeqnumMap, Status};
 use usbwire_transport::PeerStream;
 
 use crate::registry::Lease;
@@ -76,7 +75,7 @@ pub(crate) async fn run(
         unflushed: false,
         inbuf: leftover,
         out: WriteQueue::default(),
-        in_flight: HashMap::new(),
+        in_flight: InFlight::default(),
         limits: config.limits.clone(),
         max_in_flight: config.max_in_flight,
     };
@@ -88,7 +87,7 @@ pub(crate) async fn run(
 }
 
 /// Per in-flight URB: the seqnum of a CMD_UNLINK aimed at it, if any.
-type InFlight = HashMap<u32, Option<u32>>;
+type InFlight = SeqnumMap<Option<u32>>;
 
 struct Channel {
     devid: u32,

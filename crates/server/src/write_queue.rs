@@ -28,7 +28,8 @@ pub(crate) struct WriteQueue {
 
 impl WriteQueue {
     pub(crate) fn push_ret_submit(&mut self, ret: &RetSubmit) {
-        self.scratch.extend_from_slice(&ret.header());
+        let header = ret.header();
+        self.scratch.extend_from_slice(&header);
         if ret.data.len() <= COPY_THRESHOLD {
             self.scratch.extend_from_slice(&ret.data);
         } else {
@@ -36,7 +37,7 @@ impl WriteQueue {
             self.frames.push_back(ret.data.clone());
         }
         ret.iso_trailer(&mut self.scratch);
-        self.queued += ret.header().len() + ret.data.len() + ret.iso_packets.len() * 16;
+        self.queued += header.len() + ret.data.len() + ret.iso_packets.len() * 16;
     }
 
     pub(crate) fn push_ret_unlink(&mut self, ret: &RetUnlink) {

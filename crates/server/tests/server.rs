@@ -205,6 +205,69 @@ async fn many_urbs_in_flight_and_no_head_of_line_blocking() {
 }
 
 #[tokio::test]
+async fn transfer_queue_delivers_every_completion_once_in_order() {
+    let addr = start().await;
+    let conn = configured(addr, "1-1").await;
+    let mut queue = conn.queue();
+    assert!(queue.next_complete().await.is_none(), "nothing pending");
+    // Small and large (uncopied) OUT payloads on the loop pair, then IN on the
+    // source and the loop: everything goes out in one batch, in order.
+    let small = Bytes::from(vec![1u8; 100]);
+    let large = Bytes::from((0..40_000u32).map(|i| (i % 251) as u8).collect::<Vec<_>>());
+    let mut seqnums = vec![
+        queue.submit(Transfer::bulk_out(0x03, small.clone())).unwrap(),
+        queue.submit(Transfer::bulk_out(0x03, large.clone())).unwrap(),
+    ];
+    for _ in 0..20 {
+        seqnums.push(queue.submit(Transfer::bulk_in(0x81, 512)).unwrap());
+    }
+    seqnums.push(queue.submit(Transfer::bulk_in(0x83, 100)).unwrap());
+    seqnums.push(queue.submit(Transfer::bulk_in(0x83, 40_000)).unwrap());
+    assert_eq!(queue.pending(), 24);
+    let mut completed = Vec::new();
+    while let Some(ret) = tokio::time::timeout(Duration::from_secs(5), queue.next_complete()).await.unwrap() {
+        completed.push(ret.unwrap());
+        completed.extend(std::iter::from_fn(|| queue.try_next_complete()));
+    }
+    assert_eq!(queue.pending(), 0);
+    assert_eq!(completed.iter().map(|r| r.seqnum).collect::<Vec<_>>(), seqnums);
+    assert!(completed.iter().all(|r| r.status == Status::OK));
+    assert_eq!((completed[0].actual_length, completed[1].actual_length), (100, 40_000));
+    assert!(completed[2..22].iter().all(|r| r.data.iter().enumerate().all(|(i, &b)| b == (i % 63) as u8)));
+    assert_eq!((&completed[22].data, &completed[23].data), (&small, &large));
+    // The future-per-URB API still works beside it.
+    assert_eq!(conn.transfer(Transfer::bulk_in(0x81, 8)).await.unwrap().actual_length, 8);
+}
+
+#[tokio::test]
+async fn transfer_queue_reports_a_lost_connection() {
+    let config = ServerConfig { listen: "127.0.0.1:0".parse().unwrap(), control_path: None, ..ServerConfig::default() };
+    let mut server = Server::new(config);
+    server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
+    let bound = server.bind().await.unwrap();
+    let addr = bound.local_addr();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(bound.run(async move {
+        let _ = stopped.await;
+    }));
+    let conn = configured(addr, "1-1").await;
+    let mut queue = conn.queue();
+    // Loop IN URBs pend until data arrives, which it never will.
+    queue.submit(Transfer::bulk_in(0x83, 64)).unwrap();
+    queue.submit(Transfer::bulk_in(0x83, 64)).unwrap();
+    let waiting = tokio::spawn(async move {
+        let first = queue.next_complete().await;
+        (first, queue.next_complete().await, queue.submit(Transfer::bulk_in(0x81, 8)))
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let _ = stop.send(());
+    let (first, after, submit) = tokio::time::timeout(Duration::from_secs(5), waiting).await.unwrap().unwrap();
+    assert_eq!(first.map(|r| r.map(|ret| ret.seqnum)), Some(Err(usbwire_client::TransferError::Disconnected)));
+    assert!(after.is_none(), "every pending URB was reported lost at once");
+    assert_eq!(submit, Err(usbwire_client::TransferError::Disconnected));
+}
+
+#[tokio::test]
 async fn unlink_of_pending_urb_answers_like_the_kernel_stub() {
     let addr = start().await;
     let (mut stream, devid) = raw_import(addr, "1-1").await;

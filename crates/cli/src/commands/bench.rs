@@ -19,6 +19,7 @@ use crate::config::parse_size;
 use crate::exit::Failure;
 
 /// What the matrix covers.
+#[derive(Clone)]
 pub(crate) struct Plan {
     pub(crate) sizes: Vec<usize>,
     pub(crate) depths: Vec<usize>,
@@ -204,6 +205,7 @@ pub(crate) struct Report {
     fits: Vec<(f64, Direction, model::Fit)>,
 }
 
+/// Runs the matrix from a client thread of its own (see [`usbwire_bench::client_thread`]).
 pub(crate) async fn execute(
     plan: &Plan,
     target: SocketAddr,
@@ -212,115 +214,121 @@ pub(crate) async fn execute(
     endpoints: (Option<u8>, Option<u8>),
     progress: bool,
 ) -> Result<Report, Failure> {
-    let ideal = ceiling::start_server().map_err(|e| Failure::io(e.into()))?;
-    let points = plan.rtts_ms.len() * 2 * plan.sizes.len() * plan.depths.len();
-    let bar = if progress {
-        let bar = indicatif::ProgressBar::new(points as u64);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        bar
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    let mut records = Vec::new();
-    let mut latencies = Vec::new();
-    let mut fits = Vec::new();
-    let smallest = plan.sizes.iter().copied().min().unwrap_or(512);
-    let duration = Duration::from_secs_f64(plan.seconds);
-    for &rtt_ms in &plan.rtts_ms {
-        let rtt = Duration::from_secs_f64(rtt_ms / 1000.0);
-        let jitter = Duration::from_secs_f64(plan.jitter_ms / 1000.0);
-        let delayed = !rtt.is_zero() || !jitter.is_zero();
-        let via = |addr| async move {
-            if delayed {
-                proxy::start(addr, rtt, jitter).await
-            } else {
-                Ok(addr)
-            }
+    let (plan, busid, security) = (plan.clone(), busid.clone(), security.clone());
+    let matrix = move || async move {
+        let (plan, busid, security) = (&plan, &busid, &security);
+        let ideal = ceiling::start_server().map_err(|e| Failure::io(e.into()))?;
+        let points = plan.rtts_ms.len() * 2 * plan.sizes.len() * plan.depths.len();
+        let bar = if progress {
+            let bar = indicatif::ProgressBar::new(points as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar
+        } else {
+            indicatif::ProgressBar::hidden()
         };
-        let usbwire_addr = via(target).await.map_err(|e| Failure::io(e.into()))?;
-        let ideal_addr = via(ideal).await.map_err(|e| Failure::io(e.into()))?;
-        let (stream, record) = usbwire_client::import_with(usbwire_addr, busid, security, &plan.transforms).await?;
-        let wire = stream.transform_stats();
-        let conn = Connection::new(stream, &record);
-        let found = measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
-        let source = endpoints.0.or(found.source);
-        let sink = endpoints.1.or(found.sink);
-        if source.is_none() && sink.is_none() {
-            return Err(Failure::unavailable(anyhow!(
-                "{busid} has no bulk endpoint to measure (name one with --in-ep / --out-ep)"
-            )));
-        }
-        for (direction, endpoint) in [(Direction::In, source), (Direction::Out, sink)] {
-            let Some(endpoint) = endpoint else {
-                bar.inc((plan.sizes.len() * plan.depths.len()) as u64);
-                continue;
+        let mut records = Vec::new();
+        let mut latencies = Vec::new();
+        let mut fits = Vec::new();
+        let smallest = plan.sizes.iter().copied().min().unwrap_or(512);
+        let duration = Duration::from_secs_f64(plan.seconds);
+        for &rtt_ms in &plan.rtts_ms {
+            let rtt = Duration::from_secs_f64(rtt_ms / 1000.0);
+            let jitter = Duration::from_secs_f64(plan.jitter_ms / 1000.0);
+            let delayed = !rtt.is_zero() || !jitter.is_zero();
+            let via = |addr| async move {
+                if delayed {
+                    proxy::start(addr, rtt, jitter).await
+                } else {
+                    Ok(addr)
+                }
             };
-            let mut depth_one = Vec::new();
-            for &size in &plan.sizes {
-                for &depth in &plan.depths {
-                    bar.set_message(format!("rtt {rtt_ms} ms {direction:?} {size} B x{depth}"));
-                    // Alternate ours and the ceiling and keep the median of each: on a
-                    // small machine a single run is at the mercy of the scheduler.
-                    let mut ours_runs = Vec::new();
-                    let mut raw_runs = Vec::new();
-                    let before = wire.as_deref().map(counters);
-                    for _ in 0..plan.repeat {
-                        let ours =
-                            measure::measure(&conn, endpoint, direction, (size, plan.payload), depth, duration).await;
-                        ours_runs.push(ours.map_err(|e| {
-                            Failure::unavailable(anyhow!("{busid} {direction:?} {size} B depth {depth}: {e}"))
-                        })?);
-                        let raw = ceiling::measure(ideal_addr, direction, size, depth, duration).await;
-                        raw_runs.push(raw.map_err(|e| Failure::io(e.into()))?);
-                    }
-                    let ours = median(ours_runs);
-                    let raw = median(raw_runs);
-                    let compression_ratio = before.zip(wire.as_deref().map(counters)).map(|(a, b)| {
-                        // [plain sent, wire sent, wire received, plain received]
-                        let delta = |i: usize| (b[i] - a[i]) as f64;
-                        match direction {
-                            Direction::Out => delta(0) / delta(1).max(1.0),
-                            Direction::In => delta(3) / delta(2).max(1.0),
+            let usbwire_addr = via(target).await.map_err(|e| Failure::io(e.into()))?;
+            let ideal_addr = via(ideal).await.map_err(|e| Failure::io(e.into()))?;
+            let (stream, record) = usbwire_client::import_with(usbwire_addr, busid, security, &plan.transforms).await?;
+            let wire = stream.transform_stats();
+            let conn = Connection::new(stream, &record);
+            let found = measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
+            let source = endpoints.0.or(found.source);
+            let sink = endpoints.1.or(found.sink);
+            if source.is_none() && sink.is_none() {
+                return Err(Failure::unavailable(anyhow!(
+                    "{busid} has no bulk endpoint to measure (name one with --in-ep / --out-ep)"
+                )));
+            }
+            for (direction, endpoint) in [(Direction::In, source), (Direction::Out, sink)] {
+                let Some(endpoint) = endpoint else {
+                    bar.inc((plan.sizes.len() * plan.depths.len()) as u64);
+                    continue;
+                };
+                let mut depth_one = Vec::new();
+                for &size in &plan.sizes {
+                    for &depth in &plan.depths {
+                        bar.set_message(format!("rtt {rtt_ms} ms {direction:?} {size} B x{depth}"));
+                        // Alternate ours and the ceiling and keep the median of each: on a
+                        // small machine a single run is at the mercy of the scheduler.
+                        let mut ours_runs = Vec::new();
+                        let mut raw_runs = Vec::new();
+                        let before = wire.as_deref().map(counters);
+                        for _ in 0..plan.repeat {
+                            let ours =
+                                measure::measure(&conn, endpoint, direction, (size, plan.payload), depth, duration)
+                                    .await;
+                            ours_runs.push(ours.map_err(|e| {
+                                Failure::unavailable(anyhow!("{busid} {direction:?} {size} B depth {depth}: {e}"))
+                            })?);
+                            let raw = ceiling::measure(ideal_addr, direction, size, depth, duration).await;
+                            raw_runs.push(raw.map_err(|e| Failure::io(e.into()))?);
                         }
-                    });
-                    if depth == 1 {
-                        depth_one.push((size, 1.0 / ours.urbs_per_s.max(1e-9)));
-                        if size == smallest {
-                            latencies.push(plot::LatencySamples {
-                                rtt_ms,
-                                direction,
-                                urb_size: size,
-                                ours: ours.samples.clone(),
-                                raw: raw.samples.clone(),
-                            });
+                        let ours = median(ours_runs);
+                        let raw = median(raw_runs);
+                        let compression_ratio = before.zip(wire.as_deref().map(counters)).map(|(a, b)| {
+                            // [plain sent, wire sent, wire received, plain received]
+                            let delta = |i: usize| (b[i] - a[i]) as f64;
+                            match direction {
+                                Direction::Out => delta(0) / delta(1).max(1.0),
+                                Direction::In => delta(3) / delta(2).max(1.0),
+                            }
+                        });
+                        if depth == 1 {
+                            depth_one.push((size, 1.0 / ours.urbs_per_s.max(1e-9)));
+                            if size == smallest {
+                                latencies.push(plot::LatencySamples {
+                                    rtt_ms,
+                                    direction,
+                                    urb_size: size,
+                                    ours: ours.samples.clone(),
+                                    raw: raw.samples.clone(),
+                                });
+                            }
                         }
+                        records.push(Record {
+                            direction,
+                            urb_size: size,
+                            depth,
+                            rtt_ms,
+                            mib_per_s: ours.mib_per_s,
+                            raw_tcp_mib_per_s: raw.mib_per_s,
+                            ratio_to_raw_tcp: if raw.mib_per_s > 0.0 { ours.mib_per_s / raw.mib_per_s } else { 0.0 },
+                            urbs_per_s: ours.urbs_per_s,
+                            latency_us: ours.latency,
+                            raw_tcp_latency_us: raw.latency,
+                            compression_ratio,
+                        });
+                        bar.inc(1);
                     }
-                    records.push(Record {
-                        direction,
-                        urb_size: size,
-                        depth,
-                        rtt_ms,
-                        mib_per_s: ours.mib_per_s,
-                        raw_tcp_mib_per_s: raw.mib_per_s,
-                        ratio_to_raw_tcp: if raw.mib_per_s > 0.0 { ours.mib_per_s / raw.mib_per_s } else { 0.0 },
-                        urbs_per_s: ours.urbs_per_s,
-                        latency_us: ours.latency,
-                        raw_tcp_latency_us: raw.latency,
-                        compression_ratio,
-                    });
-                    bar.inc(1);
+                }
+                if let Some(fit) = model::fit(&depth_one) {
+                    fits.push((rtt_ms, direction, fit));
                 }
             }
-            if let Some(fit) = model::fit(&depth_one) {
-                fits.push((rtt_ms, direction, fit));
-            }
         }
-    }
-    bar.finish_and_clear();
-    Ok(Report { records, latencies, fits })
+        bar.finish_and_clear();
+        Ok(Report { records, latencies, fits })
+    };
+    usbwire_bench::client_thread("usbwire-bench", matrix).await.map_err(|e| Failure::software(e.into()))?
 }
 
 impl Report {
