@@ -247,15 +247,20 @@ def main():
         g.wait_for("@@SERVER-UP", 150)
         addr = f"127.0.0.1:{port}"
 
-        # The guest may still be enumerating the slower devices.
-        for _ in range(30):
+        # The guest may still be enumerating the slower devices: QEMU puts the fourth one
+        # behind a hub it adds itself, so it enumerates last (seen late in CI under load).
+        wanted = {"stick": ("46f4", "0001"), "kbd": ("0627", "0001"),
+                  "serial": ("0403", "6001"), "audio": ("46f4", "0002")}
+        for _ in range(60):
             rc, out = remote.run("usbwire list -l --json")
             local = json.loads(out)["devices"] if rc == 0 else []
-            if len(local) >= 4:
+            found = {name: by_id(local, *ids) for name, ids in wanted.items()}
+            bound = all(i.get("driver") for name in ("stick", "kbd", "serial") if found[name]
+                        for i in found[name]["interfaces"])
+            if all(found.values()) and bound:
                 break
             time.sleep(1)
-        stick, kbd, serial = by_id(local, "46f4", "0001"), by_id(local, "0627", "0001"), by_id(local, "0403", "6001")
-        audio = by_id(local, "46f4", "0002")
+        stick, kbd, serial, audio = found["stick"], found["kbd"], found["serial"], found["audio"]
         checks.check("list -l shows the flash drive, keyboard, serial adapter and audio device",
                      stick and kbd and serial and audio, out)
         if not (stick and kbd and serial and audio):
