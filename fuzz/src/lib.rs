@@ -1,4 +1,5 @@
-//! Fuzz harnesses for the `usbwire-proto` decoders.
+//! Fuzz harnesses for the `usbwire-proto` decoders and the stream-transform frames of
+//! `usbwire-transform` (what a peer sends once transforms are negotiated).
 //!
 //! Each harness takes one arbitrary byte string: a few control bytes (how to cut the
 //! stream into reads, which [`Limits`], what the caller knows about endpoints or
@@ -20,11 +21,13 @@
 
 use std::cell::Cell;
 use std::fmt::Debug;
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use usbwire_proto::op::{self, DeviceRecord, OpRequest, OpStatus};
 use usbwire_proto::urb::{self, ClientMessage, ServerMessage, SubmittedShape};
 use usbwire_proto::{DecodeError, Direction, Limits};
+use usbwire_transform::{Frame, Pipeline, Side, TransformSpec, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD};
 
 pub mod seeds;
 
@@ -32,8 +35,12 @@ pub mod seeds;
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 3] =
-    [("decode_command", decode_command), ("decode_return", decode_return), ("op_phase", op_phase)];
+pub const TARGETS: [(&str, Harness); 4] = [
+    ("decode_command", decode_command),
+    ("decode_return", decode_return),
+    ("op_phase", op_phase),
+    ("transform_frames", transform_frames),
+];
 
 /// Server side: `[chunking, limits, iso_mode] ++ stream` through `urb::decode_command`.
 ///
@@ -205,6 +212,78 @@ pub fn op_phase(data: &[u8]) {
                 Err(status) => assert_ne!(*status, OpStatus::OK),
             }
         }),
+    }
+}
+
+/// Client side of a transformed stream: `[chunking, stack] ++ stream` through
+/// `Frame::decode` and a client `Pipeline`. `stack % 3` picks the compressor (none, zstd,
+/// lz4), `stack & 4` adds a jitter buffer (its release times are checked too).
+///
+/// Beyond the common invariants: a decoded frame never holds more than a sender puts in
+/// one (`MAX_FRAME_PAYLOAD`, so no decompression bomb), the jitter buffer never holds a
+/// frame past its playout nor releases out of order, and every decoded payload, sent
+/// back through a server pipeline, comes out of a fresh client pipeline unchanged.
+pub fn transform_frames(data: &[u8]) {
+    let Some((&[chunking, stack], stream)) = split_control::<2>(data) else { return };
+    let playout = Duration::from_millis(5);
+    let mut specs = match stack % 3 {
+        0 => vec![],
+        1 => vec![TransformSpec::Zstd],
+        _ => vec![TransformSpec::Lz4],
+    };
+    if stack & 4 != 0 {
+        specs.push(TransformSpec::Jitter(playout));
+    }
+    let start = Instant::now();
+    // Frames decoded (payload, release offset) and the error that ended the stream, if any.
+    let decode_all = |pieces: Vec<&[u8]>| {
+        let mut pipeline = Pipeline::new(&specs, Side::Client);
+        let mut raw = BytesMut::new();
+        let mut frames = Vec::new();
+        let mut last_release = start;
+        for (i, piece) in pieces.into_iter().enumerate() {
+            // Each piece arrives 1 ms after the one before.
+            let arrived = start + Duration::from_millis(i as u64);
+            raw.extend_from_slice(piece);
+            loop {
+                let before = raw.clone();
+                let mut frame = match Frame::decode(&mut raw) {
+                    Ok(Some(frame)) => frame,
+                    Ok(None) => {
+                        assert_eq!(raw, before, "Ok(None) consumed input");
+                        break;
+                    }
+                    Err(error) => return (frames, Some(error.to_string())),
+                };
+                assert_eq!(before.len() - raw.len(), FRAME_HEADER_LEN + frame.payload.len(), "frame length");
+                if let Err(error) = pipeline.decode(&mut frame) {
+                    return (frames, Some(error.to_string()));
+                }
+                assert!(frame.payload.len() <= MAX_FRAME_PAYLOAD, "a frame decoded to {} bytes", frame.payload.len());
+                let release = pipeline.release_at(&frame, arrived);
+                assert!(release >= arrived && release >= last_release, "released early or out of order");
+                assert!(release <= arrived + playout, "held past the playout");
+                last_release = release;
+                frames.push(frame.payload.to_vec());
+            }
+        }
+        (frames, None)
+    };
+    let (frames, error) = decode_all(vec![stream]);
+    let (chunked_frames, chunked_error) = decode_all(chunks(stream, chunking));
+    // Chunks arrive later than the whole, so only the payloads and the outcome compare.
+    assert_eq!(frames, chunked_frames, "one-shot and chunked decoding differ");
+    assert_eq!(error.is_some(), chunked_error.is_some(), "one-shot {error:?}, chunked {chunked_error:?}");
+    let mut sender = Pipeline::new(&specs, Side::Server);
+    let mut receiver = Pipeline::new(&specs, Side::Client);
+    for payload in frames {
+        let mut frame = Frame { flags: 0, sent_at_us: 0, payload: BytesMut::from(&payload[..]) };
+        sender.encode(&mut frame);
+        let mut wire = BytesMut::from(&frame.header()[..]);
+        wire.extend_from_slice(&frame.payload);
+        let mut back = Frame::decode(&mut wire).expect("our own frame").expect("whole");
+        receiver.decode(&mut back).expect("our own frame decodes");
+        assert_eq!(back.payload, payload, "round trip");
     }
 }
 

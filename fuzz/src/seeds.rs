@@ -5,6 +5,11 @@
 //! `replay --write-seeds fuzz/seeds` writes them to `fuzz/seeds/<target>/`; they are
 //! committed so that libFuzzer starts from real messages rather than from nothing.
 
+use std::time::Duration;
+
+use bytes::BytesMut;
+use usbwire_transform::{Frame, Pipeline, Side, TransformSpec};
+
 macro_rules! vector {
     ($name:literal) => {
         ($name, include_str!(concat!("../../tests/vectors/", $name, ".hex")))
@@ -79,6 +84,32 @@ pub fn all() -> Vec<Seed> {
     devstate.extend(body);
     add("op_phase", "op_rep_devstate", &[3, 0, 3], devstate);
     add("op_phase", "op_req_devstate", &[3, 0, 0], vec![0x01, 0x11, 0x80, 0xf1, 0, 0, 0, 0]);
+
+    // transform_frames: [chunking, stack]; stack % 3 = none, zstd, lz4; stack & 4 = jitter.
+    // Frames as a server pipeline sends them: a compressible URB reply, a short one, noise.
+    let reply: Vec<u8> = b"RET_SUBMIT 0123456789abcdef ".iter().copied().cycle().take(4096).collect();
+    let noise: Vec<u8> = (0u32..300).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    for (stack, name) in [(0u8, "frames_plain"), (1, "frames_zstd"), (2, "frames_lz4"), (5, "frames_zstd_jitter")] {
+        let specs = match stack % 3 {
+            0 => vec![],
+            1 => vec![TransformSpec::Zstd],
+            _ => vec![TransformSpec::Lz4],
+        };
+        let specs = if stack & 4 != 0 {
+            [specs, vec![TransformSpec::Jitter(Duration::from_millis(5))]].concat()
+        } else {
+            specs
+        };
+        let mut pipeline = Pipeline::new(&specs, Side::Server);
+        let mut stream = Vec::new();
+        for (at_ms, payload) in [(0u64, &reply[..]), (8, &b"short"[..]), (16, &noise[..])] {
+            let mut frame = Frame { flags: 0, sent_at_us: at_ms * 1000, payload: BytesMut::from(payload) };
+            pipeline.encode(&mut frame);
+            stream.extend_from_slice(&frame.header());
+            stream.extend_from_slice(&frame.payload);
+        }
+        add("transform_frames", name, &[2, stack], stream);
+    }
     seeds
 }
 

@@ -21,7 +21,8 @@ pub mod identity;
 pub mod known_servers;
 mod stream;
 pub mod tls;
-pub mod transform;
+/// Stream transforms live in their own crate (no TLS needed to fuzz or reuse them).
+pub use usbwire_transform as transform;
 
 pub use identity::{Fingerprint, Identity, IdentityError};
 pub use stream::PeerStream;

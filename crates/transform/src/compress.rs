@@ -7,7 +7,7 @@ use std::io;
 
 use bytes::BytesMut;
 
-use super::{Frame, Transform, MAX_FRAME_PAYLOAD};
+use crate::{Frame, Transform, MAX_FRAME_PAYLOAD};
 
 /// Frames smaller than this are not worth compressing.
 const MIN_COMPRESS: usize = 256;

@@ -12,12 +12,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 use tokio_util::io::poll_read_buf;
 
-use super::{Frame, Pipeline, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD, MAX_WIRE_PAYLOAD};
+use crate::{Frame, Pipeline, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD};
 
 /// Encoded bytes held before `poll_write` pushes back.
 const OUT_HIGH_WATER: usize = 4 * MAX_FRAME_PAYLOAD;
@@ -100,33 +100,16 @@ impl<S> TransformedStream<S> {
         self.pipeline.encode(&mut frame);
         self.stats.plain_sent.fetch_add(plain_len as u64, Ordering::Relaxed);
         self.stats.wire_sent.fetch_add((FRAME_HEADER_LEN + frame.payload.len()) as u64, Ordering::Relaxed);
-        let mut header = BytesMut::with_capacity(FRAME_HEADER_LEN);
-        header.put_u32(frame.payload.len() as u32);
-        header.put_u8(frame.flags);
-        header.put_u64(frame.sent_at_us);
         self.out_len += FRAME_HEADER_LEN + frame.payload.len();
-        self.out.push_back(header.freeze());
+        self.out.push_back(Bytes::copy_from_slice(&frame.header()));
         self.out.push_back(frame.payload.freeze());
     }
 
     /// Parses every whole frame in `raw`, decodes it and queues it with its release time.
     fn decode_available(&mut self) -> io::Result<()> {
         let arrived = Instant::now();
-        while self.raw.len() >= FRAME_HEADER_LEN {
-            let len = u32::from_be_bytes([self.raw[0], self.raw[1], self.raw[2], self.raw[3]]) as usize;
-            if len > MAX_WIRE_PAYLOAD {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("transform frame of {len} bytes")));
-            }
-            if self.raw.len() < FRAME_HEADER_LEN + len {
-                self.raw.reserve(FRAME_HEADER_LEN + len - self.raw.len());
-                break;
-            }
-            let flags = self.raw[4];
-            let sent_at_us = u64::from_be_bytes(self.raw[5..13].try_into().expect("8 bytes"));
-            self.raw.advance(FRAME_HEADER_LEN);
-            let payload = self.raw.split_to(len);
-            let mut frame = Frame { flags, sent_at_us, payload };
-            self.stats.wire_received.fetch_add((FRAME_HEADER_LEN + len) as u64, Ordering::Relaxed);
+        while let Some(mut frame) = Frame::decode(&mut self.raw)? {
+            self.stats.wire_received.fetch_add((FRAME_HEADER_LEN + frame.payload.len()) as u64, Ordering::Relaxed);
             self.pipeline.decode(&mut frame)?;
             self.stats.plain_received.fetch_add(frame.payload.len() as u64, Ordering::Relaxed);
             let release = self.pipeline.release_at(&frame, arrived);
@@ -278,7 +261,8 @@ impl<S: std::fmt::Debug> std::fmt::Debug for TransformedStream<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transform::{Side, TransformSpec};
+    use crate::{Side, TransformSpec};
+    use bytes::BufMut;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     async fn pair(

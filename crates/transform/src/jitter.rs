@@ -8,7 +8,7 @@
 use std::io;
 use std::time::{Duration, Instant};
 
-use super::{Frame, Transform};
+use crate::{Frame, Transform};
 
 pub struct JitterBuffer {
     /// `None` on the server: it does not delay what clients send.
@@ -46,7 +46,8 @@ impl Transform for JitterBuffer {
         if let Some(origin) = arrived.checked_sub(sent) {
             self.origin = Some(self.origin.map_or(origin, |o| o.min(origin)));
         }
-        let due = self.origin.map_or(arrived, |origin| origin + sent + playout);
+        // Held at most `playout` past arrival, whatever the sender's clock claims.
+        let due = self.origin.map_or(arrived, |origin| origin + sent + playout).min(arrived + playout);
         // Never reorder, never release before arrival.
         let release = due.max(arrived).max(self.last_release.unwrap_or(arrived));
         self.last_release = Some(release);
@@ -92,5 +93,19 @@ mod tests {
         // 100 ms late beyond the base delay: more than the playout, so released on arrival.
         let late = now + Duration::from_millis(108);
         assert_eq!(buffer.release_at(&frame(8), late), late);
+    }
+
+    #[test]
+    fn a_frame_is_never_held_longer_than_the_playout() {
+        let now = Instant::now();
+        let playout = Duration::from_millis(10);
+        let mut buffer = JitterBuffer::new(Some(playout));
+        buffer.release_at(&frame(0), now);
+        // A sender clock far in the future (or a corrupt stamp) must not stall the stream.
+        let later = now + Duration::from_millis(1);
+        let stamped = Frame { flags: 0, sent_at_us: u64::MAX, payload: BytesMut::new() };
+        assert_eq!(buffer.release_at(&stamped, later), later + playout);
+        let next = later + Duration::from_millis(1);
+        assert!(buffer.release_at(&frame(16), next) <= next + playout);
     }
 }

@@ -18,7 +18,7 @@ mod jitter;
 use std::io;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::{Buf, BytesMut};
 
 pub use compress::{Compression, Lz4, Zstd};
 pub use framed::{TransformStats, TransformedStream};
@@ -38,6 +38,36 @@ pub struct Frame {
     pub flags: u8,
     pub sent_at_us: u64,
     pub payload: BytesMut,
+}
+
+impl Frame {
+    /// The header that goes before the payload on the wire.
+    pub fn header(&self) -> [u8; FRAME_HEADER_LEN] {
+        let mut header = [0; FRAME_HEADER_LEN];
+        header[..4].copy_from_slice(&(self.payload.len() as u32).to_be_bytes());
+        header[4] = self.flags;
+        header[5..].copy_from_slice(&self.sent_at_us.to_be_bytes());
+        header
+    }
+
+    /// Takes the first whole frame off the front of `raw`. `Ok(None)` consumes nothing
+    /// (more bytes are needed; `raw` has reserved room for them); a length beyond
+    /// [`MAX_WIRE_PAYLOAD`] is an error before anything is allocated for it.
+    pub fn decode(raw: &mut BytesMut) -> io::Result<Option<Self>> {
+        let Some(header) = raw.first_chunk::<FRAME_HEADER_LEN>() else { return Ok(None) };
+        let len = u32::from_be_bytes([header[0], header[1], header[2], header[3]]) as usize;
+        if len > MAX_WIRE_PAYLOAD {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("transform frame of {len} bytes")));
+        }
+        if raw.len() < FRAME_HEADER_LEN + len {
+            raw.reserve(FRAME_HEADER_LEN + len - raw.len());
+            return Ok(None);
+        }
+        let flags = header[4];
+        let sent_at_us = u64::from_be_bytes(header[5..].try_into().expect("8 bytes"));
+        raw.advance(FRAME_HEADER_LEN);
+        Ok(Some(Self { flags, sent_at_us, payload: raw.split_to(len) }))
+    }
 }
 
 /// One transformation module.
@@ -141,15 +171,23 @@ impl Pipeline {
         }
     }
 
+    /// Undoes the sender's transforms. A frame that names a transform not negotiated, or
+    /// decodes to more than a sender ever puts in one frame, is refused.
     pub fn decode(&mut self, frame: &mut Frame) -> io::Result<()> {
-        for transform in self.transforms.iter_mut().rev() {
-            transform.decode(frame)?;
-        }
         let known = self.transforms.iter().fold(0, |flags, t| flags | t.flag());
         if frame.flags & !known != 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!("frame flags {:#x} not negotiated", frame.flags),
+            ));
+        }
+        for transform in self.transforms.iter_mut().rev() {
+            transform.decode(frame)?;
+        }
+        if frame.payload.len() > MAX_FRAME_PAYLOAD {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("transform frame of {} bytes after decoding", frame.payload.len()),
             ));
         }
         Ok(())
@@ -177,6 +215,30 @@ mod tests {
         assert_eq!(TransformSpec::list_text(&TransformSpec::parse_list("lz4,jitter=8")), "lz4,jitter=8");
         assert_eq!(TransformSpec::parse("jitter=99999"), None);
         assert!(TransformSpec::parse_list("").is_empty());
+    }
+
+    #[test]
+    fn frames_decode_only_when_whole_and_round_trip() {
+        let frame = Frame { flags: 0x01, sent_at_us: 0x0102_0304_0506_0708, payload: BytesMut::from(&b"payload"[..]) };
+        let mut wire = BytesMut::from(&frame.header()[..]);
+        assert_eq!(&wire[..], &[0, 0, 0, 7, 0x01, 1, 2, 3, 4, 5, 6, 7, 8]);
+        wire.extend_from_slice(&frame.payload);
+        wire.extend_from_slice(&[0, 0]);
+        let mut partial = BytesMut::from(&wire[..FRAME_HEADER_LEN + 3]);
+        assert_eq!(Frame::decode(&mut partial).unwrap(), None);
+        assert_eq!(partial.len(), FRAME_HEADER_LEN + 3, "nothing consumed");
+        assert_eq!(Frame::decode(&mut wire).unwrap(), Some(frame));
+        assert_eq!(&wire[..], &[0, 0], "the next frame's bytes stay");
+    }
+
+    #[test]
+    fn oversized_frames_are_refused_before_allocation() {
+        let mut wire = BytesMut::from(&[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 0, 0][..]);
+        assert!(Frame::decode(&mut wire).is_err());
+        assert!(wire.capacity() < 1024);
+        let mut pipeline = Pipeline::new(&[], Side::Client);
+        let mut frame = Frame { flags: 0, sent_at_us: 0, payload: BytesMut::zeroed(MAX_FRAME_PAYLOAD + 1) };
+        assert!(pipeline.decode(&mut frame).is_err(), "no sender puts more than MAX_FRAME_PAYLOAD in a frame");
     }
 
     #[test]
