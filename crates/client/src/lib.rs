@@ -573,6 +573,8 @@ pub struct Connection {
     /// Messages for the writer task, in the order they go on the wire.
     outgoing: mpsc::UnboundedSender<Frame>,
     reader: tokio::task::JoinHandle<()>,
+    /// `None` once [`Connection::close`] has waited for it.
+    writer: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// One message for the writer task: the header (with a small payload and any
@@ -639,8 +641,20 @@ impl Connection {
             reader_shared.close();
         });
         let (outgoing, frames) = mpsc::unbounded_channel();
-        tokio::spawn(write_frames(write_half, frames, shared.clone()));
-        Self { devid: device.devid(), shared, outgoing, reader }
+        let writer = Some(tokio::spawn(write_frames(write_half, frames, shared.clone())));
+        Self { devid: device.devid(), shared, outgoing, reader, writer }
+    }
+
+    /// Ends the connection cleanly and waits (up to a second) until it has: what was
+    /// submitted is written, then the stream is shut down (over TLS with close_notify,
+    /// so the server logs a client that left, not a cut connection). Dropping a
+    /// `Connection` does the same in the background; a short-lived process that exits
+    /// right after should close instead. Transfer queues still alive keep it open.
+    pub async fn close(mut self) {
+        self.outgoing = mpsc::unbounded_channel().0;
+        if let Some(writer) = self.writer.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
+        }
     }
 
     /// Submits a transfer; returns its seqnum and a future for the reply.
@@ -861,6 +875,9 @@ async fn write_frames(
             return;
         }
     }
+    // The connection was dropped: end the stream cleanly (TLS: close_notify, so the
+    // server can tell a client that left from a connection cut short).
+    let _ = writer.shutdown().await;
 }
 
 /// Writes every byte of `parts`, in order, with as few system calls as the socket allows.

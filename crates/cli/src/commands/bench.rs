@@ -146,6 +146,7 @@ async fn periodic(
         let spacing = usbwire_bench::periodic::measure(&conn, endpoint, count, depth)
             .await
             .map_err(|e| Failure::unavailable(anyhow!("{busid} endpoint {endpoint:#04x}: {e}")))?;
+        conn.close().await;
         results.push((rtt_ms, spacing));
     }
     let transforms = TransformSpec::list_text(&plan.transforms);
@@ -324,6 +325,7 @@ pub(crate) async fn execute(
                     fits.push((rtt_ms, direction, fit));
                 }
             }
+            conn.close().await;
         }
         bar.finish_and_clear();
         Ok(Report { records, latencies, fits })

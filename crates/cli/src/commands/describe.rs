@@ -34,8 +34,8 @@ pub(crate) async fn fetch(
     let (stream, record) = usbwire_client::import(addr, busid, security).await?;
     let connection = Connection::new(stream, &record);
     let description = describe::describe(&connection).await.map_err(|e| Failure::unavailable(e.into()))?;
-    // Dropping the connection releases the device on the server.
-    drop(connection);
+    // Closing the connection releases the device on the server.
+    connection.close().await;
     Ok(description)
 }
 
