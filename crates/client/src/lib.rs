@@ -181,7 +181,10 @@ async fn connect(addr: SocketAddr, security: &Security) -> Result<PeerStream, Cl
     let (config, seen) = usbwire_transport::tls::client_config(&tls.identity, trust)
         .map_err(|e| ClientError::Tls { addr: key.clone(), reason: e.to_string() })?;
     let connector = tokio_rustls::TlsConnector::from(config);
-    let handshake = tokio::time::timeout(OP_TIMEOUT, connector.connect(usbwire_transport::tls::server_name(), tcp));
+    let handshake = tokio::time::timeout(
+        OP_TIMEOUT,
+        connector.connect(usbwire_transport::tls::server_name(), usbwire_transport::tls_socket(tcp)),
+    );
     let stream = match handshake.await {
         Err(_) => return Err(ClientError::Timeout { addr: key }),
         Ok(Ok(stream)) => stream,

@@ -183,17 +183,18 @@ async fn secure(tcp: TcpStream, peer: SocketAddr, config: &ServerConfig) -> Opti
         return None;
     };
     let acceptor = tokio_rustls::TlsAcceptor::from(tls.clone());
-    let stream = match tokio::time::timeout(OP_REQUEST_TIMEOUT, acceptor.accept(tcp)).await {
-        Ok(Ok(stream)) => stream,
-        Ok(Err(error)) => {
-            warn!(%error, "TLS handshake failed");
-            return None;
-        }
-        Err(_) => {
-            warn!("TLS handshake timed out");
-            return None;
-        }
-    };
+    let stream =
+        match tokio::time::timeout(OP_REQUEST_TIMEOUT, acceptor.accept(usbwire_transport::tls_socket(tcp))).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(error)) => {
+                warn!(%error, "TLS handshake failed");
+                return None;
+            }
+            Err(_) => {
+                warn!("TLS handshake timed out");
+                return None;
+            }
+        };
     let fingerprint = usbwire_transport::tls::client_fingerprint(stream.get_ref().1)?;
     let client = match (&security.ca, stream.get_ref().1.peer_certificates().and_then(|c| c.first())) {
         // A certificate the CA issued, for a name some rule admits.

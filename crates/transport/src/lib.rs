@@ -25,7 +25,7 @@ pub mod tls;
 pub use usbwire_transform as transform;
 
 pub use identity::{Fingerprint, Identity, IdentityError};
-pub use stream::PeerStream;
+pub use stream::{tls_socket, PeerStream, TlsSocket};
 
 /// The first byte of a TLS handshake record (content type 22). A plain USB/IP
 /// request starts with its version's high byte, 0x01.
