@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# TLS 1.3 against plaintext over the same path: on unshaped loopback, and on links shaped
+# to each RATE (a token-bucket filter on the loopback of a network namespace of our own,
+# so nothing outside it is touched). Shows what TLS costs where the link, not the CPU,
+# is the limit. Needs root and iproute2 (tc); runs the release binary.
+#
+#   scripts/bench-link.sh [RATE...]          default: unshaped 10gbit 1gbit
+#   USBWIRE_BIN=path SECONDS_PER_POINT=0.5 REPEAT=3 scripts/bench-link.sh
+#
+# Prints one line per direction and URB size: plaintext and TLS MiB/s, TLS/plaintext,
+# and each one's ratio to the raw-TCP ceiling of the same (shaped) path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bin="${USBWIRE_BIN:-$PWD/target/release/usbwire}"
+seconds="${SECONDS_PER_POINT:-0.5}"
+repeat="${REPEAT:-3}"
+rates=("$@")
+[ ${#rates[@]} -eq 0 ] && rates=(unshaped 10gbit 1gbit)
+[ -x "$bin" ] || { echo "bench-link: no binary at $bin (cargo build --release first)" >&2; exit 66; }
+[ "$(id -u)" = 0 ] || { echo "bench-link: needs root for ip netns and tc" >&2; exit 77; }
+
+work="$(mktemp -d)"
+ns="usbwire-link-$$"
+server=""
+cleanup() {
+  [ -n "$server" ] && kill "$server" 2>/dev/null && wait "$server" 2>/dev/null
+  ip netns del "$ns" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+"$bin" identity --dir "$work/server" --create -q >/dev/null
+fingerprint="$("$bin" identity --dir "$work/client" --create --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["fingerprint"])')"
+
+printf '%-9s %-4s %9s %12s %12s %9s %10s %10s\n' link dir urb_size "plain MiB/s" "TLS MiB/s" TLS/plain "plain/raw" "TLS/raw"
+for rate in "${rates[@]}"; do
+  ip netns add "$ns"
+  ip -n "$ns" link set lo up
+  if [ "$rate" != unshaped ]; then
+    # burst: at least one timer tick's worth at the rate, and more than lo's 64 KiB MTU.
+    ip netns exec "$ns" tc qdisc add dev lo root tbf rate "$rate" burst 8mb latency 50ms
+  fi
+  ip netns exec "$ns" "$bin" serve --listen 127.0.0.1:3240 --tls --identity "$work/server" \
+    --allow "$fingerprint" --allow-plain always --virtual loopback --control "$work/control" -q >/dev/null &
+  server=$!
+  for _ in $(seq 50); do ip netns exec "$ns" "$bin" list -r 127.0.0.1 -q >/dev/null 2>&1 && break; sleep 0.1; done
+  bench() {
+    ip netns exec "$ns" "$bin" bench -r 127.0.0.1 -b 1-1 --sizes 64K,1M --depths 8 \
+      --seconds "$seconds" --repeat "$repeat" --json -q "$@"
+  }
+  bench > "$work/plain.json"
+  bench --tls --trust-new --identity "$work/client" > "$work/tls.json"
+  python3 - "$rate" "$work/plain.json" "$work/tls.json" <<'EOF'
+import json, sys
+rate, plain, tls = sys.argv[1], *(json.load(open(p))["records"] for p in sys.argv[2:])
+key = lambda r: (r["direction"], r["urb_size"])
+tls = {key(r): r for r in tls}
+for p in plain:
+    t = tls[key(p)]
+    print(f'{rate:<9} {p["direction"]:<4} {p["urb_size"]:>9} {p["mib_per_s"]:>12.1f} {t["mib_per_s"]:>12.1f} '
+          f'{t["mib_per_s"] / p["mib_per_s"]:>9.2f} {p["ratio_to_raw_tcp"]:>10.2f} {t["ratio_to_raw_tcp"]:>10.2f}')
+EOF
+  kill "$server"; wait "$server" 2>/dev/null || true
+  server=""
+  ip netns del "$ns"
+done
