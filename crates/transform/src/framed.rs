@@ -4,7 +4,6 @@
 //! order, each once its release time has come (the jitter buffer's doing).
 
 use std::collections::VecDeque;
-use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,9 +13,9 @@ use std::time::Instant;
 
 use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::time::Sleep;
 use tokio_util::io::poll_read_buf;
 
+use crate::timer::PreciseTimer;
 use crate::{Frame, Pipeline, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD};
 
 /// Encoded bytes held before `poll_write` pushes back.
@@ -60,7 +59,8 @@ pub struct TransformedStream<S> {
     waiting: VecDeque<(Instant, Bytes)>,
     /// The frame being read out.
     current: Bytes,
-    timer: Option<Pin<Box<Sleep>>>,
+    /// Made on first use (it needs the runtime), kept for the stream's life.
+    timer: Option<PreciseTimer>,
     inner_eof: bool,
 }
 
@@ -172,13 +172,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for TransformedStream<S> {
             match this.waiting.front() {
                 Some(&(release, _)) if release <= Instant::now() => {
                     this.current = this.waiting.pop_front().expect("front exists").1;
-                    this.timer = None;
                 }
                 Some(&(release, _)) => {
-                    let deadline = tokio::time::Instant::from_std(release);
-                    let timer = this.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-                    timer.as_mut().reset(deadline);
-                    if timer.as_mut().poll(cx).is_pending() {
+                    let timer = this.timer.get_or_insert_with(PreciseTimer::new);
+                    if timer.poll_until(cx, release).is_pending() {
                         return Poll::Pending;
                     }
                 }

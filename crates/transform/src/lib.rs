@@ -14,6 +14,7 @@
 mod compress;
 mod framed;
 mod jitter;
+mod timer;
 
 use std::io;
 use std::time::{Duration, Instant};
