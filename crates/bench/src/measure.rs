@@ -63,19 +63,7 @@ impl Payload {
     fn pool(self, size: usize) -> bytes::Bytes {
         match self {
             Self::Constant => bytes::Bytes::from(vec![0xa5u8; size]),
-            Self::Random => {
-                let len = RANDOM_POOL.max(size);
-                let mut state = 0x9e37_79b9_7f4a_7c15u64;
-                let mut data = Vec::with_capacity(len + 8);
-                while data.len() < len {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    data.extend_from_slice(&state.to_le_bytes());
-                }
-                data.truncate(len);
-                data.into()
-            }
+            Self::Random => usbwire_gadgets::loopback::noise(RANDOM_POOL.max(size), 0x9e37_79b9_7f4a_7c15).into(),
         }
     }
 }

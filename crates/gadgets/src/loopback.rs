@@ -62,22 +62,25 @@ fn pattern(len: usize) -> Bytes {
     (0..len).map(pattern_byte).collect::<Vec<u8>>().into()
 }
 
-/// xorshift noise, built once: incompressible, and the same in every run.
+/// `len` bytes of xorshift noise from `seed` (not 0): incompressible, and the same in
+/// every run. The noise source sends it; `usbwire bench --payload random` writes it.
+pub fn noise(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed;
+    let mut data = Vec::with_capacity(len + 8);
+    while data.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        data.extend_from_slice(&state.to_le_bytes());
+    }
+    data.truncate(len);
+    data
+}
+
+/// The noise source's bytes, built once.
 fn shared_noise() -> &'static Bytes {
     static NOISE: OnceLock<Bytes> = OnceLock::new();
-    NOISE.get_or_init(|| {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let len = Limits::default().max_transfer_length as usize;
-        let mut data = Vec::with_capacity(len);
-        while data.len() < len {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            data.extend_from_slice(&state.to_le_bytes());
-        }
-        data.truncate(len);
-        data.into()
-    })
+    NOISE.get_or_init(|| noise(Limits::default().max_transfer_length as usize, 0x2545_f491_4f6c_dd1d).into())
 }
 
 /// The loopback function (see [`loopback`]).
