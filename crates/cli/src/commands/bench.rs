@@ -129,26 +129,41 @@ async fn periodic(
     json: bool,
 ) -> Result<(), Failure> {
     let count = (plan.seconds * 1000.0 / 8.0).max(64.0) as usize;
-    let mut results = Vec::new();
-    for &rtt_ms in &plan.rtts_ms {
-        let rtt = Duration::from_secs_f64(rtt_ms / 1000.0);
-        let jitter = Duration::from_secs_f64(plan.jitter_ms / 1000.0);
-        let addr = if rtt.is_zero() && jitter.is_zero() {
-            target
-        } else {
-            proxy::start(target, rtt, jitter).await.map_err(|e| Failure::io(e.into()))?
-        };
-        let (stream, record) = usbwire_client::import_with(addr, busid, security, &plan.transforms).await?;
-        let conn = Connection::new(stream, &record);
-        measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
-        // Enough URBs queued to cover the RTT and the jitter (Eq. 2 with room to spare).
-        let depth = ((rtt_ms + 2.0 * plan.jitter_ms) / 8.0).ceil() as usize + 4;
-        let spacing = usbwire_bench::periodic::measure(&conn, endpoint, count, depth)
-            .await
-            .map_err(|e| Failure::unavailable(anyhow!("{busid} endpoint {endpoint:#04x}: {e}")))?;
-        conn.close().await;
-        results.push((rtt_ms, spacing));
-    }
+    // The jitter buffer holds completions for up to its playout: the queue must cover that too.
+    let playout_ms = plan
+        .transforms
+        .iter()
+        .map(|t| if let TransformSpec::Jitter(playout) = t { playout.as_secs_f64() * 1000.0 } else { 0.0 })
+        .sum::<f64>();
+    // On a client thread of its own, like the throughput matrix: the reader and the
+    // measuring task then share one thread, and a completion costs one wake-up, not two.
+    let (plan_, busid_, security_) = (plan.clone(), busid.clone(), security.clone());
+    let measured = move || async move {
+        let (plan, busid, security) = (&plan_, &busid_, &security_);
+        let mut results = Vec::new();
+        for &rtt_ms in &plan.rtts_ms {
+            let rtt = Duration::from_secs_f64(rtt_ms / 1000.0);
+            let jitter = Duration::from_secs_f64(plan.jitter_ms / 1000.0);
+            let addr = if rtt.is_zero() && jitter.is_zero() {
+                target
+            } else {
+                proxy::start(target, rtt, jitter).await.map_err(|e| Failure::io(e.into()))?
+            };
+            let (stream, record) = usbwire_client::import_with(addr, busid, security, &plan.transforms).await?;
+            let conn = Connection::new(stream, &record);
+            measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
+            // Enough URBs queued to cover the RTT, the jitter and the playout (Eq. 2 with room to spare).
+            let depth = ((rtt_ms + 2.0 * plan.jitter_ms + playout_ms) / 8.0).ceil() as usize + 4;
+            let spacing = usbwire_bench::periodic::measure(&conn, endpoint, count, depth)
+                .await
+                .map_err(|e| Failure::unavailable(anyhow!("{busid} endpoint {endpoint:#04x}: {e}")))?;
+            conn.close().await;
+            results.push((rtt_ms, spacing));
+        }
+        Ok::<_, Failure>(results)
+    };
+    let results =
+        usbwire_bench::client_thread("usbwire-bench", measured).await.map_err(|e| Failure::software(e.into()))??;
     let transforms = TransformSpec::list_text(&plan.transforms);
     if json {
         let records: Vec<_> = results
