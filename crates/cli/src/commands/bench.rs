@@ -180,13 +180,13 @@ async fn periodic(
             plan.jitter_ms
         );
         println!(
-            "{:>7} {:>6} {:>10} {:>10} {:>10} {:>10}",
-            "rtt ms", "n", "device us", "err p50", "err p99", "err max"
+            "{:>7} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "rtt ms", "n", "device us", "err p50", "err p90", "err p99", "err max"
         );
         for (rtt_ms, s) in &results {
             println!(
-                "{rtt_ms:>7} {:>6} {:>10.0} {:>10.0} {:>10.0} {:>10.0}",
-                s.completions, s.device_interval_us, s.error_us.p50, s.error_us.p99, s.error_us.max
+                "{rtt_ms:>7} {:>6} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>10.0}",
+                s.completions, s.device_interval_us, s.error_us.p50, s.error_us.p90, s.error_us.p99, s.error_us.max
             );
         }
     }
