@@ -21,6 +21,10 @@ impl Failure {
     pub(crate) fn unavailable(error: anyhow::Error) -> Self {
         Self { error, code: 69 }
     }
+    /// 77: the server does not admit this client's identity.
+    pub(crate) fn not_admitted(error: anyhow::Error) -> Self {
+        Self { error, code: 77 }
+    }
     /// 70: an internal error.
     pub(crate) fn software(error: anyhow::Error) -> Self {
         Self { error, code: 70 }
@@ -44,6 +48,7 @@ impl From<usbwire_client::ClientError> for Failure {
         use usbwire_client::ClientError as E;
         match error {
             E::Protocol(_) | E::WrongDevice { .. } => Self::protocol(error.into()),
+            E::NotAdmitted { .. } | E::CertificateExpired { .. } => Self::not_admitted(error.into()),
             _ => Self::unavailable(error.into()),
         }
     }

@@ -237,10 +237,16 @@ fn tls_identity_pinning_and_access_end_to_end() {
     let out = usbwire(&["list", "-r", &served.addr]);
     assert_eq!(out.status.code(), Some(69));
     assert!(String::from_utf8_lossy(&out.stderr).contains("may require TLS"));
-    // Another client identity is not allowed.
+    // Another client identity is not admitted, and is told so with the line that would admit it.
     let stranger = dir.join("stranger");
     let out = usbwire(&["list", "-r", &served.addr, "--tls", "--trust-new", "--identity", stranger.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(69));
+    assert_eq!(out.status.code(), Some(77));
+    let shown = usbwire(&["identity", "--json", "--dir", stranger.to_str().unwrap()]);
+    let stranger_fp =
+        serde_json::from_slice::<serde_json::Value>(&shown.stdout).unwrap()["fingerprint"].as_str().unwrap().to_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("does not admit this client (identity {stranger_fp})")), "{stderr}");
+    assert!(stderr.contains(&format!("usbwire serve --allow {stranger_fp}")), "{stderr}");
 }
 
 #[test]

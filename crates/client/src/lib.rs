@@ -78,6 +78,16 @@ pub enum ClientError {
         "TLS with {addr} failed: {reason} (does the server allow this client's identity? `usbwire identity` shows it)"
     )]
     Tls { addr: String, reason: String },
+    /// TLS: the server does not admit this client's identity (an access-denied alert).
+    #[error(
+        "{addr} does not admit this client (identity {fingerprint}): ask its administrator to allow it (`usbwire serve --allow {fingerprint}`, or an [[allow]] rule)"
+    )]
+    NotAdmitted { addr: String, fingerprint: String },
+    /// TLS: the server refused this client's CA-issued certificate as expired or not yet valid.
+    #[error(
+        "{addr} refused this client's certificate as expired or not yet valid: have the CA issue a new one (`usbwire identity --ca-issue NAME --days N`) and check this machine's clock"
+    )]
+    CertificateExpired { addr: String },
     /// The server closed the connection before answering (plain USB/IP refused, or TLS required).
     #[error(
         "{addr} closed the connection without answering (it may require TLS: use --tls, or it refused this client)"
@@ -253,7 +263,7 @@ pub async fn list_devices(addr: SocketAddr, security: &Security) -> Result<Vec<D
     let result = tokio::time::timeout(OP_TIMEOUT, exchange)
         .await
         .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?;
-    result.map_err(|e| closed_early(e, addr))
+    result.map_err(|e| closed_early(e, addr, security))
 }
 
 /// One device as a usbwire server reports it through `OP_REQ_DEVSTATE`:
@@ -324,7 +334,8 @@ pub async fn device_states(
     };
     let body = tokio::time::timeout(OP_TIMEOUT, exchange)
         .await
-        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })??;
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
+        .map_err(|e| closed_early(e, addr, security))?;
     let Some(body) = body else { return Ok(None) };
     #[derive(serde::Deserialize)]
     struct Body {
@@ -339,21 +350,38 @@ pub async fn device_states(
     Ok(Some(parsed.devices))
 }
 
-/// A server that hangs up during the OP phase (a refused plain or TLS client)
-/// resets or ends the connection; say so rather than "connection reset".
-fn closed_early(error: ClientError, addr: SocketAddr) -> ClientError {
-    match error {
-        ClientError::Io(io)
-            if matches!(
-                io.kind(),
-                std::io::ErrorKind::ConnectionReset
-                    | std::io::ErrorKind::UnexpectedEof
-                    | std::io::ErrorKind::BrokenPipe
-            ) =>
-        {
+/// How a server turns a client away during the OP phase, in the user's terms:
+/// a TLS alert refusing our identity (TLS 1.3 finishes the client's side of the
+/// handshake before the server has checked its certificate, so the alert comes
+/// with the first reply), or a hang-up (a refused plain client, or TLS required)
+/// rather than "connection reset".
+fn closed_early(error: ClientError, addr: SocketAddr, security: &Security) -> ClientError {
+    use tokio_rustls::rustls;
+    let ClientError::Io(io) = error else { return error };
+    let alert = io.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()).and_then(|e| match e {
+        rustls::Error::AlertReceived(alert) => Some(*alert),
+        _ => None,
+    });
+    match (alert, security) {
+        (Some(rustls::AlertDescription::AccessDenied), Security::Tls(tls)) => {
+            return ClientError::NotAdmitted {
+                addr: addr.to_string(),
+                fingerprint: tls.identity.fingerprint().to_string(),
+            }
+        }
+        (Some(rustls::AlertDescription::CertificateExpired), _) => {
+            return ClientError::CertificateExpired { addr: addr.to_string() }
+        }
+        (Some(alert), _) => {
+            return ClientError::Tls { addr: addr.to_string(), reason: format!("the server sent the alert {alert:?}") }
+        }
+        (None, _) => {}
+    }
+    match io.kind() {
+        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::BrokenPipe => {
             ClientError::ClosedWithoutAnswer { addr: addr.to_string() }
         }
-        other => other,
+        _ => ClientError::Io(io),
     }
 }
 
@@ -368,7 +396,12 @@ pub async fn import(
 
 /// Offers stream transforms (usbwire servers only) and wraps the stream in
 /// those the server accepted. An empty offer sends nothing.
-async fn negotiate(stream: PeerStream, offer: &[TransformSpec], addr: SocketAddr) -> Result<PeerStream, ClientError> {
+async fn negotiate(
+    stream: PeerStream,
+    offer: &[TransformSpec],
+    addr: SocketAddr,
+    security: &Security,
+) -> Result<PeerStream, ClientError> {
     if offer.is_empty() {
         return Ok(stream);
     }
@@ -380,7 +413,15 @@ async fn negotiate(stream: PeerStream, offer: &[TransformSpec], addr: SocketAddr
         stream.flush().await?;
         // Exactly the answer: the framed stream starts right after it.
         let mut head = [0u8; op::OP_HEADER_LEN + 4];
-        stream.read_exact(&mut head).await.map_err(|_| ClientError::NoTransforms { addr: addr.to_string() })?;
+        if let Err(error) = stream.read_exact(&mut head).await {
+            // A refused identity, said by a TLS alert; otherwise a server that hung up on the extension.
+            return Err(match closed_early(error.into(), addr, security) {
+                ClientError::ClosedWithoutAnswer { .. } | ClientError::Io(_) => {
+                    ClientError::NoTransforms { addr: addr.to_string() }
+                }
+                refused => refused,
+            });
+        }
         let len = u32::from_be_bytes([head[8], head[9], head[10], head[11]]).min(op::MAX_TRANSFORMS_LEN) as usize;
         let mut buf = BytesMut::from(&head[..]);
         buf.resize(head.len() + len, 0);
@@ -406,7 +447,7 @@ pub async fn import_with(
     transforms: &[TransformSpec],
 ) -> Result<(PeerStream, DeviceRecord), ClientError> {
     let stream = connect(addr, security).await?;
-    let mut stream = negotiate(stream, transforms, addr).await?;
+    let mut stream = negotiate(stream, transforms, addr, security).await?;
     let exchange = async {
         let mut out = BytesMut::new();
         OpRequest::Import { busid: busid.clone() }.encode(&mut out);
@@ -439,7 +480,7 @@ pub async fn import_with(
     let device = tokio::time::timeout(OP_TIMEOUT, exchange)
         .await
         .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
-        .map_err(|e| closed_early(e, addr))?;
+        .map_err(|e| closed_early(e, addr, security))?;
     Ok((stream, device))
 }
 

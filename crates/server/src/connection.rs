@@ -12,6 +12,7 @@ use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
+use tokio_rustls::rustls as rustls_config;
 use tracing::{debug, info, warn, Instrument};
 use usbwire_proto::op::{self, OpRequest, OpStatus};
 use usbwire_proto::{DecodeError, Limits};
@@ -38,8 +39,8 @@ pub(crate) async fn handle(
     };
     let visible = |kind: &str, busid: &str| match client {
         // Plain clients see everything unless a rule names them.
-        ClientId::Plain if !config.security.access.rules.iter().any(|r| r.client == "plain") => true,
-        _ => config.security.access.allows(&client, busid, kind),
+        ClientId::Plain if !config.security.admission.rules.rules.iter().any(|r| r.client == "plain") => true,
+        _ => config.security.admission.rules.allows(&client, busid, kind),
     };
     let mut buf = BytesMut::with_capacity(256);
     let Some(mut request) = next_request(&mut stream, &mut buf, &config).await else { return };
@@ -187,7 +188,22 @@ async fn secure(tcp: TcpStream, peer: SocketAddr, config: &ServerConfig) -> Opti
         match tokio::time::timeout(OP_REQUEST_TIMEOUT, acceptor.accept(usbwire_transport::tls_socket(tcp))).await {
             Ok(Ok(stream)) => stream,
             Ok(Err(error)) => {
-                warn!(%error, "TLS handshake failed");
+                // A refused identity was logged, with its fingerprint, when it was refused.
+                let refused =
+                    error.get_ref().and_then(|inner| inner.downcast_ref::<rustls_config::Error>()).is_some_and(|e| {
+                        use rustls_config::CertificateError as Why;
+                        matches!(
+                            e,
+                            rustls_config::Error::InvalidCertificate(
+                                Why::ApplicationVerificationFailure | Why::Expired | Why::NotValidYet
+                            )
+                        )
+                    });
+                if refused {
+                    debug!(%error, "TLS handshake ended: client refused");
+                } else {
+                    warn!(%error, "TLS handshake failed");
+                }
                 return None;
             }
             Err(_) => {
@@ -195,25 +211,9 @@ async fn secure(tcp: TcpStream, peer: SocketAddr, config: &ServerConfig) -> Opti
                 return None;
             }
         };
-    let fingerprint = usbwire_transport::tls::client_fingerprint(stream.get_ref().1)?;
-    let client = match (&security.ca, stream.get_ref().1.peer_certificates().and_then(|c| c.first())) {
-        // A certificate the CA issued, for a name some rule admits.
-        (Some(ca), Some(leaf)) => security
-            .access
-            .rules
-            .iter()
-            .filter_map(|rule| rule.ca_name())
-            .find(|name| ca.vouches_for(leaf, name))
-            .map_or(ClientId::Certificate(fingerprint), |name| ClientId::CaIssued {
-                fingerprint,
-                name: name.to_owned(),
-            }),
-        _ => ClientId::Certificate(fingerprint),
-    };
-    if !security.access.knows(&client) {
-        warn!(%client, "unknown client identity refused (add it to an [[allow]] rule to admit it)");
-        return None;
-    }
+    // The handshake admitted it (tls::server_config); this names it.
+    let leaf = stream.get_ref().1.peer_certificates().and_then(|certs| certs.first())?;
+    let client = security.admission.identify(leaf).ok()?;
     info!(%client, "TLS client authenticated");
     Some((PeerStream::ServerTls(Box::new(stream)), client))
 }

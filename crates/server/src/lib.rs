@@ -36,7 +36,8 @@ pub use control::{
 pub use host_exports::{HostExports, HOST_KIND};
 pub use registry::{DeviceState, ExportInfo, Registry};
 pub use usbwire_host::{Selector, SelectorError};
-pub use usbwire_transport::access::AccessRules;
+pub use usbwire_transport::access::{AccessRules, Admission};
+pub use usbwire_transport::Identity;
 
 /// Server settings, with the defaults `usbwire serve` uses.
 #[derive(Clone, Debug)]
@@ -72,17 +73,25 @@ pub struct Security {
     /// TLS 1.3 with client certificates, on the same port as plain USB/IP.
     pub tls: Option<Arc<rustls_config::ServerConfig>>,
     pub plain: PlainPolicy,
-    /// Which client sees and imports which device. Plain clients are matched by
-    /// `client = "plain"` rules, or see everything when no rule names them.
-    pub access: AccessRules,
-    /// A private CA whose client certificates `client = "ca:NAME"` rules admit.
-    pub ca: Option<usbwire_transport::ca::TrustedCa>,
+    /// Which client sees and imports which device (`admission.rules`), and the
+    /// private CA whose client certificates `client = "ca:NAME"` rules admit.
+    /// Plain clients are matched by `client = "plain"` rules, or see everything
+    /// when no rule names them.
+    pub admission: Admission,
+}
+
+impl Security {
+    /// TLS with `identity`, admitting the clients `admission` names.
+    pub fn tls(identity: &Identity, plain: PlainPolicy, admission: Admission) -> Result<Self, rustls_config::Error> {
+        let tls = usbwire_transport::tls::server_config(identity, admission.clone())?;
+        Ok(Self { tls: Some(tls), plain, admission })
+    }
 }
 
 impl Default for Security {
     /// Plain USB/IP for everyone, as usbipd does.
     fn default() -> Self {
-        Self { tls: None, plain: PlainPolicy::Always, access: AccessRules::open(), ca: None }
+        Self { tls: None, plain: PlainPolicy::Always, admission: Admission { rules: AccessRules::open(), ca: None } }
     }
 }
 

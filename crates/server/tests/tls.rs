@@ -13,7 +13,7 @@ use usbwire_device::Speed;
 use usbwire_proto::op::{BusId, OpStatus};
 use usbwire_proto::Status;
 use usbwire_server::{PlainPolicy, Security as ServerSecurity, Server, ServerConfig};
-use usbwire_transport::access::{AccessRules, Rule};
+use usbwire_transport::access::{AccessRules, Admission, Rule};
 use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::Identity;
 
@@ -39,17 +39,13 @@ async fn start(plain: PlainPolicy) -> Setup {
 async fn start_with_ca(plain: PlainPolicy, ca: Option<usbwire_transport::ca::TrustedCa>) -> Setup {
     let server = Identity::generate("server").unwrap();
     let alice = Identity::generate("alice").unwrap();
-    let security = ServerSecurity {
-        tls: Some(usbwire_transport::tls::server_config(&server).unwrap()),
-        plain,
-        access: AccessRules {
-            rules: vec![
-                Rule { client: alice.fingerprint().to_string(), devices: vec!["1-1".into()] },
-                Rule { client: "ca:bob".into(), devices: vec!["1-2".into()] },
-            ],
-        },
-        ca,
+    let rules = AccessRules {
+        rules: vec![
+            Rule { client: alice.fingerprint().to_string(), devices: vec!["1-1".into()] },
+            Rule { client: "ca:bob".into(), devices: vec!["1-2".into()] },
+        ],
     };
+    let security = ServerSecurity::tls(&server, plain, Admission { rules, ca }).unwrap();
     let config = ServerConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         control_path: None,
@@ -112,11 +108,24 @@ async fn refused_before_any_device_is_listed() {
     // No client key at all: plain USB/IP, which this policy forbids (a downgrade).
     let plain = usbwire_client::list_devices(setup.addr, &Security::Plain).await;
     assert!(matches!(plain, Err(ClientError::ClosedWithoutAnswer { .. })), "{plain:?}");
-    // An unknown key: the handshake completes, then the server hangs up.
+    // A TLS client with no key: the server demands one in the handshake.
+    let result = list_without_client_key(setup.addr).await;
+    assert!(result.is_err(), "a client without a key got an answer: {result:?}");
+    // An unknown key: refused in the handshake, and told so with its fingerprint,
+    // whether it lists, imports or asks for device states.
     let mallory = Identity::generate("mallory").unwrap();
     let unknown = tls(&mallory, pinned(&setup, setup.addr, "mallory-known"), false);
-    let result = usbwire_client::list_devices(setup.addr, &unknown).await;
-    assert!(matches!(result, Err(ClientError::ClosedWithoutAnswer { .. }) | Err(ClientError::Io(_))), "{result:?}");
+    let not_admitted = |result: Result<(), ClientError>| match result {
+        Err(ClientError::NotAdmitted { fingerprint, .. }) => assert_eq!(fingerprint, mallory.fingerprint().to_string()),
+        other => panic!("expected not-admitted, got {other:?}"),
+    };
+    not_admitted(usbwire_client::list_devices(setup.addr, &unknown).await.map(drop));
+    not_admitted(usbwire_client::import(setup.addr, &BusId::new("1-1").unwrap(), &unknown).await.map(drop));
+    not_admitted(usbwire_client::device_states(setup.addr, &unknown).await.map(drop));
+    let offer = [TransformSpec::Zstd];
+    not_admitted(
+        usbwire_client::import_with(setup.addr, &BusId::new("1-1").unwrap(), &unknown, &offer).await.map(drop),
+    );
     // A server whose key is not the pinned one (a key for another server).
     let other_server = Identity::generate("other").unwrap();
     let known = KnownServers::in_dir(&scratch("wrong-pin"));
@@ -136,6 +145,63 @@ async fn refused_before_any_device_is_listed() {
     let devices = usbwire_client::list_devices(setup.addr, &tls(&setup.alice, known.clone(), true)).await.unwrap();
     assert_eq!(devices.len(), 1);
     assert_eq!(known.lookup(&setup.addr.to_string()), Some(setup.server.fingerprint()));
+}
+
+/// A TLS 1.3 client that presents no certificate, asking for the device list.
+async fn list_without_client_key(addr: SocketAddr) -> std::io::Result<usize> {
+    use tokio_rustls::rustls;
+    #[derive(Debug)]
+    struct AnyServer(rustls::crypto::WebPkiSupportedAlgorithms);
+    impl rustls::client::danger::ServerCertVerifier for AnyServer {
+        fn verify_server_cert(
+            &self,
+            _: &rustls::pki_types::CertificateDer<'_>,
+            _: &[rustls::pki_types::CertificateDer<'_>],
+            _: &rustls::pki_types::ServerName<'_>,
+            _: &[u8],
+            _: rustls::pki_types::UnixTime,
+        ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+            Ok(rustls::client::danger::ServerCertVerified::assertion())
+        }
+        fn verify_tls12_signature(
+            &self,
+            _: &[u8],
+            _: &rustls::pki_types::CertificateDer<'_>,
+            _: &rustls::DigitallySignedStruct,
+        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+            unreachable!("TLS 1.3 only")
+        }
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &rustls::pki_types::CertificateDer<'_>,
+            dss: &rustls::DigitallySignedStruct,
+        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0)
+        }
+        fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+            self.0.supported_schemes()
+        }
+    }
+    let provider = rustls::crypto::ring::default_provider();
+    let verifier = AnyServer(provider.signature_verification_algorithms);
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(provider))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(verifier))
+        .with_no_client_auth();
+    let tcp = TcpStream::connect(addr).await?;
+    let mut stream =
+        tokio_rustls::TlsConnector::from(Arc::new(config)).connect(usbwire_transport::tls::server_name(), tcp).await?;
+    let mut request = bytes::BytesMut::new();
+    usbwire_proto::op::OpRequest::DevList.encode(&mut request);
+    stream.write_all(&request).await?;
+    let mut reply = [0u8; 256];
+    match stream.read(&mut reply).await? {
+        0 => Err(std::io::ErrorKind::UnexpectedEof.into()),
+        n => Ok(n),
+    }
 }
 
 #[tokio::test]
@@ -270,7 +336,7 @@ async fn a_private_ca_admits_the_names_it_issued_and_nothing_else() {
     assert!(states[0].identity.as_deref().unwrap().starts_with("ca:bob"), "{states:?}");
 
     let refused = |result: &Result<Vec<usbwire_proto::op::DeviceRecord>, ClientError>| {
-        matches!(result, Err(ClientError::ClosedWithoutAnswer { .. }) | Err(ClientError::Io(_)))
+        matches!(result, Err(ClientError::NotAdmitted { .. }))
     };
     // Issued by the CA, but for a name no rule admits.
     let eve = ca.issue("eve", 30).unwrap();
@@ -285,5 +351,5 @@ async fn a_private_ca_admits_the_names_it_issued_and_nothing_else() {
     let now = time::OffsetDateTime::now_utc();
     let old_bob = ca.issue_valid("bob", now - time::Duration::days(30), now - time::Duration::days(1)).unwrap();
     let result = usbwire_client::list_devices(setup.addr, &client(&old_bob, "old-known")).await;
-    assert!(refused(&result), "{result:?}");
+    assert!(matches!(result, Err(ClientError::CertificateExpired { .. })), "{result:?}");
 }

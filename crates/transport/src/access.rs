@@ -12,8 +12,11 @@
 //! Plain (non-TLS) connections, where the policy admits them, are matched by
 //! `client = "plain"`.
 
+use rustls::pki_types::CertificateDer;
+use rustls::CertificateError;
 use serde::Deserialize;
 
+use crate::ca::TrustedCa;
 use crate::Fingerprint;
 
 /// Who is asking.
@@ -109,6 +112,42 @@ impl AccessRules {
             })
             .cloned()
             .collect()
+    }
+}
+
+/// Who may connect over TLS at all: the rules, and the CA behind their
+/// `ca:NAME` clients. The TLS handshake asks it, so a refused client is told
+/// why by an alert (access denied, certificate expired) instead of a bare
+/// hang-up, and never reaches the USB/IP exchange.
+#[derive(Clone, Debug, Default)]
+pub struct Admission {
+    pub rules: AccessRules,
+    pub ca: Option<TrustedCa>,
+}
+
+impl Admission {
+    /// Who the client presenting `leaf` is, if some rule admits it; otherwise
+    /// why not: the CA's reason when the certificate is the CA's for a name a
+    /// rule admits but not valid now, else `ApplicationVerificationFailure`
+    /// (sent as "access denied").
+    pub fn identify(&self, leaf: &CertificateDer<'_>) -> Result<ClientId, CertificateError> {
+        let fingerprint = Fingerprint::of(leaf);
+        let mut refusal = CertificateError::ApplicationVerificationFailure;
+        if let Some(ca) = &self.ca {
+            for name in self.rules.rules.iter().filter_map(Rule::ca_name) {
+                match ca.check(leaf, name) {
+                    Ok(()) => return Ok(ClientId::CaIssued { fingerprint, name: name.to_owned() }),
+                    Err(error @ (CertificateError::Expired | CertificateError::NotValidYet)) => refusal = error,
+                    Err(_) => {}
+                }
+            }
+        }
+        let client = ClientId::Certificate(fingerprint);
+        if self.rules.knows(&client) {
+            Ok(client)
+        } else {
+            Err(refusal)
+        }
     }
 }
 

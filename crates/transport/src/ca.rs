@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::CertificateError;
 
 use crate::identity::{Identity, IdentityError};
 
@@ -139,24 +140,32 @@ impl TrustedCa {
     }
 
     /// Whether `leaf` was issued by this CA for `name`, is for client
-    /// authentication and is valid now.
-    pub fn vouches_for(&self, leaf: &CertificateDer<'_>, name: &str) -> bool {
-        let Ok(anchor) = webpki::anchor_from_trusted_cert(&self.certificate) else { return false };
-        let Ok(end_entity) = webpki::EndEntityCert::try_from(leaf) else { return false };
-        let Ok(subject) = ServerName::try_from(name) else { return false };
-        let now = UnixTime::now();
+    /// authentication and is valid now; if not, why (the reason a refused
+    /// client is sent, as a TLS alert).
+    pub fn check(&self, leaf: &CertificateDer<'_>, name: &str) -> Result<(), CertificateError> {
+        let end_entity = webpki::EndEntityCert::try_from(leaf).map_err(|_| CertificateError::BadEncoding)?;
+        let subject = ServerName::try_from(name).map_err(|_| CertificateError::NotValidForName)?;
+        // The name first: a certificate for another name is not this rule's, whatever its dates.
+        end_entity.verify_is_valid_for_subject_name(&subject).map_err(|_| CertificateError::NotValidForName)?;
+        let anchor =
+            webpki::anchor_from_trusted_cert(&self.certificate).map_err(|_| CertificateError::UnknownIssuer)?;
         end_entity
             .verify_for_usage(
                 webpki::ALL_VERIFICATION_ALGS,
                 &[anchor],
                 &[],
-                now,
+                UnixTime::now(),
                 webpki::KeyUsage::client_auth(),
                 None,
                 None,
             )
-            .is_ok()
-            && end_entity.verify_is_valid_for_subject_name(&subject).is_ok()
+            .map(drop)
+            .map_err(|error| match error {
+                webpki::Error::CertExpired { .. } => CertificateError::Expired,
+                webpki::Error::CertNotValidYet { .. } => CertificateError::NotValidYet,
+                webpki::Error::RequiredEkuNotFoundContext(_) => CertificateError::InvalidPurpose,
+                _ => CertificateError::UnknownIssuer,
+            })
     }
 }
 
@@ -174,19 +183,23 @@ mod tests {
         let ca = CertificateAuthority::create(&dir, "fleet").unwrap();
         let trusted = TrustedCa::load(&dir).unwrap();
         let bob = ca.issue("bob", 30).unwrap();
-        assert!(trusted.vouches_for(bob.certificate(), "bob"));
-        assert!(!trusted.vouches_for(bob.certificate(), "eve"), "wrong name");
+        assert_eq!(trusted.check(bob.certificate(), "bob"), Ok(()));
+        assert_eq!(trusted.check(bob.certificate(), "eve"), Err(CertificateError::NotValidForName));
         let now = time::OffsetDateTime::now_utc();
         let expired = ca.issue_valid("bob", now - time::Duration::days(10), now - time::Duration::days(1)).unwrap();
-        assert!(!trusted.vouches_for(expired.certificate(), "bob"), "expired");
+        assert_eq!(trusted.check(expired.certificate(), "bob"), Err(CertificateError::Expired));
+        let early = ca.issue_valid("bob", now + time::Duration::days(1), now + time::Duration::days(10)).unwrap();
+        assert_eq!(trusted.check(early.certificate(), "bob"), Err(CertificateError::NotValidYet));
         let other = CertificateAuthority::create(&scratch("other"), "other").unwrap();
-        assert!(!trusted.vouches_for(other.issue("bob", 30).unwrap().certificate(), "bob"), "another CA");
+        let foreign = other.issue("bob", 30).unwrap();
+        assert_eq!(trusted.check(foreign.certificate(), "bob"), Err(CertificateError::UnknownIssuer), "another CA");
         // A reloaded CA still issues what the stored certificate vouches for.
         let reloaded = CertificateAuthority::load(&dir).unwrap();
         assert_eq!(reloaded.name(), "fleet");
-        assert!(trusted.vouches_for(reloaded.issue("carol", 1).unwrap().certificate(), "carol"));
+        assert_eq!(trusted.check(reloaded.issue("carol", 1).unwrap().certificate(), "carol"), Ok(()));
         // A self-signed identity is not CA-issued.
-        assert!(!trusted.vouches_for(Identity::generate("bob").unwrap().certificate(), "bob"));
+        let own = Identity::generate("bob").unwrap();
+        assert!(trusted.check(own.certificate(), "bob").is_err());
     }
 
     #[test]

@@ -5,10 +5,11 @@
 //!   and its fingerprint (`sha256:…` of the certificate), kept in files with
 //!   mode 0600.
 //! * [`tls`]: rustls configurations. Servers require a client certificate and
-//!   authorise it by fingerprint after the handshake; clients pin the
+//!   admit it in the handshake by the access rules; clients pin the
 //!   server's fingerprint (trust on first use, like ssh's known_hosts, see
 //!   [`known_servers`]).
-//! * [`access`]: which client may see and import which device.
+//! * [`access`]: which client may connect ([`access::Admission`]) and which
+//!   device it may see and import.
 //! * [`PeerStream`]: one type for a plain or a TLS connection, so the server
 //!   and client code above it does not care which it has.
 //!

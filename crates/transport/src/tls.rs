@@ -1,9 +1,10 @@
 //! rustls configurations for both ends.
 //!
-//! TLS 1.3 only. Servers demand a client certificate and accept any whose
-//! handshake signature checks out: *who* the client is (its fingerprint) is
-//! decided after the handshake by the access rules, so an unknown client can
-//! be told it is unknown and logged with its fingerprint. Clients accept only
+//! TLS 1.3 only. Servers demand a client certificate and admit it during the
+//! handshake when the access rules name it (by fingerprint, or as issued by the
+//! server's CA for a name): a refused client is logged with its fingerprint
+//! and told why by a TLS alert (access denied, certificate expired) before a
+//! single USB/IP byte is exchanged. Clients accept only
 //! the server fingerprint they pinned; an unknown server is refused before
 //! a single USB/IP byte is sent, with its fingerprint in the error so the user
 //! can check it and trust it.
@@ -16,6 +17,7 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, Error, SignatureScheme};
 
+use crate::access::Admission;
 use crate::{Fingerprint, Identity};
 
 fn provider() -> Arc<CryptoProvider> {
@@ -26,11 +28,11 @@ fn algorithms() -> WebPkiSupportedAlgorithms {
     rustls::crypto::ring::default_provider().signature_verification_algorithms
 }
 
-/// The server side: TLS 1.3, client certificate required.
-pub fn server_config(identity: &Identity) -> Result<Arc<rustls::ServerConfig>, Error> {
+/// The server side: TLS 1.3, a client certificate `admission` admits required.
+pub fn server_config(identity: &Identity, admission: Admission) -> Result<Arc<rustls::ServerConfig>, Error> {
     let config = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
-        .with_client_cert_verifier(Arc::new(AnyClientCertificate { algorithms: algorithms() }))
+        .with_client_cert_verifier(Arc::new(AdmittedClients { admission, algorithms: algorithms() }))
         .with_single_cert(vec![identity.certificate.clone()], identity.key.clone_key())?;
     Ok(Arc::new(config))
 }
@@ -77,29 +79,33 @@ pub fn server_name() -> ServerName<'static> {
     ServerName::try_from("usbwire").expect("a valid DNS name").to_owned()
 }
 
-/// The fingerprint of the client certificate of an established server-side connection.
-pub fn client_fingerprint(connection: &rustls::ServerConnection) -> Option<Fingerprint> {
-    connection.peer_certificates().and_then(|certs| certs.first()).map(|c| Fingerprint::of(c))
-}
-
 #[derive(Debug)]
-struct AnyClientCertificate {
+struct AdmittedClients {
+    admission: Admission,
     algorithms: WebPkiSupportedAlgorithms,
 }
 
-impl ClientCertVerifier for AnyClientCertificate {
+impl ClientCertVerifier for AdmittedClients {
     fn root_hint_subjects(&self) -> &[DistinguishedName] {
         &[]
     }
 
     fn verify_client_cert(
         &self,
-        _end_entity: &CertificateDer<'_>,
+        end_entity: &CertificateDer<'_>,
         _intermediates: &[CertificateDer<'_>],
         _now: UnixTime,
     ) -> Result<ClientCertVerified, Error> {
-        // Authorisation is by fingerprint, after the handshake (see module docs).
-        Ok(ClientCertVerified::assertion())
+        // That the client holds the certificate's key is checked next, by its
+        // handshake signature (verify_tls13_signature).
+        match self.admission.identify(end_entity) {
+            Ok(_) => Ok(ClientCertVerified::assertion()),
+            Err(reason) => {
+                let client = Fingerprint::of(end_entity);
+                tracing::warn!(%client, ?reason, "client identity refused (add it to an [[allow]] rule or --allow to admit it)");
+                Err(Error::InvalidCertificate(reason))
+            }
+        }
     }
 
     fn verify_tls12_signature(

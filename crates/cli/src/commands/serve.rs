@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use usbwire_gadgets::{DiskOptions, KeyboardHandle, MassStorage};
-use usbwire_server::{AccessRules, PlainPolicy, Security, Server, ServerConfig, TextInput};
+use usbwire_server::{AccessRules, Admission, PlainPolicy, Security, Server, ServerConfig, TextInput};
 use usbwire_transport::access::Rule;
 use usbwire_transport::Identity;
 
@@ -226,7 +226,6 @@ fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
         println!("created server identity in {}", dir.display());
     }
     println!("server key fingerprint {} (clients pin it on first use)", identity.fingerprint());
-    let tls = usbwire_transport::tls::server_config(&identity).map_err(|e| Failure::software(e.into()))?;
     let plain = match args.allow_plain.as_deref().or(file.allow_plain.as_deref()).unwrap_or("loopback") {
         "never" => PlainPolicy::Never,
         "loopback" => PlainPolicy::Loopback,
@@ -255,5 +254,5 @@ fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
     if ca.is_none() && access.rules.iter().any(|r| r.ca_name().is_some()) {
         return Err(Failure::config(anyhow::anyhow!("ca:NAME rules need the CA: pass --ca PATH (or ca = \"PATH\")")));
     }
-    Ok(Security { tls: Some(tls), plain, access, ca })
+    Security::tls(&identity, plain, Admission { rules: access, ca }).map_err(|e| Failure::software(e.into()))
 }
