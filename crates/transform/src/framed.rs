@@ -18,6 +18,8 @@ use tokio_util::io::poll_read_buf;
 use crate::timer::PreciseTimer;
 use crate::{Frame, Pipeline, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD};
 
+/// Bytes asked of the inner stream per read, at least.
+const READ_CHUNK: usize = 256 * 1024;
 /// Encoded bytes held before `poll_write` pushes back.
 const OUT_HIGH_WATER: usize = 4 * MAX_FRAME_PAYLOAD;
 
@@ -162,6 +164,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for TransformedStream<S> {
             }
             // Take in whatever has arrived, so arrival times are when frames came.
             while !this.inner_eof {
+                // Room for many frames per read (an empty BytesMut would read 64 bytes at a time).
+                if this.raw.capacity() - this.raw.len() < READ_CHUNK / 4 {
+                    this.raw.reserve(READ_CHUNK);
+                }
                 match poll_read_buf(Pin::new(&mut this.inner), cx, &mut this.raw) {
                     Poll::Ready(Ok(0)) => this.inner_eof = true,
                     Poll::Ready(Ok(_)) => this.decode_available()?,

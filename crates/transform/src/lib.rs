@@ -147,7 +147,7 @@ impl TransformSpec {
 
     fn build(&self, side: Side) -> Box<dyn Transform> {
         match self {
-            Self::Zstd => Box::new(Compression::new(Zstd)),
+            Self::Zstd => Box::new(Compression::new(Zstd::default())),
             Self::Lz4 => Box::new(Compression::new(Lz4)),
             Self::Jitter(playout) => {
                 Box::new(JitterBuffer::new(if side == Side::Client { Some(*playout) } else { None }))
