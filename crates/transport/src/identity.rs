@@ -32,6 +32,12 @@ pub enum IdentityError {
     /// A file is not the PEM we wrote.
     #[error("{} is not a valid {what}", .path.display())]
     Malformed { path: PathBuf, what: &'static str },
+    /// The key file holds another key than the certificate's.
+    #[error(
+        "{}: {KEY_FILE} is not the key of {CERT_FILE} (files from two identities?): put the pair back together, or create a new identity with `usbwire identity --create` and have servers allow its fingerprint",
+        .0.display()
+    )]
+    KeyMismatch(PathBuf),
     /// Key generation failed.
     #[error("cannot generate a key pair: {0}")]
     Generate(String),
@@ -160,6 +166,12 @@ impl Identity {
             .map_err(|_| IdentityError::Malformed { path: cert_path.clone(), what: "PEM certificate" })?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem)
             .map_err(|_| IdentityError::Malformed { path: key_path.clone(), what: "PEM private key" })?;
+        let provider = rustls::crypto::ring::default_provider();
+        match rustls::sign::CertifiedKey::from_der(vec![certificate.clone()], key.clone_key(), &provider) {
+            Ok(_) => {}
+            Err(rustls::Error::InconsistentKeys(_)) => return Err(IdentityError::KeyMismatch(dir.to_path_buf())),
+            Err(_) => return Err(IdentityError::Malformed { path: key_path, what: "private key of a supported type" }),
+        }
         Ok(Self {
             certificate,
             key,
@@ -249,6 +261,18 @@ mod tests {
         fs::set_permissions(dir.join(KEY_FILE), fs::Permissions::from_mode(0o644)).unwrap();
         let error = Identity::load(&dir).unwrap_err();
         assert!(error.to_string().contains("chmod 600"), "{error}");
+    }
+
+    #[test]
+    fn a_key_from_another_identity_is_refused() {
+        let dir = scratch("mismatch");
+        Identity::generate("x").unwrap().save(&dir).unwrap();
+        let other = scratch("mismatch-other");
+        Identity::generate("y").unwrap().save(&other).unwrap();
+        fs::copy(other.join(KEY_FILE), dir.join(KEY_FILE)).unwrap();
+        let Err(error) = Identity::load(&dir) else { panic!("a mismatched pair was loaded") };
+        assert!(matches!(error, IdentityError::KeyMismatch(_)), "{error}");
+        assert!(error.to_string().contains("is not the key of"), "{error}");
     }
 
     #[test]
