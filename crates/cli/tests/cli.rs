@@ -233,6 +233,14 @@ fn tls_identity_pinning_and_access_end_to_end() {
     assert_eq!(json["devices"].as_array().unwrap().len(), 2);
     let out = usbwire(&[&["list", "-r", &served.addr, "--json"][..], &tls[..]].concat());
     assert!(out.status.success());
+    // doctor sees that plain USB/IP is refused, and that TLS with this identity works.
+    let out = usbwire(&["doctor", "--json", "-r", &served.addr, "--identity", client_dir.to_str().unwrap()]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let doctor_check = |name: &str| report["checks"].as_array().unwrap().iter().find(|c| c["name"] == name).cloned();
+    assert_eq!(doctor_check("usbip").unwrap()["verdict"], "warn", "{report}");
+    let tls_check = doctor_check("tls").unwrap();
+    assert_eq!(tls_check["verdict"], "ok", "{report}");
+    assert!(tls_check["detail"].as_str().unwrap().contains(&fingerprint), "{tls_check}");
     // Plain USB/IP (a downgrade) is refused before anything is listed.
     let out = usbwire(&["list", "-r", &served.addr]);
     assert_eq!(out.status.code(), Some(69));
@@ -247,6 +255,12 @@ fn tls_identity_pinning_and_access_end_to_end() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&format!("does not admit this client (identity {stranger_fp})")), "{stderr}");
     assert!(stderr.contains(&format!("usbwire serve --allow {stranger_fp}")), "{stderr}");
+    // doctor says the same, with the fix to run on the server.
+    let out = usbwire(&["doctor", "--json", "-r", &served.addr, "--identity", stranger.to_str().unwrap()]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tls_check = report["checks"].as_array().unwrap().iter().find(|c| c["name"] == "tls").unwrap().clone();
+    assert_eq!(tls_check["verdict"], "fail", "{report}");
+    assert!(tls_check["fix"].as_str().unwrap().contains(&format!("--allow {stranger_fp}")), "{tls_check}");
 }
 
 #[test]

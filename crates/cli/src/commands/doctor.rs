@@ -47,7 +47,7 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<(), Failure> {
     let mut checks = vec![vhci_hcd(), usbfs_access(Path::new("/dev/bus/usb")), clock(), identity_files(&args)];
     checks.push(local_server(&args).await);
     if let Some(remote) = &args.remote {
-        checks.extend(remote_server(remote, args.tcp_port).await);
+        checks.extend(remote_server(remote, &args).await);
     }
     if args.json {
         println!("{}", serde_json::json!({ "checks": checks }));
@@ -195,8 +195,8 @@ async fn local_server(args: &DoctorArgs) -> Check {
     }
 }
 
-async fn remote_server(remote: &str, tcp_port: Option<u16>) -> Vec<Check> {
-    let addr: SocketAddr = match super::list::resolve(remote, tcp_port).await {
+async fn remote_server(remote: &str, args: &DoctorArgs) -> Vec<Check> {
+    let addr: SocketAddr = match super::list::resolve(remote, args.tcp_port).await {
         Ok(addr) => addr,
         Err(failure) => {
             return vec![check(
@@ -249,17 +249,58 @@ async fn remote_server(remote: &str, tcp_port: Option<u16>) -> Vec<Check> {
             format!("answers plain USB/IP, {} devices available", devices.len()),
             "",
         )),
-        Err(ClientError::ClosedWithoutAnswer { .. }) => checks.push(check(
-            "usbip",
-            Verdict::Warn,
-            "the server hung up on a plain request: it requires TLS (or refuses this address)",
-            "use --tls (and allow this machine's `usbwire identity` fingerprint on the server)",
-        )),
+        Err(ClientError::ClosedWithoutAnswer { .. }) => {
+            checks.push(check(
+                "usbip",
+                Verdict::Warn,
+                "the server hung up on a plain request: it requires TLS (or refuses this address)",
+                "use --tls (and allow this machine's `usbwire identity` fingerprint on the server)",
+            ));
+            checks.push(tls_with_identity(addr, args).await);
+        }
         Err(error) => {
             checks.push(check("usbip", Verdict::Fail, error.to_string(), "is it a USB/IP server on that port?"))
         }
     }
     checks
+}
+
+/// Tries TLS with this machine's identity, pinning nothing: does the server
+/// know us, and do we know the server?
+async fn tls_with_identity(addr: SocketAddr, args: &DoctorArgs) -> Check {
+    let dir = args.identity.clone().unwrap_or_else(usbwire_transport::identity::default_dir);
+    let Ok(identity) = usbwire_transport::Identity::load(&dir) else {
+        return check(
+            "tls",
+            Verdict::Skip,
+            format!("no usable identity in {} to try TLS with", dir.display()),
+            "create one with `usbwire identity --create` and have the server allow its fingerprint",
+        );
+    };
+    let fingerprint = identity.fingerprint();
+    let known = usbwire_transport::known_servers::KnownServers::in_dir(&dir);
+    let security = Security::Tls(std::sync::Arc::new(usbwire_client::TlsClient { identity, known, trust_new: false }));
+    match usbwire_client::list_devices(addr, &security).await {
+        Ok(devices) => check(
+            "tls",
+            Verdict::Ok,
+            format!("TLS works: the server admits {fingerprint} and shows it {} devices", devices.len()),
+            "",
+        ),
+        Err(error @ ClientError::UnknownServer { .. }) => check(
+            "tls",
+            Verdict::Warn,
+            error.to_string(),
+            format!("compare with `usbwire identity` on the server, then `usbwire list -r {addr} --tls --trust-new`"),
+        ),
+        Err(error @ ClientError::NotAdmitted { .. }) => check(
+            "tls",
+            Verdict::Fail,
+            error.to_string(),
+            format!("on the server: `usbwire serve --tls --allow {fingerprint}` (or an [[allow]] rule)"),
+        ),
+        Err(error) => check("tls", Verdict::Fail, error.to_string(), "see the message; -v shows the TLS details"),
+    }
 }
 
 #[cfg(test)]
