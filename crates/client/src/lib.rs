@@ -739,7 +739,7 @@ fn dispatch_buffered(
     loop {
         let decoded = {
             let waiters = guard.as_ref();
-            urb::decode_return(buf, limits, |seq| waiters.and_then(|w| w.submits.get(&seq)).map(|(shape, _)| *shape))?
+            urb::decode_return(buf, limits, |seq| waiters.and_then(|w| w.submits.get(seq)).map(|(shape, _)| *shape))?
         };
         let Some(waiters) = guard.as_mut() else {
             // Closed by the writer: nobody is waiting any more.
@@ -747,7 +747,7 @@ fn dispatch_buffered(
         };
         match decoded {
             Some(ServerMessage::Submit(ret)) => {
-                if let Some((_, waiter)) = waiters.submits.remove(&ret.seqnum) {
+                if let Some((_, waiter)) = waiters.submits.remove(ret.seqnum) {
                     waiter.deliver(ret, wake);
                 }
             }
@@ -757,8 +757,8 @@ fn dispatch_buffered(
                 // RET_UNLINK is the URB's only answer, as vhci treats it.
                 let cancelled = waiters
                     .unlinks
-                    .remove(&ret.seqnum)
-                    .and_then(|target| waiters.submits.remove(&target).map(|(_, waiter)| (target, waiter)));
+                    .remove(ret.seqnum)
+                    .and_then(|target| waiters.submits.remove(target).map(|(_, waiter)| (target, waiter)));
                 if let Some((target, waiter)) = cancelled {
                     let reply = RetSubmit {
                         seqnum: target,
