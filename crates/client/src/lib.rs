@@ -530,15 +530,43 @@ enum Waiter {
 }
 
 impl Waiter {
-    /// Hands the reply over. A queue's waker is added to `wake` instead of
-    /// being woken here, so the reader wakes each queue once per read, not
-    /// once per URB.
-    fn deliver(self, ret: RetSubmit, wake: &mut Vec<Waker>) {
+    /// Hands the reply over. A queue's replies gather in `batch` and reach
+    /// its inbox together (see [`Deliveries`]).
+    fn deliver(self, ret: RetSubmit, batch: &mut Deliveries) {
         match self {
             Self::Reply(tx) => {
                 let _ = tx.send(ret);
             }
-            Self::Queue(inbox) => inbox.push(ret, wake),
+            Self::Queue(inbox) => batch.add(inbox, ret),
+        }
+    }
+}
+
+/// Replies of one read on their way to their queues' inboxes: consecutive
+/// replies for the same queue are handed over under one lock, and each queue
+/// is woken once, after the read is dispatched.
+#[derive(Default)]
+struct Deliveries {
+    /// The queue the replies in `replies` are for.
+    inbox: Option<Arc<queue::Inbox>>,
+    replies: Vec<RetSubmit>,
+    /// Wakers of queues that were waiting, to wake once the read is handed over.
+    wake: Vec<Waker>,
+}
+
+impl Deliveries {
+    fn add(&mut self, inbox: Arc<queue::Inbox>, ret: RetSubmit) {
+        if !self.inbox.as_ref().is_some_and(|current| Arc::ptr_eq(current, &inbox)) {
+            self.hand_over();
+            self.inbox = Some(inbox);
+        }
+        self.replies.push(ret);
+    }
+
+    /// Moves the gathered replies into their inbox.
+    fn hand_over(&mut self) {
+        if let Some(inbox) = self.inbox.take() {
+            inbox.push_all(&mut self.replies, &mut self.wake);
         }
     }
 }
@@ -618,17 +646,18 @@ impl Connection {
         let reader = tokio::spawn(async move {
             let mut buf = BytesMut::with_capacity(256 * 1024);
             let limits = Limits::default();
-            let mut wake = Vec::new();
+            let mut deliveries = Deliveries::default();
             let outcome: Result<(), ClientError> = async {
                 loop {
-                    let decoded = dispatch_buffered(&reader_shared, &mut buf, &limits, &mut wake);
+                    let decoded = dispatch_buffered(&reader_shared, &mut buf, &limits, &mut deliveries);
+                    deliveries.hand_over();
                     decoded?;
-                    // Wake after the lock is released, each waiting queue once per read,
+                    // Wake after the locks are released, each waiting queue once per read,
                     // then let it run: while replies keep coming this loop would otherwise
                     // read on until its budget runs out, and on a single-threaded runtime
                     // the queue could not submit more URBs to keep the server busy.
-                    if !wake.is_empty() {
-                        wake.drain(..).for_each(Waker::wake);
+                    if !deliveries.wake.is_empty() {
+                        deliveries.wake.drain(..).for_each(Waker::wake);
                         tokio::task::yield_now().await;
                     }
                     buf.reserve(next_read_room(&buf, &limits));
@@ -728,12 +757,13 @@ impl Drop for Connection {
 }
 
 /// Decodes every whole message in `buf` and hands each reply to its waiter,
-/// under one lock for the lot.
+/// under one lock of the waiter map for the lot; queues' replies gather in
+/// `deliveries` for the caller to hand over once the map's lock is released.
 fn dispatch_buffered(
     shared: &Shared,
     buf: &mut BytesMut,
     limits: &Limits,
-    wake: &mut Vec<Waker>,
+    deliveries: &mut Deliveries,
 ) -> Result<(), ClientError> {
     let mut guard = shared.waiters();
     loop {
@@ -748,7 +778,7 @@ fn dispatch_buffered(
         match decoded {
             Some(ServerMessage::Submit(ret)) => {
                 if let Some((_, waiter)) = waiters.submits.remove(ret.seqnum) {
-                    waiter.deliver(ret, wake);
+                    waiter.deliver(ret, deliveries);
                 }
             }
             Some(ServerMessage::Unlink(ret)) => {
@@ -770,7 +800,7 @@ fn dispatch_buffered(
                         data: Bytes::new(),
                         iso_packets: Vec::new(),
                     };
-                    waiter.deliver(reply, wake);
+                    waiter.deliver(reply, deliveries);
                 }
             }
             None => return Ok(()),

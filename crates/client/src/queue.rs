@@ -40,11 +40,12 @@ impl Inbox {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Adds a reply; the waiting task's waker goes to `wake` (the reader wakes
-    /// it after the whole read is dispatched).
-    pub(crate) fn push(&self, ret: RetSubmit, wake: &mut Vec<Waker>) {
+    /// Adds the replies of one read (in order) under one lock; the waiting
+    /// task's waker goes to `wake` (the reader wakes it after the whole read
+    /// is dispatched).
+    pub(crate) fn push_all(&self, replies: &mut Vec<RetSubmit>, wake: &mut Vec<Waker>) {
         let mut state = self.state();
-        state.ready.push_back(ret);
+        state.ready.extend(replies.drain(..));
         if let Some(waker) = state.waker.take() {
             wake.push(waker);
         }
