@@ -37,7 +37,7 @@ use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest, OpStatus};
 use usbwire_proto::urb::{
     self, CmdSubmit, CmdUnlink, IsoPacketDescriptor, RetSubmit, ServerMessage, SubmittedShape, TransferFlags,
 };
-use usbwire_proto::{DecodeError, Direction, Limits, SeqnumMap, Status};
+use usbwire_proto::{DecodeError, Direction, Limits, RecvBuffer, SeqnumMap, Status};
 use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::tls::ServerTrust;
 use usbwire_transport::{Fingerprint, Identity, PeerStream};
@@ -644,7 +644,7 @@ impl Connection {
         });
         let reader_shared = shared.clone();
         let reader = tokio::spawn(async move {
-            let mut buf = BytesMut::with_capacity(256 * 1024);
+            let mut buf = RecvBuffer::with_capacity(256 * 1024);
             let limits = Limits::default();
             let mut deliveries = Deliveries::default();
             let outcome: Result<(), ClientError> = async {
@@ -661,7 +661,7 @@ impl Connection {
                         tokio::task::yield_now().await;
                     }
                     buf.reserve(next_read_room(&buf, &limits));
-                    if read_half.read_buf(&mut buf).await? == 0 {
+                    if read_half.read_buf(&mut *buf).await? == 0 {
                         return Ok(());
                     }
                 }
