@@ -658,7 +658,7 @@ impl Connection {
                     // the queue could not submit more URBs to keep the server busy.
                     if !deliveries.wake.is_empty() {
                         deliveries.wake.drain(..).for_each(Waker::wake);
-                        tokio::task::yield_now().await;
+                        yield_to_ready_tasks().await;
                     }
                     buf.reserve(next_read_room(&buf, &limits));
                     if read_half.read_buf(&mut *buf).await? == 0 {
@@ -754,6 +754,24 @@ impl Drop for Connection {
     fn drop(&mut self) {
         self.reader.abort();
     }
+}
+
+/// Lets the tasks that are ready run before this one continues: the task goes
+/// to the back of the run queue. Unlike `tokio::task::yield_now`, whose wake
+/// is deferred until the runtime has polled the I/O driver, this costs no
+/// extra `epoll_wait` per read (the driver is still polled regularly, every
+/// few dozen tasks, by the runtime itself).
+async fn yield_to_ready_tasks() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            return std::task::Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    })
+    .await;
 }
 
 /// Decodes every whole message in `buf` and hands each reply to its waiter,
