@@ -519,25 +519,47 @@ struct Waiters {
     submits: SeqnumMap<(SubmittedShape, Waiter)>,
     /// CMD_UNLINK seqnum -> the seqnum it cancels.
     unlinks: SeqnumMap<u32>,
+    /// The inboxes of live [`TransferQueue`]s, by queue id. A queued URB's
+    /// waiter names its queue by id, so queueing one takes no `Arc` clone.
+    queues: Vec<(u64, Arc<queue::Inbox>)>,
+    next_queue: u64,
+}
+
+impl Waiters {
+    fn register_queue(&mut self, inbox: Arc<queue::Inbox>) -> u64 {
+        let id = self.next_queue;
+        self.next_queue += 1;
+        self.queues.push((id, inbox));
+        id
+    }
+
+    /// A dropped queue's URBs still complete; their replies are then dropped.
+    fn unregister_queue(&mut self, id: u64) {
+        self.queues.retain(|(queue, _)| *queue != id);
+    }
+
+    fn inbox(&self, id: u64) -> Option<&Arc<queue::Inbox>> {
+        self.queues.iter().find(|(queue, _)| *queue == id).map(|(_, inbox)| inbox)
+    }
 }
 
 /// Who gets a URB's reply.
 enum Waiter {
     /// The future [`Connection::submit`] returned.
     Reply(oneshot::Sender<RetSubmit>),
-    /// A [`TransferQueue`]'s inbox: the reply joins its ready list.
-    Queue(Arc<queue::Inbox>),
+    /// A [`TransferQueue`], by id: the reply joins its inbox's ready list.
+    Queue(u64),
 }
 
 impl Waiter {
     /// Hands the reply over. A queue's replies gather in `batch` and reach
     /// its inbox together (see [`Deliveries`]).
-    fn deliver(self, ret: RetSubmit, batch: &mut Deliveries) {
+    fn deliver(self, ret: RetSubmit, batch: &mut Deliveries, waiters: &Waiters) {
         match self {
             Self::Reply(tx) => {
                 let _ = tx.send(ret);
             }
-            Self::Queue(inbox) => batch.add(inbox, ret),
+            Self::Queue(id) => batch.add(id, ret, waiters),
         }
     }
 }
@@ -547,26 +569,28 @@ impl Waiter {
 /// is woken once, after the read is dispatched.
 #[derive(Default)]
 struct Deliveries {
-    /// The queue the replies in `replies` are for.
-    inbox: Option<Arc<queue::Inbox>>,
+    /// The queue the replies in `replies` are for, and its inbox (`None`: the
+    /// queue was dropped, and so are its replies).
+    queue: Option<(u64, Option<Arc<queue::Inbox>>)>,
     replies: Vec<RetSubmit>,
     /// Wakers of queues that were waiting, to wake once the read is handed over.
     wake: Vec<Waker>,
 }
 
 impl Deliveries {
-    fn add(&mut self, inbox: Arc<queue::Inbox>, ret: RetSubmit) {
-        if !self.inbox.as_ref().is_some_and(|current| Arc::ptr_eq(current, &inbox)) {
+    fn add(&mut self, id: u64, ret: RetSubmit, waiters: &Waiters) {
+        if self.queue.as_ref().map(|(current, _)| *current) != Some(id) {
             self.hand_over();
-            self.inbox = Some(inbox);
+            self.queue = Some((id, waiters.inbox(id).cloned()));
         }
         self.replies.push(ret);
     }
 
     /// Moves the gathered replies into their inbox.
     fn hand_over(&mut self) {
-        if let Some(inbox) = self.inbox.take() {
-            inbox.push_all(&mut self.replies, &mut self.wake);
+        match self.queue.take() {
+            Some((_, Some(inbox))) => inbox.push_all(&mut self.replies, &mut self.wake),
+            _ => self.replies.clear(),
         }
     }
 }
@@ -589,10 +613,8 @@ impl Shared {
     fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
         let Some(waiters) = self.waiters().take() else { return };
-        for (_, waiter) in waiters.submits.into_values() {
-            if let Waiter::Queue(inbox) = waiter {
-                inbox.disconnect();
-            }
+        for (_, inbox) in &waiters.queues {
+            inbox.disconnect();
         }
     }
 }
@@ -796,7 +818,7 @@ fn dispatch_buffered(
         match decoded {
             Some(ServerMessage::Submit(ret)) => {
                 if let Some((_, waiter)) = waiters.submits.remove(ret.seqnum) {
-                    waiter.deliver(ret, deliveries);
+                    waiter.deliver(ret, deliveries, waiters);
                 }
             }
             Some(ServerMessage::Unlink(ret)) => {
@@ -808,21 +830,25 @@ fn dispatch_buffered(
                     .remove(ret.seqnum)
                     .and_then(|target| waiters.submits.remove(target).map(|(_, waiter)| (target, waiter)));
                 if let Some((target, waiter)) = cancelled {
-                    let reply = RetSubmit {
-                        seqnum: target,
-                        status: ret.status,
-                        actual_length: 0,
-                        start_frame: 0,
-                        number_of_packets: 0,
-                        error_count: 0,
-                        data: Bytes::new(),
-                        iso_packets: Vec::new(),
-                    };
-                    waiter.deliver(reply, deliveries);
+                    waiter.deliver(empty_reply(target, ret.status), deliveries, waiters);
                 }
             }
             None => return Ok(()),
         }
+    }
+}
+
+/// A RET_SUBMIT without data: what a URB cancelled by its RET_UNLINK gets.
+fn empty_reply(seqnum: u32, status: Status) -> RetSubmit {
+    RetSubmit {
+        seqnum,
+        status,
+        actual_length: 0,
+        start_frame: 0,
+        number_of_packets: 0,
+        error_count: 0,
+        data: Bytes::new(),
+        iso_packets: Vec::new(),
     }
 }
 
@@ -980,5 +1006,27 @@ mod tests {
         assert_eq!(TransferError::from_status(Status::ESHUTDOWN), Some(TransferError::DeviceGone));
         assert_eq!(TransferError::from_status(Status::EPROTO), Some(TransferError::Failed(Status::EPROTO)));
         assert!(has_port("host:3240") && !has_port("host") && !has_port("::1"));
+    }
+
+    #[test]
+    fn replies_reach_registered_queues_in_order_and_dropped_queues_lose_theirs() {
+        let mut waiters = Waiters::default();
+        let (a, b) = (Arc::<queue::Inbox>::default(), Arc::<queue::Inbox>::default());
+        let (id_a, id_b) = (waiters.register_queue(a.clone()), waiters.register_queue(b.clone()));
+        assert_ne!(id_a, id_b);
+        let mut deliveries = Deliveries::default();
+        for (id, seqnum) in [(id_a, 1), (id_a, 2), (id_b, 3), (id_a, 4)] {
+            deliveries.add(id, empty_reply(seqnum, Status::OK), &waiters);
+        }
+        deliveries.hand_over();
+        assert_eq!(a.ready_seqnums(), vec![1, 2, 4]);
+        assert_eq!(b.ready_seqnums(), vec![3]);
+
+        waiters.unregister_queue(id_b);
+        assert!(waiters.inbox(id_b).is_none() && waiters.inbox(id_a).is_some());
+        deliveries.add(id_b, empty_reply(5, Status::OK), &waiters);
+        deliveries.hand_over();
+        assert_eq!(b.ready_seqnums(), vec![3], "a dropped queue gets nothing more");
+        assert!(deliveries.replies.is_empty());
     }
 }
