@@ -61,16 +61,23 @@ where
 /// the runtime more than the protocol. A client process of its own with one
 /// thread is the setup every party then shares: the ceiling's client and
 /// usbwire's run on this same thread.
+///
+/// The work runs as a task, not as the `block_on` future: when a task wakes
+/// the `block_on` future, the runtime polls the I/O driver (an `epoll_wait`)
+/// before polling it, where a woken task simply runs next. The measuring loop
+/// is woken by usbwire's reader task once per batch of completions.
 pub async fn client_thread<F, Fut, T>(name: &str, work: F) -> std::io::Result<T>
 where
     F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = T>,
+    Fut: Future<Output = T> + Send + 'static,
     T: Send + 'static,
 {
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new().name(name.into()).spawn(move || {
-        let outcome =
-            tokio::runtime::Builder::new_current_thread().enable_all().build().map(|runtime| runtime.block_on(work()));
+        let outcome = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .and_then(|runtime| runtime.block_on(runtime.spawn(work())).map_err(std::io::Error::other));
         let _ = tx.send(outcome);
     })?;
     rx.await.map_err(|_| std::io::Error::other("the client thread ended without a result"))?

@@ -37,7 +37,7 @@ use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest, OpStatus};
 use usbwire_proto::urb::{
     self, CmdSubmit, CmdUnlink, IsoPacketDescriptor, RetSubmit, ServerMessage, SubmittedShape, TransferFlags,
 };
-use usbwire_proto::{DecodeError, Direction, Limits, SeqnumMap, Status};
+use usbwire_proto::{DecodeError, Direction, Limits, RecvBuffer, SeqnumMap, Status};
 use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::tls::ServerTrust;
 use usbwire_transport::{Fingerprint, Identity, PeerStream};
@@ -560,26 +560,78 @@ struct Waiters {
     submits: SeqnumMap<(SubmittedShape, Waiter)>,
     /// CMD_UNLINK seqnum -> the seqnum it cancels.
     unlinks: SeqnumMap<u32>,
+    /// The inboxes of live [`TransferQueue`]s, by queue id. A queued URB's
+    /// waiter names its queue by id, so queueing one takes no `Arc` clone.
+    queues: Vec<(u64, Arc<queue::Inbox>)>,
+    next_queue: u64,
+}
+
+impl Waiters {
+    fn register_queue(&mut self, inbox: Arc<queue::Inbox>) -> u64 {
+        let id = self.next_queue;
+        self.next_queue += 1;
+        self.queues.push((id, inbox));
+        id
+    }
+
+    /// A dropped queue's URBs still complete; their replies are then dropped.
+    fn unregister_queue(&mut self, id: u64) {
+        self.queues.retain(|(queue, _)| *queue != id);
+    }
+
+    fn inbox(&self, id: u64) -> Option<&Arc<queue::Inbox>> {
+        self.queues.iter().find(|(queue, _)| *queue == id).map(|(_, inbox)| inbox)
+    }
 }
 
 /// Who gets a URB's reply.
 enum Waiter {
     /// The future [`Connection::submit`] returned.
     Reply(oneshot::Sender<RetSubmit>),
-    /// A [`TransferQueue`]'s inbox: the reply joins its ready list.
-    Queue(Arc<queue::Inbox>),
+    /// A [`TransferQueue`], by id: the reply joins its inbox's ready list.
+    Queue(u64),
 }
 
 impl Waiter {
-    /// Hands the reply over. A queue's waker is added to `wake` instead of
-    /// being woken here, so the reader wakes each queue once per read, not
-    /// once per URB.
-    fn deliver(self, ret: RetSubmit, wake: &mut Vec<Waker>) {
+    /// Hands the reply over. A queue's replies gather in `batch` and reach
+    /// its inbox together (see [`Deliveries`]).
+    fn deliver(self, ret: RetSubmit, batch: &mut Deliveries, waiters: &Waiters) {
         match self {
             Self::Reply(tx) => {
                 let _ = tx.send(ret);
             }
-            Self::Queue(inbox) => inbox.push(ret, wake),
+            Self::Queue(id) => batch.add(id, ret, waiters),
+        }
+    }
+}
+
+/// Replies of one read on their way to their queues' inboxes: consecutive
+/// replies for the same queue are handed over under one lock, and each queue
+/// is woken once, after the read is dispatched.
+#[derive(Default)]
+struct Deliveries {
+    /// The queue the replies in `replies` are for, and its inbox (`None`: the
+    /// queue was dropped, and so are its replies).
+    queue: Option<(u64, Option<Arc<queue::Inbox>>)>,
+    replies: Vec<RetSubmit>,
+    /// Wakers of queues that were waiting, to wake once the read is handed over.
+    wake: Vec<Waker>,
+}
+
+impl Deliveries {
+    fn add(&mut self, id: u64, ret: RetSubmit, waiters: &Waiters) {
+        if self.queue.as_ref().map(|(current, _)| *current) != Some(id) {
+            self.hand_over();
+            self.queue = Some((id, waiters.inbox(id).cloned()));
+        }
+        self.replies.push(ret);
+    }
+
+    /// Moves the gathered replies into their inbox.
+    fn hand_over(&mut self) {
+        match self.queue.take() {
+            Some((_, Some(inbox))) => inbox.push_all(&mut self.replies, &mut self.wake),
+            _ => self.replies.clear(),
         }
     }
 }
@@ -602,10 +654,8 @@ impl Shared {
     fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
         let Some(waiters) = self.waiters().take() else { return };
-        for (_, waiter) in waiters.submits.into_values() {
-            if let Waiter::Queue(inbox) = waiter {
-                inbox.disconnect();
-            }
+        for (_, inbox) in &waiters.queues {
+            inbox.disconnect();
         }
     }
 }
@@ -657,23 +707,24 @@ impl Connection {
         });
         let reader_shared = shared.clone();
         let reader = tokio::spawn(async move {
-            let mut buf = BytesMut::with_capacity(256 * 1024);
+            let mut buf = RecvBuffer::with_capacity(256 * 1024);
             let limits = Limits::default();
-            let mut wake = Vec::new();
+            let mut deliveries = Deliveries::default();
             let outcome: Result<(), ClientError> = async {
                 loop {
-                    let decoded = dispatch_buffered(&reader_shared, &mut buf, &limits, &mut wake);
+                    let decoded = dispatch_buffered(&reader_shared, &mut buf, &limits, &mut deliveries);
+                    deliveries.hand_over();
                     decoded?;
-                    // Wake after the lock is released, each waiting queue once per read,
+                    // Wake after the locks are released, each waiting queue once per read,
                     // then let it run: while replies keep coming this loop would otherwise
                     // read on until its budget runs out, and on a single-threaded runtime
                     // the queue could not submit more URBs to keep the server busy.
-                    if !wake.is_empty() {
-                        wake.drain(..).for_each(Waker::wake);
-                        tokio::task::yield_now().await;
+                    if !deliveries.wake.is_empty() {
+                        deliveries.wake.drain(..).for_each(Waker::wake);
+                        yield_to_ready_tasks().await;
                     }
                     buf.reserve(next_read_room(&buf, &limits));
-                    if read_half.read_buf(&mut buf).await? == 0 {
+                    if read_half.read_buf(&mut *buf).await? == 0 {
                         return Ok(());
                     }
                 }
@@ -768,19 +819,38 @@ impl Drop for Connection {
     }
 }
 
+/// Lets the tasks that are ready run before this one continues: the task goes
+/// to the back of the run queue. Unlike `tokio::task::yield_now`, whose wake
+/// is deferred until the runtime has polled the I/O driver, this costs no
+/// extra `epoll_wait` per read (the driver is still polled regularly, every
+/// few dozen tasks, by the runtime itself).
+async fn yield_to_ready_tasks() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            return std::task::Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    })
+    .await;
+}
+
 /// Decodes every whole message in `buf` and hands each reply to its waiter,
-/// under one lock for the lot.
+/// under one lock of the waiter map for the lot; queues' replies gather in
+/// `deliveries` for the caller to hand over once the map's lock is released.
 fn dispatch_buffered(
     shared: &Shared,
     buf: &mut BytesMut,
     limits: &Limits,
-    wake: &mut Vec<Waker>,
+    deliveries: &mut Deliveries,
 ) -> Result<(), ClientError> {
     let mut guard = shared.waiters();
     loop {
         let decoded = {
             let waiters = guard.as_ref();
-            urb::decode_return(buf, limits, |seq| waiters.and_then(|w| w.submits.get(&seq)).map(|(shape, _)| *shape))?
+            urb::decode_return(buf, limits, |seq| waiters.and_then(|w| w.submits.get(seq)).map(|(shape, _)| *shape))?
         };
         let Some(waiters) = guard.as_mut() else {
             // Closed by the writer: nobody is waiting any more.
@@ -788,8 +858,8 @@ fn dispatch_buffered(
         };
         match decoded {
             Some(ServerMessage::Submit(ret)) => {
-                if let Some((_, waiter)) = waiters.submits.remove(&ret.seqnum) {
-                    waiter.deliver(ret, wake);
+                if let Some((_, waiter)) = waiters.submits.remove(ret.seqnum) {
+                    waiter.deliver(ret, deliveries, waiters);
                 }
             }
             Some(ServerMessage::Unlink(ret)) => {
@@ -798,24 +868,28 @@ fn dispatch_buffered(
                 // RET_UNLINK is the URB's only answer, as vhci treats it.
                 let cancelled = waiters
                     .unlinks
-                    .remove(&ret.seqnum)
-                    .and_then(|target| waiters.submits.remove(&target).map(|(_, waiter)| (target, waiter)));
+                    .remove(ret.seqnum)
+                    .and_then(|target| waiters.submits.remove(target).map(|(_, waiter)| (target, waiter)));
                 if let Some((target, waiter)) = cancelled {
-                    let reply = RetSubmit {
-                        seqnum: target,
-                        status: ret.status,
-                        actual_length: 0,
-                        start_frame: 0,
-                        number_of_packets: 0,
-                        error_count: 0,
-                        data: Bytes::new(),
-                        iso_packets: Vec::new(),
-                    };
-                    waiter.deliver(reply, wake);
+                    waiter.deliver(empty_reply(target, ret.status), deliveries, waiters);
                 }
             }
             None => return Ok(()),
         }
+    }
+}
+
+/// A RET_SUBMIT without data: what a URB cancelled by its RET_UNLINK gets.
+fn empty_reply(seqnum: u32, status: Status) -> RetSubmit {
+    RetSubmit {
+        seqnum,
+        status,
+        actual_length: 0,
+        start_frame: 0,
+        number_of_packets: 0,
+        error_count: 0,
+        data: Bytes::new(),
+        iso_packets: Vec::new(),
     }
 }
 
@@ -973,5 +1047,27 @@ mod tests {
         assert_eq!(TransferError::from_status(Status::ESHUTDOWN), Some(TransferError::DeviceGone));
         assert_eq!(TransferError::from_status(Status::EPROTO), Some(TransferError::Failed(Status::EPROTO)));
         assert!(has_port("host:3240") && !has_port("host") && !has_port("::1"));
+    }
+
+    #[test]
+    fn replies_reach_registered_queues_in_order_and_dropped_queues_lose_theirs() {
+        let mut waiters = Waiters::default();
+        let (a, b) = (Arc::<queue::Inbox>::default(), Arc::<queue::Inbox>::default());
+        let (id_a, id_b) = (waiters.register_queue(a.clone()), waiters.register_queue(b.clone()));
+        assert_ne!(id_a, id_b);
+        let mut deliveries = Deliveries::default();
+        for (id, seqnum) in [(id_a, 1), (id_a, 2), (id_b, 3), (id_a, 4)] {
+            deliveries.add(id, empty_reply(seqnum, Status::OK), &waiters);
+        }
+        deliveries.hand_over();
+        assert_eq!(a.ready_seqnums(), vec![1, 2, 4]);
+        assert_eq!(b.ready_seqnums(), vec![3]);
+
+        waiters.unregister_queue(id_b);
+        assert!(waiters.inbox(id_b).is_none() && waiters.inbox(id_a).is_some());
+        deliveries.add(id_b, empty_reply(5, Status::OK), &waiters);
+        deliveries.hand_over();
+        assert_eq!(b.ready_seqnums(), vec![3], "a dropped queue gets nothing more");
+        assert!(deliveries.replies.is_empty());
     }
 }

@@ -40,14 +40,20 @@ impl Inbox {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Adds a reply; the waiting task's waker goes to `wake` (the reader wakes
-    /// it after the whole read is dispatched).
-    pub(crate) fn push(&self, ret: RetSubmit, wake: &mut Vec<Waker>) {
+    /// Adds the replies of one read (in order) under one lock; the waiting
+    /// task's waker goes to `wake` (the reader wakes it after the whole read
+    /// is dispatched).
+    pub(crate) fn push_all(&self, replies: &mut Vec<RetSubmit>, wake: &mut Vec<Waker>) {
         let mut state = self.state();
-        state.ready.push_back(ret);
+        state.ready.extend(replies.drain(..));
         if let Some(waker) = state.waker.take() {
             wake.push(waker);
         }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn ready_seqnums(&self) -> Vec<u32> {
+        self.state().ready.iter().map(|ret| ret.seqnum).collect()
     }
 
     pub(crate) fn disconnect(&self) {
@@ -77,6 +83,8 @@ pub struct TransferQueue {
     shared: Arc<Shared>,
     outgoing: mpsc::UnboundedSender<Frame>,
     inbox: Arc<Inbox>,
+    /// This queue's id in the waiter map (see `Waiters::register_queue`).
+    id: u64,
     /// Submitted and not yet collected.
     pending: usize,
     /// Replies taken from the inbox in one swap, handed out without its lock.
@@ -92,11 +100,19 @@ pub struct TransferQueue {
 
 impl TransferQueue {
     pub(crate) fn new(devid: u32, shared: Arc<Shared>, outgoing: mpsc::UnboundedSender<Frame>) -> Self {
+        let inbox = Arc::<Inbox>::default();
+        let registered = shared.waiters().as_mut().map(|waiters| waiters.register_queue(inbox.clone()));
+        let id = registered.unwrap_or_else(|| {
+            // Already closed: submits fail, and nothing will arrive.
+            inbox.disconnect();
+            0
+        });
         Self {
             devid,
             shared,
             outgoing,
-            inbox: Arc::default(),
+            inbox,
+            id,
             pending: 0,
             ready: VecDeque::new(),
             unsent_waiters: Vec::new(),
@@ -192,7 +208,7 @@ impl TransferQueue {
                 return Err(TransferError::Disconnected);
             };
             for (seqnum, shape) in self.unsent_waiters.drain(..) {
-                waiters.submits.insert(seqnum, (shape, Waiter::Queue(self.inbox.clone())));
+                waiters.submits.insert(seqnum, (shape, Waiter::Queue(self.id)));
             }
         }
         if !self.unsent_head.is_empty() {
@@ -210,5 +226,8 @@ impl Drop for TransferQueue {
     /// Submitted URBs still go out; their completions are dropped on arrival.
     fn drop(&mut self) {
         let _ = self.send_unsent();
+        if let Some(waiters) = self.shared.waiters().as_mut() {
+            waiters.unregister_queue(self.id);
+        }
     }
 }

@@ -8,7 +8,6 @@
 //! handled here the same way, so a virtual device behaves like a real one
 //! behind usbip-host.
 
-use std::collections::HashSet;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -95,6 +94,32 @@ pub trait Function: Send + 'static {
     fn reset(&mut self);
 }
 
+/// Slot of an endpoint address in per-endpoint tables: OUT 1..=15 at 1..=15,
+/// IN at 17..=31 (`None` for addresses with reserved bits set).
+fn endpoint_index(address: u8) -> Option<usize> {
+    (address & 0x70 == 0).then(|| usize::from(address & 0x0f) | if address & 0x80 != 0 { 16 } else { 0 })
+}
+
+/// A set of endpoint addresses, one bit each: the URB path checks it on every submit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct EndpointSet(u32);
+
+impl EndpointSet {
+    fn insert(&mut self, address: u8) {
+        if let Some(index) = endpoint_index(address) {
+            self.0 |= 1 << index;
+        }
+    }
+
+    fn contains(self, address: u8) -> bool {
+        endpoint_index(address).is_some_and(|index| self.0 & (1 << index) != 0)
+    }
+
+    fn clear(&mut self) {
+        self.0 = 0;
+    }
+}
+
 /// A [`Device`] made of a [`Function`] plus standard chapter-9 behaviour.
 pub struct VirtualDevice<F> {
     function: F,
@@ -103,7 +128,9 @@ pub struct VirtualDevice<F> {
     /// (interface, alt) pairs currently selected, alt 0 if absent.
     alt_settings: Vec<(u8, u8)>,
     /// Endpoint addresses of the current configuration and alt settings.
-    active_endpoints: HashSet<u8>,
+    active_endpoints: EndpointSet,
+    /// The transfer type of every endpoint of the configuration, by [`endpoint_index`].
+    endpoint_types: [Option<TransferType>; 32],
     control_done: CompletionQueue,
     device_remote_wakeup: bool,
 }
@@ -112,12 +139,19 @@ impl<F: Function> VirtualDevice<F> {
     pub fn new(function: F) -> Self {
         let configuration = ConfigurationInfo::parse(&function.descriptors().configuration)
             .expect("a function's own configuration descriptor parses");
+        let mut endpoint_types = [None; 32];
+        for endpoint in configuration.interfaces.iter().flat_map(|i| i.endpoints.iter()) {
+            if let Some(index) = endpoint_index(endpoint.address) {
+                endpoint_types[index].get_or_insert(endpoint.transfer_type);
+            }
+        }
         Self {
             function,
             configuration_value: 0,
             configuration,
             alt_settings: Vec::new(),
-            active_endpoints: HashSet::new(),
+            active_endpoints: EndpointSet::default(),
+            endpoint_types,
             control_done: CompletionQueue::new(),
             device_remote_wakeup: false,
         }
@@ -142,7 +176,9 @@ impl<F: Function> VirtualDevice<F> {
         }
         let alts = self.alt_settings.clone();
         let alt_of = |i: u8| alts.iter().find(|(n, _)| *n == i).map_or(0, |(_, a)| *a);
-        self.active_endpoints.extend(self.configuration.active_endpoints(alt_of).map(|e| e.address));
+        for endpoint in self.configuration.active_endpoints(alt_of) {
+            self.active_endpoints.insert(endpoint.address);
+        }
     }
 
     fn handle_control(&mut self, urb: &Urb) -> Completion {
@@ -244,14 +280,14 @@ impl<F: Function> VirtualDevice<F> {
             (Recipient::Interface, request::SET_FEATURE | request::CLEAR_FEATURE) => ControlReply::Data(Vec::new()),
             (Recipient::Endpoint, request::GET_STATUS) => {
                 let address = (setup.index & 0xff) as u8;
-                if address & 0x0f != 0 && !self.active_endpoints.contains(&address) {
+                if address & 0x0f != 0 && !self.active_endpoints.contains(address) {
                     return ControlReply::Stall;
                 }
                 ControlReply::Data(vec![u8::from(self.function.is_halted(address)), 0])
             }
             (Recipient::Endpoint, request::CLEAR_FEATURE) if setup.value == feature::ENDPOINT_HALT => {
                 let address = (setup.index & 0xff) as u8;
-                if address & 0x0f != 0 && !self.active_endpoints.contains(&address) {
+                if address & 0x0f != 0 && !self.active_endpoints.contains(address) {
                     return ControlReply::Stall;
                 }
                 self.function.clear_halt(address);
@@ -315,13 +351,9 @@ impl<F: Function> Device for VirtualDevice<F> {
         };
         // Answer from the whole configuration: an endpoint's type does not change
         // with the alt setting in any of our functions, and decoding must not
-        // depend on state the client may not have caught up with.
-        self.configuration
-            .interfaces
-            .iter()
-            .flat_map(|i| i.endpoints.iter())
-            .find(|e| e.address == address)
-            .map(|e| e.transfer_type)
+        // depend on state the client may not have caught up with. The server
+        // asks for every CMD_SUBMIT, hence the table.
+        endpoint_index(address).and_then(|index| self.endpoint_types[index])
     }
 
     fn submit(&mut self, urb: Urb) {
@@ -330,7 +362,7 @@ impl<F: Function> Device for VirtualDevice<F> {
             self.control_done.push(done);
             return;
         }
-        if !self.active_endpoints.contains(&urb.endpoint_address()) {
+        if !self.active_endpoints.contains(urb.endpoint_address()) {
             debug!(endpoint = urb.endpoint_address(), "urb for an endpoint not in the current configuration");
             self.control_done.push(urb.complete_with(Status::EPIPE));
             return;
@@ -517,5 +549,29 @@ mod tests {
         assert_eq!(&next(&mut dev).unwrap().data[..], &[0]);
         assert_eq!(dev.summary().interfaces, vec![(0xff, 0, 0)]);
         assert_eq!(dev.summary().product, "probe");
+    }
+
+    #[test]
+    fn endpoint_set_tells_directions_apart_and_ignores_reserved_bits() {
+        let mut set = EndpointSet::default();
+        set.insert(0x81);
+        set.insert(0x0f);
+        assert!(set.contains(0x81) && set.contains(0x0f));
+        assert!(!set.contains(0x01) && !set.contains(0x8f) && !set.contains(0x02));
+        assert!(!set.contains(0x91), "reserved bits set: not the same endpoint as 0x81");
+        set.insert(0x92);
+        assert!(!set.contains(0x82));
+        set.clear();
+        assert!(!set.contains(0x81));
+    }
+
+    #[test]
+    fn endpoint_types_come_from_the_configuration() {
+        let dev = device();
+        assert_eq!(dev.endpoint_type(Direction::In, 1), Some(TransferType::Bulk));
+        assert_eq!(dev.endpoint_type(Direction::Out, 1), None);
+        assert_eq!(dev.endpoint_type(Direction::In, 2), None);
+        assert_eq!(dev.endpoint_type(Direction::Out, 0), Some(TransferType::Control));
+        assert_eq!(dev.endpoint_type(Direction::In, 17), None, "no such endpoint number");
     }
 }

@@ -52,14 +52,20 @@ pub fn pattern_byte(i: usize) -> u8 {
 }
 
 /// The source pattern, built once per process at the largest transfer the
-/// server accepts by default.
+/// server accepts by default. Static, so handing out a slice of it per URB
+/// costs no reference count (a `Bytes` over static data has none).
 fn shared_pattern() -> &'static Bytes {
     static PATTERN: OnceLock<Bytes> = OnceLock::new();
-    PATTERN.get_or_init(|| pattern(Limits::default().max_transfer_length as usize))
+    PATTERN.get_or_init(|| leak(pattern(Limits::default().max_transfer_length as usize)))
 }
 
-fn pattern(len: usize) -> Bytes {
-    (0..len).map(pattern_byte).collect::<Vec<u8>>().into()
+/// Keeps `data` for the rest of the process as static bytes.
+fn leak(data: Vec<u8>) -> Bytes {
+    Bytes::from_static(Box::leak(data.into_boxed_slice()))
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(pattern_byte).collect()
 }
 
 /// `len` bytes of xorshift noise from `seed` (not 0): incompressible, and the same in
@@ -80,7 +86,7 @@ pub fn noise(len: usize, seed: u64) -> Vec<u8> {
 /// The noise source's bytes, built once.
 fn shared_noise() -> &'static Bytes {
     static NOISE: OnceLock<Bytes> = OnceLock::new();
-    NOISE.get_or_init(|| noise(Limits::default().max_transfer_length as usize, 0x2545_f491_4f6c_dd1d).into())
+    NOISE.get_or_init(|| leak(noise(Limits::default().max_transfer_length as usize, 0x2545_f491_4f6c_dd1d)))
 }
 
 /// The loopback function (see [`loopback`]).
@@ -155,7 +161,7 @@ impl Loopback {
             urb.complete_in(self.pattern.clone())
         } else {
             // Only when the server's transfer limit was raised above the default.
-            urb.complete_in(pattern(len))
+            urb.complete_in(pattern(len).into())
         }
     }
 

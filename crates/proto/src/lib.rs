@@ -31,12 +31,14 @@
 mod error;
 mod limits;
 pub mod op;
+mod recv_buffer;
 mod seqnum_map;
 pub mod urb;
 mod wire;
 
 pub use error::DecodeError;
 pub use limits::Limits;
+pub use recv_buffer::RecvBuffer;
 pub use seqnum_map::{SeqnumHasher, SeqnumMap};
 pub use wire::{Direction, Speed, Status};
 

@@ -1,17 +1,137 @@
-//! [`SeqnumMap`]: the hash map both sides keep URBs in, keyed by seqnum.
+//! [`SeqnumMap`]: the map both sides keep URBs in, keyed by seqnum.
 //!
-//! Seqnums are u32s a client hands out in sequence. The std default hasher
-//! (SipHash, built against hostile keys) costs more per lookup than the rest
-//! of the lookup, and a URB takes three or four of them on each side. One
-//! multiply and a fold spread sequential (and strided) seqnums over the table.
-//! It is not keyed: a client that picks colliding seqnums can only slow the
-//! lookups of its own connection, whose map the in-flight limit bounds.
+//! Seqnums are u32s a client hands out in sequence, so the URBs in flight on a
+//! connection are almost always a short run of consecutive numbers. The map is
+//! therefore a window: a power-of-two array of slots indexed by
+//! `seqnum & mask`, where insert, lookup and remove are one index and one
+//! compare (a URB takes three or four of them on each side). Whatever does not
+//! fit — more URBs in flight than slots, or a peer whose seqnums jump so that
+//! two live ones share a slot — goes to a fallback hash map, so the map stays
+//! correct for any seqnums and only gets slower for odd ones.
+//!
+//! The fallback hashes with [`SeqnumHasher`] (one multiply and a fold instead
+//! of SipHash). It is not keyed: a client that picks colliding seqnums can
+//! only slow the lookups of its own connection, whose map the in-flight limit
+//! bounds.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-/// A `HashMap` keyed by seqnum with [`SeqnumHasher`].
-pub type SeqnumMap<V> = HashMap<u32, V, BuildHasherDefault<SeqnumHasher>>;
+/// Slots in the window: enough for the server's default in-flight limit, so
+/// sequential seqnums never reach the fallback map.
+const WINDOW: usize = 1024;
+
+/// A map from seqnum to `V`: a window of slots indexed by the seqnum's low
+/// bits, with a hash map behind it for seqnums whose slot is taken.
+///
+/// The slots are allocated on the first insert, so an unused map costs nothing.
+pub struct SeqnumMap<V> {
+    /// `WINDOW` slots once anything was inserted; each holds its key.
+    slots: Vec<Option<(u32, V)>>,
+    /// Entries whose slot held another seqnum when they were inserted.
+    overflow: HashMap<u32, V, BuildHasherDefault<SeqnumHasher>>,
+    /// Entries in `slots` and `overflow` together.
+    len: usize,
+}
+
+impl<V> Default for SeqnumMap<V> {
+    fn default() -> Self {
+        Self { slots: Vec::new(), overflow: HashMap::default(), len: 0 }
+    }
+}
+
+impl<V: std::fmt::Debug> std::fmt::Debug for SeqnumMap<V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let slots = self.slots.iter().flatten().map(|(k, v)| (k, v));
+        f.debug_map().entries(slots.chain(self.overflow.iter())).finish()
+    }
+}
+
+fn slot_of(seqnum: u32) -> usize {
+    seqnum as usize & (WINDOW - 1)
+}
+
+impl<V> SeqnumMap<V> {
+    /// Adds `value` under `seqnum`; returns the value it replaces, if any.
+    pub fn insert(&mut self, seqnum: u32, value: V) -> Option<V> {
+        if self.slots.is_empty() {
+            self.slots.resize_with(WINDOW, || None);
+        }
+        let slot = &mut self.slots[slot_of(seqnum)];
+        match slot {
+            Some((key, old)) if *key == seqnum => return Some(std::mem::replace(old, value)),
+            Some(_) => {}
+            None if self.overflow.is_empty() => {
+                *slot = Some((seqnum, value));
+                self.len += 1;
+                return None;
+            }
+            // The key may already wait in the fallback map from when the slot was taken.
+            None => {
+                if let Some(old) = self.overflow.remove(&seqnum) {
+                    *slot = Some((seqnum, value));
+                    return Some(old);
+                }
+                *slot = Some((seqnum, value));
+                self.len += 1;
+                return None;
+            }
+        }
+        let old = self.overflow.insert(seqnum, value);
+        if old.is_none() {
+            self.len += 1;
+        }
+        old
+    }
+
+    /// Takes the value under `seqnum` out of the map.
+    pub fn remove(&mut self, seqnum: u32) -> Option<V> {
+        if let Some(slot) = self.slots.get_mut(slot_of(seqnum)) {
+            if matches!(slot, Some((key, _)) if *key == seqnum) {
+                self.len -= 1;
+                return slot.take().map(|(_, value)| value);
+            }
+        }
+        if self.overflow.is_empty() {
+            return None;
+        }
+        let value = self.overflow.remove(&seqnum)?;
+        self.len -= 1;
+        Some(value)
+    }
+
+    pub fn get(&self, seqnum: u32) -> Option<&V> {
+        match self.slots.get(slot_of(seqnum)) {
+            Some(Some((key, value))) if *key == seqnum => Some(value),
+            _ if self.overflow.is_empty() => None,
+            _ => self.overflow.get(&seqnum),
+        }
+    }
+
+    pub fn get_mut(&mut self, seqnum: u32) -> Option<&mut V> {
+        match self.slots.get_mut(slot_of(seqnum)) {
+            Some(Some((key, value))) if *key == seqnum => Some(value),
+            _ => self.overflow.get_mut(&seqnum),
+        }
+    }
+
+    pub fn contains_key(&self, seqnum: u32) -> bool {
+        self.get(seqnum).is_some()
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Every value, in no particular order (for failing what is left when a connection ends).
+    pub fn into_values(self) -> impl Iterator<Item = V> {
+        self.slots.into_iter().flatten().map(|(_, value)| value).chain(self.overflow.into_values())
+    }
+}
 
 /// Hashes one u32 with a multiply (Fibonacci hashing) and folds the high half
 /// into the low half, so the table index depends on every bit of the seqnum.
@@ -50,8 +170,82 @@ mod tests {
                 (0..1024u32).map(|i| build.hash_one(i.wrapping_mul(stride)) & 2047).collect();
             assert!(buckets.len() > 600, "stride {stride}: only {} of 2048 buckets used", buckets.len());
         }
+    }
+
+    #[test]
+    fn sequential_seqnums_stay_in_the_window() {
         let mut map = SeqnumMap::default();
-        map.insert(7, "a");
-        assert_eq!(map.remove(&7), Some("a"));
+        for seqnum in 1..=32u32 {
+            assert_eq!(map.insert(seqnum, seqnum * 10), None);
+        }
+        assert_eq!((map.len(), map.overflow.len()), (32, 0));
+        assert_eq!(map.get(7), Some(&70));
+        *map.get_mut(7).unwrap() += 1;
+        assert_eq!(map.remove(7), Some(71));
+        assert_eq!(map.remove(7), None, "removed twice");
+        assert!(!map.contains_key(7) && map.contains_key(8));
+        assert_eq!(map.len(), 31);
+    }
+
+    #[test]
+    fn seqnums_wrap_around_u32() {
+        let mut map = SeqnumMap::default();
+        let seqnums: Vec<u32> = (0..40u32).map(|i| (u32::MAX - 20).wrapping_add(i)).collect();
+        for &seqnum in &seqnums {
+            map.insert(seqnum, seqnum);
+        }
+        assert_eq!((map.len(), map.overflow.len()), (40, 0), "wrapping past 0 stays sequential in the slots");
+        for &seqnum in &seqnums {
+            assert_eq!(map.remove(seqnum), Some(seqnum));
+        }
+        assert!(map.is_empty());
+    }
+
+    #[test]
+    fn colliding_seqnums_fall_back_and_stay_distinct() {
+        let mut map = SeqnumMap::default();
+        let (a, b, c) = (5u32, 5 + WINDOW as u32, 5 + 2 * WINDOW as u32);
+        map.insert(a, 'a');
+        map.insert(b, 'b');
+        map.insert(c, 'c');
+        assert_eq!((map.len(), map.overflow.len()), (3, 2));
+        assert_eq!((map.get(a), map.get(b), map.get(c)), (Some(&'a'), Some(&'b'), Some(&'c')));
+        // The slot frees up while b still waits in the fallback map: re-inserting
+        // b must replace it there, not add a second entry.
+        assert_eq!(map.remove(a), Some('a'));
+        assert_eq!(map.insert(b, 'B'), Some('b'));
+        assert_eq!(map.len(), 2);
+        assert_eq!(map.remove(b), Some('B'));
+        assert_eq!(map.remove(b), None);
+        assert_eq!(map.get_mut(c).map(|v| *v), Some('c'));
+        assert_eq!(map.remove(c), Some('c'));
+        assert!(map.is_empty());
+    }
+
+    #[test]
+    fn more_in_flight_than_slots() {
+        let mut map = SeqnumMap::default();
+        let count = 3 * WINDOW as u32 + 7;
+        for seqnum in 0..count {
+            map.insert(seqnum, seqnum);
+        }
+        assert_eq!(map.len(), count as usize);
+        assert_eq!(map.insert(count - 1, 0), Some(count - 1), "a replaced value does not count twice");
+        assert_eq!(map.len(), count as usize);
+        let mut values: Vec<u32> = map.into_values().collect();
+        values.sort_unstable();
+        assert_eq!(values.len(), count as usize);
+        assert_eq!(values[..3], [0, 0, 1]);
+    }
+
+    #[test]
+    fn absent_keys_are_absent() {
+        let mut map: SeqnumMap<u8> = SeqnumMap::default();
+        assert_eq!(map.get(1), None);
+        assert_eq!(map.remove(1), None);
+        assert_eq!(map.get_mut(1), None);
+        map.insert(1, 1);
+        assert_eq!(map.remove(1 + WINDOW as u32), None, "same slot, other seqnum");
+        assert_eq!(map.get(1), Some(&1));
     }
 }

@@ -105,6 +105,7 @@ pub struct CmdSubmit {
 
 impl CmdSubmit {
     /// The 48-byte header. The payload and descriptors follow it on the wire.
+    #[inline]
     pub fn header(&self) -> [u8; HEADER_LEN] {
         let mut h = [0u8; HEADER_LEN];
         put_basic(&mut h, Command::SUBMIT, self.seqnum, self.devid, self.direction.to_u32(), self.ep.into());
@@ -166,6 +167,7 @@ pub struct RetSubmit {
 
 impl RetSubmit {
     /// The 48-byte header. Like the kernel stub, devid, direction and ep are 0.
+    #[inline]
     pub fn header(&self) -> [u8; HEADER_LEN] {
         let mut h = [0u8; HEADER_LEN];
         put_basic(&mut h, Command::RET_SUBMIT, self.seqnum, 0, 0, 0);
@@ -253,19 +255,27 @@ pub fn decode_command(
     limits: &Limits,
     is_iso: impl Fn(Direction, u8) -> bool,
 ) -> Result<Option<ClientMessage>, DecodeError> {
-    let Some(total) = command_frame_len(buf, limits, &is_iso)? else {
+    if buf.len() < HEADER_LEN {
         return Ok(None);
+    }
+    // The header is parsed once: the shape says how long the message is and
+    // then how to cut it (`command_frame_len` would parse it again).
+    let shape = match Command(be_u32(buf, 0)) {
+        Command::UNLINK => {
+            let header = take_header(buf);
+            let unlink_seqnum = be_u32(&header, 0x14);
+            let (seqnum, devid) = (be_u32(&header, 4), be_u32(&header, 8));
+            return Ok(Some(ClientMessage::Unlink(CmdUnlink { seqnum, devid, unlink_seqnum })));
+        }
+        Command::SUBMIT => SubmitShape::parse(&buf[..HEADER_LEN], limits, &is_iso)?,
+        other => return Err(DecodeError::UnexpectedCommand(other.0)),
     };
-    if buf.len() < total {
+    if buf.len() < HEADER_LEN + shape.payload_len + shape.iso_count * ISO_DESCRIPTOR_LEN {
         return Ok(None);
     }
     let header = take_header(buf);
     let seqnum = be_u32(&header, 4);
     let devid = be_u32(&header, 8);
-    if Command(be_u32(&header, 0)) == Command::UNLINK {
-        return Ok(Some(ClientMessage::Unlink(CmdUnlink { seqnum, devid, unlink_seqnum: be_u32(&header, 0x14) })));
-    }
-    let shape = SubmitShape::parse(&header, limits, &is_iso)?;
     let data = take_payload(buf, shape.payload_len);
     let mut iso_packets = Vec::with_capacity(shape.iso_count);
     if shape.iso_count > 0 {
@@ -393,6 +403,7 @@ pub fn decode_return(
 
 /// Copies the 48-byte header out and drops it from `buf` (cheaper than
 /// splitting off a reference-counted view that is only read and dropped).
+#[inline]
 fn take_header(buf: &mut BytesMut) -> [u8; HEADER_LEN] {
     let mut header = [0u8; HEADER_LEN];
     header.copy_from_slice(&buf[..HEADER_LEN]);
@@ -443,6 +454,7 @@ impl SubmitShape {
     }
 }
 
+#[inline]
 fn put_basic(h: &mut [u8; HEADER_LEN], command: Command, seqnum: u32, devid: u32, direction: u32, ep: u32) {
     put_u32(h, 0x00, command.0);
     put_u32(h, 0x04, seqnum);

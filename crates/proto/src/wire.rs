@@ -166,18 +166,22 @@ impl fmt::Display for Status {
     }
 }
 
+#[inline]
 pub(crate) fn be_u16(bytes: &[u8], at: usize) -> u16 {
     u16::from_be_bytes([bytes[at], bytes[at + 1]])
 }
 
+#[inline]
 pub(crate) fn be_u32(bytes: &[u8], at: usize) -> u32 {
     u32::from_be_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
 }
 
+#[inline]
 pub(crate) fn be_i32(bytes: &[u8], at: usize) -> i32 {
     be_u32(bytes, at) as i32
 }
 
+#[inline]
 pub(crate) fn put_u32(out: &mut [u8], at: usize, value: u32) {
     out[at..at + 4].copy_from_slice(&value.to_be_bytes());
 }

@@ -182,7 +182,7 @@ impl Channel {
             match message {
                 ClientMessage::Submit(submit) => {
                     self.check_devid(submit.devid)?;
-                    if self.in_flight.contains_key(&submit.seqnum) {
+                    if self.in_flight.contains_key(submit.seqnum) {
                         return Err(ChannelError::DuplicateSeqnum(submit.seqnum));
                     }
                     trace!(seqnum = submit.seqnum, ep = submit.ep, dir = ?submit.direction, len = submit.transfer_buffer_length, "submit");
@@ -192,7 +192,7 @@ impl Channel {
                 ClientMessage::Unlink(unlink) => {
                     self.check_devid(unlink.devid)?;
                     trace!(seqnum = unlink.seqnum, target = unlink.unlink_seqnum, "unlink");
-                    match self.in_flight.get_mut(&unlink.unlink_seqnum) {
+                    match self.in_flight.get_mut(unlink.unlink_seqnum) {
                         Some(pending) => {
                             *pending = Some(unlink.seqnum);
                             device.cancel(unlink.unlink_seqnum);
@@ -206,7 +206,7 @@ impl Channel {
     }
 
     fn complete(&mut self, done: Completion) {
-        let Some(unlink) = self.in_flight.remove(&done.seqnum) else {
+        let Some(unlink) = self.in_flight.remove(done.seqnum) else {
             warn!(seqnum = done.seqnum, "device completed a URB that is not in flight; dropped");
             return;
         };
