@@ -730,8 +730,13 @@ impl Connection {
                 }
             }
             .await;
-            if let Err(error) = outcome {
-                debug!(%error, "urb channel closed");
+            match outcome {
+                // The reason every pending URB fails with `Disconnected`: worth seeing without -v.
+                Err(error @ ClientError::Protocol(_)) => {
+                    tracing::warn!(%error, "the server sent a malformed reply; connection closed")
+                }
+                Err(error) => debug!(%error, "urb channel closed"),
+                Ok(()) => {}
             }
             reader_shared.close();
         });
