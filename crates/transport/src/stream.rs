@@ -27,24 +27,17 @@ pub enum PeerStream {
     Plain(TcpStream),
     ServerTls(Box<tokio_rustls::server::TlsStream<TlsSocket>>),
     ClientTls(Box<tokio_rustls::client::TlsStream<TlsSocket>>),
-    /// Either of the above carrying negotiated transforms (compression, jitter buffer).
+    /// Any of the others carrying negotiated transforms (compression, jitter buffer).
     Transformed(Box<crate::transform::TransformedStream<Self>>),
+    /// A connection inside this process (no socket): the fuzz harness and tests drive a
+    /// whole server session through one end of a `tokio::io::duplex` pipe.
+    InProcess(tokio::io::DuplexStream),
 }
 
 impl PeerStream {
-    /// The TCP socket underneath.
-    pub fn tcp(&self) -> &TcpStream {
-        match self {
-            Self::Plain(s) => s,
-            Self::ServerTls(s) => s.get_ref().0.get_ref(),
-            Self::ClientTls(s) => s.get_ref().0.get_ref(),
-            Self::Transformed(s) => s.get_ref().tcp(),
-        }
-    }
-
     pub fn is_tls(&self) -> bool {
         match self {
-            Self::Plain(_) => false,
+            Self::Plain(_) | Self::InProcess(_) => false,
             Self::Transformed(s) => s.get_ref().is_tls(),
             _ => true,
         }
@@ -74,6 +67,7 @@ impl AsyncRead for PeerStream {
             Self::ServerTls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
             Self::ClientTls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
             Self::Transformed(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            Self::InProcess(s) => Pin::new(s).poll_read(cx, buf),
         }
     }
 }
@@ -85,6 +79,7 @@ impl AsyncWrite for PeerStream {
             Self::ServerTls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
             Self::ClientTls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
             Self::Transformed(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            Self::InProcess(s) => Pin::new(s).poll_write(cx, buf),
         }
     }
 
@@ -98,6 +93,7 @@ impl AsyncWrite for PeerStream {
             Self::ServerTls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
             Self::ClientTls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
             Self::Transformed(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+            Self::InProcess(s) => Pin::new(s).poll_write_vectored(cx, bufs),
         }
     }
 
@@ -107,6 +103,7 @@ impl AsyncWrite for PeerStream {
             Self::ServerTls(s) => s.is_write_vectored(),
             Self::ClientTls(s) => s.is_write_vectored(),
             Self::Transformed(s) => s.is_write_vectored(),
+            Self::InProcess(s) => s.is_write_vectored(),
         }
     }
 
@@ -116,6 +113,7 @@ impl AsyncWrite for PeerStream {
             Self::ServerTls(s) => Pin::new(s.as_mut()).poll_flush(cx),
             Self::ClientTls(s) => Pin::new(s.as_mut()).poll_flush(cx),
             Self::Transformed(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            Self::InProcess(s) => Pin::new(s).poll_flush(cx),
         }
     }
 
@@ -125,6 +123,7 @@ impl AsyncWrite for PeerStream {
             Self::ServerTls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
             Self::ClientTls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
             Self::Transformed(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            Self::InProcess(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
 }
