@@ -30,16 +30,20 @@ use usbwire_proto::{DecodeError, Direction, Limits};
 use usbwire_transform::{Frame, Pipeline, Side, TransformSpec, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD};
 
 pub mod seeds;
+mod session;
+
+pub use session::{server_session, CountingAllocator};
 
 /// A harness: one fuzz input in, panics on a broken invariant.
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 4] = [
+pub const TARGETS: [(&str, Harness); 5] = [
     ("decode_command", decode_command),
     ("decode_return", decode_return),
     ("op_phase", op_phase),
     ("transform_frames", transform_frames),
+    ("server_session", server_session),
 ];
 
 /// Server side: `[chunking, limits, iso_mode] ++ stream` through `urb::decode_command`.

@@ -110,7 +110,106 @@ pub fn all() -> Vec<Seed> {
         }
         add("transform_frames", name, &[2, stack], stream);
     }
+    server_session_seeds(&mut add);
     seeds
+}
+
+/// server_session: `[chunking, mode]`; mode 1 reads replies, 2 half-closes at the end.
+/// Devices, in export order: 1-1 keyboard, 1-2 mouse, 1-3 loopback, 2-1 loopback
+/// (SuperSpeed), 1-4 disk.
+fn server_session_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)) {
+    use usbwire_proto::op::{BusId, OpRequest};
+    use usbwire_proto::urb::{CmdSubmit, CmdUnlink, TransferFlags};
+    use usbwire_proto::Direction;
+
+    let request = |request: OpRequest| {
+        let mut out = BytesMut::new();
+        request.encode(&mut out);
+        out.to_vec()
+    };
+    let import = |busid: &str| request(OpRequest::Import { busid: BusId::new(busid).expect("a bus id") });
+    let submit = |devid: u32, seqnum: u32, direction: Direction, ep: u8, len: u32, setup: [u8; 8]| {
+        let data = if direction == Direction::Out { vec![0xa5u8; len as usize] } else { Vec::new() };
+        let mut out = BytesMut::new();
+        CmdSubmit {
+            seqnum,
+            devid,
+            direction,
+            ep,
+            transfer_flags: TransferFlags(0),
+            transfer_buffer_length: len,
+            start_frame: 0,
+            number_of_packets: 0,
+            interval: 0,
+            setup,
+            data: bytes::Bytes::from(data),
+            iso_packets: Vec::new(),
+        }
+        .encode(&mut out);
+        out.to_vec()
+    };
+    let unlink =
+        |devid: u32, seqnum: u32, target: u32| CmdUnlink { seqnum, devid, unlink_seqnum: target }.header().to_vec();
+    const GET_DEVICE: [u8; 8] = [0x80, 6, 0, 1, 0, 0, 18, 0];
+    const NO_SETUP: [u8; 8] = [0; 8];
+
+    add("server_session", "devlist", &[0, 3], request(OpRequest::DevList));
+    add("server_session", "devstate", &[0, 3], request(OpRequest::DevState));
+
+    // Loopback 1-3: a descriptor, a bulk OUT to the sink, IN from the source, unlinks of
+    // one in flight and of one never submitted.
+    let devid = 0x0001_0003;
+    let mut urbs = submit(devid, 1, Direction::In, 0, 18, GET_DEVICE);
+    urbs.extend(submit(devid, 2, Direction::Out, 2, 512, NO_SETUP));
+    urbs.extend(submit(devid, 3, Direction::In, 1, 4096, NO_SETUP));
+    urbs.extend(submit(devid, 4, Direction::In, 4, 16, NO_SETUP));
+    urbs.extend(unlink(devid, 5, 4));
+    urbs.extend(unlink(devid, 6, 1000));
+    let mut session = import("1-3");
+    session.extend(&urbs);
+    add("server_session", "loopback_urbs", &[3, 3], session.clone());
+    add("server_session", "loopback_urbs_unread", &[0, 0], session);
+
+    // The unread-unlink flood, in miniature.
+    let mut flood = import("1-3");
+    for seqnum in 1..200 {
+        flood.extend(unlink(devid, seqnum, seqnum + 10_000));
+    }
+    add("server_session", "unlink_flood_unread", &[0, 0], flood);
+
+    // Keyboard 1-1: an interrupt IN that pends until unlinked.
+    let devid = 0x0001_0001;
+    let mut session = import("1-1");
+    session.extend(submit(devid, 1, Direction::In, 1, 8, NO_SETUP));
+    session.extend(unlink(devid, 2, 1));
+    add("server_session", "keyboard_unlink", &[2, 3], session);
+
+    // Transforms: the offer, then the import and URBs in frames.
+    for (offer, specs, name) in
+        [("zstd", vec![TransformSpec::Zstd], "zstd_loopback"), ("lz4", vec![TransformSpec::Lz4], "lz4_loopback")]
+    {
+        let mut pipeline = Pipeline::new(&specs, Side::Client);
+        let mut session = request(OpRequest::Transforms { offer: offer.to_owned() });
+        for payload in [import("1-3"), urbs.clone()] {
+            let mut frame = Frame { flags: 0, sent_at_us: 0, payload: BytesMut::from(&payload[..]) };
+            pipeline.encode(&mut frame);
+            session.extend_from_slice(&frame.header());
+            session.extend_from_slice(&frame.payload);
+        }
+        add("server_session", name, &[0, 3], session);
+    }
+
+    // A compression bomb: 40 frames of zeros (40 MiB decompressed from about 4 KiB), never read.
+    let mut pipeline = Pipeline::new(&[TransformSpec::Zstd], Side::Client);
+    let mut bomb = request(OpRequest::Transforms { offer: "zstd".to_owned() });
+    let zeros = std::iter::repeat_n(vec![0u8; 1 << 20], 40);
+    for payload in std::iter::once(import("1-3")).chain(zeros) {
+        let mut frame = Frame { flags: 0, sent_at_us: 0, payload: BytesMut::from(&payload[..]) };
+        pipeline.encode(&mut frame);
+        bomb.extend_from_slice(&frame.header());
+        bomb.extend_from_slice(&frame.payload);
+    }
+    add("server_session", "zstd_bomb_unread", &[0, 0], bomb);
 }
 
 /// Parses the vector format described in `tests/vectors/README.md` (the same parser as

@@ -34,9 +34,22 @@ pub(crate) async fn handle(
     stop: watch::Receiver<bool>,
 ) {
     configure_socket(&tcp);
-    let Some((mut stream, client)) = secure(tcp, peer, &config).await else {
+    let Some((stream, client)) = secure(tcp, peer, &config).await else {
         return;
     };
+    serve_session(stream, client, peer, registry, config, stop).await;
+}
+
+/// Everything after the transport is settled and the client named: the OP phase
+/// (with the transform negotiation), then the URB phase of an import.
+pub(crate) async fn serve_session(
+    mut stream: PeerStream,
+    client: ClientId,
+    peer: SocketAddr,
+    registry: Registry,
+    config: Arc<ServerConfig>,
+    stop: watch::Receiver<bool>,
+) {
     let visible = |kind: &str, busid: &str| match client {
         // Plain clients see everything unless a rule names them.
         ClientId::Plain if !config.security.admission.rules.rules.iter().any(|r| r.client == "plain") => true,

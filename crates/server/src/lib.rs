@@ -170,6 +170,44 @@ impl Server {
     }
 }
 
+impl Server {
+    /// The server without sockets: sessions are handed to it from inside the process
+    /// (the fuzz harness drives whole sessions this way). No control socket, no bind rules.
+    pub fn in_process(self) -> InProcessServer {
+        let (stop, _) = watch::channel(false);
+        InProcessServer { config: Arc::new(self.config), registry: self.registry, stop }
+    }
+}
+
+/// A server that serves connections made inside the process, one [`serve`](Self::serve)
+/// call each: exactly what a TCP connection gets after its TLS handshake (or its plain
+/// first byte), with the same budgets and rules.
+pub struct InProcessServer {
+    config: Arc<ServerConfig>,
+    registry: Registry,
+    stop: watch::Sender<bool>,
+}
+
+impl InProcessServer {
+    /// Serves one plain session on `stream` as if from `peer`, until it ends. The
+    /// imported device, if any, is back in the registry when this returns.
+    pub async fn serve(&self, stream: tokio::io::DuplexStream, peer: SocketAddr) {
+        let session = connection::serve_session(
+            usbwire_transport::PeerStream::InProcess(stream),
+            usbwire_transport::access::ClientId::Plain,
+            peer,
+            self.registry.clone(),
+            self.config.clone(),
+            self.stop.subscribe(),
+        );
+        session.instrument(tracing::info_span!("conn", %peer)).await;
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+}
+
 /// A server with its sockets bound, ready to [`run`](Self::run).
 pub struct BoundServer {
     listener: TcpListener,

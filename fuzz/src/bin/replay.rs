@@ -9,15 +9,16 @@
 //! No coverage feedback, so it finds less than libFuzzer; it exists so that CI on a
 //! stable toolchain still exercises every invariant, and to reproduce crashes. A panic
 //! saves the input under `fuzz/artifacts/<target>/` and exits non-zero; so does any
-//! single allocation above 64 MiB (see `Guard`).
+//! single allocation above 64 MiB (see `Guard`). The allocator also counts live bytes, for
+//! the `server_session` harness's memory bound.
 
-use std::alloc::{GlobalAlloc, Layout, System};
+use std::alloc::{GlobalAlloc, Layout};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use usbwire_fuzz::{seeds, Harness, TARGETS};
+use usbwire_fuzz::{seeds, CountingAllocator, Harness, TARGETS};
 
 /// No input is longer than 64 KiB, so no decoder has a reason to ask for more than this.
 /// A larger request means an allocation sized from an unchecked length.
@@ -26,7 +27,7 @@ const MAX_INPUT: usize = 64 << 10;
 
 struct Guard;
 
-// SAFETY: forwards to the system allocator; refusing a request (null) is allowed and
+// SAFETY: forwards to the counting allocator (the system allocator underneath); refusing a request (null) is allowed and
 // makes the standard library abort with "memory allocation of N bytes failed".
 unsafe impl GlobalAlloc for Guard {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
@@ -34,12 +35,12 @@ unsafe impl GlobalAlloc for Guard {
             return std::ptr::null_mut();
         }
         // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
+        unsafe { CountingAllocator.alloc(layout) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
+        unsafe { CountingAllocator.dealloc(ptr, layout) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -47,7 +48,7 @@ unsafe impl GlobalAlloc for Guard {
             return std::ptr::null_mut();
         }
         // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
+        unsafe { CountingAllocator.realloc(ptr, layout, new_size) }
     }
 }
 
