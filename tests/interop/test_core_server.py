@@ -97,6 +97,16 @@ umount /mnt
 
 # Detach everything.
 for b in 2-1 1-1 1-2 1-3 1-4; do p=$(port_of $b); [ -n "$p" ] && $U detach -p "$p" >/dev/null; done
+
+# Attach right after a detach, again and again: the server must never answer "busy"
+# because the previous connection is still being torn down (usbip attach does not retry).
+fails=0; i=0
+while [ $i -lt 25 ]; do
+  $U attach -r 10.0.2.2 -b 1-2 >/tmp/attach.log 2>&1 || { fails=$((fails+1)); echo "@@REATTACH-ERROR $(cat /tmp/attach.log)"; }
+  p=$(port_of 1-2); [ -n "$p" ] && $U detach -p "$p" >/dev/null 2>&1
+  i=$((i+1))
+done
+echo "@@REATTACH-FAILS $fails"
 sleep 1
 echo "@@PORTS $(usbip port 2>/dev/null | grep -c '^Port')"
 echo "@@DMESG-BEGIN"; dmesg | grep -iE "usbip|vhci|given back|report|error" ; echo "@@DMESG-END"
@@ -150,7 +160,7 @@ def main():
                 break
             time.sleep(0.1)
         script = GUEST_SCRIPT.replace("__PORT__", str(port)).replace("__TEXT__", FILE_TEXT)
-        g = guest.Guest("core-server", script, timeout=400)
+        g = guest.Guest("core-server", script, timeout=600)
         g.wait_for("@@BOOTED", 120)
 
         listing = g.collect("@@LIST-BEGIN", "@@LIST-END").splitlines()
@@ -207,6 +217,8 @@ def main():
 
         for name in ["loopback-attach", "loopback-usbloop", "disk-reattach", "disk-remount", "disk-file-survived"]:
             guest_check(name, 180)
+        line = g.wait_for("@@REATTACH-FAILS", 240)
+        checks.check("25 attaches right after a detach: none refused", line.split()[-1] == "0", line)
         ports = g.wait_for("@@PORTS", 60)
         checks.check("every port detached", ports.split()[-1] == "0", ports)
         dmesg = g.collect("@@DMESG-BEGIN", "@@DMESG-END", 60).splitlines()
