@@ -106,7 +106,12 @@ fn reset_peak() -> usize {
 /// reach every one of them.
 pub fn budgets(config: &mut ServerConfig) {
     config.limits.max_transfer_length = 256 * 1024;
-    config.max_in_flight = 64;
+    config.budget = usbwire_proto::Budget {
+        queued_reply_bytes: 1 << 20,
+        decoded_bytes: 2 << 20,
+        in_flight_bytes: 2 << 20,
+        in_flight_urbs: 64,
+    };
 }
 
 struct Harness {

@@ -37,7 +37,7 @@ pub mod urb;
 mod wire;
 
 pub use error::DecodeError;
-pub use limits::Limits;
+pub use limits::{Budget, Limits};
 pub use recv_buffer::RecvBuffer;
 pub use seqnum_map::{SeqnumHasher, SeqnumMap};
 pub use wire::{Direction, Speed, Status};

@@ -1,4 +1,4 @@
-//! Bounds on what a peer may make us allocate or parse.
+//! Bounds on what a peer may make us allocate, parse or hold.
 
 /// Explicit limits applied while decoding untrusted input.
 ///
@@ -23,5 +23,57 @@ impl Limits {
 impl Default for Limits {
     fn default() -> Self {
         Self { max_transfer_length: 16 * 1024 * 1024, max_iso_packets: Self::KERNEL_MAX_ISO_PACKETS, max_devices: 1024 }
+    }
+}
+
+/// What one connection may hold in memory on behalf of its peer. When a budget
+/// is full the connection stops *reading* (TCP pushes back on the peer) rather
+/// than buffering more, so no byte sequence a peer sends makes us hold more
+/// than the sum of these plus one message of each kind.
+///
+/// Defaults keep a 10 Gbit/s link busy at tens of milliseconds of round trip
+/// and cap a connection at well under 128 MiB.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Budget {
+    /// Reply bytes (completions with their data, unlink answers) waiting to be written.
+    pub queued_reply_bytes: usize,
+    /// Bytes a transform decoded (decompressed) that the reader has not taken yet.
+    pub decoded_bytes: usize,
+    /// `transfer_buffer_length` summed over URBs in flight (OUT data held, IN data to come).
+    pub in_flight_bytes: usize,
+    /// URBs in flight.
+    pub in_flight_urbs: usize,
+}
+
+impl Budget {
+    /// Whether a URB of `length` bytes may start while `held` bytes are in flight:
+    /// always when nothing is (so one URB of any accepted size gets through).
+    pub fn admits(&self, held: usize, length: usize) -> bool {
+        held == 0 || held.saturating_add(length) <= self.in_flight_bytes
+    }
+}
+
+impl Default for Budget {
+    fn default() -> Self {
+        Self {
+            queued_reply_bytes: 8 * 1024 * 1024,
+            decoded_bytes: 8 * 1024 * 1024,
+            in_flight_bytes: 64 * 1024 * 1024,
+            in_flight_urbs: 1024,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_urb_of_any_size_gets_through_an_empty_budget() {
+        let budget = Budget { in_flight_bytes: 1000, ..Budget::default() };
+        assert!(budget.admits(0, 5000));
+        assert!(budget.admits(400, 600));
+        assert!(!budget.admits(400, 601));
+        assert!(!budget.admits(usize::MAX, 1));
     }
 }

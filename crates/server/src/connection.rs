@@ -72,8 +72,10 @@ pub(crate) async fn serve_session(
         }
         info!(offered = %offer, accepted = %accepted, "stream transforms");
         if !specs.is_empty() {
-            stream =
-                PeerStream::Transformed(Box::new(TransformedStream::new(stream, Pipeline::new(&specs, Side::Server))));
+            stream = PeerStream::Transformed(Box::new(
+                TransformedStream::new(stream, Pipeline::new(&specs, Side::Server))
+                    .with_decoded_budget(config.budget.decoded_bytes),
+            ));
         }
         let Some(next) = next_request(&mut stream, &mut buf, &config).await else { return };
         request = next;

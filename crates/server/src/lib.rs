@@ -28,7 +28,7 @@ use tokio_rustls::rustls as rustls_config;
 use tracing::{info, warn, Instrument};
 use usbwire_device::Device;
 use usbwire_proto::op::BusId;
-use usbwire_proto::Limits;
+use usbwire_proto::{Budget, Limits};
 
 pub use control::{
     default_control_path, request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput,
@@ -48,8 +48,8 @@ pub struct ServerConfig {
     pub control_path: Option<PathBuf>,
     /// Bounds applied to everything a client sends.
     pub limits: Limits,
-    /// URBs one connection may have in flight before we stop reading from it.
-    pub max_in_flight: usize,
+    /// What one connection may hold in memory before we stop reading from it.
+    pub budget: Budget,
     /// Concurrent connections (each device list or import is one).
     pub max_connections: usize,
     /// TLS, the plain-connection policy and per-client access rules.
@@ -101,7 +101,7 @@ impl Default for ServerConfig {
             listen: SocketAddr::from(([0, 0, 0, 0], usbwire_proto::DEFAULT_PORT)),
             control_path: Some(default_control_path()),
             limits: Limits::default(),
-            max_in_flight: 1024,
+            budget: Budget::default(),
             max_connections: 256,
             security: Security::default(),
             host_rules: Vec::new(),

@@ -13,6 +13,13 @@
 //! RET_UNLINK(0), so no data is lost and vhci never sees a RET_SUBMIT for a URB
 //! it already gave back. An unlink for a URB not in flight gets RET_UNLINK(0)
 //! at once — any RET_SUBMIT for it is already ahead of it in the stream.
+//!
+//! Memory follows the connection's [`Budget`]: commands are taken (and the
+//! socket read) only while URBs in flight and reply bytes waiting are under
+//! budget; a submit that would overdraw the in-flight bytes waits, decoded,
+//! until completions make room; completions are collected only while the
+//! reply queue is under budget. A peer that stops reading its replies thus
+//! stops being read, whatever it sends.
 
 use std::io;
 use std::pin::Pin;
@@ -24,17 +31,14 @@ use tokio::sync::watch;
 use tokio_util::io::poll_read_buf;
 use tracing::{trace, warn};
 use usbwire_device::{Completion, Device, TransferType, Urb};
-use usbwire_proto::urb::{self, ClientMessage, RetUnlink};
-use usbwire_proto::{DecodeError, Limits, SeqnumMap, Status};
+use usbwire_proto::urb::{self, ClientMessage, CmdSubmit, RetUnlink};
+use usbwire_proto::{Budget, DecodeError, Limits, SeqnumMap, Status};
 use usbwire_transport::PeerStream;
 
 use crate::registry::Lease;
 use crate::write_queue::WriteQueue;
 use crate::ServerConfig;
 
-/// Stop collecting completions while this much is waiting to be written
-/// (backpressure towards the device instead of unbounded buffering).
-const OUT_HIGH_WATER: usize = 8 * 1024 * 1024;
 /// Read at least this much at a time.
 const READ_CHUNK: usize = 256 * 1024;
 
@@ -76,8 +80,10 @@ pub(crate) async fn run(
         inbuf: leftover,
         out: WriteQueue::default(),
         in_flight: InFlight::default(),
+        in_flight_bytes: 0,
+        waiting_submit: None,
         limits: config.limits.clone(),
-        max_in_flight: config.max_in_flight,
+        budget: config.budget.clone(),
     };
     let device = lease.device();
     tokio::select! {
@@ -86,8 +92,15 @@ pub(crate) async fn run(
     }
 }
 
-/// Per in-flight URB: the seqnum of a CMD_UNLINK aimed at it, if any.
-type InFlight = SeqnumMap<Option<u32>>;
+/// A URB handed to the device and not yet completed.
+struct InFlightUrb {
+    /// Its `transfer_buffer_length`, counted against the in-flight budget.
+    length: usize,
+    /// The seqnum of a CMD_UNLINK aimed at it, if any.
+    unlink: Option<u32>,
+}
+
+type InFlight = SeqnumMap<InFlightUrb>;
 
 struct Channel {
     devid: u32,
@@ -97,8 +110,12 @@ struct Channel {
     inbuf: BytesMut,
     out: WriteQueue,
     in_flight: InFlight,
+    /// `transfer_buffer_length` summed over `in_flight`.
+    in_flight_bytes: usize,
+    /// A decoded submit the in-flight byte budget had no room for yet.
+    waiting_submit: Option<CmdSubmit>,
     limits: Limits,
-    max_in_flight: usize,
+    budget: Budget,
 }
 
 impl Channel {
@@ -106,9 +123,9 @@ impl Channel {
         loop {
             let mut progressed = false;
 
-            // Commands: decode what is buffered, then read more while under the in-flight cap.
+            // Commands: decode what is buffered, then read more while under budget.
             progressed |= self.handle_buffered(device)?;
-            if self.in_flight.len() < self.max_in_flight {
+            if self.takes_commands() {
                 self.reserve_for_next(device)?;
                 match poll_read_buf(Pin::new(&mut self.stream), cx, &mut self.inbuf) {
                     Poll::Ready(Ok(0)) => return Poll::Ready(Ok(End::ClientClosed)),
@@ -123,7 +140,7 @@ impl Channel {
             }
 
             // Completions, in the order the device finishes them.
-            while self.out.queued() < OUT_HIGH_WATER {
+            while self.out.queued() < self.budget.queued_reply_bytes {
                 match device.poll_complete(cx) {
                     Poll::Ready(done) => {
                         self.complete(done);
@@ -173,9 +190,25 @@ impl Channel {
         Ok(())
     }
 
+    /// Whether another command may be taken: URBs in flight and replies waiting
+    /// are under budget and no submit is waiting for in-flight room.
+    fn takes_commands(&self) -> bool {
+        self.waiting_submit.is_none()
+            && self.in_flight.len() < self.budget.in_flight_urbs
+            && self.out.queued() < self.budget.queued_reply_bytes
+    }
+
     fn handle_buffered(&mut self, device: &mut dyn Device) -> Result<bool, ChannelError> {
         let mut handled = false;
-        while self.in_flight.len() < self.max_in_flight {
+        if let Some(submit) = self.waiting_submit.take() {
+            if !self.budget.admits(self.in_flight_bytes, submit.transfer_buffer_length as usize) {
+                self.waiting_submit = Some(submit);
+                return Ok(false);
+            }
+            self.submit(submit, device);
+            handled = true;
+        }
+        while self.takes_commands() {
             let decoded = urb::decode_command(&mut self.inbuf, &self.limits, |d, ep| is_iso(device, d, ep))?;
             let Some(message) = decoded else { break };
             handled = true;
@@ -185,16 +218,23 @@ impl Channel {
                     if self.in_flight.contains_key(submit.seqnum) {
                         return Err(ChannelError::DuplicateSeqnum(submit.seqnum));
                     }
-                    trace!(seqnum = submit.seqnum, ep = submit.ep, dir = ?submit.direction, len = submit.transfer_buffer_length, "submit");
-                    self.in_flight.insert(submit.seqnum, None);
-                    device.submit(Urb::from_submit(submit));
+                    if self.budget.admits(self.in_flight_bytes, submit.transfer_buffer_length as usize) {
+                        self.submit(submit, device);
+                    } else {
+                        trace!(
+                            seqnum = submit.seqnum,
+                            in_flight_bytes = self.in_flight_bytes,
+                            "submit waits for in-flight room"
+                        );
+                        self.waiting_submit = Some(submit);
+                    }
                 }
                 ClientMessage::Unlink(unlink) => {
                     self.check_devid(unlink.devid)?;
                     trace!(seqnum = unlink.seqnum, target = unlink.unlink_seqnum, "unlink");
                     match self.in_flight.get_mut(unlink.unlink_seqnum) {
                         Some(pending) => {
-                            *pending = Some(unlink.seqnum);
+                            pending.unlink = Some(unlink.seqnum);
                             device.cancel(unlink.unlink_seqnum);
                         }
                         None => self.out.push_ret_unlink(&RetUnlink { seqnum: unlink.seqnum, status: Status::OK }),
@@ -205,13 +245,22 @@ impl Channel {
         Ok(handled)
     }
 
+    fn submit(&mut self, submit: CmdSubmit, device: &mut dyn Device) {
+        trace!(seqnum = submit.seqnum, ep = submit.ep, dir = ?submit.direction, len = submit.transfer_buffer_length, "submit");
+        let length = submit.transfer_buffer_length as usize;
+        self.in_flight.insert(submit.seqnum, InFlightUrb { length, unlink: None });
+        self.in_flight_bytes += length;
+        device.submit(Urb::from_submit(submit));
+    }
+
     fn complete(&mut self, done: Completion) {
-        let Some(unlink) = self.in_flight.remove(done.seqnum) else {
+        let Some(urb) = self.in_flight.remove(done.seqnum) else {
             warn!(seqnum = done.seqnum, "device completed a URB that is not in flight; dropped");
             return;
         };
+        self.in_flight_bytes -= urb.length;
         trace!(seqnum = done.seqnum, status = ?done.status, len = done.actual_length, "complete");
-        match unlink {
+        match urb.unlink {
             Some(unlink_seqnum) if done.status == Status::ECONNRESET => {
                 self.out.push_ret_unlink(&RetUnlink { seqnum: unlink_seqnum, status: Status::ECONNRESET });
             }

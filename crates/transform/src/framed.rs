@@ -2,6 +2,12 @@
 //! that carries frames through a [`Pipeline`]. Each write becomes one frame
 //! (vectored writes are gathered into one); reads hand out decoded frames in
 //! order, each once its release time has come (the jitter buffer's doing).
+//!
+//! Memory is bounded both ways: writes push back once [`OUT_HIGH_WATER`]
+//! encoded bytes wait, and reading from the inner stream stops while the
+//! decoded bytes not yet taken reach the decode budget, so a peer's
+//! compression bomb costs at most the budget plus one frame
+//! ([`MAX_FRAME_PAYLOAD`]) plus one partial frame of raw input.
 
 use std::collections::VecDeque;
 use std::io;
@@ -22,6 +28,8 @@ use crate::{Frame, Pipeline, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD};
 const READ_CHUNK: usize = 256 * 1024;
 /// Encoded bytes held before `poll_write` pushes back.
 const OUT_HIGH_WATER: usize = 4 * MAX_FRAME_PAYLOAD;
+/// Decoded bytes held for the reader before reading stops, unless told otherwise.
+const DEFAULT_DECODED_BUDGET: usize = 8 * MAX_FRAME_PAYLOAD;
 
 /// Bytes before and after the transforms, both ways (shared with whoever asked).
 #[derive(Debug, Default)]
@@ -61,6 +69,10 @@ pub struct TransformedStream<S> {
     waiting: VecDeque<(Instant, Bytes)>,
     /// The frame being read out.
     current: Bytes,
+    /// Bytes in `waiting` and `current`.
+    decoded_held: usize,
+    /// No frame is decoded (and nothing read) while `decoded_held` is at least this.
+    decoded_budget: usize,
     /// Made on first use (it needs the runtime), kept for the stream's life.
     timer: Option<PreciseTimer>,
     inner_eof: bool,
@@ -78,9 +90,18 @@ impl<S> TransformedStream<S> {
             raw: BytesMut::new(),
             waiting: VecDeque::new(),
             current: Bytes::new(),
+            decoded_held: 0,
+            decoded_budget: DEFAULT_DECODED_BUDGET,
             timer: None,
             inner_eof: false,
         }
+    }
+
+    /// Decoded bytes the reader may leave untaken before this stream stops
+    /// reading from its peer (at least one frame is always decoded).
+    pub fn with_decoded_budget(mut self, bytes: usize) -> Self {
+        self.decoded_budget = bytes;
+        self
     }
 
     pub fn get_ref(&self) -> &S {
@@ -107,14 +128,22 @@ impl<S> TransformedStream<S> {
         self.out.push_back(frame.payload.freeze());
     }
 
-    /// Parses every whole frame in `raw`, decodes it and queues it with its release time.
+    /// Whether decoding another frame stays within the decode budget.
+    fn has_decode_room(&self) -> bool {
+        self.decoded_held == 0 || self.decoded_held < self.decoded_budget
+    }
+
+    /// Parses whole frames in `raw` while the decode budget has room, decodes
+    /// each and queues it with its release time.
     fn decode_available(&mut self) -> io::Result<()> {
         let arrived = Instant::now();
-        while let Some(mut frame) = Frame::decode(&mut self.raw)? {
+        while self.has_decode_room() {
+            let Some(mut frame) = Frame::decode(&mut self.raw)? else { break };
             self.stats.wire_received.fetch_add((FRAME_HEADER_LEN + frame.payload.len()) as u64, Ordering::Relaxed);
             self.pipeline.decode(&mut frame)?;
             self.stats.plain_received.fetch_add(frame.payload.len() as u64, Ordering::Relaxed);
             let release = self.pipeline.release_at(&frame, arrived);
+            self.decoded_held += frame.payload.len();
             self.waiting.push_back((release, frame.payload.freeze()));
         }
         Ok(())
@@ -160,10 +189,14 @@ impl<S: AsyncRead + Unpin> AsyncRead for TransformedStream<S> {
             if !this.current.is_empty() {
                 let n = this.current.len().min(buf.remaining());
                 buf.put_slice(&this.current.split_to(n));
+                this.decoded_held -= n;
                 return Poll::Ready(Ok(()));
             }
-            // Take in whatever has arrived, so arrival times are when frames came.
-            while !this.inner_eof {
+            // Frames that arrived while the budget was full.
+            this.decode_available()?;
+            // Take in whatever has arrived, so arrival times are when frames came,
+            // until the decode budget is full: then the peer waits (backpressure).
+            while !this.inner_eof && this.has_decode_room() {
                 // Room for many frames per read (an empty BytesMut would read 64 bytes at a time).
                 if this.raw.capacity() - this.raw.len() < READ_CHUNK / 4 {
                     this.raw.reserve(READ_CHUNK);
@@ -328,6 +361,53 @@ mod tests {
             }
             let _ = result;
         }
+    }
+
+    /// A compression bomb (frames of 1 MiB of zeros, ~100 bytes each on the wire)
+    /// is decoded only as fast as the reader takes it: what is held stays within
+    /// the decode budget plus one frame, and nothing is lost.
+    #[tokio::test]
+    async fn a_compression_bomb_is_decoded_only_as_fast_as_it_is_read() {
+        const FRAMES: usize = 200;
+        let (a, mut raw) = tokio::io::duplex(64 << 20);
+        let budget = 2 * MAX_FRAME_PAYLOAD;
+        let mut client =
+            TransformedStream::new(a, Pipeline::new(&[TransformSpec::Zstd], Side::Client)).with_decoded_budget(budget);
+        let mut sender = Pipeline::new(&[TransformSpec::Zstd], Side::Server);
+        let mut wire = BytesMut::new();
+        for _ in 0..FRAMES {
+            let mut frame = Frame { flags: 0, sent_at_us: 0, payload: BytesMut::zeroed(MAX_FRAME_PAYLOAD) };
+            sender.encode(&mut frame);
+            wire.extend_from_slice(&frame.header());
+            wire.extend_from_slice(&frame.payload);
+        }
+        assert!(wire.len() < FRAMES * 1024, "the bomb is small on the wire ({} bytes)", wire.len());
+        raw.write_all(&wire).await.unwrap();
+        raw.shutdown().await.unwrap();
+
+        let mut byte = [0u8; 1];
+        client.read_exact(&mut byte).await.unwrap();
+        assert!(
+            client.decoded_held <= budget + MAX_FRAME_PAYLOAD,
+            "{} decoded bytes held against a budget of {budget}",
+            client.decoded_held
+        );
+        assert!(client.raw.len() <= wire.len());
+
+        let mut total = 1;
+        let mut chunk = vec![0u8; 1 << 16];
+        let mut peak = client.decoded_held;
+        loop {
+            let n = client.read(&mut chunk).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            assert!(chunk[..n].iter().all(|&b| b == 0));
+            total += n;
+            peak = peak.max(client.decoded_held);
+        }
+        assert_eq!(total, FRAMES * MAX_FRAME_PAYLOAD, "every decoded byte reached the reader");
+        assert!(peak <= budget + MAX_FRAME_PAYLOAD, "peak {peak} held against a budget of {budget}");
     }
 
     #[tokio::test]

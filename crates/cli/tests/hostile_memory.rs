@@ -1,0 +1,299 @@
+//! Memory budgets against a hostile client, from real sockets against the real
+//! `usbwire serve`: a compression bomb, a flood of unlinks whose replies are never
+//! read, and OUT data piled up in flight. Each must leave the server's peak RSS
+//! (`VmHWM`) bounded, push back on the sender instead of buffering, and keep
+//! serving other clients.
+
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use usbwire_proto::op::{self, BusId, OpRequest};
+use usbwire_proto::urb::{CmdSubmit, CmdUnlink, TransferFlags, HEADER_LEN};
+use usbwire_proto::Direction;
+use usbwire_transform::{Frame, Pipeline, Side, TransformSpec, MAX_FRAME_PAYLOAD};
+
+const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
+/// The loopback gadget is the only device, so it is 1-1.
+const LOOPBACK_DEVID: u32 = 0x0001_0001;
+/// The loopback gadget's bulk OUT whose data waits for its loop IN (16 MiB queue).
+const LOOP_OUT_EP: u8 = 3;
+/// Growth of the server's peak RSS over its idle RSS that every attack must stay under.
+/// The default budgets allow about 100 MiB per connection (64 MiB of URBs in flight,
+/// 8 MiB of replies, 8 MiB decoded, one message being read); the attacks below reached
+/// 400-650 MB before the budgets.
+const RSS_GROWTH_BOUND_KIB: u64 = 200 * 1024;
+
+struct Served {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Served {
+    fn start() -> Self {
+        let addr = format!("127.0.0.1:{}", TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+        let control = std::env::temp_dir().join(format!(
+            "usbwire-hostile-{}-{}.sock",
+            std::process::id(),
+            addr.replace(':', "-")
+        ));
+        let mut child = Command::new(BIN)
+            .args(["serve", "--listen", &addr, "--virtual", "loopback", "--control"])
+            .arg(&control)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let first =
+            lines.by_ref().map(|l| l.unwrap()).find(|l| l.starts_with("usbwire serving")).expect("server output");
+        assert!(first.contains(&addr), "unexpected line: {first}");
+        std::thread::spawn(move || for _ in lines {});
+        Self { child, addr }
+    }
+
+    /// A field of `/proc/PID/status` in KiB (`VmRSS`, `VmHWM`).
+    fn status_kib(&self, field: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let line = status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("no {field} in {status}"));
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    /// Another client is still served: the device list comes back, quickly.
+    fn assert_serves_others(&self) {
+        let started = Instant::now();
+        let out = Command::new(BIN).args(["list", "-r", &self.addr, "--json"]).output().unwrap();
+        assert!(out.status.success(), "list failed during the attack: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("\"1-1\""));
+        assert!(started.elapsed() < Duration::from_secs(5), "list took {:?}", started.elapsed());
+    }
+
+    fn connect(&self) -> TcpStream {
+        let stream = TcpStream::connect(&self.addr).unwrap();
+        stream.set_nodelay(true).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        stream
+    }
+}
+
+fn import_request() -> BytesMut {
+    let mut out = BytesMut::new();
+    OpRequest::Import { busid: BusId::new("1-1").unwrap() }.encode(&mut out);
+    out
+}
+
+/// Imports 1-1 over plain USB/IP; the stream is then in the URB phase.
+fn import(stream: &mut TcpStream) {
+    stream.write_all(&import_request()).unwrap();
+    let mut reply = BytesMut::new();
+    let mut chunk = [0u8; 512];
+    loop {
+        if let Some(result) = op::decode_import_reply(&mut reply).unwrap() {
+            assert!(result.is_ok(), "import refused: {result:?}");
+            return;
+        }
+        let n = stream.read(&mut chunk).unwrap();
+        assert!(n > 0, "server closed during import");
+        reply.extend_from_slice(&chunk[..n]);
+    }
+}
+
+fn submit(seqnum: u32, direction: Direction, ep: u8, setup: [u8; 8], data: Vec<u8>, length: usize) -> BytesMut {
+    let submit = CmdSubmit {
+        seqnum,
+        devid: LOOPBACK_DEVID,
+        direction,
+        ep,
+        transfer_flags: TransferFlags::default(),
+        transfer_buffer_length: length as u32,
+        start_frame: 0,
+        number_of_packets: 0,
+        interval: 0,
+        setup,
+        data: data.into(),
+        iso_packets: vec![],
+    };
+    let mut message = BytesMut::new();
+    submit.encode(&mut message);
+    message
+}
+
+/// SET_CONFIGURATION(1), as a driver does first, and waits for its completion.
+fn configure(stream: &mut TcpStream) {
+    const SET_CONFIGURATION_1: [u8; 8] = [0x00, 9, 1, 0, 0, 0, 0, 0];
+    stream.write_all(&submit(0x7fff_0000, Direction::Out, 0, SET_CONFIGURATION_1, vec![], 0)).unwrap();
+    let mut reply = vec![0u8; HEADER_LEN];
+    stream.read_exact(&mut reply).unwrap();
+    assert_eq!(&reply[..4], &3u32.to_be_bytes(), "not a RET_SUBMIT");
+    assert_eq!(&reply[20..24], &0u32.to_be_bytes(), "SET_CONFIGURATION failed");
+}
+
+/// Writes `message` repeatedly until `cap` bytes went out or the peer stopped taking
+/// them for 3 s (backpressure). Returns the bytes written.
+fn write_until_blocked(stream: &mut TcpStream, message: &[u8], cap: usize) -> usize {
+    stream.set_write_timeout(Some(Duration::from_secs(3))).unwrap();
+    let batch: Vec<u8> = message.iter().copied().cycle().take(message.len() * (65536 / message.len()).max(1)).collect();
+    let mut written = 0;
+    let mut offset = 0;
+    while written < cap {
+        match stream.write(&batch[offset..]) {
+            Ok(n) => {
+                written += n;
+                offset = (offset + n) % batch.len();
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => break,
+            Err(e) => panic!("write failed: {e}"),
+        }
+    }
+    written
+}
+
+#[test]
+fn a_compression_bomb_leaves_the_server_bounded_and_serving() {
+    let served = Served::start();
+    served.assert_serves_others();
+    let idle = served.status_kib("VmRSS:");
+
+    let mut stream = served.connect();
+    let mut offer = BytesMut::new();
+    OpRequest::Transforms { offer: "zstd".into() }.encode(&mut offer);
+    stream.write_all(&offer).unwrap();
+    let mut reply = BytesMut::new();
+    let mut chunk = [0u8; 256];
+    let accepted = loop {
+        if let Some(accepted) = op::decode_transforms_reply(&mut reply).unwrap() {
+            break accepted;
+        }
+        let n = stream.read(&mut chunk).unwrap();
+        assert!(n > 0, "server closed during the transform offer");
+        reply.extend_from_slice(&chunk[..n]);
+    };
+    assert_eq!(accepted, "zstd");
+
+    // The import, then 4000 frames that each decompress to 1 MiB of zeros: 4 GiB from
+    // about 400 KB on the wire, sent before any access check would look at the device.
+    let mut pipeline = Pipeline::new(&[TransformSpec::Zstd], Side::Client);
+    let mut frame_bytes = |payload: &[u8]| {
+        let mut frame = Frame { flags: 0, sent_at_us: 0, payload: BytesMut::from(payload) };
+        pipeline.encode(&mut frame);
+        let mut wire = frame.header().to_vec();
+        wire.extend_from_slice(&frame.payload);
+        wire
+    };
+    let mut bomb = frame_bytes(&import_request());
+    let zeros = frame_bytes(&vec![0u8; MAX_FRAME_PAYLOAD]);
+    for _ in 0..4000 {
+        bomb.extend_from_slice(&zeros);
+    }
+    assert!(bomb.len() < 1 << 20, "the bomb is small on the wire: {} bytes", bomb.len());
+    let _ = write_until_blocked(&mut stream, &bomb, bomb.len());
+
+    std::thread::sleep(Duration::from_secs(1));
+    served.assert_serves_others();
+    let growth = served.status_kib("VmHWM:").saturating_sub(idle);
+    eprintln!("compression bomb: peak RSS grew by {growth} KiB");
+    assert!(growth < RSS_GROWTH_BOUND_KIB, "the bomb grew the server by {growth} KiB");
+    assert!(served.child.try_wait_ok(), "the server died");
+}
+
+#[test]
+fn unlinks_whose_replies_are_never_read_push_back_and_lose_nothing() {
+    let served = Served::start();
+    served.assert_serves_others();
+    let idle = served.status_kib("VmRSS:");
+
+    let mut stream = served.connect();
+    import(&mut stream);
+    // Unlinks of URBs never submitted: each is answered at once with RET_UNLINK(0).
+    // One seqnum for all is fine: the server keeps no state for them.
+    let unlink = CmdUnlink { seqnum: 7, devid: LOOPBACK_DEVID, unlink_seqnum: 1_000_000 }.header();
+    let cap = 512 << 20;
+    let written = write_until_blocked(&mut stream, &unlink, cap);
+    eprintln!("unread unlinks: the server took {written} bytes before pushing back");
+    assert!(written < cap, "the server read {written} bytes of unlinks without its replies being read");
+
+    served.assert_serves_others();
+    let growth = served.status_kib("VmHWM:").saturating_sub(idle);
+    eprintln!("unread unlinks: peak RSS grew by {growth} KiB");
+    assert!(growth < RSS_GROWTH_BOUND_KIB, "the unlink flood grew the server by {growth} KiB");
+
+    // Nothing is lost: every unlink sent gets its RET_UNLINK once we read.
+    let partial = written % HEADER_LEN;
+    let expected = written / HEADER_LEN + usize::from(partial > 0);
+    let mut reader = stream.try_clone().unwrap();
+    let replies = std::thread::spawn(move || {
+        let mut reply = vec![0u8; HEADER_LEN];
+        for i in 0..expected {
+            reader.read_exact(&mut reply).unwrap_or_else(|e| panic!("reply {i} of {expected}: {e}"));
+            assert_eq!(&reply[..4], &4u32.to_be_bytes(), "reply {i} is not a RET_UNLINK");
+        }
+        expected
+    });
+    stream.set_write_timeout(None).unwrap();
+    stream.write_all(&unlink[partial..]).unwrap();
+    assert_eq!(replies.join().unwrap(), expected);
+}
+
+#[test]
+fn out_data_in_flight_is_bounded_by_pushing_back() {
+    let served = Served::start();
+    served.assert_serves_others();
+    let idle = served.status_kib("VmRSS:");
+
+    let mut stream = served.connect();
+    import(&mut stream);
+    configure(&mut stream);
+    // 16 MiB OUT URBs to the loop endpoint: the first fills its queue, the rest stay
+    // in flight until someone reads the loop IN (nobody does).
+    const URB: usize = 16 << 20;
+    const URBS: usize = 40;
+    let mut written = 0;
+    let mut blocked = false;
+    stream.set_write_timeout(Some(Duration::from_secs(3))).unwrap();
+    for seqnum in 1..=URBS as u32 {
+        let message = submit(seqnum, Direction::Out, LOOP_OUT_EP, [0; 8], vec![0x5a; URB], URB);
+        let mut offset = 0;
+        while offset < message.len() {
+            match stream.write(&message[offset..]) {
+                Ok(n) => offset += n,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    blocked = true;
+                    break;
+                }
+                Err(e) => panic!("write failed: {e}"),
+            }
+        }
+        written += offset;
+        if blocked {
+            break;
+        }
+    }
+    eprintln!("OUT in flight: the server took {} MiB of {} MiB before pushing back", written >> 20, (URB * URBS) >> 20);
+    assert!(blocked, "the server took all {URBS} URBs of 16 MiB");
+
+    served.assert_serves_others();
+    let growth = served.status_kib("VmHWM:").saturating_sub(idle);
+    eprintln!("OUT in flight: peak RSS grew by {growth} KiB");
+    assert!(growth < RSS_GROWTH_BOUND_KIB, "OUT data in flight grew the server by {growth} KiB");
+}
+
+trait TryWaitOk {
+    fn try_wait_ok(&self) -> bool;
+}
+
+impl TryWaitOk for Child {
+    /// Still running (reading `/proc` needs no `&mut`).
+    fn try_wait_ok(&self) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/status", self.id()))
+            .is_ok_and(|status| !status.lines().any(|l| l.starts_with("State:") && l.contains("zombie")))
+    }
+}
