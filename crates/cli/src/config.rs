@@ -19,6 +19,13 @@
 //! [[bind]]            # a real device of this machine, now and on hotplug
 //! device = "0781:5567" # bus id (1-1.2), VID:PID, serial=TEXT or class=HEX
 //! also = ["0781:df11"] # the same device in another mode
+//!
+//! [limits]             # per connection; when one is full the server stops reading
+//! max_transfer_length = "16M" # largest URB a client may submit
+//! in_flight_bytes = "64M"     # URB bytes handed to devices and not completed
+//! in_flight_urbs = 1024
+//! queued_reply_bytes = "8M"   # replies waiting for the client to read them
+//! decoded_bytes = "8M"        # decompressed bytes waiting (--compress)
 //! ```
 
 use std::net::SocketAddr;
@@ -196,6 +203,66 @@ pub(crate) struct FileConfig {
     /// Access rules: `[[allow]] client = "sha256:…" devices = ["1-1", "disk", "*"]`.
     #[serde(default)]
     pub(crate) allow: Vec<usbwire_transport::access::Rule>,
+    /// Per-connection memory budgets and the largest URB accepted.
+    #[serde(default)]
+    pub(crate) limits: LimitsConfig,
+}
+
+/// `[limits]`: what one connection may make the server hold. Unset fields keep
+/// the defaults ([`usbwire_proto::Budget`], [`usbwire_proto::Limits`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LimitsConfig {
+    #[serde(default, deserialize_with = "size_field")]
+    pub(crate) max_transfer_length: Option<u64>,
+    #[serde(default, deserialize_with = "size_field")]
+    pub(crate) in_flight_bytes: Option<u64>,
+    pub(crate) in_flight_urbs: Option<u64>,
+    #[serde(default, deserialize_with = "size_field")]
+    pub(crate) queued_reply_bytes: Option<u64>,
+    #[serde(default, deserialize_with = "size_field")]
+    pub(crate) decoded_bytes: Option<u64>,
+}
+
+impl LimitsConfig {
+    /// The configured values over the defaults; zero, or a transfer length
+    /// beyond what USB/IP can carry, is refused with the field's name.
+    pub(crate) fn apply(
+        &self,
+        limits: &mut usbwire_proto::Limits,
+        budget: &mut usbwire_proto::Budget,
+    ) -> anyhow::Result<()> {
+        fn positive(name: &str, value: Option<u64>) -> anyhow::Result<Option<u64>> {
+            match value {
+                Some(0) => bail!("[limits] {name} must be more than 0 (a connection could never move a byte)"),
+                other => Ok(other),
+            }
+        }
+        fn bytes(name: &str, value: Option<u64>) -> anyhow::Result<Option<usize>> {
+            positive(name, value)?
+                .map(|v| usize::try_from(v).with_context(|| format!("[limits] {name} is too large for this machine")))
+                .transpose()
+        }
+        if let Some(length) = positive("max_transfer_length", self.max_transfer_length)? {
+            limits.max_transfer_length = u32::try_from(length)
+                .ok()
+                .filter(|&l| l <= i32::MAX as u32)
+                .with_context(|| format!("[limits] max_transfer_length {length} is beyond USB/IP's 2 GiB - 1"))?;
+        }
+        if let Some(value) = bytes("in_flight_bytes", self.in_flight_bytes)? {
+            budget.in_flight_bytes = value;
+        }
+        if let Some(value) = bytes("in_flight_urbs", self.in_flight_urbs)? {
+            budget.in_flight_urbs = value;
+        }
+        if let Some(value) = bytes("queued_reply_bytes", self.queued_reply_bytes)? {
+            budget.queued_reply_bytes = value;
+        }
+        if let Some(value) = bytes("decoded_bytes", self.decoded_bytes)? {
+            budget.decoded_bytes = value;
+        }
+        Ok(())
+    }
 }
 
 /// `[[bind]] device = "SELECTOR"`: export matching real devices.
@@ -405,5 +472,42 @@ mod tests {
         .unwrap();
         assert!(secure.tls);
         assert_eq!(secure.allow[0].devices, vec!["1-1".to_string(), "disk".to_string()]);
+    }
+
+    #[test]
+    fn limits_table_overrides_the_defaults_and_refuses_nonsense() {
+        let config: FileConfig = toml::from_str(
+            r#"
+            [limits]
+            max_transfer_length = "4M"
+            in_flight_bytes = "32M"
+            in_flight_urbs = 256
+            queued_reply_bytes = 1048576
+            "#,
+        )
+        .unwrap();
+        let mut limits = usbwire_proto::Limits::default();
+        let mut budget = usbwire_proto::Budget::default();
+        config.limits.apply(&mut limits, &mut budget).unwrap();
+        assert_eq!(limits.max_transfer_length, 4 << 20);
+        assert_eq!(
+            budget,
+            usbwire_proto::Budget {
+                in_flight_bytes: 32 << 20,
+                in_flight_urbs: 256,
+                queued_reply_bytes: 1 << 20,
+                ..usbwire_proto::Budget::default()
+            }
+        );
+
+        for (text, said) in [
+            ("[limits]\ndecoded_bytes = 0", "decoded_bytes must be more than 0"),
+            ("[limits]\nmax_transfer_length = \"4G\"", "beyond USB/IP's 2 GiB"),
+        ] {
+            let config: FileConfig = toml::from_str(text).unwrap();
+            let error = config.limits.apply(&mut limits, &mut budget).unwrap_err().to_string();
+            assert!(error.contains(said), "{text}: {error}");
+        }
+        assert!(toml::from_str::<FileConfig>("[limits]\nin_flight = 3").is_err(), "unknown keys are refused");
     }
 }
