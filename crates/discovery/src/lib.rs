@@ -118,7 +118,9 @@ impl Drop for Advertisement {
     }
 }
 
-/// A server that answered a browse.
+/// A server that answered a browse. Every string is as the network sent it
+/// (any machine on the LAN can answer): show them through
+/// `usbwire_proto::display::escape`, never raw.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct FoundServer {
     /// The DNS-SD instance name.

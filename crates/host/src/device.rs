@@ -8,6 +8,11 @@
 //! port reset go through the matching usbfs ioctls so the kernel's view of
 //! the device stays right. Interfaces are claimed (kernel drivers detached)
 //! when the first URB arrives and given back on [`Device::reset`] or drop.
+//!
+//! Memory handed to the kernel with a URB stays in a [`UrbTable`] keyed by
+//! the URB's address until a reap returns that address; an unlink, a reset
+//! or an unplug only changes who is told when it comes back (see
+//! `urb_table.rs` for why a seqnum cannot be the key).
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
@@ -25,10 +30,12 @@ use usbwire_device::descriptor::{ConfigurationInfo, DeviceDescriptor};
 use usbwire_device::{Completion, Device, DeviceSummary, Direction, Status, TransferFlags, TransferType, Urb};
 use usbwire_proto::urb::IsoPacketDescriptor;
 
+use crate::urb_table::{Reaped, UrbKey, UrbTable};
 use crate::usbfs::{self, IsoPacket, RawUrb};
 use crate::LocalDevice;
 
-/// How long a reset waits for cancelled URBs to come back.
+/// How long a reset or close waits for discarded URBs to come back. Those that
+/// do not stay held (a reset) or are leaked (a close); never freed unreaped.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// `-ESHUTDOWN`: what the kernel gives URBs of a device that went away.
@@ -43,7 +50,6 @@ struct InFlight {
     block: Box<[u64]>,
     buffer: Vec<u8>,
     urb: Urb,
-    cancelled: bool,
 }
 
 impl InFlight {
@@ -65,7 +71,8 @@ pub struct HostDevice {
     alt_settings: HashMap<u8, u8>,
     endpoints: HashMap<u8, TransferType>,
     claimed: Vec<u8>,
-    in_flight: HashMap<u32, InFlight>,
+    /// Every URB the kernel holds, by address.
+    urbs: UrbTable<InFlight>,
     finished: VecDeque<Completion>,
     gone: bool,
 }
@@ -130,7 +137,7 @@ impl HostDevice {
             alt_settings: HashMap::new(),
             endpoints: HashMap::new(),
             claimed: Vec::new(),
-            in_flight: HashMap::new(),
+            urbs: UrbTable::new(),
             finished: VecDeque::new(),
             gone: false,
         };
@@ -306,7 +313,7 @@ impl HostDevice {
             }
         };
         let words = (std::mem::size_of::<RawUrb>() + iso_packets.len() * std::mem::size_of::<IsoPacket>()).div_ceil(8);
-        let mut in_flight = InFlight { block: vec![0u64; words].into_boxed_slice(), buffer, urb, cancelled: false };
+        let mut in_flight = InFlight { block: vec![0u64; words].into_boxed_slice(), buffer, urb };
         let raw = in_flight.raw();
         let buffer_ptr = in_flight.buffer.as_mut_ptr();
         // SAFETY: `block` is zeroed, 8-byte aligned and large enough for a RawUrb
@@ -324,6 +331,7 @@ impl HostDevice {
             header.buffer = buffer_ptr.cast();
             header.buffer_length = in_flight.buffer.len() as i32;
             header.number_of_packets = iso_packets.len() as i32;
+            // For strace and usbmon readers only: reaps are matched by address.
             header.user_context = in_flight.urb.seqnum as usize as *mut _;
             let packets = raw.add(1).cast::<IsoPacket>();
             for (i, packet) in iso_packets.iter().enumerate() {
@@ -334,12 +342,12 @@ impl HostDevice {
     }
 
     /// Turns a reaped usbfs URB back into a completion.
-    fn finish(&mut self, mut done: InFlight) -> Completion {
+    fn finish(&mut self, mut done: InFlight, cancelled: bool) -> Completion {
         let raw = done.raw();
         // SAFETY: the kernel has handed the URB back; nothing else touches it.
         let header = unsafe { &*raw };
         let mut status = Status(header.status);
-        if done.cancelled && (status == Status::ENOENT || status == Status::ECONNRESET) {
+        if cancelled && (status == Status::ENOENT || status == Status::ECONNRESET) {
             status = Status::ECONNRESET;
         }
         let actual = (header.actual_length.max(0) as usize).min(done.buffer.len());
@@ -408,34 +416,46 @@ impl HostDevice {
     /// Reaps every finished URB. Returns whether anything was reaped.
     fn reap_all(&mut self) -> bool {
         let mut reaped = false;
-        while !self.gone {
+        loop {
             match usbfs::reap(self.fd()) {
                 Ok(Some(raw)) => {
-                    // SAFETY: the kernel returns a pointer we submitted; read our tag only.
-                    let seqnum = unsafe { (*raw).user_context } as usize as u32;
-                    if let Some(done) = self.in_flight.remove(&seqnum) {
-                        let mut completion = self.finish(done);
-                        if completion.status != Status::OK
-                            && completion.status != Status::ECONNRESET
-                            && self.disconnected()
-                        {
-                            // However the kernel tore it down, tell the client what an unplug is.
-                            completion.status = ESHUTDOWN;
+                    reaped = true;
+                    // Look the address up before touching it: only memory we
+                    // still hold is read, whatever the kernel returned.
+                    match self.urbs.reap(UrbKey::of(raw)) {
+                        Reaped::Completed { seqnum, cancelled, entry } => {
+                            if cancelled {
+                                debug!(busid = %self.busid, seqnum, "discarded URB came back");
+                            }
+                            let mut completion = self.finish(entry, cancelled);
+                            let unplugged = completion.status != Status::OK
+                                && completion.status != Status::ECONNRESET
+                                && !self.gone
+                                && self.disconnected();
+                            if unplugged {
+                                // However the kernel tore it down, tell the client what an unplug is.
+                                completion.status = ESHUTDOWN;
+                            }
                             self.finished.push_back(completion);
-                            self.mark_gone();
-                        } else {
-                            self.finished.push_back(completion);
+                            if unplugged {
+                                self.mark_gone();
+                            }
+                        }
+                        // Nobody waits for it; the kernel is done with its memory.
+                        Reaped::Abandoned(entry) => drop(entry),
+                        Reaped::Unknown => {
+                            warn!(busid = %self.busid, address = ?raw, "usbfs returned a URB this device does not hold; ignored")
                         }
                     }
-                    reaped = true;
                 }
                 Ok(None) => break,
                 Err(error) => {
+                    // ENODEV: unplugged and nothing completed is left to reap now.
                     if error.raw_os_error() != Some(libc::ENODEV) {
                         warn!(busid = %self.busid, %error, "usbfs reap failed; treating the device as gone");
                     }
                     self.mark_gone();
-                    reaped = true;
+                    break;
                 }
             }
         }
@@ -450,21 +470,18 @@ impl HostDevice {
         ready > 0 && poll.revents & (libc::POLLHUP | libc::POLLERR) != 0
     }
 
-    /// The device was unplugged: every URB still out ends with `-ESHUTDOWN`.
+    /// The device was unplugged: every URB still out ends with `-ESHUTDOWN`
+    /// now. Their memory stays held until reaped (usbfs still returns
+    /// completed URBs after an unplug) or the device is dropped.
     fn mark_gone(&mut self) {
         if self.gone {
             return;
         }
         self.gone = true;
         self.claimed.clear();
-        warn!(busid = %self.busid, in_flight = self.in_flight.len(), "device disconnected");
-        let seqnums: Vec<u32> = self.in_flight.keys().copied().collect();
-        for seqnum in seqnums {
-            // The kernel freed its side with the device; our buffers are ours again.
-            if let Some(done) = self.in_flight.remove(&seqnum) {
-                self.finished.push_back(done.urb.complete_with(ESHUTDOWN));
-            }
-        }
+        warn!(busid = %self.busid, in_flight = self.urbs.awaited(), "device disconnected");
+        let finished = &mut self.finished;
+        self.urbs.abandon_all(|_, in_flight| finished.push_back(in_flight.urb.complete_with(ESHUTDOWN)));
     }
 
     fn reactor(&mut self) -> io::Result<&AsyncFd<File>> {
@@ -479,23 +496,30 @@ impl HostDevice {
         Ok(self.reactor.as_ref().expect("just set"))
     }
 
-    /// Cancels everything in flight and waits (bounded) for the kernel to hand it back.
+    /// Cancels everything in flight (no completions follow) and waits, at
+    /// most [`DRAIN_TIMEOUT`], for the kernel to hand it back. What does not
+    /// come back stays in the table, where a later reap frees it.
     fn drain(&mut self) {
-        let raws: Vec<*mut RawUrb> = self.in_flight.values_mut().map(InFlight::raw).collect();
-        for raw in raws {
-            // SAFETY: each URB is still in flight on this fd.
-            let _ = unsafe { usbfs::discard(self.fd(), raw) };
+        self.urbs.abandon_all(|_, _| {});
+        let fd = self.file.as_fd();
+        for in_flight in self.urbs.held_mut() {
+            // SAFETY: the table holds only URBs submitted on this fd and not
+            // yet reaped. EINVAL means it already finished.
+            let _ = unsafe { usbfs::discard(fd, in_flight.raw()) };
         }
         let deadline = Instant::now() + DRAIN_TIMEOUT;
-        while !self.in_flight.is_empty() && !self.gone && Instant::now() < deadline {
+        while !self.urbs.is_empty() && Instant::now() < deadline {
             if !self.reap_all() {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
-        if !self.in_flight.is_empty() && !self.gone {
-            // Never free memory the kernel may still write: keep it for the process's life.
-            warn!(busid = %self.busid, stuck = self.in_flight.len(), "URBs did not come back after cancel");
-            std::mem::forget(std::mem::take(&mut self.in_flight));
+        if !self.urbs.is_empty() {
+            warn!(
+                busid = %self.busid,
+                stuck = self.urbs.len(),
+                "URBs did not come back within {DRAIN_TIMEOUT:?} of a discard; their memory stays reserved until the \
+                 kernel returns them"
+            );
         }
         self.finished.clear();
     }
@@ -534,10 +558,16 @@ impl Device for HostDevice {
             Ok(mut in_flight) => {
                 let raw = in_flight.raw();
                 // SAFETY: `in_flight` (block and buffer, both heap allocations that do
-                // not move when the struct does) stays in `self.in_flight` until reaped.
+                // not move when the struct does) stays in `self.urbs` until a reap
+                // returns `raw`, or is leaked.
                 match unsafe { usbfs::submit(self.file.as_fd(), raw) } {
                     Ok(()) => {
-                        self.in_flight.insert(seqnum, in_flight);
+                        if let Err(twin) = self.urbs.insert(UrbKey::of(raw), seqnum, in_flight) {
+                            // Cannot happen while the table owns the memory at that address;
+                            // if it did, the kernel now holds `twin` too: never free it.
+                            warn!(busid = %self.busid, seqnum, "submitted URB address already held; leaking it");
+                            std::mem::forget(twin);
+                        }
                     }
                     Err(error) => {
                         let errno = error.raw_os_error().unwrap_or(libc::EIO);
@@ -557,7 +587,8 @@ impl Device for HostDevice {
             if let Some(done) = self.finished.pop_front() {
                 return Poll::Ready(done);
             }
-            if self.in_flight.is_empty() || self.gone {
+            // After an unplug, `drain` (reset or drop) reaps what is left.
+            if self.urbs.is_empty() || self.gone {
                 return Poll::Pending;
             }
             let reactor = match self.reactor() {
@@ -583,23 +614,20 @@ impl Device for HostDevice {
     }
 
     fn cancel(&mut self, seqnum: u32) {
-        if let Some(in_flight) = self.in_flight.get_mut(&seqnum) {
-            in_flight.cancelled = true;
-            let raw = in_flight.raw();
+        // The URB stays in the table, cancelled, until the kernel returns it.
+        if let Some(in_flight) = self.urbs.cancel(seqnum) {
             // SAFETY: the URB is in flight on this fd. EINVAL means it already finished.
-            if let Err(error) = unsafe { usbfs::discard(self.file.as_fd(), raw) } {
+            if let Err(error) = unsafe { usbfs::discard(self.file.as_fd(), in_flight.raw()) } {
                 debug!(busid = %self.busid, seqnum, %error, "discard");
             }
         }
     }
 
     fn reset(&mut self) {
+        self.drain();
         if self.gone {
-            self.in_flight.clear();
-            self.finished.clear();
             return;
         }
-        self.drain();
         if !self.claimed.is_empty() {
             // Like usbip-host when its client goes: reset, so the next user starts clean.
             if let Err(error) = usbfs::reset(self.fd()) {
@@ -622,8 +650,11 @@ impl Device for HostDevice {
 
 impl Drop for HostDevice {
     fn drop(&mut self) {
-        if !self.gone && (!self.in_flight.is_empty() || !self.claimed.is_empty()) {
+        if !self.urbs.is_empty() {
+            // What still does not come back is leaked when `urbs` drops.
             self.drain();
+        }
+        if !self.gone {
             self.give_back_interfaces();
         }
     }

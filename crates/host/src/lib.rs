@@ -12,6 +12,7 @@
 mod device;
 pub mod hotplug;
 mod selector;
+mod urb_table;
 mod usbfs;
 
 use std::io;

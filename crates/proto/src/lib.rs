@@ -27,7 +27,12 @@
 //!
 //! Field names follow the kernel's `usbip_common.h` so that code greps
 //! against it.
+//!
+//! [`display::escape`] is how every crate shows a string that came from the
+//! network (device strings, paths, mDNS names): control characters and bidi
+//! overrides become visible escapes.
 
+pub mod display;
 mod error;
 mod limits;
 pub mod op;

@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 use anyhow::anyhow;
 use usbwire_client::describe::{self, Description, Item};
 use usbwire_client::Connection;
+use usbwire_proto::display::escape;
 use usbwire_proto::op::BusId;
 
 use crate::args::DescribeArgs;
@@ -18,7 +19,7 @@ pub(crate) async fn run(args: DescribeArgs) -> Result<(), Failure> {
     let description = fetch(addr, &busid, &security).await?;
     if args.json {
         let json = serde_json::to_string_pretty(&description).map_err(|e| Failure::software(e.into()))?;
-        println!("{json}");
+        println!("{}", super::output::terminal_safe_json(json));
     } else {
         print!("{}", format(&busid, &description));
     }
@@ -41,7 +42,8 @@ pub(crate) async fn fetch(
 
 pub(crate) fn format(busid: &BusId, d: &Description) -> String {
     let mut o = String::new();
-    let name = |s: &Option<String>| s.clone().unwrap_or_default();
+    // String descriptors are the remote device's own words: shown escaped.
+    let name = |s: &Option<String>| escape(s.as_deref().unwrap_or_default()).to_string();
     let _ = writeln!(
         o,
         "Device {busid}: ID {}:{} {} {}",
@@ -80,7 +82,7 @@ pub(crate) fn format(busid: &BusId, d: &Description) -> String {
                 let _ = writeln!(o, "      bNumEndpoints       {num_endpoints}");
                 let _ = writeln!(o, "      class/sub/proto     {class}");
                 if let Some(name) = name {
-                    let _ = writeln!(o, "      iInterface          {name}");
+                    let _ = writeln!(o, "      iInterface          {}", escape(name));
                 }
             }
             Item::Endpoint { address, direction, transfer_type, max_packet_size, interval } => {
@@ -110,4 +112,41 @@ pub(crate) fn format(busid: &BusId, d: &Description) -> String {
         }
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_string_descriptors_are_printed_escaped() {
+        let description = Description {
+            bcd_usb: "2.00".into(),
+            device_class: "00/00/00".into(),
+            max_packet_size0: 64,
+            vendor_id: "1209".into(),
+            product_id: "0001".into(),
+            bcd_device: "1.00".into(),
+            manufacturer: Some("ACME\x1b[2J".into()),
+            product: Some("Key\u{9b}31mboard\r\n".into()),
+            serial: Some("\u{202e}123".into()),
+            num_configurations: 1,
+            configuration_value: 1,
+            configuration_attributes: "0x80".into(),
+            max_power_ma: 100,
+            items: vec![Item::Interface {
+                number: 0,
+                alt_setting: 0,
+                num_endpoints: 0,
+                class: "03/00/00".into(),
+                name: Some("HID\x07\x7f".into()),
+            }],
+            bos: Vec::new(),
+        };
+        let text = format(&BusId::new("1-1").unwrap(), &description);
+        assert!(!text.chars().any(|c| usbwire_proto::display::needs_escape(c) && c != '\n'), "{text:?}");
+        assert!(text.contains(r"Device 1-1: ID 1209:0001 ACME\x1b[2J Key\u{9b}31mboard\r\n"), "{text}");
+        assert!(text.contains(r"iSerial             \u{202e}123"), "{text}");
+        assert!(text.contains(r"iInterface          HID\x07\x7f"), "{text}");
+    }
 }

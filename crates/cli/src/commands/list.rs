@@ -2,7 +2,10 @@
 //! `usbip list -r` prints them (names from usb.ids when the system has it).
 
 use serde_json::json;
+use usbwire_proto::display::escape;
 use usbwire_proto::op::DeviceRecord;
+
+use super::output::terminal_safe_json;
 
 use crate::args::ListArgs;
 use crate::exit::Failure;
@@ -29,7 +32,7 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     if args.json {
         let mut listing = devices_json(remote, &devices, &names);
         add_states(&mut listing, states.as_deref());
-        println!("{listing}");
+        println!("{}", terminal_safe_json(listing.to_string()));
     } else {
         print!("{}", format_like_usbip(remote, &devices, &names));
         if let Some(states) = &states {
@@ -58,7 +61,8 @@ fn add_states(listing: &mut serde_json::Value, states: Option<&[usbwire_client::
     listing["in_use"] = json!(states.iter().filter(|s| s.state == "in_use").collect::<Vec<_>>());
 }
 
-/// The devices in use, with who holds them and since when.
+/// The devices in use, with who holds them and since when. Every string here
+/// is the server's word, so each is escaped.
 fn format_in_use(states: &[usbwire_client::RemoteDeviceState]) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
@@ -70,14 +74,20 @@ fn format_in_use(states: &[usbwire_client::RemoteDeviceState]) -> String {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     for s in in_use {
         let who = match (&s.identity, &s.client) {
-            (Some(identity), Some(client)) => format!("{identity} at {client}"),
-            (None, Some(client)) => client.clone(),
-            (Some(identity), None) => identity.clone(),
+            (Some(identity), Some(client)) => format!("{} at {}", escape(identity), escape(client)),
+            (None, Some(client)) => escape(client).to_string(),
+            (Some(identity), None) => escape(identity).to_string(),
             (None, None) => "unknown".into(),
         };
         let since = s.since.map_or(String::new(), |t| format!(" for {}", elapsed(now.saturating_sub(t))));
-        let _ =
-            writeln!(out, "{:>11}: {} ({}:{}) in use by {who}{since}", s.busid, s.product, s.vendor_id, s.product_id);
+        let _ = writeln!(
+            out,
+            "{:>11}: {} ({}:{}) in use by {who}{since}",
+            escape(&s.busid),
+            escape(&s.product),
+            escape(&s.vendor_id),
+            escape(&s.product_id)
+        );
     }
     out
 }
@@ -120,21 +130,27 @@ async fn discovered(args: &ListArgs) -> Result<(), Failure> {
             }
             records.push(record);
         } else {
-            let txt: Vec<String> = server.txt.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            println!("{} at {host} ({})", server.name, txt.join(" "));
+            println!("{}", found_server_line(server, &host));
             match &listing {
                 Ok(devices) => print!("{}", format_like_usbip(&host, devices, &names)),
-                Err(error) => println!("  {error}"),
+                Err(error) => println!("  {}", escape(error)),
             }
             println!();
         }
     }
     if args.json {
-        println!("{}", json!({ "servers": records }));
+        println!("{}", terminal_safe_json(json!({ "servers": records }).to_string()));
     } else if servers.is_empty() {
         println!("no USB/IP servers answered within {:.1} s (mDNS, _usbip._tcp)", wait.as_secs_f64());
     }
     Ok(())
+}
+
+/// `NAME at ADDRESS (TXT…)` for one browse answer. The name and TXT records
+/// come from any machine on the LAN, so each is escaped.
+fn found_server_line(server: &usbwire_discovery::FoundServer, host: &str) -> String {
+    let txt: Vec<String> = server.txt.iter().map(|(k, v)| format!("{}={}", escape(k), escape(v))).collect();
+    format!("{} at {host} ({})", escape(&server.name), txt.join(" "))
 }
 
 /// `usbwire list -l`: what is plugged into this machine, like `usbip list -l`
@@ -142,7 +158,7 @@ async fn discovered(args: &ListArgs) -> Result<(), Failure> {
 fn local_devices(json: bool) -> Result<(), Failure> {
     let devices = usbwire_host::list().map_err(|error| Failure::unavailable(error.into()))?;
     if json {
-        println!("{}", json!({ "devices": devices }));
+        println!("{}", terminal_safe_json(json!({ "devices": devices }).to_string()));
         return Ok(());
     }
     if devices.is_empty() {
@@ -158,10 +174,11 @@ fn local_devices(json: bool) -> Result<(), Failure> {
             .clone()
             .or_else(|| names.product(d.vendor_id, d.product_id))
             .unwrap_or_else(|| "unknown product".into());
+        // A device chooses its own strings (think of a hostile USB stick).
         println!(" - busid {} ({:04x}:{:04x})", d.busid, d.vendor_id, d.product_id);
-        print!("   {vendor} : {product}, {} speed", d.speed.name());
+        print!("   {} : {}, {} speed", escape(&vendor), escape(&product), d.speed.name());
         match &d.serial {
-            Some(serial) => println!(", serial {serial}"),
+            Some(serial) => println!(", serial {}", escape(serial)),
             None => println!(),
         }
         for i in &d.interfaces {
@@ -231,7 +248,8 @@ pub(crate) fn format_like_usbip(host: &str, devices: &[DeviceRecord], names: &Us
         let product = names.product(d.id_vendor, d.id_product).unwrap_or_else(|| "unknown product".into());
         let _ =
             writeln!(out, "{:>11}: {vendor} : {product} ({:04x}:{:04x})", d.busid.as_str(), d.id_vendor, d.id_product);
-        let _ = writeln!(out, "{:>11}: {}", "", d.path);
+        // `path` is free text from the server.
+        let _ = writeln!(out, "{:>11}: {}", "", escape(&d.path));
         let class = if d.b_device_class == 0 {
             "(Defined at Interface level)".to_owned()
         } else {
@@ -355,6 +373,19 @@ mod tests {
             identity: identity.map(Into::into),
             since,
         }
+    }
+
+    #[test]
+    fn mdns_names_and_txt_values_are_printed_escaped() {
+        let server = usbwire_discovery::FoundServer {
+            name: "lab\x1b]0;owned\x07 server\u{202e}".into(),
+            host: "lab.local".into(),
+            addresses: vec!["192.0.2.1".parse().unwrap()],
+            port: 3240,
+            txt: [("tls\r".to_owned(), "off\x1b[2J".to_owned()), ("impl".to_owned(), "usbwire".to_owned())].into(),
+        };
+        let line = found_server_line(&server, "192.0.2.1:3240");
+        assert_eq!(line, r"lab\x1b]0;owned\x07 server\u{202e} at 192.0.2.1:3240 (impl=usbwire tls\r=off\x1b[2J)");
     }
 
     #[test]

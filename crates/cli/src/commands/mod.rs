@@ -8,6 +8,7 @@ mod identity;
 mod kernel;
 mod list;
 mod local;
+mod output;
 mod serve;
 mod service;
 

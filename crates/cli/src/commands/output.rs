@@ -1,0 +1,59 @@
+//! Printing what the network sent. Human output shows each such string
+//! through [`usbwire_proto::display::escape`]; JSON output goes through
+//! [`terminal_safe_json`].
+
+use usbwire_proto::display::needs_escape;
+
+/// JSON text with every character [`needs_escape`] names written as a
+/// `\uXXXX` escape, so `--json` on a terminal cannot be driven by a device
+/// name either. serde_json already escapes U+0000..U+001F inside strings, but
+/// writes DEL, the C1 controls (U+0080..U+009F, CSI among them) and bidi
+/// overrides raw. Those are never JSON whitespace or structure, so they only
+/// occur inside strings, where `\uXXXX` decodes to the same character: a
+/// script reading the output sees the same values.
+pub(crate) fn terminal_safe_json(text: String) -> String {
+    // Below U+0020 only the pretty printer's own newlines and indentation
+    // can remain, outside strings: leave those.
+    let escape = |c: char| c >= '\u{7f}' && needs_escape(c);
+    if !text.chars().any(escape) {
+        return text;
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if escape(c) {
+            // Every character in the set is in the BMP: one \u escape each.
+            out.push_str(&format!("\\u{:04x}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn json_output_escapes_del_c1_and_bidi_and_decodes_to_the_same_value() {
+        let name = "disk\x1b[2J\x7f\u{9b}2J\u{202e}gpj.exe\n";
+        let value = json!({ "product": name, "list": [name] });
+        // Why this exists: serde_json writes DEL and C1 raw.
+        assert!(value.to_string().contains("\x7f\u{9b}2J"));
+        for text in [value.to_string(), serde_json::to_string_pretty(&value).unwrap()] {
+            let safe = terminal_safe_json(text);
+            assert!(!safe.chars().any(|c| needs_escape(c) && c != '\n' && c != ' '), "{safe:?}");
+            assert!(safe.contains(r"\u001b[2J\u007f\u009b2J\u202egpj.exe\n"), "{safe}");
+            let back: serde_json::Value = serde_json::from_str(&safe).unwrap();
+            assert_eq!(back, value);
+        }
+    }
+
+    #[test]
+    fn pretty_json_keeps_its_layout() {
+        let text = serde_json::to_string_pretty(&json!({ "a": ["b"] })).unwrap();
+        assert_eq!(terminal_safe_json(text.clone()), text);
+    }
+}
