@@ -28,6 +28,11 @@
 //! Field names follow the kernel's `usbip_common.h` so that code greps
 //! against it.
 //!
+//! Above the codec, [`server_session::ServerSession`] is the server side of a URB
+//! channel as a state machine (in-flight table, unlink rules, memory budget),
+//! fed bytes and completions and yielding device calls and replies; the
+//! server's tokio loop only drives it.
+//!
 //! [`display::escape`] is how every crate shows a string that came from the
 //! network (device strings, paths, mDNS names): control characters and bidi
 //! overrides become visible escapes.
@@ -36,13 +41,16 @@ pub mod display;
 mod error;
 mod limits;
 pub mod op;
+mod outbox;
 mod recv_buffer;
 mod seqnum_map;
+pub mod server_session;
 pub mod urb;
 mod wire;
 
 pub use error::DecodeError;
 pub use limits::{Budget, Limits};
+pub use outbox::Outbox;
 pub use recv_buffer::RecvBuffer;
 pub use seqnum_map::{SeqnumHasher, SeqnumMap};
 pub use wire::{Direction, Speed, Status};

@@ -16,7 +16,6 @@ mod control;
 mod host_exports;
 mod registry;
 mod urb_channel;
-mod write_queue;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -1,25 +1,13 @@
-//! The URB phase of one imported device: CMD_SUBMIT / CMD_UNLINK in,
-//! RET_SUBMIT / RET_UNLINK out.
+//! The URB phase of one imported device: drives a [`ServerSession`] (the
+//! in-flight table, unlink rules and memory budget, sans I/O) with the
+//! client's socket and the device.
 //!
-//! A single hand-written poll loop reads commands, submits them to the device,
-//! collects completions in whatever order the device finishes them, and writes
-//! replies — so a long-pending interrupt IN never holds up ep0 or a bulk
-//! stream, and nothing is shared with other connections.
-//!
-//! Unlink, following the kernel stub (strategy A in PROTOCOL.md §4.2): if the
-//! target is still in flight, the device is asked to cancel it; when it comes
-//! back cancelled, only RET_UNLINK(-ECONNRESET) is sent (vhci gives the URB
-//! back on it). If it completed anyway, its RET_SUBMIT goes first and then
-//! RET_UNLINK(0), so no data is lost and vhci never sees a RET_SUBMIT for a URB
-//! it already gave back. An unlink for a URB not in flight gets RET_UNLINK(0)
-//! at once — any RET_SUBMIT for it is already ahead of it in the stream.
-//!
-//! Memory follows the connection's [`Budget`]: commands are taken (and the
-//! socket read) only while URBs in flight and reply bytes waiting are under
-//! budget; a submit that would overdraw the in-flight bytes waits, decoded,
-//! until completions make room; completions are collected only while the
-//! reply queue is under budget. A peer that stops reading its replies thus
-//! stops being read, whatever it sends.
+//! A single hand-written poll loop reads commands while the session wants
+//! them, hands its device calls to the device, collects completions in
+//! whatever order the device finishes them (while the session wants them),
+//! and writes replies with vectored writes — so a long-pending interrupt IN
+//! never holds up ep0 or a bulk stream, and nothing is shared with other
+//! connections.
 
 use std::io;
 use std::pin::Pin;
@@ -29,18 +17,16 @@ use bytes::BytesMut;
 use tokio::io::AsyncWrite;
 use tokio::sync::watch;
 use tokio_util::io::poll_read_buf;
-use tracing::{trace, warn};
-use usbwire_device::{Completion, Device, TransferType, Urb};
-use usbwire_proto::urb::{self, ClientMessage, CmdSubmit, RetUnlink};
-use usbwire_proto::{Budget, DecodeError, Limits, SeqnumMap, Status};
+use usbwire_device::{Device, TransferType, Urb};
+use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
+use usbwire_proto::Outbox;
 use usbwire_transport::PeerStream;
 
 use crate::registry::Lease;
-use crate::write_queue::WriteQueue;
 use crate::ServerConfig;
 
-/// Read at least this much at a time.
-const READ_CHUNK: usize = 256 * 1024;
+/// iovecs per write call.
+const MAX_SLICES: usize = 64;
 
 /// How a URB channel ended without a protocol error.
 #[derive(Debug)]
@@ -56,14 +42,10 @@ pub(crate) enum End {
 /// Why a URB channel was closed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ChannelError {
-    #[error("malformed message: {0}")]
-    Decode(#[from] DecodeError),
+    #[error(transparent)]
+    Protocol(#[from] SessionError),
     #[error("socket error: {0}")]
     Io(#[from] io::Error),
-    #[error("devid {got:#x} does not match the imported device ({expected:#x})")]
-    DevidMismatch { got: u32, expected: u32 },
-    #[error("seqnum {0} is already in flight")]
-    DuplicateSeqnum(u32),
 }
 
 pub(crate) async fn run(
@@ -74,16 +56,9 @@ pub(crate) async fn run(
     mut stop: watch::Receiver<bool>,
 ) -> Result<End, ChannelError> {
     let mut channel = Channel {
-        devid: lease.record().devid(),
         stream,
         unflushed: false,
-        inbuf: leftover,
-        out: WriteQueue::default(),
-        in_flight: InFlight::default(),
-        in_flight_bytes: 0,
-        waiting_submit: None,
-        limits: config.limits.clone(),
-        budget: config.budget.clone(),
+        session: ServerSession::new(lease.record().devid(), leftover, config.limits.clone(), config.budget.clone()),
     };
     let device = lease.device();
     tokio::select! {
@@ -92,30 +67,11 @@ pub(crate) async fn run(
     }
 }
 
-/// A URB handed to the device and not yet completed.
-struct InFlightUrb {
-    /// Its `transfer_buffer_length`, counted against the in-flight budget.
-    length: usize,
-    /// The seqnum of a CMD_UNLINK aimed at it, if any.
-    unlink: Option<u32>,
-}
-
-type InFlight = SeqnumMap<InFlightUrb>;
-
 struct Channel {
-    devid: u32,
     stream: PeerStream,
     /// Written since the last flush (TLS buffers records until flushed).
     unflushed: bool,
-    inbuf: BytesMut,
-    out: WriteQueue,
-    in_flight: InFlight,
-    /// `transfer_buffer_length` summed over `in_flight`.
-    in_flight_bytes: usize,
-    /// A decoded submit the in-flight byte budget had no room for yet.
-    waiting_submit: Option<CmdSubmit>,
-    limits: Limits,
-    budget: Budget,
+    session: ServerSession,
 }
 
 impl Channel {
@@ -123,11 +79,11 @@ impl Channel {
         loop {
             let mut progressed = false;
 
-            // Commands: decode what is buffered, then read more while under budget.
+            // Commands: decode what is buffered, then read more while the session wants it.
             progressed |= self.handle_buffered(device)?;
-            if self.takes_commands() {
-                self.reserve_for_next(device)?;
-                match poll_read_buf(Pin::new(&mut self.stream), cx, &mut self.inbuf) {
+            if self.session.wants_input() {
+                let inbuf = self.session.input(|d, ep| is_iso(device, d, ep))?;
+                match poll_read_buf(Pin::new(&mut self.stream), cx, inbuf) {
                     Poll::Ready(Ok(0)) => return Poll::Ready(Ok(End::ClientClosed)),
                     Poll::Ready(Ok(_)) => {
                         progressed = true;
@@ -140,10 +96,10 @@ impl Channel {
             }
 
             // Completions, in the order the device finishes them.
-            while self.out.queued() < self.budget.queued_reply_bytes {
+            while self.session.wants_completions() {
                 match device.poll_complete(cx) {
                     Poll::Ready(done) => {
-                        self.complete(done);
+                        self.session.complete(done.into_ret_submit());
                         progressed = true;
                     }
                     Poll::Pending => break,
@@ -151,19 +107,18 @@ impl Channel {
             }
 
             // Replies.
-            if !self.out.is_empty() {
-                let before = self.out.queued();
-                match self.out.poll_flush(cx, &mut self.stream) {
+            if !self.session.outbox().is_empty() {
+                match poll_write_outbox(self.session.outbox(), cx, &mut self.stream) {
                     Poll::Ready(Err(error)) if is_disconnect(&error) => return Poll::Ready(Ok(End::ClientClosed)),
                     Poll::Ready(Err(error)) => return Poll::Ready(Err(error.into())),
-                    Poll::Ready(Ok(())) | Poll::Pending => {
-                        let wrote = self.out.queued() != before;
+                    Poll::Ready(Ok(wrote)) => {
                         progressed |= wrote;
                         self.unflushed |= wrote;
                     }
+                    Poll::Pending => {}
                 }
             }
-            if self.unflushed && self.out.is_empty() {
+            if self.unflushed && self.session.outbox().is_empty() {
                 match Pin::new(&mut self.stream).poll_flush(cx) {
                     Poll::Ready(Ok(())) => self.unflushed = false,
                     Poll::Ready(Err(error)) if is_disconnect(&error) => return Poll::Ready(Ok(End::ClientClosed)),
@@ -172,7 +127,7 @@ impl Channel {
                 }
             }
 
-            if device.is_gone() && self.in_flight.is_empty() && self.out.is_empty() && !self.unflushed {
+            if device.is_gone() && self.session.is_idle() && !self.unflushed {
                 return Poll::Ready(Ok(End::DeviceGone));
             }
             if !progressed {
@@ -181,105 +136,39 @@ impl Channel {
         }
     }
 
-    /// Makes room for the whole next message, so a large OUT payload is read
-    /// into one buffer (and handed to the device without a copy).
-    fn reserve_for_next(&mut self, device: &dyn Device) -> Result<(), ChannelError> {
-        let next = urb::command_frame_len(&self.inbuf, &self.limits, |d, ep| is_iso(device, d, ep))?;
-        let wanted = next.unwrap_or(urb::HEADER_LEN).saturating_sub(self.inbuf.len()).max(READ_CHUNK);
-        self.inbuf.reserve(wanted);
-        Ok(())
-    }
-
-    /// Whether another command may be taken: URBs in flight and replies waiting
-    /// are under budget and no submit is waiting for in-flight room.
-    fn takes_commands(&self) -> bool {
-        self.waiting_submit.is_none()
-            && self.in_flight.len() < self.budget.in_flight_urbs
-            && self.out.queued() < self.budget.queued_reply_bytes
-    }
-
+    /// Lets the session take buffered commands and carries out what they ask of the device.
     fn handle_buffered(&mut self, device: &mut dyn Device) -> Result<bool, ChannelError> {
-        let mut handled = false;
-        if let Some(submit) = self.waiting_submit.take() {
-            if !self.budget.admits(self.in_flight_bytes, submit.transfer_buffer_length as usize) {
-                self.waiting_submit = Some(submit);
-                return Ok(false);
-            }
-            self.submit(submit, device);
-            handled = true;
-        }
-        while self.takes_commands() {
-            let decoded = urb::decode_command(&mut self.inbuf, &self.limits, |d, ep| is_iso(device, d, ep))?;
-            let Some(message) = decoded else { break };
-            handled = true;
-            match message {
-                ClientMessage::Submit(submit) => {
-                    self.check_devid(submit.devid)?;
-                    if self.in_flight.contains_key(submit.seqnum) {
-                        return Err(ChannelError::DuplicateSeqnum(submit.seqnum));
-                    }
-                    if self.budget.admits(self.in_flight_bytes, submit.transfer_buffer_length as usize) {
-                        self.submit(submit, device);
-                    } else {
-                        trace!(
-                            seqnum = submit.seqnum,
-                            in_flight_bytes = self.in_flight_bytes,
-                            "submit waits for in-flight room"
-                        );
-                        self.waiting_submit = Some(submit);
-                    }
-                }
-                ClientMessage::Unlink(unlink) => {
-                    self.check_devid(unlink.devid)?;
-                    trace!(seqnum = unlink.seqnum, target = unlink.unlink_seqnum, "unlink");
-                    match self.in_flight.get_mut(unlink.unlink_seqnum) {
-                        Some(pending) => {
-                            pending.unlink = Some(unlink.seqnum);
-                            device.cancel(unlink.unlink_seqnum);
-                        }
-                        None => self.out.push_ret_unlink(&RetUnlink { seqnum: unlink.seqnum, status: Status::OK }),
-                    }
-                }
+        let handled = self.session.handle_input(|d, ep| is_iso(device, d, ep))?;
+        while let Some(call) = self.session.poll_device_call() {
+            match call {
+                DeviceCall::Submit(submit) => device.submit(Urb::from_submit(submit)),
+                DeviceCall::Cancel { seqnum } => device.cancel(seqnum),
             }
         }
         Ok(handled)
     }
+}
 
-    fn submit(&mut self, submit: CmdSubmit, device: &mut dyn Device) {
-        trace!(seqnum = submit.seqnum, ep = submit.ep, dir = ?submit.direction, len = submit.transfer_buffer_length, "submit");
-        let length = submit.transfer_buffer_length as usize;
-        self.in_flight.insert(submit.seqnum, InFlightUrb { length, unlink: None });
-        self.in_flight_bytes += length;
-        device.submit(Urb::from_submit(submit));
-    }
-
-    fn complete(&mut self, done: Completion) {
-        let Some(urb) = self.in_flight.remove(done.seqnum) else {
-            warn!(seqnum = done.seqnum, "device completed a URB that is not in flight; dropped");
-            return;
+/// Writes from `outbox` until the socket would block or all is out.
+/// `Ready(Ok(wrote))` says whether any byte went out; `Pending` only when none did.
+fn poll_write_outbox<W: AsyncWrite + Unpin>(
+    outbox: &mut Outbox,
+    cx: &mut Context<'_>,
+    writer: &mut W,
+) -> Poll<io::Result<bool>> {
+    let mut wrote = false;
+    while !outbox.is_empty() {
+        let written = match Pin::new(&mut *writer).poll_write_vectored(cx, &outbox.slices(MAX_SLICES)) {
+            Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+            Poll::Ready(Ok(n)) => n,
+            Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+            Poll::Pending if wrote => return Poll::Ready(Ok(true)),
+            Poll::Pending => return Poll::Pending,
         };
-        self.in_flight_bytes -= urb.length;
-        trace!(seqnum = done.seqnum, status = ?done.status, len = done.actual_length, "complete");
-        match urb.unlink {
-            Some(unlink_seqnum) if done.status == Status::ECONNRESET => {
-                self.out.push_ret_unlink(&RetUnlink { seqnum: unlink_seqnum, status: Status::ECONNRESET });
-            }
-            Some(unlink_seqnum) => {
-                self.out.push_ret_submit(&done.into_ret_submit());
-                self.out.push_ret_unlink(&RetUnlink { seqnum: unlink_seqnum, status: Status::OK });
-            }
-            None => self.out.push_ret_submit(&done.into_ret_submit()),
-        }
+        outbox.advance(written);
+        wrote = true;
     }
-
-    fn check_devid(&self, devid: u32) -> Result<(), ChannelError> {
-        // The kernel stub tears the connection down on a mismatch; so do we.
-        if devid == self.devid {
-            Ok(())
-        } else {
-            Err(ChannelError::DevidMismatch { got: devid, expected: self.devid })
-        }
-    }
+    Poll::Ready(Ok(wrote))
 }
 
 fn is_iso(device: &dyn Device, direction: usbwire_proto::Direction, ep: u8) -> bool {

@@ -1,0 +1,442 @@
+//! [`ServerSession`]: the server side of one imported device's URB phase, sans
+//! I/O. Fed the bytes a client sent and the completions the device produced,
+//! it yields what to ask of the device ([`DeviceCall`]) and the replies to
+//! send ([`Outbox`]). It owns the in-flight table, the unlink rules and the
+//! memory budget; the caller owns the socket, the device and the clock.
+//!
+//! Unlink, following the kernel stub (strategy A in PROTOCOL.md §4.2): if the
+//! target is still in flight, the device is asked to cancel it; when it comes
+//! back cancelled, only RET_UNLINK(-ECONNRESET) is sent (vhci gives the URB
+//! back on it). If it completed anyway, its RET_SUBMIT goes first and then
+//! RET_UNLINK(0), so no data is lost and vhci never sees a RET_SUBMIT for a URB
+//! it already gave back. An unlink for a URB not in flight gets RET_UNLINK(0)
+//! at once — any RET_SUBMIT for it is already ahead of it in the stream.
+//!
+//! Memory follows the [`Budget`]: commands are taken only while URBs in flight
+//! and reply bytes waiting are under budget ([`wants_input`]); a submit that
+//! would overdraw the in-flight bytes waits, decoded, until completions make
+//! room; completions should be collected only while [`wants_completions`]. A
+//! peer that stops reading its replies thus stops being read, whatever it sends.
+//!
+//! A driver's loop, in order: read into [`input`] while [`wants_input`], call
+//! [`handle_input`] and carry out each [`DeviceCall`] from [`poll_device_call`];
+//! feed completions to [`complete`] while [`wants_completions`]; write
+//! [`outbox`] slices.
+//!
+//! [`wants_input`]: ServerSession::wants_input
+//! [`wants_completions`]: ServerSession::wants_completions
+//! [`input`]: ServerSession::input
+//! [`handle_input`]: ServerSession::handle_input
+//! [`poll_device_call`]: ServerSession::poll_device_call
+//! [`complete`]: ServerSession::complete
+//! [`outbox`]: ServerSession::outbox
+
+use std::collections::VecDeque;
+
+use bytes::BytesMut;
+
+use crate::outbox::Outbox;
+use crate::urb::{self, ClientMessage, CmdSubmit, RetSubmit, RetUnlink};
+use crate::{Budget, DecodeError, Direction, Limits, SeqnumMap, Status};
+
+/// Read at least this much at a time.
+const READ_CHUNK: usize = 256 * 1024;
+
+/// What the session asks of the device, in order.
+#[derive(Debug, PartialEq, Eq)]
+pub enum DeviceCall {
+    /// Start this URB.
+    Submit(CmdSubmit),
+    /// Ask the URB with this seqnum to end early; its completion comes back as usual.
+    Cancel { seqnum: u32 },
+}
+
+/// Why a session must end: the client broke the protocol. The connection is
+/// closed (as the kernel stub does); other connections are unaffected.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SessionError {
+    #[error("malformed message: {0}")]
+    Decode(#[from] DecodeError),
+    /// A command named another device than the one imported on this connection.
+    #[error("devid {got:#x} does not match the imported device ({expected:#x})")]
+    DevidMismatch { got: u32, expected: u32 },
+    /// A CMD_SUBMIT reused the seqnum of a URB still in flight.
+    #[error("seqnum {0} is already in flight")]
+    DuplicateSeqnum(u32),
+}
+
+/// A URB handed to the device and not yet completed.
+struct InFlightUrb {
+    /// Its `transfer_buffer_length`, counted against the in-flight budget.
+    length: usize,
+    /// The seqnum of a CMD_UNLINK aimed at it, if any.
+    unlink: Option<u32>,
+}
+
+pub struct ServerSession {
+    devid: u32,
+    limits: Limits,
+    budget: Budget,
+    inbuf: BytesMut,
+    in_flight: SeqnumMap<InFlightUrb>,
+    /// `transfer_buffer_length` summed over `in_flight`.
+    in_flight_bytes: usize,
+    /// A decoded submit the in-flight byte budget had no room for yet.
+    waiting_submit: Option<CmdSubmit>,
+    calls: VecDeque<DeviceCall>,
+    outbox: Outbox,
+}
+
+impl ServerSession {
+    /// A session for the device `devid`; `leftover` is what was read past the
+    /// import request (URB traffic that came with it).
+    pub fn new(devid: u32, leftover: BytesMut, limits: Limits, budget: Budget) -> Self {
+        Self {
+            devid,
+            limits,
+            budget,
+            inbuf: leftover,
+            in_flight: SeqnumMap::default(),
+            in_flight_bytes: 0,
+            waiting_submit: None,
+            calls: VecDeque::new(),
+            outbox: Outbox::default(),
+        }
+    }
+
+    /// Whether to read more from the client: URBs in flight and replies waiting
+    /// are under budget and no submit is waiting for in-flight room.
+    pub fn wants_input(&self) -> bool {
+        self.waiting_submit.is_none()
+            && self.in_flight.len() < self.budget.in_flight_urbs
+            && self.outbox.queued() < self.budget.queued_reply_bytes
+    }
+
+    /// The buffer to read client bytes into, with room for the whole next
+    /// message (so a large OUT payload lands in one buffer and reaches the
+    /// device without a copy). `is_iso` tells isochronous endpoints apart.
+    pub fn input(&mut self, is_iso: impl Fn(Direction, u8) -> bool) -> Result<&mut BytesMut, SessionError> {
+        let next = urb::command_frame_len(&self.inbuf, &self.limits, is_iso)?;
+        let wanted = next.unwrap_or(urb::HEADER_LEN).saturating_sub(self.inbuf.len()).max(READ_CHUNK);
+        self.inbuf.reserve(wanted);
+        Ok(&mut self.inbuf)
+    }
+
+    /// Decodes buffered commands while [`wants_input`](Self::wants_input) and
+    /// queues what they ask of the device. Returns whether anything was taken.
+    pub fn handle_input(&mut self, is_iso: impl Fn(Direction, u8) -> bool) -> Result<bool, SessionError> {
+        let mut handled = false;
+        if let Some(submit) = self.waiting_submit.take() {
+            if !self.budget.admits(self.in_flight_bytes, submit.transfer_buffer_length as usize) {
+                self.waiting_submit = Some(submit);
+                return Ok(false);
+            }
+            self.submit(submit);
+            handled = true;
+        }
+        while self.wants_input() {
+            let Some(message) = urb::decode_command(&mut self.inbuf, &self.limits, &is_iso)? else { break };
+            handled = true;
+            match message {
+                ClientMessage::Submit(submit) => {
+                    self.check_devid(submit.devid)?;
+                    if self.in_flight.contains_key(submit.seqnum) {
+                        return Err(SessionError::DuplicateSeqnum(submit.seqnum));
+                    }
+                    if self.budget.admits(self.in_flight_bytes, submit.transfer_buffer_length as usize) {
+                        self.submit(submit);
+                    } else {
+                        tracing::trace!(
+                            seqnum = submit.seqnum,
+                            in_flight_bytes = self.in_flight_bytes,
+                            "submit waits for in-flight room"
+                        );
+                        self.waiting_submit = Some(submit);
+                    }
+                }
+                ClientMessage::Unlink(unlink) => {
+                    self.check_devid(unlink.devid)?;
+                    tracing::trace!(seqnum = unlink.seqnum, target = unlink.unlink_seqnum, "unlink");
+                    match self.in_flight.get_mut(unlink.unlink_seqnum) {
+                        Some(pending) => {
+                            pending.unlink = Some(unlink.seqnum);
+                            self.calls.push_back(DeviceCall::Cancel { seqnum: unlink.unlink_seqnum });
+                        }
+                        None => self.outbox.push_ret_unlink(&RetUnlink { seqnum: unlink.seqnum, status: Status::OK }),
+                    }
+                }
+            }
+        }
+        Ok(handled)
+    }
+
+    /// The next thing to ask of the device, in the order the client asked.
+    pub fn poll_device_call(&mut self) -> Option<DeviceCall> {
+        self.calls.pop_front()
+    }
+
+    /// Whether to collect more completions from the device (replies waiting are under budget).
+    pub fn wants_completions(&self) -> bool {
+        self.outbox.queued() < self.budget.queued_reply_bytes
+    }
+
+    /// A URB the device finished, as its RET_SUBMIT; queues the replies it calls for.
+    pub fn complete(&mut self, done: RetSubmit) {
+        let Some(urb) = self.in_flight.remove(done.seqnum) else {
+            tracing::warn!(seqnum = done.seqnum, "device completed a URB that is not in flight; dropped");
+            return;
+        };
+        self.in_flight_bytes -= urb.length;
+        tracing::trace!(seqnum = done.seqnum, status = ?done.status, len = done.actual_length, "complete");
+        match urb.unlink {
+            Some(unlink_seqnum) if done.status == Status::ECONNRESET => {
+                self.outbox.push_ret_unlink(&RetUnlink { seqnum: unlink_seqnum, status: Status::ECONNRESET });
+            }
+            Some(unlink_seqnum) => {
+                self.outbox.push_ret_submit(&done);
+                self.outbox.push_ret_unlink(&RetUnlink { seqnum: unlink_seqnum, status: Status::OK });
+            }
+            None => self.outbox.push_ret_submit(&done),
+        }
+    }
+
+    /// Replies waiting to be written.
+    pub fn outbox(&mut self) -> &mut Outbox {
+        &mut self.outbox
+    }
+
+    /// No URB in flight and nothing left to write.
+    pub fn is_idle(&self) -> bool {
+        self.in_flight.is_empty() && self.outbox.is_empty()
+    }
+
+    fn submit(&mut self, submit: CmdSubmit) {
+        tracing::trace!(seqnum = submit.seqnum, ep = submit.ep, dir = ?submit.direction, len = submit.transfer_buffer_length, "submit");
+        let length = submit.transfer_buffer_length as usize;
+        self.in_flight.insert(submit.seqnum, InFlightUrb { length, unlink: None });
+        self.in_flight_bytes += length;
+        self.calls.push_back(DeviceCall::Submit(submit));
+    }
+
+    fn check_devid(&self, devid: u32) -> Result<(), SessionError> {
+        // The kernel stub tears the connection down on a mismatch; so do we.
+        if devid == self.devid {
+            Ok(())
+        } else {
+            Err(SessionError::DevidMismatch { got: devid, expected: self.devid })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::urb::{CmdUnlink, TransferFlags};
+    use bytes::Bytes;
+
+    const DEVID: u32 = 0x0001_0002;
+
+    fn submit(seqnum: u32, direction: Direction, length: u32) -> CmdSubmit {
+        CmdSubmit {
+            seqnum,
+            devid: DEVID,
+            direction,
+            ep: 1,
+            transfer_flags: TransferFlags::default(),
+            transfer_buffer_length: length,
+            start_frame: 0,
+            number_of_packets: 0,
+            interval: 0,
+            setup: [0; 8],
+            data: if direction == Direction::Out { Bytes::from(vec![0xa5; length as usize]) } else { Bytes::new() },
+            iso_packets: vec![],
+        }
+    }
+
+    fn submit_bytes(seqnum: u32, direction: Direction, length: u32) -> BytesMut {
+        let mut out = BytesMut::new();
+        submit(seqnum, direction, length).encode(&mut out);
+        out
+    }
+
+    fn unlink_bytes(seqnum: u32, target: u32) -> BytesMut {
+        BytesMut::from(&CmdUnlink { seqnum, devid: DEVID, unlink_seqnum: target }.header()[..])
+    }
+
+    fn done(seqnum: u32, status: Status, data: &[u8]) -> RetSubmit {
+        RetSubmit {
+            seqnum,
+            status,
+            actual_length: data.len() as u32,
+            start_frame: 0,
+            number_of_packets: 0,
+            error_count: 0,
+            data: Bytes::copy_from_slice(data),
+            iso_packets: vec![],
+        }
+    }
+
+    fn session(budget: Budget) -> ServerSession {
+        ServerSession::new(DEVID, BytesMut::new(), Limits::default(), budget)
+    }
+
+    /// Feeds `bytes` as if read from the socket and returns the device calls.
+    fn feed(session: &mut ServerSession, bytes: &[u8]) -> Vec<DeviceCall> {
+        session.input(|_, _| false).unwrap().extend_from_slice(bytes);
+        session.handle_input(|_, _| false).unwrap();
+        std::iter::from_fn(|| session.poll_device_call()).collect()
+    }
+
+    /// (command, seqnum, status) of every reply written so far, and empties the outbox.
+    fn replies(session: &mut ServerSession) -> Vec<(u32, u32, i32)> {
+        let outbox = session.outbox();
+        let mut wire = Vec::new();
+        while !outbox.is_empty() {
+            let mut took = 0;
+            for slice in outbox.slices(64) {
+                wire.extend_from_slice(&slice);
+                took += slice.len();
+            }
+            outbox.advance(took);
+        }
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at < wire.len() {
+            let word = |i: usize| u32::from_be_bytes(wire[at + i..at + i + 4].try_into().unwrap());
+            let (command, seqnum, status) = (word(0), word(4), word(20) as i32);
+            let payload = if command == 3 { word(24) as usize } else { 0 };
+            out.push((command, seqnum, status));
+            at += urb::HEADER_LEN + payload;
+        }
+        out
+    }
+
+    const RET_SUBMIT: u32 = 3;
+    const RET_UNLINK: u32 = 4;
+
+    #[test]
+    fn unlink_of_a_urb_that_comes_back_cancelled_answers_only_the_unlink() {
+        let mut session = session(Budget::default());
+        assert_eq!(
+            feed(&mut session, &submit_bytes(1, Direction::In, 64)),
+            vec![DeviceCall::Submit(submit(1, Direction::In, 64))]
+        );
+        assert_eq!(feed(&mut session, &unlink_bytes(2, 1)), vec![DeviceCall::Cancel { seqnum: 1 }]);
+        assert!(replies(&mut session).is_empty(), "nothing is answered before the device gives the URB back");
+        session.complete(done(1, Status::ECONNRESET, &[]));
+        assert_eq!(replies(&mut session), vec![(RET_UNLINK, 2, Status::ECONNRESET.0)]);
+        assert!(session.is_idle());
+    }
+
+    #[test]
+    fn unlink_of_a_urb_that_completed_anyway_sends_its_data_then_unlink_zero() {
+        let mut session = session(Budget::default());
+        feed(&mut session, &submit_bytes(1, Direction::In, 64));
+        feed(&mut session, &unlink_bytes(2, 1));
+        session.complete(done(1, Status::OK, b"data"));
+        assert_eq!(replies(&mut session), vec![(RET_SUBMIT, 1, 0), (RET_UNLINK, 2, 0)]);
+    }
+
+    #[test]
+    fn unlink_of_a_urb_not_in_flight_is_answered_at_once() {
+        let mut session = session(Budget::default());
+        feed(&mut session, &submit_bytes(1, Direction::In, 64));
+        session.complete(done(1, Status::OK, b"x"));
+        assert_eq!(feed(&mut session, &unlink_bytes(2, 1)), vec![], "the device is not asked");
+        assert_eq!(replies(&mut session), vec![(RET_SUBMIT, 1, 0), (RET_UNLINK, 2, 0)]);
+        feed(&mut session, &unlink_bytes(3, 999));
+        assert_eq!(replies(&mut session), vec![(RET_UNLINK, 3, 0)]);
+    }
+
+    #[test]
+    fn a_completion_for_a_urb_not_in_flight_is_dropped() {
+        let mut session = session(Budget::default());
+        session.complete(done(7, Status::OK, b"stray"));
+        assert!(replies(&mut session).is_empty());
+    }
+
+    #[test]
+    fn a_submit_beyond_the_in_flight_bytes_waits_for_room_and_keeps_its_place() {
+        let mut session = session(Budget { in_flight_bytes: 1000, ..Budget::default() });
+        let mut wire = submit_bytes(1, Direction::Out, 600);
+        wire.extend_from_slice(&submit_bytes(2, Direction::Out, 600));
+        wire.extend_from_slice(&unlink_bytes(3, 999));
+        let calls = feed(&mut session, &wire);
+        assert_eq!(calls, vec![DeviceCall::Submit(submit(1, Direction::Out, 600))]);
+        assert!(!session.wants_input(), "reading stops while a submit waits");
+        assert!(replies(&mut session).is_empty(), "the unlink behind it waits too");
+        session.complete(done(1, Status::OK, &[]));
+        assert!(session.handle_input(|_, _| false).unwrap());
+        let calls: Vec<DeviceCall> = std::iter::from_fn(|| session.poll_device_call()).collect();
+        assert_eq!(calls, vec![DeviceCall::Submit(submit(2, Direction::Out, 600))]);
+        assert_eq!(replies(&mut session), vec![(RET_SUBMIT, 1, 0), (RET_UNLINK, 3, 0)]);
+    }
+
+    #[test]
+    fn one_urb_larger_than_the_whole_budget_still_goes_through() {
+        let mut session = session(Budget { in_flight_bytes: 100, ..Budget::default() });
+        assert_eq!(feed(&mut session, &submit_bytes(1, Direction::Out, 4096)).len(), 1);
+    }
+
+    #[test]
+    fn replies_over_budget_stop_input_and_completions_until_written() {
+        let mut session = session(Budget { queued_reply_bytes: 4 * urb::HEADER_LEN, ..Budget::default() });
+        let mut wire = BytesMut::new();
+        for seqnum in 1..=10 {
+            wire.extend_from_slice(&unlink_bytes(seqnum, 1000 + seqnum));
+        }
+        feed(&mut session, &wire);
+        assert!(!session.wants_input() && !session.wants_completions());
+        assert_eq!(replies(&mut session).len(), 4, "four answers fit the budget; the rest wait unread");
+        session.handle_input(|_, _| false).unwrap();
+        assert_eq!(replies(&mut session).len(), 4);
+        session.handle_input(|_, _| false).unwrap();
+        assert_eq!(replies(&mut session).len(), 2, "nothing lost");
+    }
+
+    #[test]
+    fn in_flight_urbs_over_budget_stop_input() {
+        let mut session = session(Budget { in_flight_urbs: 2, ..Budget::default() });
+        let mut wire = BytesMut::new();
+        for seqnum in 1..=3 {
+            wire.extend_from_slice(&submit_bytes(seqnum, Direction::In, 8));
+        }
+        assert_eq!(feed(&mut session, &wire).len(), 2);
+        session.complete(done(1, Status::OK, b"a"));
+        session.handle_input(|_, _| false).unwrap();
+        assert_eq!(session.poll_device_call(), Some(DeviceCall::Submit(submit(3, Direction::In, 8))));
+    }
+
+    #[test]
+    fn protocol_violations_end_the_session() {
+        let mut s = session(Budget::default());
+        feed(&mut s, &submit_bytes(1, Direction::In, 8));
+        s.input(|_, _| false).unwrap().extend_from_slice(&submit_bytes(1, Direction::In, 8));
+        assert!(matches!(s.handle_input(|_, _| false), Err(SessionError::DuplicateSeqnum(1))));
+
+        let mut s = session(Budget::default());
+        let mut wrong = submit(1, Direction::In, 8);
+        wrong.devid = DEVID + 1;
+        let mut wire = BytesMut::new();
+        wrong.encode(&mut wire);
+        s.input(|_, _| false).unwrap().extend_from_slice(&wire);
+        assert!(matches!(s.handle_input(|_, _| false), Err(SessionError::DevidMismatch { .. })));
+    }
+
+    #[test]
+    fn every_split_of_the_input_gives_the_same_device_calls() {
+        let mut wire = submit_bytes(1, Direction::Out, 100);
+        wire.extend_from_slice(&submit_bytes(2, Direction::In, 50));
+        wire.extend_from_slice(&unlink_bytes(3, 2));
+        let mut whole = session(Budget::default());
+        let expected = feed(&mut whole, &wire);
+        assert_eq!(expected.len(), 3);
+        for at in 0..=wire.len() {
+            let mut split = session(Budget::default());
+            let mut calls = feed(&mut split, &wire[..at]);
+            calls.extend(feed(&mut split, &wire[at..]));
+            assert_eq!(calls, expected, "split at {at}");
+        }
+    }
+}
