@@ -18,7 +18,8 @@ use bytes::{Bytes, BytesMut};
 use tokio::sync::mpsc;
 use usbwire_proto::urb::{RetSubmit, SubmittedShape};
 
-use crate::{encode_submit, Frame, Shared, Transfer, TransferError, Waiter};
+use crate::connection::{encode_submit, Frame, Shared, Waiter};
+use crate::{Transfer, TransferError};
 
 /// Replies that arrived for one queue and are not collected yet.
 #[derive(Default)]

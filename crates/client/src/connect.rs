@@ -1,0 +1,163 @@
+//! Reaching a server: name resolution, TCP (keepalive, no Nagle) and TLS with
+//! the server key pinned, and turning an early hang-up or TLS alert into the
+//! error that says why.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+use usbwire_transport::known_servers::KnownServers;
+use usbwire_transport::tls::ServerTrust;
+use usbwire_transport::{Fingerprint, Identity, PeerStream};
+
+use crate::error::OP_TIMEOUT;
+use crate::ClientError;
+
+/// Resolves `HOST`, `HOST:PORT` or `[V6]:PORT` (default port 3240).
+pub async fn resolve(target: &str) -> Result<SocketAddr, ClientError> {
+    let with_port = if target.parse::<SocketAddr>().is_ok() || has_port(target) {
+        target.to_owned()
+    } else {
+        format!("{target}:{}", usbwire_proto::DEFAULT_PORT)
+    };
+    let connect_error = |source| ClientError::Connect { addr: target.to_owned(), source };
+    let mut addrs = tokio::net::lookup_host(&with_port).await.map_err(connect_error)?;
+    addrs.next().ok_or_else(|| connect_error(std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))
+}
+
+fn has_port(target: &str) -> bool {
+    match target.rsplit_once(':') {
+        Some((host, port)) => !host.contains(':') && port.parse::<u16>().is_ok(),
+        None => false,
+    }
+}
+
+/// How to reach a server: plain USB/IP, or TLS 1.3 with our identity and the
+/// server's pinned fingerprint.
+#[derive(Clone, Default)]
+pub enum Security {
+    #[default]
+    Plain,
+    Tls(Arc<TlsClient>),
+}
+
+/// A client identity and where pinned server keys are kept.
+#[derive(Debug)]
+pub struct TlsClient {
+    pub identity: Identity,
+    pub known: KnownServers,
+    /// Pin an unknown server's key on first use instead of refusing it.
+    pub trust_new: bool,
+}
+
+pub(crate) async fn connect(addr: SocketAddr, security: &Security) -> Result<PeerStream, ClientError> {
+    let tcp = connect_tcp(addr).await?;
+    let Security::Tls(tls) = security else {
+        return Ok(PeerStream::Plain(tcp));
+    };
+    let key = addr.to_string();
+    let pinned = tls.known.lookup(&key);
+    let trust = match (pinned, tls.trust_new) {
+        (Some(fingerprint), _) => ServerTrust::Pinned(fingerprint),
+        (None, true) => ServerTrust::FirstUse,
+        (None, false) => ServerTrust::Unknown,
+    };
+    let (config, seen) = usbwire_transport::tls::client_config(&tls.identity, trust)
+        .map_err(|e| ClientError::Tls { addr: key.clone(), reason: e.to_string() })?;
+    let connector = tokio_rustls::TlsConnector::from(config);
+    let handshake = tokio::time::timeout(
+        OP_TIMEOUT,
+        connector.connect(usbwire_transport::tls::server_name(), usbwire_transport::tls_socket(tcp)),
+    );
+    let stream = match handshake.await {
+        Err(_) => return Err(ClientError::Timeout { addr: key }),
+        Ok(Ok(stream)) => stream,
+        Ok(Err(error)) => {
+            let got = seen.fingerprint();
+            return Err(match (pinned, got) {
+                (Some(expected), Some(got)) if expected != got => ClientError::ServerKeyChanged {
+                    addr: key,
+                    expected: expected.to_string(),
+                    got: got.to_string(),
+                    known: tls.known.path().to_path_buf(),
+                },
+                (None, Some(got)) if !tls.trust_new => ClientError::UnknownServer {
+                    addr: key,
+                    fingerprint: got.to_string(),
+                    known: tls.known.path().to_path_buf(),
+                },
+                _ => ClientError::Tls { addr: key, reason: error.to_string() },
+            });
+        }
+    };
+    if pinned.is_none() {
+        if let Some(fingerprint) = seen.fingerprint() {
+            pin(&tls.known, &key, fingerprint)?;
+        }
+    }
+    Ok(PeerStream::ClientTls(Box::new(stream)))
+}
+
+fn pin(known: &KnownServers, key: &str, fingerprint: Fingerprint) -> Result<(), ClientError> {
+    known.add(key, fingerprint)?;
+    tracing::info!(server = key, %fingerprint, file = %known.path().display(), "pinned the server's key (trust on first use)");
+    Ok(())
+}
+
+async fn connect_tcp(addr: SocketAddr) -> Result<TcpStream, ClientError> {
+    let stream = tokio::time::timeout(OP_TIMEOUT, TcpStream::connect(addr))
+        .await
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
+        .map_err(|source| ClientError::Connect { addr: addr.to_string(), source })?;
+    stream.set_nodelay(true)?;
+    let keepalive =
+        socket2::TcpKeepalive::new().with_time(Duration::from_secs(30)).with_interval(Duration::from_secs(10));
+    let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+    Ok(stream)
+}
+
+/// How a server turns a client away during the OP phase, in the user's terms:
+/// a TLS alert refusing our identity (TLS 1.3 finishes the client's side of the
+/// handshake before the server has checked its certificate, so the alert comes
+/// with the first reply), or a hang-up (a refused plain client, or TLS required)
+/// rather than "connection reset".
+pub(crate) fn closed_early(error: ClientError, addr: SocketAddr, security: &Security) -> ClientError {
+    use tokio_rustls::rustls;
+    let ClientError::Io(io) = error else { return error };
+    let alert = io.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()).and_then(|e| match e {
+        rustls::Error::AlertReceived(alert) => Some(*alert),
+        _ => None,
+    });
+    match (alert, security) {
+        (Some(rustls::AlertDescription::AccessDenied), Security::Tls(tls)) => {
+            return ClientError::NotAdmitted {
+                addr: addr.to_string(),
+                fingerprint: tls.identity.fingerprint().to_string(),
+            }
+        }
+        (Some(rustls::AlertDescription::CertificateExpired), _) => {
+            return ClientError::CertificateExpired { addr: addr.to_string() }
+        }
+        (Some(alert), _) => {
+            return ClientError::Tls { addr: addr.to_string(), reason: format!("the server sent the alert {alert:?}") }
+        }
+        (None, _) => {}
+    }
+    match io.kind() {
+        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::BrokenPipe => {
+            ClientError::ClosedWithoutAnswer { addr: addr.to_string() }
+        }
+        _ => ClientError::Io(io),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_port_is_recognised_but_a_bare_v6_address_is_not_one() {
+        assert!(has_port("host:3240") && !has_port("host") && !has_port("::1"));
+    }
+}

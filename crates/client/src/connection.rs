@@ -1,0 +1,533 @@
+//! [`Connection`]: an imported device's URB channel in userspace. A writer task
+//! sends CMD_SUBMIT/CMD_UNLINK in batches (vectored writes); a reader task
+//! matches RET_SUBMIT/RET_UNLINK to their waiters by seqnum, in any order.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::Waker;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
+use tracing::debug;
+use usbwire_proto::op::DeviceRecord;
+use usbwire_proto::urb::{self, CmdSubmit, CmdUnlink, RetSubmit, ServerMessage, SubmittedShape, TransferFlags};
+use usbwire_proto::{Direction, Limits, RecvBuffer, SeqnumMap, Status};
+use usbwire_transport::PeerStream;
+
+use crate::{queue, ClientError, Transfer, TransferError, TransferQueue};
+
+/// OUT payloads up to this size are copied next to their header (one write).
+const SMALL_PAYLOAD: usize = 16 * 1024;
+
+#[derive(Default)]
+pub(crate) struct Waiters {
+    pub(crate) submits: SeqnumMap<(SubmittedShape, Waiter)>,
+    /// CMD_UNLINK seqnum -> the seqnum it cancels.
+    pub(crate) unlinks: SeqnumMap<u32>,
+    /// The inboxes of live [`TransferQueue`]s, by queue id. A queued URB's
+    /// waiter names its queue by id, so queueing one takes no `Arc` clone.
+    pub(crate) queues: Vec<(u64, Arc<queue::Inbox>)>,
+    pub(crate) next_queue: u64,
+}
+
+impl Waiters {
+    pub(crate) fn register_queue(&mut self, inbox: Arc<queue::Inbox>) -> u64 {
+        let id = self.next_queue;
+        self.next_queue += 1;
+        self.queues.push((id, inbox));
+        id
+    }
+
+    /// A dropped queue's URBs still complete; their replies are then dropped.
+    pub(crate) fn unregister_queue(&mut self, id: u64) {
+        self.queues.retain(|(queue, _)| *queue != id);
+    }
+
+    pub(crate) fn inbox(&self, id: u64) -> Option<&Arc<queue::Inbox>> {
+        self.queues.iter().find(|(queue, _)| *queue == id).map(|(_, inbox)| inbox)
+    }
+}
+
+/// Who gets a URB's reply.
+pub(crate) enum Waiter {
+    /// The future [`Connection::submit`] returned.
+    Reply(oneshot::Sender<RetSubmit>),
+    /// A [`TransferQueue`], by id: the reply joins its inbox's ready list.
+    Queue(u64),
+}
+
+impl Waiter {
+    /// Hands the reply over. A queue's replies gather in `batch` and reach
+    /// its inbox together (see [`Deliveries`]).
+    pub(crate) fn deliver(self, ret: RetSubmit, batch: &mut Deliveries, waiters: &Waiters) {
+        match self {
+            Self::Reply(tx) => {
+                let _ = tx.send(ret);
+            }
+            Self::Queue(id) => batch.add(id, ret, waiters),
+        }
+    }
+}
+
+/// Replies of one read on their way to their queues' inboxes: consecutive
+/// replies for the same queue are handed over under one lock, and each queue
+/// is woken once, after the read is dispatched.
+#[derive(Default)]
+pub(crate) struct Deliveries {
+    /// The queue the replies in `replies` are for, and its inbox (`None`: the
+    /// queue was dropped, and so are its replies).
+    pub(crate) queue: Option<(u64, Option<Arc<queue::Inbox>>)>,
+    pub(crate) replies: Vec<RetSubmit>,
+    /// Wakers of queues that were waiting, to wake once the read is handed over.
+    pub(crate) wake: Vec<Waker>,
+}
+
+impl Deliveries {
+    pub(crate) fn add(&mut self, id: u64, ret: RetSubmit, waiters: &Waiters) {
+        if self.queue.as_ref().map(|(current, _)| *current) != Some(id) {
+            self.hand_over();
+            self.queue = Some((id, waiters.inbox(id).cloned()));
+        }
+        self.replies.push(ret);
+    }
+
+    /// Moves the gathered replies into their inbox.
+    pub(crate) fn hand_over(&mut self) {
+        match self.queue.take() {
+            Some((_, Some(inbox))) => inbox.push_all(&mut self.replies, &mut self.wake),
+            _ => self.replies.clear(),
+        }
+    }
+}
+
+pub(crate) struct Shared {
+    /// `None` once the connection is gone.
+    pub(crate) waiters: Mutex<Option<Waiters>>,
+    pub(crate) next_seqnum: AtomicU32,
+    /// Set with `waiters` becoming `None`, readable without the lock.
+    pub(crate) closed: AtomicBool,
+}
+
+impl Shared {
+    pub(crate) fn waiters(&self) -> std::sync::MutexGuard<'_, Option<Waiters>> {
+        self.waiters.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The connection is gone: every URB still waiting fails as disconnected
+    /// (dropped reply senders; queues are told).
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
+        let Some(waiters) = self.waiters().take() else { return };
+        for (_, inbox) in &waiters.queues {
+            inbox.disconnect();
+        }
+    }
+}
+
+/// The URB channel of an imported device.
+pub struct Connection {
+    devid: u32,
+    shared: Arc<Shared>,
+    /// Messages for the writer task, in the order they go on the wire.
+    outgoing: mpsc::UnboundedSender<Frame>,
+    reader: tokio::task::JoinHandle<()>,
+    /// `None` once [`Connection::close`] has waited for it.
+    writer: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// One message for the writer task: the header (with a small payload and any
+/// isochronous descriptors packed behind it) and a large OUT payload, uncopied.
+pub(crate) struct Frame {
+    pub(crate) head: Bytes,
+    pub(crate) payload: Bytes,
+}
+
+/// Slices per `writev` (Linux allows 1024).
+const MAX_SLICES: usize = 512;
+/// Bytes the writer gathers before it writes, so one batch does not hold many large payloads.
+const MAX_BATCH_BYTES: usize = 4 << 20;
+
+impl Connection {
+    /// Starts the reply reader on an imported device's socket.
+    pub fn new(stream: PeerStream, device: &DeviceRecord) -> Self {
+        // Plain TCP splits without a lock between the halves; TLS needs tokio's split.
+        let (mut read_half, write_half): (
+            Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+            Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+        ) = match stream {
+            PeerStream::Plain(tcp) => {
+                let (r, w) = tcp.into_split();
+                (Box::new(r), Box::new(w))
+            }
+            tls => {
+                let (r, w) = tokio::io::split(tls);
+                (Box::new(r), Box::new(w))
+            }
+        };
+        let shared = Arc::new(Shared {
+            waiters: Mutex::new(Some(Waiters::default())),
+            next_seqnum: AtomicU32::new(1),
+            closed: AtomicBool::new(false),
+        });
+        let reader_shared = shared.clone();
+        let reader = tokio::spawn(async move {
+            let mut buf = RecvBuffer::with_capacity(256 * 1024);
+            let limits = Limits::default();
+            let mut deliveries = Deliveries::default();
+            let outcome: Result<(), ClientError> = async {
+                loop {
+                    let decoded = dispatch_buffered(&reader_shared, &mut buf, &limits, &mut deliveries);
+                    deliveries.hand_over();
+                    decoded?;
+                    // Wake after the locks are released, each waiting queue once per read,
+                    // then let it run: while replies keep coming this loop would otherwise
+                    // read on until its budget runs out, and on a single-threaded runtime
+                    // the queue could not submit more URBs to keep the server busy.
+                    if !deliveries.wake.is_empty() {
+                        deliveries.wake.drain(..).for_each(Waker::wake);
+                        yield_to_ready_tasks().await;
+                    }
+                    buf.reserve(next_read_room(&buf, &limits));
+                    if read_half.read_buf(&mut *buf).await? == 0 {
+                        return Ok(());
+                    }
+                }
+            }
+            .await;
+            match outcome {
+                // The reason every pending URB fails with `Disconnected`: worth seeing without -v.
+                Err(error @ ClientError::Protocol(_)) => {
+                    tracing::warn!(%error, "the server sent a malformed reply; connection closed")
+                }
+                Err(error) => debug!(%error, "urb channel closed"),
+                Ok(()) => {}
+            }
+            reader_shared.close();
+        });
+        let (outgoing, frames) = mpsc::unbounded_channel();
+        let writer = Some(tokio::spawn(write_frames(write_half, frames, shared.clone())));
+        Self { devid: device.devid(), shared, outgoing, reader, writer }
+    }
+
+    /// Ends the connection cleanly and waits (up to a second) until it has: what was
+    /// submitted is written, then the stream is shut down (over TLS with close_notify,
+    /// so the server logs a client that left, not a cut connection). Dropping a
+    /// `Connection` does the same in the background; a short-lived process that exits
+    /// right after should close instead. Transfer queues still alive keep it open.
+    pub async fn close(mut self) {
+        self.outgoing = mpsc::unbounded_channel().0;
+        if let Some(writer) = self.writer.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
+        }
+    }
+
+    /// Submits a transfer; returns its seqnum and a future for the reply.
+    pub async fn submit(
+        &self,
+        transfer: Transfer,
+    ) -> Result<(u32, impl std::future::Future<Output = Result<RetSubmit, TransferError>>), TransferError> {
+        let seqnum = self.shared.next_seqnum.fetch_add(1, Ordering::Relaxed);
+        let mut head = BytesMut::new();
+        let (shape, payload) = encode_submit(self.devid, seqnum, transfer, &mut head);
+        let (tx, rx) = oneshot::channel();
+        self.shared
+            .waiters()
+            .as_mut()
+            .ok_or(TransferError::Disconnected)?
+            .submits
+            .insert(seqnum, (shape, Waiter::Reply(tx)));
+        if self.outgoing.send(Frame { head: head.freeze(), payload }).is_err() {
+            return Err(TransferError::Disconnected);
+        }
+        Ok((seqnum, async move { rx.await.map_err(|_| TransferError::Disconnected) }))
+    }
+
+    /// A queue for URBs submitted and collected by one task: completions come
+    /// back in batches, without a future per URB (see [`TransferQueue`]).
+    pub fn queue(&self) -> TransferQueue {
+        TransferQueue::new(self.devid, self.shared.clone(), self.outgoing.clone())
+    }
+
+    /// Submits and waits for the reply (whatever its status).
+    pub async fn transfer(&self, transfer: Transfer) -> Result<RetSubmit, TransferError> {
+        let (_, reply) = self.submit(transfer).await?;
+        reply.await
+    }
+
+    /// Submits, waits, and turns a failure status into a typed [`TransferError`].
+    pub async fn transfer_checked(&self, transfer: Transfer) -> Result<RetSubmit, TransferError> {
+        let ret = self.transfer(transfer).await?;
+        match TransferError::from_status(ret.status) {
+            Some(error) => Err(error),
+            None => Ok(ret),
+        }
+    }
+
+    /// Asks the server to cancel the URB `seqnum`. Its reply (if any) still
+    /// resolves the submit future; a URB cancelled without a RET_SUBMIT
+    /// resolves with [`Status::ECONNRESET`].
+    pub async fn unlink(&self, target: u32) -> Result<(), TransferError> {
+        let seqnum = self.shared.next_seqnum.fetch_add(1, Ordering::Relaxed);
+        let unlink = CmdUnlink { seqnum, devid: self.devid, unlink_seqnum: target };
+        if let Some(w) = self.shared.waiters().as_mut() {
+            w.unlinks.insert(seqnum, target);
+        }
+        let head = Bytes::copy_from_slice(&unlink.header());
+        self.outgoing.send(Frame { head, payload: Bytes::new() }).map_err(|_| TransferError::Disconnected)
+    }
+
+    /// Whether the server has closed the connection.
+    pub fn is_closed(&self) -> bool {
+        self.reader.is_finished()
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+/// Lets the tasks that are ready run before this one continues: the task goes
+/// to the back of the run queue. Unlike `tokio::task::yield_now`, whose wake
+/// is deferred until the runtime has polled the I/O driver, this costs no
+/// extra `epoll_wait` per read (the driver is still polled regularly, every
+/// few dozen tasks, by the runtime itself).
+async fn yield_to_ready_tasks() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            return std::task::Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    })
+    .await;
+}
+
+/// Decodes every whole message in `buf` and hands each reply to its waiter,
+/// under one lock of the waiter map for the lot; queues' replies gather in
+/// `deliveries` for the caller to hand over once the map's lock is released.
+fn dispatch_buffered(
+    shared: &Shared,
+    buf: &mut BytesMut,
+    limits: &Limits,
+    deliveries: &mut Deliveries,
+) -> Result<(), ClientError> {
+    let mut guard = shared.waiters();
+    loop {
+        let decoded = {
+            let waiters = guard.as_ref();
+            urb::decode_return(buf, limits, |seq| waiters.and_then(|w| w.submits.get(seq)).map(|(shape, _)| *shape))?
+        };
+        let Some(waiters) = guard.as_mut() else {
+            // Closed by the writer: nobody is waiting any more.
+            return Ok(());
+        };
+        match decoded {
+            Some(ServerMessage::Submit(ret)) => {
+                if let Some((_, waiter)) = waiters.submits.remove(ret.seqnum) {
+                    waiter.deliver(ret, deliveries, waiters);
+                }
+            }
+            Some(ServerMessage::Unlink(ret)) => {
+                debug!(seqnum = ret.seqnum, status = ?ret.status, "unlink answered");
+                // Cancelled without a RET_SUBMIT (the kernel stub's way): the
+                // RET_UNLINK is the URB's only answer, as vhci treats it.
+                let cancelled = waiters
+                    .unlinks
+                    .remove(ret.seqnum)
+                    .and_then(|target| waiters.submits.remove(target).map(|(_, waiter)| (target, waiter)));
+                if let Some((target, waiter)) = cancelled {
+                    waiter.deliver(empty_reply(target, ret.status), deliveries, waiters);
+                }
+            }
+            None => return Ok(()),
+        }
+    }
+}
+
+/// A RET_SUBMIT without data: what a URB cancelled by its RET_UNLINK gets.
+pub(crate) fn empty_reply(seqnum: u32, status: Status) -> RetSubmit {
+    RetSubmit {
+        seqnum,
+        status,
+        actual_length: 0,
+        start_frame: 0,
+        number_of_packets: 0,
+        error_count: 0,
+        data: Bytes::new(),
+        iso_packets: Vec::new(),
+    }
+}
+
+/// Encodes a `CMD_SUBMIT` for `transfer` onto `head` and says what the reply
+/// will look like. Small messages are packed into `head`; a large OUT payload
+/// is returned to go out beside it in the same vectored write, uncopied.
+/// Isochronous descriptors follow the payload, so they force the copy.
+pub(crate) fn encode_submit(
+    devid: u32,
+    seqnum: u32,
+    transfer: Transfer,
+    head: &mut BytesMut,
+) -> (SubmittedShape, Bytes) {
+    let length = match transfer.direction {
+        Direction::Out => transfer.data.len() as u32,
+        Direction::In => transfer.length,
+    };
+    let number_of_packets = transfer.iso_packets.as_ref().map_or(0, |p| p.len() as i32);
+    let shape = SubmittedShape {
+        direction: transfer.direction,
+        transfer_buffer_length: length,
+        iso_packets: transfer.iso_packets.as_ref().map(|p| p.len() as i32),
+    };
+    let submit = CmdSubmit {
+        seqnum,
+        devid,
+        direction: transfer.direction,
+        ep: transfer.endpoint,
+        transfer_flags: TransferFlags(transfer.flags),
+        transfer_buffer_length: length,
+        start_frame: 0,
+        number_of_packets,
+        interval: transfer.interval,
+        setup: transfer.setup,
+        data: transfer.data,
+        iso_packets: transfer.iso_packets.unwrap_or_default(),
+    };
+    let iso_len = submit.iso_packets.len() * urb::ISO_DESCRIPTOR_LEN;
+    let out_len = if submit.direction == Direction::Out { submit.data.len() } else { 0 };
+    let large = out_len > SMALL_PAYLOAD && iso_len == 0;
+    head.reserve(urb::HEADER_LEN + if large { 0 } else { out_len } + iso_len);
+    head.extend_from_slice(&submit.header());
+    if out_len > 0 && !large {
+        head.extend_from_slice(&submit.data);
+    }
+    for packet in &submit.iso_packets {
+        head.extend_from_slice(&packet.offset.to_be_bytes());
+        head.extend_from_slice(&packet.length.to_be_bytes());
+        head.extend_from_slice(&[0; 8]);
+    }
+    (shape, if large { submit.data } else { Bytes::new() })
+}
+
+/// Room to reserve before the next read: the rest of a RET_SUBMIT whose
+/// header is already buffered (bounded by the limits), so a large IN payload
+/// lands in one allocation instead of growing the buffer (and copying it) read
+/// by read; at least 64 KiB otherwise.
+fn next_read_room(buf: &[u8], limits: &Limits) -> usize {
+    const MIN_READ: usize = 64 * 1024;
+    if buf.len() < urb::HEADER_LEN {
+        return MIN_READ;
+    }
+    let field = |at: usize| u32::from_be_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]);
+    if urb::Command(field(0)) != urb::Command::RET_SUBMIT {
+        return MIN_READ;
+    }
+    let payload = field(0x18).min(limits.max_transfer_length) as usize;
+    (urb::HEADER_LEN + payload).saturating_sub(buf.len()).max(MIN_READ)
+}
+
+/// The writer task: takes every message queued since its last write and sends
+/// them with as few `writev` calls as the socket allows, so URBs submitted
+/// while it was writing share one system call (and, with TCP_NODELAY, as few
+/// segments as their bytes need). Submitters never wait for the socket.
+///
+/// Ends when the [`Connection`] is dropped (after writing what was queued) or
+/// the socket fails; then every URB still waiting fails as disconnected.
+async fn write_frames(
+    mut writer: Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+    mut frames: mpsc::UnboundedReceiver<Frame>,
+    shared: Arc<Shared>,
+) {
+    let mut batch: Vec<Bytes> = Vec::new();
+    while let Some(first) = frames.recv().await {
+        let mut bytes = 0;
+        let mut next = Some(first);
+        while let Some(frame) = next.take() {
+            bytes += frame.head.len() + frame.payload.len();
+            batch.push(frame.head);
+            if !frame.payload.is_empty() {
+                batch.push(frame.payload);
+            }
+            if batch.len() < MAX_SLICES && bytes < MAX_BATCH_BYTES {
+                next = frames.try_recv().ok();
+            }
+        }
+        let sent = async {
+            write_all_vectored(&mut *writer, &batch).await?;
+            writer.flush().await
+        }
+        .await;
+        batch.clear();
+        if let Err(error) = sent {
+            debug!(%error, "urb channel write failed");
+            shared.close();
+            return;
+        }
+    }
+    // The connection was dropped: end the stream cleanly (TLS: close_notify, so the
+    // server can tell a client that left from a connection cut short).
+    let _ = writer.shutdown().await;
+}
+
+/// Writes every byte of `parts`, in order, with as few system calls as the socket allows.
+async fn write_all_vectored<W: tokio::io::AsyncWrite + Unpin + ?Sized>(
+    writer: &mut W,
+    parts: &[Bytes],
+) -> std::io::Result<()> {
+    let (mut index, mut offset) = (0usize, 0usize);
+    while index < parts.len() {
+        let slices: Vec<std::io::IoSlice<'_>> = std::iter::once(&parts[index][offset..])
+            .chain(parts[index + 1..].iter().map(|p| &p[..]))
+            .take(MAX_SLICES)
+            .map(std::io::IoSlice::new)
+            .collect();
+        let mut written = writer.write_vectored(&slices).await?;
+        if written == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        while written > 0 || (index < parts.len() && parts[index].len() == offset) {
+            let left = parts[index].len() - offset;
+            if written < left {
+                offset += written;
+                written = 0;
+            } else {
+                written -= left;
+                index += 1;
+                offset = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_reach_registered_queues_in_order_and_dropped_queues_lose_theirs() {
+        let mut waiters = Waiters::default();
+        let (a, b) = (Arc::<queue::Inbox>::default(), Arc::<queue::Inbox>::default());
+        let (id_a, id_b) = (waiters.register_queue(a.clone()), waiters.register_queue(b.clone()));
+        assert_ne!(id_a, id_b);
+        let mut deliveries = Deliveries::default();
+        for (id, seqnum) in [(id_a, 1), (id_a, 2), (id_b, 3), (id_a, 4)] {
+            deliveries.add(id, empty_reply(seqnum, Status::OK), &waiters);
+        }
+        deliveries.hand_over();
+        assert_eq!(a.ready_seqnums(), vec![1, 2, 4]);
+        assert_eq!(b.ready_seqnums(), vec![3]);
+
+        waiters.unregister_queue(id_b);
+        assert!(waiters.inbox(id_b).is_none() && waiters.inbox(id_a).is_some());
+        deliveries.add(id_b, empty_reply(5, Status::OK), &waiters);
+        deliveries.hand_over();
+        assert_eq!(b.ready_seqnums(), vec![3], "a dropped queue gets nothing more");
+        assert!(deliveries.replies.is_empty());
+    }
+}

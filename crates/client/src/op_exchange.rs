@@ -1,0 +1,222 @@
+//! The OP phase: device list, device states (usbwire servers), stream
+//! transform negotiation and import.
+
+use std::net::SocketAddr;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest};
+use usbwire_proto::Limits;
+use usbwire_transport::transform::{Pipeline, Side, TransformedStream};
+use usbwire_transport::PeerStream;
+
+use crate::connect::{closed_early, connect};
+use crate::error::OP_TIMEOUT;
+use crate::{ClientError, Security, TransformSpec};
+
+/// Asks a server for its exported devices (`OP_REQ_DEVLIST`).
+pub async fn list_devices(addr: SocketAddr, security: &Security) -> Result<Vec<DeviceRecord>, ClientError> {
+    let mut stream = connect(addr, security).await?;
+    let exchange = async {
+        let mut out = BytesMut::new();
+        OpRequest::DevList.encode(&mut out);
+        stream.write_all(&out).await?;
+        stream.flush().await?;
+        let mut buf = BytesMut::with_capacity(4096);
+        loop {
+            if let Some(devices) = op::decode_devlist_reply(&mut buf, &Limits::default())? {
+                return Ok(devices);
+            }
+            if stream.read_buf(&mut buf).await? == 0 {
+                return Err(ClientError::ClosedWithoutAnswer { addr: addr.to_string() });
+            }
+        }
+    };
+    let result = tokio::time::timeout(OP_TIMEOUT, exchange)
+        .await
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?;
+    result.map_err(|e| closed_early(e, addr, security))
+}
+
+/// One device as a usbwire server reports it through `OP_REQ_DEVSTATE`:
+/// in use or not, by whom, since when, with its strings.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+pub struct RemoteDeviceState {
+    pub busid: String,
+    #[serde(default)]
+    pub kind: String,
+    pub vendor_id: String,
+    pub product_id: String,
+    #[serde(default)]
+    pub product: String,
+    #[serde(default)]
+    pub manufacturer: String,
+    #[serde(default)]
+    pub serial: String,
+    #[serde(default)]
+    pub speed: String,
+    /// `available` or `in_use`.
+    pub state: String,
+    /// The importer's address, when in use.
+    #[serde(default)]
+    pub client: Option<String>,
+    /// The importer's certificate fingerprint, when it came over TLS.
+    #[serde(default)]
+    pub identity: Option<String>,
+    /// Seconds since the Unix epoch when it was imported.
+    #[serde(default)]
+    pub since: Option<u64>,
+}
+
+/// Asks a usbwire server for the state of every device this client may see,
+/// in use or not (`OP_REQ_DEVSTATE`, our extension). `Ok(None)`: the server
+/// does not speak it (Linux usbipd and usbipd-win hang up on it).
+pub async fn device_states(
+    addr: SocketAddr,
+    security: &Security,
+) -> Result<Option<Vec<RemoteDeviceState>>, ClientError> {
+    let mut stream = connect(addr, security).await?;
+    let exchange = async {
+        let mut out = BytesMut::new();
+        OpRequest::DevState.encode(&mut out);
+        stream.write_all(&out).await?;
+        stream.flush().await?;
+        let mut buf = BytesMut::with_capacity(4096);
+        loop {
+            match op::decode_devstate_reply(&mut buf) {
+                Ok(Some(body)) => return Ok(Some(body)),
+                Ok(None) => {}
+                // Something else answered: not a usbwire server.
+                Err(_) => return Ok(None),
+            }
+            match stream.read_buf(&mut buf).await {
+                Ok(0) => return Ok(None),
+                Ok(_) => {}
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof
+                    ) =>
+                {
+                    return Ok(None)
+                }
+                Err(error) => return Err(ClientError::Io(error)),
+            }
+        }
+    };
+    let body = tokio::time::timeout(OP_TIMEOUT, exchange)
+        .await
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
+        .map_err(|e| closed_early(e, addr, security))?;
+    let Some(body) = body else { return Ok(None) };
+    #[derive(serde::Deserialize)]
+    struct Body {
+        devices: Vec<RemoteDeviceState>,
+    }
+    let parsed: Body = serde_json::from_slice(&body).map_err(|error| {
+        ClientError::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("bad device state reply: {error}"),
+        ))
+    })?;
+    Ok(Some(parsed.devices))
+}
+
+/// Imports a device (`OP_REQ_IMPORT`); the returned socket is its URB channel.
+pub async fn import(
+    addr: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+) -> Result<(PeerStream, DeviceRecord), ClientError> {
+    import_with(addr, busid, security, &[]).await
+}
+
+/// Offers stream transforms (usbwire servers only) and wraps the stream in
+/// those the server accepted. An empty offer sends nothing.
+async fn negotiate(
+    stream: PeerStream,
+    offer: &[TransformSpec],
+    addr: SocketAddr,
+    security: &Security,
+) -> Result<PeerStream, ClientError> {
+    if offer.is_empty() {
+        return Ok(stream);
+    }
+    let mut stream = stream;
+    let exchange = async {
+        let mut out = BytesMut::new();
+        OpRequest::Transforms { offer: TransformSpec::list_text(offer) }.encode(&mut out);
+        stream.write_all(&out).await?;
+        stream.flush().await?;
+        // Exactly the answer: the framed stream starts right after it.
+        let mut head = [0u8; op::OP_HEADER_LEN + 4];
+        if let Err(error) = stream.read_exact(&mut head).await {
+            // A refused identity, said by a TLS alert; otherwise a server that hung up on the extension.
+            return Err(match closed_early(error.into(), addr, security) {
+                ClientError::ClosedWithoutAnswer { .. } | ClientError::Io(_) => {
+                    ClientError::NoTransforms { addr: addr.to_string() }
+                }
+                refused => refused,
+            });
+        }
+        let len = u32::from_be_bytes([head[8], head[9], head[10], head[11]]).min(op::MAX_TRANSFORMS_LEN) as usize;
+        let mut buf = BytesMut::from(&head[..]);
+        buf.resize(head.len() + len, 0);
+        stream.read_exact(&mut buf[head.len()..]).await?;
+        op::decode_transforms_reply(&mut buf)?.ok_or(ClientError::NoTransforms { addr: addr.to_string() })
+    };
+    let accepted = tokio::time::timeout(OP_TIMEOUT, exchange)
+        .await
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })??;
+    let specs = TransformSpec::parse_list(&accepted);
+    tracing::info!(offered = %TransformSpec::list_text(offer), accepted = %accepted, "stream transforms");
+    if specs.is_empty() {
+        return Ok(stream);
+    }
+    Ok(PeerStream::Transformed(Box::new(TransformedStream::new(stream, Pipeline::new(&specs, Side::Client)))))
+}
+
+/// [`import`] with stream transforms offered first (compression, jitter buffer).
+pub async fn import_with(
+    addr: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+    transforms: &[TransformSpec],
+) -> Result<(PeerStream, DeviceRecord), ClientError> {
+    let stream = connect(addr, security).await?;
+    let mut stream = negotiate(stream, transforms, addr, security).await?;
+    let exchange = async {
+        let mut out = BytesMut::new();
+        OpRequest::Import { busid: busid.clone() }.encode(&mut out);
+        stream.write_all(&out).await?;
+        stream.flush().await?;
+        // Read exactly the reply, no further: URB traffic follows on this socket.
+        let mut header = [0u8; op::OP_HEADER_LEN];
+        if let Err(error) = stream.read_exact(&mut header).await {
+            return Err(match error.kind() {
+                std::io::ErrorKind::UnexpectedEof => ClientError::ClosedWithoutAnswer { addr: addr.to_string() },
+                _ => ClientError::Io(error),
+            });
+        }
+        let mut buf = BytesMut::from(&header[..]);
+        if let Some(Err(status)) = op::decode_import_reply(&mut buf)? {
+            return Err(ClientError::Refused { busid: busid.to_string(), status });
+        }
+        let mut body = vec![0u8; op::DEVICE_RECORD_LEN];
+        stream.read_exact(&mut body).await?;
+        buf.extend_from_slice(&body);
+        match op::decode_import_reply(&mut buf)? {
+            Some(Ok(device)) if device.busid == *busid => Ok(device),
+            Some(Ok(device)) => {
+                Err(ClientError::WrongDevice { wanted: busid.to_string(), got: device.busid.to_string() })
+            }
+            Some(Err(status)) => Err(ClientError::Refused { busid: busid.to_string(), status }),
+            None => Err(ClientError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+        }
+    };
+    let device = tokio::time::timeout(OP_TIMEOUT, exchange)
+        .await
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
+        .map_err(|e| closed_early(e, addr, security))?;
+    Ok((stream, device))
+}
