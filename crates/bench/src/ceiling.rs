@@ -12,12 +12,11 @@
 //! is measured against what the socket path allows.
 
 use std::collections::VecDeque;
-use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use usbwire_proto::urb::{CmdSubmit, RetSubmit, TransferFlags, HEADER_LEN};
 use usbwire_proto::Status;
@@ -26,9 +25,6 @@ use crate::{Direction, Percentiles};
 
 /// The largest payload the ideal server sends or takes in one message.
 pub const MAX_PAYLOAD: usize = 16 << 20;
-
-/// Slices per `writev` (Linux allows 1024).
-const MAX_SLICES: usize = 512;
 
 /// The CMD_SUBMIT header the ceiling's client sends: a bulk URB on endpoint 1
 /// or 2 with `size` bytes, exactly as usbwire's client would encode it.
@@ -151,41 +147,7 @@ async fn write_replies(
     payload: &[u8],
 ) -> std::io::Result<()> {
     let parts: Vec<&[u8]> = replies.iter().flat_map(|(h, len)| [&h[..], &payload[..*len]]).collect();
-    write_all_parts(writer, &parts).await
-}
-
-/// Writes `parts` in order with as few `writev` calls as the socket allows.
-async fn write_all_parts(writer: &mut (impl AsyncWrite + Unpin), parts: &[&[u8]]) -> std::io::Result<()> {
-    let (mut index, mut offset) = (0usize, 0usize);
-    while index < parts.len() {
-        if parts[index].len() == offset {
-            index += 1;
-            offset = 0;
-            continue;
-        }
-        let slices: Vec<IoSlice<'_>> = std::iter::once(&parts[index][offset..])
-            .chain(parts[index + 1..].iter().copied())
-            .filter(|p| !p.is_empty())
-            .take(MAX_SLICES)
-            .map(IoSlice::new)
-            .collect();
-        let mut written = writer.write_vectored(&slices).await?;
-        if written == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        while written > 0 {
-            let left = parts[index].len() - offset;
-            if written < left {
-                offset += written;
-                written = 0;
-            } else {
-                written -= left;
-                index += 1;
-                offset = 0;
-            }
-        }
-    }
-    Ok(())
+    usbwire_transport::write_all_parts(writer, &parts).await
 }
 
 /// Result of one run (usbwire's or the ceiling's).
@@ -226,7 +188,7 @@ pub async fn measure(
         let room = if now < stop { depth - sent_at.len() } else { 0 };
         if room > 0 {
             let parts: Vec<&[u8]> = (0..room).flat_map(|_| [&header[..], &out_payload[..]]).collect();
-            write_all_parts(&mut writer, &parts).await?;
+            usbwire_transport::write_all_parts(&mut writer, &parts).await?;
             sent_at.extend((0..room).map(|_| now));
         }
         if sent_at.is_empty() {

@@ -144,7 +144,7 @@ pub(crate) struct Frame {
     pub(crate) payload: Bytes,
 }
 
-/// Slices per `writev` (Linux allows 1024).
+/// Messages the writer gathers into one batch.
 const MAX_SLICES: usize = 512;
 /// Bytes the writer gathers before it writes, so one batch does not hold many large payloads.
 const MAX_BATCH_BYTES: usize = 4 << 20;
@@ -458,7 +458,7 @@ async fn write_frames(
             }
         }
         let sent = async {
-            write_all_vectored(&mut *writer, &batch).await?;
+            usbwire_transport::write_all_parts(&mut *writer, &batch).await?;
             writer.flush().await
         }
         .await;
@@ -472,37 +472,6 @@ async fn write_frames(
     // The connection was dropped: end the stream cleanly (TLS: close_notify, so the
     // server can tell a client that left from a connection cut short).
     let _ = writer.shutdown().await;
-}
-
-/// Writes every byte of `parts`, in order, with as few system calls as the socket allows.
-async fn write_all_vectored<W: tokio::io::AsyncWrite + Unpin + ?Sized>(
-    writer: &mut W,
-    parts: &[Bytes],
-) -> std::io::Result<()> {
-    let (mut index, mut offset) = (0usize, 0usize);
-    while index < parts.len() {
-        let slices: Vec<std::io::IoSlice<'_>> = std::iter::once(&parts[index][offset..])
-            .chain(parts[index + 1..].iter().map(|p| &p[..]))
-            .take(MAX_SLICES)
-            .map(std::io::IoSlice::new)
-            .collect();
-        let mut written = writer.write_vectored(&slices).await?;
-        if written == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        while written > 0 || (index < parts.len() && parts[index].len() == offset) {
-            let left = parts[index].len() - offset;
-            if written < left {
-                offset += written;
-                written = 0;
-            } else {
-                written -= left;
-                index += 1;
-                offset = 0;
-            }
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -127,3 +127,107 @@ impl AsyncWrite for PeerStream {
         }
     }
 }
+
+/// iovecs per `writev` in [`write_all_parts`].
+const MAX_WRITE_SLICES: usize = 512;
+
+/// Writes every byte of `parts`, in order, with as few `writev` calls as the
+/// socket allows (headers and payloads of many messages in one call, no copy).
+pub async fn write_all_parts<W, P>(writer: &mut W, parts: &[P]) -> std::io::Result<()>
+where
+    W: tokio::io::AsyncWrite + Unpin + ?Sized,
+    P: AsRef<[u8]>,
+{
+    use tokio::io::AsyncWriteExt;
+    let (mut index, mut offset) = (0usize, 0usize);
+    while index < parts.len() {
+        if parts[index].as_ref().len() == offset {
+            index += 1;
+            offset = 0;
+            continue;
+        }
+        let slices: Vec<std::io::IoSlice<'_>> = std::iter::once(&parts[index].as_ref()[offset..])
+            .chain(parts[index + 1..].iter().map(AsRef::as_ref))
+            .filter(|p| !p.is_empty())
+            .take(MAX_WRITE_SLICES)
+            .map(std::io::IoSlice::new)
+            .collect();
+        let mut written = writer.write_vectored(&slices).await?;
+        if written == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        while written > 0 {
+            let left = parts[index].as_ref().len() - offset;
+            if written < left {
+                offset += written;
+                written = 0;
+            } else {
+                written -= left;
+                index += 1;
+                offset = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod write_tests {
+    use super::*;
+
+    /// A writer that takes at most `step` bytes and at most two slices per call.
+    struct Stingy {
+        out: Vec<u8>,
+        step: usize,
+        calls: usize,
+    }
+
+    impl tokio::io::AsyncWrite for Stingy {
+        fn poll_write(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            let n = buf.len().min(self.step);
+            self.out.extend_from_slice(&buf[..n]);
+            self.calls += 1;
+            Poll::Ready(Ok(n))
+        }
+        fn poll_write_vectored(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            bufs: &[io::IoSlice<'_>],
+        ) -> Poll<io::Result<usize>> {
+            self.calls += 1;
+            let mut n = 0;
+            for buf in bufs.iter().take(2) {
+                let take = buf.len().min(self.step - n);
+                self.out.extend_from_slice(&buf[..take]);
+                n += take;
+                if n == self.step {
+                    break;
+                }
+            }
+            Poll::Ready(Ok(n))
+        }
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn every_byte_goes_out_in_order_whatever_the_writer_takes() {
+        let parts: Vec<Vec<u8>> = vec![b"head".to_vec(), vec![], (0..=255).collect(), vec![], b"tail".to_vec()];
+        let expected: Vec<u8> = parts.concat();
+        for step in [1, 3, 4, 100, 10_000] {
+            let mut writer = Stingy { out: Vec::new(), step, calls: 0 };
+            write_all_parts(&mut writer, &parts).await.unwrap();
+            assert_eq!(writer.out, expected, "step {step}");
+        }
+        let mut writer = Stingy { out: Vec::new(), step: 1 << 20, calls: 0 };
+        write_all_parts(&mut writer, &[Vec::<u8>::new(), Vec::new()]).await.unwrap();
+        assert_eq!(writer.calls, 0);
+    }
+}
