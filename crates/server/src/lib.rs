@@ -11,6 +11,7 @@
 //! This crate is not for building devices (see `usbwire-device` and
 //! `usbwire-gadgets`) nor for parsing bytes (see `usbwire-proto`).
 
+mod admission;
 mod connection;
 mod control;
 mod host_exports;
@@ -21,15 +22,17 @@ mod write_queue;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 use tokio_rustls::rustls as rustls_config;
 use tracing::{info, warn, Instrument};
 use usbwire_device::Device;
 use usbwire_proto::op::BusId;
 use usbwire_proto::Limits;
 
+pub use admission::AdmissionLimits;
 pub use control::{
     default_control_path, request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput,
 };
@@ -50,8 +53,10 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// URBs one connection may have in flight before we stop reading from it.
     pub max_in_flight: usize,
-    /// Concurrent connections (each device list or import is one).
+    /// Concurrent connections past authentication (each device list or import is one).
     pub max_connections: usize,
+    /// Connections not yet authenticated: their own small pool, a per-address cap, short deadlines.
+    pub admission: AdmissionLimits,
     /// TLS, the plain-connection policy and per-client access rules.
     pub security: Security,
     /// Real devices to export (by bus id, VID:PID, serial or class), now and on hotplug.
@@ -103,6 +108,7 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             max_in_flight: 1024,
             max_connections: 256,
+            admission: AdmissionLimits::default(),
             security: Security::default(),
             host_rules: Vec::new(),
         }
@@ -195,7 +201,7 @@ impl InProcessServer {
         let session = connection::serve_session(
             usbwire_transport::PeerStream::InProcess(stream),
             usbwire_transport::access::ClientId::Plain,
-            peer,
+            connection::Peer { addr: peer, ticket: admission::Ticket::unlimited(), probe: registry::PeerProbe::none() },
             self.registry.clone(),
             self.config.clone(),
             self.stop.subscribe(),
@@ -242,7 +248,9 @@ impl BoundServer {
     /// resets its device) and returns.
     pub async fn run(mut self, shutdown: impl std::future::Future<Output = ()>) {
         let (stop_tx, stop_rx) = watch::channel(false);
-        let permits = Arc::new(Semaphore::new(self.config.max_connections));
+        let gate = admission::Gate::new(self.config.admission.clone(), self.config.max_connections);
+        let mut summaries = tokio::time::interval(self.config.admission.log_interval.max(Duration::from_millis(100)));
+        summaries.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut tasks = tokio::task::JoinSet::new();
         if !self.config.host_rules.is_empty() {
             let exported = self.host_exports.export_matching();
@@ -271,19 +279,21 @@ impl BoundServer {
                             continue;
                         }
                     };
-                    let Ok(permit) = permits.clone().try_acquire_owned() else {
-                        warn!(%peer, "connection limit reached; closing new connection");
+                    let Ok(ticket) = gate.admit(peer.ip()) else {
+                        // Counted for the summary line. A reset, not a FIN: no TIME_WAIT
+                        // left behind per refusal when one address hammers the port.
+                        let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
+                        drop(stream);
+                        gate.log_summary();
                         continue;
                     };
                     let registry = self.registry.clone();
                     let config = self.config.clone();
                     let stop = stop_rx.clone();
                     let span = tracing::info_span!("conn", %peer);
-                    tasks.spawn(async move {
-                        connection::handle(stream, peer, registry, config, stop).await;
-                        drop(permit);
-                    }.instrument(span));
+                    tasks.spawn(connection::handle(stream, peer, registry, config, stop, ticket).instrument(span));
                 }
+                _ = summaries.tick() => gate.log_summary(),
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             }
         }
