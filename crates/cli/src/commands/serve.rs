@@ -47,6 +47,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
         config.control_path = Some(control);
     }
     config.security = security(&args, &file)?;
+    config.admission = file.admission.limits().map_err(Failure::config)?;
     let shutdown = super::shutdown_signal();
     let (server, exported) = build(config, &specs)?;
     let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
