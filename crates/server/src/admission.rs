@@ -222,10 +222,14 @@ impl Gate {
                 failed,
                 top_address = %summary.top.map_or_else(String::new, |(source, _)| source.to_string()),
                 top_count = summary.top.map_or(0, |(_, count)| count),
-                "{} unauthenticated connections refused or closed in the last {} s (limits: [admission] in the \
-                 config file; each one at debug level)",
+                "{} unauthenticated connection(s) refused or closed before authenticating{} (limits: [admission] \
+                 in the config file; each one at debug level)",
                 summary.counts.iter().sum::<u64>(),
-                summary.window.as_secs(),
+                if summary.window.is_zero() {
+                    String::new()
+                } else {
+                    format!(" in the last {} s", summary.window.as_secs())
+                },
             );
         }
     }
