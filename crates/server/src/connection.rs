@@ -47,10 +47,12 @@ pub(crate) async fn handle(
 ) {
     configure_socket(&tcp);
     let probe = PeerProbe::of(&tcp);
+    let mut stopping = stop.clone();
     let secured = tokio::select! {
         secured = secure(tcp, peer, &config, &ticket) => secured,
         // Counted by the gate when it evicted us.
         () = ticket.evicted() => None,
+        () = crate::stopped(&mut stopping) => None,
     };
     let Some((stream, client)) = secured else {
         return;
