@@ -120,13 +120,16 @@ async fn a_half_open_flood_is_logged_as_a_few_summary_lines() {
     }
     // 12 s of flood; the client on 127.0.0.1 is listed every second meanwhile.
     let started = Instant::now();
+    let mut unserved = Vec::new();
     while started.elapsed() < Duration::from_secs(12) {
         let listed = tokio::time::timeout(
             Duration::from_secs(2),
             usbwire_client::list_devices(addr, &usbwire_client::Security::Plain),
         )
         .await;
-        assert!(matches!(&listed, Ok(Ok(devices)) if devices.len() == 1), "not served during the flood: {listed:?}");
+        if !matches!(&listed, Ok(Ok(devices)) if devices.len() == 1) {
+            unserved.push(format!("at {:?}: {listed:?}", started.elapsed()));
+        }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     stop.store(true, Ordering::Relaxed);
@@ -141,6 +144,7 @@ async fn a_half_open_flood_is_logged_as_a_few_summary_lines() {
     assert!(warnings.len() <= 3, "{} warning lines for {opened} connections", warnings.len());
     let summary = warnings.first().expect("refusals are reported");
     assert!(summary.contains("refused") && summary.contains("127.0.0.2"), "{summary}");
+    assert!(unserved.is_empty(), "127.0.0.1 not served during the flood: {unserved:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -150,9 +154,12 @@ async fn admission_limits_come_from_the_config_file() {
     let held = [from_127_0_0_2(served.addr).await.unwrap(), from_127_0_0_2(served.addr).await.unwrap()];
     // Let the server accept both before the third arrives.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let third = from_127_0_0_2(served.addr).await.unwrap();
-    let refused = closed_after(third, Duration::from_millis(400)).await;
-    assert!(refused.is_some(), "a third idle connection from one address is refused at once with per_address_max = 2");
+    // Reset at once: sometimes before the connect has even returned.
+    let refused = match from_127_0_0_2(served.addr).await {
+        Ok(third) => closed_after(third, Duration::from_millis(400)).await.is_some(),
+        Err(error) => error.kind() == std::io::ErrorKind::ConnectionReset,
+    };
+    assert!(refused, "a third idle connection from one address is refused at once with per_address_max = 2");
     for stream in held {
         // The default would hold them 3 s.
         let closed = closed_after(stream, Duration::from_millis(2500)).await;
