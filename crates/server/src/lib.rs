@@ -157,7 +157,7 @@ impl Server {
     /// Binds the listening socket and the control socket.
     pub async fn bind(self) -> Result<BoundServer, ServerError> {
         let addr = self.config.listen;
-        let listener = TcpListener::bind(addr).await.map_err(|source| ServerError::Listen { addr, source })?;
+        let listener = listen(addr).map_err(|source| ServerError::Listen { addr, source })?;
         let control = match &self.config.control_path {
             Some(path) => Some(
                 control::ControlSocket::bind(path)
@@ -304,6 +304,19 @@ impl BoundServer {
             let _ = std::fs::remove_file(path);
         }
     }
+}
+
+/// Connections the kernel queues for `accept`. The std/mio default of 128
+/// overflows while one address re-opens hundreds of refused connections, and
+/// every SYN dropped then costs an honest client a 1 s retransmit. The kernel
+/// caps it at `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 4096;
+
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 /// Resolves once the server starts shutting down.

@@ -67,6 +67,7 @@ async fn serve_tls() -> (SocketAddr, Security) {
 
 /// Connections from 127.0.0.2 that send nothing, each re-opened as soon as the
 /// server closes (or refuses) it, on their own thread and runtime until dropped.
+/// `opened` counts connection attempts.
 struct Flood {
     stop: Arc<AtomicBool>,
     opened: Arc<AtomicU64>,
@@ -86,11 +87,17 @@ impl Flood {
                     let (stop, opened) = (stop_flag.clone(), counter.clone());
                     tasks.spawn(async move {
                         while !stop.load(Ordering::Relaxed) {
-                            let Ok(mut stream) = half_open(target).await else {
-                                tokio::time::sleep(Duration::from_millis(20)).await;
-                                continue;
-                            };
+                            let connected = half_open(target).await;
                             opened.fetch_add(1, Ordering::Relaxed);
+                            let mut stream = match connected {
+                                Ok(stream) => stream,
+                                // Reset by the server before the connect returned: re-open at once.
+                                Err(error) if error.kind() == std::io::ErrorKind::ConnectionReset => continue,
+                                Err(_) => {
+                                    tokio::time::sleep(Duration::from_millis(20)).await;
+                                    continue;
+                                }
+                            };
                             // Send nothing; wait for the server to close (or reset) it.
                             let mut byte = [0u8; 1];
                             let _ = tokio::time::timeout(Duration::from_secs(60), stream.read(&mut byte)).await;
@@ -130,8 +137,11 @@ async fn half_open(target: SocketAddr) -> std::io::Result<tokio::net::TcpStream>
 async fn served_during_flood(addr: SocketAddr, security: &Security) {
     let flood = Flood::start(addr);
     // Let the flood fill whatever it can first.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(flood.opened() >= FLOOD as u64 / 2, "the flood is running: {} opened", flood.opened());
+    let warming = Instant::now();
+    while flood.opened() < FLOOD as u64 {
+        assert!(warming.elapsed() < Duration::from_secs(20), "the flood does not start: {} opened", flood.opened());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let started = Instant::now();
     let mut rounds = 0;
     let mut slowest = Duration::ZERO;
