@@ -26,10 +26,20 @@
 //! in_flight_urbs = 1024
 //! queued_reply_bytes = "8M"   # replies waiting for the client to read them
 //! decoded_bytes = "8M"        # decompressed bytes waiting (--compress)
+//!
+//! [admission]         # connections not yet authenticated; the defaults
+//! unauthenticated_max = 64   # at once, from all addresses
+//! per_address_max = 8        # at once, from one IPv4 address or IPv6 /64
+//! first_byte_timeout = "3s"  # accept to first byte
+//! handshake_timeout = "3s"   # TLS handshake
+//! request_timeout = "3s"     # each OP request
+//! release_wait = "5s"        # an import waits this long for a device its last importer is giving back
+//! log_interval = "10s"       # at most one summary line of refused connections per interval
 //! ```
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use serde::Deserialize;
@@ -203,6 +213,9 @@ pub(crate) struct FileConfig {
     /// Access rules: `[[allow]] client = "sha256:…" devices = ["1-1", "disk", "*"]`.
     #[serde(default)]
     pub(crate) allow: Vec<usbwire_transport::access::Rule>,
+    /// `[admission]`: limits for connections that have not authenticated yet.
+    #[serde(default)]
+    pub(crate) admission: AdmissionTable,
     /// Per-connection memory budgets and the largest URB accepted.
     #[serde(default)]
     pub(crate) limits: LimitsConfig,
@@ -262,6 +275,85 @@ impl LimitsConfig {
             budget.decoded_bytes = value;
         }
         Ok(())
+    }
+}
+
+/// `[admission]`: each field left out keeps its default ([`usbwire_server::AdmissionLimits`]).
+/// Durations are `"500ms"`, `"3s"`, `"1m"` or a number of seconds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct AdmissionTable {
+    pub(crate) unauthenticated_max: Option<usize>,
+    pub(crate) per_address_max: Option<usize>,
+    #[serde(default, deserialize_with = "duration_field")]
+    pub(crate) first_byte_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "duration_field")]
+    pub(crate) handshake_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "duration_field")]
+    pub(crate) request_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "duration_field")]
+    pub(crate) release_wait: Option<Duration>,
+    #[serde(default, deserialize_with = "duration_field")]
+    pub(crate) log_interval: Option<Duration>,
+}
+
+impl AdmissionTable {
+    /// The server's limits with this table's values in place of the defaults.
+    pub(crate) fn limits(&self) -> anyhow::Result<usbwire_server::AdmissionLimits> {
+        let mut limits = usbwire_server::AdmissionLimits::default();
+        let count = |name: &str, value: Option<usize>, default: usize| match value {
+            Some(0) => bail!("[admission] {name} = 0 would refuse every client (use 1 or more)"),
+            Some(value) => Ok(value),
+            None => Ok(default),
+        };
+        let time = |name: &str, value: Option<Duration>, default: Duration, least: Duration| match value {
+            Some(value) if value < least => bail!("[admission] {name} must be at least {least:?}"),
+            Some(value) => Ok(value),
+            None => Ok(default),
+        };
+        let ms = Duration::from_millis;
+        limits.unauthenticated_max =
+            count("unauthenticated_max", self.unauthenticated_max, limits.unauthenticated_max)?;
+        limits.per_address_max = count("per_address_max", self.per_address_max, limits.per_address_max)?;
+        limits.first_byte_timeout =
+            time("first_byte_timeout", self.first_byte_timeout, limits.first_byte_timeout, ms(100))?;
+        limits.handshake_timeout =
+            time("handshake_timeout", self.handshake_timeout, limits.handshake_timeout, ms(100))?;
+        limits.request_timeout = time("request_timeout", self.request_timeout, limits.request_timeout, ms(100))?;
+        limits.release_wait = time("release_wait", self.release_wait, limits.release_wait, Duration::ZERO)?;
+        limits.log_interval = time("log_interval", self.log_interval, limits.log_interval, ms(1000))?;
+        Ok(limits)
+    }
+}
+
+/// `500ms`, `3s`, `2m`, or a bare number of seconds.
+pub(crate) fn parse_duration(text: &str) -> anyhow::Result<Duration> {
+    let text = text.trim();
+    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => text.split_at(at),
+        None => (text, "s"),
+    };
+    let number: u64 =
+        digits.parse().with_context(|| format!("invalid duration {text:?} (e.g. \"3s\" or \"500ms\")"))?;
+    match unit.trim() {
+        "ms" => Ok(Duration::from_millis(number)),
+        "s" => Ok(Duration::from_secs(number)),
+        "m" => Ok(Duration::from_secs(number.saturating_mul(60))),
+        _ => bail!("invalid duration unit in {text:?} (use ms, s or m)"),
+    }
+}
+
+fn duration_field<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Time {
+        Seconds(u64),
+        Text(String),
+    }
+    match Option::<Time>::deserialize(deserializer)? {
+        None => Ok(None),
+        Some(Time::Seconds(seconds)) => Ok(Some(Duration::from_secs(seconds))),
+        Some(Time::Text(text)) => parse_duration(&text).map(Some).map_err(serde::de::Error::custom),
     }
 }
 
@@ -509,5 +601,51 @@ mod tests {
             assert!(error.contains(said), "{text}: {error}");
         }
         assert!(toml::from_str::<FileConfig>("[limits]\nin_flight = 3").is_err(), "unknown keys are refused");
+    }
+
+    #[test]
+    fn admission_table_overrides_only_what_it_names() {
+        let defaults = FileConfig::default().admission.limits().unwrap();
+        assert_eq!(defaults, usbwire_server::AdmissionLimits::default());
+        assert_eq!((defaults.unauthenticated_max, defaults.per_address_max), (64, 8));
+        assert_eq!(defaults.first_byte_timeout, Duration::from_secs(3));
+        let config: FileConfig = toml::from_str(
+            r#"
+            [admission]
+            per_address_max = 2
+            first_byte_timeout = "500ms"
+            request_timeout = 4
+            release_wait = "0s"
+            log_interval = "1m"
+            "#,
+        )
+        .unwrap();
+        let limits = config.admission.limits().unwrap();
+        assert_eq!(limits.per_address_max, 2);
+        assert_eq!(limits.unauthenticated_max, 64, "left at its default");
+        assert_eq!(limits.first_byte_timeout, Duration::from_millis(500));
+        assert_eq!(limits.handshake_timeout, Duration::from_secs(3));
+        assert_eq!(limits.request_timeout, Duration::from_secs(4));
+        assert_eq!(limits.release_wait, Duration::ZERO);
+        assert_eq!(limits.log_interval, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn bad_admission_values_say_what_to_do() {
+        for (table, needle) in [
+            ("per_address_max = 0", "would refuse every client"),
+            ("first_byte_timeout = \"10ms\"", "at least 100ms"),
+            ("log_interval = \"0s\"", "at least 1s"),
+        ] {
+            let config: FileConfig = toml::from_str(&format!("[admission]\n{table}")).unwrap();
+            let message = config.admission.limits().unwrap_err().to_string();
+            assert!(message.contains(needle), "{table}: {message}");
+        }
+        for (table, needle) in
+            [("request_timeout = \"3 fortnights\"", "use ms, s or m"), ("per_adress_max = 1", "unknown field")]
+        {
+            let message = toml::from_str::<FileConfig>(&format!("[admission]\n{table}")).unwrap_err().to_string();
+            assert!(message.contains(needle), "{table}: {message}");
+        }
     }
 }

@@ -3,6 +3,11 @@
 //! Like usbipd, a connection carries exactly one OP request. A device list is
 //! answered and the connection closed; a failed import gets its status and is
 //! closed; a successful import turns the socket into the device's URB channel.
+//!
+//! Until it has authenticated (TLS identity, or its plain OP request read) a
+//! connection holds a place in the unauthenticated pool ([`crate::admission`]):
+//! it can be evicted, each step has a short deadline, and its failures are
+//! counted for a summary line instead of logged one by one.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -20,11 +25,17 @@ use usbwire_transport::access::ClientId;
 use usbwire_transport::transform::{Pipeline, Side, TransformSpec, TransformedStream};
 use usbwire_transport::{PeerStream, TLS_HANDSHAKE_BYTE};
 
-use crate::registry::Registry;
+use crate::admission::{Dropped, Ticket};
+use crate::registry::{Importer, PeerProbe, Registry};
 use crate::{urb_channel, PlainPolicy, ServerConfig};
 
-/// How long a client may take to send its one OP request.
-const OP_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// The other end of a session: its address, its place in the admission
+/// budgets, and a probe a later importer uses to see whether it hung up.
+pub(crate) struct Peer {
+    pub(crate) addr: SocketAddr,
+    pub(crate) ticket: Ticket,
+    pub(crate) probe: PeerProbe,
+}
 
 pub(crate) async fn handle(
     tcp: TcpStream,
@@ -32,12 +43,25 @@ pub(crate) async fn handle(
     registry: Registry,
     config: Arc<ServerConfig>,
     stop: watch::Receiver<bool>,
+    mut ticket: Ticket,
 ) {
     configure_socket(&tcp);
-    let Some((stream, client)) = secure(tcp, peer, &config).await else {
+    let probe = PeerProbe::of(&tcp);
+    let mut stopping = stop.clone();
+    let secured = tokio::select! {
+        secured = secure(tcp, peer, &config, &ticket) => secured,
+        // Counted by the gate when it evicted us.
+        () = ticket.evicted() => None,
+        () = crate::stopped(&mut stopping) => None,
+    };
+    let Some((stream, client)) = secured else {
         return;
     };
-    serve_session(stream, client, peer, registry, config, stop).await;
+    // A TLS identity the handshake admitted has authenticated; a plain client once its request is read.
+    if client != ClientId::Plain && !ticket.authenticate() {
+        return;
+    }
+    serve_session(stream, client, Peer { addr: peer, ticket, probe }, registry, config, stop).await;
 }
 
 /// Everything after the transport is settled and the client named: the OP phase
@@ -45,7 +69,7 @@ pub(crate) async fn handle(
 pub(crate) async fn serve_session(
     mut stream: PeerStream,
     client: ClientId,
-    peer: SocketAddr,
+    mut peer: Peer,
     registry: Registry,
     config: Arc<ServerConfig>,
     stop: watch::Receiver<bool>,
@@ -56,7 +80,7 @@ pub(crate) async fn serve_session(
         _ => config.security.admission.rules.allows(&client, busid, kind),
     };
     let mut buf = BytesMut::with_capacity(256);
-    let Some(mut request) = next_request(&mut stream, &mut buf, &config).await else { return };
+    let Some(mut request) = next_request(&mut stream, &mut buf, &config, &peer.ticket).await else { return };
     if let OpRequest::Transforms { offer } = &request {
         // Our extension: agree on transforms, then the real request comes framed.
         let specs = TransformSpec::parse_list(offer);
@@ -77,8 +101,11 @@ pub(crate) async fn serve_session(
                     .with_decoded_budget(config.budget.decoded_bytes),
             ));
         }
-        let Some(next) = next_request(&mut stream, &mut buf, &config).await else { return };
+        let Some(next) = next_request(&mut stream, &mut buf, &config, &peer.ticket).await else { return };
         request = next;
+    }
+    if !peer.ticket.authenticate() {
+        return;
     }
     let mut reply = BytesMut::new();
     match request {
@@ -116,46 +143,50 @@ pub(crate) async fn serve_session(
             }
             .await;
         }
-        OpRequest::Import { busid } => match registry.import(&busid, peer, identity(&client), visible) {
-            Err(status) => {
-                info!(%busid, %client, status = status.describe(), "import refused");
-                op::encode_import_reply(Err(status), &mut reply);
-                let _ = async {
-                    stream.write_all(&reply).await?;
-                    stream.flush().await
+        OpRequest::Import { busid } => {
+            let importer = Importer { client: peer.addr, identity: identity(&client), probe: peer.probe };
+            match registry.import(&busid, importer, visible, config.admission.release_wait).await {
+                Err(refused) => {
+                    info!(%busid, %client, reason = %refused, "import refused");
+                    op::encode_import_reply(Err(refused.status()), &mut reply);
+                    let _ = async {
+                        stream.write_all(&reply).await?;
+                        stream.flush().await
+                    }
+                    .await;
                 }
-                .await;
+                Ok(mut lease) => {
+                    op::encode_import_reply(Ok(lease.record()), &mut reply);
+                    if let Err(error) = async {
+                        stream.write_all(&reply).await?;
+                        stream.flush().await
+                    }
+                    .await
+                    {
+                        warn!(%busid, %error, "import reply not delivered");
+                        return;
+                    }
+                    let span =
+                        tracing::info_span!("urb", %busid, devid = format_args!("{:#x}", lease.record().devid()));
+                    span.in_scope(|| info!("imported"));
+                    let mut withdrawn = lease.withdrawn();
+                    let channel = urb_channel::run(stream, buf, &mut lease, &config, stop).instrument(span.clone());
+                    let outcome = tokio::select! {
+                        outcome = channel => outcome,
+                        _ = withdrawn.wait_for(|withdrawn| *withdrawn) => Ok(urb_channel::End::Withdrawn),
+                    };
+                    let _enter = span.enter();
+                    match outcome {
+                        Ok(urb_channel::End::ClientClosed) => info!("client disconnected"),
+                        Ok(urb_channel::End::Shutdown) => info!("closed for server shutdown"),
+                        Ok(urb_channel::End::DeviceGone) => info!("device unplugged; connection closed"),
+                        Ok(urb_channel::End::Withdrawn) => info!("device unbound; connection closed"),
+                        Err(error) => warn!(%error, "connection closed"),
+                    }
+                    // Dropping the lease resets the device and makes it available again.
+                }
             }
-            Ok(mut lease) => {
-                op::encode_import_reply(Ok(lease.record()), &mut reply);
-                if let Err(error) = async {
-                    stream.write_all(&reply).await?;
-                    stream.flush().await
-                }
-                .await
-                {
-                    warn!(%busid, %error, "import reply not delivered");
-                    return;
-                }
-                let span = tracing::info_span!("urb", %busid, devid = format_args!("{:#x}", lease.record().devid()));
-                span.in_scope(|| info!("imported"));
-                let mut withdrawn = lease.withdrawn();
-                let channel = urb_channel::run(stream, buf, &mut lease, &config, stop).instrument(span.clone());
-                let outcome = tokio::select! {
-                    outcome = channel => outcome,
-                    _ = withdrawn.wait_for(|withdrawn| *withdrawn) => Ok(urb_channel::End::Withdrawn),
-                };
-                let _enter = span.enter();
-                match outcome {
-                    Ok(urb_channel::End::ClientClosed) => info!("client disconnected"),
-                    Ok(urb_channel::End::Shutdown) => info!("closed for server shutdown"),
-                    Ok(urb_channel::End::DeviceGone) => info!("device unplugged; connection closed"),
-                    Ok(urb_channel::End::Withdrawn) => info!("device unbound; connection closed"),
-                    Err(error) => warn!(%error, "connection closed"),
-                }
-                // Dropping the lease resets the device and makes it available again.
-            }
-        },
+        }
     }
 }
 
@@ -171,14 +202,21 @@ fn identity(client: &ClientId) -> Option<String> {
 /// Tells TLS from plain USB/IP by the first byte, applies the plain-connection
 /// policy, runs the TLS handshake and identifies the client. `None` means the
 /// connection was refused (and logged) before anything was listed.
-async fn secure(tcp: TcpStream, peer: SocketAddr, config: &ServerConfig) -> Option<(PeerStream, ClientId)> {
+async fn secure(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    config: &ServerConfig,
+    ticket: &Ticket,
+) -> Option<(PeerStream, ClientId)> {
     let security = &config.security;
+    let limits = &config.admission;
     let mut first = [0u8; 1];
-    match tokio::time::timeout(OP_REQUEST_TIMEOUT, tcp.peek(&mut first)).await {
+    match tokio::time::timeout(limits.first_byte_timeout, tcp.peek(&mut first)).await {
         Ok(Ok(1)) => {}
         Ok(_) => return None,
         Err(_) => {
-            warn!("nothing received within {} s; closing", OP_REQUEST_TIMEOUT.as_secs());
+            debug!("nothing received within {:?}; closing", limits.first_byte_timeout);
+            ticket.dropped(Dropped::TimedOut);
             return None;
         }
     }
@@ -189,18 +227,21 @@ async fn secure(tcp: TcpStream, peer: SocketAddr, config: &ServerConfig) -> Opti
             (true, PlainPolicy::Never) => false,
         };
         if !allowed {
-            warn!("plain USB/IP refused: this server requires TLS (connect with usbwire --tls)");
+            debug!("plain USB/IP refused: this server requires TLS (connect with usbwire --tls)");
+            ticket.dropped(Dropped::Failed);
             return None;
         }
         return Some((PeerStream::Plain(tcp), ClientId::Plain));
     }
     let Some(tls) = &security.tls else {
-        warn!("TLS client, but this server has no TLS identity (start it with --tls)");
+        debug!("TLS client, but this server has no TLS identity (start it with --tls)");
+        ticket.dropped(Dropped::Failed);
         return None;
     };
     let acceptor = tokio_rustls::TlsAcceptor::from(tls.clone());
     let stream =
-        match tokio::time::timeout(OP_REQUEST_TIMEOUT, acceptor.accept(usbwire_transport::tls_socket(tcp))).await {
+        match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(usbwire_transport::tls_socket(tcp))).await
+        {
             Ok(Ok(stream)) => stream,
             Ok(Err(error)) => {
                 // A refused identity was logged, with its fingerprint, when it was refused.
@@ -217,12 +258,14 @@ async fn secure(tcp: TcpStream, peer: SocketAddr, config: &ServerConfig) -> Opti
                 if refused {
                     debug!(%error, "TLS handshake ended: client refused");
                 } else {
-                    warn!(%error, "TLS handshake failed");
+                    debug!(%error, "TLS handshake failed");
                 }
+                ticket.dropped(Dropped::Failed);
                 return None;
             }
             Err(_) => {
-                warn!("TLS handshake timed out");
+                debug!("TLS handshake not done within {:?}; closing", limits.handshake_timeout);
+                ticket.dropped(Dropped::TimedOut);
                 return None;
             }
         };
@@ -233,16 +276,33 @@ async fn secure(tcp: TcpStream, peer: SocketAddr, config: &ServerConfig) -> Opti
     Some((PeerStream::ServerTls(Box::new(stream)), client))
 }
 
-/// The next OP request, or `None` (logged) when the client sent garbage, went
-/// quiet or hung up.
-async fn next_request(stream: &mut PeerStream, buf: &mut BytesMut, config: &ServerConfig) -> Option<OpRequest> {
-    match tokio::time::timeout(OP_REQUEST_TIMEOUT, read_request(stream, buf, &config.limits)).await {
+/// The next OP request, or `None` (logged, or counted while unauthenticated)
+/// when the client sent garbage, went quiet, hung up or was evicted.
+async fn next_request(
+    stream: &mut PeerStream,
+    buf: &mut BytesMut,
+    config: &ServerConfig,
+    ticket: &Ticket,
+) -> Option<OpRequest> {
+    let deadline = config.admission.request_timeout;
+    let read = tokio::time::timeout(deadline, read_request(stream, buf, &config.limits));
+    let outcome = tokio::select! {
+        outcome = read => outcome,
+        () = ticket.evicted() => return None,
+    };
+    match outcome {
         Err(_) => {
-            warn!("no request within {} s; closing", OP_REQUEST_TIMEOUT.as_secs());
+            if !ticket.dropped(Dropped::TimedOut) {
+                warn!("no request within {deadline:?}; closing");
+            }
             None
         }
         Ok(Err(error)) => {
-            warn!(%error, "invalid request; closing");
+            if ticket.dropped(Dropped::Failed) {
+                debug!(%error, "invalid request; closing");
+            } else {
+                warn!(%error, "invalid request; closing");
+            }
             None
         }
         Ok(Ok(None)) => {

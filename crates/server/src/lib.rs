@@ -11,6 +11,7 @@
 //! This crate is not for building devices (see `usbwire-device` and
 //! `usbwire-gadgets`) nor for parsing bytes (see `usbwire-proto`).
 
+mod admission;
 mod connection;
 mod control;
 mod host_exports;
@@ -20,15 +21,17 @@ mod urb_channel;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 use tokio_rustls::rustls as rustls_config;
 use tracing::{info, warn, Instrument};
 use usbwire_device::Device;
 use usbwire_proto::op::BusId;
 use usbwire_proto::{Budget, Limits};
 
+pub use admission::AdmissionLimits;
 pub use control::{
     default_control_path, request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput,
 };
@@ -49,8 +52,10 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// What one connection may hold in memory before we stop reading from it.
     pub budget: Budget,
-    /// Concurrent connections (each device list or import is one).
+    /// Concurrent connections past authentication (each device list or import is one).
     pub max_connections: usize,
+    /// Connections not yet authenticated: their own small pool, a per-address cap, short deadlines.
+    pub admission: AdmissionLimits,
     /// TLS, the plain-connection policy and per-client access rules.
     pub security: Security,
     /// Real devices to export (by bus id, VID:PID, serial or class), now and on hotplug.
@@ -102,6 +107,7 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             budget: Budget::default(),
             max_connections: 256,
+            admission: AdmissionLimits::default(),
             security: Security::default(),
             host_rules: Vec::new(),
         }
@@ -150,7 +156,7 @@ impl Server {
     /// Binds the listening socket and the control socket.
     pub async fn bind(self) -> Result<BoundServer, ServerError> {
         let addr = self.config.listen;
-        let listener = TcpListener::bind(addr).await.map_err(|source| ServerError::Listen { addr, source })?;
+        let listener = listen(addr).map_err(|source| ServerError::Listen { addr, source })?;
         let control = match &self.config.control_path {
             Some(path) => Some(
                 control::ControlSocket::bind(path)
@@ -194,7 +200,7 @@ impl InProcessServer {
         let session = connection::serve_session(
             usbwire_transport::PeerStream::InProcess(stream),
             usbwire_transport::access::ClientId::Plain,
-            peer,
+            connection::Peer { addr: peer, ticket: admission::Ticket::unlimited(), probe: registry::PeerProbe::none() },
             self.registry.clone(),
             self.config.clone(),
             self.stop.subscribe(),
@@ -241,7 +247,9 @@ impl BoundServer {
     /// resets its device) and returns.
     pub async fn run(mut self, shutdown: impl std::future::Future<Output = ()>) {
         let (stop_tx, stop_rx) = watch::channel(false);
-        let permits = Arc::new(Semaphore::new(self.config.max_connections));
+        let gate = admission::Gate::new(self.config.admission.clone(), self.config.max_connections);
+        let mut summaries = tokio::time::interval(self.config.admission.log_interval.max(Duration::from_millis(100)));
+        summaries.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut tasks = tokio::task::JoinSet::new();
         if !self.config.host_rules.is_empty() {
             let exported = self.host_exports.export_matching();
@@ -270,19 +278,21 @@ impl BoundServer {
                             continue;
                         }
                     };
-                    let Ok(permit) = permits.clone().try_acquire_owned() else {
-                        warn!(%peer, "connection limit reached; closing new connection");
+                    let Ok(ticket) = gate.admit(peer.ip()) else {
+                        // Counted for the summary line. A reset, not a FIN: no TIME_WAIT
+                        // left behind per refusal when one address hammers the port.
+                        let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
+                        drop(stream);
+                        gate.log_summary();
                         continue;
                     };
                     let registry = self.registry.clone();
                     let config = self.config.clone();
                     let stop = stop_rx.clone();
                     let span = tracing::info_span!("conn", %peer);
-                    tasks.spawn(async move {
-                        connection::handle(stream, peer, registry, config, stop).await;
-                        drop(permit);
-                    }.instrument(span));
+                    tasks.spawn(connection::handle(stream, peer, registry, config, stop, ticket).instrument(span));
                 }
+                _ = summaries.tick() => gate.log_summary(),
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             }
         }
@@ -293,6 +303,19 @@ impl BoundServer {
             let _ = std::fs::remove_file(path);
         }
     }
+}
+
+/// Connections the kernel queues for `accept`. The std/mio default of 128
+/// overflows while one address re-opens hundreds of refused connections, and
+/// every SYN dropped then costs an honest client a 1 s retransmit. The kernel
+/// caps it at `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 4096;
+
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 /// Resolves once the server starts shutting down.

@@ -4,12 +4,21 @@
 //! into the connection that imports it (a [`Lease`]); dropping the lease
 //! resets the device and puts it back. The lock here is taken only when a
 //! device is listed, imported or released — never per URB.
+//!
+//! A device goes Available → InUse → Releasing → Available. An import that
+//! finds it Releasing, or InUse by a connection whose peer has already hung up
+//! (the holder's task has not seen the end of its socket yet), waits — up to a
+//! bound — for it to be Available instead of answering busy: a client that
+//! detaches and at once attaches again (the kernel's `usbip attach` does not
+//! retry) must not lose the race with the old connection's teardown. Only a
+//! device held by a live connection is busy at once.
 
 use std::net::SocketAddr;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tracing::info;
 use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
@@ -40,6 +49,8 @@ struct Export {
     record: DeviceRecord,
     summary: DeviceSummary,
     slot: Mutex<Slot>,
+    /// Woken when the slot leaves Releasing (or InUse) for Available or Withdrawn.
+    released: Notify,
     /// Set when the export is withdrawn (unbind, unplug): the importer's
     /// connection ends and the device is not put back.
     withdrawn: watch::Sender<bool>,
@@ -47,8 +58,78 @@ struct Export {
 
 enum Slot {
     Available(Box<dyn Device>),
-    InUse { client: SocketAddr, since: SystemTime, identity: Option<String> },
+    InUse {
+        client: SocketAddr,
+        since: SystemTime,
+        identity: Option<String>,
+        probe: PeerProbe,
+    },
+    /// The holder's connection has ended; the device is being reset.
+    Releasing,
     Withdrawn,
+}
+
+/// Who asks for a device: the connection's address, its TLS identity, and a
+/// way to tell later whether its peer is still there.
+pub(crate) struct Importer {
+    pub(crate) client: SocketAddr,
+    pub(crate) identity: Option<String>,
+    pub(crate) probe: PeerProbe,
+}
+
+/// Tells whether the peer of a connection has hung up, without reading from it.
+///
+/// Holds a duplicate of the connection's socket descriptor, so the number it
+/// checks can never be reused by another socket while the probe lives. That
+/// also keeps the socket open until the probe is dropped, which the registry
+/// does as soon as the lease ends.
+pub(crate) struct PeerProbe(Option<OwnedFd>);
+
+impl PeerProbe {
+    /// A probe on `socket` (a duplicate of its descriptor); without one when
+    /// the descriptor cannot be duplicated (then the peer always counts as present).
+    pub(crate) fn of(socket: &impl AsFd) -> Self {
+        Self(socket.as_fd().try_clone_to_owned().ok())
+    }
+
+    /// For connections with no socket (in-process sessions): always present.
+    pub(crate) fn none() -> Self {
+        Self(None)
+    }
+
+    /// Whether the peer has closed or reset the connection. Data still queued
+    /// for reading does not hide it (`POLLRDHUP`).
+    fn peer_gone(&self) -> bool {
+        let Some(fd) = &self.0 else { return false };
+        let mut poll = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
+        // SAFETY: one valid pollfd, and a zero timeout; the descriptor is owned by `self`.
+        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+        ready == 1 && poll.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    }
+}
+
+/// Why an import was refused.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ImportError {
+    /// No such export, or one this client may not see.
+    #[error("no such device for this client (see `usbwire list -r` for what it may import)")]
+    NoDevice,
+    /// Held by a live connection.
+    #[error("device busy: imported by {holder}; detach it there first")]
+    InUse { holder: SocketAddr },
+    /// The previous holder's connection had ended but its device was not back within the bound.
+    #[error("device busy: still being released by its previous importer after {} ms; try again", .waited.as_millis())]
+    StillReleasing { waited: Duration },
+}
+
+impl ImportError {
+    /// What `OP_REP_IMPORT` says.
+    pub(crate) fn status(&self) -> OpStatus {
+        match self {
+            Self::NoDevice => OpStatus::NODEV,
+            Self::InUse { .. } | Self::StillReleasing { .. } => OpStatus::DEV_BUSY,
+        }
+    }
 }
 
 /// Every exported device. Cheap to clone (shared).
@@ -104,6 +185,7 @@ impl Registry {
         // An available device is dropped here; an imported one when its lease ends.
         let previous = std::mem::replace(&mut *lock(&export.slot), Slot::Withdrawn);
         export.withdrawn.send_replace(true);
+        export.released.notify_waiters();
         drop(previous);
         info!(busid, "export withdrawn");
         true
@@ -154,6 +236,7 @@ impl Registry {
             record,
             summary,
             slot: Mutex::new(Slot::Available(device)),
+            released: Notify::new(),
             withdrawn: watch::Sender::new(false),
         }));
     }
@@ -175,8 +258,9 @@ impl Registry {
                 record: e.record.clone(),
                 summary: e.summary.clone(),
                 state: match &*lock(&e.slot) {
-                    Slot::Available(_) | Slot::Withdrawn => DeviceState::Available,
-                    Slot::InUse { client, since, identity } => {
+                    // A releasing device is free for the next import, which waits for its reset.
+                    Slot::Available(_) | Slot::Releasing | Slot::Withdrawn => DeviceState::Available,
+                    Slot::InUse { client, since, identity, .. } => {
                         DeviceState::InUse { client: *client, since: *since, identity: identity.clone() }
                     }
                 },
@@ -194,33 +278,55 @@ impl Registry {
             .collect()
     }
 
-    /// Takes a device for exclusive use by `client`. A device this client may
-    /// not see (`visible(kind, busid)`) does not exist for it: `ST_NODEV`.
-    pub(crate) fn import(
+    /// Takes a device for exclusive use by `importer`. A device this client may
+    /// not see (`visible(kind, busid)`) does not exist for it. A device still
+    /// being given back by a connection that has ended is waited for, up to `wait`.
+    pub(crate) async fn import(
         &self,
         busid: &BusId,
-        client: SocketAddr,
-        identity: Option<String>,
+        importer: Importer,
         visible: impl Fn(&str, &str) -> bool,
-    ) -> Result<Lease, OpStatus> {
+        wait: Duration,
+    ) -> Result<Lease, ImportError> {
         let export = lock(&self.exports)
             .iter()
             .find(|e| &e.record.busid == busid && visible(&e.kind, busid.as_str()))
             .cloned()
-            .ok_or(OpStatus::NODEV)?;
-        let mut slot = lock(&export.slot);
-        match std::mem::replace(&mut *slot, Slot::InUse { client, since: SystemTime::now(), identity }) {
-            Slot::Available(device) => {
-                drop(slot);
-                Ok(Lease { export, device: Some(device), registry: self.clone() })
+            .ok_or(ImportError::NoDevice)?;
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut last_look = false;
+        let watched = export.clone();
+        loop {
+            // Registered before looking, so a release between the look and the wait is not missed.
+            let released = watched.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            {
+                let mut slot = lock(&export.slot);
+                match &*slot {
+                    Slot::Available(_) => {
+                        let Importer { client, identity, probe } = importer;
+                        let taken = std::mem::replace(
+                            &mut *slot,
+                            Slot::InUse { client, since: SystemTime::now(), identity, probe },
+                        );
+                        drop(slot);
+                        let Slot::Available(device) = taken else { unreachable!("matched Available above") };
+                        return Ok(Lease { export, device: Some(device), registry: self.clone() });
+                    }
+                    Slot::Withdrawn => return Err(ImportError::NoDevice),
+                    Slot::InUse { client, probe, .. } if !probe.peer_gone() => {
+                        return Err(ImportError::InUse { holder: *client })
+                    }
+                    // The holder has hung up (its task will notice) or is resetting the device.
+                    Slot::InUse { .. } | Slot::Releasing => {}
+                }
             }
-            busy @ Slot::InUse { .. } => {
-                *slot = busy;
-                Err(OpStatus::DEV_BUSY)
+            if last_look {
+                return Err(ImportError::StillReleasing { waited: wait });
             }
-            Slot::Withdrawn => {
-                *slot = Slot::Withdrawn;
-                Err(OpStatus::NODEV)
+            if tokio::time::timeout_at(deadline, released).await.is_err() {
+                last_look = true;
             }
         }
     }
@@ -268,8 +374,21 @@ impl Drop for Lease {
             info!(%busid, "device released (no longer exported)");
             return;
         }
+        // Imports arriving during the reset wait for it rather than answer busy.
+        let holder = std::mem::replace(&mut *slot, Slot::Releasing);
+        drop(slot);
+        drop(holder);
         device.reset();
+        let mut slot = lock(&self.export.slot);
+        if matches!(*slot, Slot::Withdrawn) {
+            drop(slot);
+            drop(device);
+            info!(%busid, "device released (no longer exported)");
+            return;
+        }
         *slot = Slot::Available(device);
+        drop(slot);
+        self.export.released.notify_waiters();
         info!(%busid, "device reset and available again");
     }
 }
@@ -303,11 +422,175 @@ mod tests {
         assert_eq!(listed[0].record.path, "/sys/devices/x/1-1");
     }
 
-    #[test]
-    fn withdrawing_an_imported_device_signals_its_importer_and_does_not_put_it_back() {
+    /// An importer with no socket: always counts as present.
+    fn importer() -> Importer {
+        Importer { client: peer(), identity: None, probe: PeerProbe::none() }
+    }
+
+    /// Both ends of a real loopback TCP connection: the server's end, and the client's.
+    fn tcp_pair() -> (std::net::TcpStream, std::net::TcpStream) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        (server, client)
+    }
+
+    async fn import(
+        registry: &Registry,
+        busid: &BusId,
+        importer: Importer,
+        wait: Duration,
+    ) -> Result<Lease, ImportError> {
+        registry.import(busid, importer, |_, _| true, wait).await
+    }
+
+    /// A device whose reset takes a while, as a real one can.
+    struct SlowReset(Box<dyn Device>, Duration);
+
+    impl Device for SlowReset {
+        fn summary(&self) -> DeviceSummary {
+            self.0.summary()
+        }
+        fn endpoint_type(
+            &self,
+            direction: usbwire_proto::Direction,
+            number: u8,
+        ) -> Option<usbwire_device::TransferType> {
+            self.0.endpoint_type(direction, number)
+        }
+        fn submit(&mut self, urb: usbwire_device::Urb) {
+            self.0.submit(urb);
+        }
+        fn poll_complete(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<usbwire_device::Completion> {
+            self.0.poll_complete(cx)
+        }
+        fn cancel(&mut self, seqnum: u32) {
+            self.0.cancel(seqnum);
+        }
+        fn reset(&mut self) {
+            std::thread::sleep(self.1);
+            self.0.reset();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_device_held_by_a_live_connection_is_busy_at_once() {
         let registry = Registry::default();
         let busid = registry.add("loopback", loopback());
-        let lease = registry.import(&busid, peer(), None, |_, _| true).unwrap();
+        let (server_end, _client_end) = tcp_pair();
+        let probe = PeerProbe::of(&server_end);
+        let _lease = import(&registry, &busid, Importer { client: peer(), identity: None, probe }, Duration::ZERO)
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let refused = import(&registry, &busid, importer(), Duration::from_secs(30)).await.err().unwrap();
+        assert!(matches!(refused, ImportError::InUse { holder } if holder == peer()), "{refused:?}");
+        assert_eq!(refused.status(), OpStatus::DEV_BUSY);
+        assert!(started.elapsed() < Duration::from_secs(5), "a live holder is not waited for: {:?}", started.elapsed());
+        assert!(refused.to_string().contains("detach it there first"), "{refused}");
+    }
+
+    #[tokio::test]
+    async fn an_import_waits_for_a_holder_that_hung_up_and_then_gets_the_device() {
+        let registry = Registry::default();
+        let busid = registry.add("loopback", loopback());
+        let (server_end, client_end) = tcp_pair();
+        let lease = import(
+            &registry,
+            &busid,
+            Importer { client: peer(), identity: None, probe: PeerProbe::of(&server_end) },
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+        // The client hangs up; the holder's task has not noticed yet, then does 300 ms later.
+        drop(client_end);
+        let holder = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            drop(server_end);
+            drop(lease);
+        });
+        let started = std::time::Instant::now();
+        let lease = import(&registry, &busid, importer(), Duration::from_secs(30)).await.unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(250), "waited for the release: {:?}", started.elapsed());
+        assert_eq!(lease.record().busid, busid);
+        holder.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_import_waits_while_the_device_is_being_reset() {
+        let registry = Registry::default();
+        let busid = registry.add("slow", Box::new(SlowReset(loopback(), Duration::from_millis(400))));
+        let lease = import(&registry, &busid, importer(), Duration::ZERO).await.unwrap();
+        // The lease ends on another thread; the reset holds the device in Releasing for 400 ms.
+        let releasing = std::thread::spawn(move || drop(lease));
+        while registry.list()[0].state != DeviceState::Available {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(matches!(*lock(&lock(&registry.exports)[0].slot), Slot::Releasing), "listed while resetting");
+        let lease = import(&registry, &busid, importer(), Duration::from_secs(30)).await;
+        assert!(lease.is_ok(), "{:?}", lease.err());
+        releasing.join().unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_wait_for_a_release_is_bounded_and_then_says_busy() {
+        let registry = Registry::default();
+        let busid = registry.add("loopback", loopback());
+        let (server_end, client_end) = tcp_pair();
+        let _stuck = import(
+            &registry,
+            &busid,
+            Importer { client: peer(), identity: None, probe: PeerProbe::of(&server_end) },
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+        drop(client_end);
+        // The holder hung up but never gives the device back.
+        let started = std::time::Instant::now();
+        let refused = import(&registry, &busid, importer(), Duration::from_millis(300)).await.err().unwrap();
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_millis(300), "{waited:?}");
+        assert!(waited < Duration::from_secs(10), "{waited:?}");
+        assert!(matches!(refused, ImportError::StillReleasing { waited } if waited == Duration::from_millis(300)));
+        assert_eq!(refused.status(), OpStatus::DEV_BUSY);
+        let message = refused.to_string();
+        assert!(message.contains("still being released") && message.contains("300 ms"), "{message}");
+    }
+
+    #[tokio::test]
+    async fn withdrawing_a_device_ends_the_wait_for_it() {
+        let registry = Registry::default();
+        let busid = registry.add("loopback", loopback());
+        let (server_end, client_end) = tcp_pair();
+        let _held = import(
+            &registry,
+            &busid,
+            Importer { client: peer(), identity: None, probe: PeerProbe::of(&server_end) },
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+        drop(client_end);
+        let unbind = {
+            let registry = registry.clone();
+            let busid = busid.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                registry.remove(busid.as_str());
+            })
+        };
+        let refused = import(&registry, &busid, importer(), Duration::from_secs(30)).await.err().unwrap();
+        assert!(matches!(refused, ImportError::NoDevice), "{refused:?}");
+        unbind.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn withdrawing_an_imported_device_signals_its_importer_and_does_not_put_it_back() {
+        let registry = Registry::default();
+        let busid = registry.add("loopback", loopback());
+        let lease = import(&registry, &busid, importer(), Duration::ZERO).await.unwrap();
         let withdrawn = lease.withdrawn();
         assert!(!*withdrawn.borrow());
         assert!(registry.remove(busid.as_str()));
@@ -315,7 +598,8 @@ mod tests {
         assert!(registry.list().is_empty());
         drop(lease);
         assert!(registry.list().is_empty(), "not put back after the import ends");
-        assert!(matches!(registry.import(&busid, peer(), None, |_, _| true), Err(OpStatus::NODEV)));
+        let gone = import(&registry, &busid, importer(), Duration::from_secs(30)).await;
+        assert!(matches!(gone, Err(ImportError::NoDevice)));
         assert!(!registry.remove(busid.as_str()));
     }
 }

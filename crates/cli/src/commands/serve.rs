@@ -48,6 +48,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     }
     config.security = security(&args, &file)?;
     file.limits.apply(&mut config.limits, &mut config.budget).map_err(Failure::config)?;
+    config.admission = file.admission.limits().map_err(Failure::config)?;
     let shutdown = super::shutdown_signal();
     let (server, exported) = build(config, &specs)?;
     let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
