@@ -3,7 +3,7 @@
 //! matches RET_SUBMIT/RET_UNLINK to their waiters by seqnum, in any order.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::task::Waker;
 use std::time::Duration;
 
@@ -112,7 +112,7 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(crate) fn waiters(&self) -> std::sync::MutexGuard<'_, Option<Waiters>> {
-        self.waiters.lock().unwrap_or_else(PoisonError::into_inner)
+        usbwire_proto::sync::lock(&self.waiters)
     }
 
     /// The connection is gone: every URB still waiting fails as disconnected

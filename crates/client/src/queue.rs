@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
 use bytes::{Bytes, BytesMut};
@@ -38,7 +38,7 @@ struct InboxState {
 
 impl Inbox {
     fn state(&self) -> MutexGuard<'_, InboxState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        usbwire_proto::sync::lock(&self.state)
     }
 
     /// Adds the replies of one read (in order) under one lock; the waiting

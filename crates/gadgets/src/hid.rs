@@ -10,7 +10,7 @@
 //! repeats a report (Linux sets it to 0 for keyboards anyway).
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
@@ -165,7 +165,7 @@ struct SharedState {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, SharedState> {
         // The state is plain data and stays consistent even if a holder panicked.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        usbwire_proto::sync::lock(&self.state)
     }
 
     /// Queues reports and wakes the device task.

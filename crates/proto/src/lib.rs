@@ -45,6 +45,7 @@ mod outbox;
 mod recv_buffer;
 mod seqnum_map;
 pub mod server_session;
+pub mod sync;
 pub mod urb;
 mod wire;
 

@@ -4,7 +4,7 @@
 //! once; one that leaves is withdrawn (its importer sees a clean close).
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use std::time::Duration;
 
@@ -13,6 +13,7 @@ use tracing::{debug, info, warn};
 use usbwire_host::hotplug::Hotplug;
 use usbwire_host::{HostDevice, LocalDevice, Selector};
 use usbwire_proto::op::BusId;
+use usbwire_proto::sync::lock;
 
 use crate::registry::Registry;
 
@@ -192,8 +193,4 @@ impl Bindings {
     fn matches(&self, device: &LocalDevice) -> bool {
         self.rules.iter().chain(&self.bound_by_hand).any(|rule| rule.matches(device))
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -15,13 +15,14 @@
 
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::{watch, Notify};
 use tracing::info;
 use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
+use usbwire_proto::sync::lock;
 
 /// Whether a device can be imported.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -391,11 +392,6 @@ impl Drop for Lease {
         self.export.released.notify_waiters();
         info!(%busid, "device reset and available again");
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding the lock leaves plain data behind; keep serving.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 //! a single USB/IP byte is sent, with its fingerprint in the error so the user
 //! can check it and trust it.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::{verify_tls13_signature, CryptoProvider, WebPkiSupportedAlgorithms};
@@ -54,7 +54,7 @@ pub struct SeenServer(Arc<Mutex<Option<Fingerprint>>>);
 
 impl SeenServer {
     pub fn fingerprint(&self) -> Option<Fingerprint> {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        *usbwire_proto::sync::lock(&self.0)
     }
 }
 
@@ -149,7 +149,7 @@ impl ServerCertVerifier for PinnedServer {
         _now: UnixTime,
     ) -> Result<ServerCertVerified, Error> {
         let fingerprint = Fingerprint::of(end_entity);
-        *self.seen.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(fingerprint);
+        *usbwire_proto::sync::lock(&self.seen.0) = Some(fingerprint);
         match self.trust {
             ServerTrust::Pinned(expected) if expected == fingerprint => Ok(ServerCertVerified::assertion()),
             ServerTrust::FirstUse => Ok(ServerCertVerified::assertion()),
