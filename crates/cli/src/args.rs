@@ -74,6 +74,10 @@ pub(crate) struct ServeArgs {
     /// (repeatable; finer rules go in --config).
     #[arg(long = "allow", value_name = "FINGERPRINT")]
     pub(crate) allow: Vec<String>,
+    /// Let `--allow '*'` (or `[[allow]] client = "*"`) admit any client key at all, self-made ones included:
+    /// anyone who reaches the port. Refused without this flag.
+    #[arg(long)]
+    pub(crate) allow_any_client: bool,
     /// With --tls: trust client identities issued by this private CA (its directory or ca.crt).
     #[arg(long = "ca", value_name = "PATH")]
     pub(crate) ca: Option<PathBuf>,

@@ -196,6 +196,9 @@ pub(crate) struct FileConfig {
     /// Access rules: `[[allow]] client = "sha256:…" devices = ["1-1", "disk", "*"]`.
     #[serde(default)]
     pub(crate) allow: Vec<usbwire_transport::access::Rule>,
+    /// Let a `client = "*"` rule admit any client key (`--allow-any-client`).
+    #[serde(default)]
+    pub(crate) allow_any_client: bool,
 }
 
 /// `[[bind]] device = "SELECTOR"`: export matching real devices.
@@ -225,11 +228,16 @@ fn selector_list<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Ve
 /// identity = "/etc/usbwire"        # for rules with tls = true
 ///
 /// [[attach]]
-/// server = "192.168.1.5:3240"      # or "discover": any server that answers mDNS
+/// server = "192.168.1.5:3240"      # or "discover" (needs tls = true): any pinned server that answers mDNS
 /// device = "0483:5740"              # bus id, VID:PID, serial=TEXT or class=HEX
 /// also = ["0483:df11"]              # the same device in another mode (its DFU bootloader)
 /// tls = false
 /// ```
+///
+/// `server = "discover"` without TLS is refused at load: any machine on the LAN
+/// could answer mDNS and have its "device" (a keyboard that types commands)
+/// attached to this kernel. With TLS, only servers whose key is pinned in the
+/// identity's `known_servers` are accepted (the service never pins on first use).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct ClientConfig {
@@ -275,7 +283,21 @@ impl ClientConfig {
         if config.attach.is_empty() {
             bail!("{} has no [[attach]] rules: nothing to keep attached", path.display());
         }
+        config.check().with_context(|| format!("refusing config {}", path.display()))?;
         Ok(config)
+    }
+
+    /// Refuses rules that would attach what an unauthenticated peer offers.
+    pub(crate) fn check(&self) -> anyhow::Result<()> {
+        if let Some(rule) = self.attach.iter().find(|r| r.server == "discover" && !r.tls) {
+            bail!(
+                "[[attach]] rule {rule}: server = \"discover\" needs tls = true: without TLS any machine on the \
+                 local network can answer mDNS and have its device (a keyboard that types commands) attached to \
+                 this kernel; write tls = true and pin each server's key first (`usbwire list -r HOST:PORT --tls \
+                 --trust-new`), or name the server: server = \"HOST:PORT\""
+            );
+        }
+        Ok(())
     }
 }
 

@@ -54,7 +54,9 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     for line in &exported {
         println!("  {line}");
     }
-    let advertising = if args.no_advertise || !file.advertise.unwrap_or(true) { None } else { advertise(&bound) };
+    let announce = !args.no_advertise && file.advertise.unwrap_or(true);
+    warn_if_open(bound.local_addr(), bound.security(), announce);
+    let advertising = if announce { advertise(&bound) } else { None };
     let reloading = tokio::spawn(reload_on_hangup(args.config.clone(), args.bind.clone(), file, bound.host_exports()));
     bound.run(shutdown).await;
     reloading.abort();
@@ -100,6 +102,28 @@ async fn reload_on_hangup(
             tracing::warn!("SIGHUP: only [[bind]] rules are reloaded; restart the server for the other changes");
         }
     }
+}
+
+/// Says once, at startup, what a server that takes plain USB/IP on a
+/// non-loopback address exposes: USB/IP has no authentication, so whoever
+/// reaches the port is a client.
+pub(crate) fn warn_if_open(addr: std::net::SocketAddr, security: &Security, announced: bool) {
+    let plain_from_anywhere = security.tls.is_none() || security.plain == PlainPolicy::Always;
+    if !plain_from_anywhere || addr.ip().is_loopback() {
+        return;
+    }
+    let what = if security.tls.is_none() {
+        "every device this server exports"
+    } else {
+        "the devices that [[allow]] client = \"plain\" rules give"
+    };
+    let mdns = if announced { " (and mDNS announces this server to the whole local network)" } else { "" };
+    tracing::warn!(
+        "plain USB/IP is accepted on {addr}: any host that can reach this port can list, import and use {what}, \
+         with no authentication{mdns}; listen on 127.0.0.1 (--listen 127.0.0.1:{port}), or use --tls \
+         (with --allow-plain never or loopback) to admit only known clients",
+        port = addr.port()
+    );
 }
 
 /// Announces the server with DNS-SD (`_usbip._tcp`) and keeps its device
@@ -214,6 +238,7 @@ fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
         }
         return Ok(Security::default());
     }
+    check_any_client(args, file)?;
     let dir = args
         .identity
         .clone()
@@ -255,4 +280,27 @@ fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
         return Err(Failure::config(anyhow::anyhow!("ca:NAME rules need the CA: pass --ca PATH (or ca = \"PATH\")")));
     }
     Security::tls(&identity, plain, Admission { rules: access, ca }).map_err(|e| Failure::software(e.into()))
+}
+
+/// `*` rules admit any self-made key, i.e. whoever reaches the port: only with
+/// `--allow-any-client` (or `allow_any_client = true`), so nobody does it by accident.
+fn check_any_client(args: &ServeArgs, file: &FileConfig) -> Result<(), Failure> {
+    if args.allow_any_client || file.allow_any_client {
+        return Ok(());
+    }
+    if args.allow.iter().any(|c| c == "*") {
+        return Err(Failure::usage(anyhow::anyhow!(
+            "--allow '*' admits any client with any self-made key, i.e. anyone who reaches the port; \
+                 add --allow-any-client if that is what you want, or --allow each client's fingerprint \
+                 (`usbwire identity` on the client prints it)"
+        )));
+    }
+    if file.allow.iter().any(|r| r.client == "*") {
+        return Err(Failure::config(anyhow::anyhow!(
+            "[[allow]] client = \"*\" admits any client with any self-made key, i.e. anyone who reaches the \
+                 port; add allow_any_client = true (or --allow-any-client) if that is what you want, or name each \
+                 client's fingerprint (`usbwire identity` on the client prints it)"
+        )));
+    }
+    Ok(())
 }
