@@ -14,6 +14,7 @@
 mod connection;
 mod control;
 mod host_exports;
+pub mod private_dir;
 mod registry;
 mod urb_channel;
 mod write_queue;
@@ -138,6 +139,10 @@ pub enum ServerError {
     /// The control socket could not be created; pass `--control PATH` to put it elsewhere.
     #[error("cannot create control socket {path}: {source}")]
     Control { path: PathBuf, source: std::io::Error },
+    /// The control socket's directory is not one only we can change (another
+    /// user's, writable by others, a symlink); the message says what to do.
+    #[error("control socket {path}: {source}")]
+    ControlDir { path: PathBuf, source: private_dir::PrivateDirError },
 }
 
 /// A server being assembled: add devices, then [`bind`](Self::bind).
@@ -172,10 +177,7 @@ impl Server {
         let addr = self.config.listen;
         let listener = TcpListener::bind(addr).await.map_err(|source| ServerError::Listen { addr, source })?;
         let control = match &self.config.control_path {
-            Some(path) => Some(
-                control::ControlSocket::bind(path)
-                    .map_err(|source| ServerError::Control { path: path.clone(), source })?,
-            ),
+            Some(path) => Some(control::ControlSocket::bind(path)?),
             None => None,
         };
         Ok(BoundServer {

@@ -48,7 +48,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     }
     config.security = security(&args, &file)?;
     let shutdown = super::shutdown_signal();
-    let (server, exported) = build(config, &specs)?;
+    let (server, exported) = build(config, &specs, DiskLinks::Follow)?;
     let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
     println!("usbwire serving on {}", bound.local_addr());
     for line in &exported {
@@ -165,8 +165,20 @@ fn advertise(bound: &usbwire_server::BoundServer) -> Option<tokio::task::JoinHan
     }))
 }
 
+/// Whether disk images may be reached through a symbolic link: yes when the
+/// user named the path, no when we chose it (the demo's directory).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DiskLinks {
+    Follow,
+    Refuse,
+}
+
 /// What was exported, one human-readable line per device.
-pub(crate) fn build(config: ServerConfig, specs: &[VirtualSpec]) -> Result<(Server, Vec<String>), Failure> {
+pub(crate) fn build(
+    config: ServerConfig,
+    specs: &[VirtualSpec],
+    links: DiskLinks,
+) -> Result<(Server, Vec<String>), Failure> {
     let mut server = Server::new(config);
     let mut lines = Vec::new();
     for spec in specs {
@@ -183,9 +195,12 @@ pub(crate) fn build(config: ServerConfig, specs: &[VirtualSpec]) -> Result<(Serv
             }
             VirtualSpec::Disk { path, size, read_only, speed } => {
                 let options = DiskOptions { size: *size, read_only: *read_only, speed: speed.speed() };
-                let device = MassStorage::open(path, &options)
-                    .with_context(|| format!("disk {}", path.display()))
-                    .map_err(Failure::config)?;
+                let device = match links {
+                    DiskLinks::Follow => MassStorage::open(path, &options),
+                    DiskLinks::Refuse => MassStorage::open_no_follow(path, &options),
+                }
+                .with_context(|| format!("disk {}", path.display()))
+                .map_err(Failure::config)?;
                 let mode = if *read_only { "read-only" } else { "read-write" };
                 (
                     server.export(spec.kind(), Box::new(device)),
