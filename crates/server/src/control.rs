@@ -199,13 +199,20 @@ fn check_peer(stream: &UnixStream) -> Result<(), String> {
     }
 }
 
-/// Tells a refused control client why, without reading anything it sent.
+/// Tells a refused control client why. What it sent is discarded unread (up
+/// to 64 KiB, for at most a second) before closing: closing on unread data
+/// would reset the connection and the client would see that, not the reason.
 async fn refuse(mut stream: UnixStream, reason: String) {
-    if let Ok(mut text) = serde_json::to_string(&ControlResponse::error(reason)) {
-        text.push('\n');
-        let _ = stream.write_all(text.as_bytes()).await;
-        let _ = stream.shutdown().await;
+    let Ok(mut text) = serde_json::to_string(&ControlResponse::error(reason)) else { return };
+    text.push('\n');
+    if stream.write_all(text.as_bytes()).await.is_err() || stream.shutdown().await.is_err() {
+        return;
     }
+    let (reader, _writer) = stream.split();
+    let mut discard = reader.take(1 << 16);
+    let _ =
+        tokio::time::timeout(std::time::Duration::from_secs(1), tokio::io::copy(&mut discard, &mut tokio::io::sink()))
+            .await;
 }
 
 async fn serve_client(

@@ -67,6 +67,8 @@ pub fn ensure_private_dir(dir: &Path) -> Result<(), PrivateDirError> {
             if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
                 std::fs::create_dir_all(parent).map_err(io_error)?;
             }
+            // Nothing is made where it could be swapped away.
+            check_parent(dir)?;
             match std::fs::DirBuilder::new().mode(0o700).create(dir) {
                 Ok(()) => {}
                 // Someone made it between our look and our mkdir: check theirs below.
