@@ -121,7 +121,7 @@ impl ControlSocket {
             _ => Path::new("."),
         };
         crate::private_dir::ensure_private_dir(dir)
-            .map_err(|source| ServerError::ControlDir { path: path.to_path_buf(), source })?;
+            .map_err(|reason| ServerError::ControlDir { path: path.to_path_buf(), reason })?;
         if std::fs::symlink_metadata(path).is_ok() {
             // A live server answers; a stale socket from a crashed one does not.
             if std::os::unix::net::UnixStream::connect(path).is_ok() {

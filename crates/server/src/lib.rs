@@ -141,8 +141,8 @@ pub enum ServerError {
     Control { path: PathBuf, source: std::io::Error },
     /// The control socket's directory is not one only we can change (another
     /// user's, writable by others, a symlink); the message says what to do.
-    #[error("control socket {path}: {source}")]
-    ControlDir { path: PathBuf, source: private_dir::PrivateDirError },
+    #[error("control socket {path}: {reason}")]
+    ControlDir { path: PathBuf, reason: private_dir::PrivateDirError },
 }
 
 /// A server being assembled: add devices, then [`bind`](Self::bind).
