@@ -381,6 +381,18 @@ mod tests {
     }
 
     #[test]
+    fn discover_needs_tls() {
+        let rule = |tls: bool| format!("[[attach]]\nserver = \"discover\"\ndevice = \"1-1\"\ntls = {tls}\n");
+        let plain: ClientConfig = toml::from_str(&rule(false)).unwrap();
+        let message = plain.check().unwrap_err().to_string();
+        assert!(message.contains("needs tls = true") && message.contains("server = \"HOST:PORT\""), "{message}");
+        let secure: ClientConfig = toml::from_str(&rule(true)).unwrap();
+        secure.check().unwrap();
+        let named: ClientConfig = toml::from_str("[[attach]]\nserver = \"h:1\"\ndevice = \"1-1\"").unwrap();
+        named.check().unwrap();
+    }
+
+    #[test]
     fn config_file() {
         let config: FileConfig = toml::from_str(
             r#"

@@ -246,9 +246,9 @@ impl TextInput for Keyboard {
 /// TLS, plain policy and access rules from flags and the config file.
 fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
     if !(args.tls || file.tls) {
-        if !args.allow.is_empty() || !file.allow.is_empty() || args.allow_plain.is_some() {
+        if !args.allow.is_empty() || !file.allow.is_empty() || args.allow_plain.is_some() || args.allow_any_client {
             return Err(Failure::usage(anyhow::anyhow!(
-                "--allow, --allow-plain and [[allow]] rules need --tls (or tls = true)"
+                "--allow, --allow-plain, --allow-any-client and [[allow]] rules need --tls (or tls = true)"
             )));
         }
         return Ok(Security::default());
