@@ -67,7 +67,8 @@ pub(crate) struct ServeArgs {
     /// Server identity directory [default: /etc/usbwire for root, else ~/.config/usbwire]; created if missing.
     #[arg(long, value_name = "DIR")]
     pub(crate) identity: Option<PathBuf>,
-    /// With --tls: accept plain USB/IP from `never`, `loopback` (default) or `always`.
+    /// With --tls: accept plain USB/IP from `never`, `loopback` (default) or `always`. A plain client then
+    /// sees only the devices `[[allow]] client = "plain"` rules give it.
     #[arg(long, value_name = "WHO")]
     pub(crate) allow_plain: Option<String>,
     /// With --tls: let the client with this fingerprint (or `ca:NAME`, issued by --ca) use every device
