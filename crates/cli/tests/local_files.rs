@@ -177,6 +177,7 @@ fn a_control_directory_another_user_made_or_can_change_is_refused() {
     let socket = std::fs::symlink_metadata(dir.join("control.sock")).unwrap();
     assert_eq!((socket.uid(), socket.mode() & 0o777), (NOBODY, 0o600));
     running.stop();
+    let _ = std::fs::remove_dir_all(&tmp);
 }
 
 #[test]
@@ -304,6 +305,7 @@ fn a_symlink_planted_as_the_demo_disk_image_is_refused_and_its_target_left_alone
     assert_eq!((after.len(), after.mtime(), after.mtime_nsec()), (before.len(), before.mtime(), before.mtime_nsec()));
     assert_eq!(&std::fs::read(&victim).unwrap()[..14], b"precious bytes");
     assert!(std::fs::symlink_metadata(dir.join("disk.img")).unwrap().file_type().is_symlink(), "left in place");
+    let _ = std::fs::remove_dir_all(&base);
 }
 
 #[test]
@@ -335,4 +337,5 @@ fn a_demo_directory_another_user_made_is_refused() {
     assert_eq!((meta.uid(), meta.mode() & 0o7777), (0, 0o700));
     assert!(planted.join("disk.img").is_file());
     running.stop();
+    let _ = std::fs::remove_dir_all(&base);
 }
