@@ -67,13 +67,18 @@ pub(crate) struct ServeArgs {
     /// Server identity directory [default: /etc/usbwire for root, else ~/.config/usbwire]; created if missing.
     #[arg(long, value_name = "DIR")]
     pub(crate) identity: Option<PathBuf>,
-    /// With --tls: accept plain USB/IP from `never`, `loopback` (default) or `always`.
+    /// With --tls: accept plain USB/IP from `never`, `loopback` (default) or `always`. A plain client then
+    /// sees only the devices `[[allow]] client = "plain"` rules give it.
     #[arg(long, value_name = "WHO")]
     pub(crate) allow_plain: Option<String>,
     /// With --tls: let the client with this fingerprint (or `ca:NAME`, issued by --ca) use every device
     /// (repeatable; finer rules go in --config).
     #[arg(long = "allow", value_name = "FINGERPRINT")]
     pub(crate) allow: Vec<String>,
+    /// Let `--allow '*'` (or `[[allow]] client = "*"`) admit any client key at all, self-made ones included:
+    /// anyone who reaches the port. Refused without this flag.
+    #[arg(long)]
+    pub(crate) allow_any_client: bool,
     /// With --tls: trust client identities issued by this private CA (its directory or ca.crt).
     #[arg(long = "ca", value_name = "PATH")]
     pub(crate) ca: Option<PathBuf>,

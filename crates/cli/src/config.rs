@@ -219,6 +219,9 @@ pub(crate) struct FileConfig {
     /// Per-connection memory budgets and the largest URB accepted.
     #[serde(default)]
     pub(crate) limits: LimitsConfig,
+    /// Let a `client = "*"` rule admit any client key (`--allow-any-client`).
+    #[serde(default)]
+    pub(crate) allow_any_client: bool,
 }
 
 /// `[limits]`: what one connection may make the server hold. Unset fields keep
@@ -384,11 +387,16 @@ fn selector_list<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Ve
 /// identity = "/etc/usbwire"        # for rules with tls = true
 ///
 /// [[attach]]
-/// server = "192.168.1.5:3240"      # or "discover": any server that answers mDNS
+/// server = "192.168.1.5:3240"      # or "discover" (needs tls = true): any pinned server that answers mDNS
 /// device = "0483:5740"              # bus id, VID:PID, serial=TEXT or class=HEX
 /// also = ["0483:df11"]              # the same device in another mode (its DFU bootloader)
 /// tls = false
 /// ```
+///
+/// `server = "discover"` without TLS is refused at load: any machine on the LAN
+/// could answer mDNS and have its "device" (a keyboard that types commands)
+/// attached to this kernel. With TLS, only servers whose key is pinned in the
+/// identity's `known_servers` are accepted (the service never pins on first use).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct ClientConfig {
@@ -434,7 +442,21 @@ impl ClientConfig {
         if config.attach.is_empty() {
             bail!("{} has no [[attach]] rules: nothing to keep attached", path.display());
         }
+        config.check().with_context(|| format!("refusing config {}", path.display()))?;
         Ok(config)
+    }
+
+    /// Refuses rules that would attach what an unauthenticated peer offers.
+    pub(crate) fn check(&self) -> anyhow::Result<()> {
+        if let Some(rule) = self.attach.iter().find(|r| r.server == "discover" && !r.tls) {
+            bail!(
+                "[[attach]] rule {rule}: server = \"discover\" needs tls = true: without TLS any machine on the \
+                 local network can answer mDNS and have its device (a keyboard that types commands) attached to \
+                 this kernel; write tls = true and pin each server's key first (`usbwire list -r HOST:PORT --tls \
+                 --trust-new`), or name the server: server = \"HOST:PORT\""
+            );
+        }
+        Ok(())
     }
 }
 
@@ -515,6 +537,18 @@ mod tests {
         assert!(config.attach[1].tls && !config.attach[0].tls);
         let bad = toml::from_str::<ClientConfig>("[[attach]]\nserver = \"h\"\ndevice = \"1-1\"\nalso = [\"nope\"]");
         assert!(bad.unwrap_err().to_string().contains("not a device selector"));
+    }
+
+    #[test]
+    fn discover_needs_tls() {
+        let rule = |tls: bool| format!("[[attach]]\nserver = \"discover\"\ndevice = \"1-1\"\ntls = {tls}\n");
+        let plain: ClientConfig = toml::from_str(&rule(false)).unwrap();
+        let message = plain.check().unwrap_err().to_string();
+        assert!(message.contains("needs tls = true") && message.contains("server = \"HOST:PORT\""), "{message}");
+        let secure: ClientConfig = toml::from_str(&rule(true)).unwrap();
+        secure.check().unwrap();
+        let named: ClientConfig = toml::from_str("[[attach]]\nserver = \"h:1\"\ndevice = \"1-1\"").unwrap();
+        named.check().unwrap();
     }
 
     #[test]

@@ -73,6 +73,13 @@ pub enum DiskError {
     /// The file could not be opened or created.
     #[error("cannot open {}: {source}{}", .path.display(), if .source.kind() == io::ErrorKind::PermissionDenied { " (add ,ro to serve it read-only)" } else { "" })]
     Open { path: PathBuf, source: io::Error },
+    /// [`MassStorage::open_no_follow`] found a symbolic link where the image should be.
+    #[error(
+        "{} is a symbolic link; refusing to follow it (it may point at a file that is not a disk image): \
+         remove it, and the image is created there again",
+        .0.display()
+    )]
+    Symlink(PathBuf),
 }
 
 /// Where the Bulk-Only transport is.
@@ -112,20 +119,47 @@ impl MassStorage {
     /// Opens `path` (creating it with `options.size` bytes if it does not exist)
     /// as a disk offered at `options.speed`.
     pub fn open(path: &Path, options: &DiskOptions) -> Result<VirtualDevice<Self>, DiskError> {
+        Self::open_with(path, options, true)
+    }
+
+    /// Like [`open`](Self::open), but refuses (with [`DiskError::Symlink`])
+    /// when `path` itself is a symbolic link, with `O_NOFOLLOW` on every open,
+    /// so a link planted where the image belongs cannot make us write into
+    /// the file it points at. For images at a path we chose (the demo's).
+    pub fn open_no_follow(path: &Path, options: &DiskOptions) -> Result<VirtualDevice<Self>, DiskError> {
+        Self::open_with(path, options, false)
+    }
+
+    fn open_with(path: &Path, options: &DiskOptions, follow: bool) -> Result<VirtualDevice<Self>, DiskError> {
+        use std::os::unix::fs::OpenOptionsExt as _;
         if let Some(size) = options.size {
             if size == 0 || size % BLOCK_SIZE != 0 {
                 return Err(DiskError::BadSize(size));
             }
         }
-        let open_error = |source| DiskError::Open { path: path.to_path_buf(), source };
-        let file = match OpenOptions::new().read(true).write(!options.read_only).open(path) {
+        let open_error = |source: io::Error| {
+            if !follow && source.raw_os_error() == Some(libc::ELOOP) {
+                DiskError::Symlink(path.to_path_buf())
+            } else {
+                DiskError::Open { path: path.to_path_buf(), source }
+            }
+        };
+        let flags = if follow { 0 } else { libc::O_NOFOLLOW };
+        let file = match OpenOptions::new().read(true).write(!options.read_only).custom_flags(flags).open(path) {
             Ok(file) => file,
             Err(error) if error.kind() == io::ErrorKind::NotFound => {
                 let size = options.size.ok_or_else(|| DiskError::Missing(path.to_path_buf()))?;
-                let file = OpenOptions::new().read(true).write(true).create_new(true).open(path).map_err(open_error)?;
+                // O_EXCL: never through a symlink, dangling or not.
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create_new(true)
+                    .custom_flags(flags)
+                    .open(path)
+                    .map_err(open_error)?;
                 file.set_len(size).map_err(open_error)?;
                 if options.read_only {
-                    File::open(path).map_err(open_error)?
+                    OpenOptions::new().read(true).custom_flags(flags).open(path).map_err(open_error)?
                 } else {
                     file
                 }
@@ -684,6 +718,45 @@ mod tests {
         let mismatch =
             MassStorage::open(&image.0, &DiskOptions { size: Some(4096), read_only: false, speed: Speed::HIGH });
         assert!(matches!(mismatch, Err(ref e) if e.to_string().contains("drop size=")));
+    }
+
+    #[test]
+    fn open_no_follow_refuses_a_planted_symlink_and_leaves_its_target_alone() {
+        let victim = Image::new("victim");
+        let content: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&victim.0, &content).unwrap();
+        let link = Image::new("planted");
+        std::os::unix::fs::symlink(&victim.0, &link.0).unwrap();
+        for size in [None, Some(1 << 20), Some(64 << 20)] {
+            for read_only in [false, true] {
+                let options = DiskOptions { size, read_only, speed: Speed::HIGH };
+                let opened = MassStorage::open_no_follow(&link.0, &options);
+                assert!(matches!(opened, Err(DiskError::Symlink(_))), "{size:?} {read_only}");
+            }
+        }
+        let message =
+            MassStorage::open_no_follow(&link.0, &DiskOptions { size: None, read_only: false, speed: Speed::HIGH })
+                .err()
+                .unwrap()
+                .to_string();
+        assert!(message.contains("symbolic link") && message.contains("remove it"), "{message}");
+        assert_eq!(std::fs::read(&victim.0).unwrap(), content);
+        // A dangling link is refused too, and nothing is created where it points.
+        std::fs::remove_file(&victim.0).unwrap();
+        let opened = MassStorage::open_no_follow(
+            &link.0,
+            &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH },
+        );
+        assert!(matches!(opened, Err(DiskError::Symlink(_))));
+        assert!(!victim.0.exists());
+        // A plain path opens (and is created) as with `open`.
+        let image = Image::new("no-follow-plain");
+        MassStorage::open_no_follow(
+            &image.0,
+            &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH },
+        )
+        .unwrap();
+        assert_eq!(std::fs::metadata(&image.0).unwrap().len(), 1 << 20);
     }
 
     proptest! {

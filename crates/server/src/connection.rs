@@ -74,11 +74,7 @@ pub(crate) async fn serve_session(
     config: Arc<ServerConfig>,
     stop: watch::Receiver<bool>,
 ) {
-    let visible = |kind: &str, busid: &str| match client {
-        // Plain clients see everything unless a rule names them.
-        ClientId::Plain if !config.security.admission.rules.rules.iter().any(|r| r.client == "plain") => true,
-        _ => config.security.admission.rules.allows(&client, busid, kind),
-    };
+    let visible = |kind: &str, busid: &str| config.security.visible(&client, busid, kind);
     let mut buf = BytesMut::with_capacity(256);
     let Some(mut request) = next_request(&mut stream, &mut buf, &config, &peer.ticket).await else { return };
     if let OpRequest::Transforms { offer } = &request {

@@ -1,8 +1,13 @@
 //! The local control socket: how `usbwire type` and `usbwire state` reach a
 //! running server on the same machine.
 //!
-//! A Unix stream socket (mode 0600, so only the server's user can drive it)
-//! carrying one JSON request per line and one JSON response per line.
+//! A Unix stream socket carrying one JSON request per line and one JSON
+//! response per line. Only the server's own user (and root) may drive it:
+//! the socket is mode 0600 in a directory only that user can change (see
+//! [`crate::private_dir`]), and every connection's peer uid is checked with
+//! `SO_PEERCRED` before anything is read from it, so a socket reachable by
+//! others for a moment (or through a directory they can search) still
+//! answers nobody else.
 
 use std::io;
 use std::os::unix::fs::PermissionsExt;
@@ -19,6 +24,7 @@ use usbwire_proto::op::BusId;
 
 use crate::host_exports::HostExports;
 use crate::registry::{DeviceState, Registry};
+use crate::ServerError;
 
 /// Something that turns text into key presses on the attached host (a keyboard).
 pub trait TextInput: Send + Sync {
@@ -88,16 +94,16 @@ impl ControlResponse {
 
 /// Where the control socket lives unless `--control` says otherwise:
 /// `/run/usbwire/control.sock` for root, `$XDG_RUNTIME_DIR/usbwire/control.sock`
-/// or `/tmp/usbwire-UID/control.sock` for other users.
+/// or `TMPDIR/usbwire-UID/control.sock` (`/tmp` unless `TMPDIR` is set) for
+/// other users.
 pub fn default_control_path() -> PathBuf {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::geteuid() };
+    let uid = crate::private_dir::effective_uid();
     if uid == 0 {
         return PathBuf::from("/run/usbwire/control.sock");
     }
     match std::env::var_os("XDG_RUNTIME_DIR") {
         Some(dir) if !dir.is_empty() => Path::new(&dir).join("usbwire/control.sock"),
-        _ => PathBuf::from(format!("/tmp/usbwire-{uid}/control.sock")),
+        _ => std::env::temp_dir().join(format!("usbwire-{uid}/control.sock")),
     }
 }
 
@@ -106,25 +112,31 @@ pub(crate) struct ControlSocket {
 }
 
 impl ControlSocket {
-    pub(crate) fn bind(path: &Path) -> io::Result<Self> {
-        if let Some(parent) = path.parent() {
-            if !parent.as_os_str().is_empty() && !parent.exists() {
-                std::fs::create_dir_all(parent)?;
-                std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700))?;
-            }
-        }
-        if path.exists() {
+    /// Creates the socket at `path`, in a directory only we can change (made
+    /// with mode 0700 if missing; refused, and left alone, if someone else's)
+    /// or a sticky shared one like `/tmp` ([`crate::private_dir::ensure_socket_dir`]).
+    pub(crate) fn bind(path: &Path) -> Result<Self, ServerError> {
+        let failed = |source| ServerError::Control { path: path.to_path_buf(), source };
+        let dir = match path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir,
+            _ => Path::new("."),
+        };
+        crate::private_dir::ensure_socket_dir(dir)
+            .map_err(|reason| ServerError::ControlDir { path: path.to_path_buf(), reason })?;
+        if std::fs::symlink_metadata(path).is_ok() {
             // A live server answers; a stale socket from a crashed one does not.
             if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                return Err(io::Error::new(
+                return Err(failed(io::Error::new(
                     io::ErrorKind::AddrInUse,
                     "another usbwire server is using it (stop it, or pass --control PATH)",
-                ));
+                )));
             }
-            std::fs::remove_file(path)?;
+            std::fs::remove_file(path).map_err(failed)?;
         }
-        let listener = UnixListener::bind(path)?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        let listener = UnixListener::bind(path).map_err(failed)?;
+        // Until this chmod the socket has the umask's mode; the directory (ours,
+        // written by nobody else) and the SO_PEERCRED check cover that moment.
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(failed)?;
         info!(path = %path.display(), "control socket ready");
         Ok(Self { listener })
     }
@@ -141,6 +153,10 @@ impl ControlSocket {
                 () = crate::stopped(&mut stop) => return,
                 accepted = self.listener.accept() => match accepted {
                     Ok((stream, _)) => {
+                        if let Err(refusal) = check_peer(&stream) {
+                            tokio::spawn(refuse(stream, refusal));
+                            continue;
+                        }
                         let registry = registry.clone();
                         let inputs = inputs.clone();
                         let hosts = hosts.clone();
@@ -158,6 +174,46 @@ impl ControlSocket {
             }
         }
     }
+}
+
+/// Same uid as the server, or root: anyone else is refused (and logged).
+fn check_peer(stream: &UnixStream) -> Result<(), String> {
+    let us = crate::private_dir::effective_uid();
+    match stream.peer_cred() {
+        Ok(peer) if peer.uid() == us || peer.uid() == 0 => Ok(()),
+        Ok(peer) => {
+            warn!(
+                peer_uid = peer.uid(),
+                peer_pid = peer.pid(),
+                "control connection refused: only uid {us} (this server's user) and root may use it"
+            );
+            Err(format!(
+                "refused: this server's control socket answers only uid {us} and root, not uid {}; \
+                 run the command as that user",
+                peer.uid()
+            ))
+        }
+        Err(error) => {
+            warn!(%error, "control connection refused: cannot tell who is asking (SO_PEERCRED)");
+            Err(format!("refused: the server could not check who is asking ({error})"))
+        }
+    }
+}
+
+/// Tells a refused control client why. What it sent is discarded unread (up
+/// to 64 KiB, for at most a second) before closing: closing on unread data
+/// would reset the connection and the client would see that, not the reason.
+async fn refuse(mut stream: UnixStream, reason: String) {
+    let Ok(mut text) = serde_json::to_string(&ControlResponse::error(reason)) else { return };
+    text.push('\n');
+    if stream.write_all(text.as_bytes()).await.is_err() || stream.shutdown().await.is_err() {
+        return;
+    }
+    let (reader, _writer) = stream.split();
+    let mut discard = reader.take(1 << 16);
+    let _ =
+        tokio::time::timeout(std::time::Duration::from_secs(1), tokio::io::copy(&mut discard, &mut tokio::io::sink()))
+            .await;
 }
 
 async fn serve_client(
@@ -276,7 +332,12 @@ pub(crate) fn state_entries(registry: &Registry, visible: impl Fn(&str, &str) ->
 }
 
 /// Sends one request to a server's control socket and returns its answer.
+///
+/// Refuses (`PermissionDenied`, carrying a [`SocketOwnerError`](crate::private_dir::SocketOwnerError))
+/// before connecting when the socket or its directory belongs to another
+/// non-root user: what we send (text to type) would go to them.
 pub async fn request(path: &Path, request: &ControlRequest) -> io::Result<ControlResponse> {
+    crate::private_dir::check_socket_owner(path).map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e))?;
     let stream = UnixStream::connect(path).await?;
     let (reader, mut writer) = stream.into_split();
     let mut text = serde_json::to_string(request).map_err(io::Error::other)?;

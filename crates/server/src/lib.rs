@@ -15,6 +15,7 @@ mod admission;
 mod connection;
 mod control;
 mod host_exports;
+pub mod private_dir;
 mod registry;
 mod urb_channel;
 
@@ -79,8 +80,8 @@ pub struct Security {
     pub plain: PlainPolicy,
     /// Which client sees and imports which device (`admission.rules`), and the
     /// private CA whose client certificates `client = "ca:NAME"` rules admit.
-    /// Plain clients are matched by `client = "plain"` rules, or see everything
-    /// when no rule names them.
+    /// With TLS, a plain client is the identity `plain`: it sees only what a
+    /// `client = "plain"` rule gives it (see [`Security::visible`]).
     pub admission: Admission,
 }
 
@@ -89,6 +90,25 @@ impl Security {
     pub fn tls(identity: &Identity, plain: PlainPolicy, admission: Admission) -> Result<Self, rustls_config::Error> {
         let tls = usbwire_transport::tls::server_config(identity, admission.clone())?;
         Ok(Self { tls: Some(tls), plain, admission })
+    }
+
+    /// Whether `client` may see and import the device `busid` of kind `kind`.
+    ///
+    /// With TLS on, every client, plain ones included, gets exactly what the
+    /// rules give it: `plain` is one more identity, and `plain` (how
+    /// [`PlainPolicy`] lets it connect at all) decides nothing about devices.
+    /// A server without TLS has nobody to tell apart: a plain client sees
+    /// everything unless a rule names `plain` (as usbipd does).
+    pub fn visible(&self, client: &usbwire_transport::access::ClientId, busid: &str, kind: &str) -> bool {
+        let rules = &self.admission.rules;
+        match client {
+            usbwire_transport::access::ClientId::Plain
+                if self.tls.is_none() && !rules.rules.iter().any(|r| r.client == "plain") =>
+            {
+                true
+            }
+            _ => rules.allows(client, busid, kind),
+        }
     }
 }
 
@@ -124,6 +144,10 @@ pub enum ServerError {
     /// The control socket could not be created; pass `--control PATH` to put it elsewhere.
     #[error("cannot create control socket {path}: {source}")]
     Control { path: PathBuf, source: std::io::Error },
+    /// The control socket's directory is not one only we can change (another
+    /// user's, writable by others, a symlink); the message says what to do.
+    #[error("control socket {path}: {reason}")]
+    ControlDir { path: PathBuf, reason: private_dir::PrivateDirError },
 }
 
 /// A server being assembled: add devices, then [`bind`](Self::bind).
@@ -158,10 +182,7 @@ impl Server {
         let addr = self.config.listen;
         let listener = listen(addr).map_err(|source| ServerError::Listen { addr, source })?;
         let control = match &self.config.control_path {
-            Some(path) => Some(
-                control::ControlSocket::bind(path)
-                    .map_err(|source| ServerError::Control { path: path.clone(), source })?,
-            ),
+            Some(path) => Some(control::ControlSocket::bind(path)?),
             None => None,
         };
         Ok(BoundServer {
@@ -322,4 +343,42 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
 async fn stopped(stop: &mut watch::Receiver<bool>) {
     // The borrow `wait_for` returns is not Send; end it here, inside this function.
     let _ = stop.wait_for(|stopping| *stopping).await.map(|_| ());
+}
+
+#[cfg(test)]
+mod tests {
+    use usbwire_transport::access::{ClientId, Rule};
+
+    use super::*;
+
+    fn rules(rules: &[(&str, &str)]) -> Admission {
+        let rules = rules.iter().map(|(c, d)| Rule { client: (*c).into(), devices: vec![(*d).into()] }).collect();
+        Admission { rules: AccessRules { rules }, ca: None }
+    }
+
+    #[test]
+    fn with_tls_a_plain_client_gets_only_what_a_plain_rule_gives_it() {
+        let server = Identity::generate("server").unwrap();
+        let alice = ClientId::Certificate(usbwire_transport::Fingerprint([0xaa; 32]));
+        let alice_rule = alice.to_string();
+        for policy in [PlainPolicy::Loopback, PlainPolicy::Always] {
+            let security = Security::tls(&server, policy, rules(&[(&alice_rule, "1-1")])).unwrap();
+            assert!(security.visible(&alice, "1-1", "loopback"));
+            assert!(!security.visible(&ClientId::Plain, "1-1", "loopback"), "{policy:?}");
+            assert!(!security.visible(&ClientId::Plain, "1-2", "disk"), "{policy:?}");
+            let security = Security::tls(&server, policy, rules(&[(&alice_rule, "1-1"), ("plain", "disk")])).unwrap();
+            assert!(security.visible(&ClientId::Plain, "1-2", "disk"));
+            assert!(!security.visible(&ClientId::Plain, "1-1", "loopback"));
+        }
+    }
+
+    #[test]
+    fn without_tls_a_plain_client_sees_everything_unless_a_rule_names_it() {
+        assert!(Security::default().visible(&ClientId::Plain, "1-1", "keyboard"));
+        let unnamed = Security { tls: None, plain: PlainPolicy::Always, admission: rules(&[("*", "1-1")]) };
+        assert!(unnamed.visible(&ClientId::Plain, "1-2", "disk"));
+        let named = Security { tls: None, plain: PlainPolicy::Always, admission: rules(&[("plain", "1-1")]) };
+        assert!(named.visible(&ClientId::Plain, "1-1", "disk"));
+        assert!(!named.visible(&ClientId::Plain, "1-2", "disk"));
+    }
 }

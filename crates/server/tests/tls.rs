@@ -37,14 +37,20 @@ async fn start(plain: PlainPolicy) -> Setup {
 
 /// The same, also trusting `ca` for `ca:bob` on 1-2.
 async fn start_with_ca(plain: PlainPolicy, ca: Option<usbwire_transport::ca::TrustedCa>) -> Setup {
+    start_with_rules(plain, ca, &[]).await
+}
+
+/// The same, with `extra` rules after Alice's and Bob's.
+async fn start_with_rules(plain: PlainPolicy, ca: Option<usbwire_transport::ca::TrustedCa>, extra: &[Rule]) -> Setup {
     let server = Identity::generate("server").unwrap();
     let alice = Identity::generate("alice").unwrap();
-    let rules = AccessRules {
+    let mut rules = AccessRules {
         rules: vec![
             Rule { client: alice.fingerprint().to_string(), devices: vec!["1-1".into()] },
             Rule { client: "ca:bob".into(), devices: vec!["1-2".into()] },
         ],
     };
+    rules.rules.extend_from_slice(extra);
     let security = ServerSecurity::tls(&server, plain, Admission { rules, ca }).unwrap();
     let config = ServerConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
@@ -207,9 +213,9 @@ async fn list_without_client_key(addr: SocketAddr) -> std::io::Result<usize> {
 #[tokio::test]
 async fn plain_from_loopback_is_allowed_by_the_default_tls_policy() {
     let setup = start(PlainPolicy::Loopback).await;
-    // Loopback plain clients see everything unless a rule names "plain".
+    // Accepted, but as the identity `plain`, which no rule of this server names.
     let devices = usbwire_client::list_devices(setup.addr, &Security::Plain).await.unwrap();
-    assert_eq!(devices.len(), 3);
+    assert_eq!(devices.len(), 0);
 }
 
 /// A proxy that flips one byte of the client-to-server stream at `at`.
@@ -274,7 +280,8 @@ async fn bytes_altered_on_the_wire_drop_the_connection() {
 
 #[tokio::test]
 async fn negotiated_transforms_carry_urbs_over_tls_and_plain() {
-    let setup = start(PlainPolicy::Loopback).await;
+    let plain_rule = Rule { client: "plain".into(), devices: vec!["1-1".into()] };
+    let setup = start_with_rules(PlainPolicy::Loopback, None, &[plain_rule]).await;
     let alice = tls(&setup.alice, pinned(&setup, setup.addr, "alice-transforms"), false);
     let offer = [TransformSpec::Zstd, TransformSpec::Jitter(std::time::Duration::from_millis(20))];
     for security in [alice, Security::Plain] {

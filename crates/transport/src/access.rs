@@ -4,13 +4,14 @@
 //!
 //! ```toml
 //! [[allow]]
-//! client = "sha256:…"          # a client fingerprint, or "*" for any authenticated client
+//! client = "sha256:…"          # a client fingerprint, or "*" for any client key at all
+//!                               # (self-made ones too: `usbwire serve` wants --allow-any-client)
 //! devices = ["1-1", "disk"]     # bus ids or device kinds; "*" for all
 //! ```
 //!
 //! A client sees and may import exactly the devices some rule gives it.
 //! Plain (non-TLS) connections, where the policy admits them, are matched by
-//! `client = "plain"`.
+//! `client = "plain"` (and by nothing else: `*` means any TLS client).
 
 use rustls::pki_types::CertificateDer;
 use rustls::CertificateError;

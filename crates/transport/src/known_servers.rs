@@ -37,6 +37,16 @@ impl KnownServers {
             .and_then(|(_, fp)| fp.trim().parse().ok())
     }
 
+    /// Whether no server is pinned (no file, or no valid line in it).
+    pub fn is_empty(&self) -> bool {
+        let Ok(text) = fs::read_to_string(&self.path) else { return true };
+        !text
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .filter_map(|l| l.split_once(char::is_whitespace))
+            .any(|(_, fp)| fp.trim().parse::<Fingerprint>().is_ok())
+    }
+
     /// Pins `fingerprint` for `server` (appends; an older line for it is dropped).
     pub fn add(&self, server: &str, fingerprint: Fingerprint) -> io::Result<()> {
         let old = fs::read_to_string(&self.path).unwrap_or_default();
@@ -66,7 +76,9 @@ mod tests {
         let a = Fingerprint([1; 32]);
         let b = Fingerprint([2; 32]);
         assert_eq!(known.lookup("h:1"), None);
+        assert!(known.is_empty());
         known.add("h:1", a).unwrap();
+        assert!(!known.is_empty());
         known.add("h:2", b).unwrap();
         known.add("h:1", b).unwrap();
         assert_eq!(known.lookup("h:1"), Some(b));

@@ -14,7 +14,11 @@ use crate::exit::Failure;
 
 pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     let dir = args.dir.clone().unwrap_or_else(default_dir);
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display())).map_err(Failure::io)?;
+    // The disk image and serial link go where another user must not be able to plant anything:
+    // a directory of ours (made 0700), and the image opened without following a symlink.
+    usbwire_server::private_dir::ensure_private_dir(&dir)
+        .with_context(|| format!("demo directory {} (--dir DIR to use another)", dir.display()))
+        .map_err(Failure::config)?;
     let disk = dir.join("disk.img");
     let serial_link = dir.join("serial");
     let specs = [
@@ -25,7 +29,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     let control = args.control.control.clone().unwrap_or_else(default_control_path);
     let config = ServerConfig { listen: args.listen, control_path: Some(control.clone()), ..ServerConfig::default() };
     let shutdown = super::shutdown_signal();
-    let (server, exported) = super::serve::build(config, &specs)?;
+    let (server, exported) = super::serve::build(config, &specs, super::serve::DiskLinks::Refuse)?;
     let bound = server.bind().await.map_err(|error| match error {
         ServerError::Listen { addr, source } if source.kind() == std::io::ErrorKind::AddrInUse => Failure::unavailable(
             anyhow!("{addr} is taken (is usbipd or another usbwire running?); pass --listen 127.0.0.1:3241"),
@@ -33,6 +37,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         other => Failure::unavailable(other.into()),
     })?;
     let addr = bound.local_addr();
+    super::serve::warn_if_open(addr, bound.security(), false);
     let serving = tokio::spawn(bound.run(shutdown));
 
     println!("usbwire demo: serving on {addr}");
@@ -98,7 +103,6 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
 }
 
 fn default_dir() -> PathBuf {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::geteuid() };
+    let uid = usbwire_server::private_dir::effective_uid();
     std::env::temp_dir().join(format!("usbwire-demo-{uid}"))
 }

@@ -12,6 +12,10 @@ use crate::exit::Failure;
 async fn ask(control: &ControlArgs, request: ControlRequest) -> Result<ControlResponse, Failure> {
     let path: PathBuf = control.control.clone().unwrap_or_else(default_control_path);
     let response = control_request(&path, &request).await.map_err(|error| {
+        // Not ours to talk to: say exactly that, not "is it running?".
+        if error.get_ref().is_some_and(|inner| inner.is::<usbwire_server::private_dir::SocketOwnerError>()) {
+            return Failure::not_admitted(anyhow!(error));
+        }
         Failure::unavailable(anyhow!(
             "cannot reach a usbwire server through {}: {error} (is `usbwire serve` running? pass --control PATH if it uses another socket)",
             path.display()

@@ -50,13 +50,15 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     file.limits.apply(&mut config.limits, &mut config.budget).map_err(Failure::config)?;
     config.admission = file.admission.limits().map_err(Failure::config)?;
     let shutdown = super::shutdown_signal();
-    let (server, exported) = build(config, &specs)?;
+    let (server, exported) = build(config, &specs, DiskLinks::Follow)?;
     let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
     println!("usbwire serving on {}", bound.local_addr());
     for line in &exported {
         println!("  {line}");
     }
-    let advertising = if args.no_advertise || !file.advertise.unwrap_or(true) { None } else { advertise(&bound) };
+    let announce = !args.no_advertise && file.advertise.unwrap_or(true);
+    warn_if_open(bound.local_addr(), bound.security(), announce);
+    let advertising = if announce { advertise(&bound) } else { None };
     let reloading = tokio::spawn(reload_on_hangup(args.config.clone(), args.bind.clone(), file, bound.host_exports()));
     bound.run(shutdown).await;
     reloading.abort();
@@ -104,6 +106,28 @@ async fn reload_on_hangup(
     }
 }
 
+/// Says once, at startup, what a server that takes plain USB/IP on a
+/// non-loopback address exposes: USB/IP has no authentication, so whoever
+/// reaches the port is a client.
+pub(crate) fn warn_if_open(addr: std::net::SocketAddr, security: &Security, announced: bool) {
+    let plain_from_anywhere = security.tls.is_none() || security.plain == PlainPolicy::Always;
+    if !plain_from_anywhere || addr.ip().is_loopback() {
+        return;
+    }
+    let what = if security.tls.is_none() {
+        "every device this server exports"
+    } else {
+        "the devices that [[allow]] client = \"plain\" rules give"
+    };
+    let mdns = if announced { " (and mDNS announces this server to the whole local network)" } else { "" };
+    tracing::warn!(
+        "plain USB/IP is accepted on {addr}: any host that can reach this port can list, import and use {what}, \
+         with no authentication{mdns}; listen on 127.0.0.1 (--listen 127.0.0.1:{port}), or use --tls \
+         (with --allow-plain never or loopback) to admit only known clients",
+        port = addr.port()
+    );
+}
+
 /// Announces the server with DNS-SD (`_usbip._tcp`) and keeps its device
 /// count current. Not when it listens on loopback only: nobody else could connect.
 fn advertise(bound: &usbwire_server::BoundServer) -> Option<tokio::task::JoinHandle<()>> {
@@ -143,8 +167,20 @@ fn advertise(bound: &usbwire_server::BoundServer) -> Option<tokio::task::JoinHan
     }))
 }
 
+/// Whether disk images may be reached through a symbolic link: yes when the
+/// user named the path, no when we chose it (the demo's directory).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DiskLinks {
+    Follow,
+    Refuse,
+}
+
 /// What was exported, one human-readable line per device.
-pub(crate) fn build(config: ServerConfig, specs: &[VirtualSpec]) -> Result<(Server, Vec<String>), Failure> {
+pub(crate) fn build(
+    config: ServerConfig,
+    specs: &[VirtualSpec],
+    links: DiskLinks,
+) -> Result<(Server, Vec<String>), Failure> {
     let mut server = Server::new(config);
     let mut lines = Vec::new();
     for spec in specs {
@@ -161,9 +197,12 @@ pub(crate) fn build(config: ServerConfig, specs: &[VirtualSpec]) -> Result<(Serv
             }
             VirtualSpec::Disk { path, size, read_only, speed } => {
                 let options = DiskOptions { size: *size, read_only: *read_only, speed: speed.speed() };
-                let device = MassStorage::open(path, &options)
-                    .with_context(|| format!("disk {}", path.display()))
-                    .map_err(Failure::config)?;
+                let device = match links {
+                    DiskLinks::Follow => MassStorage::open(path, &options),
+                    DiskLinks::Refuse => MassStorage::open_no_follow(path, &options),
+                }
+                .with_context(|| format!("disk {}", path.display()))
+                .map_err(Failure::config)?;
                 let mode = if *read_only { "read-only" } else { "read-write" };
                 (
                     server.export(spec.kind(), Box::new(device)),
@@ -209,13 +248,14 @@ impl TextInput for Keyboard {
 /// TLS, plain policy and access rules from flags and the config file.
 fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
     if !(args.tls || file.tls) {
-        if !args.allow.is_empty() || !file.allow.is_empty() || args.allow_plain.is_some() {
+        if !args.allow.is_empty() || !file.allow.is_empty() || args.allow_plain.is_some() || args.allow_any_client {
             return Err(Failure::usage(anyhow::anyhow!(
-                "--allow, --allow-plain and [[allow]] rules need --tls (or tls = true)"
+                "--allow, --allow-plain, --allow-any-client and [[allow]] rules need --tls (or tls = true)"
             )));
         }
         return Ok(Security::default());
     }
+    check_any_client(args, file)?;
     let dir = args
         .identity
         .clone()
@@ -257,4 +297,27 @@ fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
         return Err(Failure::config(anyhow::anyhow!("ca:NAME rules need the CA: pass --ca PATH (or ca = \"PATH\")")));
     }
     Security::tls(&identity, plain, Admission { rules: access, ca }).map_err(|e| Failure::software(e.into()))
+}
+
+/// `*` rules admit any self-made key, i.e. whoever reaches the port: only with
+/// `--allow-any-client` (or `allow_any_client = true`), so nobody does it by accident.
+fn check_any_client(args: &ServeArgs, file: &FileConfig) -> Result<(), Failure> {
+    if args.allow_any_client || file.allow_any_client {
+        return Ok(());
+    }
+    if args.allow.iter().any(|c| c == "*") {
+        return Err(Failure::usage(anyhow::anyhow!(
+            "--allow '*' admits any client with any self-made key, i.e. anyone who reaches the port; \
+                 add --allow-any-client if that is what you want, or --allow each client's fingerprint \
+                 (`usbwire identity` on the client prints it)"
+        )));
+    }
+    if file.allow.iter().any(|r| r.client == "*") {
+        return Err(Failure::config(anyhow::anyhow!(
+            "[[allow]] client = \"*\" admits any client with any self-made key, i.e. anyone who reaches the \
+                 port; add allow_any_client = true (or --allow-any-client) if that is what you want, or name each \
+                 client's fingerprint (`usbwire identity` on the client prints it)"
+        )));
+    }
+    Ok(())
 }

@@ -27,6 +27,7 @@ const WATCH_INTERVAL: Duration = Duration::from_millis(500);
 
 pub(crate) async fn run(args: ClientArgs) -> Result<(), Failure> {
     let config = ClientConfig::load(&args.config).map_err(Failure::config)?;
+    check_pins(&config)?;
     match vhci::ports() {
         Err(VhciError::NotLoaded) => {
             return Err(Failure::unavailable(anyhow!(
@@ -46,7 +47,7 @@ pub(crate) async fn run(args: ClientArgs) -> Result<(), Failure> {
     loop {
         tokio::select! {
             () = &mut shutdown => break,
-            _ = hangup.recv() => match ClientConfig::load(&args.config) {
+            _ = hangup.recv() => match ClientConfig::load(&args.config).and_then(|c| check_pins(&c).map(|()| c).map_err(|f| f.error)) {
                 Ok(config) => {
                     info!(file = %args.config.display(), "reloading rules");
                     if let Err(error) = apply(&config, &mut running).await {
@@ -60,6 +61,27 @@ pub(crate) async fn run(args: ClientArgs) -> Result<(), Failure> {
     info!("stopping: detaching what this service attached");
     for rule in running {
         rule.stop().await;
+    }
+    Ok(())
+}
+
+/// `server = "discover"` rules (TLS already required at load) accept only
+/// servers whose key is pinned, since the service never trusts on first use:
+/// with nothing pinned, every discovered server would be refused, so say how
+/// to pin one instead of retrying forever.
+fn check_pins(config: &ClientConfig) -> Result<(), Failure> {
+    if !config.attach.iter().any(|r| r.server == "discover") {
+        return Ok(());
+    }
+    let dir = config.identity.clone().unwrap_or_else(usbwire_transport::identity::default_dir);
+    let known = usbwire_transport::known_servers::KnownServers::in_dir(&dir);
+    if known.is_empty() {
+        return Err(Failure::config(anyhow!(
+            "server = \"discover\" accepts only servers whose key is pinned, and {} pins none: pin each server \
+             first with `usbwire list -r HOST:PORT --tls --trust-new --identity {}`",
+            known.path().display(),
+            dir.display()
+        )));
     }
     Ok(())
 }

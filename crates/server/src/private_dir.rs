@@ -1,0 +1,283 @@
+//! Directories for local files that only this user may change: the control
+//! socket's, the demo's disk image's.
+//!
+//! A directory in a shared place (`/tmp/usbwire-UID`) can be made by another
+//! user before us. If we used it, they could replace our socket with theirs
+//! and read what `usbwire type` sends, or plant a symlink where we open a
+//! file. So, like `mkdtemp`: a missing directory is created with mode 0700;
+//! one that exists is used only if it is a real directory (not a symlink),
+//! owned by us, and writable by nobody else, inside a parent where nobody
+//! else can rename it away (not writable by others, or sticky like `/tmp`).
+//! Anything else is refused with what to do, never repaired: a directory
+//! someone else made is not ours to chmod.
+
+use std::io;
+use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _};
+use std::path::{Path, PathBuf};
+
+/// Why a directory cannot hold our local files.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PrivateDirError {
+    /// The path is a symbolic link (which another user may have planted).
+    #[error("{} is a symbolic link, not a directory of ours; remove it (or use another path)", .path.display())]
+    Symlink { path: PathBuf },
+    /// Something other than a directory is in the way.
+    #[error("{} is not a directory; remove it (or use another path)", .path.display())]
+    NotDirectory { path: PathBuf },
+    /// Another user made the directory first.
+    #[error(
+        "{} belongs to uid {owner}, not to this user (uid {us}): another user may have made it to catch \
+         our files; remove it (as root or its owner) and start again, or use another path",
+        .path.display()
+    )]
+    NotOwned { path: PathBuf, owner: u32, us: u32 },
+    /// Other users may create, replace or delete files in it.
+    #[error(
+        "{} is writable by other users (mode {mode:04o}); run `chmod 700 {}` if it is yours, or use another path",
+        .path.display(), .path.display()
+    )]
+    Writable { path: PathBuf, mode: u32 },
+    /// Other users may rename the directory away and put theirs in its place.
+    #[error(
+        "{} is in {}, which other users own or may write to (mode {mode:04o}, not sticky): they could swap \
+         the directory; use a path in a directory only you (or root) can write, or set its sticky bit (chmod +t)",
+        .path.display(), .parent.display()
+    )]
+    WritableParent { path: PathBuf, parent: PathBuf, mode: u32 },
+    /// Creating or inspecting it failed.
+    #[error("cannot use directory {}: {source}", .path.display())]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// This process's effective uid.
+pub fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Makes sure `dir` is a directory only this user can change: created with
+/// mode 0700 (its missing parents with the default mode) if absent, else
+/// checked as the module docs say.
+pub fn ensure_private_dir(dir: &Path) -> Result<(), PrivateDirError> {
+    let io_error = |source| PrivateDirError::Io { path: dir.to_path_buf(), source };
+    match std::fs::symlink_metadata(dir) {
+        Ok(_) => {}
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {
+            if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent).map_err(io_error)?;
+            }
+            // Nothing is made where it could be swapped away.
+            check_parent(dir)?;
+            match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+                Ok(()) => {}
+                // Someone made it between our look and our mkdir: check theirs below.
+                Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(error) => return Err(io_error(error)),
+            }
+        }
+        Err(error) => return Err(io_error(error)),
+    }
+    check_private_dir(dir)
+}
+
+/// The directory for a socket the user named (`--control PATH`): a shared
+/// sticky directory owned by us or root, like `/tmp`, is fine too — nobody
+/// else may remove or rename our socket in it, a file already at the path is
+/// not ours to remove (binding then fails), and the socket is made 0600 with
+/// every peer checked by `SO_PEERCRED`. Anything else must be private
+/// ([`ensure_private_dir`]).
+pub fn ensure_socket_dir(dir: &Path) -> Result<(), PrivateDirError> {
+    if let Ok(meta) = std::fs::symlink_metadata(dir) {
+        let sticky = meta.mode() & 0o1000 != 0;
+        let trusted_owner = meta.uid() == effective_uid() || meta.uid() == 0;
+        if meta.is_dir() && !meta.file_type().is_symlink() && sticky && trusted_owner {
+            return Ok(());
+        }
+    }
+    ensure_private_dir(dir)
+}
+
+/// Checks, without creating or changing anything, that `dir` is a directory
+/// only this user can change.
+pub fn check_private_dir(dir: &Path) -> Result<(), PrivateDirError> {
+    let path = dir.to_path_buf();
+    let meta = std::fs::symlink_metadata(dir).map_err(|source| PrivateDirError::Io { path: path.clone(), source })?;
+    if meta.file_type().is_symlink() {
+        return Err(PrivateDirError::Symlink { path });
+    }
+    if !meta.is_dir() {
+        return Err(PrivateDirError::NotDirectory { path });
+    }
+    let us = effective_uid();
+    if meta.uid() != us {
+        return Err(PrivateDirError::NotOwned { path, owner: meta.uid(), us });
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(PrivateDirError::Writable { path, mode });
+    }
+    check_parent(dir)
+}
+
+/// A parent others may write to lets them rename `dir` away, unless it is
+/// sticky (then only `dir`'s owner, the parent's owner or root may).
+fn check_parent(dir: &Path) -> Result<(), PrivateDirError> {
+    let parent = match dir.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let meta = std::fs::metadata(&parent).map_err(|source| PrivateDirError::Io { path: parent.clone(), source })?;
+    let (mode, owner, us) = (meta.mode() & 0o7777, meta.uid(), effective_uid());
+    let sticky = mode & 0o1000 != 0;
+    let others_may_rename = (owner != us && owner != 0) || mode & 0o002 != 0 || (mode & 0o020 != 0 && owner != us);
+    if others_may_rename && !sticky {
+        return Err(PrivateDirError::WritableParent { path: dir.to_path_buf(), parent, mode });
+    }
+    Ok(())
+}
+
+/// Why the CLI will not talk to a control socket.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SocketOwnerError {
+    /// The socket (or its directory) belongs to another non-root user, who would get what we send.
+    #[error(
+        "{} belongs to uid {owner}, neither this user (uid {us}) nor root: refusing to send to it (another \
+         user may have put it there to catch what is typed); remove it, or pass --control PATH of your server",
+        .path.display()
+    )]
+    NotOwned { path: PathBuf, owner: u32, us: u32 },
+    /// Its directory lets other users replace the socket.
+    #[error(
+        "{} is writable by other users (mode {mode:04o}), who could replace the socket in it: refusing to \
+         send; run the server with its control socket in a private directory (--control PATH)",
+        .path.display()
+    )]
+    Writable { path: PathBuf, mode: u32 },
+}
+
+/// Before the CLI sends anything to the control socket at `socket`: the
+/// socket and its directory must be this user's or root's, and the directory
+/// not open to other users' writes (unless sticky, like `/tmp`). A missing
+/// socket is not an error here (connecting will say so).
+pub fn check_socket_owner(socket: &Path) -> Result<(), SocketOwnerError> {
+    let us = effective_uid();
+    let trusted = |owner: u32| owner == us || owner == 0;
+    if let Ok(meta) = std::fs::metadata(socket) {
+        if !trusted(meta.uid()) {
+            return Err(SocketOwnerError::NotOwned { path: socket.to_path_buf(), owner: meta.uid(), us });
+        }
+    }
+    let dir = match socket.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    if let Ok(meta) = std::fs::metadata(dir) {
+        if !trusted(meta.uid()) {
+            return Err(SocketOwnerError::NotOwned { path: dir.to_path_buf(), owner: meta.uid(), us });
+        }
+        let mode = meta.mode() & 0o7777;
+        if mode & 0o002 != 0 && mode & 0o1000 == 0 {
+            return Err(SocketOwnerError::Writable { path: dir.to_path_buf(), mode });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("usbwire-private-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_socket_may_go_in_a_sticky_shared_directory_but_not_a_plain_writable_one() {
+        let base = scratch("socket-dir");
+        let sticky = base.join("tmp");
+        std::fs::create_dir(&sticky).unwrap();
+        std::fs::set_permissions(&sticky, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        ensure_socket_dir(&sticky).unwrap();
+        assert_eq!(std::fs::metadata(&sticky).unwrap().mode() & 0o7777, 0o1777, "left as it was");
+        let open = base.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(matches!(ensure_socket_dir(&open), Err(PrivateDirError::Writable { .. })));
+        let link = base.join("link");
+        std::os::unix::fs::symlink(&sticky, &link).unwrap();
+        assert!(matches!(ensure_socket_dir(&link), Err(PrivateDirError::Symlink { .. })));
+    }
+
+    #[test]
+    fn a_missing_directory_is_created_0700() {
+        let base = scratch("create");
+        let dir = base.join("usbwire");
+        ensure_private_dir(&dir).unwrap();
+        let meta = std::fs::symlink_metadata(&dir).unwrap();
+        assert!(meta.is_dir());
+        assert_eq!(meta.mode() & 0o777, 0o700);
+        // Existing and ours: used as it is.
+        ensure_private_dir(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_directory_others_may_write_is_refused_and_left_alone() {
+        let base = scratch("writable");
+        let dir = base.join("usbwire");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let error = ensure_private_dir(&dir).unwrap_err();
+        assert!(matches!(error, PrivateDirError::Writable { mode: 0o777, .. }), "{error}");
+        assert!(error.to_string().contains("chmod 700"), "{error}");
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o777, "not repaired behind the user's back");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o770)).unwrap();
+        assert!(matches!(ensure_private_dir(&dir), Err(PrivateDirError::Writable { .. })));
+    }
+
+    #[test]
+    fn a_symlink_is_refused_even_to_a_private_directory() {
+        let base = scratch("symlink");
+        let real = base.join("real");
+        ensure_private_dir(&real).unwrap();
+        let link = base.join("usbwire");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let error = ensure_private_dir(&link).unwrap_err();
+        assert!(matches!(error, PrivateDirError::Symlink { .. }), "{error}");
+        let file = base.join("file");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(matches!(ensure_private_dir(&file), Err(PrivateDirError::NotDirectory { .. })));
+    }
+
+    #[test]
+    fn a_parent_anyone_may_write_without_the_sticky_bit_is_refused() {
+        let base = scratch("parent");
+        let open = base.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let error = ensure_private_dir(&open.join("usbwire")).unwrap_err();
+        assert!(matches!(error, PrivateDirError::WritableParent { mode: 0o777, .. }), "{error}");
+        // Sticky, like /tmp: others cannot rename what is ours.
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        ensure_private_dir(&open.join("usbwire")).unwrap();
+    }
+
+    #[test]
+    fn the_cli_trusts_sockets_of_its_own_user_in_private_or_sticky_directories() {
+        let base = scratch("socket");
+        let socket = base.join("control.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        check_socket_owner(&socket).unwrap();
+        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(matches!(check_socket_owner(&socket), Err(SocketOwnerError::Writable { .. })));
+        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        check_socket_owner(&socket).unwrap();
+    }
+}
