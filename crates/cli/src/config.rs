@@ -25,6 +25,7 @@
 //! in_flight_bytes = "64M"     # URB bytes handed to devices and not completed
 //! in_flight_urbs = 1024
 //! queued_reply_bytes = "8M"   # replies waiting for the client to read them
+//! unacked_reply_bytes = "32M" # replies a resumable session keeps until acknowledged
 //! decoded_bytes = "8M"        # decompressed bytes waiting (--compress)
 //!
 //! [admission]         # connections not yet authenticated; the defaults
@@ -237,6 +238,8 @@ pub(crate) struct LimitsConfig {
     #[serde(default, deserialize_with = "size_field")]
     pub(crate) queued_reply_bytes: Option<u64>,
     #[serde(default, deserialize_with = "size_field")]
+    pub(crate) unacked_reply_bytes: Option<u64>,
+    #[serde(default, deserialize_with = "size_field")]
     pub(crate) decoded_bytes: Option<u64>,
 }
 
@@ -273,6 +276,9 @@ impl LimitsConfig {
         }
         if let Some(value) = bytes("queued_reply_bytes", self.queued_reply_bytes)? {
             budget.queued_reply_bytes = value;
+        }
+        if let Some(value) = bytes("unacked_reply_bytes", self.unacked_reply_bytes)? {
+            budget.unacked_reply_bytes = value;
         }
         if let Some(value) = bytes("decoded_bytes", self.decoded_bytes)? {
             budget.decoded_bytes = value;
@@ -609,6 +615,7 @@ mod tests {
             in_flight_bytes = "32M"
             in_flight_urbs = 256
             queued_reply_bytes = 1048576
+            unacked_reply_bytes = "16M"
             "#,
         )
         .unwrap();
@@ -622,6 +629,7 @@ mod tests {
                 in_flight_bytes: 32 << 20,
                 in_flight_urbs: 256,
                 queued_reply_bytes: 1 << 20,
+                unacked_reply_bytes: 16 << 20,
                 ..usbwire_proto::Budget::default()
             }
         );

@@ -31,18 +31,23 @@
 //! Above the codec, [`server_session::ServerSession`] is the server side of a URB
 //! channel as a state machine (in-flight table, unlink rules, memory budget),
 //! fed bytes and completions and yielding device calls and replies; the
-//! server's tokio loop only drives it.
+//! server's tokio loop only drives it. [`client_session::ClientSession`] is the
+//! client side (outstanding URBs, their replies, acknowledgements), and both
+//! carry the resume state of [`resume`], the usbwire extension that lets a
+//! URB channel outlive its connection.
 //!
 //! [`display::escape`] is how every crate shows a string that came from the
 //! network (device strings, paths, mDNS names): control characters and bidi
 //! overrides become visible escapes.
 
+pub mod client_session;
 pub mod display;
 mod error;
 mod limits;
 pub mod op;
 mod outbox;
 mod recv_buffer;
+pub mod resume;
 mod seqnum_map;
 pub mod server_session;
 pub mod sync;

@@ -37,6 +37,10 @@ impl Default for Limits {
 pub struct Budget {
     /// Reply bytes (completions with their data, unlink answers) waiting to be written.
     pub queued_reply_bytes: usize,
+    /// Reply bytes a resumable session keeps until the client acknowledges
+    /// them (sent, in the network or not yet read): the bandwidth-delay
+    /// product the link may reach, plus what is waiting to be written.
+    pub unacked_reply_bytes: usize,
     /// Bytes a transform decoded (decompressed) that the reader has not taken yet.
     pub decoded_bytes: usize,
     /// `transfer_buffer_length` summed over URBs in flight (OUT data held, IN data to come).
@@ -57,6 +61,7 @@ impl Default for Budget {
     fn default() -> Self {
         Self {
             queued_reply_bytes: 8 * 1024 * 1024,
+            unacked_reply_bytes: 32 * 1024 * 1024,
             decoded_bytes: 8 * 1024 * 1024,
             in_flight_bytes: 64 * 1024 * 1024,
             in_flight_urbs: 1024,

@@ -6,6 +6,7 @@
 
 use bytes::{BufMut, BytesMut};
 
+use crate::resume::Token;
 use crate::wire::{be_u16, be_u32, Speed};
 use crate::{DecodeError, Limits, USBIP_VERSION};
 
@@ -40,7 +41,15 @@ impl OpCode {
     /// frame the stream, and the real request (DEVLIST, IMPORT …) follows.
     pub const REQ_TRANSFORMS: Self = Self(0x80f2);
     pub const REP_TRANSFORMS: Self = Self(0x00f2);
+    /// usbwire extension: take over a resumable session (token and replies
+    /// received) instead of importing; the answer carries the commands the
+    /// server had received. See [`crate::resume`].
+    pub const REQ_RESUME: Self = Self(0x80f3);
+    pub const REP_RESUME: Self = Self(0x00f3);
 }
+
+/// Body of `OP_REQ_RESUME`: the token and a u64 count.
+pub const RESUME_REQUEST_LEN: usize = 32 + 8;
 
 /// Largest transform offer or answer accepted.
 pub const MAX_TRANSFORMS_LEN: u32 = 1024;
@@ -205,6 +214,9 @@ pub enum OpRequest {
     DevState,
     /// `OP_REQ_TRANSFORMS` (usbwire extension): the transforms the client offers, comma-separated.
     Transforms { offer: String },
+    /// `OP_REQ_RESUME` (usbwire extension): continue the session `token` names;
+    /// the client has received `replies_received` server messages of it.
+    Resume { token: Token, replies_received: u64 },
 }
 
 impl OpRequest {
@@ -220,6 +232,11 @@ impl OpRequest {
                 put_header(out, OpCode::REQ_TRANSFORMS, OpStatus::OK);
                 out.put_u32(offer.len() as u32);
                 out.put_slice(offer.as_bytes());
+            }
+            Self::Resume { token, replies_received } => {
+                put_header(out, OpCode::REQ_RESUME, OpStatus::OK);
+                out.put_slice(&token.0);
+                out.put_u64(*replies_received);
             }
             Self::ImportMalformedBusId { requested } => {
                 put_header(out, OpCode::REQ_IMPORT, OpStatus::OK);
@@ -251,6 +268,16 @@ pub fn decode_request(buf: &mut BytesMut, _limits: &Limits) -> Result<Option<OpR
         OpCode::REQ_TRANSFORMS => {
             let Some(offer) = counted_text(buf)? else { return Ok(None) };
             Ok(Some(OpRequest::Transforms { offer }))
+        }
+        OpCode::REQ_RESUME => {
+            if buf.len() < OP_HEADER_LEN + RESUME_REQUEST_LEN {
+                return Ok(None);
+            }
+            let frame = buf.split_to(OP_HEADER_LEN + RESUME_REQUEST_LEN);
+            let mut token = [0u8; 32];
+            token.copy_from_slice(&frame[OP_HEADER_LEN..OP_HEADER_LEN + 32]);
+            let replies_received = be_u64(&frame, OP_HEADER_LEN + 32);
+            Ok(Some(OpRequest::Resume { token: Token(token), replies_received }))
         }
         OpCode::REQ_IMPORT => {
             if buf.len() < OP_HEADER_LEN + BUSID_LEN {
@@ -378,6 +405,39 @@ pub fn decode_transforms_reply(buf: &mut BytesMut) -> Result<Option<String>, Dec
         return Err(DecodeError::RequestFailed(status.0));
     }
     counted_text(buf)
+}
+
+/// Encodes `OP_REP_RESUME`: on success the number of commands the server had
+/// received whole (u64); only the header with `ST_NODEV` when the session is
+/// unknown, expired or not the caller's.
+pub fn encode_resume_reply(result: Result<u64, OpStatus>, out: &mut BytesMut) {
+    match result {
+        Ok(commands_received) => {
+            put_header(out, OpCode::REP_RESUME, OpStatus::OK);
+            out.put_u64(commands_received);
+        }
+        Err(status) => put_header(out, OpCode::REP_RESUME, status),
+    }
+}
+
+/// Decodes `OP_REP_RESUME` (client side): the commands received, or the status.
+pub fn decode_resume_reply(buf: &mut BytesMut) -> Result<Option<Result<u64, OpStatus>>, DecodeError> {
+    let Some(status) = peek_reply_header(buf, OpCode::REP_RESUME)? else {
+        return Ok(None);
+    };
+    if status != OpStatus::OK {
+        let _ = buf.split_to(OP_HEADER_LEN);
+        return Ok(Some(Err(status)));
+    }
+    if buf.len() < OP_HEADER_LEN + 8 {
+        return Ok(None);
+    }
+    let frame = buf.split_to(OP_HEADER_LEN + 8);
+    Ok(Some(Ok(be_u64(&frame, OP_HEADER_LEN))))
+}
+
+fn be_u64(bytes: &[u8], at: usize) -> u64 {
+    (u64::from(be_u32(bytes, at)) << 32) | u64::from(be_u32(bytes, at + 4))
 }
 
 /// Encodes `OP_REP_DEVSTATE`: header, body length (u32), body.
@@ -658,5 +718,32 @@ mod tests {
     fn devlist_count_is_bounded_before_allocation() {
         let mut buf = BytesMut::from(&[0x01, 0x11, 0x00, 0x05, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff][..]);
         assert!(matches!(decode_devlist_reply(&mut buf, &Limits::default()), Err(DecodeError::TooManyDevices { .. })));
+    }
+
+    #[test]
+    fn resume_request_and_reply_golden_bytes() {
+        let token = Token(std::array::from_fn(|i| i as u8));
+        let mut out = BytesMut::new();
+        OpRequest::Resume { token, replies_received: 0x0102_0304_0506_0708 }.encode(&mut out);
+        let mut expected = vec![0x01, 0x11, 0x80, 0xf3, 0, 0, 0, 0];
+        expected.extend(0u8..32);
+        expected.extend([1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(&out[..], &expected[..]);
+        for cut in 0..expected.len() {
+            let mut partial = BytesMut::from(&expected[..cut]);
+            assert_eq!(decode_request(&mut partial, &Limits::default()), Ok(None), "cut at {cut}");
+        }
+        assert_eq!(
+            decode_request(&mut out, &Limits::default()),
+            Ok(Some(OpRequest::Resume { token, replies_received: 0x0102_0304_0506_0708 }))
+        );
+
+        let mut reply = BytesMut::new();
+        encode_resume_reply(Ok(42), &mut reply);
+        assert_eq!(&reply[..], &[0x01, 0x11, 0x00, 0xf3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 42]);
+        assert_eq!(decode_resume_reply(&mut reply), Ok(Some(Ok(42))));
+        encode_resume_reply(Err(OpStatus::NODEV), &mut reply);
+        assert_eq!(&reply[..], &[0x01, 0x11, 0x00, 0xf3, 0, 0, 0, 4]);
+        assert_eq!(decode_resume_reply(&mut reply), Ok(Some(Err(OpStatus::NODEV))));
     }
 }

@@ -1,10 +1,12 @@
-//! [`Outbox`]: encoded replies waiting to be written, as slices for one
-//! vectored write, without copying large payloads.
+//! [`Outbox`]: encoded URB messages waiting to be written, as slices for one
+//! vectored write, without copying large payloads. The server queues replies
+//! in one; a client session queues commands in another.
 //!
-//! Headers and small payloads are packed into one scratch buffer; a large IN
-//! payload (a `Bytes` handed over by the device) is queued as its own slice.
-//! One `writev` then carries many replies: headers of several completions and
-//! the data between them go out in a single system call. No I/O here: the
+//! Headers and small payloads are packed into one scratch buffer; a large
+//! payload (IN data handed over by the device, OUT data from the caller) is
+//! queued as its own slice. One `writev` then carries many messages: headers
+//! of several completions and the data between them go out in a single
+//! system call. No I/O here: the
 //! caller writes [`slices`](Outbox::slices) and reports what went out with
 //! [`advance`](Outbox::advance).
 
@@ -13,7 +15,8 @@ use std::io::IoSlice;
 
 use bytes::{Buf, Bytes, BytesMut};
 
-use crate::urb::{RetSubmit, RetUnlink};
+use crate::urb::{CmdSubmit, RetSubmit, RetUnlink, HEADER_LEN};
+use crate::Direction;
 
 /// Payloads up to this size are copied next to their header (cheaper than an iovec).
 const COPY_THRESHOLD: usize = 2048;
@@ -27,22 +30,45 @@ pub struct Outbox {
 
 impl Outbox {
     pub fn push_ret_submit(&mut self, ret: &RetSubmit) {
-        let header = ret.header();
-        self.scratch.extend_from_slice(&header);
-        if ret.data.len() <= COPY_THRESHOLD {
-            self.scratch.extend_from_slice(&ret.data);
-        } else {
-            self.seal();
-            self.frames.push_back(ret.data.clone());
-        }
+        self.push_message(&ret.header(), &ret.data, ret.iso_packets.len());
         ret.iso_trailer(&mut self.scratch);
-        self.queued += header.len() + ret.data.len() + ret.iso_packets.len() * 16;
     }
 
     pub fn push_ret_unlink(&mut self, ret: &RetUnlink) {
-        let header = ret.header();
-        self.scratch.extend_from_slice(&header);
-        self.queued += header.len();
+        self.push_header(&ret.header());
+    }
+
+    /// A `CMD_SUBMIT` (client side): header, OUT payload, iso descriptors.
+    pub fn push_cmd_submit(&mut self, submit: &CmdSubmit) {
+        let none = Bytes::new();
+        let payload = if submit.direction == Direction::Out { &submit.data } else { &none };
+        self.push_message(&submit.header(), payload, submit.iso_packets.len());
+        submit.iso_trailer(&mut self.scratch);
+    }
+
+    /// A message that is only a header (`CMD_UNLINK`, `RET_UNLINK`, a resume ack).
+    pub fn push_header(&mut self, header: &[u8; HEADER_LEN]) {
+        self.scratch.extend_from_slice(header);
+        self.queued += HEADER_LEN;
+    }
+
+    /// Header and payload; the caller appends `iso_count` descriptors to the scratch buffer.
+    fn push_message(&mut self, header: &[u8; HEADER_LEN], payload: &Bytes, iso_count: usize) {
+        self.scratch.extend_from_slice(header);
+        if payload.len() <= COPY_THRESHOLD {
+            self.scratch.extend_from_slice(payload);
+        } else {
+            self.seal();
+            self.frames.push_back(payload.clone());
+        }
+        self.queued += HEADER_LEN + payload.len() + iso_count * 16;
+    }
+
+    /// Drops everything not yet written (the connection it was for is gone).
+    pub fn clear(&mut self) {
+        self.frames.clear();
+        self.scratch.clear();
+        self.queued = 0;
     }
 
     /// Bytes waiting to be written.

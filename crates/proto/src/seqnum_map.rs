@@ -127,6 +127,11 @@ impl<V> SeqnumMap<V> {
         self.len == 0
     }
 
+    /// Every value, in no particular order.
+    pub fn values(&self) -> impl Iterator<Item = &V> {
+        self.slots.iter().flatten().map(|(_, value)| value).chain(self.overflow.values())
+    }
+
     /// Every value, in no particular order (for failing what is left when a connection ends).
     pub fn into_values(self) -> impl Iterator<Item = V> {
         self.slots.into_iter().flatten().map(|(_, value)| value).chain(self.overflow.into_values())

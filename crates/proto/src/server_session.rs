@@ -18,6 +18,13 @@
 //! room; completions should be collected only while [`wants_completions`]. A
 //! peer that stops reading its replies thus stops being read, whatever it sends.
 //!
+//! Resume ([`crate::resume`]): a resumable session keeps every reply it
+//! queued until the client acknowledges it, counts the commands it took, and
+//! outlives its connection: after [`disconnected`] the device's completions
+//! are held (within the budget), and [`resume`] with the client's count of
+//! replies received queues again exactly the replies the client lacks and
+//! returns the count of commands received, for the client to send the rest.
+//!
 //! A driver's loop, in order: read into [`input`] while [`wants_input`], call
 //! [`handle_input`] and carry out each [`DeviceCall`] from [`poll_device_call`];
 //! feed completions to [`complete`] while [`wants_completions`]; write
@@ -30,13 +37,16 @@
 //! [`poll_device_call`]: ServerSession::poll_device_call
 //! [`complete`]: ServerSession::complete
 //! [`outbox`]: ServerSession::outbox
+//! [`disconnected`]: ServerSession::disconnected
+//! [`resume`]: ServerSession::resume
 
 use std::collections::VecDeque;
 
 use bytes::BytesMut;
 
 use crate::outbox::Outbox;
-use crate::urb::{self, ClientMessage, CmdSubmit, RetSubmit, RetUnlink};
+use crate::resume;
+use crate::urb::{self, ClientMessage, CmdSubmit, RetSubmit, RetUnlink, ServerMessage};
 use crate::{Budget, DecodeError, Direction, Limits, SeqnumMap, Status};
 
 /// Read at least this much at a time.
@@ -64,6 +74,13 @@ pub enum SessionError {
     /// A CMD_SUBMIT reused the seqnum of a URB still in flight.
     #[error("seqnum {0} is already in flight")]
     DuplicateSeqnum(u32),
+    /// An acknowledgement or resume named a count of replies the session never
+    /// sent, or fewer than were already acknowledged.
+    #[error("client claims {claimed} replies received; {acked}..={sent} is possible")]
+    BadReplyCount { claimed: u64, acked: u64, sent: u64 },
+    /// A resume for a session that did not negotiate it.
+    #[error("session is not resumable")]
+    NotResumable,
 }
 
 /// A URB handed to the device and not yet completed.
@@ -72,6 +89,46 @@ struct InFlightUrb {
     length: usize,
     /// The seqnum of a CMD_UNLINK aimed at it, if any.
     unlink: Option<u32>,
+}
+
+/// Replies kept until the client acknowledges them (resumable sessions only).
+#[derive(Default)]
+struct ReplayLog {
+    held: VecDeque<ServerMessage>,
+    /// Wire bytes of `held`.
+    held_bytes: usize,
+    /// Replies acknowledged: the index of `held`'s front.
+    acked: u64,
+}
+
+impl ReplayLog {
+    fn sent(&self) -> u64 {
+        self.acked + self.held.len() as u64
+    }
+
+    /// Drops what the client has received: `received` replies in all.
+    fn acknowledge(&mut self, received: u64) -> Result<(), SessionError> {
+        let sent = self.sent();
+        if received < self.acked || received > sent {
+            return Err(SessionError::BadReplyCount { claimed: received, acked: self.acked, sent });
+        }
+        while self.acked < received {
+            if let Some(message) = self.held.pop_front() {
+                self.held_bytes -= wire_len(&message);
+            }
+            self.acked += 1;
+        }
+        Ok(())
+    }
+}
+
+fn wire_len(message: &ServerMessage) -> usize {
+    match message {
+        ServerMessage::Submit(ret) => {
+            urb::HEADER_LEN + ret.data.len() + ret.iso_packets.len() * urb::ISO_DESCRIPTOR_LEN
+        }
+        ServerMessage::Unlink(_) => urb::HEADER_LEN,
+    }
 }
 
 pub struct ServerSession {
@@ -86,6 +143,12 @@ pub struct ServerSession {
     waiting_submit: Option<CmdSubmit>,
     calls: VecDeque<DeviceCall>,
     outbox: Outbox,
+    /// Commands (submits and unlinks) decoded whole since the import.
+    commands_received: u64,
+    /// `Some` for a resumable session.
+    replay: Option<ReplayLog>,
+    /// Whether a connection is attached (always, unless resumable and between connections).
+    connected: bool,
 }
 
 impl ServerSession {
@@ -102,7 +165,54 @@ impl ServerSession {
             waiting_submit: None,
             calls: VecDeque::new(),
             outbox: Outbox::default(),
+            commands_received: 0,
+            replay: None,
+            connected: true,
         }
+    }
+
+    /// Makes the session resumable: replies are kept until acknowledged and
+    /// the client's acknowledgements are understood.
+    pub fn resumable(mut self) -> Self {
+        self.replay = Some(ReplayLog::default());
+        self
+    }
+
+    pub fn is_resumable(&self) -> bool {
+        self.replay.is_some()
+    }
+
+    /// The connection is gone. Partial input and unwritten replies are dropped
+    /// (a resumable session holds every reply until acknowledged); URBs in
+    /// flight go on, and their completions are held for [`resume`](Self::resume).
+    pub fn disconnected(&mut self) {
+        self.inbuf.clear();
+        self.outbox.clear();
+        self.connected = false;
+    }
+
+    /// A new connection takes the session over. `replies_received` is what the
+    /// client got whole of this session's replies; every later one is queued
+    /// again. `leftover` is what was read past the resume request. Returns the
+    /// number of commands received whole, for the client to send the rest.
+    pub fn resume(&mut self, replies_received: u64, leftover: BytesMut) -> Result<u64, SessionError> {
+        let replay = self.replay.as_mut().ok_or(SessionError::NotResumable)?;
+        replay.acknowledge(replies_received)?;
+        self.outbox.clear();
+        for message in &replay.held {
+            match message {
+                ServerMessage::Submit(ret) => self.outbox.push_ret_submit(ret),
+                ServerMessage::Unlink(ret) => self.outbox.push_ret_unlink(ret),
+            }
+        }
+        self.inbuf = leftover;
+        self.connected = true;
+        Ok(self.commands_received)
+    }
+
+    /// Replies sent so far (resumable sessions), for logs: `(sent, unacknowledged)`.
+    pub fn replies(&self) -> Option<(u64, usize)> {
+        self.replay.as_ref().map(|replay| (replay.sent(), replay.held.len()))
     }
 
     /// Whether to read more from the client: URBs in flight and replies waiting
@@ -117,7 +227,11 @@ impl ServerSession {
     /// message (so a large OUT payload lands in one buffer and reaches the
     /// device without a copy). `is_iso` tells isochronous endpoints apart.
     pub fn input(&mut self, is_iso: impl Fn(Direction, u8) -> bool) -> Result<&mut BytesMut, SessionError> {
-        let next = urb::command_frame_len(&self.inbuf, &self.limits, is_iso)?;
+        let next = if self.ack_in_front() {
+            Some(urb::HEADER_LEN)
+        } else {
+            urb::command_frame_len(&self.inbuf, &self.limits, is_iso)?
+        };
         let wanted = next.unwrap_or(urb::HEADER_LEN).saturating_sub(self.inbuf.len()).max(READ_CHUNK);
         self.inbuf.reserve(wanted);
         Ok(&mut self.inbuf)
@@ -136,8 +250,17 @@ impl ServerSession {
             handled = true;
         }
         while self.wants_input() {
+            if self.ack_in_front() {
+                let ack = self.inbuf.split_to(urb::HEADER_LEN);
+                if let (Some(replay), Some(received)) = (self.replay.as_mut(), resume::parse_ack(&ack)) {
+                    replay.acknowledge(received)?;
+                }
+                handled = true;
+                continue;
+            }
             let Some(message) = urb::decode_command(&mut self.inbuf, &self.limits, &is_iso)? else { break };
             handled = true;
+            self.commands_received += 1;
             match message {
                 ClientMessage::Submit(submit) => {
                     self.check_devid(submit.devid)?;
@@ -163,7 +286,7 @@ impl ServerSession {
                             pending.unlink = Some(unlink.seqnum);
                             self.calls.push_back(DeviceCall::Cancel { seqnum: unlink.unlink_seqnum });
                         }
-                        None => self.outbox.push_ret_unlink(&RetUnlink { seqnum: unlink.seqnum, status: Status::OK }),
+                        None => self.reply_unlink(RetUnlink { seqnum: unlink.seqnum, status: Status::OK }),
                     }
                 }
             }
@@ -176,9 +299,14 @@ impl ServerSession {
         self.calls.pop_front()
     }
 
-    /// Whether to collect more completions from the device (replies waiting are under budget).
+    /// Whether to collect more completions from the device: replies waiting to
+    /// be written, and replies not yet acknowledged, are under budget.
+    ///
+    /// Input is not gated on unacknowledged replies: the acknowledgements that
+    /// free them come in the input.
     pub fn wants_completions(&self) -> bool {
         self.outbox.queued() < self.budget.queued_reply_bytes
+            && self.replay.as_ref().is_none_or(|replay| replay.held_bytes < self.budget.unacked_reply_bytes)
     }
 
     /// A URB the device finished, as its RET_SUBMIT; queues the replies it calls for.
@@ -191,19 +319,50 @@ impl ServerSession {
         tracing::trace!(seqnum = done.seqnum, status = ?done.status, len = done.actual_length, "complete");
         match urb.unlink {
             Some(unlink_seqnum) if done.status == Status::ECONNRESET => {
-                self.outbox.push_ret_unlink(&RetUnlink { seqnum: unlink_seqnum, status: Status::ECONNRESET });
+                self.reply_unlink(RetUnlink { seqnum: unlink_seqnum, status: Status::ECONNRESET });
             }
             Some(unlink_seqnum) => {
-                self.outbox.push_ret_submit(&done);
-                self.outbox.push_ret_unlink(&RetUnlink { seqnum: unlink_seqnum, status: Status::OK });
+                self.reply_submit(done);
+                self.reply_unlink(RetUnlink { seqnum: unlink_seqnum, status: Status::OK });
             }
-            None => self.outbox.push_ret_submit(&done),
+            None => self.reply_submit(done),
         }
+    }
+
+    fn reply_submit(&mut self, ret: RetSubmit) {
+        if self.connected {
+            self.outbox.push_ret_submit(&ret);
+        }
+        if let Some(replay) = &mut self.replay {
+            let message = ServerMessage::Submit(ret);
+            replay.held_bytes += wire_len(&message);
+            replay.held.push_back(message);
+        }
+    }
+
+    fn reply_unlink(&mut self, ret: RetUnlink) {
+        if self.connected {
+            self.outbox.push_ret_unlink(&ret);
+        }
+        if let Some(replay) = &mut self.replay {
+            replay.held_bytes += urb::HEADER_LEN;
+            replay.held.push_back(ServerMessage::Unlink(ret));
+        }
+    }
+
+    /// A resumable session's next input is an acknowledgement.
+    fn ack_in_front(&self) -> bool {
+        self.replay.is_some() && self.inbuf.len() >= urb::HEADER_LEN && self.inbuf[..4] == resume::ACK.0.to_be_bytes()
     }
 
     /// Replies waiting to be written.
     pub fn outbox(&mut self) -> &mut Outbox {
         &mut self.outbox
+    }
+
+    /// Whether a connection is attached.
+    pub fn is_connected(&self) -> bool {
+        self.connected
     }
 
     /// No URB in flight and nothing left to write.

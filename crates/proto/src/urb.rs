@@ -118,15 +118,20 @@ impl CmdSubmit {
         h
     }
 
+    /// The isochronous descriptors that follow the payload, encoded.
+    pub fn iso_trailer(&self, out: &mut impl BufMut) {
+        for packet in &self.iso_packets {
+            packet.put(out);
+        }
+    }
+
     /// Appends the whole message (header, OUT payload, descriptors).
     pub fn encode(&self, out: &mut BytesMut) {
         out.put_slice(&self.header());
         if self.direction == Direction::Out {
             out.put_slice(&self.data);
         }
-        for packet in &self.iso_packets {
-            packet.put(out);
-        }
+        self.iso_trailer(out);
     }
 }
 

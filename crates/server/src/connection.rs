@@ -128,6 +128,15 @@ pub(crate) async fn serve_session(
             .await;
         }
         OpRequest::Transforms { .. } => warn!("transforms offered twice; closing"),
+        OpRequest::Resume { token, .. } => {
+            info!(?token, %client, "resume refused: no such session");
+            op::encode_resume_reply(Err(OpStatus::NODEV), &mut reply);
+            let _ = async {
+                stream.write_all(&reply).await?;
+                stream.flush().await
+            }
+            .await;
+        }
         OpRequest::DevState => {
             let devices = crate::control::state_entries(&registry, visible);
             let body = serde_json::to_vec(&serde_json::json!({ "devices": devices })).unwrap_or_default();
