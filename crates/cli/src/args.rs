@@ -92,6 +92,10 @@ pub(crate) struct ServeArgs {
     /// now and whenever one is plugged in. Repeatable.
     #[arg(long = "bind", value_name = "SELECTOR")]
     pub(crate) bind: Vec<String>,
+    /// Keep an import whose connection dropped this long for a usbwire client to resume it (URBs in
+    /// flight finish, their completions are held); 0 turns resume off [default: 30].
+    #[arg(long, value_name = "SECS")]
+    pub(crate) resume_grace: Option<u64>,
     #[command(flatten)]
     pub(crate) control: ControlArgs,
 }

@@ -5,6 +5,7 @@
 //! ```toml
 //! listen = "0.0.0.0:3240"
 //! control = "/run/usbwire/control.sock"
+//! resume_grace = 30  # seconds a dropped import waits for its client to resume; 0: off
 //!
 //! [[virtual]]
 //! kind = "disk"
@@ -223,6 +224,8 @@ pub(crate) struct FileConfig {
     /// Let a `client = "*"` rule admit any client key (`--allow-any-client`).
     #[serde(default)]
     pub(crate) allow_any_client: bool,
+    /// Seconds an import whose connection dropped waits for its client to resume (`--resume-grace`).
+    pub(crate) resume_grace: Option<u64>,
 }
 
 /// `[limits]`: what one connection may make the server hold. Unset fields keep

@@ -59,6 +59,10 @@ pub enum ClientError {
     NoTransforms { addr: String },
     #[error("server answered for bus id {got} instead of {wanted}")]
     WrongDevice { wanted: String, got: String },
+    /// A resume was refused: the server no longer holds the session (its grace
+    /// period ran out, or it restarted). Import the device again.
+    #[error("{addr} no longer holds the session (grace period over or server restarted); import the device again")]
+    ResumeRefused { addr: String },
 }
 
 /// Why a URB did not complete.

@@ -20,6 +20,7 @@
 pub mod describe;
 mod queue;
 pub mod reattach;
+pub mod relay;
 pub mod vhci;
 
 pub use queue::TransferQueue;
@@ -35,5 +36,7 @@ mod transfer;
 pub use connect::{resolve, Security, TlsClient};
 pub use connection::Connection;
 pub use error::{ClientError, TransferError};
-pub use op_exchange::{device_states, import, import_with, list_devices, RemoteDeviceState};
+pub use op_exchange::{
+    device_states, import, import_resumable, import_with, list_devices, resume_session, Imported, RemoteDeviceState,
+};
 pub use transfer::{is_ok, Transfer};

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest};
+use usbwire_proto::resume::{self, Token};
 use usbwire_proto::Limits;
 use usbwire_transport::transform::{Pipeline, Side, TransformedStream};
 use usbwire_transport::PeerStream;
@@ -131,21 +132,30 @@ pub async fn import(
     import_with(addr, busid, security, &[]).await
 }
 
-/// Offers stream transforms (usbwire servers only) and wraps the stream in
-/// those the server accepted. An empty offer sends nothing.
+/// Offers stream transforms (usbwire servers only), and resume if `resume`,
+/// and wraps the stream in the transforms the server accepted. Returns the
+/// session token when the server granted resume. An empty offer sends nothing.
 async fn negotiate(
     stream: PeerStream,
     offer: &[TransformSpec],
+    resume: bool,
     addr: SocketAddr,
     security: &Security,
-) -> Result<PeerStream, ClientError> {
-    if offer.is_empty() {
-        return Ok(stream);
+) -> Result<(PeerStream, Option<Token>), ClientError> {
+    if offer.is_empty() && !resume {
+        return Ok((stream, None));
+    }
+    let mut offer_text = TransformSpec::list_text(offer);
+    if resume {
+        if !offer_text.is_empty() {
+            offer_text.push(',');
+        }
+        offer_text.push_str(resume::OFFER);
     }
     let mut stream = stream;
     let exchange = async {
         let mut out = BytesMut::new();
-        OpRequest::Transforms { offer: TransformSpec::list_text(offer) }.encode(&mut out);
+        OpRequest::Transforms { offer: offer_text.clone() }.encode(&mut out);
         stream.write_all(&out).await?;
         stream.flush().await?;
         // Exactly the answer: the framed stream starts right after it.
@@ -169,11 +179,84 @@ async fn negotiate(
         .await
         .map_err(|_| ClientError::Timeout { addr: addr.to_string() })??;
     let specs = TransformSpec::parse_list(&accepted);
-    tracing::info!(offered = %TransformSpec::list_text(offer), accepted = %accepted, "stream transforms");
+    let token = if resume { Token::from_answer(&accepted) } else { None };
+    // The token is a secret: log what was agreed, not the answer itself.
+    tracing::info!(
+        offered = %offer_text,
+        accepted = %TransformSpec::list_text(&specs),
+        resume = token.is_some(),
+        "stream transforms"
+    );
     if specs.is_empty() {
-        return Ok(stream);
+        return Ok((stream, token));
     }
-    Ok(PeerStream::Transformed(Box::new(TransformedStream::new(stream, Pipeline::new(&specs, Side::Client)))))
+    let stream = PeerStream::Transformed(Box::new(TransformedStream::new(stream, Pipeline::new(&specs, Side::Client))));
+    Ok((stream, token))
+}
+
+/// An imported device's URB channel, and the token to resume it by when the
+/// server granted resume.
+pub struct Imported {
+    pub stream: PeerStream,
+    pub device: DeviceRecord,
+    pub resume: Option<Token>,
+}
+
+/// [`import_with`], offering resume too. A server that does not know our
+/// extensions (usbipd, usbipd-win) hangs up on the offer; then the device is
+/// imported again without it (when no transforms were asked for).
+pub async fn import_resumable(
+    addr: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+    transforms: &[TransformSpec],
+) -> Result<Imported, ClientError> {
+    match import_inner(addr, busid, security, transforms, true).await {
+        Err(ClientError::NoTransforms { .. }) if transforms.is_empty() => {
+            tracing::debug!(%addr, "server does not resume sessions; importing without");
+            import_inner(addr, busid, security, transforms, false).await
+        }
+        other => other,
+    }
+}
+
+/// Takes a resumable session over on a new connection: offers the same
+/// transforms, sends `OP_REQ_RESUME` with the token and the replies received,
+/// and returns the stream and the number of commands the server had received.
+pub async fn resume_session(
+    addr: SocketAddr,
+    security: &Security,
+    transforms: &[TransformSpec],
+    token: &Token,
+    replies_received: u64,
+) -> Result<(PeerStream, u64), ClientError> {
+    let stream = connect(addr, security).await?;
+    let (mut stream, _new_token) = negotiate(stream, transforms, true, addr, security).await?;
+    let exchange = async {
+        let mut out = BytesMut::new();
+        OpRequest::Resume { token: *token, replies_received }.encode(&mut out);
+        stream.write_all(&out).await?;
+        stream.flush().await?;
+        // Exactly the answer: URB traffic follows.
+        let mut header = [0u8; op::OP_HEADER_LEN];
+        stream.read_exact(&mut header).await?;
+        let mut buf = BytesMut::from(&header[..]);
+        if let Some(Err(_)) = op::decode_resume_reply(&mut buf)? {
+            return Err(ClientError::ResumeRefused { addr: addr.to_string() });
+        }
+        let mut count = [0u8; 8];
+        stream.read_exact(&mut count).await?;
+        buf.extend_from_slice(&count);
+        match op::decode_resume_reply(&mut buf)? {
+            Some(Ok(commands)) => Ok(commands),
+            _ => Err(ClientError::ResumeRefused { addr: addr.to_string() }),
+        }
+    };
+    let commands = tokio::time::timeout(OP_TIMEOUT, exchange)
+        .await
+        .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
+        .map_err(|e| closed_early(e, addr, security))?;
+    Ok((stream, commands))
 }
 
 /// [`import`] with stream transforms offered first (compression, jitter buffer).
@@ -183,8 +266,19 @@ pub async fn import_with(
     security: &Security,
     transforms: &[TransformSpec],
 ) -> Result<(PeerStream, DeviceRecord), ClientError> {
+    let imported = import_inner(addr, busid, security, transforms, false).await?;
+    Ok((imported.stream, imported.device))
+}
+
+async fn import_inner(
+    addr: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+    transforms: &[TransformSpec],
+    resume: bool,
+) -> Result<Imported, ClientError> {
     let stream = connect(addr, security).await?;
-    let mut stream = negotiate(stream, transforms, addr, security).await?;
+    let (mut stream, token) = negotiate(stream, transforms, resume, addr, security).await?;
     let exchange = async {
         let mut out = BytesMut::new();
         OpRequest::Import { busid: busid.clone() }.encode(&mut out);
@@ -218,5 +312,5 @@ pub async fn import_with(
         .await
         .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
         .map_err(|e| closed_early(e, addr, security))?;
-    Ok((stream, device))
+    Ok(Imported { stream, device, resume: token })
 }

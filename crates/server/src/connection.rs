@@ -20,6 +20,7 @@ use tokio::sync::watch;
 use tokio_rustls::rustls as rustls_config;
 use tracing::{debug, info, warn, Instrument};
 use usbwire_proto::op::{self, OpRequest, OpStatus};
+use usbwire_proto::resume::{self, Token};
 use usbwire_proto::{DecodeError, Limits};
 use usbwire_transport::access::ClientId;
 use usbwire_transport::transform::{Pipeline, Side, TransformSpec, TransformedStream};
@@ -27,6 +28,7 @@ use usbwire_transport::{PeerStream, TLS_HANDSHAKE_BYTE};
 
 use crate::admission::{Dropped, Ticket};
 use crate::registry::{Importer, PeerProbe, Registry};
+use crate::resumable::Handover;
 use crate::{urb_channel, PlainPolicy, ServerConfig};
 
 /// The other end of a session: its address, its place in the admission
@@ -77,12 +79,23 @@ pub(crate) async fn serve_session(
     let visible = |kind: &str, busid: &str| config.security.visible(&client, busid, kind);
     let mut buf = BytesMut::with_capacity(256);
     let Some(mut request) = next_request(&mut stream, &mut buf, &config, &peer.ticket).await else { return };
+    // Set when the client asked for resume and we granted it: names the session an import starts.
+    let mut resume_token = None;
     if let OpRequest::Transforms { offer } = &request {
         // Our extension: agree on transforms, then the real request comes framed.
         let specs = TransformSpec::parse_list(offer);
         let accepted = TransformSpec::list_text(&specs);
+        let mut answer = accepted.clone();
+        if resume::offered(offer) && !config.resume_grace.is_zero() {
+            let token = Token(rand::random());
+            if !answer.is_empty() {
+                answer.push(',');
+            }
+            answer.push_str(&token.answer_entry());
+            resume_token = Some(token);
+        }
         let mut reply = BytesMut::new();
-        op::encode_transforms_reply(&accepted, &mut reply);
+        op::encode_transforms_reply(&answer, &mut reply);
         if stream.write_all(&reply).await.is_err() || stream.flush().await.is_err() {
             return;
         }
@@ -90,7 +103,7 @@ pub(crate) async fn serve_session(
             warn!("client sent more before the transform answer; closing");
             return;
         }
-        info!(offered = %offer, accepted = %accepted, "stream transforms");
+        info!(offered = %offer, accepted = %accepted, resume = resume_token.is_some(), "stream transforms");
         if !specs.is_empty() {
             stream = PeerStream::Transformed(Box::new(
                 TransformedStream::new(stream, Pipeline::new(&specs, Side::Server))
@@ -128,14 +141,18 @@ pub(crate) async fn serve_session(
             .await;
         }
         OpRequest::Transforms { .. } => warn!("transforms offered twice; closing"),
-        OpRequest::Resume { token, .. } => {
-            info!(?token, %client, "resume refused: no such session");
-            op::encode_resume_reply(Err(OpStatus::NODEV), &mut reply);
-            let _ = async {
-                stream.write_all(&reply).await?;
-                stream.flush().await
+        OpRequest::Resume { token, replies_received } => {
+            // The parked session answers and carries on with this connection.
+            let arrival = Handover { stream, leftover: buf, replies_received, peer };
+            if let Err((refused, mut stream)) = registry.parked.hand_over(&token, &client, arrival) {
+                info!(?token, %client, reason = %refused, "resume refused");
+                op::encode_resume_reply(Err(OpStatus::NODEV), &mut reply);
+                let _ = async {
+                    stream.write_all(&reply).await?;
+                    stream.flush().await
+                }
+                .await;
             }
-            .await;
         }
         OpRequest::DevState => {
             let devices = crate::control::state_entries(&registry, visible);
@@ -175,7 +192,14 @@ pub(crate) async fn serve_session(
                         tracing::info_span!("urb", %busid, devid = format_args!("{:#x}", lease.record().devid()));
                     span.in_scope(|| info!("imported"));
                     let mut withdrawn = lease.withdrawn();
-                    let channel = urb_channel::run(stream, buf, &mut lease, &config, stop).instrument(span.clone());
+                    let resumable = resume_token.map(|token| urb_channel::Resumable {
+                        token,
+                        client: client.clone(),
+                        parked: registry.parked.clone(),
+                        grace: config.resume_grace,
+                    });
+                    let channel =
+                        urb_channel::run(stream, buf, &mut lease, &config, stop, resumable).instrument(span.clone());
                     let outcome = tokio::select! {
                         outcome = channel => outcome,
                         _ = withdrawn.wait_for(|withdrawn| *withdrawn) => Ok(urb_channel::End::Withdrawn),

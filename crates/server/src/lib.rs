@@ -17,6 +17,7 @@ mod control;
 mod host_exports;
 pub mod private_dir;
 mod registry;
+mod resumable;
 mod urb_channel;
 
 use std::net::SocketAddr;
@@ -61,6 +62,9 @@ pub struct ServerConfig {
     pub security: Security,
     /// Real devices to export (by bus id, VID:PID, serial or class), now and on hotplug.
     pub host_rules: Vec<Selector>,
+    /// How long an import whose connection dropped is kept for a usbwire
+    /// client to resume it (default 30 s); zero turns resume off.
+    pub resume_grace: Duration,
 }
 
 /// Whether plain (unencrypted, unauthenticated) USB/IP connections are accepted.
@@ -119,6 +123,9 @@ impl Default for Security {
     }
 }
 
+/// How long a dropped import waits for its client by default.
+pub const DEFAULT_RESUME_GRACE: Duration = Duration::from_secs(30);
+
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
@@ -130,6 +137,7 @@ impl Default for ServerConfig {
             admission: AdmissionLimits::default(),
             security: Security::default(),
             host_rules: Vec::new(),
+            resume_grace: DEFAULT_RESUME_GRACE,
         }
     }
 }

@@ -137,6 +137,8 @@ impl ImportError {
 #[derive(Clone, Default)]
 pub struct Registry {
     exports: Arc<Mutex<Vec<Arc<Export>>>>,
+    /// Imports whose connection dropped, waiting for their client to resume.
+    pub(crate) parked: crate::resumable::Parked,
 }
 
 impl Registry {

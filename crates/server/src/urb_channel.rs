@@ -8,21 +8,34 @@
 //! and writes replies with vectored writes — so a long-pending interrupt IN
 //! never holds up ep0 or a bulk stream, and nothing is shared with other
 //! connections.
+//!
+//! A resumable session outlives its connection: when the link drops, the
+//! device keeps running, its completions are held, and the session parks
+//! ([`crate::resumable`]) for the grace period. A client that comes back
+//! with the session's token gets `OP_REP_RESUME` and the replies it missed,
+//! and the loop goes on with the new connection.
 
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use tokio::io::AsyncWrite;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 use tokio_util::io::poll_read_buf;
+use tracing::{info, warn};
 use usbwire_device::{Device, TransferType, Urb};
+use usbwire_proto::op::{self, OpStatus};
+use usbwire_proto::resume::Token;
 use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
 use usbwire_proto::Outbox;
+use usbwire_transport::access::ClientId;
 use usbwire_transport::PeerStream;
 
+use crate::connection::Peer;
 use crate::registry::Lease;
+use crate::resumable::{Handover, Parked, Parking};
 use crate::ServerConfig;
 
 /// iovecs per write call.
@@ -48,33 +61,173 @@ pub(crate) enum ChannelError {
     Io(#[from] io::Error),
 }
 
+/// What a resumable import needs to park when its connection drops.
+pub(crate) struct Resumable {
+    pub(crate) token: Token,
+    pub(crate) client: ClientId,
+    pub(crate) parked: Parked,
+    pub(crate) grace: Duration,
+}
+
 pub(crate) async fn run(
     stream: PeerStream,
     leftover: BytesMut,
     lease: &mut Lease,
     config: &ServerConfig,
     mut stop: watch::Receiver<bool>,
+    resumable: Option<Resumable>,
 ) -> Result<End, ChannelError> {
-    let mut channel = Channel {
-        stream,
-        unflushed: false,
-        session: ServerSession::new(lease.record().devid(), leftover, config.limits.clone(), config.budget.clone()),
-    };
+    let mut session =
+        ServerSession::new(lease.record().devid(), leftover, config.limits.clone(), config.budget.clone());
+    if resumable.is_some() {
+        session = session.resumable();
+    }
+    // Registered for the session's whole life: a client may come back on a new
+    // connection before this side has seen the old one drop.
+    let mut parking =
+        resumable.as_ref().map(|resumable| resumable.parked.park(resumable.token, resumable.client.clone()));
     let device = lease.device();
-    tokio::select! {
-        result = std::future::poll_fn(|cx| channel.poll_drive(cx, device)) => result,
-        () = crate::stopped(&mut stop) => Ok(End::Shutdown),
+    let mut stream = stream;
+    // A resumed connection's admission place lives as long as it carries the session.
+    let mut _resumed_peer: Option<Peer> = None;
+    loop {
+        let mut channel = Channel { stream, unflushed: false, session: &mut session };
+        let mut early_arrival = None;
+        let outcome = tokio::select! {
+            result = std::future::poll_fn(|cx| channel.poll_drive(cx, device)) => result,
+            () = crate::stopped(&mut stop) => return Ok(End::Shutdown),
+            arrival = next_arrival(&mut parking) => {
+                info!(peer = %arrival.peer.addr, "client came back on a new connection; dropping the old one");
+                early_arrival = Some(arrival);
+                Ok(End::ClientClosed)
+            }
+        };
+        let (Some(resumable), Some(parking)) = (&resumable, &mut parking) else { return outcome };
+        match outcome {
+            Ok(End::ClientClosed) => info!("connection lost"),
+            Err(ChannelError::Io(error)) => info!(%error, "connection lost"),
+            other => return other,
+        }
+        session.disconnected();
+        match park(&mut session, device, resumable, parking, early_arrival, &mut stop).await {
+            ParkOutcome::Resumed(new_stream, peer) => {
+                stream = new_stream;
+                _resumed_peer = Some(peer);
+            }
+            ParkOutcome::Ended(end) => return Ok(end),
+        }
     }
 }
 
-struct Channel {
+enum ParkOutcome {
+    /// The new connection, and its place in the admission budgets.
+    Resumed(PeerStream, Peer),
+    Ended(End),
+}
+
+/// The next connection handed over to a resumable session (never, for others).
+async fn next_arrival(parking: &mut Option<Parking>) -> Handover {
+    match parking {
+        Some(parking) => match parking.arrival().await {
+            Some(arrival) => arrival,
+            None => std::future::pending().await,
+        },
+        None => std::future::pending().await,
+    }
+}
+
+/// Holds a session whose connection dropped: the device runs on and its
+/// completions are held, until the client resumes or the grace period ends.
+async fn park(
+    session: &mut ServerSession,
+    device: &mut dyn Device,
+    resumable: &Resumable,
+    parking: &mut Parking,
+    mut arrival: Option<Handover>,
+    stop: &mut watch::Receiver<bool>,
+) -> ParkOutcome {
+    let lost = Instant::now();
+    if arrival.is_none() {
+        info!(grace_secs = resumable.grace.as_secs(), "holding the session for the client to resume");
+    }
+    let deadline = tokio::time::sleep(resumable.grace);
+    tokio::pin!(deadline);
+    loop {
+        let mut handover = match arrival.take() {
+            Some(handover) => handover,
+            None => tokio::select! {
+                handover = parking.arrival() => match handover {
+                    Some(handover) => handover,
+                    None => return ParkOutcome::Ended(End::ClientClosed),
+                },
+                () = &mut deadline => {
+                    info!(grace_secs = resumable.grace.as_secs(), "not resumed within the grace period; releasing the device");
+                    return ParkOutcome::Ended(End::ClientClosed);
+                }
+                () = std::future::poll_fn(|cx| hold_completions(cx, session, device)) => {
+                    info!("device unplugged while the client was away");
+                    return ParkOutcome::Ended(End::DeviceGone);
+                }
+                () = crate::stopped(stop) => return ParkOutcome::Ended(End::Shutdown),
+            },
+        };
+        let held = session.replies().map_or(0, |(_, held)| held);
+        let mut reply = BytesMut::new();
+        let resumed = session.resume(handover.replies_received, std::mem::take(&mut handover.leftover));
+        op::encode_resume_reply(resumed.as_ref().copied().map_err(|_| OpStatus::NA), &mut reply);
+        let delivered = async {
+            handover.stream.write_all(&reply).await?;
+            handover.stream.flush().await
+        }
+        .await;
+        match (resumed, delivered) {
+            (Ok(commands), Ok(())) => {
+                let replayed = session.replies().map_or(0, |(_, held)| held);
+                info!(
+                    peer = %handover.peer.addr,
+                    outage_ms = lost.elapsed().as_millis() as u64,
+                    replies_replayed = replayed,
+                    replies_held = held,
+                    commands_received = commands,
+                    "resumed"
+                );
+                return ParkOutcome::Resumed(handover.stream, handover.peer);
+            }
+            (Err(error), _) => {
+                warn!(%error, "resume refused: the client's count does not match this session; releasing");
+                return ParkOutcome::Ended(End::ClientClosed);
+            }
+            (Ok(_), Err(error)) => {
+                info!(%error, "resumed connection lost before the answer; still holding");
+                session.disconnected();
+            }
+        }
+    }
+}
+
+/// Collects completions while the client is away (within the budget).
+/// Ready only when the device is gone and nothing is in flight.
+fn hold_completions(cx: &mut Context<'_>, session: &mut ServerSession, device: &mut dyn Device) -> Poll<()> {
+    while session.wants_completions() {
+        match device.poll_complete(cx) {
+            Poll::Ready(done) => session.complete(done.into_ret_submit()),
+            Poll::Pending => break,
+        }
+    }
+    if device.is_gone() && session.is_idle() {
+        return Poll::Ready(());
+    }
+    Poll::Pending
+}
+
+struct Channel<'a> {
     stream: PeerStream,
     /// Written since the last flush (TLS buffers records until flushed).
     unflushed: bool,
-    session: ServerSession,
+    session: &'a mut ServerSession,
 }
 
-impl Channel {
+impl Channel<'_> {
     fn poll_drive(&mut self, cx: &mut Context<'_>, device: &mut dyn Device) -> Poll<Result<End, ChannelError>> {
         loop {
             let mut progressed = false;

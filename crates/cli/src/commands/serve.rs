@@ -49,6 +49,9 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     config.security = security(&args, &file)?;
     file.limits.apply(&mut config.limits, &mut config.budget).map_err(Failure::config)?;
     config.admission = file.admission.limits().map_err(Failure::config)?;
+    if let Some(secs) = args.resume_grace.or(file.resume_grace) {
+        config.resume_grace = std::time::Duration::from_secs(secs);
+    }
     let shutdown = super::shutdown_signal();
     let (server, exported) = build(config, &specs, DiskLinks::Follow)?;
     let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
