@@ -25,9 +25,12 @@ check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FA
 wait_path() { i=0; while [ $i -lt 100 ]; do [ -e "$1" ] && return 0; sleep 0.2; i=$((i+1)); done; return 1; }
 usbip --tcp-port __PORT__ list -r 10.0.2.2 > /tmp/plain.out 2>&1
 [ $? != 0 ] && ! grep -q 2-1 /tmp/plain.out; check plain-usbip-refused $? "$(cat /tmp/plain.out)"
-usbwire attach --tls --compress zstd --identity /etc/usbwire -r 10.0.2.2:__PORT__ -b 2-1 > /tmp/relay.out 2>&1 &
-RELAY=$!
+usbwire attach --tls --compress zstd --identity /etc/usbwire -r 10.0.2.2:__PORT__ -b 2-1 > /tmp/relay.out 2>&1
+check attach-returns $? "$(cat /tmp/relay.out)"
 wait_path /sys/block/sda; check tls-disk-appears $? "$(cat /tmp/relay.out)"
+# attach returned; the relay runs on in the background, and `usbwire port` names it.
+RELAY=$(usbwire port --json | sed -n 's/.*"relay":{[^}]*"pid":\([0-9]*\).*/\1/p' | head -n1)
+[ -n "$RELAY" ] && kill -0 "$RELAY"; check relay-runs-in-background $? "$(usbwire port --json)"
 sleep 1
 mke2fs -q /dev/sda && mount -t ext2 /dev/sda /mnt && echo through-the-tls-relay > /mnt/secret.txt && sync && [ "$(cat /mnt/secret.txt)" = through-the-tls-relay ] && umount /mnt
 check tls-disk-used $?
@@ -70,7 +73,7 @@ def main():
         files[os.path.join(client_dir, name)] = f"/etc/usbwire/{name}"
     g = guest.Guest("secure", SCRIPT.replace("__PORT__", str(port)), files=files, timeout=300)
     try:
-        for name in ["plain-usbip-refused", "tls-disk-appears", "tls-disk-used", "detach", "relay-ends-with-detach"]:
+        for name in ["plain-usbip-refused", "attach-returns", "tls-disk-appears", "relay-runs-in-background", "tls-disk-used", "detach", "relay-ends-with-detach"]:
             line = g.wait_for(f"@@CHECK {name} ", 150)
             check(f"guest: {name}", " PASS" in line, line)
         line = g.wait_for("@@RELAY-OUT", 30)

@@ -226,6 +226,14 @@ pub(crate) struct AttachArgs {
     /// Re-time the device's completions to their original spacing, holding them up to MS (usbwire servers).
     #[arg(long, value_name = "MS")]
     pub(crate) jitter_buffer: Option<u64>,
+    /// Do not ask a usbwire server to keep the session through a dropped connection: the kernel then
+    /// gets the socket itself (plain USB/IP) and sees a disconnect when the link drops.
+    #[arg(long)]
+    pub(crate) no_resume: bool,
+    /// Keep the relay (resume, TLS, transforms) in this process instead of in the background, for
+    /// service managers; it ends when the port is detached.
+    #[arg(long)]
+    pub(crate) foreground: bool,
 }
 
 #[derive(Args, Debug)]

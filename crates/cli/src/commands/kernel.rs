@@ -1,5 +1,12 @@
 //! `usbwire attach / port / detach`: the kernel's vhci-hcd as the client,
 //! with our OP phase in front (works with usbipd and usbipd-win servers too).
+//!
+//! A plain import without resume hands the TCP socket to the kernel, as
+//! `usbip attach` does. Otherwise (a usbwire server that resumes sessions,
+//! TLS, transforms) the kernel gets one end of a socket pair and a relay
+//! ([`usbwire_client::relay`]) carries the URB channel; `attach` then starts
+//! itself again in the background and returns once the device is attached,
+//! and `port` shows each relay's state from `/var/run/vhci_hcd/usbwire-portN.json`.
 
 use anyhow::anyhow;
 use serde_json::json;
@@ -23,23 +30,234 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
         .ok_or_else(|| Failure::usage(anyhow!("invalid bus id {:?}", args.device.busid)))?;
     // Check vhci before asking the server, so a missing module costs nothing remote.
     vhci::ports().map_err(vhci_failure)?;
-    let addr = super::list::resolve(&args.device.remote, args.device.tcp_port).await?;
     let transforms = super::bench::transforms(args.compress.as_deref(), args.jitter_buffer);
-    if args.device.security.tls || !transforms.is_empty() {
-        return attach_through_relay(&args, busid, &transforms).await;
+    let may_relay = !args.no_resume || args.device.security.tls || !transforms.is_empty();
+    if may_relay && !args.foreground && std::env::var_os(RELAY_LOG_ENV).is_none() {
+        return attach_in_background();
     }
-    let (stream, device) = usbwire_client::import(addr, &busid, &usbwire_client::Security::Plain).await?;
-    let usbwire_transport::PeerStream::Plain(tcp) = stream else {
-        return Err(Failure::software(anyhow!("a plain import returned a TLS stream")));
+    let addr = super::list::resolve(&args.device.remote, args.device.tcp_port).await?;
+    let security = super::client_security(&args.device.security)?;
+    let imported = if args.no_resume {
+        let (stream, device) = usbwire_client::import_with(addr, &busid, &security, &transforms).await?;
+        usbwire_client::Imported { stream, device, resume: None }
+    } else {
+        usbwire_client::import_resumable(addr, &busid, &security, &transforms).await?
     };
-    let socket = tcp.into_std().map_err(|e| Failure::io(e.into()))?;
     let record =
         vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: busid.to_string() };
-    let port = vhci::attach(&socket, device.devid(), device.speed, &record).map_err(vhci_failure)?;
-    // The kernel holds its own reference to the socket now.
-    drop(socket);
-    println!("attached {busid} from {addr} to port {port} ({} speed)", device.speed.for_vhci().name());
-    Ok(())
+    let needs_relay = imported.resume.is_some() || imported.stream.is_tls() || !transforms.is_empty();
+    if !needs_relay {
+        // Plain USB/IP without resume: the kernel takes the socket itself.
+        let usbwire_transport::PeerStream::Plain(tcp) = imported.stream else {
+            return Err(Failure::software(anyhow!("a plain import returned a TLS stream")));
+        };
+        let socket = tcp.into_std().map_err(|e| Failure::io(e.into()))?;
+        let port =
+            vhci::attach(&socket, imported.device.devid(), imported.device.speed, &record).map_err(vhci_failure)?;
+        // The kernel holds its own reference to the socket now.
+        drop(socket);
+        println!("attached {busid} from {addr} to port {port} ({} speed)", imported.device.speed.for_vhci().name());
+        return Ok(());
+    }
+    let upstream = usbwire_client::relay::Upstream {
+        addr,
+        security,
+        transforms: transforms.clone(),
+        resume: imported.resume,
+        give_up_after: RESUME_GIVE_UP,
+    };
+    relay_attached(imported, upstream, record).await
+}
+
+/// Environment variable naming the relay log: set by `attach` for the
+/// background process it starts, which detaches its output there once the
+/// device is attached.
+const RELAY_LOG_ENV: &str = "USBWIRE_RELAY_LOG";
+/// How long a relay keeps trying to resume before it lets the port go.
+const RESUME_GIVE_UP: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// `attach` without `--foreground`: the same command runs again as a
+/// background process (its own session, so the terminal's signals do not
+/// reach it) and reports back on a pipe; once it says the device is attached
+/// this returns, and the relay runs on until the port is detached.
+fn attach_in_background() -> Result<(), Failure> {
+    use std::io::Read as _;
+    use std::os::unix::process::CommandExt as _;
+    let exe = std::env::current_exe().map_err(|e| Failure::software(e.into()))?;
+    let log_path = std::path::Path::new(vhci::RECORD_DIR).join("usbwire-relay.log");
+    let mut command = std::process::Command::new(exe);
+    command
+        .args(std::env::args_os().skip(1))
+        .env(RELAY_LOG_ENV, &log_path)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    // SAFETY: setsid is async-signal-safe and touches no memory of ours.
+    unsafe {
+        command.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().map_err(|e| Failure::software(anyhow!("cannot start the relay process: {e}")))?;
+    // The child closes its end of both pipes once attached (or exits).
+    let errors = child.stderr.take().map(|mut err| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = err.read_to_string(&mut text);
+            text
+        })
+    });
+    let mut said = String::new();
+    let _ = child.stdout.take().map(|mut out| out.read_to_string(&mut said));
+    if let Some(errors) = errors {
+        eprint!("{}", errors.join().unwrap_or_default());
+    }
+    if said.contains("attached ") {
+        print!("{said}");
+        return Ok(());
+    }
+    let status = child.wait().map_err(|e| Failure::software(e.into()))?;
+    std::process::exit(status.code().unwrap_or(70));
+}
+
+/// Hands vhci-hcd one end of a socket pair and relays between the other end
+/// and the server (TLS, transforms, resume). With `--foreground` the relay is
+/// this process; started by [`attach_in_background`], it points its output
+/// at the relay log once attached. `usbwire detach` (or the device going
+/// away) ends it; SIGINT/SIGTERM detach the port first.
+async fn relay_attached(
+    imported: usbwire_client::Imported,
+    upstream: usbwire_client::relay::Upstream,
+    record: vhci::Record,
+) -> Result<(), Failure> {
+    let shutdown = super::shutdown_signal();
+    let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair().map_err(|e| Failure::io(e.into()))?;
+    let device = &imported.device;
+    let port = vhci::attach(&kernel_end, device.devid(), device.speed, &record).map_err(vhci_failure)?;
+    drop(kernel_end);
+    our_end.set_nonblocking(true).map_err(|e| Failure::io(e.into()))?;
+    let kernel = tokio::net::UnixStream::from_std(our_end).map_err(|e| Failure::io(e.into()))?;
+    println!(
+        "attached {} from {} to port {port} ({} speed){}{}{}; relaying until `usbwire detach -p {port}`",
+        record.busid,
+        upstream.addr,
+        device.speed.for_vhci().name(),
+        if imported.stream.is_tls() { " over TLS" } else { "" },
+        if upstream.transforms.is_empty() {
+            String::new()
+        } else {
+            format!(" with {}", usbwire_client::TransformSpec::list_text(&upstream.transforms))
+        },
+        if upstream.resume.is_some() { ", resumable" } else { "" },
+    );
+    let status = RelayStatusFile::create(port, &upstream);
+    if let Some(log) = std::env::var_os(RELAY_LOG_ENV) {
+        detach_output(std::path::Path::new(&log));
+    }
+    let (state_tx, mut states) = tokio::sync::watch::channel(usbwire_client::relay::RelayState::Connected);
+    let reporting = async {
+        while states.changed().await.is_ok() {
+            let state = *states.borrow_and_update();
+            status.write(state);
+        }
+        std::future::pending::<()>().await
+    };
+    let devid = device.devid();
+    let relay = usbwire_client::relay::run(kernel, imported.stream, devid, upstream, Some(state_tx));
+    let outcome = tokio::select! {
+        result = relay => Some(result),
+        () = reporting => None,
+        () = shutdown => None,
+    };
+    drop(status);
+    let _ = std::fs::remove_file(vhci::record_path(port));
+    match outcome {
+        Some(Ok(())) => {
+            tracing::info!(port, "port detached; relay stopped");
+            Ok(())
+        }
+        Some(Err(error)) => {
+            let _ = vhci::detach(port);
+            tracing::error!(port, %error, "relay ended; port detached");
+            Err(Failure::unavailable(anyhow!("relay for port {port} ended: {error}")))
+        }
+        None => {
+            let _ = vhci::detach(port);
+            tracing::info!(port, "port detached on signal");
+            Ok(())
+        }
+    }
+}
+
+/// Points stdout and stderr at the relay log (the `attach` that started us
+/// has read what it needed and stopped listening).
+fn detach_output(log: &std::path::Path) {
+    use std::io::Write as _;
+    use std::os::fd::AsRawFd as _;
+    let _ = std::io::stdout().flush();
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .or_else(|_| std::fs::OpenOptions::new().write(true).open("/dev/null"));
+    if let Ok(file) = file {
+        // SAFETY: dup2 on descriptors we own; stdout and stderr stay valid descriptors throughout.
+        unsafe {
+            libc::dup2(file.as_raw_fd(), 1);
+            libc::dup2(file.as_raw_fd(), 2);
+        }
+    }
+}
+
+/// `/var/run/vhci_hcd/usbwire-portN.json`: the relay behind a port and what
+/// it is doing, for `usbwire port`. Removed when the relay ends.
+struct RelayStatusFile {
+    path: std::path::PathBuf,
+    server: String,
+}
+
+impl RelayStatusFile {
+    fn create(port: u32, upstream: &usbwire_client::relay::Upstream) -> Self {
+        let file = Self { path: relay_status_path(port), server: upstream.addr.to_string() };
+        file.write(usbwire_client::relay::RelayState::Connected);
+        file
+    }
+
+    fn write(&self, state: usbwire_client::relay::RelayState) {
+        let (name, since) = match state {
+            usbwire_client::relay::RelayState::Connected => ("connected", None),
+            usbwire_client::relay::RelayState::Resuming { since } => {
+                let ago = since.elapsed();
+                let at = std::time::SystemTime::now() - ago;
+                ("resuming", at.duration_since(std::time::UNIX_EPOCH).ok().map(|d| d.as_secs()))
+            }
+        };
+        let body = json!({ "pid": std::process::id(), "server": self.server, "state": name, "resuming_since": since });
+        let temporary = self.path.with_extension("tmp");
+        if std::fs::write(&temporary, body.to_string()).is_ok() {
+            let _ = std::fs::rename(&temporary, &self.path);
+        }
+    }
+}
+
+impl Drop for RelayStatusFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn relay_status_path(port: u32) -> std::path::PathBuf {
+    std::path::Path::new(vhci::RECORD_DIR).join(format!("usbwire-port{port}.json"))
+}
+
+/// The relay status of a port, if a live relay serves it.
+fn relay_status(port: u32) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(relay_status_path(port)).ok()?;
+    let status: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let pid = status.get("pid")?.as_u64()?;
+    // A relay that died without cleaning up left a stale file.
+    std::path::Path::new(&format!("/proc/{pid}")).exists().then_some(status)
 }
 
 pub(crate) fn port(args: PortArgs) -> Result<(), Failure> {
@@ -60,6 +278,7 @@ pub(crate) fn port(args: PortArgs) -> Result<(), Failure> {
                     "remote_host": record.as_ref().map(|r| r.host.clone()),
                     "remote_port": record.as_ref().map(|r| r.service.clone()),
                     "remote_busid": record.as_ref().map(|r| r.busid.clone()),
+                    "relay": relay_status(p.port),
                 })
             })
             .collect();
@@ -79,6 +298,11 @@ pub(crate) fn port(args: PortArgs) -> Result<(), Failure> {
             None => println!("       -> (no record of the remote device)"),
         }
         println!("       local bus id {}", p.local_busid);
+        if let Some(relay) = relay_status(p.port) {
+            let state = relay.get("state").and_then(|s| s.as_str()).unwrap_or("unknown");
+            let pid = relay.get("pid").and_then(serde_json::Value::as_u64).unwrap_or(0);
+            println!("       relay (pid {pid}): {state}");
+        }
     }
     Ok(())
 }
@@ -87,91 +311,4 @@ pub(crate) fn detach(args: DetachArgs) -> Result<(), Failure> {
     vhci::detach(args.port).map_err(vhci_failure)?;
     println!("port {} detached", args.port);
     Ok(())
-}
-
-/// `attach --tls`: vhci-hcd speaks plain USB/IP on whatever socket it is
-/// given, so it gets one end of a Unix socket pair and this process relays
-/// between the other end and the TLS connection. The relay lives as long as
-/// the attachment: `usbwire detach` (or the device going away) ends both, and
-/// SIGINT/SIGTERM detach the port before exiting.
-async fn attach_through_relay(
-    args: &AttachArgs,
-    busid: BusId,
-    transforms: &[usbwire_client::TransformSpec],
-) -> Result<(), Failure> {
-    vhci::ports().map_err(vhci_failure)?;
-    let security = super::client_security(&args.device.security)?;
-    let addr = super::list::resolve(&args.device.remote, args.device.tcp_port).await?;
-    let shutdown = super::shutdown_signal();
-    let (stream, device) = usbwire_client::import_with(addr, &busid, &security, transforms).await?;
-    let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair().map_err(|e| Failure::io(e.into()))?;
-    let record =
-        vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: busid.to_string() };
-    let port = vhci::attach(&kernel_end, device.devid(), device.speed, &record).map_err(vhci_failure)?;
-    drop(kernel_end);
-    our_end.set_nonblocking(true).map_err(|e| Failure::io(e.into()))?;
-    let kernel = tokio::net::UnixStream::from_std(our_end).map_err(|e| Failure::io(e.into()))?;
-    println!(
-        "attached {busid} from {addr} to port {port} ({} speed){}{}; relaying until `usbwire detach -p {port}`",
-        device.speed.for_vhci().name(),
-        if stream.is_tls() { " over TLS" } else { "" },
-        if transforms.is_empty() {
-            String::new()
-        } else {
-            format!(" with {}", usbwire_client::TransformSpec::list_text(transforms))
-        }
-    );
-    tokio::select! {
-        result = relay(stream, kernel) => {
-            let _ = std::fs::remove_file(vhci::record_path(port));
-            match result {
-                Ok(()) => println!("port {port} detached; relay stopped"),
-                Err(error) => {
-                    let _ = vhci::detach(port);
-                    return Err(Failure::unavailable(anyhow!("relay for port {port} ended: {error}")));
-                }
-            }
-        }
-        () = shutdown => {
-            let _ = vhci::detach(port);
-            println!("port {port} detached on signal");
-        }
-    }
-    Ok(())
-}
-
-/// Copies both ways until either side closes, flushing TLS after every write.
-pub(crate) async fn relay(
-    remote: usbwire_transport::PeerStream,
-    kernel: tokio::net::UnixStream,
-) -> std::io::Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (mut remote_read, mut remote_write) = tokio::io::split(remote);
-    let (mut kernel_read, mut kernel_write) = kernel.into_split();
-    let upstream = async {
-        let mut buf = vec![0u8; 256 * 1024];
-        loop {
-            let n = kernel_read.read(&mut buf).await?;
-            if n == 0 {
-                return Ok::<(), std::io::Error>(());
-            }
-            remote_write.write_all(&buf[..n]).await?;
-            remote_write.flush().await?;
-        }
-    };
-    let downstream = async {
-        let mut buf = vec![0u8; 256 * 1024];
-        loop {
-            let n = remote_read.read(&mut buf).await?;
-            if n == 0 {
-                return Ok::<(), std::io::Error>(());
-            }
-            kernel_write.write_all(&buf[..n]).await?;
-        }
-    };
-    // Whichever side ends first ends the attachment.
-    tokio::select! {
-        result = upstream => result,
-        result = downstream => result,
-    }
 }

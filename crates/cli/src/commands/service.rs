@@ -166,8 +166,9 @@ struct Attachment {
     port: u32,
     devid: u32,
     busid: String,
-    /// Over TLS the service relays between the kernel's socket and the server.
-    relay: Option<JoinHandle<std::io::Result<()>>>,
+    /// Over TLS, or when the server resumes sessions, the service relays
+    /// between the kernel's socket and the server (the same relay as `attach`).
+    relay: Option<JoinHandle<Result<(), usbwire_client::relay::RelayError>>>,
 }
 
 impl Attachment {
@@ -239,23 +240,31 @@ async fn attach_from(addr: SocketAddr, rule: &AttachRule, security: &Security) -
         .iter()
         .find(|d| rule.selectors().any(|s| matches_remote(s, d, serial_of(d.busid.as_str()))))
         .ok_or_else(|| anyhow!("no available device on {addr} matches {rule}"))?;
-    let (stream, record) = usbwire_client::import(addr, &device.busid, security).await?;
+    let imported = usbwire_client::import_resumable(addr, &device.busid, security, &[]).await?;
+    let record = imported.device.clone();
     let vhci_record =
         vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: device.busid.to_string() };
     let busid = device.busid.to_string();
-    match stream {
-        usbwire_transport::PeerStream::Plain(tcp) => {
+    match imported.stream {
+        usbwire_transport::PeerStream::Plain(tcp) if imported.resume.is_none() => {
             let socket = tcp.into_std()?;
             let port = vhci::attach(&socket, record.devid(), record.speed, &vhci_record)?;
             Ok(Attachment { port, devid: record.devid(), busid, relay: None })
         }
-        tls => {
+        stream => {
             let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair()?;
             let port = vhci::attach(&kernel_end, record.devid(), record.speed, &vhci_record)?;
             drop(kernel_end);
             our_end.set_nonblocking(true)?;
             let kernel = tokio::net::UnixStream::from_std(our_end)?;
-            let relay = tokio::spawn(super::kernel::relay(tls, kernel));
+            let upstream = usbwire_client::relay::Upstream {
+                addr,
+                security: security.clone(),
+                transforms: vec![],
+                resume: imported.resume,
+                give_up_after: Duration::from_secs(120),
+            };
+            let relay = tokio::spawn(usbwire_client::relay::run(kernel, stream, record.devid(), upstream, None));
             Ok(Attachment { port, devid: record.devid(), busid, relay: Some(relay) })
         }
     }
