@@ -318,10 +318,17 @@ impl Registry {
                         return Ok(Lease { export, device: Some(device), registry: self.clone() });
                     }
                     Slot::Withdrawn => return Err(ImportError::NoDevice),
-                    Slot::InUse { client, probe, .. } if !probe.peer_gone() => {
+                    // The same host asking again for what it holds is, in practice, a
+                    // detach and attach: vhci-hcd closes the old socket some time after
+                    // `usbip detach` returns (0.1-1 s), so wait (bounded) for it to go.
+                    // Another host is refused at once.
+                    Slot::InUse { client, probe, .. }
+                        if !probe.peer_gone() && (client.ip() != importer.client.ip() || last_look) =>
+                    {
                         return Err(ImportError::InUse { holder: *client })
                     }
-                    // The holder has hung up (its task will notice) or is resetting the device.
+                    // The holder has hung up (its task will notice), is on the same host
+                    // (see above), or is resetting the device.
                     Slot::InUse { .. } | Slot::Releasing => {}
                 }
             }

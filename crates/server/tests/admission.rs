@@ -217,3 +217,36 @@ async fn two_thousand_import_and_cut_cycles_are_never_refused() {
         &refused[..refused.len().min(5)]
     );
 }
+
+/// vhci-hcd closes the old socket some time after `usbip detach` returns (up
+/// to a second on a slow guest), and `usbip attach` right after it must still
+/// succeed: an import from the holder's own host waits for the holder to go.
+/// From another host, the same import is refused at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_from_the_holders_host_waits_for_its_late_close() {
+    let addr = serve(ServerSecurity::default()).await;
+    let (stream, _) = usbwire_client::import(addr, &busid("1-1"), &Security::Plain).await.unwrap();
+    let closer = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        drop(stream);
+    });
+    let started = Instant::now();
+    let again = usbwire_client::import(addr, &busid("1-1"), &Security::Plain).await;
+    assert!(again.is_ok(), "refused although the holder closed after 800 ms: {:?}", again.as_ref().err());
+    assert!(started.elapsed() >= Duration::from_millis(700), "it waited for the close");
+    closer.await.unwrap();
+
+    // Held from 127.0.0.1, asked from 127.0.0.2: busy at once.
+    let (_held, _) = again.unwrap();
+    let from_elsewhere = TcpSocket::new_v4().unwrap();
+    from_elsewhere.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let mut tcp = from_elsewhere.connect(addr).await.unwrap();
+    let started = Instant::now();
+    let mut request = bytes::BytesMut::new();
+    usbwire_proto::op::OpRequest::Import { busid: busid("1-1") }.encode(&mut request);
+    tokio::io::AsyncWriteExt::write_all(&mut tcp, &request).await.unwrap();
+    let mut reply = [0u8; 8];
+    tcp.read_exact(&mut reply).await.unwrap();
+    assert_eq!(u32::from_be_bytes(reply[4..8].try_into().unwrap()), usbwire_proto::op::OpStatus::DEV_BUSY.0);
+    assert!(started.elapsed() < Duration::from_secs(1), "another host is told at once");
+}
