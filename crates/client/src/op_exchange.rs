@@ -39,35 +39,8 @@ pub async fn list_devices(addr: SocketAddr, security: &Security) -> Result<Vec<D
     result.map_err(|e| closed_early(e, addr, security))
 }
 
-/// One device as a usbwire server reports it through `OP_REQ_DEVSTATE`:
-/// in use or not, by whom, since when, with its strings.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
-pub struct RemoteDeviceState {
-    pub busid: String,
-    #[serde(default)]
-    pub kind: String,
-    pub vendor_id: String,
-    pub product_id: String,
-    #[serde(default)]
-    pub product: String,
-    #[serde(default)]
-    pub manufacturer: String,
-    #[serde(default)]
-    pub serial: String,
-    #[serde(default)]
-    pub speed: String,
-    /// `available` or `in_use`.
-    pub state: String,
-    /// The importer's address, when in use.
-    #[serde(default)]
-    pub client: Option<String>,
-    /// The importer's certificate fingerprint, when it came over TLS.
-    #[serde(default)]
-    pub identity: Option<String>,
-    /// Seconds since the Unix epoch when it was imported.
-    #[serde(default)]
-    pub since: Option<u64>,
-}
+/// One device's state as a usbwire server reports it (`OP_REP_DEVSTATE`).
+pub type RemoteDeviceState = usbwire_transport::devstate::DeviceStateEntry;
 
 /// Asks a usbwire server for the state of every device this client may see,
 /// in use or not (`OP_REQ_DEVSTATE`, our extension). `Ok(None)`: the server

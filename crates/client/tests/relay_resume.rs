@@ -198,3 +198,32 @@ async fn without_resume_a_cut_ends_the_relay_with_what_to_do() {
     assert!(matches!(ended, Err(RelayError::SessionLost { .. })), "{ended:?}");
     drop(kernel_end);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_session_shows_as_resuming_then_is_released_after_the_grace_period() {
+    let (server, _stop) = start_server(Duration::from_secs(2)).await;
+    let busid = BusId::new("1-1").unwrap();
+    let imported = usbwire_client::import_resumable(server, &busid, &Security::Plain, &[]).await.unwrap();
+    assert!(imported.resume.is_some());
+    drop(imported.stream);
+    let state = |states: Vec<usbwire_client::RemoteDeviceState>| {
+        let s = states.into_iter().find(|s| s.busid == "1-1").unwrap();
+        (s.state, s.resuming_since.is_some())
+    };
+    let mut seen_resuming = false;
+    for _ in 0..20 {
+        let states = usbwire_client::device_states(server, &Security::Plain).await.unwrap().unwrap();
+        if state(states) == ("in_use".into(), true) {
+            seen_resuming = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(seen_resuming, "the server shows the device held for a resuming client");
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let states = usbwire_client::device_states(server, &Security::Plain).await.unwrap().unwrap();
+    assert_eq!(state(states), ("available".into(), false), "released after the grace period");
+    // The session is gone: resuming it now is refused with what to do.
+    let refused = usbwire_client::resume_session(server, &Security::Plain, &[], &imported.resume.unwrap(), 0).await;
+    assert!(matches!(refused, Err(usbwire_client::ClientError::ResumeRefused { .. })), "{:?}", refused.err());
+}

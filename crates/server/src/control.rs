@@ -60,31 +60,8 @@ pub struct ControlResponse {
     pub devices: Option<Vec<StateEntry>>,
 }
 
-/// One device in a `state` answer.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StateEntry {
-    pub busid: String,
-    pub kind: String,
-    pub vendor_id: String,
-    pub product_id: String,
-    pub product: String,
-    pub speed: String,
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub manufacturer: String,
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub serial: String,
-    /// `available` or `in_use`.
-    pub state: String,
-    /// The importer's address.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub client: Option<String>,
-    /// The importer's certificate fingerprint, over TLS.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub identity: Option<String>,
-    /// Seconds since the Unix epoch when the current client imported it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub since: Option<u64>,
-}
+/// One device in a `state` answer (the same document `OP_REP_DEVSTATE` carries).
+pub type StateEntry = usbwire_transport::devstate::DeviceStateEntry;
 
 impl ControlResponse {
     fn error(message: impl Into<String>) -> Self {
@@ -304,14 +281,12 @@ pub(crate) fn state_entries(registry: &Registry, visible: impl Fn(&str, &str) ->
         .into_iter()
         .filter(|e| visible(&e.kind, e.record.busid.as_str()))
         .map(|e| {
-            let (state, client, since, identity) = match e.state {
-                DeviceState::Available => ("available", None, None, None),
-                DeviceState::InUse { client, since, identity } => (
-                    "in_use",
-                    Some(client.to_string()),
-                    since.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs()),
-                    identity,
-                ),
+            let unix = |at: std::time::SystemTime| at.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs());
+            let (state, client, since, identity, resuming_since) = match e.state {
+                DeviceState::Available => ("available", None, None, None, None),
+                DeviceState::InUse { client, since, identity, resuming_since } => {
+                    ("in_use", Some(client.to_string()), unix(since), identity, resuming_since.and_then(unix))
+                }
             };
             StateEntry {
                 busid: e.record.busid.to_string(),
@@ -326,6 +301,7 @@ pub(crate) fn state_entries(registry: &Registry, visible: impl Fn(&str, &str) ->
                 client,
                 identity,
                 since,
+                resuming_since,
             }
         })
         .collect()

@@ -33,6 +33,8 @@ pub enum DeviceState {
         client: SocketAddr,
         since: SystemTime,
         identity: Option<String>,
+        /// The client's connection dropped then; its session waits for it to resume.
+        resuming_since: Option<SystemTime>,
     },
 }
 
@@ -64,6 +66,7 @@ enum Slot {
         since: SystemTime,
         identity: Option<String>,
         probe: PeerProbe,
+        resuming_since: Option<SystemTime>,
     },
     /// The holder's connection has ended; the device is being reset.
     Releasing,
@@ -263,9 +266,12 @@ impl Registry {
                 state: match &*lock(&e.slot) {
                     // A releasing device is free for the next import, which waits for its reset.
                     Slot::Available(_) | Slot::Releasing | Slot::Withdrawn => DeviceState::Available,
-                    Slot::InUse { client, since, identity, .. } => {
-                        DeviceState::InUse { client: *client, since: *since, identity: identity.clone() }
-                    }
+                    Slot::InUse { client, since, identity, resuming_since, .. } => DeviceState::InUse {
+                        client: *client,
+                        since: *since,
+                        identity: identity.clone(),
+                        resuming_since: *resuming_since,
+                    },
                 },
             })
             .collect()
@@ -311,7 +317,7 @@ impl Registry {
                         let Importer { client, identity, probe } = importer;
                         let taken = std::mem::replace(
                             &mut *slot,
-                            Slot::InUse { client, since: SystemTime::now(), identity, probe },
+                            Slot::InUse { client, since: SystemTime::now(), identity, probe, resuming_since: None },
                         );
                         drop(slot);
                         let Slot::Available(device) = taken else { unreachable!("matched Available above") };
@@ -342,6 +348,18 @@ impl Registry {
     }
 }
 
+/// What the server shows about a lease's holder.
+pub(crate) struct Holder(Arc<Export>);
+
+impl Holder {
+    /// The holder's connection dropped at `since` (`Some`), or it is back (`None`).
+    pub(crate) fn set_resuming(&self, since: Option<SystemTime>) {
+        if let Slot::InUse { resuming_since, .. } = &mut *lock(&self.0.slot) {
+            *resuming_since = since;
+        }
+    }
+}
+
 /// A device imported by one connection. Dropping it resets the device and
 /// lists it as available again — also when the connection task panics or is
 /// cancelled.
@@ -358,6 +376,11 @@ impl Lease {
 
     pub(crate) fn device(&mut self) -> &mut dyn Device {
         self.device.as_deref_mut().expect("the device is present until the lease drops")
+    }
+
+    /// A handle that marks the holder as away (resuming) or back, for `state`.
+    pub(crate) fn holder(&self) -> Holder {
+        Holder(self.export.clone())
     }
 
     /// Resolves when the export is withdrawn (unbind or unplug).

@@ -86,6 +86,7 @@ pub(crate) async fn run(
     // connection before this side has seen the old one drop.
     let mut parking =
         resumable.as_ref().map(|resumable| resumable.parked.park(resumable.token, resumable.client.clone()));
+    let holder = lease.holder();
     let device = lease.device();
     let mut stream = stream;
     // A resumed connection's admission place lives as long as it carries the session.
@@ -109,7 +110,10 @@ pub(crate) async fn run(
             other => return other,
         }
         session.disconnected();
-        match park(&mut session, device, resumable, parking, early_arrival, &mut stop).await {
+        holder.set_resuming(Some(std::time::SystemTime::now()));
+        let parked = park(&mut session, device, resumable, parking, early_arrival, &mut stop).await;
+        holder.set_resuming(None);
+        match parked {
             ParkOutcome::Resumed(new_stream, peer) => {
                 stream = new_stream;
                 _resumed_peer = Some(peer);

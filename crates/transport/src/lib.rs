@@ -12,12 +12,15 @@
 //!   device it may see and import.
 //! * [`PeerStream`]: one type for a plain or a TLS connection, so the server
 //!   and client code above it does not care which it has.
+//! * [`devstate`]: the device state document both ends exchange (one schema
+//!   for the server that writes it and the client that reads it).
 //!
 //! Not for the USB/IP protocol itself (that is `usbwire-proto`), nor for
 //! deciding policy (the server's configuration does).
 
 pub mod access;
 pub mod ca;
+pub mod devstate;
 pub mod identity;
 pub mod known_servers;
 mod stream;

@@ -80,9 +80,12 @@ fn format_in_use(states: &[usbwire_client::RemoteDeviceState]) -> String {
             (None, None) => "unknown".into(),
         };
         let since = s.since.map_or(String::new(), |t| format!(" for {}", elapsed(now.saturating_sub(t))));
+        let away = s.resuming_since.map_or(String::new(), |t| {
+            format!(", connection lost {} ago: waiting for it to resume", elapsed(now.saturating_sub(t)))
+        });
         let _ = writeln!(
             out,
-            "{:>11}: {} ({}:{}) in use by {who}{since}",
+            "{:>11}: {} ({}:{}) in use by {who}{since}{away}",
             escape(&s.busid),
             escape(&s.product),
             escape(&s.vendor_id),
@@ -372,6 +375,7 @@ mod tests {
             client: client.map(Into::into),
             identity: identity.map(Into::into),
             since,
+            resuming_since: None,
         }
     }
 
@@ -386,6 +390,18 @@ mod tests {
         };
         let line = found_server_line(&server, "192.0.2.1:3240");
         assert_eq!(line, r"lab\x1b]0;owned\x07 server\u{202e} at 192.0.2.1:3240 (impl=usbwire tls\r=off\x1b[2J)");
+    }
+
+    #[test]
+    fn a_holder_whose_connection_dropped_is_shown_resuming() {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        let mut held = state("2-1", "in_use", Some("10.0.0.9:4000"), None, Some(now - 300));
+        held.resuming_since = Some(now - 4);
+        let text = format_in_use(&[held]);
+        assert!(
+            text.contains("in use by 10.0.0.9:4000 for 5 min, connection lost 4 s ago: waiting for it to resume"),
+            "{text}"
+        );
     }
 
     #[test]
