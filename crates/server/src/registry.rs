@@ -502,7 +502,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_device_held_by_a_live_connection_is_busy_at_once() {
+    async fn a_device_held_by_a_live_connection_on_another_host_is_busy_at_once() {
         let registry = Registry::default();
         let busid = registry.add("loopback", loopback());
         let (server_end, _client_end) = tcp_pair();
@@ -511,11 +511,27 @@ mod tests {
             .await
             .unwrap();
         let started = std::time::Instant::now();
-        let refused = import(&registry, &busid, importer(), Duration::from_secs(30)).await.err().unwrap();
+        let elsewhere = Importer { client: "10.0.0.2:5000".parse().unwrap(), identity: None, probe: PeerProbe::none() };
+        let refused = import(&registry, &busid, elsewhere, Duration::from_secs(30)).await.err().unwrap();
         assert!(matches!(refused, ImportError::InUse { holder } if holder == peer()), "{refused:?}");
         assert_eq!(refused.status(), OpStatus::DEV_BUSY);
         assert!(started.elapsed() < Duration::from_secs(5), "a live holder is not waited for: {:?}", started.elapsed());
         assert!(refused.to_string().contains("detach it there first"), "{refused}");
+    }
+
+    #[tokio::test]
+    async fn the_holders_own_host_is_refused_only_after_the_wait() {
+        let registry = Registry::default();
+        let busid = registry.add("loopback", loopback());
+        let (server_end, _client_end) = tcp_pair();
+        let probe = PeerProbe::of(&server_end);
+        let _lease = import(&registry, &busid, Importer { client: peer(), identity: None, probe }, Duration::ZERO)
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let refused = import(&registry, &busid, importer(), Duration::from_millis(300)).await.err().unwrap();
+        assert!(matches!(refused, ImportError::InUse { .. }), "{refused:?}");
+        assert!(started.elapsed() >= Duration::from_millis(300), "waited for a late close first");
     }
 
     #[tokio::test]
