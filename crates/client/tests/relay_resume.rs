@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use usbwire_bench::proxy::Proxy;
 use usbwire_client::relay::{self, RelayError, Upstream};
-use usbwire_client::Security;
+use usbwire_client::{Security, TransformSpec};
 use usbwire_device::Speed;
 use usbwire_proto::client_session::{ClientSession, Event};
 use usbwire_proto::op::BusId;
@@ -132,17 +132,26 @@ async fn kernel(mut socket: UnixStream, devid: u32, rounds: u32) -> Result<UnixS
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn loop_data_survives_repeated_cuts_without_the_kernel_noticing() {
+    cuts_through_the_relay(vec![]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loop_data_survives_repeated_cuts_with_compression_and_the_jitter_buffer() {
+    cuts_through_the_relay(vec![TransformSpec::Zstd, TransformSpec::Jitter(Duration::from_millis(5))]).await;
+}
+
+async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
     let (server, _stop) = start_server(Duration::from_secs(30)).await;
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
     let busid = BusId::new("1-1").unwrap();
-    let imported = usbwire_client::import_resumable(proxy.addr, &busid, &Security::Plain, &[]).await.unwrap();
+    let imported = usbwire_client::import_resumable(proxy.addr, &busid, &Security::Plain, &transforms).await.unwrap();
     assert!(imported.resume.is_some(), "a usbwire server grants resume");
     let (kernel_end, relay_end) = UnixStream::pair().unwrap();
     let devid = imported.device.devid();
     let upstream = Upstream {
         addr: proxy.addr,
         security: Security::Plain,
-        transforms: vec![],
+        transforms,
         resume: imported.resume,
         give_up_after: Duration::from_secs(20),
     };

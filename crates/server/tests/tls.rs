@@ -360,3 +360,29 @@ async fn a_private_ca_admits_the_names_it_issued_and_nothing_else() {
     let result = usbwire_client::list_devices(setup.addr, &client(&old_bob, "old-known")).await;
     assert!(matches!(result, Err(ClientError::CertificateExpired { .. })), "{result:?}");
 }
+
+/// A session's token is worth nothing to another identity: with Alice's token,
+/// a plain loopback client and another admitted TLS client are refused, and
+/// Alice herself resumes (over TLS, on a new connection).
+#[tokio::test]
+async fn only_the_importing_identity_can_resume_a_session() {
+    let eve = Identity::generate("eve").unwrap();
+    let extra = [Rule { client: eve.fingerprint().to_string(), devices: vec!["1-3".into()] }];
+    let setup = start_with_rules(PlainPolicy::Loopback, None, &extra).await;
+    let alice = tls(&setup.alice, pinned(&setup, setup.addr, "resume-alice"), false);
+    let busid = BusId::new("1-1").unwrap();
+    let imported = usbwire_client::import_resumable(setup.addr, &busid, &alice, &[]).await.unwrap();
+    let token = imported.resume.expect("resume granted over TLS");
+    drop(imported.stream);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let refused = usbwire_client::resume_session(setup.addr, &Security::Plain, &[], &token, 0).await;
+    assert!(matches!(refused, Err(ClientError::ResumeRefused { .. })), "plain: {:?}", refused.err());
+    let eve = tls(&eve, pinned(&setup, setup.addr, "resume-eve"), false);
+    let refused = usbwire_client::resume_session(setup.addr, &eve, &[], &token, 0).await;
+    assert!(matches!(refused, Err(ClientError::ResumeRefused { .. })), "eve: {:?}", refused.err());
+
+    let (stream, commands_received) = usbwire_client::resume_session(setup.addr, &alice, &[], &token, 0).await.unwrap();
+    assert!(stream.is_tls());
+    assert_eq!(commands_received, 0);
+}
