@@ -1,25 +1,40 @@
 //! [`Connection`]: an imported device's URB channel in userspace. A writer task
 //! sends CMD_SUBMIT/CMD_UNLINK in batches (vectored writes); a reader task
 //! matches RET_SUBMIT/RET_UNLINK to their waiters by seqnum, in any order.
+//!
+//! A resumable connection ([`Connection::import_resumable`]) keeps the same
+//! tasks but writes to one end of an in-process pipe; the [`relay`] carries
+//! the other end to the server and resumes the session when the link drops,
+//! so the tasks here never see the outage. When the relay gives up, it
+//! closes the pipe, and what is pending fails as disconnected.
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Waker;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot};
-use tracing::debug;
-use usbwire_proto::op::DeviceRecord;
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{debug, warn, Instrument};
+use usbwire_proto::op::{BusId, DeviceRecord};
 use usbwire_proto::urb::{self, CmdSubmit, CmdUnlink, RetSubmit, ServerMessage, SubmittedShape, TransferFlags};
 use usbwire_proto::{Direction, Limits, RecvBuffer, SeqnumMap, Status};
 use usbwire_transport::PeerStream;
 
-use crate::{queue, ClientError, Transfer, TransferError, TransferQueue};
+use crate::relay::{self, RelayState, Upstream};
+use crate::{queue, ClientError, Security, Transfer, TransferError, TransferQueue, TransformSpec};
 
 /// OUT payloads up to this size are copied next to their header (one write).
 const SMALL_PAYLOAD: usize = 16 * 1024;
+/// How long a resumable connection keeps trying to reach its server before
+/// it gives the session up (as `usbwire attach` does). A server that no
+/// longer holds the session refuses at once; this bounds an unreachable one.
+pub const RESUME_GIVE_UP: Duration = Duration::from_secs(120);
+/// Room in each direction of the pipe between a resumable connection and its
+/// relay: a batch of the writer task (up to 4 MiB) goes in without waiting.
+const RELAY_PIPE: usize = 4 << 20;
 
 #[derive(Default)]
 pub(crate) struct Waiters {
@@ -135,6 +150,17 @@ pub struct Connection {
     reader: tokio::task::JoinHandle<()>,
     /// `None` once [`Connection::close`] has waited for it.
     writer: Option<tokio::task::JoinHandle<()>>,
+    /// The resuming relay between this connection's pipe and the server, when
+    /// the server granted resume.
+    relay: Option<RelayTask>,
+}
+
+/// A resumable connection's relay task. It ends by itself once the writer
+/// task has shut its end of the pipe down (close or drop), or when the
+/// session is lost.
+struct RelayTask {
+    task: tokio::task::JoinHandle<()>,
+    states: watch::Receiver<RelayState>,
 }
 
 /// One message for the writer task: the header (with a small payload and any
@@ -208,7 +234,64 @@ impl Connection {
         });
         let (outgoing, frames) = mpsc::unbounded_channel();
         let writer = Some(tokio::spawn(write_frames(write_half, frames, shared.clone())));
-        Self { devid: device.devid(), shared, outgoing, reader, writer }
+        Self { devid: device.devid(), shared, outgoing, reader, writer, relay: None }
+    }
+
+    /// Imports `busid` offering resume ([`crate::import_resumable`]). When the
+    /// server grants it, the connection survives drops of its link: a relay
+    /// task reconnects and resumes the session (see [`relay`]), and transfers
+    /// in flight or submitted meanwhile complete late instead of failing.
+    /// Only when the session is lost (the server's grace period ran out, it
+    /// restarted, or it stayed unreachable for [`RESUME_GIVE_UP`]) do they
+    /// fail with [`TransferError::Disconnected`], as after a plain drop.
+    /// Without resume (a stock server, `--resume-grace 0`) this is
+    /// [`crate::import_with`] and [`Connection::new`].
+    pub async fn import_resumable(
+        addr: SocketAddr,
+        busid: &BusId,
+        security: &Security,
+        transforms: &[TransformSpec],
+    ) -> Result<(Self, DeviceRecord), ClientError> {
+        let imported = crate::import_resumable(addr, busid, security, transforms).await?;
+        let device = imported.device;
+        if imported.resume.is_none() {
+            return Ok((Self::new(imported.stream, &device), device));
+        }
+        let upstream = Upstream {
+            addr,
+            security: security.clone(),
+            transforms: transforms.to_vec(),
+            resume: imported.resume,
+            give_up_after: RESUME_GIVE_UP,
+        };
+        let (ours, relays) = tokio::io::duplex(RELAY_PIPE);
+        let (state, states) = watch::channel(RelayState::Connected);
+        let devid = device.devid();
+        let span = tracing::info_span!(target: "usbwire::client", "resumable", %addr, %busid, devid);
+        let task = tokio::spawn(
+            async move {
+                match relay::run(relays, imported.stream, devid, upstream, Some(state)).await {
+                    Ok(()) => debug!("connection closed; relay ended"),
+                    // Dropping the pipe fails what is pending as disconnected.
+                    Err(error) => warn!(%error, "relay ended"),
+                }
+            }
+            .instrument(span),
+        );
+        let mut connection = Self::new(PeerStream::InProcess(ours), &device);
+        connection.relay = Some(RelayTask { task, states });
+        Ok((connection, device))
+    }
+
+    /// Whether the server granted resume (see [`Connection::import_resumable`]).
+    pub fn is_resumable(&self) -> bool {
+        self.relay.is_some()
+    }
+
+    /// The relay's state (connected, or resuming since when) and its changes;
+    /// `None` when the connection is not resumable.
+    pub fn relay_states(&self) -> Option<watch::Receiver<RelayState>> {
+        self.relay.as_ref().map(|relay| relay.states.clone())
     }
 
     /// Ends the connection cleanly and waits (up to a second) until it has: what was
@@ -217,9 +300,14 @@ impl Connection {
     /// `Connection` does the same in the background; a short-lived process that exits
     /// right after should close instead. Transfer queues still alive keep it open.
     pub async fn close(mut self) {
+        let deadline = Instant::now() + Duration::from_secs(1);
         self.outgoing = mpsc::unbounded_channel().0;
         if let Some(writer) = self.writer.take() {
-            let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
+            let _ = tokio::time::timeout_at(deadline.into(), writer).await;
+        }
+        // The writer shut the pipe down: the relay drops the server's stream.
+        if let Some(relay) = self.relay.take() {
+            let _ = tokio::time::timeout_at(deadline.into(), relay.task).await;
         }
     }
 
@@ -278,9 +366,11 @@ impl Connection {
         self.outgoing.send(Frame { head, payload: Bytes::new() }).map_err(|_| TransferError::Disconnected)
     }
 
-    /// Whether the server has closed the connection.
+    /// Whether the connection is gone (closed by the server, failed, or its
+    /// session lost): nothing submitted now will complete.
     pub fn is_closed(&self) -> bool {
-        self.reader.is_finished()
+        // The flag is set before pending transfers fail, so they never see it unset.
+        self.shared.closed.load(Ordering::Relaxed) || self.reader.is_finished()
     }
 }
 

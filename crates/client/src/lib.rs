@@ -9,6 +9,14 @@
 //! one task, a [`TransferQueue`] ([`Connection::queue`]) delivers completions
 //! in batches instead of one future per URB.
 //!
+//! [`Connection::import_resumable`] imports and, when the server (usbwire)
+//! grants resume, keeps the session through network drops: the connection
+//! talks to a [`relay`] task over an in-process pipe, and the relay
+//! reconnects and resumes, so an outage shorter than the server's grace
+//! period is a delay for pending transfers, not an error. A session that
+//! cannot be resumed fails them with [`TransferError::Disconnected`], as any
+//! dropped connection does; [`ReattachingDevice`] then imports again.
+//!
 //! Modules by concept: `connect` (resolution, TCP, TLS and pinning),
 //! `op_exchange` (device list, states, transforms, import), `transfer` (what a
 //! caller asks of an endpoint), `connection` and `queue` (the URB channel),
@@ -34,7 +42,7 @@ mod op_exchange;
 mod transfer;
 
 pub use connect::{resolve, Security, TlsClient};
-pub use connection::Connection;
+pub use connection::{Connection, RESUME_GIVE_UP};
 pub use error::{ClientError, TransferError};
 pub use op_exchange::{
     device_states, import, import_resumable, import_with, list_devices, resume_session, Imported, RemoteDeviceState,

@@ -2,6 +2,12 @@
 //! restarts, reconnect and import again with exponential backoff — the first
 //! retry at once, then doubling up to a cap of a few seconds — logging each
 //! step, so a long-running user of a device sees a pause, not an end.
+//!
+//! Imports are resumable ([`Connection::import_resumable`]): against a server
+//! that grants resume, a dropped link is resumed under the connection and
+//! nothing here notices; only a lost session (the server restarted, or the
+//! outage outlived its grace period) closes the connection and leads to a new
+//! import. Servers without resume are imported again after every drop.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -101,8 +107,8 @@ impl ReattachingDevice {
     }
 
     async fn import(&self) -> Result<Connection, ClientError> {
-        let (stream, record) = crate::import(self.addr, &self.busid, &self.security).await?;
-        Ok(Connection::new(stream, &record))
+        let (connection, _) = Connection::import_resumable(self.addr, &self.busid, &self.security, &[]).await?;
+        Ok(connection)
     }
 }
 
