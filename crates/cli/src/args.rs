@@ -338,6 +338,11 @@ pub(crate) struct BenchArgs {
     /// What OUT URBs carry: `constant` (compresses to nothing) or `random` (does not compress).
     #[arg(long, value_name = "KIND", default_value = "constant", value_parser = ["constant", "random"])]
     pub(crate) payload: String,
+    /// Import resumably (usbwire servers), as `usbwire attach` and the userspace client do: the
+    /// URBs go through the resuming relay, so this measures what resume costs. One --rtt-ms at a
+    /// time: the server holds a closed resumable import for its grace period.
+    #[arg(long)]
+    pub(crate) resume: bool,
     /// Instead of the throughput matrix, measure the spacing of periodic completions on this
     /// interrupt IN endpoint (the loopback device's 0x84 stamps its own time) against the device's.
     #[arg(long, value_name = "ADDR", value_parser = parse_endpoint)]

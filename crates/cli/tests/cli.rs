@@ -310,6 +310,19 @@ fn bench_json_has_a_record_per_point_with_the_ceiling_beside_it() {
 }
 
 #[test]
+fn bench_resume_measures_through_the_resuming_relay() {
+    let out = usbwire(&["bench", "--resume", "--sizes", "512,64K", "--depths", "1,4", "--seconds", "0.05", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let records = report["records"].as_array().unwrap();
+    assert_eq!(records.len(), 2 * 2 * 2, "direction x size x depth");
+    assert!(records.iter().all(|r| r["mib_per_s"].as_f64().unwrap() > 0.0), "{report}");
+    // Each RTT imports again, and the server holds a closed resumable import for its grace period.
+    let out = usbwire(&["bench", "--resume", "--rtt-ms", "0,4", "--seconds", "0.05"]);
+    assert_eq!(out.status.code(), Some(64), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
 fn doctor_checks_the_local_server_and_a_remote_port() {
     let dir = scratch("doctor");
     let served = serve(&dir, &["keyboard", "loopback"]);

@@ -3,6 +3,7 @@
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::anyhow;
@@ -13,6 +14,7 @@ use usbwire_client::{Connection, Security, TransformSpec};
 use usbwire_device::Speed;
 use usbwire_proto::op::BusId;
 use usbwire_server::{Server, ServerConfig};
+use usbwire_transport::transform::TransformStats;
 
 use crate::args::BenchArgs;
 use crate::config::parse_size;
@@ -31,6 +33,8 @@ pub(crate) struct Plan {
     /// Stream transforms offered to the server.
     pub(crate) transforms: Vec<TransformSpec>,
     pub(crate) payload: Payload,
+    /// Import resumably: the URBs go through the resuming relay.
+    pub(crate) resume: bool,
 }
 
 impl Plan {
@@ -60,6 +64,10 @@ impl Plan {
         if sizes.iter().any(|&s| s == 0 || s > 16 << 20) || depths.iter().any(|&d| d == 0 || d > 1024) {
             return Err(Failure::usage(anyhow!("sizes must be 1 B..16 MiB and depths 1..1024")));
         }
+        // Each RTT imports again, and the server holds a closed resumable import for its grace period.
+        if args.resume && args.rtt_ms.len() > 1 {
+            return Err(Failure::usage(anyhow!("--resume measures one --rtt-ms at a time")));
+        }
         Ok(Self {
             sizes,
             depths,
@@ -69,6 +77,7 @@ impl Plan {
             repeat: args.repeat.unwrap_or(if args.quick { 1 } else { 3 }).max(1),
             transforms: transforms(args.compress.as_deref(), args.jitter_buffer),
             payload: if args.payload == "random" { Payload::Random } else { Payload::Constant },
+            resume: args.resume,
         })
     }
 }
@@ -149,8 +158,7 @@ async fn periodic(
             } else {
                 proxy::start(target, rtt, jitter).await.map_err(|e| Failure::io(e.into()))?
             };
-            let (stream, record) = usbwire_client::import_with(addr, busid, security, &plan.transforms).await?;
-            let conn = Connection::new(stream, &record);
+            let (conn, _) = open(plan, addr, busid, security).await?;
             measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
             // Enough URBs queued to cover the RTT, the jitter and the playout (Eq. 2 with room to spare).
             let depth = ((rtt_ms + 2.0 * plan.jitter_ms + playout_ms) / 8.0).ceil() as usize + 4;
@@ -191,6 +199,28 @@ async fn periodic(
         }
     }
     Ok(())
+}
+
+/// Imports the device to measure, resumably with `--resume` (then the wire
+/// counters of the transforms are inside the relay, out of reach).
+async fn open(
+    plan: &Plan,
+    addr: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+) -> Result<(Connection, Option<Arc<TransformStats>>), Failure> {
+    if plan.resume {
+        let (conn, _) = Connection::import_resumable(addr, busid, security, &plan.transforms).await?;
+        if !conn.is_resumable() {
+            return Err(Failure::unavailable(anyhow!(
+                "{addr} did not grant resume (not usbwire, or --resume-grace 0)"
+            )));
+        }
+        return Ok((conn, None));
+    }
+    let (stream, record) = usbwire_client::import_with(addr, busid, security, &plan.transforms).await?;
+    let wire = stream.transform_stats();
+    Ok((Connection::new(stream, &record), wire))
 }
 
 /// An in-process server with one loopback device on 127.0.0.1, on a thread of
@@ -263,9 +293,7 @@ pub(crate) async fn execute(
             };
             let usbwire_addr = via(target).await.map_err(|e| Failure::io(e.into()))?;
             let ideal_addr = via(ideal).await.map_err(|e| Failure::io(e.into()))?;
-            let (stream, record) = usbwire_client::import_with(usbwire_addr, busid, security, &plan.transforms).await?;
-            let wire = stream.transform_stats();
-            let conn = Connection::new(stream, &record);
+            let (conn, wire) = open(plan, usbwire_addr, busid, security).await?;
             let found = measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
             let source = endpoints.0.or(found.source);
             let sink = endpoints.1.or(found.sink);

@@ -69,6 +69,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         repeat: 1,
         transforms: Vec::new(),
         payload: usbwire_bench::measure::Payload::Constant,
+        resume: false,
     };
     let (loopback, loopback_busid) = super::bench::local_loopback().await?;
     let report =
