@@ -29,21 +29,24 @@ use usbwire_proto::urb::{self, ClientMessage, ServerMessage, SubmittedShape};
 use usbwire_proto::{DecodeError, Direction, Limits};
 use usbwire_transform::{Frame, Pipeline, Side, TransformSpec, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD};
 
+mod client;
 pub mod seeds;
 mod session;
 
+pub use client::client_session;
 pub use session::{server_session, CountingAllocator};
 
 /// A harness: one fuzz input in, panics on a broken invariant.
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 5] = [
+pub const TARGETS: [(&str, Harness); 6] = [
     ("decode_command", decode_command),
     ("decode_return", decode_return),
     ("op_phase", op_phase),
     ("transform_frames", transform_frames),
     ("server_session", server_session),
+    ("client_session", client_session),
 ];
 
 /// Server side: `[chunking, limits, iso_mode] ++ stream` through `urb::decode_command`.
@@ -159,7 +162,7 @@ pub fn op_phase(data: &[u8]) {
                 let requested = match request {
                     OpRequest::Import { busid } => Some(busid.as_str().as_bytes()),
                     OpRequest::ImportMalformedBusId { requested } => Some(&requested[..]),
-                    OpRequest::DevList | OpRequest::DevState | OpRequest::Transforms { .. } => None,
+                    OpRequest::DevList | OpRequest::DevState | OpRequest::Transforms { .. } | OpRequest::Resume { .. } => None,
                 };
                 if let Some(requested) = requested {
                     let sent = &consumed[op::OP_HEADER_LEN..];

@@ -111,7 +111,44 @@ pub fn all() -> Vec<Seed> {
         add("transform_frames", name, &[2, stack], stream);
     }
     server_session_seeds(&mut add);
+    client_session_seeds(&mut add);
     seeds
+}
+
+/// client_session: `[chunking, cut, claim]`; replies to the harness's outstanding URBs
+/// (seqnum 1: bulk IN 512, 2: bulk OUT 512 with an unlink 9 aimed at it, 5: iso IN 3 x 64).
+fn client_session_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)) {
+    use usbwire_proto::urb::{IsoPacketDescriptor, RetSubmit, RetUnlink};
+    use usbwire_proto::Status;
+    let ret = |seqnum: u32, data: Vec<u8>| RetSubmit {
+        seqnum,
+        status: Status::OK,
+        actual_length: data.len() as u32,
+        start_frame: 0,
+        number_of_packets: 0,
+        error_count: 0,
+        data: data.into(),
+        iso_packets: vec![],
+    };
+    let mut stream = BytesMut::new();
+    ret(1, vec![0x11; 100]).encode(&mut stream);
+    ret(2, vec![]).encode(&mut stream);
+    stream.extend_from_slice(&RetUnlink { seqnum: 9, status: Status::OK }.header());
+    let iso = RetSubmit {
+        number_of_packets: 3,
+        actual_length: 96,
+        data: vec![0x22; 96].into(),
+        iso_packets: (0..3)
+            .map(|i| IsoPacketDescriptor { offset: i * 64, length: 64, actual_length: 32, status: Status::OK })
+            .collect(),
+        ..ret(5, vec![])
+    };
+    iso.encode(&mut stream);
+    add("client_session", "replies_then_cut", &[2, 1, 3], stream.to_vec());
+    let mut cancelled = BytesMut::new();
+    cancelled.extend_from_slice(&RetUnlink { seqnum: 9, status: Status::ECONNRESET }.header());
+    ret(1, vec![0x11; 512]).encode(&mut cancelled);
+    add("client_session", "unlink_cancels_its_target", &[1, 7, 0], cancelled.to_vec());
 }
 
 /// server_session: `[chunking, mode]`; mode 1 reads replies, 2 half-closes at the end.

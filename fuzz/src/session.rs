@@ -108,10 +108,13 @@ pub fn budgets(config: &mut ServerConfig) {
     config.limits.max_transfer_length = 256 * 1024;
     config.budget = usbwire_proto::Budget {
         queued_reply_bytes: 1 << 20,
+        unacked_reply_bytes: 2 << 20,
         decoded_bytes: 2 << 20,
         in_flight_bytes: 2 << 20,
         in_flight_urbs: 64,
     };
+    // A session that offered resume is held this long (virtual time) after its client goes.
+    config.resume_grace = Duration::from_secs(5);
 }
 
 struct Harness {
