@@ -105,7 +105,10 @@ where
     loop {
         let lost =
             match std::future::poll_fn(|cx| relay.poll_drive(cx, Some(&mut server), &mut session, &limits)).await? {
-                Stop::Detached => return Ok(()),
+                Stop::Detached => {
+                    end_session(&mut server, &mut session).await;
+                    return Ok(());
+                }
                 Stop::LinkLost(error) => error,
             };
         let Some(token) = upstream.resume else {
@@ -121,7 +124,10 @@ where
         // The kernel is served (its commands wait in the session) while reconnecting.
         let resumed = tokio::select! {
             stop = std::future::poll_fn(|cx| relay.poll_drive(cx, None, &mut session, &limits)) => match stop? {
-                Stop::Detached => return Ok(()),
+                Stop::Detached => {
+                    end_while_away(&upstream, &token, replies_received, session.devid()).await;
+                    return Ok(());
+                }
                 Stop::LinkLost(_) => unreachable_while_disconnected(),
             },
             resumed = reconnect(&upstream, &token, replies_received) => resumed,
@@ -140,6 +146,48 @@ where
         server = stream;
     }
 }
+
+/// The kernel let go: tell a resumable server it may release the device now
+/// (after whatever commands are still queued), rather than hold it for a resume.
+async fn end_session(server: &mut PeerStream, session: &mut ClientSession<()>) {
+    session.end();
+    let flushed = tokio::time::timeout(END_TIMEOUT, async {
+        std::future::poll_fn(|cx| loop {
+            match poll_write_all(session.outbox(), cx, &mut *server) {
+                Poll::Ready(Ok(_)) if session.outbox().is_empty() => return Poll::Ready(Ok(())),
+                Poll::Ready(Ok(_)) => {}
+                Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                Poll::Pending => return Poll::Pending,
+            }
+        })
+        .await?;
+        tokio::io::AsyncWriteExt::shutdown(server).await
+    })
+    .await;
+    if !matches!(flushed, Ok(Ok(()))) {
+        tracing::debug!("could not say goodbye to the server; it holds the session until its grace period ends");
+    }
+}
+
+/// The kernel let go while the connection was down: take the session back
+/// once more, briefly, only to end it (the kernel has given its URBs up, so
+/// nothing is sent again), so the server does not hold the device for nothing.
+async fn end_while_away(upstream: &Upstream, token: &Token, replies_received: u64, devid: u32) {
+    let ended = tokio::time::timeout(END_TIMEOUT, async {
+        let (mut stream, _) =
+            resume_session(upstream.addr, &upstream.security, &upstream.transforms, token, replies_received).await?;
+        tokio::io::AsyncWriteExt::write_all(&mut stream, &usbwire_proto::resume::end_header(devid)).await?;
+        tokio::io::AsyncWriteExt::shutdown(&mut stream).await?;
+        Ok::<(), ClientError>(())
+    })
+    .await;
+    if !matches!(ended, Ok(Ok(()))) {
+        tracing::debug!("detached while the server was unreachable; it holds the session until its grace period ends");
+    }
+}
+
+/// How long a detaching relay tries to deliver its last commands and the end.
+const END_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Without a server the driver only ends when the kernel closes.
 fn unreachable_while_disconnected() -> ! {

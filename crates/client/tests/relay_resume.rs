@@ -169,8 +169,12 @@ async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
     let rounds = 3000;
     let kernel = tokio::spawn(kernel(kernel_end, devid, rounds));
     let mut cuts = 0;
-    while !kernel.is_finished() && cuts < 40 {
+    while cuts < 40 {
         tokio::time::sleep(Duration::from_millis(20 + (cuts * 37 % 90))).await;
+        // No cut once the rounds are done: the detach below must find the link up.
+        if kernel.is_finished() {
+            break;
+        }
         proxy.cut_all();
         cuts += 1;
     }
@@ -183,6 +187,18 @@ async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
     assert!(ended.is_ok(), "relay: {ended:?}");
     let resumes = resumes.await.unwrap();
     assert!(resumes >= 10, "the relay resumed {resumes} times for {cuts} cuts");
+    // The relay said goodbye: the server releases the device now, not after its grace period.
+    let mut last = None;
+    for _ in 0..40 {
+        let states = usbwire_client::device_states(server, &Security::Plain).await.unwrap().unwrap();
+        let state = states.into_iter().find(|s| s.busid == "1-1").unwrap();
+        if state.state == "available" {
+            return;
+        }
+        last = Some(state);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("device not released within 2 s of the detach (grace period is 30 s): {last:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

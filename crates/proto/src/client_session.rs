@@ -235,6 +235,15 @@ impl<T> ClientSession<T> {
         self.events.pop_front()
     }
 
+    /// Ends a resumable session: its last message, after every command queued,
+    /// tells the server to release the device now rather than hold it for a
+    /// resume. Write the outbox out, then close.
+    pub fn end(&mut self) {
+        if self.resumable && self.connected {
+            self.outbox.push_header(&resume::end_header(self.devid));
+        }
+    }
+
     /// Commands (and acknowledgements) waiting to be written.
     pub fn outbox(&mut self) -> &mut Outbox {
         &mut self.outbox

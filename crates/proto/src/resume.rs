@@ -10,6 +10,8 @@
 //!   many replies it has received with a header-only message of its own
 //!   command code ([`ack_header`]), so the server can drop what it holds for
 //!   replay.
+//! * **End**: a client that is done says so ([`end_header`]) before it closes,
+//!   so the server releases the device at once rather than waiting for it.
 //! * **Resume**: a new connection (transforms negotiated afresh) sends
 //!   `OP_REQ_RESUME` with the token and the number of replies received
 //!   instead of `OP_REQ_IMPORT`; the server answers `OP_REP_RESUME` with the
@@ -28,6 +30,11 @@ pub const OFFER: &str = "resume";
 
 /// The command word of a resume acknowledgement (client to server).
 pub const ACK: Command = Command(0x8000_0001);
+
+/// The command word of a resumable session's last message (client to server):
+/// the client is done (detached), so the server releases the device at once
+/// instead of holding the session for a resume that will not come.
+pub const END: Command = Command(0x8000_0002);
 
 /// The secret that names a resumable session. Whoever holds it (with the same
 /// client identity) may take the session over, so it is only ever sent inside
@@ -85,6 +92,14 @@ pub fn ack_header(devid: u32, replies_received: u64) -> [u8; HEADER_LEN] {
     put_u32(&mut h, 0x08, devid);
     put_u32(&mut h, 0x14, (replies_received >> 32) as u32);
     put_u32(&mut h, 0x18, replies_received as u32);
+    h
+}
+
+/// The end of a resumable session ([`END`]).
+pub fn end_header(devid: u32) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    put_u32(&mut h, 0x00, END.0);
+    put_u32(&mut h, 0x08, devid);
     h
 }
 

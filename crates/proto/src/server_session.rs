@@ -149,6 +149,8 @@ pub struct ServerSession {
     replay: Option<ReplayLog>,
     /// Whether a connection is attached (always, unless resumable and between connections).
     connected: bool,
+    /// The client ended the session (a resumable client's last message).
+    ended: bool,
 }
 
 impl ServerSession {
@@ -168,6 +170,7 @@ impl ServerSession {
             commands_received: 0,
             replay: None,
             connected: true,
+            ended: false,
         }
     }
 
@@ -227,7 +230,7 @@ impl ServerSession {
     /// message (so a large OUT payload lands in one buffer and reaches the
     /// device without a copy). `is_iso` tells isochronous endpoints apart.
     pub fn input(&mut self, is_iso: impl Fn(Direction, u8) -> bool) -> Result<&mut BytesMut, SessionError> {
-        let next = if self.ack_in_front() {
+        let next = if self.extension_in_front().is_some() {
             Some(urb::HEADER_LEN)
         } else {
             urb::command_frame_len(&self.inbuf, &self.limits, is_iso)?
@@ -249,14 +252,23 @@ impl ServerSession {
             self.submit(submit);
             handled = true;
         }
-        while self.wants_input() {
-            if self.ack_in_front() {
-                let ack = self.inbuf.split_to(urb::HEADER_LEN);
-                if let (Some(replay), Some(received)) = (self.replay.as_mut(), resume::parse_ack(&ack)) {
-                    replay.acknowledge(received)?;
+        while self.wants_input() && !self.ended {
+            match self.extension_in_front() {
+                Some(resume::ACK) => {
+                    let ack = self.inbuf.split_to(urb::HEADER_LEN);
+                    if let (Some(replay), Some(received)) = (self.replay.as_mut(), resume::parse_ack(&ack)) {
+                        replay.acknowledge(received)?;
+                    }
+                    handled = true;
+                    continue;
                 }
-                handled = true;
-                continue;
+                Some(_) => {
+                    tracing::debug!("the client ended the session");
+                    self.inbuf.clear();
+                    self.ended = true;
+                    return Ok(true);
+                }
+                None => {}
             }
             let Some(message) = urb::decode_command(&mut self.inbuf, &self.limits, &is_iso)? else { break };
             handled = true;
@@ -350,14 +362,24 @@ impl ServerSession {
         }
     }
 
-    /// A resumable session's next input is an acknowledgement.
-    fn ack_in_front(&self) -> bool {
-        self.replay.is_some() && self.inbuf.len() >= urb::HEADER_LEN && self.inbuf[..4] == resume::ACK.0.to_be_bytes()
+    /// A resumable session's next input, when it is one of our own messages
+    /// (an acknowledgement or the end) and whole.
+    fn extension_in_front(&self) -> Option<urb::Command> {
+        if self.replay.is_none() || self.inbuf.len() < urb::HEADER_LEN {
+            return None;
+        }
+        let command = urb::Command(u32::from_be_bytes([self.inbuf[0], self.inbuf[1], self.inbuf[2], self.inbuf[3]]));
+        [resume::ACK, resume::END].contains(&command).then_some(command)
     }
 
     /// Replies waiting to be written.
     pub fn outbox(&mut self) -> &mut Outbox {
         &mut self.outbox
+    }
+
+    /// Whether the client ended the session: release the device, do not wait for a resume.
+    pub fn client_ended(&self) -> bool {
+        self.ended
     }
 
     /// Whether a connection is attached.
@@ -581,6 +603,24 @@ mod tests {
         wrong.encode(&mut wire);
         s.input(|_, _| false).unwrap().extend_from_slice(&wire);
         assert!(matches!(s.handle_input(|_, _| false), Err(SessionError::DevidMismatch { .. })));
+    }
+
+    #[test]
+    fn a_resumable_clients_end_is_taken_after_the_commands_before_it() {
+        let mut session = session(Budget::default()).resumable();
+        let mut wire = submit_bytes(1, Direction::Out, 8);
+        wire.extend_from_slice(&resume::end_header(DEVID));
+        wire.extend_from_slice(&submit_bytes(2, Direction::Out, 8));
+        assert_eq!(feed(&mut session, &wire), vec![DeviceCall::Submit(submit(1, Direction::Out, 8))]);
+        assert!(session.client_ended(), "nothing after the end is taken");
+        // A stock session knows no such command.
+        let mut stock = session_stock();
+        stock.input(|_, _| false).unwrap().extend_from_slice(&resume::end_header(DEVID));
+        assert!(stock.handle_input(|_, _| false).is_err());
+    }
+
+    fn session_stock() -> ServerSession {
+        session(Budget::default())
     }
 
     #[test]

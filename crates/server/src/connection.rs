@@ -206,7 +206,9 @@ pub(crate) async fn serve_session(
                     };
                     let _enter = span.enter();
                     match outcome {
-                        Ok(urb_channel::End::ClientClosed) => info!("client disconnected"),
+                        Ok(urb_channel::End::ClientClosed | urb_channel::End::ClientEnded) => {
+                            info!("client disconnected")
+                        }
                         Ok(urb_channel::End::Shutdown) => info!("closed for server shutdown"),
                         Ok(urb_channel::End::DeviceGone) => info!("device unplugged; connection closed"),
                         Ok(urb_channel::End::Withdrawn) => info!("device unbound; connection closed"),

@@ -45,6 +45,8 @@ const MAX_SLICES: usize = 64;
 #[derive(Debug)]
 pub(crate) enum End {
     ClientClosed,
+    /// A resumable client said it is done (detached): nothing to hold for it.
+    ClientEnded,
     Shutdown,
     /// The device was unplugged; every URB in flight has been answered.
     DeviceGone,
@@ -238,6 +240,9 @@ impl Channel<'_> {
 
             // Commands: decode what is buffered, then read more while the session wants it.
             progressed |= self.handle_buffered(device)?;
+            if self.session.client_ended() {
+                return Poll::Ready(Ok(End::ClientEnded));
+            }
             if self.session.wants_input() {
                 let inbuf = self.session.input(|d, ep| is_iso(device, d, ep))?;
                 match poll_read_buf(Pin::new(&mut self.stream), cx, inbuf) {
@@ -245,6 +250,9 @@ impl Channel<'_> {
                     Poll::Ready(Ok(_)) => {
                         progressed = true;
                         self.handle_buffered(device)?;
+                        if self.session.client_ended() {
+                            return Poll::Ready(Ok(End::ClientEnded));
+                        }
                     }
                     Poll::Ready(Err(error)) if is_disconnect(&error) => return Poll::Ready(Ok(End::ClientClosed)),
                     Poll::Ready(Err(error)) => return Poll::Ready(Err(error.into())),
