@@ -27,12 +27,10 @@ use usbwire_proto::client_session::{ClientSession, ClientSessionError, Event};
 use usbwire_proto::resume::Token;
 use usbwire_proto::urb::{self, ClientMessage};
 use usbwire_proto::{Budget, Limits, Outbox};
-use usbwire_transport::PeerStream;
+use usbwire_transport::{poll_write_outbox, PeerStream};
 
 use crate::{resume_session, Backoff, ClientError, Security, TransformSpec};
 
-/// iovecs per write call.
-const MAX_SLICES: usize = 64;
 /// Replies waiting for the kernel to read them before the relay stops reading the server.
 const KERNEL_BACKLOG: usize = 8 * 1024 * 1024;
 
@@ -324,18 +322,13 @@ fn poll_write_all<W: AsyncWrite + Unpin>(
     cx: &mut Context<'_>,
     writer: &mut W,
 ) -> Poll<io::Result<bool>> {
-    let mut wrote = false;
-    while !outbox.is_empty() {
-        match Pin::new(&mut *writer).poll_write_vectored(cx, &outbox.slices(MAX_SLICES)) {
-            Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
-            Poll::Ready(Ok(n)) => {
-                outbox.advance(n);
-                wrote = true;
-            }
-            Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
-            Poll::Pending if wrote => return Poll::Ready(Ok(true)),
-            Poll::Pending => return Poll::Pending,
-        }
+    let wrote = match poll_write_outbox(outbox, cx, &mut *writer) {
+        Poll::Ready(Ok(wrote)) => wrote,
+        Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+        Poll::Pending => return Poll::Pending,
+    };
+    if !outbox.is_empty() {
+        return Poll::Ready(Ok(wrote));
     }
     // Nothing left to write: push out what the stream buffers (a no-op for plain TCP).
     match Pin::new(&mut *writer).poll_flush(cx) {

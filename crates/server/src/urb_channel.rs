@@ -29,17 +29,13 @@ use usbwire_device::{Device, TransferType, Urb};
 use usbwire_proto::op::{self, OpStatus};
 use usbwire_proto::resume::Token;
 use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
-use usbwire_proto::Outbox;
 use usbwire_transport::access::ClientId;
-use usbwire_transport::PeerStream;
+use usbwire_transport::{poll_write_outbox, PeerStream};
 
 use crate::connection::Peer;
 use crate::registry::Lease;
 use crate::resumable::{Handover, Parked, Parking};
 use crate::ServerConfig;
-
-/// iovecs per write call.
-const MAX_SLICES: usize = 64;
 
 /// How a URB channel ended without a protocol error.
 #[derive(Debug)]
@@ -312,28 +308,6 @@ impl Channel<'_> {
         }
         Ok(handled)
     }
-}
-
-/// Writes from `outbox` until the socket would block or all is out.
-/// `Ready(Ok(wrote))` says whether any byte went out; `Pending` only when none did.
-fn poll_write_outbox<W: AsyncWrite + Unpin>(
-    outbox: &mut Outbox,
-    cx: &mut Context<'_>,
-    writer: &mut W,
-) -> Poll<io::Result<bool>> {
-    let mut wrote = false;
-    while !outbox.is_empty() {
-        let written = match Pin::new(&mut *writer).poll_write_vectored(cx, &outbox.slices(MAX_SLICES)) {
-            Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
-            Poll::Ready(Ok(n)) => n,
-            Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
-            Poll::Pending if wrote => return Poll::Ready(Ok(true)),
-            Poll::Pending => return Poll::Pending,
-        };
-        outbox.advance(written);
-        wrote = true;
-    }
-    Poll::Ready(Ok(wrote))
 }
 
 fn is_iso(device: &dyn Device, direction: usbwire_proto::Direction, ep: u8) -> bool {

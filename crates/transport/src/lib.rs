@@ -29,7 +29,7 @@ pub mod tls;
 pub use usbwire_transform as transform;
 
 pub use identity::{Fingerprint, Identity, IdentityError};
-pub use stream::{tls_socket, write_all_parts, PeerStream, TlsSocket};
+pub use stream::{poll_write_outbox, tls_socket, write_all_parts, PeerStream, TlsSocket};
 
 /// The first byte of a TLS handshake record (content type 22). A plain USB/IP
 /// request starts with its version's high byte, 0x01.

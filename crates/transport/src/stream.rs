@@ -131,6 +131,33 @@ impl AsyncWrite for PeerStream {
 /// iovecs per `writev` in [`write_all_parts`].
 const MAX_WRITE_SLICES: usize = 512;
 
+/// iovecs per `writev` in [`poll_write_outbox`].
+const MAX_OUTBOX_SLICES: usize = 64;
+
+/// Writes from a URB-phase [`usbwire_proto::Outbox`] (the server's replies, a
+/// client session's commands) until the writer would block or all is out, for
+/// hand-written poll loops. `Ready(Ok(wrote))` says whether any byte went out;
+/// `Pending` only when none could. Does not flush.
+pub fn poll_write_outbox<W: tokio::io::AsyncWrite + Unpin + ?Sized>(
+    outbox: &mut usbwire_proto::Outbox,
+    cx: &mut Context<'_>,
+    writer: &mut W,
+) -> Poll<io::Result<bool>> {
+    let mut wrote = false;
+    while !outbox.is_empty() {
+        let written = match Pin::new(&mut *writer).poll_write_vectored(cx, &outbox.slices(MAX_OUTBOX_SLICES)) {
+            Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+            Poll::Ready(Ok(n)) => n,
+            Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+            Poll::Pending if wrote => return Poll::Ready(Ok(true)),
+            Poll::Pending => return Poll::Pending,
+        };
+        outbox.advance(written);
+        wrote = true;
+    }
+    Poll::Ready(Ok(wrote))
+}
+
 /// Writes every byte of `parts`, in order, with as few `writev` calls as the
 /// socket allows (headers and payloads of many messages in one call, no copy).
 pub async fn write_all_parts<W, P>(writer: &mut W, parts: &[P]) -> std::io::Result<()>
