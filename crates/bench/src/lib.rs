@@ -4,7 +4,8 @@
 //! same message shapes and the same number in flight, against an ideal server
 //! that does no work ([`ceiling`]). A userspace [`proxy`] adds RTT and jitter
 //! (this kernel has no netem). [`model`] fits time-per-URB = a·size + RTT and
-//! gives the queue depth a periodic stream needs.
+//! gives the queue depth a periodic stream needs. [`resume_time`] cuts a
+//! resumable connection and times the stall each cut causes.
 //!
 //! Benchmarks are not tests: nothing here asserts on timings.
 
@@ -14,6 +15,7 @@ pub mod model;
 pub mod periodic;
 pub mod plot;
 pub mod proxy;
+pub mod resume_time;
 
 use std::future::Future;
 use std::net::SocketAddr;

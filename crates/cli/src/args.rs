@@ -343,6 +343,11 @@ pub(crate) struct BenchArgs {
     /// time: the server holds a closed resumable import for its grace period.
     #[arg(long)]
     pub(crate) resume: bool,
+    /// With --resume, instead of the throughput matrix: cut the link N times [default: 50] at random
+    /// moments of a URB stream (the first --sizes, default 512 B; the first --depths, default 8, on the
+    /// bulk source and sink) and report the stall from each cut to the first URB completing after the resume.
+    #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "50", requires = "resume", conflicts_with = "periodic")]
+    pub(crate) cuts: Option<usize>,
     /// Instead of the throughput matrix, measure the spacing of periodic completions on this
     /// interrupt IN endpoint (the loopback device's 0x84 stamps its own time) against the device's.
     #[arg(long, value_name = "ADDR", value_parser = parse_endpoint)]

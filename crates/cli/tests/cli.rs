@@ -323,6 +323,26 @@ fn bench_resume_measures_through_the_resuming_relay() {
 }
 
 #[test]
+fn bench_resume_cuts_times_each_stall() {
+    let out = usbwire(&["bench", "--resume", "--cuts", "3", "--sizes", "4K", "--depths", "2", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let resume = &report["resume"];
+    assert_eq!((resume["urb_size"].as_u64(), resume["depth"].as_u64()), (Some(4096), Some(2)), "{report}");
+    let times = &resume["times"];
+    assert_eq!(times["cuts"], 3, "{report}");
+    assert!(times["urbs"].as_u64().unwrap() > 0, "{report}");
+    // The stall ends with a completion after the resume, so it is never shorter than the resume.
+    for p in ["p50", "p90", "p99", "max"] {
+        assert!(times["stall_us"][p].as_f64().unwrap() >= times["resumed_us"][p].as_f64().unwrap(), "{report}");
+    }
+    // Only the resumable import can be cut and resumed.
+    let out = usbwire(&["bench", "--cuts", "3"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("--resume"), "{stderr}");
+}
+
+#[test]
 fn doctor_checks_the_local_server_and_a_remote_port() {
     let dir = scratch("doctor");
     let served = serve(&dir, &["keyboard", "loopback"]);

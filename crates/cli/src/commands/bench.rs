@@ -109,6 +109,12 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
     if let Some(endpoint) = args.periodic {
         return periodic(&plan, target, &busid, &security, endpoint, args.json).await;
     }
+    if let Some(cuts) = args.cuts {
+        let size = if args.sizes.is_empty() { 512 } else { plan.sizes[0] };
+        let depth = if args.depths.is_empty() { 8 } else { plan.depths[0] };
+        let endpoints = (args.in_ep, args.out_ep);
+        return resume_time(&plan, target, &busid, &security, endpoints, (size, depth, cuts), args.json).await;
+    }
     let progress = !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let report = execute(&plan, target, &busid, &security, (args.in_ep, args.out_ep), progress).await?;
     if let Some(dir) = &args.plot {
@@ -195,6 +201,72 @@ async fn periodic(
             println!(
                 "{rtt_ms:>7} {:>6} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>10.0}",
                 s.completions, s.device_interval_us, s.error_us.p50, s.error_us.p90, s.error_us.p99, s.error_us.max
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `bench --resume --cuts N`: the stall each cut of the link causes a
+/// resumable connection, through a proxy that also adds the plan's RTT and jitter.
+async fn resume_time(
+    plan: &Plan,
+    target: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+    endpoints: (Option<u8>, Option<u8>),
+    (size, depth, cuts): (usize, usize, usize),
+    json: bool,
+) -> Result<(), Failure> {
+    if cuts == 0 {
+        return Err(Failure::usage(anyhow!("--cuts must be at least 1")));
+    }
+    let rtt_ms = plan.rtts_ms[0];
+    // On a client thread of its own, like the throughput matrix; the proxy runs there too.
+    let (plan_, busid_, security_) = (plan.clone(), busid.clone(), security.clone());
+    let measured = move || async move {
+        let (plan, busid, security) = (&plan_, &busid_, &security_);
+        let rtt = Duration::from_secs_f64(rtt_ms / 1000.0);
+        let jitter = Duration::from_secs_f64(plan.jitter_ms / 1000.0);
+        let proxy = proxy::Proxy::start(target, rtt, jitter).await.map_err(|e| Failure::io(e.into()))?;
+        let (conn, _) = open(plan, proxy.addr, busid, security).await?;
+        let found = measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
+        let endpoints = measure::Endpoints { source: endpoints.0.or(found.source), sink: endpoints.1.or(found.sink) };
+        let times = usbwire_bench::resume_time::measure(&conn, &proxy, endpoints, size, depth, cuts)
+            .await
+            .map_err(|e| Failure::unavailable(anyhow!("{busid}: {e}")))?;
+        conn.close().await;
+        Ok::<_, Failure>(times)
+    };
+    let times =
+        usbwire_bench::client_thread("usbwire-bench", measured).await.map_err(|e| Failure::software(e.into()))??;
+    if json {
+        let record = json!({
+            "rtt_ms": rtt_ms,
+            "jitter_ms": plan.jitter_ms,
+            "transforms": TransformSpec::list_text(&plan.transforms),
+            "urb_size": size,
+            "depth": depth,
+            "times": times,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({ "resume": record })).map_err(|e| Failure::software(e.into()))?
+        );
+    } else {
+        println!(
+            "resume after {} cuts: {size} B URBs, {depth} in flight per bulk endpoint, rtt {rtt_ms} ms, {} URBs",
+            times.cuts, times.urbs
+        );
+        println!("{:<22} {:>6} {:>8} {:>8} {:>8} {:>8}", "ms from the cut to", "n", "p50", "p90", "p99", "max");
+        for (what, p) in [("first URB completed", &times.stall_us), ("relay resumed", &times.resumed_us)] {
+            println!(
+                "{what:<22} {:>6} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
+                times.cuts,
+                p.p50 / 1e3,
+                p.p90 / 1e3,
+                p.p99 / 1e3,
+                p.max / 1e3
             );
         }
     }
