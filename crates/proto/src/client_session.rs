@@ -171,8 +171,30 @@ impl<T> ClientSession<T> {
 
     /// The buffer to read server bytes into, with room for the whole next reply.
     pub fn input(&mut self) -> &mut BytesMut {
-        self.inbuf.reserve(READ_CHUNK);
+        let wanted = self.next_reply_len().unwrap_or(urb::HEADER_LEN).saturating_sub(self.inbuf.len()).max(READ_CHUNK);
+        self.inbuf.reserve(wanted);
         &mut self.inbuf
+    }
+
+    /// The length of the reply at the front of the input, once its header is
+    /// there and it answers an outstanding submit within what was asked (a
+    /// reply that claims more is refused when decoded, so it sizes nothing).
+    fn next_reply_len(&self) -> Option<usize> {
+        let header = self.inbuf.get(..urb::HEADER_LEN)?;
+        let word = |at: usize| u32::from_be_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]]);
+        if urb::Command(word(0)) != urb::Command::RET_SUBMIT {
+            return Some(urb::HEADER_LEN);
+        }
+        let Some(Outstanding { command: Command::Submit(submit), .. }) = self.outstanding.get(word(4)) else {
+            return None;
+        };
+        let actual = word(0x18);
+        let payload = if submit.direction == crate::Direction::In && actual <= submit.transfer_buffer_length {
+            actual as usize
+        } else {
+            0
+        };
+        Some(urb::HEADER_LEN + payload + submit.iso_packets.len() * urb::ISO_DESCRIPTOR_LEN)
     }
 
     /// Decodes every whole reply buffered and queues its [`Event`]; a

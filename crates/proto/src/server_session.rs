@@ -230,12 +230,15 @@ impl ServerSession {
     /// message (so a large OUT payload lands in one buffer and reaches the
     /// device without a copy). `is_iso` tells isochronous endpoints apart.
     pub fn input(&mut self, is_iso: impl Fn(Direction, u8) -> bool) -> Result<&mut BytesMut, SessionError> {
-        let next = if self.extension_in_front().is_some() {
-            Some(urb::HEADER_LEN)
-        } else {
-            urb::command_frame_len(&self.inbuf, &self.limits, is_iso)?
-        };
-        let wanted = next.unwrap_or(urb::HEADER_LEN).saturating_sub(self.inbuf.len()).max(READ_CHUNK);
+        // Acknowledgements (one after each read the client makes) come between
+        // commands: size the read for the command behind them, so a large OUT
+        // payload still lands in one buffer.
+        let mut at = 0;
+        while self.extension_at(at).is_some() {
+            at += urb::HEADER_LEN;
+        }
+        let next = urb::command_frame_len(&self.inbuf[at..], &self.limits, is_iso)?.map(|len| at + len);
+        let wanted = next.unwrap_or(at + urb::HEADER_LEN).saturating_sub(self.inbuf.len()).max(READ_CHUNK);
         self.inbuf.reserve(wanted);
         Ok(&mut self.inbuf)
     }
@@ -255,8 +258,11 @@ impl ServerSession {
         while self.wants_input() && !self.ended {
             match self.extension_in_front() {
                 Some(resume::ACK) => {
-                    let ack = self.inbuf.split_to(urb::HEADER_LEN);
-                    if let (Some(replay), Some(received)) = (self.replay.as_mut(), resume::parse_ack(&ack)) {
+                    // Read and advanced past, not split off: a split would turn the
+                    // buffer into a shared one that cannot grow in place.
+                    let received = resume::parse_ack(&self.inbuf[..urb::HEADER_LEN]);
+                    bytes::Buf::advance(&mut self.inbuf, urb::HEADER_LEN);
+                    if let (Some(replay), Some(received)) = (self.replay.as_mut(), received) {
                         replay.acknowledge(received)?;
                     }
                     handled = true;
@@ -365,10 +371,16 @@ impl ServerSession {
     /// A resumable session's next input, when it is one of our own messages
     /// (an acknowledgement or the end) and whole.
     fn extension_in_front(&self) -> Option<urb::Command> {
-        if self.replay.is_none() || self.inbuf.len() < urb::HEADER_LEN {
+        self.extension_at(0)
+    }
+
+    /// The same, for the whole message at offset `at` of the input.
+    fn extension_at(&self, at: usize) -> Option<urb::Command> {
+        if self.replay.is_none() || self.inbuf.len() < at + urb::HEADER_LEN {
             return None;
         }
-        let command = urb::Command(u32::from_be_bytes([self.inbuf[0], self.inbuf[1], self.inbuf[2], self.inbuf[3]]));
+        let word = &self.inbuf[at..at + 4];
+        let command = urb::Command(u32::from_be_bytes([word[0], word[1], word[2], word[3]]));
         [resume::ACK, resume::END].contains(&command).then_some(command)
     }
 
