@@ -103,7 +103,10 @@ for b in 2-1 1-1 1-2 1-3 1-4; do p=$(port_of $b); [ -n "$p" ] && $U detach -p "$
 fails=0; i=0
 while [ $i -lt 25 ]; do
   $U attach -r 10.0.2.2 -b 1-2 >/tmp/attach.log 2>&1 || { fails=$((fails+1)); echo "@@REATTACH-ERROR $(cat /tmp/attach.log)"; }
-  p=$(port_of 1-2); [ -n "$p" ] && $U detach -p "$p" >/dev/null 2>&1
+  # usbip port lists the port only once vhci has it (a moment on a TCG guest): wait for it,
+  # so the detach really happens before the next attach.
+  p=""; j=0; while [ -z "$p" ] && [ $j -lt 50 ]; do p=$(port_of 1-2); [ -z "$p" ] && sleep 0.1; j=$((j+1)); done
+  [ -n "$p" ] && $U detach -p "$p" >/dev/null 2>&1
   i=$((i+1))
 done
 echo "@@REATTACH-FAILS $fails"
