@@ -166,8 +166,8 @@ struct Attachment {
     port: u32,
     devid: u32,
     busid: String,
-    /// Over TLS, or when the server resumes sessions, the service relays
-    /// between the kernel's socket and the server (the same relay as `attach`).
+    /// Over TLS the service relays between the kernel's socket and the server
+    /// (the same relay as `attach`).
     relay: Option<JoinHandle<Result<(), usbwire_client::relay::RelayError>>>,
 }
 
@@ -240,7 +240,12 @@ async fn attach_from(addr: SocketAddr, rule: &AttachRule, security: &Security) -
         .iter()
         .find(|d| rule.selectors().any(|s| matches_remote(s, d, serial_of(d.busid.as_str()))))
         .ok_or_else(|| anyhow!("no available device on {addr} matches {rule}"))?;
-    let imported = usbwire_client::import_resumable(addr, &device.busid, security, &[]).await?;
+    // Not resumable yet: a server that shuts down cannot tell the relay its
+    // session is over, so the relay would hold the port through the outage and
+    // the rule would not see the device go. Until the server says so, the
+    // service keeps its reattach behaviour (TLS still goes through the relay).
+    let (stream, device_record) = usbwire_client::import_with(addr, &device.busid, security, &[]).await?;
+    let imported = usbwire_client::Imported { stream, device: device_record, resume: None };
     let record = imported.device.clone();
     let vhci_record =
         vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: device.busid.to_string() };
