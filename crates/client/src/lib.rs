@@ -23,7 +23,9 @@
 //! `error`; [`vhci`] attaches to the kernel, [`reattach`] keeps a device
 //! imported across drops, [`describe`] reads a device's descriptors. The
 //! kernel attach path ([`vhci`]) imports the same way and then hands the
-//! socket to vhci-hcd instead of keeping a [`Connection`].
+//! socket to vhci-hcd instead of keeping a [`Connection`] — or, when the
+//! session is resumable, encrypted or transformed, one end of a socket pair
+//! whose other end the [`relay`] carries.
 
 pub mod describe;
 mod queue;
