@@ -248,21 +248,25 @@ pub fn transform_frames(data: &[u8]) {
         let mut raw = BytesMut::new();
         let mut frames = Vec::new();
         let mut last_release = start;
+        // `raw` holds stream[consumed..fed]: compared against, never cloned.
+        let (mut fed, mut consumed) = (0, 0);
         for (i, piece) in pieces.into_iter().enumerate() {
             // Each piece arrives 1 ms after the one before.
             let arrived = start + Duration::from_millis(i as u64);
             raw.extend_from_slice(piece);
+            fed += piece.len();
             loop {
-                let before = raw.clone();
+                let before_len = raw.len();
                 let mut frame = match Frame::decode(&mut raw) {
                     Ok(Some(frame)) => frame,
                     Ok(None) => {
-                        assert_eq!(raw, before, "Ok(None) consumed input");
+                        assert!(raw[..] == stream[consumed..fed], "Ok(None) consumed input");
                         break;
                     }
                     Err(error) => return (frames, Some(error.to_string())),
                 };
-                assert_eq!(before.len() - raw.len(), FRAME_HEADER_LEN + frame.payload.len(), "frame length");
+                consumed += before_len - raw.len();
+                assert_eq!(before_len - raw.len(), FRAME_HEADER_LEN + frame.payload.len(), "frame length");
                 if let Err(error) = pipeline.decode(&mut frame) {
                     return (frames, Some(error.to_string()));
                 }
@@ -349,38 +353,52 @@ fn drive<M: PartialEq + Debug>(
 ) {
     let mut one_shot = Vec::new();
     let mut buf = BytesMut::from(stream);
-    decode_available(&mut buf, &mut decode, &mut check, &mut one_shot);
+    decode_available(&mut buf, stream, &mut 0, &mut decode, &mut check, &mut one_shot);
 
     let mut chunked = Vec::new();
     let mut buf = BytesMut::new();
+    let (mut fed, mut consumed) = (0, 0);
     for chunk in chunks(stream, chunking) {
         buf.extend_from_slice(chunk);
-        if !decode_available(&mut buf, &mut decode, &mut check, &mut chunked) {
+        fed += chunk.len();
+        if !decode_available(&mut buf, &stream[..fed], &mut consumed, &mut decode, &mut check, &mut chunked) {
             break;
         }
     }
     assert_eq!(one_shot, chunked, "one-shot and chunked decoding differ");
 }
 
-/// Decodes every complete message in `buf`; false once an error ended the stream.
+/// Decodes every complete message in `buf`, which holds `fed[*consumed..]` (the
+/// harness knows what it fed, so no copy of the buffer is taken per call: fed a
+/// byte at a time, that copy made every input quadratic); false once an error
+/// ended the stream.
 fn decode_available<M: PartialEq + Debug>(
     buf: &mut BytesMut,
+    fed: &[u8],
+    consumed: &mut usize,
     decode: &mut impl FnMut(&mut BytesMut) -> Result<Option<M>, DecodeError>,
     check: &mut impl FnMut(&M, &[u8]),
     results: &mut Vec<Result<M, DecodeError>>,
 ) -> bool {
     loop {
-        let before = buf.clone();
+        let before = &fed[*consumed..];
+        let (before_ptr, before_len) = (buf.as_ptr(), buf.len());
         match decode(buf) {
             Ok(None) => {
-                assert_eq!(*buf, before, "Ok(None) consumed input");
+                // Decoders read through `&mut`: consuming moves the start or the end.
+                assert!(buf.as_ptr() == before_ptr && buf.len() == before_len, "Ok(None) consumed input");
+                // The bytes themselves once per read, where a clone would be per message.
+                if buf.len() != before.len() || buf[..] != *before {
+                    panic!("Ok(None) changed the buffer");
+                }
                 return true;
             }
             Ok(Some(message)) => {
-                let consumed = before.len() - buf.len();
-                assert!(consumed > 0, "a message from no bytes");
-                assert_eq!(before[consumed..], buf[..], "consumed from somewhere other than the front");
-                check(&message, &before[..consumed]);
+                let taken = before.len() - buf.len();
+                assert!(taken > 0, "a message from no bytes");
+                assert_eq!(before[taken..], buf[..], "consumed from somewhere other than the front");
+                check(&message, &before[..taken]);
+                *consumed += taken;
                 results.push(Ok(message));
             }
             Err(error) => {
