@@ -1,13 +1,17 @@
-//! [`Connection`]: an imported device's URB channel in userspace. A writer task
-//! sends CMD_SUBMIT/CMD_UNLINK in batches (vectored writes); a reader task
+//! [`Connection`]: an imported device's URB channel in userspace.
+//!
+//! A plain connection has two tasks on the server's socket: a writer that
+//! sends CMD_SUBMIT/CMD_UNLINK in batches (vectored writes) and a reader that
 //! matches RET_SUBMIT/RET_UNLINK to their waiters by seqnum, in any order.
 //!
-//! A resumable connection ([`Connection::import_resumable`]) keeps the same
-//! tasks but writes to one end of an in-process pipe; the [`relay`] carries
-//! the other end to the server and resumes the session when the link drops,
-//! so the tasks here never see the outage. When the relay gives up, it
-//! closes the pipe, and what is pending fails as disconnected.
+//! A resumable connection ([`Connection::import_resumable`]) hands its
+//! commands, each with its waiter, to the [`relay`] task instead, whose
+//! [`ClientSession`](usbwire_proto::client_session::ClientSession) keeps them
+//! until answered and resumes the session when the link drops, so callers
+//! see a delay, not an error. When the relay gives up, what is pending fails
+//! as disconnected.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -18,12 +22,13 @@ use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, warn, Instrument};
+use usbwire_proto::client_session::{ClientSession, Event};
 use usbwire_proto::op::{BusId, DeviceRecord};
 use usbwire_proto::urb::{self, CmdSubmit, CmdUnlink, RetSubmit, ServerMessage, SubmittedShape, TransferFlags};
 use usbwire_proto::{Direction, Limits, RecvBuffer, SeqnumMap, Status};
 use usbwire_transport::PeerStream;
 
-use crate::relay::{self, RelayState, Upstream};
+use crate::relay::{self, RelayError, RelayState, Step, Upstream};
 use crate::{queue, ClientError, Security, Transfer, TransferError, TransferQueue, TransformSpec};
 
 /// OUT payloads up to this size are copied next to their header (one write).
@@ -32,9 +37,6 @@ const SMALL_PAYLOAD: usize = 16 * 1024;
 /// it gives the session up (as `usbwire attach` does). A server that no
 /// longer holds the session refuses at once; this bounds an unreachable one.
 pub const RESUME_GIVE_UP: Duration = Duration::from_secs(120);
-/// Room in each direction of the pipe between a resumable connection and its
-/// relay: a batch of the writer task (up to 4 MiB) goes in without waiting.
-const RELAY_PIPE: usize = 4 << 20;
 
 #[derive(Default)]
 pub(crate) struct Waiters {
@@ -125,6 +127,16 @@ pub(crate) struct Shared {
     pub(crate) closed: AtomicBool,
 }
 
+impl Default for Shared {
+    fn default() -> Self {
+        Self {
+            waiters: Mutex::new(Some(Waiters::default())),
+            next_seqnum: AtomicU32::new(1),
+            closed: AtomicBool::new(false),
+        }
+    }
+}
+
 impl Shared {
     pub(crate) fn waiters(&self) -> std::sync::MutexGuard<'_, Option<Waiters>> {
         usbwire_proto::sync::lock(&self.waiters)
@@ -145,22 +157,35 @@ impl Shared {
 pub struct Connection {
     devid: u32,
     shared: Arc<Shared>,
-    /// Messages for the writer task, in the order they go on the wire.
-    outgoing: mpsc::UnboundedSender<Frame>,
-    reader: tokio::task::JoinHandle<()>,
-    /// `None` once [`Connection::close`] has waited for it.
-    writer: Option<tokio::task::JoinHandle<()>>,
-    /// The resuming relay between this connection's pipe and the server, when
-    /// the server granted resume.
-    relay: Option<RelayTask>,
+    outgoing: Outgoing,
+    tasks: Tasks,
 }
 
-/// A resumable connection's relay task. It ends by itself once the writer
-/// task has shut its end of the pipe down (close or drop), or when the
-/// session is lost.
-struct RelayTask {
-    task: tokio::task::JoinHandle<()>,
-    states: watch::Receiver<RelayState>,
+/// Where a connection's commands go, in the order they go on the wire.
+#[derive(Clone)]
+pub(crate) enum Outgoing {
+    /// Encoded, to the writer task; the reader task matches the replies.
+    Frames(mpsc::UnboundedSender<Frame>),
+    /// With their waiters, to the relay's session (a resumable connection).
+    Session(mpsc::UnboundedSender<Vec<Request>>),
+}
+
+/// A command for a resumable connection's relay.
+pub(crate) enum Request {
+    Submit(CmdSubmit, Waiter),
+    Unlink(CmdUnlink),
+}
+
+enum Tasks {
+    Direct {
+        reader: tokio::task::JoinHandle<()>,
+        /// `None` once [`Connection::close`] has waited for it.
+        writer: Option<tokio::task::JoinHandle<()>>,
+    },
+    /// The relay ends by itself once every sender of its commands is gone
+    /// (close, or the connection and its queues dropped), or when the
+    /// session is lost.
+    Relayed { task: tokio::task::JoinHandle<()>, states: watch::Receiver<RelayState> },
 }
 
 /// One message for the writer task: the header (with a small payload and any
@@ -192,11 +217,7 @@ impl Connection {
                 (Box::new(r), Box::new(w))
             }
         };
-        let shared = Arc::new(Shared {
-            waiters: Mutex::new(Some(Waiters::default())),
-            next_seqnum: AtomicU32::new(1),
-            closed: AtomicBool::new(false),
-        });
+        let shared = Arc::new(Shared::default());
         let reader_shared = shared.clone();
         let reader = tokio::spawn(async move {
             let mut buf = RecvBuffer::with_capacity(256 * 1024);
@@ -234,7 +255,12 @@ impl Connection {
         });
         let (outgoing, frames) = mpsc::unbounded_channel();
         let writer = Some(tokio::spawn(write_frames(write_half, frames, shared.clone())));
-        Self { devid: device.devid(), shared, outgoing, reader, writer, relay: None }
+        Self {
+            devid: device.devid(),
+            shared,
+            outgoing: Outgoing::Frames(outgoing),
+            tasks: Tasks::Direct { reader, writer },
+        }
     }
 
     /// Imports `busid` offering resume ([`crate::import_resumable`]). When the
@@ -264,34 +290,38 @@ impl Connection {
             resume: imported.resume,
             give_up_after: RESUME_GIVE_UP,
         };
-        let (ours, relays) = tokio::io::duplex(RELAY_PIPE);
+        let shared = Arc::new(Shared::default());
+        let (outgoing, requests) = mpsc::unbounded_channel();
         let (state, states) = watch::channel(RelayState::Connected);
         let devid = device.devid();
         let span = tracing::info_span!(target: "usbwire::client", "resumable", %addr, %busid, devid);
+        let front = SessionFront { requests, waiting: VecDeque::new(), shared: shared.clone() };
         let task = tokio::spawn(
             async move {
-                match relay::run(relays, imported.stream, devid, upstream, Some(state)).await {
+                match relay::drive(front, imported.stream, devid, upstream, Some(state)).await {
                     Ok(()) => debug!("connection closed; relay ended"),
-                    // Dropping the pipe fails what is pending as disconnected.
+                    // What is pending fails as disconnected (see SessionFront::ended).
                     Err(error) => warn!(%error, "relay ended"),
                 }
             }
             .instrument(span),
         );
-        let mut connection = Self::new(PeerStream::InProcess(ours), &device);
-        connection.relay = Some(RelayTask { task, states });
-        Ok((connection, device))
+        let tasks = Tasks::Relayed { task, states };
+        Ok((Self { devid, shared, outgoing: Outgoing::Session(outgoing), tasks }, device))
     }
 
     /// Whether the server granted resume (see [`Connection::import_resumable`]).
     pub fn is_resumable(&self) -> bool {
-        self.relay.is_some()
+        matches!(self.tasks, Tasks::Relayed { .. })
     }
 
     /// The relay's state (connected, or resuming since when) and its changes;
     /// `None` when the connection is not resumable.
     pub fn relay_states(&self) -> Option<watch::Receiver<RelayState>> {
-        self.relay.as_ref().map(|relay| relay.states.clone())
+        match &self.tasks {
+            Tasks::Relayed { states, .. } => Some(states.clone()),
+            Tasks::Direct { .. } => None,
+        }
     }
 
     /// Ends the connection cleanly and waits (up to a second) until it has: what was
@@ -301,13 +331,14 @@ impl Connection {
     /// right after should close instead. Transfer queues still alive keep it open.
     pub async fn close(mut self) {
         let deadline = Instant::now() + Duration::from_secs(1);
-        self.outgoing = mpsc::unbounded_channel().0;
-        if let Some(writer) = self.writer.take() {
-            let _ = tokio::time::timeout_at(deadline.into(), writer).await;
-        }
-        // The writer shut the pipe down: the relay drops the server's stream.
-        if let Some(relay) = self.relay.take() {
-            let _ = tokio::time::timeout_at(deadline.into(), relay.task).await;
+        // Dropping our sender lets the writer (or the relay) finish what is queued and end.
+        self.outgoing = Outgoing::Frames(mpsc::unbounded_channel().0);
+        let task = match &mut self.tasks {
+            Tasks::Direct { writer, .. } => writer.take(),
+            Tasks::Relayed { task, .. } => Some(std::mem::replace(task, tokio::spawn(async {}))),
+        };
+        if let Some(task) = task {
+            let _ = tokio::time::timeout_at(deadline.into(), task).await;
         }
     }
 
@@ -317,16 +348,26 @@ impl Connection {
         transfer: Transfer,
     ) -> Result<(u32, impl std::future::Future<Output = Result<RetSubmit, TransferError>>), TransferError> {
         let seqnum = self.shared.next_seqnum.fetch_add(1, Ordering::Relaxed);
-        let mut head = BytesMut::new();
-        let (shape, payload) = encode_submit(self.devid, seqnum, transfer, &mut head);
+        let (submit, shape) = build_submit(self.devid, seqnum, transfer);
         let (tx, rx) = oneshot::channel();
-        self.shared
-            .waiters()
-            .as_mut()
-            .ok_or(TransferError::Disconnected)?
-            .submits
-            .insert(seqnum, (shape, Waiter::Reply(tx)));
-        if self.outgoing.send(Frame { head: head.freeze(), payload }).is_err() {
+        let sent = match &self.outgoing {
+            Outgoing::Frames(frames) => {
+                let mut head = BytesMut::new();
+                let payload = encode_submit(submit, &mut head);
+                self.shared
+                    .waiters()
+                    .as_mut()
+                    .ok_or(TransferError::Disconnected)?
+                    .submits
+                    .insert(seqnum, (shape, Waiter::Reply(tx)));
+                frames.send(Frame { head: head.freeze(), payload }).is_ok()
+            }
+            Outgoing::Session(requests) => {
+                !self.shared.closed.load(Ordering::Relaxed)
+                    && requests.send(vec![Request::Submit(submit, Waiter::Reply(tx))]).is_ok()
+            }
+        };
+        if !sent {
             return Err(TransferError::Disconnected);
         }
         Ok((seqnum, async move { rx.await.map_err(|_| TransferError::Disconnected) }))
@@ -359,24 +400,124 @@ impl Connection {
     pub async fn unlink(&self, target: u32) -> Result<(), TransferError> {
         let seqnum = self.shared.next_seqnum.fetch_add(1, Ordering::Relaxed);
         let unlink = CmdUnlink { seqnum, devid: self.devid, unlink_seqnum: target };
-        if let Some(w) = self.shared.waiters().as_mut() {
-            w.unlinks.insert(seqnum, target);
-        }
-        let head = Bytes::copy_from_slice(&unlink.header());
-        self.outgoing.send(Frame { head, payload: Bytes::new() }).map_err(|_| TransferError::Disconnected)
+        let sent = match &self.outgoing {
+            Outgoing::Frames(frames) => {
+                if let Some(w) = self.shared.waiters().as_mut() {
+                    w.unlinks.insert(seqnum, target);
+                }
+                let head = Bytes::copy_from_slice(&unlink.header());
+                frames.send(Frame { head, payload: Bytes::new() }).is_ok()
+            }
+            Outgoing::Session(requests) => requests.send(vec![Request::Unlink(unlink)]).is_ok(),
+        };
+        sent.then_some(()).ok_or(TransferError::Disconnected)
     }
 
     /// Whether the connection is gone (closed by the server, failed, or its
     /// session lost): nothing submitted now will complete.
     pub fn is_closed(&self) -> bool {
         // The flag is set before pending transfers fail, so they never see it unset.
-        self.shared.closed.load(Ordering::Relaxed) || self.reader.is_finished()
+        self.shared.closed.load(Ordering::Relaxed)
+            || match &self.tasks {
+                Tasks::Direct { reader, .. } => reader.is_finished(),
+                Tasks::Relayed { task, .. } => task.is_finished(),
+            }
     }
 }
 
 impl Drop for Connection {
     fn drop(&mut self) {
-        self.reader.abort();
+        // A relay ends by itself: it still delivers what was queued, then ends the session.
+        if let Tasks::Direct { reader, .. } = &self.tasks {
+            reader.abort();
+        }
+    }
+}
+
+/// A userspace connection as the relay's front: commands arrive with their
+/// waiters over a channel, replies go straight to the waiters.
+struct SessionFront {
+    requests: mpsc::UnboundedReceiver<Vec<Request>>,
+    /// Commands received that the session's budget did not take yet.
+    waiting: VecDeque<Request>,
+    shared: Arc<Shared>,
+}
+
+impl SessionFront {
+    fn submit_waiting(&mut self, session: &mut ClientSession<Waiter>) -> Result<bool, RelayError> {
+        let mut took = false;
+        while session.wants_commands() {
+            let Some(request) = self.waiting.pop_front() else { break };
+            match request {
+                Request::Submit(submit, waiter) => session.submit(submit, waiter)?,
+                Request::Unlink(unlink) => session.unlink(unlink)?,
+            }
+            took = true;
+        }
+        Ok(took)
+    }
+}
+
+impl relay::Front for SessionFront {
+    type Tag = Waiter;
+
+    fn poll_commands(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        session: &mut ClientSession<Waiter>,
+    ) -> Result<Step, RelayError> {
+        let mut took = self.submit_waiting(session)?;
+        while self.waiting.is_empty() && session.wants_commands() {
+            match self.requests.poll_recv(cx) {
+                std::task::Poll::Ready(Some(batch)) => {
+                    self.waiting.extend(batch);
+                    took |= self.submit_waiting(session)?;
+                }
+                // Every sender is gone (the connection and its queues): end, once
+                // nothing is left to hand over.
+                std::task::Poll::Ready(None) => return Ok(Step::Detached),
+                std::task::Poll::Pending => break,
+            }
+        }
+        Ok(if took { Step::Progressed } else { Step::Idle })
+    }
+
+    fn takes_replies(&self) -> bool {
+        true
+    }
+
+    fn take_replies(&mut self, session: &mut ClientSession<Waiter>) {
+        let mut deliveries = Deliveries::default();
+        {
+            let guard = self.shared.waiters();
+            let Some(waiters) = guard.as_ref() else {
+                while session.poll_event().is_some() {}
+                return;
+            };
+            while let Some(event) = session.poll_event() {
+                match event {
+                    Event::Completed { reply, tag } => tag.deliver(reply, &mut deliveries, waiters),
+                    Event::Unlinked { reply, cancelled, .. } => {
+                        debug!(seqnum = reply.seqnum, status = ?reply.status, "unlink answered");
+                        if let Some((target, waiter)) = cancelled {
+                            waiter.deliver(empty_reply(target, reply.status), &mut deliveries, waiters);
+                        }
+                    }
+                }
+            }
+            deliveries.hand_over();
+        }
+        deliveries.wake.drain(..).for_each(Waker::wake);
+    }
+
+    fn poll_flush(&mut self, _cx: &mut std::task::Context<'_>) -> Step {
+        Step::Idle
+    }
+
+    /// Marks the connection closed before its pending transfers fail, so
+    /// they never see it open.
+    fn ended(&mut self) {
+        self.shared.close();
     }
 }
 
@@ -454,16 +595,8 @@ pub(crate) fn empty_reply(seqnum: u32, status: Status) -> RetSubmit {
     }
 }
 
-/// Encodes a `CMD_SUBMIT` for `transfer` onto `head` and says what the reply
-/// will look like. Small messages are packed into `head`; a large OUT payload
-/// is returned to go out beside it in the same vectored write, uncopied.
-/// Isochronous descriptors follow the payload, so they force the copy.
-pub(crate) fn encode_submit(
-    devid: u32,
-    seqnum: u32,
-    transfer: Transfer,
-    head: &mut BytesMut,
-) -> (SubmittedShape, Bytes) {
+/// The `CMD_SUBMIT` for `transfer`, and what its reply will look like.
+pub(crate) fn build_submit(devid: u32, seqnum: u32, transfer: Transfer) -> (CmdSubmit, SubmittedShape) {
     let length = match transfer.direction {
         Direction::Out => transfer.data.len() as u32,
         Direction::In => transfer.length,
@@ -488,6 +621,14 @@ pub(crate) fn encode_submit(
         data: transfer.data,
         iso_packets: transfer.iso_packets.unwrap_or_default(),
     };
+    (submit, shape)
+}
+
+/// Encodes `submit` onto `head`. Small messages are packed into `head`; a
+/// large OUT payload is returned to go out beside it in the same vectored
+/// write, uncopied. Isochronous descriptors follow the payload, so they force
+/// the copy.
+pub(crate) fn encode_submit(submit: CmdSubmit, head: &mut BytesMut) -> Bytes {
     let iso_len = submit.iso_packets.len() * urb::ISO_DESCRIPTOR_LEN;
     let out_len = if submit.direction == Direction::Out { submit.data.len() } else { 0 };
     let large = out_len > SMALL_PAYLOAD && iso_len == 0;
@@ -501,7 +642,11 @@ pub(crate) fn encode_submit(
         head.extend_from_slice(&packet.length.to_be_bytes());
         head.extend_from_slice(&[0; 8]);
     }
-    (shape, if large { submit.data } else { Bytes::new() })
+    if large {
+        submit.data
+    } else {
+        Bytes::new()
+    }
 }
 
 /// Room to reserve before the next read: the rest of a RET_SUBMIT whose

@@ -15,10 +15,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
 use bytes::{Bytes, BytesMut};
-use tokio::sync::mpsc;
 use usbwire_proto::urb::{RetSubmit, SubmittedShape};
 
-use crate::connection::{encode_submit, Frame, Shared, Waiter};
+use crate::connection::{build_submit, encode_submit, Frame, Outgoing, Request, Shared, Waiter};
 use crate::{Transfer, TransferError};
 
 /// Replies that arrived for one queue and are not collected yet.
@@ -82,7 +81,7 @@ impl Inbox {
 pub struct TransferQueue {
     devid: u32,
     shared: Arc<Shared>,
-    outgoing: mpsc::UnboundedSender<Frame>,
+    outgoing: Outgoing,
     inbox: Arc<Inbox>,
     /// This queue's id in the waiter map (see `Waiters::register_queue`).
     id: u64,
@@ -97,10 +96,12 @@ pub struct TransferQueue {
     unsent_head: BytesMut,
     /// Whole frames not handed to the writer yet (each ends with a large OUT payload).
     unsent: Vec<Frame>,
+    /// A resumable connection's commands not handed to its relay yet.
+    unsent_requests: Vec<Request>,
 }
 
 impl TransferQueue {
-    pub(crate) fn new(devid: u32, shared: Arc<Shared>, outgoing: mpsc::UnboundedSender<Frame>) -> Self {
+    pub(crate) fn new(devid: u32, shared: Arc<Shared>, outgoing: Outgoing) -> Self {
         let inbox = Arc::<Inbox>::default();
         let registered = shared.waiters().as_mut().map(|waiters| waiters.register_queue(inbox.clone()));
         let id = registered.unwrap_or_else(|| {
@@ -119,6 +120,7 @@ impl TransferQueue {
             unsent_waiters: Vec::new(),
             unsent_head: BytesMut::new(),
             unsent: Vec::new(),
+            unsent_requests: Vec::new(),
         }
     }
 
@@ -129,10 +131,16 @@ impl TransferQueue {
             return Err(TransferError::Disconnected);
         }
         let seqnum = self.shared.next_seqnum.fetch_add(1, Ordering::Relaxed);
-        let (shape, payload) = encode_submit(self.devid, seqnum, transfer, &mut self.unsent_head);
-        self.unsent_waiters.push((seqnum, shape));
-        if !payload.is_empty() {
-            self.unsent.push(Frame { head: self.unsent_head.split().freeze(), payload });
+        let (submit, shape) = build_submit(self.devid, seqnum, transfer);
+        match self.outgoing {
+            Outgoing::Frames(_) => {
+                let payload = encode_submit(submit, &mut self.unsent_head);
+                self.unsent_waiters.push((seqnum, shape));
+                if !payload.is_empty() {
+                    self.unsent.push(Frame { head: self.unsent_head.split().freeze(), payload });
+                }
+            }
+            Outgoing::Session(_) => self.unsent_requests.push(Request::Submit(submit, Waiter::Queue(self.id))),
         }
         self.pending += 1;
         Ok(seqnum)
@@ -198,8 +206,18 @@ impl TransferQueue {
         Some(Err(TransferError::Disconnected))
     }
 
-    /// Hands everything submitted to the writer task, in order.
+    /// Hands everything submitted to the writer task (or the relay), in order.
     fn send_unsent(&mut self) -> Result<(), TransferError> {
+        let frames = match &self.outgoing {
+            Outgoing::Frames(frames) => frames,
+            Outgoing::Session(requests) => {
+                if self.unsent_requests.is_empty() {
+                    return Ok(());
+                }
+                let batch = std::mem::take(&mut self.unsent_requests);
+                return requests.send(batch).map_err(|_| TransferError::Disconnected);
+            }
+        };
         if !self.unsent_waiters.is_empty() {
             let mut guard = self.shared.waiters();
             let Some(waiters) = guard.as_mut() else {
@@ -217,7 +235,7 @@ impl TransferQueue {
             self.unsent.push(Frame { head, payload: Bytes::new() });
         }
         for frame in self.unsent.drain(..) {
-            self.outgoing.send(frame).map_err(|_| TransferError::Disconnected)?;
+            frames.send(frame).map_err(|_| TransferError::Disconnected)?;
         }
         Ok(())
     }

@@ -1,16 +1,18 @@
-//! The kernel relay: vhci-hcd speaks plain USB/IP on one end of a socket
-//! pair, and this relays it to the server through a [`ClientSession`], so
-//! the URB channel can be encrypted, transformed and — when the server
-//! granted resume — outlive its connection.
+//! The relay: one task that drives a [`ClientSession`] between whoever
+//! submits URBs (its [`Front`]) and the server, so the URB channel can be
+//! encrypted, transformed and — when the server granted resume — outlive its
+//! connection. Two fronts: vhci-hcd speaking plain USB/IP on one end of a
+//! socket pair ([`run`]), and a userspace [`Connection`](crate::Connection)
+//! handing over commands with their waiters (no bytes in between).
 //!
-//! While connected, commands the kernel writes are decoded and handed to the
-//! session (which keeps each until its reply), replies the server sends are
-//! decoded by the session and written to the kernel. When the connection
-//! drops, the kernel's socket stays open: its new URBs wait in the session,
-//! and the relay reconnects (at once, then backing off) and resumes; both
-//! sides then send what the other is missing, and the kernel sees a delay.
-//! Without resume, or when the server no longer holds the session, the
-//! relay ends with [`RelayError::SessionLost`] and the caller detaches.
+//! While connected, the front's commands go into the session (which keeps
+//! each until its reply), and the replies the session decodes go back to the
+//! front. When the connection drops, the front is still served: its new URBs
+//! wait in the session, and the relay reconnects (at once, then backing off)
+//! and resumes; both sides then send what the other is missing, and the
+//! front sees a delay. Without resume, or when the server no longer holds the
+//! session, the relay ends with [`RelayError::SessionLost`] and the caller
+//! detaches.
 
 use std::io;
 use std::net::SocketAddr;
@@ -75,14 +77,45 @@ pub enum RelayError {
 
 /// How one stretch of the driver loop ended.
 enum Stop {
-    /// The kernel closed its socket: the port was detached.
+    /// The front let go (the kernel closed its socket: the port was detached).
     Detached,
     LinkLost(io::Error),
 }
 
+/// What one poll of a [`Front`] did.
+pub(crate) enum Step {
+    Progressed,
+    /// Nothing to do; the front wakes the task when there is.
+    Idle,
+    /// The front let go: end the session.
+    Detached,
+}
+
+/// The side of the relay that submits URBs and takes their replies.
+pub(crate) trait Front {
+    /// What the session carries with each URB for its reply.
+    type Tag;
+    /// Moves the front's next commands into `session` while it
+    /// [wants them](ClientSession::wants_commands).
+    fn poll_commands(
+        &mut self,
+        cx: &mut Context<'_>,
+        session: &mut ClientSession<Self::Tag>,
+    ) -> Result<Step, RelayError>;
+    /// Whether to read more replies from the server (the front keeps up).
+    fn takes_replies(&self) -> bool;
+    /// Hands the replies the session decoded to the front.
+    fn take_replies(&mut self, session: &mut ClientSession<Self::Tag>);
+    /// Writes replies taken but not yet out to the front.
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Step;
+    /// The relay is ending; called before the session (and with it every
+    /// pending URB's tag) is dropped.
+    fn ended(&mut self) {}
+}
+
 /// Relays between the kernel's socket and the server until the port is
 /// detached (`Ok`) or the session is lost. `stream` is the imported
-/// device's URB channel; `leftover` what was read past the import reply.
+/// device's URB channel.
 pub async fn run<K>(
     kernel: K,
     stream: PeerStream,
@@ -93,22 +126,45 @@ pub async fn run<K>(
 where
     K: AsyncRead + AsyncWrite + Unpin,
 {
+    let front = KernelFront { kernel, kernel_in: BytesMut::with_capacity(64 * 1024), kernel_out: Outbox::default() };
+    drive(front, stream, devid, upstream, state).await
+}
+
+/// Drives `front`'s session with the server until the front lets go (`Ok`)
+/// or the session is lost.
+pub(crate) async fn drive<F: Front>(
+    mut front: F,
+    stream: PeerStream,
+    devid: u32,
+    upstream: Upstream,
+    state: Option<watch::Sender<RelayState>>,
+) -> Result<(), RelayError> {
     let mut session = ClientSession::new(devid, BytesMut::new(), Limits::default(), Budget::default());
     if upstream.resume.is_some() {
         session = session.resumable();
     }
-    let mut relay = Relay { kernel, kernel_in: BytesMut::with_capacity(64 * 1024), kernel_out: Outbox::default() };
+    let result = drive_session(&mut front, &mut session, stream, upstream, state).await;
+    front.ended();
+    drop(session);
+    result
+}
+
+async fn drive_session<F: Front>(
+    front: &mut F,
+    session: &mut ClientSession<F::Tag>,
+    stream: PeerStream,
+    upstream: Upstream,
+    state: Option<watch::Sender<RelayState>>,
+) -> Result<(), RelayError> {
     let mut server = stream;
-    let limits = Limits::default();
     loop {
-        let lost =
-            match std::future::poll_fn(|cx| relay.poll_drive(cx, Some(&mut server), &mut session, &limits)).await? {
-                Stop::Detached => {
-                    end_session(&mut server, &mut session).await;
-                    return Ok(());
-                }
-                Stop::LinkLost(error) => error,
-            };
+        let lost = match std::future::poll_fn(|cx| poll_drive(front, cx, Some(&mut server), session)).await? {
+            Stop::Detached => {
+                end_session(&mut server, session).await;
+                return Ok(());
+            }
+            Stop::LinkLost(error) => error,
+        };
         let Some(token) = upstream.resume else {
             return Err(RelayError::SessionLost { addr: upstream.addr, reason: format!("{lost} (no resume)") });
         };
@@ -119,9 +175,9 @@ where
             let _ = state.send(RelayState::Resuming { since });
         }
         let replies_received = session.replies_received();
-        // The kernel is served (its commands wait in the session) while reconnecting.
+        // The front is served (its commands wait in the session) while reconnecting.
         let resumed = tokio::select! {
-            stop = std::future::poll_fn(|cx| relay.poll_drive(cx, None, &mut session, &limits)) => match stop? {
+            stop = std::future::poll_fn(|cx| poll_drive(front, cx, None, session)) => match stop? {
                 Stop::Detached => {
                     end_while_away(&upstream, &token, replies_received, session.devid()).await;
                     return Ok(());
@@ -145,9 +201,64 @@ where
     }
 }
 
+/// One turn of the relay: front -> session -> server and server -> session
+/// -> front, until nothing moves. `server` is `None` while reconnecting.
+fn poll_drive<F: Front>(
+    front: &mut F,
+    cx: &mut Context<'_>,
+    mut server: Option<&mut PeerStream>,
+    session: &mut ClientSession<F::Tag>,
+) -> Poll<Result<Stop, RelayError>> {
+    loop {
+        let mut progressed = false;
+
+        // Front -> session.
+        if session.wants_commands() {
+            match front.poll_commands(cx, session)? {
+                Step::Progressed => progressed = true,
+                Step::Idle => {}
+                Step::Detached => return Poll::Ready(Ok(Stop::Detached)),
+            }
+        }
+
+        if let Some(stream) = server.as_deref_mut() {
+            // Server -> session -> front.
+            if front.takes_replies() {
+                match poll_read_buf(Pin::new(&mut *stream), cx, session.input()) {
+                    Poll::Ready(Ok(0)) => return Poll::Ready(Ok(Stop::LinkLost(io::ErrorKind::UnexpectedEof.into()))),
+                    Poll::Ready(Ok(_)) => {
+                        progressed = true;
+                        session.handle_input()?;
+                        front.take_replies(session);
+                    }
+                    Poll::Ready(Err(error)) => return Poll::Ready(Ok(Stop::LinkLost(error))),
+                    Poll::Pending => {}
+                }
+            }
+            // Session -> server.
+            match poll_write_all(session.outbox(), cx, &mut *stream) {
+                Poll::Ready(Ok(wrote)) => progressed |= wrote,
+                Poll::Ready(Err(error)) => return Poll::Ready(Ok(Stop::LinkLost(error))),
+                Poll::Pending => {}
+            }
+        }
+
+        // Replies -> front.
+        match front.poll_flush(cx) {
+            Step::Progressed => progressed = true,
+            Step::Idle => {}
+            Step::Detached => return Poll::Ready(Ok(Stop::Detached)),
+        }
+
+        if !progressed {
+            return Poll::Pending;
+        }
+    }
+}
+
 /// The kernel let go: tell a resumable server it may release the device now
 /// (after whatever commands are still queued), rather than hold it for a resume.
-async fn end_session(server: &mut PeerStream, session: &mut ClientSession<()>) {
+async fn end_session<T>(server: &mut PeerStream, session: &mut ClientSession<T>) {
     session.end();
     let flushed = tokio::time::timeout(END_TIMEOUT, async {
         std::future::poll_fn(|cx| loop {
@@ -214,7 +325,8 @@ async fn reconnect(upstream: &Upstream, token: &Token, replies_received: u64) ->
     }
 }
 
-struct Relay<K> {
+/// vhci-hcd's end of the socket pair: commands as bytes in, replies as bytes out.
+struct KernelFront<K> {
     kernel: K,
     /// Commands from the kernel not decoded yet.
     kernel_in: BytesMut,
@@ -222,76 +334,57 @@ struct Relay<K> {
     kernel_out: Outbox,
 }
 
-impl<K: AsyncRead + AsyncWrite + Unpin> Relay<K> {
-    fn poll_drive(
-        &mut self,
-        cx: &mut Context<'_>,
-        mut server: Option<&mut PeerStream>,
-        session: &mut ClientSession<()>,
-        limits: &Limits,
-    ) -> Poll<Result<Stop, RelayError>> {
-        loop {
-            let mut progressed = false;
+impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
+    type Tag = ();
 
-            // Kernel -> session.
-            if session.wants_commands() {
-                self.kernel_in.reserve(64 * 1024);
-                match poll_read_buf(Pin::new(&mut self.kernel), cx, &mut self.kernel_in) {
-                    Poll::Ready(Ok(0)) => return Poll::Ready(Ok(Stop::Detached)),
-                    Poll::Ready(Ok(_)) => {
-                        progressed = true;
-                        self.take_commands(session, limits)?;
-                    }
-                    // The kernel resets its socket on detach.
-                    Poll::Ready(Err(_)) => return Poll::Ready(Ok(Stop::Detached)),
-                    Poll::Pending => {}
-                }
+    fn poll_commands(&mut self, cx: &mut Context<'_>, session: &mut ClientSession<()>) -> Result<Step, RelayError> {
+        // Whole commands left over from a read the session's budget cut short come first.
+        let before = session.outstanding();
+        self.take_commands(session)?;
+        let took = session.outstanding() != before;
+        if !session.wants_commands() {
+            return Ok(if took { Step::Progressed } else { Step::Idle });
+        }
+        self.kernel_in.reserve(64 * 1024);
+        match poll_read_buf(Pin::new(&mut self.kernel), cx, &mut self.kernel_in) {
+            Poll::Ready(Ok(0)) => Ok(Step::Detached),
+            Poll::Ready(Ok(_)) => {
+                self.take_commands(session)?;
+                Ok(Step::Progressed)
             }
+            // The kernel resets its socket on detach.
+            Poll::Ready(Err(_)) => Ok(Step::Detached),
+            Poll::Pending if took => Ok(Step::Progressed),
+            Poll::Pending => Ok(Step::Idle),
+        }
+    }
 
-            if let Some(stream) = server.as_deref_mut() {
-                // Server -> session -> kernel.
-                if self.kernel_out.queued() < KERNEL_BACKLOG {
-                    match poll_read_buf(Pin::new(&mut *stream), cx, session.input()) {
-                        Poll::Ready(Ok(0)) => {
-                            return Poll::Ready(Ok(Stop::LinkLost(io::ErrorKind::UnexpectedEof.into())));
-                        }
-                        Poll::Ready(Ok(_)) => {
-                            progressed = true;
-                            session.handle_input()?;
-                            while let Some(event) = session.poll_event() {
-                                match event {
-                                    Event::Completed { reply, .. } => self.kernel_out.push_ret_submit(&reply),
-                                    Event::Unlinked { reply, .. } => self.kernel_out.push_ret_unlink(&reply),
-                                }
-                            }
-                        }
-                        Poll::Ready(Err(error)) => return Poll::Ready(Ok(Stop::LinkLost(error))),
-                        Poll::Pending => {}
-                    }
-                }
-                // Session -> server.
-                match poll_write_all(session.outbox(), cx, &mut *stream) {
-                    Poll::Ready(Ok(wrote)) => progressed |= wrote,
-                    Poll::Ready(Err(error)) => return Poll::Ready(Ok(Stop::LinkLost(error))),
-                    Poll::Pending => {}
-                }
-            }
+    fn takes_replies(&self) -> bool {
+        self.kernel_out.queued() < KERNEL_BACKLOG
+    }
 
-            // Replies -> kernel.
-            match poll_write_all(&mut self.kernel_out, cx, &mut self.kernel) {
-                Poll::Ready(Ok(wrote)) => progressed |= wrote,
-                Poll::Ready(Err(_)) => return Poll::Ready(Ok(Stop::Detached)),
-                Poll::Pending => {}
-            }
-
-            if !progressed {
-                return Poll::Pending;
+    fn take_replies(&mut self, session: &mut ClientSession<()>) {
+        while let Some(event) = session.poll_event() {
+            match event {
+                Event::Completed { reply, .. } => self.kernel_out.push_ret_submit(&reply),
+                Event::Unlinked { reply, .. } => self.kernel_out.push_ret_unlink(&reply),
             }
         }
     }
 
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Step {
+        match poll_write_all(&mut self.kernel_out, cx, &mut self.kernel) {
+            Poll::Ready(Ok(true)) => Step::Progressed,
+            Poll::Ready(Ok(false)) | Poll::Pending => Step::Idle,
+            Poll::Ready(Err(_)) => Step::Detached,
+        }
+    }
+}
+
+impl<K> KernelFront<K> {
     /// Decodes the kernel's whole commands into the session.
-    fn take_commands(&mut self, session: &mut ClientSession<()>, limits: &Limits) -> Result<(), RelayError> {
+    fn take_commands(&mut self, session: &mut ClientSession<()>) -> Result<(), RelayError> {
+        let limits = Limits::default();
         while session.wants_commands() {
             // vhci sends isochronous descriptors exactly when the URB has packets
             // (number_of_packets is 0 otherwise); the kernel is trusted here.
@@ -302,7 +395,7 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Relay<K> {
                     self.kernel_in[0x22],
                     self.kernel_in[0x23],
                 ]) > 0;
-            let message = urb::decode_command(&mut self.kernel_in, limits, |_, _| iso)
+            let message = urb::decode_command(&mut self.kernel_in, &limits, |_, _| iso)
                 .map_err(|error| RelayError::Kernel(error.to_string()))?;
             let Some(message) = message else { return Ok(()) };
             match message {

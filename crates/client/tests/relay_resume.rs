@@ -6,6 +6,8 @@
 //! the "kernel" socket must never see the link go.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -78,7 +80,13 @@ fn round_payload(round: u32) -> Bytes {
 
 /// Plays vhci-hcd: configures the device, then runs `rounds` OUT+IN pairs on
 /// the loop endpoints with up to 16 rounds in flight, checking every reply.
-async fn kernel(mut socket: UnixStream, devid: u32, rounds: u32) -> Result<UnixStream, String> {
+/// `progress` counts the rounds whose IN came back.
+async fn kernel(
+    mut socket: UnixStream,
+    devid: u32,
+    rounds: u32,
+    progress: Arc<AtomicU32>,
+) -> Result<UnixStream, String> {
     let mut codec: ClientSession<(u32, bool)> =
         ClientSession::new(devid, BytesMut::new(), Limits::default(), Budget::default());
     let mut seqnum = 1;
@@ -125,6 +133,7 @@ async fn kernel(mut socket: UnixStream, devid: u32, rounds: u32) -> Result<UnixS
                     return Err(format!("round {round}: loop data differs"));
                 }
                 next_in += 1;
+                progress.store(next_in, Ordering::Relaxed);
             }
         }
     }
@@ -167,10 +176,17 @@ async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
         resumes
     });
     let rounds = 3000;
-    let kernel = tokio::spawn(kernel(kernel_end, devid, rounds));
+    let progress = Arc::new(AtomicU32::new(0));
+    let kernel = tokio::spawn(kernel(kernel_end, devid, rounds, progress.clone()));
+    // Cuts spread over the rounds by progress, not by time, so however fast the
+    // relay runs, each cut lands mid-stream with the session resumed since the last.
+    const CUTS: u32 = 15;
     let mut cuts = 0;
-    while cuts < 40 {
-        tokio::time::sleep(Duration::from_millis(20 + (cuts * 37 % 90))).await;
+    while cuts < CUTS {
+        let due = (cuts + 1) * rounds / (CUTS + 2);
+        while progress.load(Ordering::Relaxed) < due && !kernel.is_finished() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
         // No cut once the rounds are done: the detach below must find the link up.
         if kernel.is_finished() {
             break;
