@@ -486,20 +486,26 @@ impl relay::Front for SessionFront {
         true
     }
 
-    fn take_replies(&mut self, session: &mut ClientSession<Waiter>) {
+    fn take_replies(&mut self, session: &mut ClientSession<Waiter>) -> bool {
         let mut deliveries = Deliveries::default();
+        // Reply futures wake their tasks when sent to; a queue only when it was waiting.
+        let mut answered_futures = false;
         {
             let guard = self.shared.waiters();
             let Some(waiters) = guard.as_ref() else {
                 while session.poll_event().is_some() {}
-                return;
+                return false;
             };
             while let Some(event) = session.poll_event() {
                 match event {
-                    Event::Completed { reply, tag } => tag.deliver(reply, &mut deliveries, waiters),
+                    Event::Completed { reply, tag } => {
+                        answered_futures |= matches!(tag, Waiter::Reply(_));
+                        tag.deliver(reply, &mut deliveries, waiters);
+                    }
                     Event::Unlinked { reply, cancelled, .. } => {
                         debug!(seqnum = reply.seqnum, status = ?reply.status, "unlink answered");
                         if let Some((target, waiter)) = cancelled {
+                            answered_futures |= matches!(waiter, Waiter::Reply(_));
                             waiter.deliver(empty_reply(target, reply.status), &mut deliveries, waiters);
                         }
                     }
@@ -507,7 +513,9 @@ impl relay::Front for SessionFront {
             }
             deliveries.hand_over();
         }
+        let woke = !deliveries.wake.is_empty();
         deliveries.wake.drain(..).for_each(Waker::wake);
+        woke || answered_futures
     }
 
     fn poll_flush(&mut self, _cx: &mut std::task::Context<'_>) -> Step {

@@ -11,7 +11,7 @@
 //!
 //! [`Connection::import_resumable`] imports and, when the server (usbwire)
 //! grants resume, keeps the session through network drops: the connection
-//! talks to a [`relay`] task over an in-process pipe, and the relay
+//! hands its commands to a [`relay`] task, which drives the session and
 //! reconnects and resumes, so an outage shorter than the server's grace
 //! period is a delay for pending transfers, not an error. A session that
 //! cannot be resumed fails them with [`TransferError::Disconnected`], as any

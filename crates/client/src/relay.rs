@@ -80,6 +80,8 @@ enum Stop {
     /// The front let go (the kernel closed its socket: the port was detached).
     Detached,
     LinkLost(io::Error),
+    /// The server ended the session (it is shutting down).
+    ServerEnded,
 }
 
 /// What one poll of a [`Front`] did.
@@ -104,8 +106,10 @@ pub(crate) trait Front {
     ) -> Result<Step, RelayError>;
     /// Whether to read more replies from the server (the front keeps up).
     fn takes_replies(&self) -> bool;
-    /// Hands the replies the session decoded to the front.
-    fn take_replies(&mut self, session: &mut ClientSession<Self::Tag>);
+    /// Hands the replies the session decoded to the front. Returns whether
+    /// that woke a task of this runtime, which then gets to run before the
+    /// relay reads on.
+    fn take_replies(&mut self, session: &mut ClientSession<Self::Tag>) -> bool;
     /// Writes replies taken but not yet out to the front.
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Step;
     /// The relay is ending; called before the session (and with it every
@@ -164,6 +168,12 @@ async fn drive_session<F: Front>(
                 return Ok(());
             }
             Stop::LinkLost(error) => error,
+            Stop::ServerEnded => {
+                return Err(RelayError::SessionLost {
+                    addr: upstream.addr,
+                    reason: "the server ended the session (it is shutting down)".into(),
+                })
+            }
         };
         let Some(token) = upstream.resume else {
             return Err(RelayError::SessionLost { addr: upstream.addr, reason: format!("{lost} (no resume)") });
@@ -182,7 +192,7 @@ async fn drive_session<F: Front>(
                     end_while_away(&upstream, &token, replies_received, session.devid()).await;
                     return Ok(());
                 }
-                Stop::LinkLost(_) => unreachable_while_disconnected(),
+                Stop::LinkLost(_) | Stop::ServerEnded => unreachable_while_disconnected(),
             },
             resumed = reconnect(&upstream, &token, replies_received) => resumed,
         };
@@ -211,6 +221,7 @@ fn poll_drive<F: Front>(
 ) -> Poll<Result<Stop, RelayError>> {
     loop {
         let mut progressed = false;
+        let mut woke = false;
 
         // Front -> session.
         if session.wants_commands() {
@@ -228,8 +239,14 @@ fn poll_drive<F: Front>(
                     Poll::Ready(Ok(0)) => return Poll::Ready(Ok(Stop::LinkLost(io::ErrorKind::UnexpectedEof.into()))),
                     Poll::Ready(Ok(_)) => {
                         progressed = true;
-                        session.handle_input()?;
-                        front.take_replies(session);
+                        let handled = session.handle_input();
+                        // Replies before an error (or the server's end) still reach the front.
+                        woke = front.take_replies(session);
+                        match handled {
+                            Ok(()) => {}
+                            Err(ClientSessionError::ServerEnded) => return Poll::Ready(Ok(Stop::ServerEnded)),
+                            Err(error) => return Poll::Ready(Err(error.into())),
+                        }
                     }
                     Poll::Ready(Err(error)) => return Poll::Ready(Ok(Stop::LinkLost(error))),
                     Poll::Pending => {}
@@ -250,7 +267,20 @@ fn poll_drive<F: Front>(
             Step::Detached => return Poll::Ready(Ok(Stop::Detached)),
         }
 
-        if !progressed {
+        // Let the tasks the replies woke run (on a single-threaded runtime they
+        // could not submit more URBs to keep the server busy while replies keep
+        // coming), then carry on: the same as a yield, without its extra poll
+        // of the I/O driver.
+        if woke {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        // Idle: acknowledge what the server sent (busy, the acknowledgement
+        // rides with the next command instead of costing a write of its own).
+        if progressed {
+            continue;
+        }
+        if server.is_none() || !session.acknowledge() {
             return Poll::Pending;
         }
     }
@@ -363,13 +393,15 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
         self.kernel_out.queued() < KERNEL_BACKLOG
     }
 
-    fn take_replies(&mut self, session: &mut ClientSession<()>) {
+    fn take_replies(&mut self, session: &mut ClientSession<()>) -> bool {
         while let Some(event) = session.poll_event() {
             match event {
                 Event::Completed { reply, .. } => self.kernel_out.push_ret_submit(&reply),
                 Event::Unlinked { reply, .. } => self.kernel_out.push_ret_unlink(&reply),
             }
         }
+        // The kernel runs elsewhere: nothing to make room for.
+        false
     }
 
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Step {

@@ -10,8 +10,11 @@
 //! too (the server sends no `RET_SUBMIT` for a URB it cancelled); a
 //! `RET_UNLINK(0)` follows its target's `RET_SUBMIT`.
 //!
-//! Resumable sessions ([`resumable`]) acknowledge the replies they received
-//! after each [`handle_input`] and keep every command until its reply arrives.
+//! Resumable sessions ([`resumable`]) keep every command until its reply
+//! arrives and acknowledge the replies they received, without a write of
+//! their own where they can: the acknowledgement rides in front of the next
+//! command, goes out once a read's worth ([`ACK_EVERY_BYTES`]) is unacknowledged,
+//! and otherwise when the driver has nothing else to do ([`acknowledge`]).
 //! When the connection drops, [`disconnected`]; on a new connection, send
 //! [`replies_received`] in the resume request and pass the server's count of
 //! commands received to [`resumed`]: the commands the server never got
@@ -23,7 +26,7 @@
 //! [`outbox`]: ClientSession::outbox
 //! [`poll_event`]: ClientSession::poll_event
 //! [`resumable`]: ClientSession::resumable
-//! [`handle_input`]: ClientSession::handle_input
+//! [`acknowledge`]: ClientSession::acknowledge
 //! [`disconnected`]: ClientSession::disconnected
 //! [`replies_received`]: ClientSession::replies_received
 //! [`resumed`]: ClientSession::resumed
@@ -35,10 +38,15 @@ use bytes::BytesMut;
 use crate::outbox::Outbox;
 use crate::resume;
 use crate::urb::{self, CmdSubmit, CmdUnlink, RetSubmit, RetUnlink, ServerMessage, SubmittedShape};
-use crate::{Budget, DecodeError, Limits, SeqnumMap, Status};
+use crate::{Budget, DecodeError, Limits, RecvBuffer, SeqnumMap, Status};
 
 /// Read at least this much at a time.
 const READ_CHUNK: usize = 256 * 1024;
+
+/// Reply bytes a resumable session takes before it acknowledges them even
+/// though the driver is busy: far below any server's budget of unacknowledged
+/// replies, so the server never waits on an acknowledgement held back here.
+pub const ACK_EVERY_BYTES: usize = 1 << 20;
 
 /// What the server's replies mean for the caller.
 #[derive(Debug, PartialEq, Eq)]
@@ -63,6 +71,10 @@ pub enum ClientSessionError {
     /// The server's resume answer claims more commands than were ever sent.
     #[error("server claims {claimed} commands received; only {sent} were sent")]
     BadCommandCount { claimed: u64, sent: u64 },
+    /// The server ended a resumable session (it is shutting down): there is
+    /// nothing to resume; replies before the end were delivered.
+    #[error("the server ended the session (it is shutting down)")]
+    ServerEnded,
 }
 
 enum Command {
@@ -82,13 +94,16 @@ pub struct ClientSession<T> {
     devid: u32,
     limits: Limits,
     budget: Budget,
-    inbuf: BytesMut,
+    /// Reused once the payloads decoded from it are dropped.
+    inbuf: RecvBuffer,
     outstanding: SeqnumMap<Outstanding<T>>,
     /// `transfer_buffer_length` summed over outstanding submits.
     outstanding_bytes: usize,
     commands_sent: u64,
     replies_received: u64,
     replies_acked: u64,
+    /// Wire bytes of the replies received and not acknowledged yet.
+    unacked_bytes: usize,
     resumable: bool,
     connected: bool,
     outbox: Outbox,
@@ -103,12 +118,13 @@ impl<T> ClientSession<T> {
             devid,
             limits,
             budget,
-            inbuf: leftover,
+            inbuf: RecvBuffer::holding(leftover, READ_CHUNK),
             outstanding: SeqnumMap::default(),
             outstanding_bytes: 0,
             commands_sent: 0,
             replies_received: 0,
             replies_acked: 0,
+            unacked_bytes: 0,
             resumable: false,
             connected: true,
             outbox: Outbox::default(),
@@ -142,6 +158,7 @@ impl<T> ClientSession<T> {
             return Err(ClientSessionError::DuplicateSeqnum(command.seqnum));
         }
         if self.connected {
+            self.acknowledge();
             self.outbox.push_cmd_submit(&command);
         }
         self.outstanding_bytes += command.transfer_buffer_length as usize;
@@ -161,6 +178,7 @@ impl<T> ClientSession<T> {
             return Err(ClientSessionError::DuplicateSeqnum(command.seqnum));
         }
         if self.connected {
+            self.acknowledge();
             self.outbox.push_header(&command.header());
         }
         let outstanding = Outstanding { index: self.commands_sent, command: Command::Unlink(command), tag: None };
@@ -197,11 +215,16 @@ impl<T> ClientSession<T> {
         Some(urb::HEADER_LEN + payload + submit.iso_packets.len() * urb::ISO_DESCRIPTOR_LEN)
     }
 
-    /// Decodes every whole reply buffered and queues its [`Event`]; a
-    /// resumable session then acknowledges them.
+    /// Decodes every whole reply buffered and queues its [`Event`]. A
+    /// resumable session acknowledges them with its next command, or at once
+    /// past [`ACK_EVERY_BYTES`]; a driver with nothing more to write calls
+    /// [`acknowledge`](Self::acknowledge).
     pub fn handle_input(&mut self) -> Result<(), ClientSessionError> {
-        let received_before = self.replies_received;
+        let buffered = self.inbuf.len();
         loop {
+            if self.resumable && self.inbuf.len() >= urb::HEADER_LEN && self.inbuf[..4] == resume::END.0.to_be_bytes() {
+                return Err(ClientSessionError::ServerEnded);
+            }
             let outstanding = &self.outstanding;
             let shape = |seqnum: u32| match outstanding.get(seqnum) {
                 Some(Outstanding { command: Command::Submit(submit), .. }) => Some(SubmittedShape {
@@ -245,11 +268,25 @@ impl<T> ClientSession<T> {
                 },
             }
         }
-        if self.resumable && self.connected && self.replies_received != received_before {
-            self.outbox.push_header(&resume::ack_header(self.devid, self.replies_received));
-            self.replies_acked = self.replies_received;
+        if self.resumable {
+            self.unacked_bytes += buffered - self.inbuf.len();
+            if self.unacked_bytes >= ACK_EVERY_BYTES {
+                self.acknowledge();
+            }
         }
         Ok(())
+    }
+
+    /// Queues the acknowledgement of every reply received, if one is due
+    /// (resumable sessions). Returns whether it queued one.
+    pub fn acknowledge(&mut self) -> bool {
+        if !self.resumable || !self.connected || self.replies_received == self.replies_acked {
+            return false;
+        }
+        self.outbox.push_header(&resume::ack_header(self.devid, self.replies_received));
+        self.replies_acked = self.replies_received;
+        self.unacked_bytes = 0;
+        true
     }
 
     /// The next reply, in the order they arrived.
@@ -311,8 +348,10 @@ impl<T> ClientSession<T> {
                 Command::Unlink(unlink) => self.outbox.push_header(&unlink.header()),
             }
         }
-        self.inbuf = leftover;
+        self.inbuf = RecvBuffer::holding(leftover, READ_CHUNK);
+        // The resume request carried the count.
         self.replies_acked = self.replies_received;
+        self.unacked_bytes = 0;
         self.connected = true;
         Ok(again.len())
     }
@@ -321,5 +360,145 @@ impl<T> ClientSession<T> {
         if let Command::Submit(submit) = &done.command {
             self.outstanding_bytes -= submit.transfer_buffer_length as usize;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::urb::TransferFlags;
+    use crate::Direction;
+
+    const DEVID: u32 = 0x0001_0002;
+
+    fn bulk_in(seqnum: u32, length: u32) -> CmdSubmit {
+        CmdSubmit {
+            seqnum,
+            devid: DEVID,
+            direction: Direction::In,
+            ep: 1,
+            transfer_flags: TransferFlags::default(),
+            transfer_buffer_length: length,
+            start_frame: 0,
+            number_of_packets: 0,
+            interval: 0,
+            setup: [0; 8],
+            data: Bytes::new(),
+            iso_packets: vec![],
+        }
+    }
+
+    fn reply(seqnum: u32, length: usize) -> BytesMut {
+        let ret = RetSubmit {
+            seqnum,
+            status: Status::OK,
+            actual_length: length as u32,
+            start_frame: 0,
+            number_of_packets: 0,
+            error_count: 0,
+            data: Bytes::from(vec![7; length]),
+            iso_packets: vec![],
+        };
+        let mut out = BytesMut::new();
+        ret.encode(&mut out);
+        out
+    }
+
+    /// Everything queued, as the bytes a driver would write.
+    fn written(session: &mut ClientSession<u32>) -> Vec<u8> {
+        let outbox = session.outbox();
+        let bytes: Vec<u8> = outbox.slices(64).iter().flat_map(|slice| slice.to_vec()).collect();
+        outbox.advance(bytes.len());
+        bytes
+    }
+
+    fn acks_in(bytes: &[u8]) -> Vec<u64> {
+        bytes.chunks(urb::HEADER_LEN).filter_map(resume::parse_ack).collect()
+    }
+
+    fn session_with(outstanding: u32, length: u32) -> ClientSession<u32> {
+        let mut session = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default()).resumable();
+        for seqnum in 1..=outstanding {
+            session.submit(bulk_in(seqnum, length), seqnum).unwrap();
+        }
+        written(&mut session);
+        session
+    }
+
+    #[test]
+    fn an_acknowledgement_rides_in_front_of_the_next_command() {
+        let mut session = session_with(2, 512);
+        session.input().extend_from_slice(&reply(1, 512));
+        session.handle_input().unwrap();
+        assert!(session.outbox().is_empty(), "a small read is not acknowledged by a write of its own");
+        session.submit(bulk_in(3, 512), 3).unwrap();
+        let bytes = written(&mut session);
+        assert_eq!(acks_in(&bytes[..urb::HEADER_LEN]), vec![1], "the ack comes first");
+        assert_eq!(bytes.len(), 2 * urb::HEADER_LEN, "then the command");
+        assert!(!session.acknowledge(), "nothing more is due");
+    }
+
+    #[test]
+    fn an_idle_driver_acknowledges_what_was_received() {
+        let mut session = session_with(2, 512);
+        assert!(!session.acknowledge(), "nothing received yet");
+        let mut both = reply(1, 512);
+        both.extend_from_slice(&reply(2, 0));
+        session.input().extend_from_slice(&both);
+        session.handle_input().unwrap();
+        assert!(session.acknowledge());
+        assert_eq!(acks_in(&written(&mut session)), vec![2]);
+        assert!(!session.acknowledge());
+    }
+
+    #[test]
+    fn a_busy_session_acknowledges_once_a_read_worth_is_unacknowledged() {
+        let length = 64 * 1024;
+        let count = (ACK_EVERY_BYTES / length + 1) as u32;
+        let mut session = session_with(count, length as u32);
+        for seqnum in 1..=count {
+            session.input().extend_from_slice(&reply(seqnum, length));
+            session.handle_input().unwrap();
+            let acks = acks_in(&written(&mut session));
+            if (seqnum as usize) * (length + urb::HEADER_LEN) < ACK_EVERY_BYTES {
+                assert!(acks.is_empty(), "acknowledged after {seqnum} replies");
+            } else {
+                assert_eq!(acks, vec![u64::from(seqnum)], "not acknowledged past ACK_EVERY_BYTES");
+                return;
+            }
+        }
+        panic!("never acknowledged");
+    }
+
+    #[test]
+    fn the_servers_end_comes_after_the_replies_before_it() {
+        let mut session = session_with(2, 512);
+        let mut bytes = reply(1, 512);
+        bytes.extend_from_slice(&resume::end_header(DEVID));
+        session.input().extend_from_slice(&bytes);
+        assert!(matches!(session.handle_input(), Err(ClientSessionError::ServerEnded)));
+        assert!(matches!(session.poll_event(), Some(Event::Completed { tag: 1, .. })));
+        assert!(session.poll_event().is_none());
+    }
+
+    #[test]
+    fn a_stock_session_takes_an_end_for_garbage() {
+        let mut session = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default());
+        session.submit(bulk_in(1, 512), 1).unwrap();
+        session.input().extend_from_slice(&resume::end_header(DEVID));
+        assert!(matches!(session.handle_input(), Err(ClientSessionError::Decode(_))));
+    }
+
+    #[test]
+    fn a_stock_session_never_acknowledges() {
+        let mut session = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default());
+        session.submit(bulk_in(1, 512), 1).unwrap();
+        written(&mut session);
+        session.input().extend_from_slice(&reply(1, 512));
+        session.handle_input().unwrap();
+        assert!(!session.acknowledge());
+        assert!(session.outbox().is_empty());
     }
 }

@@ -46,6 +46,12 @@ impl RecvBuffer {
         Self { buf: BytesMut::with_capacity(min_alloc), spares: VecDeque::new(), alloc: min_alloc, min_alloc }
     }
 
+    /// A buffer that already holds `bytes` (read past a previous exchange).
+    pub fn holding(bytes: BytesMut, min_alloc: usize) -> Self {
+        let alloc = bytes.capacity();
+        Self { buf: bytes, spares: VecDeque::new(), alloc, min_alloc }
+    }
+
     /// Makes room for at least `additional` more bytes, keeping what is buffered.
     ///
     /// In order of preference: the room is already there; the buffer's own

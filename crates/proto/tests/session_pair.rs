@@ -225,6 +225,10 @@ impl Pair {
 
     fn client_writes(&mut self, max: usize) {
         if self.client.is_connected() {
+            // A driver acknowledges when it has nothing else to write.
+            if self.client.outbox().is_empty() {
+                self.client.acknowledge();
+            }
             Self::write(self.client.outbox(), &mut self.c2s, max);
         }
     }
