@@ -241,6 +241,32 @@ async fn without_resume_a_cut_ends_the_relay_with_what_to_do() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_shuts_down_ends_the_session_and_the_relay_at_once() {
+    let (server, stop) = start_server(Duration::from_secs(30)).await;
+    let busid = BusId::new("1-1").unwrap();
+    let imported = usbwire_client::import_resumable(server, &busid, &Security::Plain, &[]).await.unwrap();
+    assert!(imported.resume.is_some());
+    let (kernel_end, relay_end) = UnixStream::pair().unwrap();
+    let upstream = Upstream {
+        addr: server,
+        security: Security::Plain,
+        transforms: vec![],
+        resume: imported.resume,
+        // Without the server's end the relay would retry this long.
+        give_up_after: Duration::from_secs(60),
+    };
+    let relay = tokio::spawn(relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let _ = stop.send(());
+    let ended = tokio::time::timeout(Duration::from_secs(3), relay).await.expect("relay ends at once").unwrap();
+    match ended {
+        Err(RelayError::SessionLost { reason, .. }) => assert!(reason.contains("ended the session"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    drop(kernel_end);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_session_shows_as_resuming_then_is_released_after_the_grace_period() {
     let (server, _stop) = start_server(Duration::from_secs(2)).await;
     let busid = BusId::new("1-1").unwrap();

@@ -31,9 +31,11 @@ pub const OFFER: &str = "resume";
 /// The command word of a resume acknowledgement (client to server).
 pub const ACK: Command = Command(0x8000_0001);
 
-/// The command word of a resumable session's last message (client to server):
-/// the client is done (detached), so the server releases the device at once
-/// instead of holding the session for a resume that will not come.
+/// The command word of a resumable session's last message, either way. From
+/// the client: it is done (detached), so the server releases the device at
+/// once instead of holding the session for a resume that will not come. From
+/// the server: it is shutting down, so the client gives the session up at
+/// once instead of trying to resume it.
 pub const END: Command = Command(0x8000_0002);
 
 /// The secret that names a resumable session. Whoever holds it (with the same

@@ -389,6 +389,15 @@ impl ServerSession {
         &mut self.outbox
     }
 
+    /// Ends a resumable session from this side (the server shuts down): its
+    /// last message, after every reply queued, tells the client not to try to
+    /// resume. Write the outbox out, then close. Stock sessions get nothing.
+    pub fn end(&mut self) {
+        if self.replay.is_some() && self.connected {
+            self.outbox.push_header(&resume::end_header(self.devid));
+        }
+    }
+
     /// Whether the client ended the session: release the device, do not wait for a resume.
     pub fn client_ended(&self) -> bool {
         self.ended
@@ -629,6 +638,22 @@ mod tests {
         let mut stock = session_stock();
         stock.input(|_, _| false).unwrap().extend_from_slice(&resume::end_header(DEVID));
         assert!(stock.handle_input(|_, _| false).is_err());
+    }
+
+    #[test]
+    fn a_shutting_down_server_ends_only_resumable_sessions_after_their_replies() {
+        let mut session = session(Budget::default()).resumable();
+        feed(&mut session, &submit_bytes(1, Direction::In, 8));
+        session.complete(done(1, Status::OK, &[1; 8]));
+        session.end();
+        let outbox = session.outbox();
+        let wire: Vec<u8> = outbox.slices(16).iter().flat_map(|slice| slice.to_vec()).collect();
+        assert_eq!(wire.len(), 2 * urb::HEADER_LEN + 8, "the reply, then the end");
+        assert_eq!(wire[urb::HEADER_LEN + 8..], resume::end_header(DEVID));
+        // Stock clients (vhci-hcd) never see the extension.
+        let mut stock = session_stock();
+        stock.end();
+        assert!(stock.outbox().is_empty());
     }
 
     fn session_stock() -> ServerSession {

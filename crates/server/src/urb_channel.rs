@@ -24,7 +24,7 @@ use bytes::BytesMut;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 use tokio_util::io::poll_read_buf;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 use usbwire_device::{Device, TransferType, Urb};
 use usbwire_proto::op::{self, OpStatus};
 use usbwire_proto::resume::Token;
@@ -36,6 +36,9 @@ use crate::connection::Peer;
 use crate::registry::Lease;
 use crate::resumable::{Handover, Parked, Parking};
 use crate::ServerConfig;
+
+/// How long a shutting-down server tries to deliver a resumable client's last replies and the end.
+const GOODBYE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// How a URB channel ended without a protocol error.
 #[derive(Debug)]
@@ -94,7 +97,12 @@ pub(crate) async fn run(
         let mut early_arrival = None;
         let outcome = tokio::select! {
             result = std::future::poll_fn(|cx| channel.poll_drive(cx, device)) => result,
-            () = crate::stopped(&mut stop) => return Ok(End::Shutdown),
+            () = crate::stopped(&mut stop) => {
+                if resumable.is_some() {
+                    channel.say_goodbye().await;
+                }
+                return Ok(End::Shutdown);
+            }
             arrival = next_arrival(&mut parking) => {
                 info!(peer = %arrival.peer.addr, "client came back on a new connection; dropping the old one");
                 early_arrival = Some(arrival);
@@ -230,6 +238,25 @@ struct Channel<'a> {
 }
 
 impl Channel<'_> {
+    /// The server shuts down: tells a resumable client, after the replies
+    /// already queued, that there will be no session to resume, so it gives
+    /// up at once instead of retrying for its whole give-up time.
+    async fn say_goodbye(&mut self) {
+        self.session.end();
+        let said = tokio::time::timeout(GOODBYE_TIMEOUT, async {
+            while !self.session.outbox().is_empty() {
+                if !std::future::poll_fn(|cx| poll_write_outbox(self.session.outbox(), cx, &mut self.stream)).await? {
+                    break;
+                }
+            }
+            self.stream.shutdown().await
+        })
+        .await;
+        if !matches!(said, Ok(Ok(()))) {
+            debug!("could not tell the client the session ended");
+        }
+    }
+
     fn poll_drive(&mut self, cx: &mut Context<'_>, device: &mut dyn Device) -> Poll<Result<End, ChannelError>> {
         loop {
             let mut progressed = false;

@@ -24,6 +24,8 @@ use crate::exit::Failure;
 
 /// How often an attached port is checked for having been lost.
 const WATCH_INTERVAL: Duration = Duration::from_millis(500);
+/// How long a detach waits for its relay to say goodbye to the server.
+const RELAY_END_WAIT: Duration = Duration::from_secs(3);
 
 pub(crate) async fn run(args: ClientArgs) -> Result<(), Failure> {
     let config = ClientConfig::load(&args.config).map_err(Failure::config)?;
@@ -144,12 +146,16 @@ async fn keep_attached(rule: AttachRule, security: Security, mut stop: watch::Re
             Ok(attachment) => {
                 info!(rule = %rule, port = attachment.port, busid = %attachment.busid, "attached");
                 backoff.reset();
-                tokio::select! {
-                    reason = attachment.lost() => warn!(rule = %rule, port = attachment.port, reason, "attachment lost; attaching again"),
-                    _ = stop.wait_for(|stop| *stop) => {
-                        attachment.detach();
-                        return;
+                let stopped = tokio::select! {
+                    reason = attachment.lost() => {
+                        warn!(rule = %rule, port = attachment.port, reason, "attachment lost; attaching again");
+                        false
                     }
+                    _ = stop.wait_for(|stop| *stop) => true,
+                };
+                if stopped {
+                    attachment.detach().await;
+                    return;
                 }
             }
             Err(error) => warn!(rule = %rule, %error, retry_in_ms = backoff_preview(&backoff), "attach failed"),
@@ -166,8 +172,8 @@ struct Attachment {
     port: u32,
     devid: u32,
     busid: String,
-    /// Over TLS the service relays between the kernel's socket and the server
-    /// (the same relay as `attach`).
+    /// Over TLS, or when the server resumes sessions, the service relays
+    /// between the kernel's socket and the server (the same relay as `attach`).
     relay: Option<JoinHandle<Result<(), usbwire_client::relay::RelayError>>>,
 }
 
@@ -194,13 +200,17 @@ impl Attachment {
         }
     }
 
-    fn detach(self) {
-        if let Some(relay) = &self.relay {
-            relay.abort();
-        }
+    async fn detach(self) {
         match vhci::detach(self.port) {
             Ok(()) => info!(port = self.port, busid = %self.busid, "detached"),
             Err(error) => warn!(port = self.port, %error, "detach failed"),
+        }
+        // The kernel let go of its socket: the relay tells a resuming server to
+        // release the device now (instead of holding it for its grace period) and ends.
+        if let Some(mut relay) = self.relay {
+            if tokio::time::timeout(RELAY_END_WAIT, &mut relay).await.is_err() {
+                relay.abort();
+            }
         }
     }
 }
@@ -240,12 +250,10 @@ async fn attach_from(addr: SocketAddr, rule: &AttachRule, security: &Security) -
         .iter()
         .find(|d| rule.selectors().any(|s| matches_remote(s, d, serial_of(d.busid.as_str()))))
         .ok_or_else(|| anyhow!("no available device on {addr} matches {rule}"))?;
-    // Not resumable yet: a server that shuts down cannot tell the relay its
-    // session is over, so the relay would hold the port through the outage and
-    // the rule would not see the device go. Until the server says so, the
-    // service keeps its reattach behaviour (TLS still goes through the relay).
-    let (stream, device_record) = usbwire_client::import_with(addr, &device.busid, security, &[]).await?;
-    let imported = usbwire_client::Imported { stream, device: device_record, resume: None };
+    // Resumable where the server is usbwire: a network blip is carried by the
+    // relay and the kernel never notices; a server that shuts down ends the
+    // session, the relay ends, the port goes, and the rule attaches again.
+    let imported = usbwire_client::import_resumable(addr, &device.busid, security, &[]).await?;
     let record = imported.device.clone();
     let vhci_record =
         vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: device.busid.to_string() };
