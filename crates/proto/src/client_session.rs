@@ -118,7 +118,7 @@ impl<T> ClientSession<T> {
             devid,
             limits,
             budget,
-            inbuf: RecvBuffer::holding(leftover, READ_CHUNK),
+            inbuf: RecvBuffer::holding(leftover, READ_CHUNK, crate::recv_buffer::MAX_SPARE_BYTES),
             outstanding: SeqnumMap::default(),
             outstanding_bytes: 0,
             commands_sent: 0,
@@ -348,7 +348,7 @@ impl<T> ClientSession<T> {
                 Command::Unlink(unlink) => self.outbox.push_header(&unlink.header()),
             }
         }
-        self.inbuf = RecvBuffer::holding(leftover, READ_CHUNK);
+        self.inbuf = RecvBuffer::holding(leftover, READ_CHUNK, crate::recv_buffer::MAX_SPARE_BYTES);
         // The resume request carried the count.
         self.replies_acked = self.replies_received;
         self.unacked_bytes = 0;

@@ -21,8 +21,9 @@ use bytes::BytesMut;
 
 /// Allocations kept for reuse, at most.
 const MAX_SPARES: usize = 16;
-/// Bytes of spare allocations kept, at most (the capacity of those kept).
-const MAX_SPARE_BYTES: usize = 64 << 20;
+/// Bytes of spare allocations kept, at most (the capacity of those kept), unless
+/// the buffer is made with a lower bound ([`RecvBuffer::holding`]).
+pub(crate) const MAX_SPARE_BYTES: usize = 64 << 20;
 
 /// A `BytesMut` to read into whose [`reserve`](Self::reserve) reuses
 /// allocations that decoded payloads no longer use. Everything else is the
@@ -38,18 +39,28 @@ pub struct RecvBuffer {
     alloc: usize,
     /// Smallest allocation to make (the usual read size).
     min_alloc: usize,
+    /// Bound on the size of the spares kept.
+    max_spare_bytes: usize,
 }
 
 impl RecvBuffer {
     /// A buffer that allocates at least `min_alloc` bytes at a time.
     pub fn with_capacity(min_alloc: usize) -> Self {
-        Self { buf: BytesMut::with_capacity(min_alloc), spares: VecDeque::new(), alloc: min_alloc, min_alloc }
+        Self {
+            buf: BytesMut::with_capacity(min_alloc),
+            spares: VecDeque::new(),
+            alloc: min_alloc,
+            min_alloc,
+            max_spare_bytes: MAX_SPARE_BYTES,
+        }
     }
 
-    /// A buffer that already holds `bytes` (read past a previous exchange).
-    pub fn holding(bytes: BytesMut, min_alloc: usize) -> Self {
+    /// A buffer that already holds `bytes` (read past a previous exchange)
+    /// and keeps at most `max_spare_bytes` of spare allocations: what it may
+    /// hold on to beyond what is buffered and what decoded payloads use.
+    pub fn holding(bytes: BytesMut, min_alloc: usize, max_spare_bytes: usize) -> Self {
         let alloc = bytes.capacity();
-        Self { buf: bytes, spares: VecDeque::new(), alloc, min_alloc }
+        Self { buf: bytes, spares: VecDeque::new(), alloc, min_alloc, max_spare_bytes }
     }
 
     /// Makes room for at least `additional` more bytes, keeping what is buffered.
@@ -81,7 +92,7 @@ impl RecvBuffer {
     /// Keeps `old` for reuse, dropping the oldest spares beyond the bounds.
     fn keep_spare(&mut self, old: BytesMut, alloc: usize) {
         self.spares.push_back((old, alloc));
-        while self.spares.len() > MAX_SPARES || self.spare_bytes() > MAX_SPARE_BYTES {
+        while self.spares.len() > MAX_SPARES || self.spare_bytes() > self.max_spare_bytes {
             self.spares.pop_front();
         }
     }
@@ -156,6 +167,16 @@ mod tests {
         buf.reserve(32 << 10);
         assert!(buf.spares.len() <= MAX_SPARES);
         assert!(buf.spare_bytes() <= MAX_SPARE_BYTES);
+    }
+
+    #[test]
+    fn a_lower_spare_bound_holds() {
+        let bound = 3 << 20;
+        let mut buf = RecvBuffer::holding(BytesMut::new(), 16, bound);
+        let held: Vec<_> = (0..8).map(|_| take(&mut buf, 1 << 20)).collect();
+        assert!(buf.spare_bytes() <= bound, "{} bytes of spares kept", buf.spare_bytes());
+        assert!(!buf.spares.is_empty(), "some are kept for reuse");
+        drop(held);
     }
 
     #[test]

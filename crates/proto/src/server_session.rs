@@ -47,10 +47,14 @@ use bytes::BytesMut;
 use crate::outbox::Outbox;
 use crate::resume;
 use crate::urb::{self, ClientMessage, CmdSubmit, RetSubmit, RetUnlink, ServerMessage};
-use crate::{Budget, DecodeError, Direction, Limits, SeqnumMap, Status};
+use crate::{Budget, DecodeError, Direction, Limits, RecvBuffer, SeqnumMap, Status};
 
 /// Read at least this much at a time.
 const READ_CHUNK: usize = 256 * 1024;
+/// Read buffers a session keeps for reuse once the OUT payloads in them are
+/// dropped: a few large commands' worth, so a stream of 1 MiB OUT URBs does not
+/// fault in a fresh megabyte each, and little memory held by an idle connection.
+const SPARE_BYTES: usize = 4 << 20;
 
 /// What the session asks of the device, in order.
 #[derive(Debug, PartialEq, Eq)]
@@ -135,7 +139,8 @@ pub struct ServerSession {
     devid: u32,
     limits: Limits,
     budget: Budget,
-    inbuf: BytesMut,
+    /// Reused once the OUT payloads decoded from it are dropped.
+    inbuf: RecvBuffer,
     in_flight: SeqnumMap<InFlightUrb>,
     /// `transfer_buffer_length` summed over `in_flight`.
     in_flight_bytes: usize,
@@ -161,7 +166,7 @@ impl ServerSession {
             devid,
             limits,
             budget,
-            inbuf: leftover,
+            inbuf: RecvBuffer::holding(leftover, READ_CHUNK, SPARE_BYTES),
             in_flight: SeqnumMap::default(),
             in_flight_bytes: 0,
             waiting_submit: None,
@@ -208,7 +213,7 @@ impl ServerSession {
                 ServerMessage::Unlink(ret) => self.outbox.push_ret_unlink(ret),
             }
         }
-        self.inbuf = leftover;
+        self.inbuf = RecvBuffer::holding(leftover, READ_CHUNK, SPARE_BYTES);
         self.connected = true;
         Ok(self.commands_received)
     }
@@ -261,7 +266,7 @@ impl ServerSession {
                     // Read and advanced past, not split off: a split would turn the
                     // buffer into a shared one that cannot grow in place.
                     let received = resume::parse_ack(&self.inbuf[..urb::HEADER_LEN]);
-                    bytes::Buf::advance(&mut self.inbuf, urb::HEADER_LEN);
+                    bytes::Buf::advance(&mut *self.inbuf, urb::HEADER_LEN);
                     if let (Some(replay), Some(received)) = (self.replay.as_mut(), received) {
                         replay.acknowledge(received)?;
                     }
