@@ -40,7 +40,7 @@ use crate::resume;
 use crate::urb::{self, CmdSubmit, CmdUnlink, RetSubmit, RetUnlink, ServerMessage, SubmittedShape};
 use crate::{Budget, DecodeError, Limits, RecvBuffer, SeqnumMap, Status};
 
-/// Read at least this much at a time.
+/// What a read buffer grows by, at least.
 const READ_CHUNK: usize = 256 * 1024;
 
 /// Reply bytes a resumable session takes before it acknowledges them even
@@ -189,8 +189,8 @@ impl<T> ClientSession<T> {
 
     /// The buffer to read server bytes into, with room for the whole next reply.
     pub fn input(&mut self) -> &mut BytesMut {
-        let wanted = self.next_reply_len().unwrap_or(urb::HEADER_LEN).saturating_sub(self.inbuf.len()).max(READ_CHUNK);
-        self.inbuf.reserve(wanted);
+        let rest = self.next_reply_len().unwrap_or(urb::HEADER_LEN).saturating_sub(self.inbuf.len());
+        self.inbuf.reserve_for_next(rest);
         &mut self.inbuf
     }
 

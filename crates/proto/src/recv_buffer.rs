@@ -19,6 +19,9 @@ use std::ops::{Deref, DerefMut};
 
 use bytes::BytesMut;
 
+/// The least room [`RecvBuffer::reserve_for_next`] reads into.
+pub(crate) const MIN_READ_ROOM: usize = 16 * 1024;
+
 /// Allocations kept for reuse, at most.
 const MAX_SPARES: usize = 16;
 /// Bytes of spare allocations kept, at most (the capacity of those kept), unless
@@ -61,6 +64,16 @@ impl RecvBuffer {
     pub fn holding(bytes: BytesMut, min_alloc: usize, max_spare_bytes: usize) -> Self {
         let alloc = bytes.capacity();
         Self { buf: bytes, spares: VecDeque::new(), alloc, min_alloc, max_spare_bytes }
+    }
+
+    /// Makes room to read the rest of the next message (`rest` bytes, 0 when
+    /// its length is not known yet): that much, and at least
+    /// [`MIN_READ_ROOM`]. The room left in the current allocation is used
+    /// as long as it is that large, so a read that brought part of a message
+    /// does not cost a new allocation before the next; a new one is at least
+    /// `min_alloc`.
+    pub fn reserve_for_next(&mut self, rest: usize) {
+        self.reserve(rest.max(MIN_READ_ROOM));
     }
 
     /// Makes room for at least `additional` more bytes, keeping what is buffered.

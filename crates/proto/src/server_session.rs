@@ -49,7 +49,7 @@ use crate::resume;
 use crate::urb::{self, ClientMessage, CmdSubmit, RetSubmit, RetUnlink, ServerMessage};
 use crate::{Budget, DecodeError, Direction, Limits, RecvBuffer, SeqnumMap, Status};
 
-/// Read at least this much at a time.
+/// What a read buffer grows by, at least.
 const READ_CHUNK: usize = 256 * 1024;
 /// Read buffers a session keeps for reuse once the OUT payloads in them are
 /// dropped: a few large commands' worth, so a stream of 1 MiB OUT URBs does not
@@ -243,8 +243,7 @@ impl ServerSession {
             at += urb::HEADER_LEN;
         }
         let next = urb::command_frame_len(&self.inbuf[at..], &self.limits, is_iso)?.map(|len| at + len);
-        let wanted = next.unwrap_or(at + urb::HEADER_LEN).saturating_sub(self.inbuf.len()).max(READ_CHUNK);
-        self.inbuf.reserve(wanted);
+        self.inbuf.reserve_for_next(next.unwrap_or(at + urb::HEADER_LEN).saturating_sub(self.inbuf.len()));
         Ok(&mut self.inbuf)
     }
 
