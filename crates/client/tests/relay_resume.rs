@@ -294,3 +294,57 @@ async fn a_dropped_session_shows_as_resuming_then_is_released_after_the_grace_pe
     let refused = usbwire_client::resume_session(server, &Security::Plain, &[], &imported.resume.unwrap(), 0).await;
     assert!(matches!(refused, Err(usbwire_client::ClientError::ResumeRefused { .. })), "{:?}", refused.err());
 }
+
+/// A plain OP_REQ_IMPORT from `source`: the server's status.
+async fn import_from(source: std::net::IpAddr, server: SocketAddr, busid: &BusId) -> usbwire_proto::op::OpStatus {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::new(source, 0)).unwrap();
+    let mut stream = socket.connect(server).await.unwrap();
+    let mut request = BytesMut::new();
+    usbwire_proto::op::OpRequest::Import { busid: busid.clone() }.encode(&mut request);
+    stream.write_all(&request).await.unwrap();
+    let mut reply = BytesMut::new();
+    loop {
+        if let Some(answer) = usbwire_proto::op::decode_import_reply(&mut reply).unwrap() {
+            return match answer {
+                Ok(_) => usbwire_proto::op::OpStatus::OK,
+                Err(status) => status,
+            };
+        }
+        assert!(stream.read_buf(&mut reply).await.unwrap() > 0, "closed without answering");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_client_importing_afresh_takes_its_parked_device_back() {
+    // A client whose relay died (killed, rebooted) attaches again: it must not
+    // wait out the 30 s grace period its own old session is parked for.
+    let (server, _stop) = start_server(Duration::from_secs(30)).await;
+    let busid = BusId::new("1-1").unwrap();
+    let imported = usbwire_client::import_resumable(server, &busid, &Security::Plain, &[]).await.unwrap();
+    assert!(imported.resume.is_some());
+    drop(imported.stream);
+    // Parked: another host finds it busy at once.
+    let mut parked = false;
+    for _ in 0..40 {
+        let states = usbwire_client::device_states(server, &Security::Plain).await.unwrap().unwrap();
+        if states.iter().any(|s| s.busid == "1-1" && s.resuming_since.is_some()) {
+            parked = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(parked, "the session parks when its connection drops");
+    let started = std::time::Instant::now();
+    let elsewhere = import_from("127.0.0.2".parse().unwrap(), server, &busid).await;
+    assert_eq!(elsewhere, usbwire_proto::op::OpStatus::DEV_BUSY, "another host");
+    assert!(started.elapsed() < Duration::from_secs(2), "another host is refused at once: {:?}", started.elapsed());
+    // The same client (host and identity) takes it back.
+    let started = std::time::Instant::now();
+    let again = usbwire_client::import_resumable(server, &busid, &Security::Plain, &[]).await;
+    assert!(again.is_ok(), "{:?}", again.err());
+    assert!(started.elapsed() < Duration::from_secs(3), "took {:?}", started.elapsed());
+    // The old session is over: its token no longer resumes anything.
+    let refused = usbwire_client::resume_session(server, &Security::Plain, &[], &imported.resume.unwrap(), 0).await;
+    assert!(matches!(refused, Err(usbwire_client::ClientError::ResumeRefused { .. })), "{:?}", refused.err());
+}

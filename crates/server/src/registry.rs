@@ -57,6 +57,10 @@ struct Export {
     /// Set when the export is withdrawn (unbind, unplug): the importer's
     /// connection ends and the device is not put back.
     withdrawn: watch::Sender<bool>,
+    /// Tells a parked session (its client away, resuming) that the same client
+    /// imported the device afresh: it gives the device up instead of holding
+    /// it for a resume that will not come.
+    abandoned: Notify,
 }
 
 enum Slot {
@@ -244,6 +248,7 @@ impl Registry {
             slot: Mutex::new(Slot::Available(device)),
             released: Notify::new(),
             withdrawn: watch::Sender::new(false),
+            abandoned: Notify::new(),
         }));
     }
 
@@ -324,6 +329,20 @@ impl Registry {
                         return Ok(Lease { export, device: Some(device), registry: self.clone() });
                     }
                     Slot::Withdrawn => return Err(ImportError::NoDevice),
+                    // Held for a client that is away (its session parked, waiting to
+                    // resume). The same client importing afresh (it restarted, or its
+                    // relay was killed) takes the device back: the parked session is
+                    // told to let go, and this import waits for the release. Anyone
+                    // else finds it busy, at once.
+                    Slot::InUse { client, identity, resuming_since: Some(_), .. } => {
+                        let same_client = *identity == importer.identity
+                            && (identity.is_some() || client.ip() == importer.client.ip());
+                        if !same_client || last_look {
+                            return Err(ImportError::InUse { holder: *client });
+                        }
+                        info!(%busid, client = %importer.client, "imported afresh by the client its parked session waits for; ending that session");
+                        export.abandoned.notify_one();
+                    }
                     // The same host asking again for what it holds is, in practice, a
                     // detach and attach: vhci-hcd closes the old socket some time after
                     // `usbip detach` returns (0.1-1 s), so wait (bounded) for it to go.
@@ -357,6 +376,12 @@ impl Holder {
         if let Slot::InUse { resuming_since, .. } = &mut *lock(&self.0.slot) {
             *resuming_since = since;
         }
+    }
+
+    /// Resolves when the client a parked session waits for imports the device
+    /// afresh (see [`Registry::import`]).
+    pub(crate) async fn abandoned(&self) {
+        self.0.abandoned.notified().await;
     }
 }
 

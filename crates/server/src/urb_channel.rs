@@ -33,7 +33,7 @@ use usbwire_transport::access::ClientId;
 use usbwire_transport::{poll_write_outbox, PeerStream};
 
 use crate::connection::Peer;
-use crate::registry::Lease;
+use crate::registry::{Holder, Lease};
 use crate::resumable::{Handover, Parked, Parking};
 use crate::ServerConfig;
 
@@ -117,7 +117,7 @@ pub(crate) async fn run(
         }
         session.disconnected();
         holder.set_resuming(Some(std::time::SystemTime::now()));
-        let parked = park(&mut session, device, resumable, parking, early_arrival, &mut stop).await;
+        let parked = park(&mut session, device, resumable, parking, early_arrival, &holder, &mut stop).await;
         holder.set_resuming(None);
         match parked {
             ParkOutcome::Resumed(new_stream, peer) => {
@@ -154,6 +154,7 @@ async fn park(
     resumable: &Resumable,
     parking: &mut Parking,
     mut arrival: Option<Handover>,
+    holder: &Holder,
     stop: &mut watch::Receiver<bool>,
 ) -> ParkOutcome {
     let lost = Instant::now();
@@ -179,6 +180,10 @@ async fn park(
                     return ParkOutcome::Ended(End::DeviceGone);
                 }
                 () = crate::stopped(stop) => return ParkOutcome::Ended(End::Shutdown),
+                () = holder.abandoned() => {
+                    info!("the client imported the device afresh; releasing its parked session");
+                    return ParkOutcome::Ended(End::ClientClosed);
+                }
             },
         };
         let held = session.replies().map_or(0, |(_, held)| held);
