@@ -339,8 +339,7 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_name = "KIND", default_value = "constant", value_parser = ["constant", "random"])]
     pub(crate) payload: String,
     /// Import resumably (usbwire servers), as `usbwire attach` and the userspace client do: the
-    /// URBs go through the resuming relay, so this measures what resume costs. One --rtt-ms at a
-    /// time: the server holds a closed resumable import for its grace period.
+    /// URBs go through the resuming relay, so this measures what resume costs.
     #[arg(long)]
     pub(crate) resume: bool,
     /// With --resume, instead of the throughput matrix: cut the link N times [default: 50] at random

@@ -64,10 +64,6 @@ impl Plan {
         if sizes.iter().any(|&s| s == 0 || s > 16 << 20) || depths.iter().any(|&d| d == 0 || d > 1024) {
             return Err(Failure::usage(anyhow!("sizes must be 1 B..16 MiB and depths 1..1024")));
         }
-        // Each RTT imports again, and the server holds a closed resumable import for its grace period.
-        if args.resume && args.rtt_ms.len() > 1 {
-            return Err(Failure::usage(anyhow!("--resume measures one --rtt-ms at a time")));
-        }
         Ok(Self {
             sizes,
             depths,
