@@ -30,23 +30,26 @@ use usbwire_proto::{DecodeError, Direction, Limits};
 use usbwire_transform::{Frame, Pipeline, Side, TransformSpec, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD};
 
 mod client;
+mod redir;
 pub mod seeds;
 mod session;
 
 pub use client::client_session;
+pub use redir::redir_packets;
 pub use session::{server_session, CountingAllocator};
 
 /// A harness: one fuzz input in, panics on a broken invariant.
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 6] = [
+pub const TARGETS: [(&str, Harness); 7] = [
     ("decode_command", decode_command),
     ("decode_return", decode_return),
     ("op_phase", op_phase),
     ("transform_frames", transform_frames),
     ("server_session", server_session),
     ("client_session", client_session),
+    ("redir_packets", redir_packets),
 ];
 
 /// Server side: `[chunking, limits, iso_mode] ++ stream` through `urb::decode_command`.
@@ -162,7 +165,10 @@ pub fn op_phase(data: &[u8]) {
                 let requested = match request {
                     OpRequest::Import { busid } => Some(busid.as_str().as_bytes()),
                     OpRequest::ImportMalformedBusId { requested } => Some(&requested[..]),
-                    OpRequest::DevList | OpRequest::DevState | OpRequest::Transforms { .. } | OpRequest::Resume { .. } => None,
+                    OpRequest::DevList
+                    | OpRequest::DevState
+                    | OpRequest::Transforms { .. }
+                    | OpRequest::Resume { .. } => None,
                 };
                 if let Some(requested) = requested {
                     let sent = &consumed[op::OP_HEADER_LEN..];

@@ -112,7 +112,52 @@ pub fn all() -> Vec<Seed> {
     }
     server_session_seeds(&mut add);
     client_session_seeds(&mut add);
+    redir_seeds(&mut add);
     seeds
+}
+
+/// redir_packets: `[chunking, caps]`; what QEMU's usb-redir sends after its hello:
+/// GET_DESCRIPTOR, SET_CONFIGURATION, a bulk OUT with data, a bulk IN, a cancel, a reset.
+fn redir_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)) {
+    use bytes::Bytes;
+    use usbwire_redir::{Caps, Codec, Packet, Status, MAX_PACKET_LEN};
+    for (name, caps) in [("qemu_caps", 0xfeu8), ("no_caps", 0)] {
+        let mut guest = Codec::new(usbwire_redir::Side::Guest, Caps(u32::from(caps)), MAX_PACKET_LEN);
+        let mut host_hello = BytesMut::new();
+        let host = Codec::new(usbwire_redir::Side::Host, Caps(0xff), MAX_PACKET_LEN);
+        host.encode(0, &host.hello("seed"), &mut host_hello).expect("a hello");
+        guest.decode(&mut host_hello).expect("a host hello").expect("whole");
+        let control = |request, requesttype, value, length, data: &'static [u8]| Packet::Control {
+            endpoint: requesttype & 0x80,
+            request,
+            requesttype,
+            status: Status::SUCCESS,
+            value,
+            index: 0,
+            length,
+            data: Bytes::from_static(data),
+        };
+        let packets = [
+            control(6, 0x80, 0x0100, 18, b""),
+            Packet::SetConfiguration { configuration: 1 },
+            Packet::Bulk {
+                endpoint: 0x02,
+                status: Status::SUCCESS,
+                length: 31,
+                stream_id: 0,
+                data: Bytes::from(vec![0x55; 31]),
+            },
+            Packet::Bulk { endpoint: 0x81, status: Status::SUCCESS, length: 512, stream_id: 0, data: Bytes::new() },
+            Packet::CancelDataPacket,
+            Packet::StartInterruptReceiving { endpoint: 0x83 },
+            Packet::Reset,
+        ];
+        let mut stream = BytesMut::new();
+        for (id, packet) in packets.iter().enumerate() {
+            guest.encode(id as u64 + 1, packet, &mut stream).expect("a guest packet");
+        }
+        add("redir_packets", name, &[2, caps], stream.to_vec());
+    }
 }
 
 /// client_session: `[chunking, cut, claim]`; replies to the harness's outstanding URBs
