@@ -65,6 +65,9 @@ HOLE_SECONDS = 5.0
 # The plan is cut through, and on until this many cuts hit the guest's writes (it also reads).
 MIN_CUTS_IN_WRITES = 10
 MAX_CUTS = 24
+# Until that many have, every other cut waits up to this long for the guest to be in the busy
+# phase (the time split between writing and reading varies by machine; CI once saw 8 of 24).
+BUSY_WAIT_SECONDS = 30
 # How long the relay may take to come back after a cut (the server's grace is 30 s).
 RECONNECT_TIMEOUT = 25
 # The serial phase: the same plan, and on until this many cuts hit the two-way stream.
@@ -547,7 +550,8 @@ def cut_phase(console, proxy, resumed, seed, busy="write", min_busy=MIN_CUTS_IN_
               progress=None):
     """The cuts; raises with what went wrong as soon as something does. Cuts the
     plan through, and on (cycling through it) until at least `min_busy` landed
-    while the guest's phase was `busy` (`doing` says it in words). `resumed()`
+    while the guest's phase was `busy` (`doing` says it in words); until then
+    every odd cut waits for that phase. `resumed()`
     counts the server's "resumed" lines of this phase's session. `progress()`,
     if given, returns (a count that must have grown since the previous cut
     before the next one is made, what it counts). Returns (seconds, cuts by
@@ -574,6 +578,13 @@ def cut_phase(console, proxy, resumed, seed, busy="write", min_busy=MIN_CUTS_IN_
                 raise RuntimeError(f"before cut {k}: {what} stuck at {count} for {RECONNECT_TIMEOUT} s "
                                    f"after cut {k - 1}")
             last_progress = count
+        if k % 2 == 1 and phases.get(busy, 0) < min_busy:
+            # Aim this cut at the busy phase: wait for it, then a moment into it.
+            deadline = time.time() + BUSY_WAIT_SECONDS
+            while console.phase[0] not in (busy, "done") and time.time() < deadline and not console.bad:
+                console.sleep(0.1)
+            if console.phase[0] == busy:
+                console.sleep(rng.uniform(0.1, 0.5))
         if console.bad:
             raise RuntimeError(f"before cut {k}: the kernel noticed: {console.bad[0]}")
         if console.phase[0] == "done":
