@@ -336,6 +336,11 @@ impl ConfigurationInfo {
     pub fn active_endpoints(&self, alt_of: impl Fn(u8) -> u8) -> impl Iterator<Item = &EndpointInfo> {
         self.interfaces.iter().filter(move |i| i.alt_setting == alt_of(i.number)).flat_map(|i| i.endpoints.iter())
     }
+
+    /// (class, subclass, protocol) of each interface's first alt setting.
+    pub fn interface_classes(&self) -> Vec<(u8, u8, u8)> {
+        self.interfaces.iter().filter(|i| i.alt_setting == 0).map(|i| (i.class, i.subclass, i.protocol)).collect()
+    }
 }
 
 #[cfg(test)]

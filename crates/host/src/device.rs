@@ -113,15 +113,7 @@ impl HostDevice {
             protocol: device.protocol,
             configuration_value: active.as_ref().map_or(0, |c| c.value),
             num_configurations: device.num_configurations,
-            interfaces: listed
-                .map(|c| {
-                    c.interfaces
-                        .iter()
-                        .filter(|i| i.alt_setting == 0)
-                        .map(|i| (i.class, i.subclass, i.protocol))
-                        .collect()
-                })
-                .unwrap_or_default(),
+            interfaces: listed.map(|c| c.interface_classes()).unwrap_or_default(),
             product: local.product.clone().unwrap_or_default(),
             manufacturer: local.manufacturer.clone().unwrap_or_default(),
             serial: local.serial.clone().unwrap_or_default(),
