@@ -6,15 +6,20 @@
 //! the rules of the reference parser (`usbredirparser.c`): which side may send
 //! it, its exact type-header size, whether it may carry data and how much.
 //!
-//! Not here: what the packets mean for a device (the bridge to USB/IP lives
-//! with the client), sockets, clocks. Layout facts: `../shared/PROTOCOL.md` §8.
+//! [`host::UsbHost`] plays the usb-host role on top of the codec for a device
+//! reached over USB/IP, still without I/O: guest packets and URB completions
+//! in, packets and URBs out. Not here: sockets and clocks (the client crate's
+//! `redir` module drives it). Layout facts: `../shared/PROTOCOL.md` §8.
 //!
 //! Wire format: little-endian, packed. A header `u32 type, u32 length, u32 id`
 //! (or `u64 id` once both sides announced [`Caps::IDS_64`]; a hello always uses
 //! the short header), then `length` bytes: the type header, then data.
 
+mod filter;
+pub mod host;
 mod packet;
 
+pub use host::UsbHost;
 pub use packet::{EndpointInfo, InterfaceInfo, Packet};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};

@@ -1,0 +1,1317 @@
+//! [`UsbHost`]: the usbredir *usb-host* role as a sans-I/O core, for a device
+//! reached over USB/IP. Fed with the guest's bytes ([`UsbHost::handle_guest`])
+//! and the device's URB completions ([`UsbHost::handle_urb`]), it returns the
+//! bytes for the guest ([`UsbHost::to_guest`]) and the URBs to submit or
+//! cancel ([`UsbHost::poll_urb`]). No sockets, no clock: the driver (the
+//! client crate's `redir` module) moves bytes and URBs.
+//!
+//! What it owns: the device's descriptors (read once at start through the
+//! URB path), the configuration and alt settings the guest chose, the
+//! announce (ep_info, interface_info, device_connect, after the guest's
+//! hello), the mapping of each guest request to URBs (`../shared/PROTOCOL.md`
+//! §8.4), the host-driven streams (interrupt receiving, isochronous), and
+//! cancels. The guest's requests are answered in the order their URBs
+//! complete; per endpoint that is the order they came.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use bytes::{Bytes, BytesMut};
+use usbwire_device::descriptor::{ConfigurationInfo, DeviceDescriptor};
+use usbwire_device::TransferType;
+use usbwire_proto::urb::IsoPacketDescriptor;
+use usbwire_proto::{Speed, Status as UrbStatus};
+
+use crate::{Caps, Codec, EndpointInfo, InterfaceInfo, Packet, RedirError, Side, Status};
+
+/// Largest packet we accept from the guest: a 128 MiB bulk OUT and its header.
+const MAX_GUEST_PACKET: u32 = crate::MAX_PACKET_LEN;
+/// Interrupt IN URBs kept in flight per receiving endpoint, so a report is
+/// never waiting for the round trip of the previous one.
+const INTERRUPT_URBS: usize = 4;
+/// Configurations read at start (a device announcing more is cut to these).
+const MAX_CONFIGURATIONS: u8 = 8;
+
+/// What we announce in our hello: everything usbredirhost does except bulk
+/// streams and bulk receiving, which a USB/IP server cannot do.
+pub fn host_caps() -> Caps {
+    Caps(0)
+        .with(Caps::CONNECT_DEVICE_VERSION)
+        .with(Caps::FILTER)
+        .with(Caps::DEVICE_DISCONNECT_ACK)
+        .with(Caps::EP_INFO_MAX_PACKET_SIZE)
+        .with(Caps::IDS_64)
+        .with(Caps::BULK_LENGTH_32)
+}
+
+/// A URB for the USB/IP side of the bridge.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UrbRequest {
+    /// Endpoint address; bit 7 set for IN (for control, the data stage's direction).
+    pub endpoint: u8,
+    pub transfer_type: TransferType,
+    /// The SETUP packet of a control transfer.
+    pub setup: [u8; 8],
+    /// IN: bytes wanted. OUT: `data.len()`.
+    pub length: u32,
+    pub data: Bytes,
+    /// Isochronous: the length of each packet.
+    pub iso_packet_lengths: Vec<u32>,
+}
+
+impl UrbRequest {
+    pub fn is_in(&self) -> bool {
+        self.endpoint & 0x80 != 0
+    }
+
+    fn control(setup: [u8; 8], data: Bytes) -> Self {
+        let length = u32::from(u16::from_le_bytes([setup[6], setup[7]]));
+        let endpoint = if setup[0] & 0x80 != 0 && length > 0 { 0x80 } else { 0 };
+        let length = if endpoint == 0 { data.len() as u32 } else { length };
+        Self { endpoint, transfer_type: TransferType::Control, setup, length, data, iso_packet_lengths: Vec::new() }
+    }
+
+    fn data(endpoint: u8, transfer_type: TransferType, length: u32, data: Bytes) -> Self {
+        let length = if endpoint & 0x80 != 0 { length } else { data.len() as u32 };
+        Self { endpoint, transfer_type, setup: [0; 8], length, data, iso_packet_lengths: Vec::new() }
+    }
+}
+
+/// What the driver must do on the USB/IP side. Tags are ours; the driver
+/// maps them to seqnums.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UrbCommand {
+    Submit {
+        tag: u64,
+        urb: UrbRequest,
+    },
+    /// Unlink the URB submitted with `tag` (its completion still comes).
+    Cancel {
+        tag: u64,
+    },
+}
+
+/// A URB's completion, as the USB/IP server returned it.
+#[derive(Clone, Debug)]
+pub struct UrbResult {
+    pub status: UrbStatus,
+    pub actual_length: u32,
+    /// IN data (compacted for isochronous IN, as in a RET_SUBMIT).
+    pub data: Bytes,
+    pub iso_packets: Vec<IsoPacketDescriptor>,
+}
+
+/// Something the driver should know about (see [`UsbHost::poll_event`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HostEvent {
+    /// The guest's hello arrived.
+    GuestHello { version: String },
+    /// The device was announced to the guest.
+    Announced,
+    /// The guest's filter refuses this device; it was not announced.
+    FilteredOut { rules: String },
+    /// The guest refused the device (filter_reject).
+    GuestRejected,
+    /// The guest acknowledged our device_disconnect.
+    DisconnectAcknowledged,
+}
+
+/// Why the bridge gave up on this guest connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HostError {
+    /// The guest sent bytes that are not usbredir (see [`RedirError`]).
+    #[error("the guest sent a malformed usbredir packet: {0}")]
+    Guest(#[from] RedirError),
+    /// The device did not answer a descriptor request the bridge needs.
+    #[error("the device did not return its {what} descriptor (status {status})")]
+    Descriptor { what: &'static str, status: UrbStatus },
+}
+
+/// What a submitted URB was for.
+#[derive(Clone, Debug)]
+enum Pending {
+    DeviceDescriptor,
+    ConfigurationHeader { index: u8 },
+    Configuration { index: u8 },
+    ActiveConfiguration,
+    SetConfiguration { id: u64, configuration: u8 },
+    SetAltSetting { id: u64, interface: u8, alt: u8 },
+    Control { id: u64, endpoint: u8, request: u8, requesttype: u8, value: u16, index: u16 },
+    Bulk { id: u64, endpoint: u8, stream_id: u32 },
+    InterruptOut { id: u64, endpoint: u8 },
+    InterruptIn { endpoint: u8 },
+    IsoIn { endpoint: u8 },
+    IsoOut { endpoint: u8 },
+    Reset,
+}
+
+/// A host-driven stream on one endpoint (interrupt receiving, or isochronous).
+#[derive(Debug, Default)]
+struct Stream {
+    /// Tags of its URBs in flight.
+    in_flight: HashSet<u64>,
+    /// The id of the next unsolicited packet (restarts at 0 on each start).
+    next_id: u64,
+    /// Isochronous: packets per URB.
+    pkts_per_urb: u8,
+    /// Isochronous OUT: the guest's packets not submitted yet.
+    out_packets: Vec<Bytes>,
+}
+
+/// What the descriptors say and what the guest chose.
+#[derive(Debug, Default)]
+struct DeviceModel {
+    descriptor: Option<DeviceDescriptor>,
+    /// Each configuration descriptor, in index order.
+    configurations: Vec<(Bytes, ConfigurationInfo)>,
+    /// bConfigurationValue in effect (0: unconfigured).
+    configuration: u8,
+    /// Alt setting per interface number.
+    alt: HashMap<u8, u8>,
+}
+
+impl DeviceModel {
+    fn active(&self) -> Option<&ConfigurationInfo> {
+        self.configurations.iter().map(|(_, info)| info).find(|info| info.value == self.configuration)
+    }
+
+    fn alt_of(&self, interface: u8) -> u8 {
+        self.alt.get(&interface).copied().unwrap_or(0)
+    }
+
+    /// ep_info for the configuration and alt settings in effect.
+    fn endpoint_info(&self, speed: Speed) -> EndpointInfo {
+        let mut info = EndpointInfo::default();
+        for index in [0, 16] {
+            info.kind[index] = 0;
+            info.max_packet_size[index] = self.descriptor.as_ref().map_or(64, |d| match d.max_packet_size0 {
+                9 if speed.is_superspeed() => 512,
+                size => u16::from(size),
+            });
+        }
+        let Some(config) = self.active() else { return info };
+        for interface in config.interfaces.iter().filter(|i| i.alt_setting == self.alt_of(i.number)) {
+            for ep in &interface.endpoints {
+                let index = EndpointInfo::index(ep.address);
+                info.kind[index] = match ep.transfer_type {
+                    TransferType::Control => 0,
+                    TransferType::Isochronous => 1,
+                    TransferType::Bulk => 2,
+                    TransferType::Interrupt => 3,
+                };
+                info.interval[index] = ep.interval;
+                info.interface[index] = interface.number;
+                info.max_packet_size[index] = max_packet_bytes(ep.max_packet_size, speed, ep.transfer_type);
+            }
+        }
+        info
+    }
+
+    /// interface_info for the configuration and alt settings in effect.
+    fn interface_info(&self) -> InterfaceInfo {
+        let mut info = InterfaceInfo::default();
+        let Some(config) = self.active() else { return info };
+        for interface in config.interfaces.iter().filter(|i| i.alt_setting == self.alt_of(i.number)).take(32) {
+            info.interface.push(interface.number);
+            info.class.push(interface.class);
+            info.subclass.push(interface.subclass);
+            info.protocol.push(interface.protocol);
+        }
+        info
+    }
+
+    /// The endpoint's transfer type and max packet bytes in the current setting.
+    fn endpoint(&self, address: u8, speed: Speed) -> Option<(TransferType, u32)> {
+        let config = self.active()?;
+        config
+            .active_endpoints(|i| self.alt_of(i))
+            .find(|ep| ep.address == address)
+            .map(|ep| (ep.transfer_type, u32::from(max_packet_bytes(ep.max_packet_size, speed, ep.transfer_type))))
+    }
+
+    /// The interface an endpoint belongs to in the current setting.
+    fn interface_of(&self, address: u8) -> Option<u8> {
+        let config = self.active()?;
+        config
+            .interfaces
+            .iter()
+            .filter(|i| i.alt_setting == self.alt_of(i.number))
+            .find(|i| i.endpoints.iter().any(|ep| ep.address == address))
+            .map(|i| i.number)
+    }
+}
+
+/// Bytes per packet: wMaxPacketSize's size times its high-bandwidth
+/// multiplier, which counts for high-speed periodic endpoints only.
+fn max_packet_bytes(w_max_packet_size: u16, speed: Speed, kind: TransferType) -> u16 {
+    let size = w_max_packet_size & 0x7ff;
+    let periodic = matches!(kind, TransferType::Isochronous | TransferType::Interrupt);
+    if speed == Speed::HIGH && periodic {
+        size * (1 + ((w_max_packet_size >> 11) & 3)).min(3)
+    } else {
+        size
+    }
+}
+
+/// The usbredir speed number of a USB/IP speed.
+pub fn redir_speed(speed: Speed) -> u8 {
+    match speed {
+        Speed::LOW => 0,
+        Speed::FULL => 1,
+        Speed::HIGH | Speed::WIRELESS => 2,
+        s if s.is_superspeed() => 3,
+        _ => 255,
+    }
+}
+
+/// The usbredir status of a URB's errno status.
+pub fn redir_status(status: UrbStatus) -> Status {
+    match status {
+        UrbStatus::OK => Status::SUCCESS,
+        UrbStatus::ECONNRESET | UrbStatus::ENOENT => Status::CANCELLED,
+        UrbStatus::EPIPE => Status::STALL,
+        UrbStatus::ETIME | UrbStatus::ETIMEDOUT => Status::TIMEOUT,
+        UrbStatus::EOVERFLOW => Status::BABBLE,
+        UrbStatus::EINVAL => Status::INVAL,
+        UrbStatus(-90) => Status::INVAL, // EMSGSIZE
+        _ => Status::IOERROR,
+    }
+}
+
+/// The usbredir usb-host side of one guest connection (see the module docs).
+pub struct UsbHost {
+    codec: Codec,
+    speed: Speed,
+    device: DeviceModel,
+    /// Descriptors read; the device can be announced once the guest said hello.
+    ready: bool,
+    guest_hello: bool,
+    announced: bool,
+    /// The guest's filter refused the device.
+    filtered_out: bool,
+    /// The device is gone (USB/IP side lost); nothing more is submitted.
+    gone: bool,
+    /// The guest set a configuration since the announce; resets before that are
+    /// the guest's enumeration and skipped, as usbredirhost does.
+    configured_by_guest: bool,
+    filter: Option<String>,
+    pending: HashMap<u64, Pending>,
+    /// Guest data-packet id → tag of its URB (for cancel).
+    by_guest_id: HashMap<u64, u64>,
+    /// Streams by endpoint address.
+    streams: HashMap<u8, Stream>,
+    next_tag: u64,
+    commands: VecDeque<UrbCommand>,
+    events: VecDeque<HostEvent>,
+    out: BytesMut,
+}
+
+impl UsbHost {
+    /// The host side for a device of `speed` (from the USB/IP import): our
+    /// hello is ready to send at once, and the descriptor reads are queued.
+    pub fn new(version: &str, speed: Speed) -> Self {
+        let mut host = Self {
+            codec: Codec::new(Side::Host, host_caps(), MAX_GUEST_PACKET),
+            speed,
+            device: DeviceModel::default(),
+            ready: false,
+            guest_hello: false,
+            announced: false,
+            filtered_out: false,
+            gone: false,
+            configured_by_guest: false,
+            filter: None,
+            pending: HashMap::new(),
+            by_guest_id: HashMap::new(),
+            streams: HashMap::new(),
+            next_tag: 1,
+            commands: VecDeque::new(),
+            events: VecDeque::new(),
+            out: BytesMut::new(),
+        };
+        let hello = host.codec.hello(version);
+        host.send(0, &hello);
+        host.submit(Pending::DeviceDescriptor, UrbRequest::control(get_descriptor(0x01, 0, 18), Bytes::new()));
+        host
+    }
+
+    /// Bytes for the guest, to write in order; the driver takes them (`split`).
+    pub fn to_guest(&mut self) -> &mut BytesMut {
+        &mut self.out
+    }
+
+    /// The next URB to submit or cancel.
+    pub fn poll_urb(&mut self) -> Option<UrbCommand> {
+        self.commands.pop_front()
+    }
+
+    /// The next event for the driver (log it; `FilteredOut` and
+    /// `GuestRejected` mean this guest will not use the device).
+    pub fn poll_event(&mut self) -> Option<HostEvent> {
+        self.events.pop_front()
+    }
+
+    /// Whether the device has been announced to the guest.
+    pub fn is_announced(&self) -> bool {
+        self.announced
+    }
+
+    /// URBs submitted and not completed.
+    pub fn urbs_in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Takes every whole packet the guest sent from `buf` and acts on it.
+    pub fn handle_guest(&mut self, buf: &mut BytesMut) -> Result<(), HostError> {
+        while let Some((id, packet)) = self.codec.decode(buf)? {
+            self.handle_packet(id, packet);
+        }
+        Ok(())
+    }
+
+    /// The completion of the URB submitted with `tag`.
+    pub fn handle_urb(&mut self, tag: u64, result: UrbResult) -> Result<(), HostError> {
+        let Some(pending) = self.pending.remove(&tag) else { return Ok(()) };
+        let status = redir_status(result.status);
+        match pending {
+            Pending::DeviceDescriptor => {
+                let descriptor = DeviceDescriptor::parse(&result.data)
+                    .filter(|_| result.status == UrbStatus::OK)
+                    .ok_or(HostError::Descriptor { what: "device", status: result.status })?;
+                let count = descriptor.num_configurations.min(MAX_CONFIGURATIONS);
+                self.device.descriptor = Some(descriptor);
+                if count == 0 {
+                    self.read_active_configuration();
+                } else {
+                    self.read_configuration_header(0);
+                }
+            }
+            Pending::ConfigurationHeader { index } => {
+                if result.status != UrbStatus::OK || result.data.len() < 4 {
+                    return Err(HostError::Descriptor { what: "configuration", status: result.status });
+                }
+                let total = u16::from_le_bytes([result.data[2], result.data[3]]);
+                self.submit(
+                    Pending::Configuration { index },
+                    UrbRequest::control(get_descriptor(0x02, index, total), Bytes::new()),
+                );
+            }
+            Pending::Configuration { index } => {
+                let info = ConfigurationInfo::parse(&result.data)
+                    .filter(|_| result.status == UrbStatus::OK)
+                    .ok_or(HostError::Descriptor { what: "configuration", status: result.status })?;
+                self.device.configurations.push((result.data, info));
+                let count = self.device.descriptor.as_ref().map_or(0, |d| d.num_configurations.min(MAX_CONFIGURATIONS));
+                if index + 1 < count {
+                    self.read_configuration_header(index + 1);
+                } else {
+                    self.read_active_configuration();
+                }
+            }
+            Pending::ActiveConfiguration => {
+                self.device.configuration = match (result.status, result.data.first()) {
+                    (UrbStatus::OK, Some(&value)) => value,
+                    // A device that cannot say: assume its first configuration, as the server set it.
+                    _ => self.device.configurations.first().map_or(0, |(_, info)| info.value),
+                };
+                self.ready = true;
+                self.announce();
+            }
+            Pending::SetConfiguration { id, configuration } => {
+                if status == Status::SUCCESS {
+                    self.device.configuration = configuration;
+                    self.device.alt.clear();
+                    self.configured_by_guest = true;
+                    self.send_device_info();
+                }
+                let configuration = self.device.configuration;
+                self.send(id, &Packet::ConfigurationStatus { status, configuration });
+            }
+            Pending::SetAltSetting { id, interface, alt } => {
+                if status == Status::SUCCESS {
+                    self.device.alt.insert(interface, alt);
+                    self.send_device_info();
+                }
+                let alt = self.device.alt_of(interface);
+                self.send(id, &Packet::AltSettingStatus { status, interface, alt });
+            }
+            Pending::Control { id, endpoint, request, requesttype, value, index } => {
+                self.by_guest_id.remove(&id);
+                let length = result.actual_length.min(0xffff) as u16;
+                let data = if endpoint & 0x80 != 0 {
+                    result.data.slice(..usize::from(length).min(result.data.len()))
+                } else {
+                    Bytes::new()
+                };
+                let length = if endpoint & 0x80 != 0 { data.len() as u16 } else { length };
+                self.send(id, &Packet::Control { endpoint, request, requesttype, status, value, index, length, data });
+            }
+            Pending::Bulk { id, endpoint, stream_id } => {
+                self.by_guest_id.remove(&id);
+                let data = if endpoint & 0x80 != 0 { result.data } else { Bytes::new() };
+                let length = if endpoint & 0x80 != 0 { data.len() as u32 } else { result.actual_length };
+                self.send(id, &Packet::Bulk { endpoint, status, length, stream_id, data });
+            }
+            Pending::InterruptOut { id, endpoint } => {
+                self.by_guest_id.remove(&id);
+                let length = result.actual_length.min(0xffff) as u16;
+                self.send(id, &Packet::Interrupt { endpoint, status, length, data: Bytes::new() });
+            }
+            Pending::InterruptIn { endpoint } => self.interrupt_in_done(tag, endpoint, status, result),
+            Pending::IsoIn { endpoint } => self.iso_in_done(tag, endpoint, status, result),
+            Pending::IsoOut { endpoint } => {
+                let stopped = self.streams.get_mut(&endpoint).is_none_or(|s| !s.in_flight.remove(&tag));
+                if status != Status::SUCCESS && status != Status::CANCELLED && !stopped {
+                    self.send(0, &Packet::IsoStreamStatus { status, endpoint });
+                }
+            }
+            Pending::Reset => {
+                if status != Status::SUCCESS {
+                    self.device_lost();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The USB/IP side is gone: the guest is told the device disconnected,
+    /// and what is pending will never complete.
+    pub fn device_lost(&mut self) {
+        if self.gone {
+            return;
+        }
+        self.gone = true;
+        self.pending.clear();
+        self.by_guest_id.clear();
+        self.streams.clear();
+        self.commands.clear();
+        if self.announced {
+            self.send(0, &Packet::DeviceDisconnect);
+        }
+    }
+
+    fn handle_packet(&mut self, id: u64, packet: Packet) {
+        match packet {
+            Packet::Hello { version, .. } => {
+                self.guest_hello = true;
+                self.events.push_back(HostEvent::GuestHello { version });
+                self.announce();
+            }
+            Packet::FilterFilter { rules } => {
+                self.filter = Some(rules);
+                // Before the announce: checked then. After it: the device stays (as usbredirhost).
+            }
+            Packet::FilterReject => {
+                self.events.push_back(HostEvent::GuestRejected);
+            }
+            Packet::DeviceDisconnectAck => self.events.push_back(HostEvent::DisconnectAcknowledged),
+            _ if self.gone || !self.announced => {
+                // A request for a device that is not (or no longer) there.
+                self.refuse(id, &packet);
+            }
+            Packet::Reset => {
+                if self.configured_by_guest {
+                    self.stop_all_streams();
+                    self.submit(Pending::Reset, UrbRequest::control([0x23, 0x03, 0x04, 0, 0, 0, 0, 0], Bytes::new()));
+                }
+            }
+            Packet::SetConfiguration { configuration } => {
+                self.stop_all_streams();
+                let setup = [0x00, 0x09, configuration, 0, 0, 0, 0, 0];
+                self.submit(Pending::SetConfiguration { id, configuration }, UrbRequest::control(setup, Bytes::new()));
+            }
+            Packet::GetConfiguration => {
+                let configuration = self.device.configuration;
+                self.send(id, &Packet::ConfigurationStatus { status: Status::SUCCESS, configuration });
+            }
+            Packet::SetAltSetting { interface, alt } => {
+                self.stop_streams_of(interface);
+                let setup = [0x01, 0x0b, alt, 0, interface, 0, 0, 0];
+                self.submit(Pending::SetAltSetting { id, interface, alt }, UrbRequest::control(setup, Bytes::new()));
+            }
+            Packet::GetAltSetting { interface } => {
+                let known = self.device.active().is_some_and(|c| c.interfaces.iter().any(|i| i.number == interface));
+                let (status, alt) =
+                    if known { (Status::SUCCESS, self.device.alt_of(interface)) } else { (Status::INVAL, 0xff) };
+                self.send(id, &Packet::AltSettingStatus { status, interface, alt });
+            }
+            Packet::StartIsoStream { endpoint, pkts_per_urb, no_urbs } => {
+                let status = self.start_iso(endpoint, pkts_per_urb, no_urbs);
+                self.send(id, &Packet::IsoStreamStatus { status, endpoint });
+            }
+            Packet::StopIsoStream { endpoint } => {
+                self.stop_stream(endpoint);
+                self.send(id, &Packet::IsoStreamStatus { status: Status::SUCCESS, endpoint });
+            }
+            Packet::StartInterruptReceiving { endpoint } => {
+                let status = self.start_interrupt_receiving(endpoint);
+                self.send(id, &Packet::InterruptReceivingStatus { status, endpoint });
+            }
+            Packet::StopInterruptReceiving { endpoint } => {
+                self.stop_stream(endpoint);
+                self.send(id, &Packet::InterruptReceivingStatus { status: Status::SUCCESS, endpoint });
+            }
+            Packet::AllocBulkStreams { endpoints, no_streams } => {
+                // Not announced (USB/IP has no bulk streams); a guest that asks anyway is told no.
+                self.send(id, &Packet::BulkStreamsStatus { endpoints, no_streams, status: Status::INVAL });
+            }
+            Packet::FreeBulkStreams { endpoints } => {
+                self.send(id, &Packet::BulkStreamsStatus { endpoints, no_streams: 0, status: Status::INVAL });
+            }
+            Packet::StartBulkReceiving { stream_id, endpoint, .. }
+            | Packet::StopBulkReceiving { stream_id, endpoint } => {
+                self.send(id, &Packet::BulkReceivingStatus { stream_id, endpoint, status: Status::INVAL });
+            }
+            Packet::CancelDataPacket => {
+                if let Some(&tag) = self.by_guest_id.get(&id) {
+                    self.commands.push_back(UrbCommand::Cancel { tag });
+                }
+            }
+            Packet::Control { endpoint, request, requesttype, value, index, length, data, .. } => {
+                let mut setup = [requesttype, request, 0, 0, 0, 0, 0, 0];
+                setup[2..4].copy_from_slice(&value.to_le_bytes());
+                setup[4..6].copy_from_slice(&index.to_le_bytes());
+                setup[6..8].copy_from_slice(&length.to_le_bytes());
+                let urb = UrbRequest::control(setup, data);
+                let pending = Pending::Control { id, endpoint, request, requesttype, value, index };
+                let tag = self.submit(pending, urb);
+                self.by_guest_id.insert(id, tag);
+            }
+            Packet::Bulk { endpoint, length, stream_id, data, .. } => {
+                let urb = UrbRequest::data(endpoint, TransferType::Bulk, length, data);
+                let tag = self.submit(Pending::Bulk { id, endpoint, stream_id }, urb);
+                self.by_guest_id.insert(id, tag);
+            }
+            Packet::Interrupt { endpoint, data, .. } if endpoint & 0x80 == 0 => {
+                let urb = UrbRequest::data(endpoint, TransferType::Interrupt, 0, data);
+                let tag = self.submit(Pending::InterruptOut { id, endpoint }, urb);
+                self.by_guest_id.insert(id, tag);
+            }
+            Packet::Iso { endpoint, data, .. } if endpoint & 0x80 == 0 => self.iso_out_packet(endpoint, data),
+            other => {
+                tracing::debug!(target: "usbwire::redir", kind = other.kind().0, "ignored a packet a guest does not send");
+            }
+        }
+    }
+
+    /// Answers a request the device cannot take (not announced, or gone) with
+    /// an error, so the guest does not wait for it.
+    fn refuse(&mut self, id: u64, packet: &Packet) {
+        let status = Status::IOERROR;
+        let reply = match packet.clone() {
+            Packet::SetConfiguration { .. } | Packet::GetConfiguration => {
+                Packet::ConfigurationStatus { status, configuration: self.device.configuration }
+            }
+            Packet::SetAltSetting { interface, .. } | Packet::GetAltSetting { interface } => {
+                Packet::AltSettingStatus { status, interface, alt: 0xff }
+            }
+            Packet::StartIsoStream { endpoint, .. } | Packet::StopIsoStream { endpoint } => {
+                Packet::IsoStreamStatus { status, endpoint }
+            }
+            Packet::StartInterruptReceiving { endpoint } | Packet::StopInterruptReceiving { endpoint } => {
+                Packet::InterruptReceivingStatus { status, endpoint }
+            }
+            Packet::Control { endpoint, request, requesttype, value, index, .. } => {
+                Packet::Control { endpoint, request, requesttype, status, value, index, length: 0, data: Bytes::new() }
+            }
+            Packet::Bulk { endpoint, stream_id, .. } => {
+                Packet::Bulk { endpoint, status, length: 0, stream_id, data: Bytes::new() }
+            }
+            Packet::Interrupt { endpoint, .. } if endpoint & 0x80 == 0 => {
+                Packet::Interrupt { endpoint, status, length: 0, data: Bytes::new() }
+            }
+            _ => return,
+        };
+        self.send(id, &reply);
+    }
+
+    fn read_configuration_header(&mut self, index: u8) {
+        let urb = UrbRequest::control(get_descriptor(0x02, index, 9), Bytes::new());
+        self.submit(Pending::ConfigurationHeader { index }, urb);
+    }
+
+    fn read_active_configuration(&mut self) {
+        let urb = UrbRequest::control([0x80, 0x08, 0, 0, 0, 0, 1, 0], Bytes::new());
+        self.submit(Pending::ActiveConfiguration, urb);
+    }
+
+    /// Announces the device once both the descriptors and the guest's hello are in.
+    fn announce(&mut self) {
+        if !self.ready || !self.guest_hello || self.announced || self.gone || self.filtered_out {
+            return;
+        }
+        let Some(descriptor) = self.device.descriptor.clone() else { return };
+        if let Some(rules) = self.filter.clone() {
+            let interfaces = self.device.active().map(|c| c.interface_classes()).unwrap_or_default();
+            if !crate::filter::allows(&rules, &descriptor, &interfaces) {
+                self.filtered_out = true;
+                self.events.push_back(HostEvent::FilteredOut { rules });
+                return;
+            }
+        }
+        self.send_device_info();
+        let connect = Packet::DeviceConnect {
+            speed: redir_speed(self.speed),
+            class: descriptor.class,
+            subclass: descriptor.subclass,
+            protocol: descriptor.protocol,
+            vendor_id: descriptor.vendor_id,
+            product_id: descriptor.product_id,
+            device_version_bcd: descriptor.bcd_device,
+        };
+        self.send(0, &connect);
+        self.announced = true;
+        self.events.push_back(HostEvent::Announced);
+    }
+
+    /// ep_info then interface_info, as the protocol orders them.
+    fn send_device_info(&mut self) {
+        let endpoints = self.device.endpoint_info(self.speed);
+        self.send(0, &Packet::EpInfo(Box::new(endpoints)));
+        let interfaces = self.device.interface_info();
+        self.send(0, &Packet::InterfaceInfo(interfaces));
+    }
+
+    fn start_interrupt_receiving(&mut self, endpoint: u8) -> Status {
+        let Some((TransferType::Interrupt, max_packet)) = self.device.endpoint(endpoint, self.speed) else {
+            return Status::INVAL;
+        };
+        if endpoint & 0x80 == 0 {
+            return Status::INVAL;
+        }
+        self.stop_stream(endpoint);
+        self.streams.insert(endpoint, Stream::default());
+        for _ in 0..INTERRUPT_URBS {
+            self.submit_interrupt_in(endpoint, max_packet);
+        }
+        Status::SUCCESS
+    }
+
+    fn submit_interrupt_in(&mut self, endpoint: u8, max_packet: u32) {
+        let urb = UrbRequest::data(endpoint, TransferType::Interrupt, max_packet, Bytes::new());
+        let tag = self.submit(Pending::InterruptIn { endpoint }, urb);
+        if let Some(stream) = self.streams.get_mut(&endpoint) {
+            stream.in_flight.insert(tag);
+        }
+    }
+
+    fn interrupt_in_done(&mut self, tag: u64, endpoint: u8, status: Status, result: UrbResult) {
+        let Some(stream) = self.streams.get_mut(&endpoint) else { return };
+        if !stream.in_flight.remove(&tag) {
+            return; // stopped (and maybe started again) meanwhile
+        }
+        if status != Status::SUCCESS {
+            // The guest sees the error on its next poll and starts receiving again.
+            self.stop_stream(endpoint);
+            self.send(0, &Packet::InterruptReceivingStatus { status, endpoint });
+            return;
+        }
+        let id = stream.next_id;
+        stream.next_id += 1;
+        let length = result.data.len().min(0xffff) as u16;
+        let data = result.data.slice(..usize::from(length));
+        self.send(id, &Packet::Interrupt { endpoint, status, length, data });
+        if let Some((_, max_packet)) = self.device.endpoint(endpoint, self.speed) {
+            self.submit_interrupt_in(endpoint, max_packet);
+        }
+    }
+
+    fn start_iso(&mut self, endpoint: u8, pkts_per_urb: u8, no_urbs: u8) -> Status {
+        let Some((TransferType::Isochronous, max_packet)) = self.device.endpoint(endpoint, self.speed) else {
+            return Status::INVAL;
+        };
+        if pkts_per_urb == 0 || no_urbs == 0 {
+            return Status::INVAL;
+        }
+        self.stop_stream(endpoint);
+        self.streams.insert(endpoint, Stream { pkts_per_urb, ..Stream::default() });
+        if endpoint & 0x80 != 0 {
+            for _ in 0..no_urbs {
+                self.submit_iso_in(endpoint, max_packet);
+            }
+        }
+        Status::SUCCESS
+    }
+
+    fn submit_iso_in(&mut self, endpoint: u8, max_packet: u32) {
+        let Some(stream) = self.streams.get(&endpoint) else { return };
+        let lengths = vec![max_packet; usize::from(stream.pkts_per_urb)];
+        let mut urb =
+            UrbRequest::data(endpoint, TransferType::Isochronous, max_packet * lengths.len() as u32, Bytes::new());
+        urb.iso_packet_lengths = lengths;
+        let tag = self.submit(Pending::IsoIn { endpoint }, urb);
+        if let Some(stream) = self.streams.get_mut(&endpoint) {
+            stream.in_flight.insert(tag);
+        }
+    }
+
+    fn iso_in_done(&mut self, tag: u64, endpoint: u8, status: Status, result: UrbResult) {
+        let Some(stream) = self.streams.get_mut(&endpoint) else { return };
+        if !stream.in_flight.remove(&tag) {
+            return;
+        }
+        if status != Status::SUCCESS {
+            self.stop_stream(endpoint);
+            self.send(0, &Packet::IsoStreamStatus { status, endpoint });
+            return;
+        }
+        // The IN data is compacted: each packet's actual bytes, one after another.
+        let mut at = 0usize;
+        let mut packets = Vec::with_capacity(result.iso_packets.len());
+        for descriptor in &result.iso_packets {
+            let len = (descriptor.actual_length as usize).min(result.data.len() - at).min(0xffff);
+            let id = stream.next_id;
+            stream.next_id += 1;
+            packets.push((id, redir_status(descriptor.status), result.data.slice(at..at + len)));
+            at += len;
+        }
+        for (id, status, data) in packets {
+            self.send(id, &Packet::Iso { endpoint, status, length: data.len() as u16, data });
+        }
+        if let Some((_, max_packet)) = self.device.endpoint(endpoint, self.speed) {
+            self.submit_iso_in(endpoint, max_packet);
+        }
+    }
+
+    fn iso_out_packet(&mut self, endpoint: u8, data: Bytes) {
+        let Some(stream) = self.streams.get_mut(&endpoint) else {
+            tracing::debug!(target: "usbwire::redir", endpoint, "isochronous OUT packet for a stream not started; dropped");
+            return;
+        };
+        stream.out_packets.push(data);
+        if stream.out_packets.len() < usize::from(stream.pkts_per_urb) {
+            return;
+        }
+        let packets = std::mem::take(&mut stream.out_packets);
+        let lengths: Vec<u32> = packets.iter().map(|p| p.len() as u32).collect();
+        let mut joined = BytesMut::with_capacity(lengths.iter().sum::<u32>() as usize);
+        packets.iter().for_each(|p| joined.extend_from_slice(p));
+        let mut urb = UrbRequest::data(endpoint, TransferType::Isochronous, 0, joined.freeze());
+        urb.iso_packet_lengths = lengths;
+        let tag = self.submit(Pending::IsoOut { endpoint }, urb);
+        if let Some(stream) = self.streams.get_mut(&endpoint) {
+            stream.in_flight.insert(tag);
+        }
+    }
+
+    /// Stops a stream: its URBs are cancelled and their completions dropped.
+    fn stop_stream(&mut self, endpoint: u8) {
+        if let Some(stream) = self.streams.remove(&endpoint) {
+            for tag in stream.in_flight {
+                self.commands.push_back(UrbCommand::Cancel { tag });
+            }
+        }
+    }
+
+    fn stop_streams_of(&mut self, interface: u8) {
+        let endpoints: Vec<u8> =
+            self.streams.keys().copied().filter(|&ep| self.device.interface_of(ep) == Some(interface)).collect();
+        endpoints.into_iter().for_each(|ep| self.stop_stream(ep));
+    }
+
+    fn stop_all_streams(&mut self) {
+        let endpoints: Vec<u8> = self.streams.keys().copied().collect();
+        endpoints.into_iter().for_each(|ep| self.stop_stream(ep));
+    }
+
+    fn submit(&mut self, pending: Pending, urb: UrbRequest) -> u64 {
+        let tag = self.next_tag;
+        self.next_tag += 1;
+        if self.gone {
+            return tag;
+        }
+        self.pending.insert(tag, pending);
+        self.commands.push_back(UrbCommand::Submit { tag, urb });
+        tag
+    }
+
+    fn send(&mut self, id: u64, packet: &Packet) {
+        if let Err(error) = self.codec.encode(id, packet, &mut self.out) {
+            // Our own packets are built to fit the caps in effect; this is a bug, not the peer's fault.
+            tracing::error!(target: "usbwire::redir", %error, kind = packet.kind().0, "could not encode a packet for the guest");
+        }
+    }
+}
+
+/// A GET_DESCRIPTOR request for descriptor `kind` number `index`.
+fn get_descriptor(kind: u8, index: u8, length: u16) -> [u8; 8] {
+    let [lo, hi] = length.to_le_bytes();
+    [0x80, 0x06, index, kind, 0, 0, lo, hi]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PacketType;
+
+    /// The one packet the host sent.
+    fn one(mut packets: Vec<(u64, Packet)>) -> (u64, Packet) {
+        assert_eq!(packets.len(), 1, "{packets:?}");
+        packets.remove(0)
+    }
+
+    /// A full-speed device: configuration 1 with a keyboard-like interface 0
+    /// (interrupt IN 0x81, 8 bytes) and an audio-like interface 1 whose alt 1
+    /// has isochronous IN 0x82 and OUT 0x03 (192 bytes each).
+    const DEVICE: [u8; 18] = [18, 1, 0x00, 0x02, 0, 0, 0, 64, 0x34, 0x12, 0x78, 0x56, 0x00, 0x01, 1, 2, 3, 1];
+    const CONFIGURATION: [u8; 57] = [
+        9, 2, 57, 0, 2, 1, 0, 0x80, 50, //
+        9, 4, 0, 0, 1, 3, 1, 1, 0, //
+        7, 5, 0x81, 3, 8, 0, 10, //
+        9, 4, 1, 0, 0, 1, 2, 0, 0, //
+        9, 4, 1, 1, 2, 1, 2, 0, 0, //
+        7, 5, 0x82, 5, 192, 0, 1, //
+        7, 5, 0x03, 5, 192, 0, 1,
+    ];
+
+    /// The bridge's core, a guest codec, and what each side has not read yet.
+    struct Rig {
+        host: UsbHost,
+        guest: Codec,
+        next_id: u64,
+    }
+
+    fn ok(data: &[u8]) -> UrbResult {
+        UrbResult {
+            status: UrbStatus::OK,
+            actual_length: data.len() as u32,
+            data: Bytes::copy_from_slice(data),
+            iso_packets: Vec::new(),
+        }
+    }
+
+    fn failed(status: UrbStatus) -> UrbResult {
+        UrbResult { status, actual_length: 0, data: Bytes::new(), iso_packets: Vec::new() }
+    }
+
+    /// What QEMU announces (usb-redir.c), bulk streams and receiving aside.
+    fn guest_caps() -> Caps {
+        [
+            Caps::CONNECT_DEVICE_VERSION,
+            Caps::FILTER,
+            Caps::DEVICE_DISCONNECT_ACK,
+            Caps::EP_INFO_MAX_PACKET_SIZE,
+            Caps::IDS_64,
+            Caps::BULK_LENGTH_32,
+        ]
+        .into_iter()
+        .fold(Caps(0), Caps::with)
+    }
+
+    impl Rig {
+        /// A host whose device answered its descriptor reads, and a guest that has read our hello.
+        fn new() -> Self {
+            let mut rig = Self {
+                host: UsbHost::new("usbwire test", Speed::FULL),
+                guest: Codec::new(Side::Guest, guest_caps(), MAX_GUEST_PACKET),
+                next_id: 1,
+            };
+            rig.answer_descriptor_reads();
+            let hello = rig.guest_receives();
+            assert!(matches!(hello.as_slice(), [(0, Packet::Hello { .. })]), "{hello:?}");
+            rig
+        }
+
+        /// Plays the device for the enumeration reads, as a USB/IP server returns them.
+        fn answer_descriptor_reads(&mut self) {
+            while let Some(UrbCommand::Submit { tag, urb }) = self.host.poll_urb() {
+                assert_eq!(urb.transfer_type, TransferType::Control);
+                let wanted = usize::from(u16::from_le_bytes([urb.setup[6], urb.setup[7]]));
+                let reply: &[u8] = match (urb.setup[1], urb.setup[3]) {
+                    (0x06, 0x01) => &DEVICE,
+                    (0x06, 0x02) => &CONFIGURATION,
+                    (0x08, _) => &[1],
+                    other => panic!("unexpected request {other:?}"),
+                };
+                self.host.handle_urb(tag, ok(&reply[..wanted.min(reply.len())])).unwrap();
+            }
+        }
+
+        fn guest_sends(&mut self, packet: Packet) -> u64 {
+            let id = self.next_id;
+            self.next_id += 1;
+            self.guest_sends_with_id(id, packet);
+            id
+        }
+
+        fn guest_sends_with_id(&mut self, id: u64, packet: Packet) {
+            let mut wire = BytesMut::new();
+            self.guest.encode(id, &packet, &mut wire).unwrap();
+            self.host.handle_guest(&mut wire).unwrap();
+            assert!(wire.is_empty());
+        }
+
+        fn hello(&mut self) {
+            let hello = self.guest.hello("qemu test");
+            self.guest_sends_with_id(0, hello);
+        }
+
+        /// Everything the host has sent the guest since the last call.
+        fn guest_receives(&mut self) -> Vec<(u64, Packet)> {
+            let mut wire = self.host.to_guest().split();
+            let mut packets = Vec::new();
+            while let Some(packet) = self.guest.decode(&mut wire).unwrap() {
+                packets.push(packet);
+            }
+            assert!(wire.is_empty(), "a partial packet for the guest");
+            packets
+        }
+
+        fn submits(&mut self) -> Vec<(u64, UrbRequest)> {
+            let mut submits = Vec::new();
+            while let Some(command) = self.host.poll_urb() {
+                match command {
+                    UrbCommand::Submit { tag, urb } => submits.push((tag, urb)),
+                    other => panic!("expected submits only, got {other:?}"),
+                }
+            }
+            submits
+        }
+
+        fn announced() -> Self {
+            let mut rig = Self::new();
+            rig.hello();
+            assert_eq!(rig.guest_receives().len(), 3);
+            rig
+        }
+    }
+
+    #[test]
+    fn announces_after_the_guests_hello_in_protocol_order() {
+        let mut rig = Rig::new();
+        assert!(!rig.host.is_announced(), "announced before the guest said hello");
+        rig.hello();
+        assert_eq!(rig.host.poll_event(), Some(HostEvent::GuestHello { version: "qemu test".into() }));
+        assert_eq!(rig.host.poll_event(), Some(HostEvent::Announced));
+        let packets = rig.guest_receives();
+        let [(0, Packet::EpInfo(endpoints)), (0, Packet::InterfaceInfo(interfaces)), (0, connect)] = packets.as_slice()
+        else {
+            panic!("expected ep_info, interface_info, device_connect: {packets:?}")
+        };
+        assert_eq!(endpoints.kind[EndpointInfo::index(0x81)], 3, "0x81 is interrupt");
+        assert_eq!(endpoints.max_packet_size[EndpointInfo::index(0x81)], 8);
+        assert_eq!(endpoints.interval[EndpointInfo::index(0x81)], 10);
+        assert_eq!(endpoints.max_packet_size[0], 64, "ep0 from bMaxPacketSize0");
+        assert_eq!(interfaces.interface, vec![0, 1]);
+        assert_eq!(interfaces.class, vec![3, 1]);
+        assert_eq!(
+            connect,
+            &Packet::DeviceConnect {
+                speed: 1,
+                class: 0,
+                subclass: 0,
+                protocol: 0,
+                vendor_id: 0x1234,
+                product_id: 0x5678,
+                device_version_bcd: 0x0100
+            }
+        );
+    }
+
+    #[test]
+    fn a_hello_before_the_descriptors_waits_for_them() {
+        let mut host = UsbHost::new("t", Speed::HIGH);
+        let guest = Codec::new(Side::Guest, Caps(0).with(Caps::IDS_64), MAX_GUEST_PACKET);
+        let mut wire = BytesMut::new();
+        guest.encode(0, &guest.hello("q"), &mut wire).unwrap();
+        host.handle_guest(&mut wire).unwrap();
+        assert!(!host.is_announced());
+        let mut rig = Rig { host, guest, next_id: 1 };
+        rig.answer_descriptor_reads();
+        assert!(rig.host.is_announced());
+        let kinds: Vec<PacketType> = rig.guest_receives().iter().map(|(_, p)| p.kind()).collect();
+        assert_eq!(
+            kinds,
+            [PacketType::HELLO, PacketType::EP_INFO, PacketType::INTERFACE_INFO, PacketType::DEVICE_CONNECT]
+        );
+    }
+
+    #[test]
+    fn set_configuration_runs_on_the_device_and_reports_the_new_endpoints_first() {
+        let mut rig = Rig::announced();
+        let id = rig.guest_sends(Packet::SetConfiguration { configuration: 1 });
+        let [(tag, urb)] = rig.submits().try_into().unwrap();
+        assert_eq!(urb.setup, [0x00, 0x09, 1, 0, 0, 0, 0, 0]);
+        assert!(rig.guest_receives().is_empty(), "answered before the device did");
+        rig.host.handle_urb(tag, ok(&[])).unwrap();
+        let kinds: Vec<(u64, PacketType)> = rig.guest_receives().iter().map(|(id, p)| (*id, p.kind())).collect();
+        assert_eq!(
+            kinds,
+            [(0, PacketType::EP_INFO), (0, PacketType::INTERFACE_INFO), (id, PacketType::CONFIGURATION_STATUS)]
+        );
+        // Asked again, the answer comes from what the device took, without a URB.
+        let id = rig.guest_sends(Packet::GetConfiguration);
+        assert!(rig.submits().is_empty());
+        assert_eq!(
+            rig.guest_receives(),
+            [(id, Packet::ConfigurationStatus { status: Status::SUCCESS, configuration: 1 })]
+        );
+    }
+
+    #[test]
+    fn a_stalled_set_alt_setting_keeps_the_old_one() {
+        let mut rig = Rig::announced();
+        let id = rig.guest_sends(Packet::SetAltSetting { interface: 1, alt: 1 });
+        let [(tag, urb)] = rig.submits().try_into().unwrap();
+        assert_eq!(urb.setup, [0x01, 0x0b, 1, 0, 1, 0, 0, 0]);
+        rig.host.handle_urb(tag, failed(UrbStatus::EPIPE)).unwrap();
+        assert_eq!(
+            rig.guest_receives(),
+            [(id, Packet::AltSettingStatus { status: Status::STALL, interface: 1, alt: 0 })]
+        );
+    }
+
+    #[test]
+    fn control_transfers_map_both_ways_and_cancel_by_the_guests_id() {
+        let mut rig = Rig::announced();
+        let data = Bytes::new();
+        let id = rig.guest_sends(Packet::Control {
+            endpoint: 0x80,
+            request: 6,
+            requesttype: 0x80,
+            status: Status::SUCCESS,
+            value: 0x0300,
+            index: 0,
+            length: 255,
+            data,
+        });
+        let [(tag, urb)] = rig.submits().try_into().unwrap();
+        assert_eq!((urb.endpoint, urb.length, urb.setup), (0x80, 255, [0x80, 6, 0, 3, 0, 0, 255, 0]));
+        rig.host.handle_urb(tag, ok(&[4, 3, 9, 4])).unwrap();
+        let (reply_id, Packet::Control { status, length, data, .. }) = one(rig.guest_receives()) else { panic!() };
+        assert_eq!((reply_id, status, length, &data[..]), (id, Status::SUCCESS, 4, &[4u8, 3, 9, 4][..]));
+
+        // OUT: the data goes to the device, the reply says how much went.
+        let id = rig.guest_sends(Packet::Control {
+            endpoint: 0,
+            request: 9,
+            requesttype: 0x21,
+            status: Status::SUCCESS,
+            value: 0x0200,
+            index: 0,
+            length: 1,
+            data: Bytes::from_static(&[7]),
+        });
+        let [(tag, urb)] = rig.submits().try_into().unwrap();
+        assert_eq!((urb.endpoint, urb.length, &urb.data[..]), (0, 1, &[7u8][..]));
+        // Cancelled by the guest: an unlink, and the completion answers the request.
+        rig.guest_sends_with_id(id, Packet::CancelDataPacket);
+        assert_eq!(rig.host.poll_urb(), Some(UrbCommand::Cancel { tag }));
+        rig.host.handle_urb(tag, failed(UrbStatus::ECONNRESET)).unwrap();
+        let (reply_id, Packet::Control { status, data, .. }) = one(rig.guest_receives()) else { panic!() };
+        assert_eq!((reply_id, status, data.len()), (id, Status::CANCELLED, 0));
+        // A cancel for a request already answered does nothing.
+        rig.guest_sends_with_id(id, Packet::CancelDataPacket);
+        assert_eq!(rig.host.poll_urb(), None);
+    }
+
+    #[test]
+    fn interrupt_receiving_keeps_urbs_queued_and_stops_on_an_error() {
+        let mut rig = Rig::announced();
+        let id = rig.guest_sends(Packet::StartInterruptReceiving { endpoint: 0x81 });
+        assert_eq!(
+            rig.guest_receives(),
+            [(id, Packet::InterruptReceivingStatus { status: Status::SUCCESS, endpoint: 0x81 })]
+        );
+        let urbs = rig.submits();
+        assert_eq!(urbs.len(), INTERRUPT_URBS);
+        assert!(urbs
+            .iter()
+            .all(|(_, u)| u.endpoint == 0x81 && u.length == 8 && u.transfer_type == TransferType::Interrupt));
+
+        let report = [0, 0, 4, 0, 0, 0, 0, 0];
+        rig.host.handle_urb(urbs[0].0, ok(&report)).unwrap();
+        rig.host.handle_urb(urbs[1].0, ok(&[0; 8])).unwrap();
+        let packets = rig.guest_receives();
+        let ids: Vec<u64> = packets.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids, [0, 1], "unsolicited packets are numbered from 0");
+        assert_eq!(
+            packets[0].1,
+            Packet::Interrupt {
+                endpoint: 0x81,
+                status: Status::SUCCESS,
+                length: 8,
+                data: Bytes::copy_from_slice(&report)
+            }
+        );
+        assert_eq!(rig.submits().len(), 2, "each completion is replaced");
+        assert_eq!(rig.host.urbs_in_flight(), INTERRUPT_URBS);
+
+        rig.host.handle_urb(urbs[2].0, failed(UrbStatus::EPROTO)).unwrap();
+        assert_eq!(
+            rig.guest_receives(),
+            [(0, Packet::InterruptReceivingStatus { status: Status::IOERROR, endpoint: 0x81 })]
+        );
+        let mut cancelled = 0;
+        while let Some(command) = rig.host.poll_urb() {
+            assert!(matches!(command, UrbCommand::Cancel { .. }), "{command:?}");
+            cancelled += 1;
+        }
+        assert_eq!(cancelled, INTERRUPT_URBS - 1, "the rest of the stream is unlinked");
+        rig.host.handle_urb(urbs[3].0, ok(&report)).unwrap();
+        assert!(rig.guest_receives().is_empty(), "a late completion of a stopped stream is dropped");
+    }
+
+    #[test]
+    fn interrupt_receiving_on_a_bulk_or_unknown_endpoint_is_refused() {
+        let mut rig = Rig::announced();
+        let id = rig.guest_sends(Packet::StartInterruptReceiving { endpoint: 0x85 });
+        assert_eq!(
+            rig.guest_receives(),
+            [(id, Packet::InterruptReceivingStatus { status: Status::INVAL, endpoint: 0x85 })]
+        );
+        assert!(rig.submits().is_empty());
+    }
+
+    #[test]
+    fn isochronous_in_splits_each_urb_into_packets() {
+        let mut rig = Rig::announced();
+        rig.guest_sends(Packet::SetAltSetting { interface: 1, alt: 1 });
+        let [(tag, _)] = rig.submits().try_into().unwrap();
+        rig.host.handle_urb(tag, ok(&[])).unwrap();
+        let packets = rig.guest_receives();
+        let Packet::EpInfo(endpoints) = &packets[0].1 else { panic!("{packets:?}") };
+        assert_eq!(endpoints.kind[EndpointInfo::index(0x82)], 1, "the new alt setting's iso endpoint is announced");
+
+        let id = rig.guest_sends(Packet::StartIsoStream { endpoint: 0x82, pkts_per_urb: 4, no_urbs: 2 });
+        assert_eq!(rig.guest_receives(), [(id, Packet::IsoStreamStatus { status: Status::SUCCESS, endpoint: 0x82 })]);
+        let urbs = rig.submits();
+        assert_eq!(urbs.len(), 2);
+        assert_eq!(urbs[0].1.iso_packet_lengths, vec![192; 4]);
+        assert_eq!(urbs[0].1.length, 4 * 192);
+
+        // A RET_SUBMIT's compacted data: the packets' actual bytes back to back.
+        let actual = [10u32, 0, 192, 5];
+        let data: Vec<u8> = actual.iter().enumerate().flat_map(|(i, &n)| vec![i as u8; n as usize]).collect();
+        let iso_packets = actual
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| IsoPacketDescriptor {
+                offset: i as u32 * 192,
+                length: 192,
+                actual_length: n,
+                status: UrbStatus::OK,
+            })
+            .collect();
+        let result =
+            UrbResult { status: UrbStatus::OK, actual_length: data.len() as u32, data: data.into(), iso_packets };
+        rig.host.handle_urb(urbs[0].0, result).unwrap();
+        let packets = rig.guest_receives();
+        let got: Vec<(u64, usize, Option<u8>)> = packets
+            .iter()
+            .map(|(id, p)| match p {
+                Packet::Iso { endpoint: 0x82, status: Status::SUCCESS, data, .. } => {
+                    (*id, data.len(), data.first().copied())
+                }
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(got, [(0, 10, Some(0)), (1, 0, None), (2, 192, Some(2)), (3, 5, Some(3))]);
+        assert_eq!(rig.submits().len(), 1, "the stream keeps its URBs queued");
+
+        let id = rig.guest_sends(Packet::StopIsoStream { endpoint: 0x82 });
+        assert_eq!(rig.guest_receives(), [(id, Packet::IsoStreamStatus { status: Status::SUCCESS, endpoint: 0x82 })]);
+        let cancels =
+            std::iter::from_fn(|| rig.host.poll_urb()).filter(|c| matches!(c, UrbCommand::Cancel { .. })).count();
+        assert_eq!(cancels, 2);
+    }
+
+    #[test]
+    fn isochronous_out_packets_are_gathered_into_urbs() {
+        let mut rig = Rig::announced();
+        rig.guest_sends(Packet::SetAltSetting { interface: 1, alt: 1 });
+        let [(tag, _)] = rig.submits().try_into().unwrap();
+        rig.host.handle_urb(tag, ok(&[])).unwrap();
+        rig.guest_receives();
+        let id = rig.guest_sends(Packet::StartIsoStream { endpoint: 0x03, pkts_per_urb: 3, no_urbs: 2 });
+        assert_eq!(rig.guest_receives(), [(id, Packet::IsoStreamStatus { status: Status::SUCCESS, endpoint: 0x03 })]);
+        assert!(rig.submits().is_empty(), "OUT streams wait for the guest's data");
+        for n in [100usize, 0] {
+            rig.guest_sends(Packet::Iso {
+                endpoint: 0x03,
+                status: Status::SUCCESS,
+                length: n as u16,
+                data: vec![1; n].into(),
+            });
+        }
+        assert!(rig.submits().is_empty());
+        rig.guest_sends(Packet::Iso {
+            endpoint: 0x03,
+            status: Status::SUCCESS,
+            length: 192,
+            data: vec![2; 192].into(),
+        });
+        let [(tag, urb)] = rig.submits().try_into().unwrap();
+        assert_eq!(urb.iso_packet_lengths, vec![100, 0, 192]);
+        assert_eq!(urb.data.len(), 292);
+        rig.host.handle_urb(tag, failed(UrbStatus::EPROTO)).unwrap();
+        assert_eq!(rig.guest_receives(), [(0, Packet::IsoStreamStatus { status: Status::IOERROR, endpoint: 0x03 })]);
+    }
+
+    #[test]
+    fn a_lost_device_is_disconnected_and_later_requests_refused_at_once() {
+        let mut rig = Rig::announced();
+        rig.guest_sends(Packet::Bulk {
+            endpoint: 0x02,
+            status: Status::SUCCESS,
+            length: 3,
+            stream_id: 0,
+            data: Bytes::from_static(b"abc"),
+        });
+        assert_eq!(rig.submits().len(), 1);
+        rig.host.device_lost();
+        assert_eq!(rig.guest_receives(), [(0, Packet::DeviceDisconnect)]);
+        assert_eq!(rig.host.urbs_in_flight(), 0);
+        let id = rig.guest_sends(Packet::Bulk {
+            endpoint: 0x82,
+            status: Status::SUCCESS,
+            length: 64,
+            stream_id: 0,
+            data: Bytes::new(),
+        });
+        assert!(rig.submits().is_empty());
+        assert_eq!(
+            rig.guest_receives(),
+            [(
+                id,
+                Packet::Bulk { endpoint: 0x82, status: Status::IOERROR, length: 0, stream_id: 0, data: Bytes::new() }
+            )]
+        );
+        rig.guest_sends_with_id(0, Packet::DeviceDisconnectAck);
+        assert_eq!(std::iter::from_fn(|| rig.host.poll_event()).last(), Some(HostEvent::DisconnectAcknowledged));
+    }
+
+    #[test]
+    fn a_guest_filter_that_refuses_the_device_stops_the_announce() {
+        // QEMU sends its filter right after its hello, before our descriptor reads are done.
+        let mut host = UsbHost::new("t", Speed::FULL);
+        let guest = Codec::new(Side::Guest, guest_caps(), MAX_GUEST_PACKET);
+        let mut wire = BytesMut::new();
+        guest.encode(0, &guest.hello("q"), &mut wire).unwrap();
+        host.handle_guest(&mut wire).unwrap();
+        let mut rig = Rig { host, guest, next_id: 1 };
+        rig.guest_receives();
+        rig.guest_sends_with_id(0, Packet::FilterFilter { rules: "0x03,-1,-1,-1,0|-1,-1,-1,-1,1".into() });
+        rig.answer_descriptor_reads();
+        assert!(!rig.host.is_announced());
+        let events: Vec<HostEvent> = std::iter::from_fn(|| rig.host.poll_event()).collect();
+        assert!(events.iter().any(|e| matches!(e, HostEvent::FilteredOut { .. })), "{events:?}");
+        assert!(rig.guest_receives().is_empty(), "nothing announced");
+    }
+
+    #[test]
+    fn a_device_without_its_descriptor_is_an_error() {
+        let mut host = UsbHost::new("t", Speed::FULL);
+        let Some(UrbCommand::Submit { tag, .. }) = host.poll_urb() else { panic!() };
+        let error = host.handle_urb(tag, failed(UrbStatus::EPIPE)).unwrap_err();
+        assert!(matches!(error, HostError::Descriptor { what: "device", .. }), "{error}");
+    }
+
+    #[test]
+    fn bytes_that_are_not_usbredir_end_the_guest() {
+        let mut host = UsbHost::new("t", Speed::FULL);
+        let mut garbage = BytesMut::from(&[0xffu8; 64][..]);
+        assert!(matches!(host.handle_guest(&mut garbage), Err(HostError::Guest(_))));
+    }
+}
