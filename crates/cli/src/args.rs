@@ -51,6 +51,8 @@ pub(crate) enum Command {
     Unbind(BindArgs),
     /// Start a server with a keyboard, a 64 MiB disk and a serial port on loopback, and show what to do next.
     Demo(DemoArgs),
+    /// Offer a remote device to a QEMU/KVM guest through usbredir (QEMU's usb-redir device).
+    Redir(RedirArgs),
 }
 
 #[derive(Args, Debug)]
@@ -234,6 +236,19 @@ pub(crate) struct AttachArgs {
     /// service managers; it ends when the port is detached.
     #[arg(long)]
     pub(crate) foreground: bool,
+}
+
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("guest").required(true).args(["listen", "connect"])))]
+pub(crate) struct RedirArgs {
+    #[command(flatten)]
+    pub(crate) device: RemoteDevice,
+    /// Wait for QEMU to connect here (`-chardev socket,host=…,port=…` in client mode), one guest at a time.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub(crate) listen: Option<String>,
+    /// Connect to a QEMU listening here (`-chardev socket,…,server=on,wait=off`), again whenever it goes.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub(crate) connect: Option<String>,
 }
 
 #[derive(Args, Debug)]

@@ -30,6 +30,7 @@
 pub mod describe;
 mod queue;
 pub mod reattach;
+pub mod redir;
 pub mod relay;
 pub mod vhci;
 

@@ -9,6 +9,7 @@ mod kernel;
 mod list;
 mod local;
 mod output;
+mod redir;
 mod serve;
 mod service;
 
@@ -39,6 +40,7 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
         Command::Bind(args) => local::bind(args).await,
         Command::Unbind(args) => local::unbind(args).await,
         Command::Demo(args) => demo::run(args).await,
+        Command::Redir(args) => redir::run(args).await,
     }
 }
 
