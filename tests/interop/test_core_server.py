@@ -8,6 +8,7 @@ Run: python3 tests/interop/test_core_server.py   (USBWIRE_BIN=path/to/usbwire)
 
 import os
 import re
+import select
 import shutil
 import struct
 import subprocess
@@ -66,13 +67,7 @@ grep -q "usbwire mouse" /proc/bus/input/devices; check mouse-input-device $?
 # Serial: bytes both ways between /dev/ttyACM0 and the host's pty.
 $U attach -r 10.0.2.2 -b 1-3; check serial-attach $?
 wait_path /dev/ttyACM0; check serial-tty $?
-stty -F /dev/ttyACM0 raw -echo 115200
-(timeout 15 head -n 1 /dev/ttyACM0 > /tmp/serial-in) &
-sleep 0.3
-echo "@@SERIAL-READY"
-echo "ping-from-guest" > /dev/ttyACM0
-wait
-echo "@@SERIAL-IN $(cat /tmp/serial-in)"
+__SERIAL_PING__
 
 # Loopback: source, sink and loop through usbfs.
 $U attach -r 10.0.2.2 -b 1-4; check loopback-attach $?
@@ -134,6 +129,37 @@ def decode_keys(hex_lines):
     return presses
 
 
+# The guest's half of serial_ping_pong (for __SERIAL_PING__ in a guest script).
+GUEST_SERIAL_PING = """stty -F /dev/ttyACM0 raw -echo 115200
+(timeout 20 head -n 1 /dev/ttyACM0 > /tmp/serial-in) &
+sleep 0.3
+echo "@@SERIAL-READY"
+echo "ping-from-guest" > /dev/ttyACM0
+wait
+echo "@@SERIAL-IN $(cat /tmp/serial-in)"
+"""
+
+
+def serial_ping_pong(g, checks, link):
+    """The guest's "ping-from-guest" line arrives on the host pty `link`,
+    and the host's "pong-from-host" reaches the guest's ttyACM0."""
+    fd = os.open(link, os.O_RDWR | os.O_NOCTTY)
+    try:
+        g.wait_for("@@SERIAL-READY")
+        got = b""
+        deadline = time.time() + 20
+        while b"\n" not in got and time.time() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                got += os.read(fd, 1024)
+        checks.check("serial: guest -> host pty", b"ping-from-guest" in got, repr(got))
+        os.write(fd, b"pong-from-host\n")
+        line = g.wait_for("@@SERIAL-IN", 30)
+        checks.check("serial: host pty -> guest ttyACM0", "pong-from-host" in line, line)
+    finally:
+        os.close(fd)
+
+
 def main():
     guest.require(BIN)
     guest.build()
@@ -163,6 +189,7 @@ def main():
                 break
             time.sleep(0.1)
         script = GUEST_SCRIPT.replace("__PORT__", str(port)).replace("__TEXT__", FILE_TEXT)
+        script = script.replace("__SERIAL_PING__\n", GUEST_SERIAL_PING)
         g = guest.Guest("core-server", script, timeout=600)
         g.wait_for("@@BOOTED", 120)
 
@@ -203,20 +230,7 @@ def main():
 
         for name in ["mouse-attach", "mouse-input-device", "serial-attach", "serial-tty"]:
             guest_check(name)
-        fd = os.open(link, os.O_RDWR | os.O_NOCTTY)
-        g.wait_for("@@SERIAL-READY")
-        got = b""
-        deadline = time.time() + 20
-        while b"\n" not in got and time.time() < deadline:
-            import select
-            ready, _, _ = select.select([fd], [], [], 0.5)
-            if ready:
-                got += os.read(fd, 1024)
-        checks.check("serial: guest -> host pty", b"ping-from-guest" in got, repr(got))
-        os.write(fd, b"pong-from-host\n")
-        line = g.wait_for("@@SERIAL-IN", 30)
-        checks.check("serial: host pty -> guest ttyACM0", "pong-from-host" in line, line)
-        os.close(fd)
+        serial_ping_pong(g, checks, link)
 
         for name in ["loopback-attach", "loopback-usbloop", "disk-reattach", "disk-remount", "disk-file-survived"]:
             guest_check(name, 180)

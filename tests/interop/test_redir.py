@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+"""usbwire devices in a QEMU guest through usbredir (issue 12): `usbwire serve`
+exports a virtual disk (an ext4 image), keyboard and CDC-ACM serial port; one
+`usbwire redir` bridge per device imports it over USB/IP; a guest (Debian's
+kernel under TCG) has an xHCI controller and one `-device usb-redir` per
+bridge. The disk's and serial's chardevs dial their bridge (`--listen`), the
+keyboard's bridge dials QEMU's listening chardev (`--connect`). The guest's own kernel
+drives the devices as if they were plugged in: no usbip in the guest.
+
+Checked: the guest mounts the disk (ext4), writes a file and reads it back
+past its page cache, and the file is in the host's image afterwards; typed
+keys arrive as key presses; the serial port moves bytes both ways. Then the
+disk's usb-redir device is unplugged from QEMU and plugged in again twice
+(QMP device_del / chardev-add / device_add): the bridge releases its
+USB/IP import each time (the server logs the client leaving and lists the
+disk available), and the guest sees the disk come back with the file on it.
+
+    USBWIRE_BIN=target/release/usbwire python3 tests/interop/test_redir.py
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import guest  # noqa: E402
+from test_core_server import GUEST_SERIAL_PING, KEYCODES, decode_keys, serial_ping_pong  # noqa: E402
+
+BIN = guest.BIN
+MKE2FS = "/sbin/mke2fs"
+WORD = "redir42"
+FILE_TEXT = "written by the guest through usb-redir"
+REPLUGS = 2
+
+GUEST_SCRIPT = r"""
+set -u
+check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
+wait_path() { i=0; while [ $i -lt 300 ]; do [ -e "$1" ] && return 0; sleep 0.2; i=$((i+1)); done; return 1; }
+wait_gone() { i=0; while [ $i -lt 300 ]; do [ -e "$1" ] || return 0; sleep 0.2; i=$((i+1)); done; return 1; }
+
+# Disk: the host made the filesystem; mount, write, read back past the page cache.
+wait_path /sys/block/sda; check disk-block-device $?
+echo "@@DISK-SECTORS $(cat /sys/block/sda/size)"
+mount -t ext4 /dev/sda /mnt; check disk-mount $?
+echo "__TEXT__" > /mnt/hello.txt
+dd if=/dev/urandom of=/mnt/random.bin bs=64k count=64 2>/dev/null
+SUM=$(md5sum /mnt/random.bin | cut -d' ' -f1)
+sync; umount /mnt; check disk-umount $?
+echo 3 > /proc/sys/vm/drop_caches
+mount -t ext4 /dev/sda /mnt; check disk-remount $?
+[ "$(cat /mnt/hello.txt)" = "__TEXT__" ]; check disk-read-back $?
+[ "$(md5sum /mnt/random.bin | cut -d' ' -f1)" = "$SUM" ]; check disk-4mib-read-back $?
+umount /mnt
+echo "@@DISK-DONE"
+
+# Keyboard: read raw events while the host types.
+i=0; while ! grep -q "usbwire keyboard" /proc/bus/input/devices && [ $i -lt 100 ]; do sleep 0.2; i=$((i+1)); done
+grep -q "usbwire keyboard" /proc/bus/input/devices; check keyboard-input-device $?
+EV=$(awk '/usbwire keyboard/ {f=1} f && /Handlers=/ {for (i=1;i<=NF;i++) if ($i ~ /^event/) {print $i; exit}}' /proc/bus/input/devices)
+(timeout 15 cat /dev/input/$EV > /tmp/events) &
+sleep 0.5
+echo "@@READY-FOR-TYPE"
+wait
+echo "@@EVENTS-BEGIN"; od -A n -t x1 -v /tmp/events; echo "@@EVENTS-END"
+
+# Serial: bytes both ways between /dev/ttyACM0 and the host's pty.
+wait_path /dev/ttyACM0; check serial-tty $?
+__SERIAL_PING__
+
+# QEMU unplugs the disk's usb-redir device and plugs it in again.
+n=1
+while [ $n -le __REPLUGS__ ]; do
+  echo "@@UNPLUG $n"
+  wait_gone /sys/block/sda; check unplug-$n-gone $?
+  echo "@@PLUG $n"
+  wait_path /sys/block/sda; check replug-$n-back $?
+  sleep 1
+  mount -t ext4 /dev/sda /mnt; check replug-$n-mount $?
+  [ "$(cat /mnt/hello.txt)" = "__TEXT__" ]; check replug-$n-file $?
+  umount /mnt
+  n=$((n+1))
+done
+echo "@@DMESG-BEGIN"; dmesg | grep -iE "usb|error|reset" | tail -40; echo "@@DMESG-END"
+exit 0
+"""
+
+
+class Monitor:
+    """QEMU's QMP on a unix socket: one command per connection, its reply
+    (QMP's "return", or its "error" as an exception)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def execute(self, command, **arguments):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(self.path)
+            s.settimeout(10)
+            stream = s.makefile("rw")
+            json.loads(stream.readline())  # the greeting
+            for request in [{"execute": "qmp_capabilities"}, {"execute": command, "arguments": arguments}]:
+                stream.write(json.dumps(request) + "\n")
+                stream.flush()
+                while True:
+                    reply = json.loads(stream.readline())
+                    if "event" not in reply:
+                        break
+                if "error" in reply:
+                    raise RuntimeError(f"QMP {command}: {reply['error'].get('desc', reply['error'])}")
+            return reply.get("return")
+
+
+class Log:
+    """A process's log file, read from a mark on."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def text(self):
+        with open(self.path, errors="replace") as f:
+            return f.read()
+
+    def count(self, needle):
+        return self.text().count(needle)
+
+    def wait_count(self, needle, n, timeout):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.count(needle) >= n:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def tail(self, n=10):
+        return "\n    ".join(self.text().splitlines()[-n:])
+
+
+def start_logged(name, cmd):
+    path = os.path.join(guest.LOGS, f"redir.{name}.log")
+    out = open(path, "w")
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT), Log(path)
+
+
+def busids(port):
+    out = subprocess.run([BIN, "list", "-r", f"127.0.0.1:{port}", "--json"], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    data = json.loads(out.stdout)
+    devices = data["devices"] if isinstance(data, dict) else data
+    found = {}
+    for d in devices:
+        text = json.dumps(d)
+        for kind in ("disk", "keyboard", "serial"):
+            if f"usbwire {kind}" in text:
+                found[kind] = d["busid"]
+    return found
+
+
+def disk_available(port, busid):
+    out = subprocess.run([BIN, "list", "-r", f"127.0.0.1:{port}", "--json"], capture_output=True, text=True)
+    if out.returncode != 0:
+        return False
+    data = json.loads(out.stdout)
+    devices = data["devices"] if isinstance(data, dict) else data
+    return any(d["busid"] == busid and d.get("state", "available") == "available" for d in devices)
+
+
+def main():
+    guest.require(BIN, "/usr/bin/qemu-system-x86_64", MKE2FS)
+    checks = guest.Checks()
+    os.makedirs(guest.LOGS, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="usbwire-redir-")
+    image = os.path.join(work, "disk.img")
+    link = os.path.join(work, "ttyUSBWIRE")
+    control = os.path.join(work, "control.sock")
+    monitor_path = os.path.join(work, "monitor.sock")
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    subprocess.run([MKE2FS, "-q", "-F", "-t", "ext4", image], check=True)
+    port = guest.free_port()
+    processes = []
+    g = None
+    try:
+        server, server_log = start_logged("server", [
+            BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--no-advertise", "--control", control,
+            "--virtual", "keyboard", "--virtual", f"disk={image},size=64M,speed=super", "--virtual", f"serial={link}"])
+        processes.append(server)
+        ids = None
+        for _ in range(100):
+            ids = busids(port)
+            if ids and len(ids) == 3:
+                break
+            time.sleep(0.1)
+        checks.check("server lists disk, keyboard and serial", ids and len(ids) == 3, repr(ids))
+        bridge_ports = {kind: guest.free_port() for kind in ("disk", "keyboard", "serial")}
+        # The keyboard's bridge dials a listening QEMU (--connect); the others wait for QEMU to dial.
+        dials = {"keyboard"}
+        bridge_logs = {}
+        for kind, bridge_port in bridge_ports.items():
+            side = ["--connect" if kind in dials else "--listen", f"127.0.0.1:{bridge_port}"]
+            proc, log = start_logged(f"bridge-{kind}", [
+                BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", ids[kind]] + side)
+            processes.append(proc)
+            bridge_logs[kind] = log
+        for kind, log in bridge_logs.items():
+            if kind not in dials:
+                checks.check(f"bridge for the {kind} listens", log.wait_count("waiting for a usb-redir guest", 1, 10),
+                             log.tail())
+
+        def redir_args(kind):
+            # As README.md shows them: QEMU dials (and redials) a listening bridge, or listens for one.
+            mode = "server=on,wait=off" if kind in dials else "reconnect=2"
+            return ["-chardev", f"socket,id=rd-{kind},host=127.0.0.1,port={bridge_ports[kind]},{mode}",
+                    "-device", f"usb-redir,chardev=rd-{kind},id=redir-{kind},bus=xhci.0"]
+
+        qemu_args = ["-device", "qemu-xhci,id=xhci", "-qmp", f"unix:{monitor_path},server=on,wait=off"]
+        for kind in ("disk", "keyboard", "serial"):
+            qemu_args += redir_args(kind)
+        script = GUEST_SCRIPT.replace("__TEXT__", FILE_TEXT).replace("__REPLUGS__", str(REPLUGS))
+        script = script.replace("__SERIAL_PING__\n", GUEST_SERIAL_PING)
+        g = guest.Guest("redir", script, timeout=900, qemu_args=qemu_args)
+        g.wait_for("@@BOOTED", 180)
+
+        def guest_check(name, timeout=180):
+            line = g.wait_for(f"@@CHECK {name} ", timeout)
+            checks.check(f"guest: {name}", " PASS" in line, line)
+
+        guest_check("disk-block-device")
+        sectors = int(g.wait_for("@@DISK-SECTORS").split()[-1])
+        checks.check("disk is 64 MiB", sectors * 512 == 64 << 20, f"{sectors} sectors")
+        for name in ["disk-mount", "disk-umount", "disk-remount", "disk-read-back", "disk-4mib-read-back"]:
+            guest_check(name)
+        g.wait_for("@@DISK-DONE")
+        out = subprocess.run(["debugfs", "-R", "cat /hello.txt", image], capture_output=True, text=True)
+        checks.check("the guest's file is in the host's image", out.stdout.strip() == FILE_TEXT, out.stdout + out.stderr)
+
+        guest_check("keyboard-input-device")
+        g.wait_for("@@READY-FOR-TYPE")
+        typed = subprocess.run([BIN, "type", "--control", control, WORD], capture_output=True, text=True)
+        checks.check("usbwire type accepted the text", typed.returncode == 0, typed.stderr)
+        presses = decode_keys(g.collect("@@EVENTS-BEGIN", "@@EVENTS-END", 60).splitlines())
+        expected = [KEYCODES[c] for c in WORD]
+        checks.check("typed text arrives as key presses", presses == expected, f"expected {expected}, got {presses}")
+
+        guest_check("serial-tty")
+        serial_ping_pong(g, checks, link)
+
+        monitor = Monitor(monitor_path)
+        disk_log = bridge_logs["disk"]
+        for n in range(1, REPLUGS + 1):
+            g.wait_for(f"@@UNPLUG {n}", 60)
+            monitor.execute("device_del", id="redir-disk")
+            guest_check(f"unplug-{n}-gone", 120)
+            released = disk_log.wait_count("guest disconnected; device released", n, 30)
+            checks.check(f"unplug {n}: the bridge released its import", released, disk_log.tail())
+            deadline = time.time() + 15
+            while time.time() < deadline and not disk_available(port, ids["disk"]):
+                time.sleep(0.2)
+            checks.check(f"unplug {n}: the server lists the disk available again", disk_available(port, ids["disk"]),
+                         server_log.tail())
+            g.wait_for(f"@@PLUG {n}", 30)
+            # A new chardev each time: the old one may outlive its device a while.
+            chardev = f"rd-disk-{n}"
+            try:
+                monitor.execute("chardev-add", id=chardev, backend={"type": "socket", "data": {
+                    "addr": {"type": "inet", "data": {"host": "127.0.0.1", "port": str(bridge_ports["disk"])}},
+                    "server": False}})
+                plugged = None
+                deadline = time.time() + 10
+                while plugged is None:
+                    try:
+                        monitor.execute("device_add", driver="usb-redir", chardev=chardev, id="redir-disk", bus="xhci.0")
+                        plugged = ""
+                    except RuntimeError as error:  # the old device's id until its removal completes
+                        if "uplicate" not in str(error) or time.time() > deadline:
+                            raise
+                        time.sleep(0.2)
+            except RuntimeError as error:
+                plugged = str(error)
+            checks.check(f"plug {n}: QEMU took the device back", plugged == "", plugged)
+            for name in [f"replug-{n}-back", f"replug-{n}-mount", f"replug-{n}-file"]:
+                guest_check(name)
+        dmesg = g.collect("@@DMESG-BEGIN", "@@DMESG-END", 60)
+        checks.check("no I/O error in the guest's kernel log", "I/O error" not in dmesg, dmesg)
+        rc = g.finish(60)
+        checks.check("guest script exit code", rc == 0, str(rc))
+        for kind, log in bridge_logs.items():
+            checks.check(f"bridge for the {kind}: no malformed packet or failure",
+                         log.count("malformed") == 0 and log.count("ERROR") == 0, log.tail())
+        checks.check("server saw each disk import end cleanly", server_log.count("connection lost") == 0,
+                     server_log.tail())
+        print(f"guest ran {time.time() - g.started:.1f} s", flush=True)
+    except Exception as error:  # a wait that timed out is a failure with a reason
+        checks.check("test ran to the end", False, str(error))
+    finally:
+        if g:
+            g.kill()
+        for proc in reversed(processes):
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        print(f"logs: {guest.LOGS}/redir.*", flush=True)
+    checks.exit()
+
+
+if __name__ == "__main__":
+    main()
