@@ -3,7 +3,7 @@
 # first crash, leaving the input in fuzz/artifacts/<target>/.
 #
 #   FUZZ_SECONDS=20          seconds per target (default 20)
-#   FUZZ_TARGETS="a b"       which targets (default: all six)
+#   FUZZ_TARGETS="a b"       which targets (default: all)
 #   FUZZ_MODE=auto           libfuzzer | replay | auto (libfuzzer, or replay if cargo-fuzz
 #                            cannot be installed or built)
 #
@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 seconds="${FUZZ_SECONDS:-20}"
-targets="${FUZZ_TARGETS:-decode_command decode_return op_phase transform_frames server_session client_session redir_packets}"
+targets="${FUZZ_TARGETS:-decode_command decode_return op_phase transform_frames server_session client_session redir_packets redir_host}"
 mode="${FUZZ_MODE:-auto}"
 
 run_replay() {

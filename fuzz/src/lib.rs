@@ -31,18 +31,20 @@ use usbwire_transform::{Frame, Pipeline, Side, TransformSpec, FRAME_HEADER_LEN, 
 
 mod client;
 mod redir;
+mod redir_host;
 pub mod seeds;
 mod session;
 
 pub use client::client_session;
 pub use redir::redir_packets;
+pub use redir_host::redir_host;
 pub use session::{server_session, CountingAllocator};
 
 /// A harness: one fuzz input in, panics on a broken invariant.
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 7] = [
+pub const TARGETS: [(&str, Harness); 8] = [
     ("decode_command", decode_command),
     ("decode_return", decode_return),
     ("op_phase", op_phase),
@@ -50,6 +52,7 @@ pub const TARGETS: [(&str, Harness); 7] = [
     ("server_session", server_session),
     ("client_session", client_session),
     ("redir_packets", redir_packets),
+    ("redir_host", redir_host),
 ];
 
 /// Server side: `[chunking, limits, iso_mode] ++ stream` through `urb::decode_command`.

@@ -157,6 +157,28 @@ fn redir_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)) {
             guest.encode(id as u64 + 1, packet, &mut stream).expect("a guest packet");
         }
         add("redir_packets", name, &[2, caps], stream.to_vec());
+        add("redir_host", name, &[2, caps, 7], stream.to_vec());
+        // The host core's streams: interrupt receiving, an alt setting with iso endpoints,
+        // iso IN started and stopped, iso OUT packets, a bulk transfer each way.
+        let streams = [
+            Packet::SetConfiguration { configuration: 1 },
+            Packet::StartInterruptReceiving { endpoint: 0x81 },
+            Packet::SetAltSetting { interface: 2, alt: 1 },
+            Packet::StartIsoStream { endpoint: 0x83, pkts_per_urb: 4, no_urbs: 2 },
+            Packet::StartIsoStream { endpoint: 0x03, pkts_per_urb: 2, no_urbs: 2 },
+            Packet::Iso { endpoint: 0x03, status: Status::SUCCESS, length: 3, data: Bytes::from_static(b"abc") },
+            Packet::Iso { endpoint: 0x03, status: Status::SUCCESS, length: 0, data: Bytes::new() },
+            Packet::Bulk { endpoint: 0x82, status: Status::SUCCESS, length: 512, stream_id: 0, data: Bytes::new() },
+            Packet::Bulk { endpoint: 0x02, status: Status::SUCCESS, length: 4, stream_id: 0, data: Bytes::from_static(b"data") },
+            Packet::StopIsoStream { endpoint: 0x83 },
+            Packet::StopInterruptReceiving { endpoint: 0x81 },
+            Packet::GetAltSetting { interface: 2 },
+        ];
+        let mut stream = BytesMut::new();
+        for (id, packet) in streams.iter().enumerate() {
+            guest.encode(id as u64 + 1, packet, &mut stream).expect("a guest packet");
+        }
+        add("redir_host", &format!("{name}_streams"), &[2, caps, 11], stream.to_vec());
     }
 }
 
