@@ -113,6 +113,24 @@ class Monitor:
                     raise RuntimeError(f"QMP {command}: {reply['error'].get('desc', reply['error'])}")
             return reply.get("return")
 
+    def plug_redir(self, device_id, chardev, port):
+        """A usb-redir device `device_id` on xhci.0 whose new chardev dials
+        127.0.0.1:`port`; "" or what QEMU said against it."""
+        try:
+            self.execute("chardev-add", id=chardev, backend={"type": "socket", "data": {
+                "addr": {"type": "inet", "data": {"host": "127.0.0.1", "port": str(port)}}, "server": False}})
+            deadline = time.time() + 10
+            while True:
+                try:
+                    self.execute("device_add", driver="usb-redir", chardev=chardev, id=device_id, bus="xhci.0")
+                    return ""
+                except RuntimeError as error:  # an unplugged device's id until its removal completes
+                    if "uplicate" not in str(error) or time.time() > deadline:
+                        raise
+                    time.sleep(0.2)
+        except RuntimeError as error:
+            return str(error)
+
 
 class Log:
     """A process's log file, read from a mark on."""
@@ -264,23 +282,7 @@ def main():
                          server_log.tail())
             g.wait_for(f"@@PLUG {n}", 30)
             # A new chardev each time: the old one may outlive its device a while.
-            chardev = f"rd-disk-{n}"
-            try:
-                monitor.execute("chardev-add", id=chardev, backend={"type": "socket", "data": {
-                    "addr": {"type": "inet", "data": {"host": "127.0.0.1", "port": str(bridge_ports["disk"])}},
-                    "server": False}})
-                plugged = None
-                deadline = time.time() + 10
-                while plugged is None:
-                    try:
-                        monitor.execute("device_add", driver="usb-redir", chardev=chardev, id="redir-disk", bus="xhci.0")
-                        plugged = ""
-                    except RuntimeError as error:  # the old device's id until its removal completes
-                        if "uplicate" not in str(error) or time.time() > deadline:
-                            raise
-                        time.sleep(0.2)
-            except RuntimeError as error:
-                plugged = str(error)
+            plugged = monitor.plug_redir("redir-disk", f"rd-disk-{n}", bridge_ports["disk"])
             checks.check(f"plug {n}: QEMU took the device back", plugged == "", plugged)
             for name in [f"replug-{n}-back", f"replug-{n}-mount", f"replug-{n}-file"]:
                 guest_check(name)
