@@ -151,6 +151,10 @@ pub async fn serve_guest(source: &Source, stream: TcpStream) -> Result<Ended, Br
         tags: HashMap::new(),
     };
     let outcome = bridge.run(&connection, &mut reader, &mut inbuf, &to_guest).await;
+    let traffic = bridge.host.traffic();
+    info!(target: "usbwire::redir", control = traffic.control, bulk = traffic.bulk,
+        interrupt_in = traffic.interrupt_in, interrupt_out = traffic.interrupt_out,
+        iso_in_packets = traffic.iso_in_packets, iso_out_packets = traffic.iso_out_packets, "guest traffic");
     drop(to_guest);
     // What the core said last (a device_disconnect) reaches the guest before the socket closes.
     let _ = tokio::time::timeout(Duration::from_secs(1), writer_task).await;

@@ -116,6 +116,21 @@ pub enum HostEvent {
     DisconnectAcknowledged,
 }
 
+/// What one guest moved through the core: transfers completed on the device
+/// (isochronous ones in packets), for the bridge's log and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    pub control: u64,
+    pub bulk: u64,
+    /// Interrupt IN packets sent to the guest (interrupt receiving).
+    pub interrupt_in: u64,
+    pub interrupt_out: u64,
+    /// Isochronous IN packets sent to the guest.
+    pub iso_in_packets: u64,
+    /// Isochronous OUT packets of the guest's that the device took.
+    pub iso_out_packets: u64,
+}
+
 /// Why the bridge gave up on this guest connection.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -142,7 +157,7 @@ enum Pending {
     InterruptOut { id: u64, endpoint: u8 },
     InterruptIn { endpoint: u8 },
     IsoIn { endpoint: u8 },
-    IsoOut { endpoint: u8 },
+    IsoOut { endpoint: u8, packets: u32 },
     Reset,
 }
 
@@ -305,6 +320,7 @@ pub struct UsbHost {
     commands: VecDeque<UrbCommand>,
     events: VecDeque<HostEvent>,
     out: BytesMut,
+    traffic: Traffic,
 }
 
 impl UsbHost {
@@ -329,6 +345,7 @@ impl UsbHost {
             commands: VecDeque::new(),
             events: VecDeque::new(),
             out: BytesMut::new(),
+            traffic: Traffic::default(),
         };
         let hello = host.codec.hello(version);
         host.send(0, &hello);
@@ -360,6 +377,11 @@ impl UsbHost {
     /// URBs submitted and not completed.
     pub fn urbs_in_flight(&self) -> usize {
         self.pending.len()
+    }
+
+    /// What this guest has moved so far.
+    pub fn traffic(&self) -> Traffic {
+        self.traffic
     }
 
     /// Takes every whole packet the guest sent from `buf` and acts on it.
@@ -438,6 +460,7 @@ impl UsbHost {
             }
             Pending::Control { id, endpoint, request, requesttype, value, index } => {
                 self.by_guest_id.remove(&id);
+                self.traffic.control += u64::from(status == Status::SUCCESS);
                 let length = result.actual_length.min(0xffff) as u16;
                 let data = if endpoint & 0x80 != 0 {
                     result.data.slice(..usize::from(length).min(result.data.len()))
@@ -449,18 +472,23 @@ impl UsbHost {
             }
             Pending::Bulk { id, endpoint, stream_id } => {
                 self.by_guest_id.remove(&id);
+                self.traffic.bulk += u64::from(status == Status::SUCCESS);
                 let data = if endpoint & 0x80 != 0 { result.data } else { Bytes::new() };
                 let length = if endpoint & 0x80 != 0 { data.len() as u32 } else { result.actual_length };
                 self.send(id, &Packet::Bulk { endpoint, status, length, stream_id, data });
             }
             Pending::InterruptOut { id, endpoint } => {
                 self.by_guest_id.remove(&id);
+                self.traffic.interrupt_out += u64::from(status == Status::SUCCESS);
                 let length = result.actual_length.min(0xffff) as u16;
                 self.send(id, &Packet::Interrupt { endpoint, status, length, data: Bytes::new() });
             }
             Pending::InterruptIn { endpoint } => self.interrupt_in_done(tag, endpoint, status, result),
             Pending::IsoIn { endpoint } => self.iso_in_done(tag, endpoint, status, result),
-            Pending::IsoOut { endpoint } => {
+            Pending::IsoOut { endpoint, packets } => {
+                if status == Status::SUCCESS {
+                    self.traffic.iso_out_packets += u64::from(packets);
+                }
                 let stopped = self.streams.get_mut(&endpoint).is_none_or(|s| !s.in_flight.remove(&tag));
                 if status != Status::SUCCESS && status != Status::CANCELLED && !stopped {
                     self.send(0, &Packet::IsoStreamStatus { status, endpoint });
@@ -709,6 +737,7 @@ impl UsbHost {
         }
         let id = stream.next_id;
         stream.next_id += 1;
+        self.traffic.interrupt_in += 1;
         let length = result.data.len().min(0xffff) as u16;
         let data = result.data.slice(..usize::from(length));
         self.send(id, &Packet::Interrupt { endpoint, status, length, data });
@@ -766,6 +795,7 @@ impl UsbHost {
             packets.push((id, redir_status(descriptor.status), result.data.slice(at..at + len)));
             at += len;
         }
+        self.traffic.iso_in_packets += packets.len() as u64;
         for (id, status, data) in packets {
             self.send(id, &Packet::Iso { endpoint, status, length: data.len() as u16, data });
         }
@@ -785,11 +815,12 @@ impl UsbHost {
         }
         let packets = std::mem::take(&mut stream.out_packets);
         let lengths: Vec<u32> = packets.iter().map(|p| p.len() as u32).collect();
+        let lengths_count = lengths.len() as u32;
         let mut joined = BytesMut::with_capacity(lengths.iter().sum::<u32>() as usize);
         packets.iter().for_each(|p| joined.extend_from_slice(p));
         let mut urb = UrbRequest::data(endpoint, TransferType::Isochronous, 0, joined.freeze());
         urb.iso_packet_lengths = lengths;
-        let tag = self.submit(Pending::IsoOut { endpoint }, urb);
+        let tag = self.submit(Pending::IsoOut { endpoint, packets: lengths_count }, urb);
         if let Some(stream) = self.streams.get_mut(&endpoint) {
             stream.in_flight.insert(tag);
         }
@@ -1137,6 +1168,7 @@ mod tests {
         );
         assert_eq!(rig.submits().len(), 2, "each completion is replaced");
         assert_eq!(rig.host.urbs_in_flight(), INTERRUPT_URBS);
+        assert_eq!(rig.host.traffic(), Traffic { interrupt_in: 2, ..Traffic::default() });
 
         rig.host.handle_urb(urbs[2].0, failed(UrbStatus::EPROTO)).unwrap();
         assert_eq!(
@@ -1209,6 +1241,7 @@ mod tests {
             .collect();
         assert_eq!(got, [(0, 10, Some(0)), (1, 0, None), (2, 192, Some(2)), (3, 5, Some(3))]);
         assert_eq!(rig.submits().len(), 1, "the stream keeps its URBs queued");
+        assert_eq!(rig.host.traffic().iso_in_packets, 4);
 
         let id = rig.guest_sends(Packet::StopIsoStream { endpoint: 0x82 });
         assert_eq!(rig.guest_receives(), [(id, Packet::IsoStreamStatus { status: Status::SUCCESS, endpoint: 0x82 })]);
@@ -1245,6 +1278,17 @@ mod tests {
         let [(tag, urb)] = rig.submits().try_into().unwrap();
         assert_eq!(urb.iso_packet_lengths, vec![100, 0, 192]);
         assert_eq!(urb.data.len(), 292);
+        rig.host.handle_urb(tag, ok(&[])).unwrap();
+        assert_eq!(rig.host.traffic().iso_out_packets, 3, "counted when the device took them");
+        for n in [1usize, 2, 3] {
+            rig.guest_sends(Packet::Iso {
+                endpoint: 0x03,
+                status: Status::SUCCESS,
+                length: n as u16,
+                data: vec![3; n].into(),
+            });
+        }
+        let [(tag, _)] = rig.submits().try_into().unwrap();
         rig.host.handle_urb(tag, failed(UrbStatus::EPROTO)).unwrap();
         assert_eq!(rig.guest_receives(), [(0, Packet::IsoStreamStatus { status: Status::IOERROR, endpoint: 0x03 })]);
     }
