@@ -36,6 +36,9 @@ MODULES = [
     "cdc-acm",
     "xhci-pci", "usb-storage", "usbserial", "ftdi_sio",
 ]
+# In the initramfs but loaded only by the scripts that want them (`/modules.extra`, in order):
+# USB audio, which would otherwise claim every guest's audio device.
+EXTRA_MODULES = ["snd-usb-audio"]
 
 
 def log(msg):
@@ -96,17 +99,17 @@ def extract_vmlinux(bzimage, out):
     return out
 
 
-def module_order(root, version):
+def module_order(root, version, names, skip=()):
     run(["depmod", "-b", root, version])
     order = []
-    for name in MODULES:
+    for name in names:
         out = subprocess.run(["modprobe", "-d", root, "-S", version, "--show-depends", name],
                              capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"module {name}: {out.stderr.strip()}")
         for line in out.stdout.splitlines():
             parts = line.split()
-            if parts and parts[0] == "insmod" and parts[1] not in order:
+            if parts and parts[0] == "insmod" and parts[1] not in order and parts[1] not in skip:
                 order.append(parts[1])
     return order
 
@@ -197,12 +200,14 @@ def build():
     bzimage = os.path.join(root, "boot", f"vmlinuz-{version}")
     kernel = extract_vmlinux(bzimage, os.path.join(CACHE, "vmlinux")) or bzimage
     # The cache key covers everything that goes into the initramfs.
-    key = hashlib.sha256((repr(MODULES) + INIT + open(os.path.join(HERE, "usbloop.c")).read() + version).encode()).hexdigest()[:12]
+    sources = "".join(open(os.path.join(HERE, c)).read() for c in ("usbloop.c", "pcmplay.c"))
+    key = hashlib.sha256((repr(MODULES) + repr(EXTRA_MODULES) + INIT + sources + version).encode()).hexdigest()[:12]
     initrd = os.path.join(CACHE, f"base-{key}.cpio")
     if os.path.exists(initrd):
         return kernel, initrd
     log("building initramfs")
-    order = module_order(root, version)
+    order = module_order(root, version, MODULES)
+    extra_order = module_order(root, version, EXTRA_MODULES, skip=order)
     cpio = Cpio()
     for d in ["bin", "sbin", "usr/bin", "usr/sbin", "proc", "sys", "dev", "tmp", "mnt", "etc", "lib/modules"]:
         cpio.dir(d)
@@ -213,15 +218,17 @@ def build():
         if os.path.exists(ids):
             cpio.host_file(ids, "usr/share/hwdata/usb.ids")
             break
-    guest_paths = []
-    for ko in order:
-        guest = "/lib/modules/" + os.path.basename(ko)
-        cpio.host_file(ko, guest, 0o644)
-        guest_paths.append(guest)
-    cpio.file("modules.order", ("\n".join(guest_paths) + "\n").encode())
-    usbloop = os.path.join(CACHE, "usbloop")
-    run(["gcc", "-static", "-O2", "-o", usbloop, os.path.join(HERE, "usbloop.c")])
-    cpio.host_file(usbloop, "usr/bin/usbloop", 0o755)
+    for listing, modules in (("modules.order", order), ("modules.extra", extra_order)):
+        guest_paths = []
+        for ko in modules:
+            guest = "/lib/modules/" + os.path.basename(ko)
+            cpio.host_file(ko, guest, 0o644)
+            guest_paths.append(guest)
+        cpio.file(listing, ("\n".join(guest_paths) + "\n").encode())
+    for tool in ("usbloop", "pcmplay"):
+        binary = os.path.join(CACHE, tool)
+        run(["gcc", "-static", "-O2", "-o", binary, os.path.join(HERE, f"{tool}.c"), "-lm"])
+        cpio.host_file(binary, f"usr/bin/{tool}", 0o755)
     cpio.file("init", INIT.encode(), 0o755)
     cpio.file("etc/passwd", b"root:x:0:0:root:/:/bin/sh\n")
     with open(initrd + ".tmp", "wb") as f:

@@ -12,13 +12,17 @@ dropped. Then the drive is unplugged, the bridge must release its import,
 and the same drive is exported by `usbredirect` (Debian's usbredir exporter)
 in the exporter guest instead; the second guest plugs straight into it and
 does the same reads. Both read speeds are printed (BENCHMARKS.md records
-them; the bridge path crosses USB/IP as well).
+them; the bridge path crosses USB/IP as well). Last, QEMU's USB speaker
+(isochronous OUT) in the exporter reaches the second guest through its own
+bridge: snd-usb-audio binds it, 3 s of sound are played (raw ALSA ioctls),
+and the bridge counts the isochronous packets the speaker took.
 
     USBWIRE_BIN=target/release/usbwire python3 tests/interop/test_redir_real.py
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,6 +36,8 @@ from test_redir import Monitor, start_logged  # noqa: E402
 BIN = guest.BIN
 USBREDIRECT = "/usr/bin/usbredirect"
 STICK = ("46f4", "0001")
+AUDIO = ("46f4", "0002")
+AUDIO_SECONDS = 3
 READ_MIB = 32
 READS = 3
 # usbredirect's port in the exporter guest.
@@ -41,7 +47,7 @@ EXPORTER_SCRIPT = r"""
 set -u
 export C="--control /run/usbwire.sock"
 mkdir -p /etc/usbwire
-printf '[[bind]]\ndevice = "46f4:0001"\n' > /etc/usbwire/server.toml
+printf '[[bind]]\ndevice = "46f4:0001"\n[[bind]]\ndevice = "46f4:0002"\n' > /etc/usbwire/server.toml
 usbwire serve -v --listen 0.0.0.0:3240 --config /etc/usbwire/server.toml $C > /tmp/serve.log 2>&1 &
 i=0; while [ ! -S /run/usbwire.sock ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
 echo "@@SERVER-UP"
@@ -73,17 +79,26 @@ for path in bridge usbredirect; do
   echo "@@UNPLUG $path"
   wait_gone /sys/block/sda; check $path-gone $?
 done
+# Audio: QEMU's USB speaker (isochronous OUT), played with raw ALSA ioctls.
+for m in $(cat /modules.extra); do insmod $m 2>/dev/null; done
+echo "@@PLUG audio"
+wait_path /dev/snd/pcmC0D0p; check audio-pcm $?
+out=$(pcmplay /dev/snd/pcmC0D0p __AUDIO_SECONDS__ 2>&1); rc=$?
+echo "@@PCMPLAY $out"
+check audio-play $rc
+echo "@@UNPLUG audio"
+wait_gone /dev/snd/pcmC0D0p; check audio-gone $?
 echo "@@DMESG-BEGIN"; dmesg | grep -iE "usb|error|reset" | tail -30; echo "@@DMESG-END"
 exit 0
 """
 
 
-def listed_stick(port):
+def listed(port, ids=STICK):
     out = subprocess.run([BIN, "list", "-r", f"127.0.0.1:{port}", "--json"], capture_output=True, text=True)
     if out.returncode != 0:
         return None
     devices = json.loads(out.stdout)["devices"]
-    return next((d for d in devices if (d["vendor_id"], d["product_id"]) == STICK), None)
+    return next((d for d in devices if (d["vendor_id"], d["product_id"]) == ids), None)
 
 
 def main():
@@ -100,7 +115,7 @@ def main():
     guest.run(["mke2fs", "-q", "-t", "ext2", "-d", files, image, "64M"], capture_output=True)
     port, redirect_port, bridge_port = guest.free_port(), guest.free_port(), guest.free_port()
     monitor_path = os.path.join(work, "qmp.sock")
-    exporter = consumer = bridge = None
+    exporter = consumer = bridge = audio_bridge = None
     remote = Remote()
     speeds = {}
     try:
@@ -109,25 +124,29 @@ def main():
             files={BIN: "/usr/bin/usbwire", USBREDIRECT: "/usr/bin/usbredirect"},
             hostfwd={3240: port, REDIRECT_PORT: redirect_port}, timeout=900,
             qemu_args=["-device", "qemu-xhci,id=xhci", "-drive", f"if=none,id=stickdrive,format=raw,file={image}",
-                       "-device", "usb-storage,bus=xhci.0,drive=stickdrive,id=stick"])
+                       "-device", "usb-storage,bus=xhci.0,drive=stickdrive,id=stick",
+                       "-audiodev", "none,id=snd0", "-device", "usb-audio,bus=xhci.0,audiodev=snd0,id=audio"])
         remote.g = exporter
         exporter.wait_for("@@SERVER-UP", 180)
-        stick = None
+        stick = audio = None
         for _ in range(60):
-            stick = listed_stick(port)
-            if stick:
+            stick, audio = listed(port), listed(port, AUDIO)
+            if stick and audio:
                 break
             time.sleep(1)
-        if not stick:
-            raise RuntimeError(f"the exporter guest's usbwire serve never listed the flash drive {':'.join(STICK)}")
+        if not (stick and audio):
+            raise RuntimeError(f"the exporter guest's usbwire serve listed flash drive {stick}, audio {audio}")
         busid = stick["busid"]
         bridge, bridge_log = start_logged("real-bridge", [
             BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", busid, "--listen", f"127.0.0.1:{bridge_port}"])
         checks.check("the bridge listens", bridge_log.wait_count("waiting for a usb-redir guest", 1, 10),
                      bridge_log.tail())
 
+        audio_port = guest.free_port()
+        audio_bridge, audio_log = start_logged("real-audio-bridge", [
+            BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", audio["busid"], "--listen", f"127.0.0.1:{audio_port}"])
         script = (GUEST_SCRIPT.replace("__TEXT__", known).replace("__MIB__", str(READ_MIB))
-                  .replace("__READS__", str(READS)))
+                  .replace("__READS__", str(READS)).replace("__AUDIO_SECONDS__", str(AUDIO_SECONDS)))
         consumer = guest.Guest("redir-consumer", script, timeout=900, qemu_args=[
             "-device", "qemu-xhci,id=xhci", "-qmp", f"unix:{monitor_path},server=on,wait=off"])
         monitor = Monitor(monitor_path)
@@ -167,10 +186,28 @@ def main():
                 checks.check("the bridge released its import when the guest unplugged",
                              bridge_log.wait_count("guest disconnected; device released", 1, 30), bridge_log.tail())
                 deadline = time.time() + 15
-                while time.time() < deadline and (listed_stick(port) or {}).get("state", "available") != "available":
+                while time.time() < deadline and (listed(port) or {}).get("state", "available") != "available":
                     time.sleep(0.2)
                 checks.check("the exporter lists the drive available again",
-                             (listed_stick(port) or {}).get("state", "available") == "available", "")
+                             (listed(port) or {}).get("state", "available") == "available", "")
+        consumer.wait_for("@@PLUG audio", 120)
+        plugged = monitor.plug_redir("redir-audio", "rd-audio", audio_port)
+        checks.check("audio: QEMU plugged the usb-redir device", plugged == "", plugged)
+        guest_check("audio-pcm")
+        played = consumer.wait_for("@@PCMPLAY", 120)
+        guest_check("audio-play")
+        frames = 48000 * AUDIO_SECONDS
+        checks.check(f"the guest played {frames} frames", f"{frames} frames" in played, played)
+        consumer.wait_for("@@UNPLUG audio", 60)
+        monitor.execute("device_del", id="redir-audio")
+        guest_check("audio-gone")
+        audio_log.wait_count("guest traffic", 1, 30)
+        found = re.search(r"guest traffic.*iso_out_packets=(\d+)", audio_log.text())
+        packets = int(found.group(1)) if found else 0
+        # Full speed: one packet per 1 ms frame while the stream runs.
+        checks.check(f"audio: >= {int(800 * AUDIO_SECONDS)} isochronous packets reached the speaker through the bridge",
+                     packets >= 800 * AUDIO_SECONDS, f"{packets} packets; {audio_log.tail()}")
+        print(f"audio: {packets} isochronous OUT packets through the bridge for {AUDIO_SECONDS} s", flush=True)
         dmesg = consumer.collect("@@DMESG-BEGIN", "@@DMESG-END", 60)
         checks.check("no I/O error in the consumer's kernel log", "I/O error" not in dmesg, dmesg)
         checks.check("consumer script exit code", consumer.finish(60) == 0, "")
@@ -187,12 +224,13 @@ def main():
         for g in (consumer, exporter):
             if g:
                 g.kill()
-        if bridge:
-            bridge.terminate()
-            try:
-                bridge.wait(10)
-            except subprocess.TimeoutExpired:
-                bridge.kill()
+        for proc in (bridge, audio_bridge):
+            if proc:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
         print(f"logs: {guest.LOGS}/redir-exporter.*, redir-consumer.*, redir.real-bridge.log", flush=True)
     checks.exit()
 
