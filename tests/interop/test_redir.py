@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """usbwire devices in a QEMU guest through usbredir (issue 12): `usbwire serve`
-exports a virtual disk (an ext4 image), keyboard and CDC-ACM serial port; one
-`usbwire redir` bridge per device imports it over USB/IP; a guest (Debian's
-kernel under TCG) has an xHCI controller and one `-device usb-redir` per
-bridge. The disk's and serial's chardevs dial their bridge (`--listen`), the
+exports a virtual disk (an ext4 image), keyboard and CDC-ACM serial port; a
+`usbwire redir` bridge for the disk and one for the keyboard import them over
+USB/IP, and the server's own bridge (`serve --redir ADDR:PORT=class=02`)
+offers the serial port; a guest (Debian's kernel under TCG) has an xHCI
+controller and one `-device usb-redir` per bridge. The disk's and serial's chardevs dial their bridge (`--listen`), the
 keyboard's bridge dials QEMU's listening chardev (`--connect`). The guest's own kernel
 drives the devices as if they were plugged in: no usbip in the guest.
 
@@ -202,10 +203,14 @@ def main():
     port = guest.free_port()
     processes = []
     g = None
+    bridge_ports = {kind: guest.free_port() for kind in ("disk", "keyboard", "serial")}
     try:
+        # The serial port's bridge is the server's own (--redir, found by its class); the others are
+        # `usbwire redir` processes.
         server, server_log = start_logged("server", [
             BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--no-advertise", "--control", control,
-            "--virtual", "keyboard", "--virtual", f"disk={image},size=64M,speed=super", "--virtual", f"serial={link}"])
+            "--virtual", "keyboard", "--virtual", f"disk={image},size=64M,speed=super", "--virtual", f"serial={link}",
+            "--redir", f"127.0.0.1:{bridge_ports['serial']}=class=02"])
         processes.append(server)
         ids = None
         for _ in range(100):
@@ -214,11 +219,12 @@ def main():
                 break
             time.sleep(0.1)
         checks.check("server lists disk, keyboard and serial", ids and len(ids) == 3, repr(ids))
-        bridge_ports = {kind: guest.free_port() for kind in ("disk", "keyboard", "serial")}
         # The keyboard's bridge dials a listening QEMU (--connect); the others wait for QEMU to dial.
         dials = {"keyboard"}
-        bridge_logs = {}
+        bridge_logs = {"serial": server_log}
         for kind, bridge_port in bridge_ports.items():
+            if kind == "serial":
+                continue
             side = ["--connect" if kind in dials else "--listen", f"127.0.0.1:{bridge_port}"]
             proc, log = start_logged(f"bridge-{kind}", [
                 BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", ids[kind]] + side)

@@ -94,6 +94,10 @@ pub(crate) struct ServeArgs {
     /// now and whenever one is plugged in. Repeatable.
     #[arg(long = "bind", value_name = "SELECTOR")]
     pub(crate) bind: Vec<String>,
+    /// Offer a device of this server to QEMU guests through usbredir: QEMU's usb-redir chardev
+    /// connects to ADDR:PORT (e.g. 127.0.0.1:4000=2-1). Repeatable; like `usbwire redir --listen`.
+    #[arg(long = "redir", value_name = "ADDR:PORT=SELECTOR")]
+    pub(crate) redir: Vec<String>,
     /// Keep an import whose connection dropped this long for a usbwire client to resume it (URBs in
     /// flight finish, their completions are held); 0 turns resume off [default: 30].
     #[arg(long, value_name = "SECS")]

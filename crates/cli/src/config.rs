@@ -21,6 +21,10 @@
 //! device = "0781:5567" # bus id (1-1.2), VID:PID, serial=TEXT or class=HEX
 //! also = ["0781:df11"] # the same device in another mode
 //!
+//! [[redir]]           # offer a device to QEMU guests through usbredir (usb-redir)
+//! device = "2-1"       # bus id, VID:PID, serial=TEXT or class=HEX; looked up for each guest
+//! listen = "127.0.0.1:4000"
+//!
 //! [limits]             # per connection; when one is full the server stops reading
 //! max_transfer_length = "16M" # largest URB a client may submit
 //! in_flight_bytes = "64M"     # URB bytes handed to devices and not completed
@@ -201,6 +205,9 @@ pub(crate) struct FileConfig {
     /// Real devices to export.
     #[serde(default)]
     pub(crate) bind: Vec<BindRule>,
+    /// This server's devices offered to QEMU guests through usbredir.
+    #[serde(default)]
+    pub(crate) redir: Vec<RedirRule>,
     /// Announce the server with mDNS/DNS-SD (default true).
     pub(crate) advertise: Option<bool>,
     /// Require TLS 1.3 with client certificates.
@@ -380,6 +387,30 @@ pub(crate) struct BindRule {
     pub(crate) also: Vec<usbwire_server::Selector>,
 }
 
+/// `[[redir]] device = "SELECTOR" listen = "ADDR:PORT"`: a usbredir bridge
+/// for a device of this server (`--redir ADDR:PORT=SELECTOR` on the command line).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RedirRule {
+    #[serde(deserialize_with = "selector_field")]
+    pub(crate) device: usbwire_server::Selector,
+    pub(crate) listen: SocketAddr,
+}
+
+impl std::str::FromStr for RedirRule {
+    type Err = anyhow::Error;
+
+    /// `ADDR:PORT=SELECTOR`, e.g. `127.0.0.1:4000=2-1` or `[::1]:4000=serial=A1`.
+    fn from_str(text: &str) -> anyhow::Result<Self> {
+        let Some((listen, device)) = text.split_once('=') else {
+            bail!("--redir {text:?}: expected ADDR:PORT=SELECTOR, e.g. 127.0.0.1:4000=2-1");
+        };
+        let listen = listen.parse().with_context(|| format!("--redir {text:?}: {listen:?} is not an ADDR:PORT"))?;
+        let device = device.parse().with_context(|| format!("--redir {text:?}: bad device selector"))?;
+        Ok(Self { device, listen })
+    }
+}
+
 fn selector_field<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<usbwire_server::Selector, D::Error> {
     let text = String::deserialize(deserializer)?;
     text.parse().map_err(serde::de::Error::custom)
@@ -479,6 +510,17 @@ impl FileConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redir_rules_from_the_file_and_the_flag() {
+        let config: FileConfig =
+            toml::from_str("[[redir]]\ndevice = \"1209:0003\"\nlisten = \"127.0.0.1:4000\"").unwrap();
+        assert_eq!(config.redir, vec!["127.0.0.1:4000=1209:0003".parse::<RedirRule>().unwrap()]);
+        let flag: RedirRule = "[::1]:4000=serial=A1".parse().unwrap();
+        assert_eq!((flag.listen.port(), flag.device), (4000, "serial=A1".parse().unwrap()));
+        assert!("127.0.0.1:4000".parse::<RedirRule>().unwrap_err().to_string().contains("ADDR:PORT=SELECTOR"));
+        assert!("localhost=2-1".parse::<RedirRule>().is_err());
+    }
 
     #[test]
     fn specs_parse() {

@@ -1,6 +1,7 @@
 //! What can go wrong: [`ClientError`] for connecting and the OP phase,
 //! [`TransferError`] for a URB.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use usbwire_proto::op::OpStatus;
@@ -63,6 +64,9 @@ pub enum ClientError {
     /// period ran out, or it restarted). Import the device again.
     #[error("{addr} no longer holds the session (grace period over or server restarted); import the device again")]
     ResumeRefused { addr: String },
+    /// No device the server lists (available) matches the rule.
+    #[error("no available device on {addr} matches {rule} (`usbwire list -r {addr}` shows what it has)")]
+    NoMatchingDevice { addr: SocketAddr, rule: String },
 }
 
 /// Why a URB did not complete.

@@ -11,7 +11,9 @@
 //! bytes to the guest through a writer task.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -19,7 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn, Instrument};
-use usbwire_proto::op::BusId;
+use usbwire_proto::op::{BusId, DeviceRecord};
 use usbwire_proto::urb::{IsoPacketDescriptor, TransferFlags};
 use usbwire_proto::{Direction, Status};
 use usbwire_redir::host::{HostError, HostEvent, UrbCommand, UrbRequest, UrbResult};
@@ -39,9 +41,53 @@ const LIVENESS_TICK: Duration = Duration::from_secs(1);
 #[derive(Clone)]
 pub struct Source {
     pub addr: SocketAddr,
-    pub busid: BusId,
+    pub device: WantedDevice,
     pub security: Security,
     pub transforms: Vec<TransformSpec>,
+}
+
+/// Whether a listed device (and its serial, when the server reports one) is the one.
+pub type DeviceMatcher = dyn Fn(&DeviceRecord, Option<&str>) -> bool + Send + Sync;
+
+/// Which device a guest gets: one bus id, or the first device the server
+/// lists that a rule matches (looked up anew for each guest, so a device
+/// plugged in later is found).
+#[derive(Clone)]
+pub enum WantedDevice {
+    BusId(BusId),
+    Matching {
+        /// The rule as the user wrote it, for logs and errors.
+        rule: String,
+        /// Whether a listed device (and its serial, when the server reports one) matches.
+        matches: Arc<DeviceMatcher>,
+    },
+}
+
+impl fmt::Display for WantedDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::BusId(busid) => write!(f, "{busid}"),
+            Self::Matching { rule, .. } => f.write_str(rule),
+        }
+    }
+}
+
+impl WantedDevice {
+    /// The bus id to import now.
+    async fn resolve(&self, addr: SocketAddr, security: &Security) -> Result<BusId, ClientError> {
+        let (rule, matches) = match self {
+            Self::BusId(busid) => return Ok(busid.clone()),
+            Self::Matching { rule, matches } => (rule, matches),
+        };
+        let devices = crate::list_devices(addr, security).await?;
+        let states = crate::device_states(addr, security).await.ok().flatten().unwrap_or_default();
+        let serial_of = |busid: &BusId| states.iter().find(|s| s.busid == busid.as_str()).map(|s| s.serial.as_str());
+        devices
+            .iter()
+            .find(|d| matches(d, serial_of(&d.busid)))
+            .map(|d| d.busid.clone())
+            .ok_or_else(|| ClientError::NoMatchingDevice { addr, rule: rule.clone() })
+    }
 }
 
 /// The guest side: wait for QEMU to connect, or connect to a listening QEMU.
@@ -84,11 +130,7 @@ pub async fn run(source: Source, guest: GuestSide) -> Result<(), BridgeError> {
     match guest {
         GuestSide::Listen(addr) => {
             let listener = TcpListener::bind(addr).await?;
-            info!(target: "usbwire::redir", %addr, busid = %source.busid, "waiting for a usb-redir guest");
-            loop {
-                let (stream, peer) = listener.accept().await?;
-                serve_logged(&source, stream, peer).await;
-            }
+            serve_listener(source, listener).await
         }
         GuestSide::Connect(addr) => {
             let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
@@ -111,8 +153,18 @@ pub async fn run(source: Source, guest: GuestSide) -> Result<(), BridgeError> {
     }
 }
 
+/// Serves guests that connect to `listener`, one at a time, until accepting fails.
+pub async fn serve_listener(source: Source, listener: TcpListener) -> Result<(), BridgeError> {
+    let addr = listener.local_addr()?;
+    info!(target: "usbwire::redir", %addr, device = %source.device, "waiting for a usb-redir guest");
+    loop {
+        let (stream, peer) = listener.accept().await?;
+        serve_logged(&source, stream, peer).await;
+    }
+}
+
 async fn serve_logged(source: &Source, stream: TcpStream, peer: SocketAddr) {
-    let span = tracing::info_span!(target: "usbwire::redir", "guest", %peer, busid = %source.busid);
+    let span = tracing::info_span!(target: "usbwire::redir", "guest", %peer, device = %source.device);
     async {
         info!(target: "usbwire::redir", "guest connected");
         match serve_guest(source, stream).await {
@@ -172,7 +224,11 @@ async fn import_while_guest_waits(
 ) -> Result<Option<(Connection, usbwire_proto::op::DeviceRecord)>, BridgeError> {
     let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
     loop {
-        match Connection::import_resumable(source.addr, &source.busid, &source.security, &source.transforms).await {
+        let imported = match source.device.resolve(source.addr, &source.security).await {
+            Ok(busid) => Connection::import_resumable(source.addr, &busid, &source.security, &source.transforms).await,
+            Err(error) => Err(error),
+        };
+        match imported {
             Ok(imported) => return Ok(Some(imported)),
             Err(error @ (ClientError::UnknownServer { .. } | ClientError::ServerKeyChanged { .. })) => {
                 return Err(error.into());

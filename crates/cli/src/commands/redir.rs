@@ -2,7 +2,7 @@
 //! (the bridge itself is `usbwire_client::redir`).
 
 use anyhow::anyhow;
-use usbwire_client::redir::{self, GuestSide, Source};
+use usbwire_client::redir::{self, GuestSide, Source, WantedDevice};
 use usbwire_proto::op::BusId;
 
 use crate::args::RedirArgs;
@@ -18,7 +18,7 @@ pub(crate) async fn run(args: RedirArgs) -> Result<(), Failure> {
         (None, Some(connect)) => GuestSide::Connect(guest_address(connect, "--connect").await?),
         (None, None) => return Err(Failure::usage(anyhow!("give --listen ADDR:PORT or --connect ADDR:PORT"))),
     };
-    let source = Source { addr, busid, security, transforms: Vec::new() };
+    let source = Source { addr, device: WantedDevice::BusId(busid), security, transforms: Vec::new() };
     tokio::select! {
         outcome = redir::run(source, guest) => outcome.map_err(|e| Failure::unavailable(e.into())),
         _ = super::shutdown_signal() => Ok(()),

@@ -4,13 +4,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use usbwire_client::redir::{Source, WantedDevice};
 use usbwire_gadgets::{DiskOptions, KeyboardHandle, MassStorage};
 use usbwire_server::{AccessRules, Admission, PlainPolicy, Security, Server, ServerConfig, TextInput};
 use usbwire_transport::access::Rule;
 use usbwire_transport::Identity;
 
 use crate::args::ServeArgs;
-use crate::config::{FileConfig, VirtualSpec};
+use crate::config::{FileConfig, RedirRule, VirtualSpec};
 use crate::exit::Failure;
 
 pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
@@ -52,6 +53,10 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     if let Some(secs) = args.resume_grace.or(file.resume_grace) {
         config.resume_grace = std::time::Duration::from_secs(secs);
     }
+    let mut redir_rules = file.redir.clone();
+    for text in &args.redir {
+        redir_rules.push(text.parse().map_err(Failure::usage)?);
+    }
     let shutdown = super::shutdown_signal();
     let (server, exported) = build(config, &specs, DiskLinks::Follow)?;
     let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
@@ -62,13 +67,51 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     let announce = !args.no_advertise && file.advertise.unwrap_or(true);
     warn_if_open(bound.local_addr(), bound.security(), announce);
     let advertising = if announce { advertise(&bound) } else { None };
+    let bridges = start_redir_bridges(&redir_rules, bound.local_addr()).await?;
     let reloading = tokio::spawn(reload_on_hangup(args.config.clone(), args.bind.clone(), file, bound.host_exports()));
     bound.run(shutdown).await;
     reloading.abort();
+    bridges.iter().for_each(|bridge| bridge.abort());
     if let Some(task) = advertising {
         task.abort();
     }
     Ok(())
+}
+
+/// One usbredir bridge per `[[redir]]` rule, importing from this server over
+/// loopback (plain: `allow_plain` must admit loopback when TLS is on, as it
+/// does by default). The listening sockets are bound here, so a port in use
+/// fails the start rather than a log line later.
+async fn start_redir_bridges(
+    rules: &[RedirRule],
+    server: std::net::SocketAddr,
+) -> Result<Vec<tokio::task::JoinHandle<()>>, Failure> {
+    let loopback: std::net::IpAddr =
+        if server.is_ipv4() { std::net::Ipv4Addr::LOCALHOST.into() } else { std::net::Ipv6Addr::LOCALHOST.into() };
+    let addr = if server.ip().is_unspecified() { std::net::SocketAddr::new(loopback, server.port()) } else { server };
+    let mut bridges = Vec::new();
+    for rule in rules {
+        let listener = tokio::net::TcpListener::bind(rule.listen).await.map_err(|e| {
+            Failure::unavailable(anyhow::anyhow!(
+                "[[redir]] for {}: cannot listen on {}: {e}",
+                rule.device,
+                rule.listen
+            ))
+        })?;
+        println!("  usbredir for {} on {}", rule.device, rule.listen);
+        let selector = rule.device.clone();
+        let device = WantedDevice::Matching {
+            rule: rule.device.to_string(),
+            matches: Arc::new(move |record, serial| super::service::matches_remote(&selector, record, serial)),
+        };
+        let source = Source { addr, device, security: usbwire_client::Security::Plain, transforms: Vec::new() };
+        bridges.push(tokio::spawn(async move {
+            if let Err(error) = usbwire_client::redir::serve_listener(source, listener).await {
+                tracing::error!(%error, "a usbredir bridge stopped");
+            }
+        }));
+    }
+    Ok(bridges)
 }
 
 /// SIGHUP re-reads the config file's `[[bind]]` rules: devices no rule wants

@@ -285,7 +285,7 @@ async fn attach_from(addr: SocketAddr, rule: &AttachRule, security: &Security) -
 
 /// Whether a listed remote device matches a selector (`serial` comes from the
 /// server's device state, when it reports one).
-fn matches_remote(selector: &Selector, device: &DeviceRecord, serial: Option<&str>) -> bool {
+pub(crate) fn matches_remote(selector: &Selector, device: &DeviceRecord, serial: Option<&str>) -> bool {
     match selector {
         Selector::BusId(busid) => device.busid.as_str() == busid,
         Selector::VidPid { vendor_id, product_id } => {
