@@ -3,10 +3,13 @@
 exports a virtual disk (an ext4 image), keyboard and CDC-ACM serial port; a
 `usbwire redir` bridge for the disk and one for the keyboard import them over
 USB/IP, and the server's own bridge (`serve --redir ADDR:PORT=class=02`)
-offers the serial port; a guest (Debian's kernel under TCG) has an xHCI
-controller and one `-device usb-redir` per bridge. The disk's and serial's chardevs dial their bridge (`--listen`), the
-keyboard's bridge dials QEMU's listening chardev (`--connect`). The guest's own kernel
-drives the devices as if they were plugged in: no usbip in the guest.
+offers the serial port. The server is TLS-only with one client key allowed:
+the two bridges use that key, the server's own bridge the server's. A guest
+(Debian's kernel under TCG) has an xHCI controller and one `-device
+usb-redir` per bridge: the disk's and serial's chardevs dial their bridge
+(`--listen`), the keyboard's bridge dials QEMU's listening chardev
+(`--connect`). The guest's own kernel drives the devices as if they were
+plugged in: no usbip in the guest.
 
 Checked: the guest mounts the disk (ext4), writes a file and reads it back
 past its page cache, and the file is in the host's image afterwards; typed
@@ -164,8 +167,8 @@ def start_logged(name, cmd):
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT), Log(path)
 
 
-def busids(port):
-    out = subprocess.run([BIN, "list", "-r", f"127.0.0.1:{port}", "--json"], capture_output=True, text=True)
+def busids(port, tls):
+    out = subprocess.run([BIN, "list", "-r", f"127.0.0.1:{port}", "--json"] + tls, capture_output=True, text=True)
     if out.returncode != 0:
         return None
     data = json.loads(out.stdout)
@@ -179,8 +182,8 @@ def busids(port):
     return found
 
 
-def disk_available(port, busid):
-    out = subprocess.run([BIN, "list", "-r", f"127.0.0.1:{port}", "--json"], capture_output=True, text=True)
+def disk_available(port, busid, tls):
+    out = subprocess.run([BIN, "list", "-r", f"127.0.0.1:{port}", "--json"] + tls, capture_output=True, text=True)
     if out.returncode != 0:
         return False
     data = json.loads(out.stdout)
@@ -204,17 +207,23 @@ def main():
     processes = []
     g = None
     bridge_ports = {kind: guest.free_port() for kind in ("disk", "keyboard", "serial")}
+    server_dir, client_dir = os.path.join(work, "server-id"), os.path.join(work, "client-id")
+    client_key = json.loads(subprocess.run([BIN, "identity", "--create", "--json", "--dir", client_dir],
+                                           capture_output=True, text=True, check=True).stdout)["fingerprint"]
+    tls = ["--tls", "--identity", client_dir, "--trust-new"]
     try:
-        # The serial port's bridge is the server's own (--redir, found by its class); the others are
-        # `usbwire redir` processes.
+        # TLS only, one client key allowed. The serial port's bridge is the server's own (--redir,
+        # found by its class; it connects as the server); the others are `usbwire redir` processes
+        # with the client's key.
         server, server_log = start_logged("server", [
             BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--no-advertise", "--control", control,
+            "--tls", "--identity", server_dir, "--allow", client_key, "--allow-plain", "never",
             "--virtual", "keyboard", "--virtual", f"disk={image},size=64M,speed=super", "--virtual", f"serial={link}",
             "--redir", f"127.0.0.1:{bridge_ports['serial']}=class=02"])
         processes.append(server)
         ids = None
         for _ in range(100):
-            ids = busids(port)
+            ids = busids(port, tls)
             if ids and len(ids) == 3:
                 break
             time.sleep(0.1)
@@ -227,7 +236,7 @@ def main():
                 continue
             side = ["--connect" if kind in dials else "--listen", f"127.0.0.1:{bridge_port}"]
             proc, log = start_logged(f"bridge-{kind}", [
-                BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", ids[kind]] + side)
+                BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", ids[kind]] + tls + side)
             processes.append(proc)
             bridge_logs[kind] = log
         for kind, log in bridge_logs.items():
@@ -282,9 +291,9 @@ def main():
             released = disk_log.wait_count("guest disconnected; device released", n, 30)
             checks.check(f"unplug {n}: the bridge released its import", released, disk_log.tail())
             deadline = time.time() + 15
-            while time.time() < deadline and not disk_available(port, ids["disk"]):
+            while time.time() < deadline and not disk_available(port, ids["disk"], tls):
                 time.sleep(0.2)
-            checks.check(f"unplug {n}: the server lists the disk available again", disk_available(port, ids["disk"]),
+            checks.check(f"unplug {n}: the server lists the disk available again", disk_available(port, ids["disk"], tls),
                          server_log.tail())
             g.wait_for(f"@@PLUG {n}", 30)
             # A new chardev each time: the old one may outlive its device a while.

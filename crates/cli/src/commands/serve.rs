@@ -8,6 +8,7 @@ use usbwire_client::redir::{Source, WantedDevice};
 use usbwire_gadgets::{DiskOptions, KeyboardHandle, MassStorage};
 use usbwire_server::{AccessRules, Admission, PlainPolicy, Security, Server, ServerConfig, TextInput};
 use usbwire_transport::access::Rule;
+use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::Identity;
 
 use crate::args::ServeArgs;
@@ -47,15 +48,16 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     if let Some(control) = args.control.control.clone().or(file.control.clone()) {
         config.control_path = Some(control);
     }
-    config.security = security(&args, &file)?;
+    let mut redir_rules = file.redir.clone();
+    for text in &args.redir {
+        redir_rules.push(text.parse().map_err(Failure::usage)?);
+    }
+    let (security, tls_identity) = security(&args, &file, !redir_rules.is_empty())?;
+    config.security = security;
     file.limits.apply(&mut config.limits, &mut config.budget).map_err(Failure::config)?;
     config.admission = file.admission.limits().map_err(Failure::config)?;
     if let Some(secs) = args.resume_grace.or(file.resume_grace) {
         config.resume_grace = std::time::Duration::from_secs(secs);
-    }
-    let mut redir_rules = file.redir.clone();
-    for text in &args.redir {
-        redir_rules.push(text.parse().map_err(Failure::usage)?);
     }
     let shutdown = super::shutdown_signal();
     let (server, exported) = build(config, &specs, DiskLinks::Follow)?;
@@ -67,7 +69,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     let announce = !args.no_advertise && file.advertise.unwrap_or(true);
     warn_if_open(bound.local_addr(), bound.security(), announce);
     let advertising = if announce { advertise(&bound) } else { None };
-    let bridges = start_redir_bridges(&redir_rules, bound.local_addr()).await?;
+    let bridges = start_redir_bridges(&redir_rules, bound.local_addr(), tls_identity.as_deref()).await?;
     let reloading = tokio::spawn(reload_on_hangup(args.config.clone(), args.bind.clone(), file, bound.host_exports()));
     bound.run(shutdown).await;
     reloading.abort();
@@ -79,16 +81,34 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
 }
 
 /// One usbredir bridge per `[[redir]]` rule, importing from this server over
-/// loopback (plain: `allow_plain` must admit loopback when TLS is on, as it
-/// does by default). The listening sockets are bound here, so a port in use
-/// fails the start rather than a log line later.
+/// loopback: plain, or with TLS when the server has it, as the server itself
+/// (its identity, which its access rules then admit, and its own key pinned).
+/// The listening sockets are bound here, so a port in use fails the start
+/// rather than a log line later.
 async fn start_redir_bridges(
     rules: &[RedirRule],
     server: std::net::SocketAddr,
+    tls_identity: Option<&std::path::Path>,
 ) -> Result<Vec<tokio::task::JoinHandle<()>>, Failure> {
     let loopback: std::net::IpAddr =
         if server.is_ipv4() { std::net::Ipv4Addr::LOCALHOST.into() } else { std::net::Ipv6Addr::LOCALHOST.into() };
     let addr = if server.ip().is_unspecified() { std::net::SocketAddr::new(loopback, server.port()) } else { server };
+    let security = match tls_identity {
+        Some(dir) if !rules.is_empty() => {
+            let (identity, _) = Identity::load_or_create(dir, &super::hostname())
+                .with_context(|| format!("server identity in {}", dir.display()))
+                .map_err(Failure::config)?;
+            let known = KnownServers::in_dir(dir);
+            known
+                .add(&addr.to_string(), identity.fingerprint())
+                .with_context(|| {
+                    format!("pinning this server's key for its usbredir bridges in {}", known.path().display())
+                })
+                .map_err(Failure::config)?;
+            usbwire_client::Security::Tls(Arc::new(usbwire_client::TlsClient { identity, known, trust_new: false }))
+        }
+        _ => usbwire_client::Security::Plain,
+    };
     let mut bridges = Vec::new();
     for rule in rules {
         let listener = tokio::net::TcpListener::bind(rule.listen).await.map_err(|e| {
@@ -104,7 +124,7 @@ async fn start_redir_bridges(
             rule: rule.device.to_string(),
             matches: Arc::new(move |record, serial| super::service::matches_remote(&selector, record, serial)),
         };
-        let source = Source { addr, device, security: usbwire_client::Security::Plain, transforms: Vec::new() };
+        let source = Source { addr, device, security: security.clone(), transforms: Vec::new() };
         bridges.push(tokio::spawn(async move {
             if let Err(error) = usbwire_client::redir::serve_listener(source, listener).await {
                 tracing::error!(%error, "a usbredir bridge stopped");
@@ -291,15 +311,17 @@ impl TextInput for Keyboard {
     }
 }
 
-/// TLS, plain policy and access rules from flags and the config file.
-fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
+/// TLS, plain policy and access rules from flags and the config file, and
+/// with TLS the identity directory. `admit_self`: the server's own key may
+/// import everything (its `[[redir]]` bridges connect as the server).
+fn security(args: &ServeArgs, file: &FileConfig, admit_self: bool) -> Result<(Security, Option<PathBuf>), Failure> {
     if !(args.tls || file.tls) {
         if !args.allow.is_empty() || !file.allow.is_empty() || args.allow_plain.is_some() || args.allow_any_client {
             return Err(Failure::usage(anyhow::anyhow!(
                 "--allow, --allow-plain, --allow-any-client and [[allow]] rules need --tls (or tls = true)"
             )));
         }
-        return Ok(Security::default());
+        return Ok((Security::default(), None));
     }
     check_any_client(args, file)?;
     let dir = args
@@ -324,7 +346,7 @@ fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
     for fingerprint in &args.allow {
         rules.push(Rule { client: fingerprint.clone(), devices: vec!["*".into()] });
     }
-    let access = AccessRules { rules };
+    let mut access = AccessRules { rules };
     let invalid = access.invalid_clients();
     if !invalid.is_empty() {
         return Err(Failure::config(anyhow::anyhow!(
@@ -335,6 +357,9 @@ fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
     if access.rules.is_empty() {
         eprintln!("usbwire: no client is allowed yet: add --allow FINGERPRINT (from `usbwire identity` on the client)");
     }
+    if admit_self {
+        access.rules.push(Rule { client: identity.fingerprint().to_string(), devices: vec!["*".into()] });
+    }
     let ca = match args.ca.as_ref().or(file.ca.as_ref()) {
         Some(path) => Some(usbwire_transport::ca::TrustedCa::load(path).map_err(|e| Failure::config(e.into()))?),
         None => None,
@@ -342,7 +367,9 @@ fn security(args: &ServeArgs, file: &FileConfig) -> Result<Security, Failure> {
     if ca.is_none() && access.rules.iter().any(|r| r.ca_name().is_some()) {
         return Err(Failure::config(anyhow::anyhow!("ca:NAME rules need the CA: pass --ca PATH (or ca = \"PATH\")")));
     }
-    Security::tls(&identity, plain, Admission { rules: access, ca }).map_err(|e| Failure::software(e.into()))
+    let security =
+        Security::tls(&identity, plain, Admission { rules: access, ca }).map_err(|e| Failure::software(e.into()))?;
+    Ok((security, Some(dir)))
 }
 
 /// `*` rules admit any self-made key, i.e. whoever reaches the port: only with
