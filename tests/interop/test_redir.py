@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import guest  # noqa: E402
@@ -191,6 +192,28 @@ def disk_available(port, busid, tls):
     return any(d["busid"] == busid and d.get("state", "available") == "available" for d in devices)
 
 
+def sample(text, series):
+    """The value of the first sample line starting with `series`, or None."""
+    line = next((line for line in text.splitlines() if line.startswith(series)), None)
+    return float(line.rsplit(" ", 1)[1]) if line else None
+
+
+def check_metrics(checks, metrics_port, disk):
+    """The server's /metrics passes promtool and counted what the guest did with the disk."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    with open(os.path.join(guest.LOGS, "redir.metrics.txt"), "w") as f:
+        f.write(text)
+    lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    checks.check("promtool check metrics accepts /metrics", lint.returncode == 0, lint.stdout + lint.stderr)
+    labels = f'busid="{disk}",kind="disk"'
+    imports = sample(text, f"usbwire_device_imports_total{{{labels}}}")
+    checks.check(f"metrics: {1 + REPLUGS} imports of the disk (one per plug)", imports == 1 + REPLUGS, imports)
+    written = sample(text, f'usbwire_device_bytes_total{{{labels},direction="out",transfer="bulk"}}')
+    checks.check("metrics: the guest's 4 MiB and more written to the disk", (written or 0) >= 4 << 20, written)
+    checks.check("metrics: nothing left in flight",
+                 sample(text, f"usbwire_device_urbs_in_flight{{{labels}}}") == 0, text[-300:])
+
+
 def main():
     guest.require(BIN, "/usr/bin/qemu-system-x86_64", MKE2FS)
     checks = guest.Checks()
@@ -207,6 +230,7 @@ def main():
     processes = []
     g = None
     bridge_ports = {kind: guest.free_port() for kind in ("disk", "keyboard", "serial")}
+    metrics_port = guest.free_port()
     server_dir, client_dir = os.path.join(work, "server-id"), os.path.join(work, "client-id")
     client_key = json.loads(subprocess.run([BIN, "identity", "--create", "--json", "--dir", client_dir],
                                            capture_output=True, text=True, check=True).stdout)["fingerprint"]
@@ -219,7 +243,7 @@ def main():
             BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--no-advertise", "--control", control,
             "--tls", "--identity", server_dir, "--allow", client_key, "--allow-plain", "never",
             "--virtual", "keyboard", "--virtual", f"disk={image},size=64M,speed=super", "--virtual", f"serial={link}",
-            "--redir", f"127.0.0.1:{bridge_ports['serial']}=class=02"])
+            "--redir", f"127.0.0.1:{bridge_ports['serial']}=class=02", "--metrics", f"127.0.0.1:{metrics_port}"])
         processes.append(server)
         ids = None
         for _ in range(100):
@@ -310,6 +334,7 @@ def main():
                          log.count("malformed") == 0 and log.count("ERROR") == 0, log.tail())
         checks.check("server saw each disk import end cleanly", server_log.count("connection lost") == 0,
                      server_log.tail())
+        check_metrics(checks, metrics_port, ids["disk"])
         print(f"guest ran {time.time() - g.started:.1f} s", flush=True)
     except Exception as error:  # a wait that timed out is a failure with a reason
         checks.check("test ran to the end", False, str(error))

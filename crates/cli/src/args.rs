@@ -98,6 +98,10 @@ pub(crate) struct ServeArgs {
     /// connects to ADDR:PORT (e.g. 127.0.0.1:4000=2-1). Repeatable; like `usbwire redir --listen`.
     #[arg(long = "redir", value_name = "ADDR:PORT=SELECTOR")]
     pub(crate) redir: Vec<String>,
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics: per device URBs, bytes and errors,
+    /// in-flight depth, holder, imports, resumes; connections and refusals.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub(crate) metrics: Option<SocketAddr>,
     /// Keep an import whose connection dropped this long for a usbwire client to resume it (URBs in
     /// flight finish, their completions are held); 0 turns resume off [default: 30].
     #[arg(long, value_name = "SECS")]

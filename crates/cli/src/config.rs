@@ -6,6 +6,7 @@
 //! listen = "0.0.0.0:3240"
 //! control = "/run/usbwire/control.sock"
 //! resume_grace = 30  # seconds a dropped import waits for its client to resume; 0: off
+//! metrics = "127.0.0.1:9324" # Prometheus text at http://ADDR:PORT/metrics
 //!
 //! [[virtual]]
 //! kind = "disk"
@@ -233,6 +234,8 @@ pub(crate) struct FileConfig {
     pub(crate) allow_any_client: bool,
     /// Seconds an import whose connection dropped waits for its client to resume (`--resume-grace`).
     pub(crate) resume_grace: Option<u64>,
+    /// Where to serve Prometheus metrics (`--metrics`).
+    pub(crate) metrics: Option<SocketAddr>,
 }
 
 /// `[limits]`: what one connection may make the server hold. Unset fields keep

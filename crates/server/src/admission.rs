@@ -117,8 +117,21 @@ pub(crate) enum Dropped {
 const KINDS: usize = 5;
 
 impl Dropped {
+    const ALL: [Self; KINDS] = [Self::PerAddress, Self::Full, Self::Evicted, Self::TimedOut, Self::Failed];
+
     fn index(self) -> usize {
         self as usize
+    }
+
+    /// The metrics label.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::PerAddress => "per_address",
+            Self::Full => "full",
+            Self::Evicted => "evicted",
+            Self::TimedOut => "timed_out",
+            Self::Failed => "failed",
+        }
     }
 }
 
@@ -167,6 +180,12 @@ impl Gate {
     /// `max_authenticated` bounds connections past authentication (`ServerConfig::max_connections`).
     pub(crate) fn new(limits: AdmissionLimits, max_authenticated: usize) -> Self {
         Self { shared: Arc::new(Shared { limits, max_authenticated, state: Mutex::new(State::default()) }) }
+    }
+
+    /// Connections refused or closed before authenticating since the start, by reason.
+    pub(crate) fn dropped_totals(&self) -> Vec<(&'static str, u64)> {
+        let totals = self.state().log.totals;
+        Dropped::ALL.iter().map(|why| (why.name(), totals[why.index()])).collect()
     }
 
     /// A place in the unauthenticated pool for a connection from `ip`, or the
@@ -324,11 +343,12 @@ impl Drop for Ticket {
     }
 }
 
-/// Counts since the last summary line.
+/// Counts since the last summary line, and since the start.
 #[derive(Default)]
 struct DropLog {
     last: Option<Instant>,
     counts: [u64; KINDS],
+    totals: [u64; KINDS],
     by_source: HashMap<Source, u64>,
 }
 
@@ -345,6 +365,7 @@ impl DropLog {
     fn count(&mut self, why: Dropped, source: Source) {
         debug!(%source, reason = ?why, "unauthenticated connection refused or closed");
         self.counts[why.index()] += 1;
+        self.totals[why.index()] += 1;
         if self.by_source.len() < MAX_TRACKED_SOURCES || self.by_source.contains_key(&source) {
             *self.by_source.entry(source).or_default() += 1;
         }

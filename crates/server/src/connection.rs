@@ -51,7 +51,7 @@ pub(crate) async fn handle(
     let probe = PeerProbe::of(&tcp);
     let mut stopping = stop.clone();
     let secured = tokio::select! {
-        secured = secure(tcp, peer, &config, &ticket) => secured,
+        secured = secure(tcp, peer, &config, &ticket, registry.server_meter()) => secured,
         // Counted by the gate when it evicted us.
         () = ticket.evicted() => None,
         () = crate::stopped(&mut stopping) => None,
@@ -238,6 +238,7 @@ async fn secure(
     peer: SocketAddr,
     config: &ServerConfig,
     ticket: &Ticket,
+    meter: &crate::metrics::ServerMeter,
 ) -> Option<(PeerStream, ClientId)> {
     let security = &config.security;
     let limits = &config.admission;
@@ -291,6 +292,7 @@ async fn secure(
                 } else {
                     debug!(%error, "TLS handshake failed");
                 }
+                meter.tls_refused();
                 ticket.dropped(Dropped::Failed);
                 return None;
             }

@@ -302,6 +302,7 @@ pub(crate) fn state_entries(registry: &Registry, visible: impl Fn(&str, &str) ->
                 identity,
                 since,
                 resuming_since,
+                counters: Some(e.meter.snapshot()),
             }
         })
         .collect()

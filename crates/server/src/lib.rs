@@ -15,6 +15,7 @@ mod admission;
 mod connection;
 mod control;
 mod host_exports;
+mod metrics;
 pub mod private_dir;
 mod registry;
 mod resumable;
@@ -65,6 +66,8 @@ pub struct ServerConfig {
     /// How long an import whose connection dropped is kept for a usbwire
     /// client to resume it (default 30 s); zero turns resume off.
     pub resume_grace: Duration,
+    /// Where to serve Prometheus metrics (`GET /metrics`); `None`: nowhere.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// Whether plain (unencrypted, unauthenticated) USB/IP connections are accepted.
@@ -138,6 +141,7 @@ impl Default for ServerConfig {
             security: Security::default(),
             host_rules: Vec::new(),
             resume_grace: DEFAULT_RESUME_GRACE,
+            metrics: None,
         }
     }
 }
@@ -156,6 +160,9 @@ pub enum ServerError {
     /// user's, writable by others, a symlink); the message says what to do.
     #[error("control socket {path}: {reason}")]
     ControlDir { path: PathBuf, reason: private_dir::PrivateDirError },
+    /// The metrics address is taken or not ours; pick another with `--metrics`.
+    #[error("cannot serve metrics on {addr}: {source}")]
+    Metrics { addr: SocketAddr, source: std::io::Error },
 }
 
 /// A server being assembled: add devices, then [`bind`](Self::bind).
@@ -193,9 +200,14 @@ impl Server {
             Some(path) => Some(control::ControlSocket::bind(path)?),
             None => None,
         };
+        let metrics = match self.config.metrics {
+            Some(addr) => Some(listen(addr).map_err(|source| ServerError::Metrics { addr, source })?),
+            None => None,
+        };
         Ok(BoundServer {
             listener,
             control,
+            metrics,
             host_exports: host_exports::HostExports::new(self.registry.clone(), self.config.host_rules.clone()),
             config: Arc::new(self.config),
             registry: self.registry,
@@ -246,6 +258,7 @@ impl InProcessServer {
 pub struct BoundServer {
     listener: TcpListener,
     control: Option<control::ControlSocket>,
+    metrics: Option<TcpListener>,
     config: Arc<ServerConfig>,
     registry: Registry,
     text_inputs: Arc<Vec<(BusId, Arc<dyn TextInput>)>>,
@@ -267,6 +280,11 @@ impl BoundServer {
         self.host_exports.clone()
     }
 
+    /// Where it serves Prometheus metrics, if it does.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
     /// TLS and plain-connection settings it runs with.
     pub fn security(&self) -> &Security {
         &self.config.security
@@ -277,9 +295,13 @@ impl BoundServer {
     pub async fn run(mut self, shutdown: impl std::future::Future<Output = ()>) {
         let (stop_tx, stop_rx) = watch::channel(false);
         let gate = admission::Gate::new(self.config.admission.clone(), self.config.max_connections);
+        self.registry.server_meter().watch_gate(gate.clone());
         let mut summaries = tokio::time::interval(self.config.admission.log_interval.max(Duration::from_millis(100)));
         summaries.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut tasks = tokio::task::JoinSet::new();
+        if let Some(listener) = self.metrics.take() {
+            tasks.spawn(metrics::serve(listener, self.registry.clone(), stop_rx.clone()));
+        }
         if !self.config.host_rules.is_empty() {
             let exported = self.host_exports.export_matching();
             info!(?exported, "real devices exported by bind rules");
@@ -319,7 +341,11 @@ impl BoundServer {
                     let config = self.config.clone();
                     let stop = stop_rx.clone();
                     let span = tracing::info_span!("conn", %peer);
-                    tasks.spawn(connection::handle(stream, peer, registry, config, stop, ticket).instrument(span));
+                    let open = self.registry.server_meter().connection();
+                    tasks.spawn(async move {
+                        let _open = open;
+                        connection::handle(stream, peer, registry, config, stop, ticket).await;
+                    }.instrument(span));
                 }
                 _ = summaries.tick() => gate.log_summary(),
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}

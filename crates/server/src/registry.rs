@@ -24,6 +24,8 @@ use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
 use usbwire_proto::sync::lock;
 
+use crate::metrics::{DeviceMeter, ServerMeter};
+
 /// Whether a device can be imported.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceState {
@@ -45,12 +47,15 @@ pub struct ExportInfo {
     pub record: DeviceRecord,
     pub summary: DeviceSummary,
     pub state: DeviceState,
+    pub(crate) meter: Arc<DeviceMeter>,
 }
 
 struct Export {
     kind: String,
     record: DeviceRecord,
     summary: DeviceSummary,
+    /// Its traffic since the server started, across imports.
+    meter: Arc<DeviceMeter>,
     slot: Mutex<Slot>,
     /// Woken when the slot leaves Releasing (or InUse) for Available or Withdrawn.
     released: Notify,
@@ -144,6 +149,8 @@ impl ImportError {
 #[derive(Clone, Default)]
 pub struct Registry {
     exports: Arc<Mutex<Vec<Arc<Export>>>>,
+    /// The server's own counters (connections, refusals).
+    server_meter: Arc<ServerMeter>,
     /// Imports whose connection dropped, waiting for their client to resume.
     pub(crate) parked: crate::resumable::Parked,
 }
@@ -245,6 +252,7 @@ impl Registry {
             kind: kind.to_owned(),
             record,
             summary,
+            meter: Arc::default(),
             slot: Mutex::new(Slot::Available(device)),
             released: Notify::new(),
             withdrawn: watch::Sender::new(false),
@@ -254,6 +262,10 @@ impl Registry {
 
     pub fn len(&self) -> usize {
         lock(&self.exports).len()
+    }
+
+    pub(crate) fn server_meter(&self) -> &Arc<ServerMeter> {
+        &self.server_meter
     }
 
     pub fn is_empty(&self) -> bool {
@@ -268,6 +280,7 @@ impl Registry {
                 kind: e.kind.clone(),
                 record: e.record.clone(),
                 summary: e.summary.clone(),
+                meter: e.meter.clone(),
                 state: match &*lock(&e.slot) {
                     // A releasing device is free for the next import, which waits for its reset.
                     Slot::Available(_) | Slot::Releasing | Slot::Withdrawn => DeviceState::Available,
@@ -326,6 +339,7 @@ impl Registry {
                         );
                         drop(slot);
                         let Slot::Available(device) = taken else { unreachable!("matched Available above") };
+                        export.meter.imported();
                         return Ok(Lease { export, device: Some(device), registry: self.clone() });
                     }
                     Slot::Withdrawn => return Err(ImportError::NoDevice),
@@ -401,6 +415,11 @@ impl Lease {
 
     pub(crate) fn device(&mut self) -> &mut dyn Device {
         self.device.as_deref_mut().expect("the device is present until the lease drops")
+    }
+
+    /// The device's counters.
+    pub(crate) fn meter(&self) -> Arc<DeviceMeter> {
+        self.export.meter.clone()
     }
 
     /// A handle that marks the holder as away (resuming) or back, for `state`.

@@ -33,6 +33,7 @@ use usbwire_transport::access::ClientId;
 use usbwire_transport::{poll_write_outbox, PeerStream};
 
 use crate::connection::Peer;
+use crate::metrics::UrbMeter;
 use crate::registry::{Holder, Lease};
 use crate::resumable::{Handover, Parked, Parking};
 use crate::ServerConfig;
@@ -88,12 +89,13 @@ pub(crate) async fn run(
     let mut parking =
         resumable.as_ref().map(|resumable| resumable.parked.park(resumable.token, resumable.client.clone()));
     let holder = lease.holder();
+    let mut meter = UrbMeter::new(lease.meter());
     let device = lease.device();
     let mut stream = stream;
     // A resumed connection's admission place lives as long as it carries the session.
     let mut _resumed_peer: Option<Peer> = None;
     loop {
-        let mut channel = Channel { stream, unflushed: false, session: &mut session };
+        let mut channel = Channel { stream, unflushed: false, session: &mut session, meter: &mut meter };
         let mut early_arrival = None;
         let outcome = tokio::select! {
             result = std::future::poll_fn(|cx| channel.poll_drive(cx, device)) => result,
@@ -117,7 +119,8 @@ pub(crate) async fn run(
         }
         session.disconnected();
         holder.set_resuming(Some(std::time::SystemTime::now()));
-        let parked = park(&mut session, device, resumable, parking, early_arrival, &holder, &mut stop).await;
+        let parked =
+            park(&mut session, device, &mut meter, resumable, parking, early_arrival, &holder, &mut stop).await;
         holder.set_resuming(None);
         match parked {
             ParkOutcome::Resumed(new_stream, peer) => {
@@ -148,9 +151,11 @@ async fn next_arrival(parking: &mut Option<Parking>) -> Handover {
 
 /// Holds a session whose connection dropped: the device runs on and its
 /// completions are held, until the client resumes or the grace period ends.
+#[allow(clippy::too_many_arguments)] // the parked session's whole world; a struct would only rename it
 async fn park(
     session: &mut ServerSession,
     device: &mut dyn Device,
+    meter: &mut UrbMeter,
     resumable: &Resumable,
     parking: &mut Parking,
     mut arrival: Option<Handover>,
@@ -175,7 +180,7 @@ async fn park(
                     info!(grace_secs = resumable.grace.as_secs(), "not resumed within the grace period; releasing the device");
                     return ParkOutcome::Ended(End::ClientClosed);
                 }
-                () = std::future::poll_fn(|cx| hold_completions(cx, session, device)) => {
+                () = std::future::poll_fn(|cx| hold_completions(cx, session, device, meter)) => {
                     info!("device unplugged while the client was away");
                     return ParkOutcome::Ended(End::DeviceGone);
                 }
@@ -206,6 +211,7 @@ async fn park(
                     commands_received = commands,
                     "resumed"
                 );
+                meter.device().resumed();
                 return ParkOutcome::Resumed(handover.stream, handover.peer);
             }
             (Err(error), _) => {
@@ -222,10 +228,18 @@ async fn park(
 
 /// Collects completions while the client is away (within the budget).
 /// Ready only when the device is gone and nothing is in flight.
-fn hold_completions(cx: &mut Context<'_>, session: &mut ServerSession, device: &mut dyn Device) -> Poll<()> {
+fn hold_completions(
+    cx: &mut Context<'_>,
+    session: &mut ServerSession,
+    device: &mut dyn Device,
+    meter: &mut UrbMeter,
+) -> Poll<()> {
     while session.wants_completions() {
         match device.poll_complete(cx) {
-            Poll::Ready(done) => session.complete(done.into_ret_submit()),
+            Poll::Ready(done) => {
+                meter.completed(done.seqnum, done.status, done.actual_length);
+                session.complete(done.into_ret_submit());
+            }
             Poll::Pending => break,
         }
     }
@@ -240,6 +254,7 @@ struct Channel<'a> {
     /// Written since the last flush (TLS buffers records until flushed).
     unflushed: bool,
     session: &'a mut ServerSession,
+    meter: &'a mut UrbMeter,
 }
 
 impl Channel<'_> {
@@ -292,6 +307,7 @@ impl Channel<'_> {
             while self.session.wants_completions() {
                 match device.poll_complete(cx) {
                     Poll::Ready(done) => {
+                        self.meter.completed(done.seqnum, done.status, done.actual_length);
                         self.session.complete(done.into_ret_submit());
                         progressed = true;
                     }
@@ -334,7 +350,16 @@ impl Channel<'_> {
         let handled = self.session.handle_input(|d, ep| is_iso(device, d, ep))?;
         while let Some(call) = self.session.poll_device_call() {
             match call {
-                DeviceCall::Submit(submit) => device.submit(Urb::from_submit(submit)),
+                DeviceCall::Submit(submit) => {
+                    let urb = Urb::from_submit(submit);
+                    let transfer = device.endpoint_type(urb.direction, urb.endpoint).unwrap_or(if urb.endpoint == 0 {
+                        TransferType::Control
+                    } else {
+                        TransferType::Bulk
+                    });
+                    self.meter.submitted(urb.seqnum, urb.direction, transfer);
+                    device.submit(urb);
+                }
                 DeviceCall::Cancel { seqnum } => device.cancel(seqnum),
             }
         }

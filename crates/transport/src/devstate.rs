@@ -38,6 +38,49 @@ pub struct DeviceStateEntry {
     /// since the Unix epoch) and the server holds the session for it to resume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resuming_since: Option<u64>,
+    /// What the device has carried since the server started (the same numbers
+    /// as its Prometheus metrics).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counters: Option<DeviceCounters>,
+}
+
+/// A device's traffic counters since the server started.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceCounters {
+    /// URBs completed and bytes moved, per direction and transfer type (only those seen).
+    #[serde(default)]
+    pub transfers: Vec<TransferCounter>,
+    /// URBs completed with an error status, per status.
+    #[serde(default)]
+    pub errors: Vec<ErrorCounter>,
+    /// URBs submitted to the device and not completed yet.
+    #[serde(default)]
+    pub in_flight: u64,
+    /// Successful imports.
+    #[serde(default)]
+    pub imports: u64,
+    /// Sessions resumed after a dropped connection.
+    #[serde(default)]
+    pub resumes: u64,
+}
+
+/// URBs and bytes for one direction (`in`, `out`) and transfer type
+/// (`control`, `isochronous`, `bulk`, `interrupt`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferCounter {
+    pub direction: String,
+    pub transfer: String,
+    pub urbs: u64,
+    /// Bytes actually transferred (`actual_length` of each completion).
+    pub bytes: u64,
+}
+
+/// URBs that completed with `status` (a negative Linux errno; `name` is its symbol, e.g. `EPIPE`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorCounter {
+    pub status: i32,
+    pub name: String,
+    pub urbs: u64,
 }
 
 #[cfg(test)]

@@ -376,6 +376,7 @@ mod tests {
             identity: identity.map(Into::into),
             since,
             resuming_since: None,
+            counters: None,
         }
     }
 

@@ -56,6 +56,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     config.security = security;
     file.limits.apply(&mut config.limits, &mut config.budget).map_err(Failure::config)?;
     config.admission = file.admission.limits().map_err(Failure::config)?;
+    config.metrics = args.metrics.or(file.metrics);
     if let Some(secs) = args.resume_grace.or(file.resume_grace) {
         config.resume_grace = std::time::Duration::from_secs(secs);
     }
@@ -65,6 +66,9 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     println!("usbwire serving on {}", bound.local_addr());
     for line in &exported {
         println!("  {line}");
+    }
+    if let Some(addr) = bound.metrics_addr() {
+        println!("  metrics on http://{addr}/metrics");
     }
     let announce = !args.no_advertise && file.advertise.unwrap_or(true);
     warn_if_open(bound.local_addr(), bound.security(), announce);

@@ -1,0 +1,157 @@
+//! The real `usbwire serve --metrics`: the counters move by exactly what a
+//! client transferred, `state --json` says the same, and the endpoint answers
+//! only `/metrics`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use usbwire_client::{Connection, Security, Transfer};
+use usbwire_gadgets::loopback::{SINK_OUT, SOURCE_IN};
+use usbwire_proto::op::BusId;
+use usbwire_proto::Status;
+
+const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+struct Served {
+    child: Child,
+    addr: SocketAddr,
+    metrics: SocketAddr,
+    control: PathBuf,
+}
+
+impl Served {
+    fn start(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("usbwire-cli-metrics-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let control = dir.join("control.sock");
+        let mut child = Command::new(BIN)
+            .args(["serve", "--no-advertise", "--virtual", "loopback", "--listen", &addr.to_string()])
+            .args(["--metrics", &metrics.to_string(), "--control"])
+            .arg(&control)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut said = Vec::new();
+        for line in stdout.lines().map_while(Result::ok) {
+            let done = line.contains("metrics on");
+            said.push(line);
+            if done {
+                break;
+            }
+        }
+        assert!(said.iter().any(|l| l.contains(&format!("http://{metrics}/metrics"))), "{said:?}");
+        Self { child, addr, metrics, control }
+    }
+
+    fn get(&self, path: &str) -> (String, String) {
+        let mut stream = TcpStream::connect(self.metrics).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        let (head, body) = response.split_once("\r\n\r\n").unwrap();
+        (head.to_owned(), body.to_owned())
+    }
+
+    /// The value of the first sample whose line starts with `series` (a name
+    /// and labels as printed, in order; a prefix of them will do).
+    fn sample(&self, series: &str) -> u64 {
+        let (_, body) = self.get("/metrics");
+        let line =
+            body.lines().find(|line| line.starts_with(series)).unwrap_or_else(|| panic!("no {series} in\n{body}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test]
+async fn counters_move_by_exactly_what_was_transferred() {
+    let served = Served::start("exact");
+    let bulk = |direction: &str, what: &str| {
+        format!("usbwire_device_{what}_total{{busid=\"1-1\",kind=\"loopback\",direction=\"{direction}\",transfer=\"bulk\"}}")
+    };
+    assert_eq!(served.sample(&bulk("out", "bytes")), 0);
+    assert_eq!(served.sample("usbwire_device_imports_total{busid=\"1-1\",kind=\"loopback\"}"), 0);
+
+    let busid = BusId::new("1-1").unwrap();
+    let (connection, _) = Connection::import_resumable(served.addr, &busid, &Security::Plain, &[]).await.unwrap();
+    assert_eq!(served.sample("usbwire_device_in_use{busid=\"1-1\",kind=\"loopback\",client=\"127.0.0.1:"), 1);
+    // SET_CONFIGURATION 1, as a kernel would: one control OUT, no data.
+    connection.transfer_checked(Transfer::control_out([0x00, 0x09, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
+    for n in 0..10u8 {
+        connection.transfer_checked(Transfer::bulk_out(SINK_OUT, Bytes::from(vec![n; 4096]))).await.unwrap();
+    }
+    for _ in 0..5 {
+        let ret = connection.transfer_checked(Transfer::bulk_in(SOURCE_IN, 512)).await.unwrap();
+        assert_eq!(ret.actual_length, 512);
+    }
+    // An endpoint the device does not have: an error status, counted by its errno.
+    let refused = connection.transfer(Transfer::bulk_in(0x8e, 64)).await.unwrap();
+    assert_eq!(refused.status, Status::EPIPE);
+    connection.close().await;
+
+    assert_eq!(served.sample(&bulk("out", "bytes")), 40_960);
+    assert_eq!(served.sample(&bulk("out", "urbs")), 10);
+    assert_eq!(served.sample(&bulk("in", "bytes")), 5 * 512);
+    assert_eq!(served.sample(&bulk("in", "urbs")), 6, "five from the source, one refused");
+    let control = "usbwire_device_urbs_total{busid=\"1-1\",kind=\"loopback\",direction=\"out\",transfer=\"control\"}";
+    assert_eq!(served.sample(control), 1);
+    let errors = "usbwire_device_urb_errors_total{busid=\"1-1\",kind=\"loopback\",status=\"-32\",name=\"EPIPE\"}";
+    assert_eq!(served.sample(errors), 1);
+    assert_eq!(served.sample("usbwire_device_imports_total{busid=\"1-1\",kind=\"loopback\"}"), 1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while served.sample("usbwire_device_in_use{busid=\"1-1\"") != 0 {
+        assert!(Instant::now() < deadline, "the device was not released");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(served.sample("usbwire_device_urbs_in_flight{busid=\"1-1\",kind=\"loopback\"}"), 0);
+
+    // `state --json` carries the same counters.
+    let state = Command::new(BIN).args(["state", "--json", "--control"]).arg(&served.control).output().unwrap();
+    let state: serde_json::Value = serde_json::from_slice(&state.stdout).unwrap();
+    let counters = &state["devices"][0]["counters"];
+    let out_bulk = counters["transfers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["direction"] == "out" && t["transfer"] == "bulk")
+        .unwrap();
+    assert_eq!((out_bulk["urbs"].as_u64(), out_bulk["bytes"].as_u64()), (Some(10), Some(40_960)));
+    assert_eq!(counters["imports"], 1);
+    assert_eq!(counters["errors"][0]["urbs"], 1);
+}
+
+#[test]
+fn the_endpoint_serves_metrics_only() {
+    let served = Served::start("paths");
+    let (head, body) = served.get("/metrics");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/plain; version=0.0.4"), "{head}");
+    assert!(body.contains("# TYPE usbwire_device_bytes_total counter"), "{body}");
+    let (head, _) = served.get("/");
+    assert!(head.starts_with("HTTP/1.1 404"), "{head}");
+    // A request that never ends its headers is cut off, and the server still answers the next.
+    let mut endless = TcpStream::connect(served.metrics).unwrap();
+    endless.write_all(&vec![b'a'; 16 * 1024]).unwrap_or(());
+    let (head, _) = served.get("/metrics");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+}
