@@ -22,8 +22,24 @@ type PlotResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 const PALETTE: [RGBColor; 6] = [RED, BLUE, GREEN, MAGENTA, CYAN, RGBColor(200, 120, 0)];
 
+/// DejaVu Sans (fonts/DejaVuSans.LICENSE), built in: text needs no font
+/// library or font file on the machine.
+const SANS: &[u8] = include_bytes!("../fonts/DejaVuSans.ttf");
+
+/// Registers the built-in font as "sans-serif", once.
+fn register_fonts() -> PlotResult<()> {
+    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *REGISTERED.get_or_init(|| plotters::style::register_font("sans-serif", FontStyle::Normal, SANS).is_ok());
+    if ok {
+        Ok(())
+    } else {
+        Err("the built-in font could not be loaded".into())
+    }
+}
+
 /// Writes every chart into `dir`; returns the files written.
 pub fn write_all(dir: &Path, records: &[Record], latencies: &[LatencySamples]) -> PlotResult<Vec<PathBuf>> {
+    register_fonts()?;
     std::fs::create_dir_all(dir)?;
     let mut written = Vec::new();
     let mut rtts: Vec<f64> = records.iter().map(|r| r.rtt_ms).collect();
@@ -119,4 +135,58 @@ fn cdf(path: &Path, samples: &LatencySamples) -> PlotResult<()> {
     }
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Percentiles;
+
+    fn record(direction: Direction, urb_size: usize, depth: usize, mib_per_s: f64) -> Record {
+        Record {
+            direction,
+            urb_size,
+            depth,
+            rtt_ms: 0.0,
+            mib_per_s,
+            raw_tcp_mib_per_s: mib_per_s * 1.2,
+            ratio_to_raw_tcp: 1.0 / 1.2,
+            urbs_per_s: 0.0,
+            latency_us: Percentiles::default(),
+            raw_tcp_latency_us: Percentiles::default(),
+            compression_ratio: None,
+        }
+    }
+
+    /// A PNG's width and height, from its IHDR chunk.
+    fn png_size(bytes: &[u8]) -> (u32, u32) {
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "not a PNG");
+        let be = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap());
+        (be(16), be(20))
+    }
+
+    #[test]
+    fn charts_are_drawn_with_the_built_in_font() {
+        let dir = std::env::temp_dir().join(format!("usbwire-plot-{}", std::process::id()));
+        let records: Vec<Record> = [512, 65536, 1 << 20]
+            .into_iter()
+            .flat_map(|size| {
+                [1, 8].map(|depth| record(Direction::In, size, depth, (size as f64).sqrt() * depth as f64))
+            })
+            .collect();
+        let latencies = [LatencySamples {
+            rtt_ms: 0.0,
+            direction: Direction::In,
+            urb_size: 512,
+            ours: (1..=100).map(|i| 40.0 + f64::from(i)).collect(),
+            raw: (1..=100).map(|i| 30.0 + f64::from(i)).collect(),
+        }];
+        let written = write_all(&dir, &records, &latencies).expect("charts drawn");
+        assert_eq!(written.len(), 2, "{written:?}");
+        for path in &written {
+            let bytes = std::fs::read(path).unwrap();
+            assert_eq!(png_size(&bytes), (900, 560), "{}", path.display());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

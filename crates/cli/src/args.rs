@@ -6,8 +6,11 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+/// The version and the commit it was built from (`build.rs`; "unknown" outside a git checkout).
+pub(crate) const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("USBWIRE_COMMIT"), ")");
+
 #[derive(Parser, Debug)]
-#[command(name = "usbwire", version, about = "Share USB devices over IP (USB/IP compatible)")]
+#[command(name = "usbwire", version = VERSION, about = "Share USB devices over IP (USB/IP compatible)")]
 pub(crate) struct Cli {
     /// More log output (-v debug, -vv trace). RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
@@ -53,6 +56,23 @@ pub(crate) enum Command {
     Demo(DemoArgs),
     /// Offer a remote device to a QEMU/KVM guest through usbredir (QEMU's usb-redir device).
     Redir(RedirArgs),
+    /// Print the shell completion script (bash: `source <(usbwire completions bash)`).
+    Completions(CompletionsArgs),
+    /// Write the man pages (usbwire.1 and one per command) into a directory, or print usbwire.1.
+    Man(ManArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct CompletionsArgs {
+    #[arg(value_enum)]
+    pub(crate) shell: clap_complete::Shell,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ManArgs {
+    /// Write usbwire.1 and usbwire-COMMAND.1 here (e.g. /usr/local/share/man/man1) instead of printing usbwire.1.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) dir: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]

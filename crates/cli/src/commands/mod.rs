@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod describe;
+mod docs;
 mod doctor;
 mod identity;
 mod kernel;
@@ -41,6 +42,8 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
         Command::Unbind(args) => local::unbind(args).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Redir(args) => redir::run(args).await,
+        Command::Completions(args) => docs::completions(args),
+        Command::Man(args) => docs::man(args),
     }
 }
 
