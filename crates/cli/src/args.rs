@@ -6,6 +6,44 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+/// `--listen`: `ADDR:PORT`, `ADDR` (port 3240), `HOST:PORT` or `HOST` (the
+/// name's first address: `localhost` is 127.0.0.1 on most machines).
+fn listen_address(text: &str) -> Result<SocketAddr, String> {
+    use std::net::{IpAddr, ToSocketAddrs as _};
+    let port = usbwire_proto::DEFAULT_PORT;
+    if let Ok(addr) = text.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    if let Ok(ip) = text.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    let resolved = match text.rsplit_once(':') {
+        Some((host, p)) if p.parse::<u16>().is_ok() => text.to_socket_addrs().map_err(|e| (host.to_owned(), e)),
+        _ => (text, port).to_socket_addrs().map_err(|e| (text.to_owned(), e)),
+    };
+    match resolved {
+        Ok(mut addrs) => addrs.next().ok_or_else(|| format!("{text:?} has no address")),
+        Err((host, error)) => Err(format!("{host:?} is not an address or a host name this machine resolves ({error})")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_takes_addresses_host_names_and_a_default_port() {
+        assert_eq!(listen_address("127.0.0.1:4000"), Ok("127.0.0.1:4000".parse().unwrap()));
+        assert_eq!(listen_address("127.0.0.1"), Ok("127.0.0.1:3240".parse().unwrap()));
+        assert_eq!(listen_address("::1"), Ok("[::1]:3240".parse().unwrap()));
+        assert_eq!(listen_address("[::1]"), Ok("[::1]:3240".parse().unwrap()));
+        assert!(listen_address("localhost:4000").is_ok_and(|a| a.port() == 4000 && a.ip().is_loopback()));
+        assert!(listen_address("localhost").is_ok_and(|a| a.port() == 3240 && a.ip().is_loopback()));
+        let error = listen_address("no-such-host.invalid:1").unwrap_err();
+        assert!(error.contains("not an address or a host name"), "{error}");
+    }
+}
+
 /// The version and the commit it was built from (`build.rs`; "unknown" outside a git checkout).
 pub(crate) const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("USBWIRE_COMMIT"), ")");
 
@@ -77,8 +115,8 @@ pub(crate) struct ManArgs {
 
 #[derive(Args, Debug)]
 pub(crate) struct ServeArgs {
-    /// Address and port to listen on [default: 0.0.0.0:3240].
-    #[arg(long, value_name = "ADDR:PORT")]
+    /// Address (or host name) and port to listen on; without a port, 3240 [default: 0.0.0.0:3240].
+    #[arg(long, value_name = "ADDR[:PORT]", value_parser = listen_address)]
     pub(crate) listen: Option<SocketAddr>,
     /// TOML configuration file (flags override it).
     #[arg(long, value_name = "FILE")]
@@ -152,6 +190,7 @@ pub(crate) struct ClientSecurityArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["remote", "local", "discover"])))]
 pub(crate) struct ListArgs {
     #[command(flatten)]
     pub(crate) security: ClientSecurityArgs,
@@ -160,7 +199,6 @@ pub(crate) struct ListArgs {
         short = 'r',
         long = "remote",
         value_name = "HOST[:PORT]",
-        required_unless_present_any = ["local", "discover"],
         conflicts_with_all = ["local", "discover"]
     )]
     pub(crate) remote: Option<String>,
@@ -236,8 +274,8 @@ pub(crate) struct StateArgs {
 
 #[derive(Args, Debug)]
 pub(crate) struct DemoArgs {
-    /// Address to serve on.
-    #[arg(long, default_value = "127.0.0.1:3240", value_name = "ADDR:PORT")]
+    /// Address (or host name) to serve on; without a port, 3240.
+    #[arg(long, default_value = "127.0.0.1:3240", value_name = "ADDR[:PORT]", value_parser = listen_address)]
     pub(crate) listen: SocketAddr,
     /// Directory for the demo's disk image and serial link [default: a per-user directory under /tmp].
     #[arg(long, value_name = "DIR")]

@@ -9,6 +9,11 @@ pub(crate) struct Failure {
 }
 
 impl Failure {
+    /// The exit code of a command line clap refused (as [`Failure::usage`]).
+    pub(crate) fn usage_code() -> ExitCode {
+        ExitCode::from(64)
+    }
+
     /// 64: the command line was wrong.
     pub(crate) fn usage(error: anyhow::Error) -> Self {
         Self { error, code: 64 }
@@ -43,6 +48,25 @@ impl Failure {
     }
 }
 
+/// An error and its causes on one line, each said once: a cause whose text
+/// the message already carries (`cannot connect to X: Connection refused`
+/// from an error that also exposes that `io::Error` as its source) is not
+/// repeated.
+pub(crate) fn describe(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let said = cause.to_string();
+        if text.contains(&said) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&said);
+    }
+    text
+}
+
 impl From<usbwire_client::ClientError> for Failure {
     fn from(error: usbwire_client::ClientError) -> Self {
         use usbwire_client::ClientError as E;
@@ -51,5 +75,20 @@ impl From<usbwire_client::ClientError> for Failure {
             E::NotAdmitted { .. } | E::CertificateExpired { .. } => Self::not_admitted(error.into()),
             _ => Self::unavailable(error.into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cause_the_message_already_carries_is_not_repeated() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused (os error 111)");
+        let connect = usbwire_client::ClientError::Connect { addr: "127.0.0.1:1".into(), source: io };
+        let text = describe(&anyhow::Error::from(connect));
+        assert_eq!(text, "cannot connect to 127.0.0.1:1: Connection refused (os error 111)");
+        let layered = anyhow::anyhow!("disk.img: not found").context("cannot open the disk image");
+        assert_eq!(describe(&layered), "cannot open the disk image: disk.img: not found");
     }
 }

@@ -7,10 +7,17 @@ mod commands;
 mod config;
 mod exit;
 
-use clap::Parser;
+use clap::Parser as _;
 
 fn main() -> std::process::ExitCode {
-    let cli = args::Cli::parse();
+    let cli = match args::Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and -V print and succeed; a bad command line exits 64 (EX_USAGE), as README says.
+        Err(error) => {
+            let _ = error.print();
+            return if error.use_stderr() { exit::Failure::usage_code() } else { std::process::ExitCode::SUCCESS };
+        }
+    };
     // Commands that print a report keep the in-process server's log quiet.
     let quiet = cli.quiet || matches!(cli.command, args::Command::Bench(_));
     init_logging(cli.verbose, quiet);
@@ -24,7 +31,7 @@ fn main() -> std::process::ExitCode {
     match runtime.block_on(commands::run(cli.command)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(failure) => {
-            eprintln!("usbwire: {:#}", failure.error);
+            eprintln!("usbwire: {}", exit::describe(&failure.error));
             failure.code()
         }
     }

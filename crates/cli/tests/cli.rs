@@ -382,3 +382,20 @@ fn doctor_checks_the_local_server_and_a_remote_port() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("[FAIL] server port") && text.contains("start `usbwire serve`"), "{text}");
 }
+
+#[test]
+fn a_bad_command_line_exits_64_and_each_error_is_said_once() {
+    let out = usbwire(&["bogus-verb"]);
+    assert_eq!(out.status.code(), Some(64));
+    let out = usbwire(&["list"]);
+    assert_eq!(out.status.code(), Some(64));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("--remote") && said.contains("--local") && said.contains("--discover"), "{said}");
+    assert_eq!(usbwire(&["--help"]).status.code(), Some(0));
+    let version = usbwire(&["-V"]);
+    assert_eq!(version.status.code(), Some(0));
+    let port = free_port();
+    let out = usbwire(&["list", "-r", &format!("127.0.0.1:{port}")]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(said.matches("Connection refused").count(), 1, "{said}");
+}
