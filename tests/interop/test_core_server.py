@@ -140,6 +140,25 @@ echo "@@SERIAL-IN $(cat /tmp/serial-in)"
 """
 
 
+def check_capture(checks, capture_dir):
+    """The server's own capture (--capture): tshark decodes the disk's files
+    down to SCSI, with no malformed frame in any file."""
+    files = sorted(os.listdir(capture_dir)) if os.path.isdir(capture_dir) else []
+    checks.check("--capture wrote a pcapng file per import", any(f.startswith("usbwire-2-1-") for f in files)
+                 and any(f.startswith("usbwire-1-1-") for f in files), files)
+    malformed, scsi = 0, ""
+    for name in files:
+        path = os.path.join(capture_dir, name)
+        out = subprocess.run(["tshark", "-r", path, "-Y", "_ws.malformed"], capture_output=True, text=True)
+        malformed += len(out.stdout.splitlines())
+        if name.startswith("usbwire-2-1-"):
+            scsi += subprocess.run(["tshark", "-r", path, "-Y", "scsi"], capture_output=True, text=True).stdout
+    checks.check("tshark finds no malformed frame in the captures", malformed == 0, f"{malformed} malformed")
+    commands = [c for c in ("Inquiry", "Read(10)", "Write(10)") if c in scsi]
+    checks.check("tshark decodes the disk's capture down to SCSI (Inquiry, Read(10), Write(10))",
+                 len(commands) == 3, f"{commands}; {len(scsi.splitlines())} SCSI frames")
+
+
 def serial_ping_pong(g, checks, link):
     """The guest's "ping-from-guest" line arrives on the host pty `link`,
     and the host's "pong-from-host" reaches the guest's ttyACM0."""
@@ -170,8 +189,9 @@ def main():
     control = os.path.join(work, "control.sock")
     port = guest.free_port()
     server_log = open(os.path.join(guest.LOGS, "core-server.server.log"), "w")
+    capture_dir = os.path.join(work, "capture")
     server = subprocess.Popen(
-        [BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--control", control,
+        [BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--control", control, "--capture", capture_dir,
          "--virtual", "keyboard", "--virtual", "mouse",
          "--virtual", f"disk={image},size=64M,speed=super",
          "--virtual", f"serial={link}", "--virtual", "loopback"],
@@ -259,6 +279,7 @@ def main():
             checks.check("tshark dissects the USB/IP traffic", dissected > 100, f"{dissected} packets")
             checks.check("tshark finds no malformed USB/IP packet (besides our DEVSTATE extension)", malformed == 0,
                          f"{malformed} malformed")
+        check_capture(checks, capture_dir)
         print(f"guest ran {time.time() - g.started:.1f} s", flush=True)
     except Exception as error:  # a wait that timed out is a failure with a reason
         checks.check("test ran to the end", False, str(error))

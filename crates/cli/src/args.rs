@@ -160,6 +160,10 @@ pub(crate) struct ServeArgs {
     /// in-flight depth, holder, imports, resumes; connections and refusals.
     #[arg(long, value_name = "ADDR:PORT")]
     pub(crate) metrics: Option<SocketAddr>,
+    /// Capture every import's URBs into DIR, one pcapng file per import (Linux usbmon format, for
+    /// Wireshark/tshark; TLS sessions too). Files rotate at 64 MiB, keeping the previous as NAME.1.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) capture: Option<PathBuf>,
     /// Keep an import whose connection dropped this long for a usbwire client to resume it (URBs in
     /// flight finish, their completions are held); 0 turns resume off [default: 30].
     #[arg(long, value_name = "SECS")]

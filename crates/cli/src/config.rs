@@ -7,6 +7,7 @@
 //! control = "/run/usbwire/control.sock"
 //! resume_grace = 30  # seconds a dropped import waits for its client to resume; 0: off
 //! metrics = "127.0.0.1:9324" # Prometheus text at http://ADDR:PORT/metrics
+//! capture = "/var/lib/usbwire/capture" # a pcapng file (usbmon) per import
 //!
 //! [[virtual]]
 //! kind = "disk"
@@ -236,6 +237,8 @@ pub(crate) struct FileConfig {
     pub(crate) resume_grace: Option<u64>,
     /// Where to serve Prometheus metrics (`--metrics`).
     pub(crate) metrics: Option<SocketAddr>,
+    /// Where to write packet captures (`--capture`).
+    pub(crate) capture: Option<PathBuf>,
 }
 
 /// `[limits]`: what one connection may make the server hold. Unset fields keep

@@ -12,6 +12,7 @@
 //! `usbwire-gadgets`) nor for parsing bytes (see `usbwire-proto`).
 
 mod admission;
+mod capture;
 mod connection;
 mod control;
 mod host_exports;
@@ -35,6 +36,7 @@ use usbwire_proto::op::BusId;
 use usbwire_proto::{Budget, Limits};
 
 pub use admission::AdmissionLimits;
+pub use capture::{CaptureConfig, DEFAULT_MAX_FILE_BYTES as DEFAULT_CAPTURE_FILE_BYTES};
 pub use control::{
     default_control_path, request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput,
 };
@@ -68,6 +70,8 @@ pub struct ServerConfig {
     pub resume_grace: Duration,
     /// Where to serve Prometheus metrics (`GET /metrics`); `None`: nowhere.
     pub metrics: Option<SocketAddr>,
+    /// Capture every import's URBs to pcapng files (usbmon format) here.
+    pub capture: Option<CaptureConfig>,
 }
 
 /// Whether plain (unencrypted, unauthenticated) USB/IP connections are accepted.
@@ -142,6 +146,7 @@ impl Default for ServerConfig {
             host_rules: Vec::new(),
             resume_grace: DEFAULT_RESUME_GRACE,
             metrics: None,
+            capture: None,
         }
     }
 }

@@ -32,6 +32,7 @@ use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
 use usbwire_transport::access::ClientId;
 use usbwire_transport::{poll_write_outbox, PeerStream};
 
+use crate::capture::Capture;
 use crate::connection::Peer;
 use crate::metrics::UrbMeter;
 use crate::registry::{Holder, Lease};
@@ -78,6 +79,7 @@ pub(crate) async fn run(
     config: &ServerConfig,
     mut stop: watch::Receiver<bool>,
     resumable: Option<Resumable>,
+    mut capture: Option<Capture>,
 ) -> Result<End, ChannelError> {
     let mut session =
         ServerSession::new(lease.record().devid(), leftover, config.limits.clone(), config.budget.clone());
@@ -95,7 +97,8 @@ pub(crate) async fn run(
     // A resumed connection's admission place lives as long as it carries the session.
     let mut _resumed_peer: Option<Peer> = None;
     loop {
-        let mut channel = Channel { stream, unflushed: false, session: &mut session, meter: &mut meter };
+        let mut channel =
+            Channel { stream, unflushed: false, session: &mut session, meter: &mut meter, capture: &mut capture };
         let mut early_arrival = None;
         let outcome = tokio::select! {
             result = std::future::poll_fn(|cx| channel.poll_drive(cx, device)) => result,
@@ -119,8 +122,8 @@ pub(crate) async fn run(
         }
         session.disconnected();
         holder.set_resuming(Some(std::time::SystemTime::now()));
-        let parked =
-            park(&mut session, device, &mut meter, resumable, parking, early_arrival, &holder, &mut stop).await;
+        let taps = Taps { meter: &mut meter, capture: &mut capture };
+        let parked = park(&mut session, device, taps, resumable, parking, early_arrival, &holder, &mut stop).await;
         holder.set_resuming(None);
         match parked {
             ParkOutcome::Resumed(new_stream, peer) => {
@@ -155,7 +158,7 @@ async fn next_arrival(parking: &mut Option<Parking>) -> Handover {
 async fn park(
     session: &mut ServerSession,
     device: &mut dyn Device,
-    meter: &mut UrbMeter,
+    mut taps: Taps<'_>,
     resumable: &Resumable,
     parking: &mut Parking,
     mut arrival: Option<Handover>,
@@ -180,7 +183,7 @@ async fn park(
                     info!(grace_secs = resumable.grace.as_secs(), "not resumed within the grace period; releasing the device");
                     return ParkOutcome::Ended(End::ClientClosed);
                 }
-                () = std::future::poll_fn(|cx| hold_completions(cx, session, device, meter)) => {
+                () = std::future::poll_fn(|cx| hold_completions(cx, session, device, &mut taps)) => {
                     info!("device unplugged while the client was away");
                     return ParkOutcome::Ended(End::DeviceGone);
                 }
@@ -211,7 +214,7 @@ async fn park(
                     commands_received = commands,
                     "resumed"
                 );
-                meter.device().resumed();
+                taps.meter.device().resumed();
                 return ParkOutcome::Resumed(handover.stream, handover.peer);
             }
             (Err(error), _) => {
@@ -232,12 +235,12 @@ fn hold_completions(
     cx: &mut Context<'_>,
     session: &mut ServerSession,
     device: &mut dyn Device,
-    meter: &mut UrbMeter,
+    taps: &mut Taps<'_>,
 ) -> Poll<()> {
     while session.wants_completions() {
         match device.poll_complete(cx) {
             Poll::Ready(done) => {
-                meter.completed(done.seqnum, done.status, done.actual_length);
+                taps.completed(&done);
                 session.complete(done.into_ret_submit());
             }
             Poll::Pending => break,
@@ -255,9 +258,36 @@ struct Channel<'a> {
     unflushed: bool,
     session: &'a mut ServerSession,
     meter: &'a mut UrbMeter,
+    capture: &'a mut Option<Capture>,
+}
+
+/// What watches the URBs going by: the counters, and the capture if any.
+struct Taps<'a> {
+    meter: &'a mut UrbMeter,
+    capture: &'a mut Option<Capture>,
+}
+
+impl Taps<'_> {
+    fn submitted(&mut self, urb: &Urb, transfer: TransferType) {
+        self.meter.submitted(urb.seqnum, urb.direction, transfer);
+        if let Some(capture) = self.capture {
+            capture.submitted(urb, transfer);
+        }
+    }
+
+    fn completed(&mut self, done: &usbwire_device::Completion) {
+        self.meter.completed(done.seqnum, done.status, done.actual_length);
+        if let Some(capture) = self.capture {
+            capture.completed(done);
+        }
+    }
 }
 
 impl Channel<'_> {
+    fn taps(&mut self) -> Taps<'_> {
+        Taps { meter: self.meter, capture: self.capture }
+    }
+
     /// The server shuts down: tells a resumable client, after the replies
     /// already queued, that there will be no session to resume, so it gives
     /// up at once instead of retrying for its whole give-up time.
@@ -307,7 +337,7 @@ impl Channel<'_> {
             while self.session.wants_completions() {
                 match device.poll_complete(cx) {
                     Poll::Ready(done) => {
-                        self.meter.completed(done.seqnum, done.status, done.actual_length);
+                        self.taps().completed(&done);
                         self.session.complete(done.into_ret_submit());
                         progressed = true;
                     }
@@ -357,7 +387,7 @@ impl Channel<'_> {
                     } else {
                         TransferType::Bulk
                     });
-                    self.meter.submitted(urb.seqnum, urb.direction, transfer);
+                    self.taps().submitted(&urb, transfer);
                     device.submit(urb);
                 }
                 DeviceCall::Cancel { seqnum } => device.cancel(seqnum),

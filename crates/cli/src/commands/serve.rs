@@ -57,9 +57,15 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     file.limits.apply(&mut config.limits, &mut config.budget).map_err(Failure::config)?;
     config.admission = file.admission.limits().map_err(Failure::config)?;
     config.metrics = args.metrics.or(file.metrics);
+    config.capture = args
+        .capture
+        .clone()
+        .or(file.capture.clone())
+        .map(|dir| usbwire_server::CaptureConfig { dir, max_file_bytes: usbwire_server::DEFAULT_CAPTURE_FILE_BYTES });
     if let Some(secs) = args.resume_grace.or(file.resume_grace) {
         config.resume_grace = std::time::Duration::from_secs(secs);
     }
+    let config_capture = config.capture.as_ref().map(|c| c.dir.clone());
     let shutdown = super::shutdown_signal();
     let (server, exported) = build(config, &specs, DiskLinks::Follow)?;
     let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
@@ -69,6 +75,9 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     }
     if let Some(addr) = bound.metrics_addr() {
         println!("  metrics on http://{addr}/metrics");
+    }
+    if let Some(capture) = &config_capture {
+        println!("  capturing imports into {}", capture.display());
     }
     let announce = !args.no_advertise && file.advertise.unwrap_or(true);
     warn_if_open(bound.local_addr(), bound.security(), announce);
