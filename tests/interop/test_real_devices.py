@@ -282,6 +282,26 @@ def main():
         rc, out = remote.run(f"usbwire bind -b {kbd['busid']} $C")
         checks.check("the keyboard is already exported by the config's [[bind]] VID:PID rule", rc != 0 and "already exported" in out, out)
 
+        # The binds outlive the server: kept beside its config, bound again when it starts.
+        rc, out = remote.run("cat /etc/usbwire/server.binds")
+        checks.check("the binds are kept in server.binds beside the config",
+                     rc == 0 and all(d["busid"] in out.split() for d in (stick, serial, audio)), out)
+        rc, out = remote.run(
+            "killall usbwire; i=0; while pidof usbwire >/dev/null && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; "
+            "usbwire serve -v --listen 0.0.0.0:3240 --config /etc/usbwire/server.toml $C > /tmp/serve-2.log 2>&1 & "
+            "i=0; while [ ! -S /run/usbwire.sock ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; "
+            "sleep 1; grep -c 'binds from the last run' /tmp/serve-2.log", timeout=90)
+        checks.check("a restarted server reads the binds back", rc == 0 and out.strip().startswith("1"), out)
+        for _ in range(30):
+            out = subprocess.run([BIN, "list", "-r", addr, "--json"], capture_output=True, text=True)
+            back = json.loads(out.stdout)["devices"] if out.returncode == 0 else []
+            if len(back) == 4:
+                break
+            time.sleep(1)
+        checks.check("after the restart the same four devices are exported",
+                     sorted(d["busid"] for d in back) == sorted(d["busid"] for d in (stick, kbd, serial, audio)),
+                     out.stdout + out.stderr)
+
         out = subprocess.run([BIN, "list", "-r", addr, "--json"], capture_output=True, text=True)
         exported = json.loads(out.stdout)["devices"] if out.returncode == 0 else []
         checks.check("usbwire list -r shows the four real devices under their own busids",

@@ -2,10 +2,15 @@
 //! or `serve --bind`, `usbwire bind` / `unbind` through the control socket,
 //! and hotplug — a device that arrives and matches a rule is exported at
 //! once; one that leaves is withdrawn (its importer sees a clean close).
+//!
+//! `usbwire bind` survives a restart when the server has a bind state file
+//! (beside its config file): the bus ids bound by hand, one per line, written
+//! whole (a temporary file renamed over it) on every bind and unbind.
 
 use std::collections::HashSet;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -35,11 +40,30 @@ struct Bindings {
     bound_by_hand: Vec<Selector>,
     /// Bus ids of the real devices exported.
     exported: HashSet<String>,
+    /// Where `bound_by_hand` is kept across restarts.
+    state_file: Option<PathBuf>,
 }
 
 impl HostExports {
-    pub(crate) fn new(registry: Registry, rules: Vec<Selector>) -> Self {
-        Self { registry, inner: Arc::new(Mutex::new(Bindings { rules, ..Bindings::default() })) }
+    /// With a `state_file`, the binds it lists (from an earlier run) are bound again.
+    pub(crate) fn new(registry: Registry, rules: Vec<Selector>, state_file: Option<PathBuf>) -> Self {
+        let bound_by_hand = match &state_file {
+            Some(path) => match load_binds(path) {
+                Ok(binds) => {
+                    if !binds.is_empty() {
+                        info!(path = %path.display(), binds = binds.len(), "binds from the last run");
+                    }
+                    binds
+                }
+                Err(error) => {
+                    warn!(path = %path.display(), %error, "cannot read the bind state file; starting without its binds");
+                    Vec::new()
+                }
+            },
+            None => Vec::new(),
+        };
+        let bindings = Bindings { rules, bound_by_hand, state_file, ..Bindings::default() };
+        Self { registry, inner: Arc::new(Mutex::new(bindings)) }
     }
 
     /// Exports every present device that matches a rule and is not exported yet.
@@ -69,6 +93,7 @@ impl HostExports {
             }
             if !inner.bound_by_hand.contains(&selector) {
                 inner.bound_by_hand.push(selector);
+                inner.save();
             }
         }
         self.export(device)
@@ -77,7 +102,11 @@ impl HostExports {
     /// `usbwire unbind -b BUSID`: stop exporting it (ending any import) and give it back to its kernel drivers.
     pub(crate) fn unbind(&self, busid: &str) -> Result<(), String> {
         let mut inner = lock(&self.inner);
+        let before = inner.bound_by_hand.len();
         inner.bound_by_hand.retain(|rule| !matches!(rule, Selector::BusId(b) if b == busid));
+        if inner.bound_by_hand.len() != before {
+            inner.save();
+        }
         if !inner.exported.remove(busid) {
             return Err(format!("{busid} is not exported by this server (see `usbwire state`)"));
         }
@@ -192,5 +221,68 @@ impl HostExports {
 impl Bindings {
     fn matches(&self, device: &LocalDevice) -> bool {
         self.rules.iter().chain(&self.bound_by_hand).any(|rule| rule.matches(device))
+    }
+
+    /// Writes the binds made by hand to the state file, if there is one. A
+    /// failure is logged: the bind itself holds until the server stops.
+    fn save(&self) {
+        let Some(path) = &self.state_file else { return };
+        if let Err(error) = save_binds(path, &self.bound_by_hand) {
+            warn!(path = %path.display(), %error, "cannot write the bind state file; this bind ends with the server");
+        }
+    }
+}
+
+/// The binds in a state file: one selector per line; `#` comments and blank
+/// lines skipped. A missing file is no binds.
+fn load_binds(path: &Path) -> std::io::Result<Vec<Selector>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(error) => return Err(error),
+    };
+    let mut binds = Vec::new();
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        match line.parse() {
+            Ok(selector) => binds.push(selector),
+            Err(error) => warn!(path = %path.display(), line, %error, "bind state file: line skipped"),
+        }
+    }
+    Ok(binds)
+}
+
+/// Replaces the state file with `binds` (written beside it, then renamed).
+fn save_binds(path: &Path, binds: &[Selector]) -> std::io::Result<()> {
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(".tmp");
+    let temporary = PathBuf::from(temporary);
+    let mut file = std::fs::File::create(&temporary)?;
+    writeln!(
+        file,
+        "# usbwire bind: devices bound by hand, exported again after a restart (usbwire unbind removes them)"
+    )?;
+    for bind in binds {
+        writeln!(file, "{bind}")?;
+    }
+    file.sync_all()?;
+    std::fs::rename(&temporary, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn binds_survive_a_save_and_load_and_a_missing_file_is_none() {
+        let dir = std::env::temp_dir().join(format!("usbwire-binds-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("server.binds");
+        assert!(load_binds(&path).unwrap().is_empty());
+        let binds: Vec<Selector> = ["1-1.2", "0781:5567"].iter().map(|s| s.parse().unwrap()).collect();
+        save_binds(&path, &binds).unwrap();
+        assert_eq!(load_binds(&path).unwrap(), binds);
+        std::fs::write(&path, "# comment\n\n1-3\nnot a selector\n").unwrap();
+        assert_eq!(load_binds(&path).unwrap(), vec!["1-3".parse().unwrap()]);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -72,6 +72,8 @@ pub struct ServerConfig {
     pub metrics: Option<SocketAddr>,
     /// Capture every import's URBs to pcapng files (usbmon format) here.
     pub capture: Option<CaptureConfig>,
+    /// Keeps `usbwire bind`s across restarts (one bus id per line); `None`: they end with the server.
+    pub bind_state: Option<PathBuf>,
 }
 
 /// Whether plain (unencrypted, unauthenticated) USB/IP connections are accepted.
@@ -147,6 +149,7 @@ impl Default for ServerConfig {
             resume_grace: DEFAULT_RESUME_GRACE,
             metrics: None,
             capture: None,
+            bind_state: None,
         }
     }
 }
@@ -213,7 +216,11 @@ impl Server {
             listener,
             control,
             metrics,
-            host_exports: host_exports::HostExports::new(self.registry.clone(), self.config.host_rules.clone()),
+            host_exports: host_exports::HostExports::new(
+                self.registry.clone(),
+                self.config.host_rules.clone(),
+                self.config.bind_state.clone(),
+            ),
             config: Arc::new(self.config),
             registry: self.registry,
             text_inputs: Arc::new(self.text_inputs),

@@ -57,6 +57,8 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     file.limits.apply(&mut config.limits, &mut config.budget).map_err(Failure::config)?;
     config.admission = file.admission.limits().map_err(Failure::config)?;
     config.metrics = args.metrics.or(file.metrics);
+    // `usbwire bind`s are kept beside the config file (server.toml → server.binds).
+    config.bind_state = args.config.as_ref().map(|path| path.with_extension("binds"));
     config.capture = args
         .capture
         .clone()
