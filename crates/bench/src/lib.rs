@@ -134,4 +134,51 @@ pub struct Record {
     /// With compression negotiated: payload bytes per byte on the wire in this direction.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub compression_ratio: Option<f64>,
+    /// The runs behind the medians (MiB/s), in the order they ran.
+    pub runs_mib_per_s: Vec<f64>,
+    pub raw_tcp_runs_mib_per_s: Vec<f64>,
+}
+
+/// Above this ratio to the raw-TCP ceiling a point is a measurement problem,
+/// not a result: nothing over the same path beats plain TCP by more than noise.
+pub const MAX_PLAUSIBLE_RATIO: f64 = 1.05;
+
+impl Record {
+    /// Why this point should not be trusted, if it should not.
+    pub fn measurement_problem(&self) -> Option<String> {
+        (self.ratio_to_raw_tcp > MAX_PLAUSIBLE_RATIO).then(|| {
+            format!(
+                "{:.2} of the raw-TCP ceiling is above {MAX_PLAUSIBLE_RATIO}: the ceiling's runs were disturbed \
+                 (the machine was busy); measure again with more --repeat",
+                self.ratio_to_raw_tcp
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_point_above_the_ceiling_is_a_measurement_problem_not_a_result() {
+        let mut record = Record {
+            direction: Direction::In,
+            urb_size: 512,
+            depth: 8,
+            rtt_ms: 0.0,
+            mib_per_s: 124.0,
+            raw_tcp_mib_per_s: 100.0,
+            ratio_to_raw_tcp: 1.24,
+            urbs_per_s: 0.0,
+            latency_us: Percentiles::default(),
+            raw_tcp_latency_us: Percentiles::default(),
+            compression_ratio: None,
+            runs_mib_per_s: vec![120.0, 124.0, 130.0],
+            raw_tcp_runs_mib_per_s: vec![90.0, 100.0, 140.0],
+        };
+        assert!(record.measurement_problem().is_some_and(|why| why.contains("1.24")));
+        record.ratio_to_raw_tcp = 1.05;
+        assert_eq!(record.measurement_problem(), None, "within noise");
+    }
 }

@@ -32,6 +32,15 @@ pub fn fit(points: &[(usize, f64)]) -> Option<Fit> {
     Some(Fit { a_us_per_kib: a, rtt_us: my - a * mx })
 }
 
+impl Fit {
+    /// Whether the fit describes a link: time per URB grows with its size and
+    /// a URB costs some time. Noise on a fast path can fit a negative slope or
+    /// intercept, which says nothing about the link and must not be reported.
+    pub fn is_physical(&self) -> bool {
+        self.a_us_per_kib > 0.0 && self.rtt_us > 0.0
+    }
+}
+
 /// The smallest queue depth q with q > RTT/x + 1 (Eq. 2 of the USB/IP paper).
 pub fn advised_depth(rtt_us: f64, interval_us: f64) -> usize {
     (rtt_us.max(0.0) / interval_us + 1.0).floor() as usize + 1
@@ -50,6 +59,10 @@ mod tests {
         assert!((f.a_us_per_kib - 2.0).abs() < 1e-9);
         assert!((f.rtt_us - 150.0).abs() < 1e-6);
         assert_eq!(fit(&points[..1]), None);
+        assert!(f.is_physical());
+        // Faster big URBs than small ones (noise): a negative slope is not a link.
+        let noisy = [(512, 60e-6), (65536, 55e-6), (1 << 20, 50e-6)];
+        assert!(!fit(&noisy).unwrap().is_physical());
     }
 
     #[test]

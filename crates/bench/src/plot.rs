@@ -20,7 +20,33 @@ pub struct LatencySamples {
 
 type PlotResult<T> = Result<T, Box<dyn std::error::Error>>;
 
-const PALETTE: [RGBColor; 6] = [RED, BLUE, GREEN, MAGENTA, CYAN, RGBColor(200, 120, 0)];
+/// Okabe–Ito: told apart by readers with any colour vision (and in grey).
+const PALETTE: [RGBColor; 7] = [
+    RGBColor(0, 114, 178),   // blue
+    RGBColor(213, 94, 0),    // vermillion
+    RGBColor(0, 158, 115),   // bluish green
+    RGBColor(204, 121, 167), // reddish purple
+    RGBColor(230, 159, 0),   // orange
+    RGBColor(86, 180, 233),  // sky blue
+    RGBColor(0, 0, 0),       // black
+];
+
+/// A byte count as a tick label: 512 B, 64 KiB, 1 MiB (1.5 MiB between powers).
+fn bytes_label(bytes: &f64) -> String {
+    let b = *bytes;
+    let (value, unit) = if b >= 1024.0 * 1024.0 {
+        (b / (1024.0 * 1024.0), "MiB")
+    } else if b >= 1024.0 {
+        (b / 1024.0, "KiB")
+    } else {
+        (b, "B")
+    };
+    if (value - value.round()).abs() < 0.05 {
+        format!("{value:.0} {unit}")
+    } else {
+        format!("{value:.1} {unit}")
+    }
+}
 
 /// DejaVu Sans (fonts/DejaVuSans.LICENSE), built in: text needs no font
 /// library or font file on the machine.
@@ -82,8 +108,14 @@ fn throughput(path: &Path, rtt: f64, direction: Direction, points: &[&Record]) -
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(70)
-        .build_cartesian_2d((min_size * 0.9..max_size * 1.1).log_scale(), 0f64..top)?;
-    chart.configure_mesh().x_desc("URB size (bytes)").y_desc("MiB/s").draw()?;
+        .build_cartesian_2d((min_size * 0.9..max_size * 1.1).log_scale().base(2.0), 0f64..top)?;
+    chart
+        .configure_mesh()
+        .x_desc("URB size")
+        .x_label_formatter(&bytes_label)
+        .y_desc("MiB/s")
+        .y_label_formatter(&|v| format!("{v:.0}"))
+        .draw()?;
     let mut depths: Vec<usize> = points.iter().map(|r| r.depth).collect();
     depths.sort_unstable();
     depths.dedup();
@@ -91,10 +123,16 @@ fn throughput(path: &Path, rtt: f64, direction: Direction, points: &[&Record]) -
         let color = PALETTE[i % PALETTE.len()];
         let mut line: Vec<&&Record> = points.iter().filter(|r| r.depth == *depth).collect();
         line.sort_by_key(|r| r.urb_size);
+        let measured: Vec<(f64, f64)> = line.iter().map(|r| (r.urb_size as f64, r.mib_per_s)).collect();
         chart
-            .draw_series(LineSeries::new(line.iter().map(|r| (r.urb_size as f64, r.mib_per_s)), color.stroke_width(2)))?
+            .draw_series(LineSeries::new(measured.iter().copied(), color.stroke_width(2)))?
             .label(format!("depth {depth}"))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| {
+                EmptyElement::at((x + 10, y))
+                    + PathElement::new(vec![(-10, 0), (10, 0)], color.stroke_width(2))
+                    + Circle::new((0, 0), 4, color.filled())
+            });
+        chart.draw_series(measured.iter().map(|&point| Circle::new(point, 4, color.filled())))?;
         // The ceiling as a dashed line in the same colour.
         let raw: Vec<(f64, f64)> = line.iter().map(|r| (r.urb_size as f64, r.raw_tcp_mib_per_s)).collect();
         for pair in raw.windows(2) {
@@ -116,7 +154,7 @@ fn cdf(path: &Path, samples: &LatencySamples) -> PlotResult<()> {
     root.fill(&WHITE)?;
     let max = samples.ours.iter().chain(&samples.raw).fold(1.0, |a: f64, b| a.max(*b));
     let title = format!(
-        "Latency CDF, {} B {:?} at depth 1, RTT {} ms (red: usbwire, blue: raw TCP)",
+        "Latency CDF, {} B {:?} at depth 1, RTT {} ms (blue: usbwire, vermillion: raw TCP)",
         samples.urb_size, samples.direction, samples.rtt_ms
     );
     let mut chart = ChartBuilder::on(&root)
@@ -126,7 +164,7 @@ fn cdf(path: &Path, samples: &LatencySamples) -> PlotResult<()> {
         .y_label_area_size(60)
         .build_cartesian_2d((1f64..max * 1.1).log_scale(), 0f64..1f64)?;
     chart.configure_mesh().x_desc("round trip (µs)").y_desc("fraction of URBs").draw()?;
-    for (values, color) in [(&samples.ours, RED), (&samples.raw, BLUE)] {
+    for (values, color) in [(&samples.ours, PALETTE[0]), (&samples.raw, PALETTE[1])] {
         let n = values.len().max(1) as f64;
         chart.draw_series(LineSeries::new(
             values.iter().enumerate().map(|(i, v)| (v.max(1.0), (i + 1) as f64 / n)),
@@ -155,6 +193,8 @@ mod tests {
             latency_us: Percentiles::default(),
             raw_tcp_latency_us: Percentiles::default(),
             compression_ratio: None,
+            runs_mib_per_s: vec![mib_per_s],
+            raw_tcp_runs_mib_per_s: vec![mib_per_s * 1.2],
         }
     }
 
@@ -163,6 +203,14 @@ mod tests {
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "not a PNG");
         let be = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap());
         (be(16), be(20))
+    }
+
+    #[test]
+    fn byte_ticks_read_in_units() {
+        assert_eq!(bytes_label(&512.0), "512 B");
+        assert_eq!(bytes_label(&65536.0), "64 KiB");
+        assert_eq!(bytes_label(&1048576.0), "1 MiB");
+        assert_eq!(bytes_label(&1572864.0), "1.5 MiB");
     }
 
     #[test]

@@ -405,7 +405,8 @@ pub(crate) struct BenchArgs {
     /// Runs per point, alternating with the ceiling; the median is reported [default: 3, --quick 1].
     #[arg(long, value_name = "N")]
     pub(crate) repeat: Option<usize>,
-    /// One JSON record per measured point, plus the model fit.
+    /// Print one JSON document: `records` (one per measured point, with the runs behind its median)
+    /// and `model` (the fit per direction and RTT).
     #[arg(long)]
     pub(crate) json: bool,
     /// Write PNG charts into DIR: throughput vs URB size per direction and RTT, latency CDF.

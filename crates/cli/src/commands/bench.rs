@@ -394,6 +394,8 @@ pub(crate) async fn execute(
                             let raw = ceiling::measure(ideal_addr, direction, size, depth, duration).await;
                             raw_runs.push(raw.map_err(|e| Failure::io(e.into()))?);
                         }
+                        let runs_mib_per_s: Vec<f64> = ours_runs.iter().map(|r| r.mib_per_s).collect();
+                        let raw_tcp_runs_mib_per_s: Vec<f64> = raw_runs.iter().map(|r| r.mib_per_s).collect();
                         let ours = median(ours_runs);
                         let raw = median(raw_runs);
                         let compression_ratio = before.zip(wire.as_deref().map(counters)).map(|(a, b)| {
@@ -428,6 +430,8 @@ pub(crate) async fn execute(
                             latency_us: ours.latency,
                             raw_tcp_latency_us: raw.latency,
                             compression_ratio,
+                            runs_mib_per_s,
+                            raw_tcp_runs_mib_per_s,
                         });
                         bar.inc(1);
                     }
@@ -450,6 +454,13 @@ impl Report {
             .fits
             .iter()
             .map(|(rtt_ms, direction, fit)| {
+                if !fit.is_physical() {
+                    return json!({
+                        "rtt_ms": rtt_ms,
+                        "direction": direction,
+                        "unfitted": "the depth-1 times do not grow with URB size (noise on a fast path): no model",
+                    });
+                }
                 json!({
                     "rtt_ms": rtt_ms,
                     "direction": direction,
@@ -460,33 +471,70 @@ impl Report {
                 })
             })
             .collect();
-        json!({ "records": self.records, "model": fits })
+        let records: Vec<_> = self
+            .records
+            .iter()
+            .map(|r| {
+                let mut value = serde_json::to_value(r).unwrap_or_default();
+                if let (Some(problem), Some(object)) = (r.measurement_problem(), value.as_object_mut()) {
+                    object.insert("measurement_problem".into(), problem.into());
+                }
+                value
+            })
+            .collect();
+        json!({ "records": records, "model": fits })
     }
 
     pub(crate) fn table(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:>6} {:>4} {:>9} {:>5} {:>10} {:>10} {:>6} {:>9} {:>9} {:>9}",
-            "rtt_ms", "dir", "urb_size", "depth", "MiB/s", "raw MiB/s", "ratio", "p50 us", "raw p50", "compress"
+            "{:>6} {:>4} {:>9} {:>5} {:>10} {:>13} {:>10} {:>6} {:>9} {:>9} {:>9}",
+            "rtt_ms",
+            "dir",
+            "urb_size",
+            "depth",
+            "MiB/s",
+            "runs",
+            "raw MiB/s",
+            "ratio",
+            "p50 us",
+            "raw p50",
+            "compress"
         );
+        let mut problems = Vec::new();
         for r in &self.records {
+            let problem = r.measurement_problem();
+            let ratio = format!("{:.2}{}", r.ratio_to_raw_tcp, if problem.is_some() { "!" } else { "" });
             let _ = writeln!(
                 out,
-                "{:>6} {:>4} {:>9} {:>5} {:>10.1} {:>10.1} {:>6.2} {:>9.0} {:>9.0} {:>9}",
+                "{:>6} {:>4} {:>9} {:>5} {:>10.1} {:>13} {:>10.1} {:>6} {:>9.0} {:>9.0} {:>9}",
                 r.rtt_ms,
                 format!("{:?}", r.direction).to_lowercase(),
                 r.urb_size,
                 r.depth,
                 r.mib_per_s,
+                spread(&r.runs_mib_per_s),
                 r.raw_tcp_mib_per_s,
-                r.ratio_to_raw_tcp,
+                ratio,
                 r.latency_us.p50,
                 r.raw_tcp_latency_us.p50,
                 r.compression_ratio.map_or("-".to_owned(), |c| format!("{c:.1}x"))
             );
+            problems.extend(problem);
+        }
+        if let Some(problem) = problems.first() {
+            let _ = writeln!(out, "\n! {} point(s) not trusted: {problem}", problems.len());
         }
         for (rtt_ms, direction, fit) in &self.fits {
+            if !fit.is_physical() {
+                let _ = writeln!(
+                    out,
+                    "\nmodel (rtt {rtt_ms} ms, {direction:?}): not fitted: the depth-1 times do not grow with URB size \
+                     (noise on a fast path); measure with --rtt-ms or more sizes"
+                );
+                continue;
+            }
             let _ = writeln!(
                 out,
                 "\nmodel (rtt {rtt_ms} ms, {direction:?}): time per URB = {:.3} us/KiB x size + {:.0} us; a periodic stream needs depth > RTT/x + 1: {} URBs at 1 ms, {} at 8 ms",
@@ -508,6 +556,17 @@ fn counters(stats: &usbwire_transport::transform::TransformStats) -> [u64; 4] {
         stats.wire_received.load(Relaxed),
         stats.plain_received.load(Relaxed),
     ]
+}
+
+/// The runs' range, `min–max` (one run: its value).
+fn spread(runs: &[f64]) -> String {
+    let min = runs.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = runs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    match runs.len() {
+        0 => "-".into(),
+        1 => format!("{min:.1}"),
+        _ => format!("{min:.0}–{max:.0}"),
+    }
 }
 
 /// The run with the median throughput.
