@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""What ships (issue 13 item 4), checked on the release binary: small, no
-system font libraries, `-V` names the commit, shell completions load, and the
-man pages generated from the command line render with `man`.
+"""What ships (issue 13 items 4 and 5), checked on the release binary: small,
+no system font libraries, `-V` names the commit, shell completions load, the
+man pages generated from the command line render with `man`; and the
+systemd units in contrib/ score at most 5.0 in `systemd-analyze security`
+(offline), their sysusers.d file creates the server's user, and the udev
+rule gives its group the usbfs nodes.
 
     USBWIRE_BIN=target/release/usbwire python3 tests/interop/test_packaging.py
 """
@@ -16,6 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import guest  # noqa: E402
 
 BIN = guest.BIN
+CONTRIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "contrib")
+MAX_EXPOSURE = 5.0
 MAX_BYTES = 20 << 20
 FONT_LIBRARIES = ("libfontconfig", "libfreetype", "libpng", "libbrotli", "libexpat")
 
@@ -61,7 +66,32 @@ def main():
             text = re.sub(r".\x08", "", shown.stdout)
             checks.check(f"man -l {page} renders", shown.returncode == 0 and wanted in text,
                          shown.stderr + text[:400])
+    check_systemd(checks)
     checks.exit()
+
+
+def check_systemd(checks):
+    for unit in ("usbwire-server.service", "usbwire-client.service"):
+        path = os.path.join(CONTRIB, "systemd", unit)
+        out = run(["systemd-analyze", "security", "--offline=true", path])
+        found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out.stdout + out.stderr)
+        exposure = float(found.group(1)) if found else 99.0
+        checks.check(f"{unit}: systemd-analyze security exposure {exposure} <= {MAX_EXPOSURE}",
+                     exposure <= MAX_EXPOSURE, out.stdout[-1500:] + out.stderr)
+        text = open(path).read()
+        checks.check(f"{unit}: Type=notify and no restart loop on a bad command line or config",
+                     "Type=notify" in text and "RestartPreventExitStatus=64 78" in text, text)
+    server = open(os.path.join(CONTRIB, "systemd", "usbwire-server.service")).read()
+    with tempfile.TemporaryDirectory() as root:
+        os.makedirs(os.path.join(root, "etc"))
+        made = run(["systemd-sysusers", f"--root={root}", os.path.join(CONTRIB, "sysusers.d", "usbwire.conf")])
+        passwd = open(os.path.join(root, "etc", "passwd")).read() if made.returncode == 0 else ""
+        checks.check("sysusers.d creates the user the server's unit runs as",
+                     re.search(r"^usbwire:x:\d+:\d+:", passwd, re.M) is not None and "User=usbwire" in server,
+                     made.stdout + made.stderr + passwd)
+    rules = open(os.path.join(CONTRIB, "udev", "70-usbwire.rules")).read()
+    checks.check("the udev rule gives that group the usbfs nodes the unit allows",
+                 'GROUP="usbwire"' in rules and "DeviceAllow=char-usb_device rw" in server, rules)
 
 
 if __name__ == "__main__":

@@ -164,6 +164,10 @@ pub(crate) struct ServeArgs {
     /// Wireshark/tshark; TLS sessions too). Files rotate at 64 MiB, keeping the previous as NAME.1.
     #[arg(long, value_name = "DIR")]
     pub(crate) capture: Option<PathBuf>,
+    /// Keep `usbwire bind`s here across restarts [default: beside --config, FILE.binds; without
+    /// --config they end with the server].
+    #[arg(long, value_name = "FILE")]
+    pub(crate) bind_state: Option<PathBuf>,
     /// Keep an import whose connection dropped this long for a usbwire client to resume it (URBs in
     /// flight finish, their completions are held); 0 turns resume off [default: 30].
     #[arg(long, value_name = "SECS")]

@@ -48,10 +48,62 @@ fn init_logging(verbose: u8, quiet: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("warn,usbwire={default},usbwire_server={default},usbwire_gadgets={default},usbwire_device={default},usbwire_client={default}")));
     use std::io::IsTerminal as _;
+    if stderr_is_journal() {
+        // journald stamps each line itself and reads the priority from a `<N>` prefix.
+        let format = tracing_subscriber::fmt::format().without_time().with_ansi(false).with_target(verbose > 0);
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .event_format(SyslogPriority(format))
+            .init();
+        return;
+    }
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .with_target(verbose > 0)
         .init();
+}
+
+/// Whether stderr is the journal's stream: `$JOURNAL_STREAM` (`DEVICE:INODE`)
+/// names it, as systemd sets it for a service's output.
+fn stderr_is_journal() -> bool {
+    let Some(stream) = std::env::var_os("JOURNAL_STREAM") else { return false };
+    let Some((device, inode)) = stream.to_str().and_then(|s| s.split_once(':')) else { return false };
+    let mut stat = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat on descriptor 2 fills `stat` on success; it is read only then.
+    if unsafe { libc::fstat(2, stat.as_mut_ptr()) } != 0 {
+        return false;
+    }
+    // SAFETY: fstat succeeded.
+    let stat = unsafe { stat.assume_init() };
+    device.parse() == Ok(stat.st_dev) && inode.parse() == Ok(stat.st_ino)
+}
+
+/// Puts the syslog priority journald understands (`<3>` error … `<7>` debug) before each line.
+struct SyslogPriority<F>(F);
+
+impl<S, N, F> tracing_subscriber::fmt::FormatEvent<S, N> for SyslogPriority<F>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+    F: tracing_subscriber::fmt::FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        context: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        let priority = match *event.metadata().level() {
+            tracing::Level::ERROR => 3,
+            tracing::Level::WARN => 4,
+            tracing::Level::INFO => 6,
+            _ => 7,
+        };
+        write!(writer, "<{priority}>")?;
+        self.0.format_event(context, writer, event)
+    }
 }

@@ -399,3 +399,37 @@ fn a_bad_command_line_exits_64_and_each_error_is_said_once() {
     let said = String::from_utf8_lossy(&out.stderr);
     assert_eq!(said.matches("Connection refused").count(), 1, "{said}");
 }
+
+#[test]
+fn under_systemd_the_server_says_ready_and_logs_with_priorities_for_the_journal() {
+    use std::os::unix::fs::MetadataExt as _;
+    use std::os::unix::net::UnixDatagram;
+    let dir = scratch("systemd");
+    let notify_path = dir.join("notify.sock");
+    let notify = UnixDatagram::bind(&notify_path).unwrap();
+    notify.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let log_path = dir.join("journal.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let meta = log.metadata().unwrap();
+    let mut child = Command::new(BIN)
+        .args(["serve", "--no-advertise", "--virtual", "keyboard", "--listen", &format!("127.0.0.1:{}", free_port())])
+        .arg("--control")
+        .arg(dir.join("control.sock"))
+        .env("NOTIFY_SOCKET", &notify_path)
+        .env("JOURNAL_STREAM", format!("{}:{}", meta.dev(), meta.ino()))
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let mut message = [0u8; 64];
+    let got = notify.recv(&mut message);
+    let _ = child.kill();
+    let _ = child.wait();
+    let n = got.expect("READY=1 within 20 s");
+    assert_eq!(&message[..n], b"READY=1");
+    let logged = std::fs::read_to_string(&log_path).unwrap();
+    let first = logged.lines().next().unwrap_or_default();
+    assert!(first.starts_with("<6>"), "an info line with its syslog priority: {logged}");
+    assert!(!first.contains("Z "), "no timestamp of its own (journald adds one): {first}");
+}

@@ -157,13 +157,20 @@ pub enum SocketOwnerError {
     Writable { path: PathBuf, mode: u32 },
 }
 
+/// System accounts (below `SYS_UID_MAX + 1` of Debian's login.defs): only an
+/// administrator creates them, like the `usbwire` user the server's unit runs as.
+const FIRST_LOGIN_UID: u32 = 1000;
+
 /// Before the CLI sends anything to the control socket at `socket`: the
-/// socket and its directory must be this user's or root's, and the directory
-/// not open to other users' writes (unless sticky, like `/tmp`). A missing
-/// socket is not an error here (connecting will say so).
+/// socket and its directory must be this user's, root's or a system
+/// account's (the packaged server runs as the system user `usbwire`), and
+/// the directory not open to other users' writes (unless sticky, like
+/// `/tmp`). Another login user's socket is refused: what we send (text to
+/// type) would go to them. A missing socket is not an error here
+/// (connecting will say so).
 pub fn check_socket_owner(socket: &Path) -> Result<(), SocketOwnerError> {
     let us = effective_uid();
-    let trusted = |owner: u32| owner == us || owner == 0;
+    let trusted = |owner: u32| owner == us || owner < FIRST_LOGIN_UID;
     if let Ok(meta) = std::fs::metadata(socket) {
         if !trusted(meta.uid()) {
             return Err(SocketOwnerError::NotOwned { path: socket.to_path_buf(), owner: meta.uid(), us });
@@ -279,5 +286,22 @@ mod tests {
         assert!(matches!(check_socket_owner(&socket), Err(SocketOwnerError::Writable { .. })));
         std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o1777)).unwrap();
         check_socket_owner(&socket).unwrap();
+    }
+
+    #[test]
+    fn a_system_accounts_socket_is_trusted_a_login_users_is_not() {
+        if effective_uid() != 0 {
+            eprintln!("skipped: changing a file's owner needs root");
+            return;
+        }
+        let base = scratch("system-user");
+        let socket = base.join("control.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        // The packaged server's user is a system account (< 1000), like this one.
+        std::os::unix::fs::lchown(&socket, Some(999), None).unwrap();
+        std::os::unix::fs::lchown(&base, Some(999), None).unwrap();
+        check_socket_owner(&socket).unwrap();
+        std::os::unix::fs::lchown(&socket, Some(65534), None).unwrap();
+        assert!(matches!(check_socket_owner(&socket), Err(SocketOwnerError::NotOwned { owner: 65534, .. })));
     }
 }

@@ -47,6 +47,23 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
     }
 }
 
+/// Tells systemd (a `Type=notify` unit) that the service is up: `READY=1` on
+/// `$NOTIFY_SOCKET`, a path or an abstract name (`@…`). Nothing without one.
+pub(crate) fn notify_ready() {
+    use std::os::linux::net::SocketAddrExt as _;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let Some(target) = std::env::var_os("NOTIFY_SOCKET") else { return };
+    let target = target.to_string_lossy().into_owned();
+    let addr = match target.strip_prefix('@') {
+        Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
+        None => SocketAddr::from_pathname(&target),
+    };
+    let sent = addr.and_then(|addr| UnixDatagram::unbound()?.send_to_addr(b"READY=1", &addr));
+    if let Err(error) = sent {
+        tracing::warn!(socket = %target, %error, "could not tell systemd the service is ready");
+    }
+}
+
 /// Resolves when the process gets SIGINT or SIGTERM. The handlers are
 /// installed when this is called (not when first polled), so call it before
 /// announcing that the server is up.

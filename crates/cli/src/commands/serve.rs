@@ -57,8 +57,9 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     file.limits.apply(&mut config.limits, &mut config.budget).map_err(Failure::config)?;
     config.admission = file.admission.limits().map_err(Failure::config)?;
     config.metrics = args.metrics.or(file.metrics);
-    // `usbwire bind`s are kept beside the config file (server.toml → server.binds).
-    config.bind_state = args.config.as_ref().map(|path| path.with_extension("binds"));
+    // `usbwire bind`s are kept in --bind-state, or beside the config file (server.toml → server.binds).
+    config.bind_state =
+        args.bind_state.clone().or_else(|| args.config.as_ref().map(|path| path.with_extension("binds")));
     config.capture = args
         .capture
         .clone()
@@ -85,6 +86,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     warn_if_open(bound.local_addr(), bound.security(), announce);
     let advertising = if announce { advertise(&bound) } else { None };
     let bridges = start_redir_bridges(&redir_rules, bound.local_addr(), tls_identity.as_deref()).await?;
+    super::notify_ready();
     let reloading = tokio::spawn(reload_on_hangup(args.config.clone(), args.bind.clone(), file, bound.host_exports()));
     bound.run(shutdown).await;
     reloading.abort();

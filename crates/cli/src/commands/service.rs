@@ -46,6 +46,7 @@ pub(crate) async fn run(args: ClientArgs) -> Result<(), Failure> {
     let mut running: Vec<Running> = Vec::new();
     apply(&config, &mut running).await?;
     println!("usbwire client keeping {} rule(s) attached from {}", running.len(), args.config.display());
+    super::notify_ready();
     loop {
         tokio::select! {
             () = &mut shutdown => break,
