@@ -208,6 +208,13 @@ def main():
             if subprocess.run([BIN, "list", "-r", f"127.0.0.1:{port}"], capture_output=True).returncode == 0:
                 break
             time.sleep(0.1)
+        # Our listing is byte for byte what Debian's usbip prints for the same server.
+        theirs = subprocess.run(["usbip", "--tcp-port", str(port), "list", "-r", "127.0.0.1"],
+                                capture_output=True, text=True)
+        ours = subprocess.run([BIN, "list", "-r", f"127.0.0.1:{port}"], capture_output=True, text=True)
+        checks.check("usbwire list -r prints exactly what usbip list -r prints",
+                     theirs.returncode == 0 and ours.stdout == theirs.stdout and "Keyboard (03/01/01)" in ours.stdout,
+                     f"usbip:\n{theirs.stdout}{theirs.stderr}\nusbwire:\n{ours.stdout}{ours.stderr}")
         script = GUEST_SCRIPT.replace("__PORT__", str(port)).replace("__TEXT__", FILE_TEXT)
         script = script.replace("__SERIAL_PING__\n", GUEST_SERIAL_PING)
         g = guest.Guest("core-server", script, timeout=600)

@@ -21,6 +21,7 @@ fn main() -> std::process::ExitCode {
     // Commands that print a report keep the in-process server's log quiet.
     let quiet = cli.quiet || matches!(cli.command, args::Command::Bench(_));
     init_logging(cli.verbose, quiet);
+    commands::set_verbosity(cli.verbose);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {

@@ -92,7 +92,10 @@ fn list_json_shows_exported_devices() {
 
     let text = usbwire(&["list", "-r", &served.addr]);
     let text = String::from_utf8(text.stdout).unwrap();
-    assert!(text.contains("1209:0003") && text.contains("Mass Storage (08/06/50)"), "{text}");
+    assert!(text.contains("1209:0003") && text.contains("(08/06/50)"), "{text}");
+    assert!(!text.contains("speed"), "usbip's format, the speed only with -v: {text}");
+    let verbose = usbwire(&["list", "-v", "-r", &served.addr]);
+    assert!(String::from_utf8_lossy(&verbose.stdout).contains("speed super"));
 }
 
 #[test]

@@ -141,7 +141,8 @@ fn assert_terminal_safe(bytes: &[u8], what: &str) {
 #[test]
 fn list_shows_hostile_server_strings_as_visible_escapes() {
     let server = HostileServer::start();
-    let output = list(&server, &[]);
+    // -v: who holds what is shown only with it (without, the listing is usbip's).
+    let output = list(&server, &["-v"]);
     assert_terminal_safe(&output.stdout, "list output");
     assert_terminal_safe(&output.stderr, "list errors");
     let text = String::from_utf8(output.stdout).unwrap();

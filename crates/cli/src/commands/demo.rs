@@ -46,7 +46,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     }
     println!("\nWhat a USB/IP client sees (usbwire list -r {addr}):\n");
     let devices = usbwire_client::list_devices(addr, &usbwire_client::Security::Plain).await?;
-    print!("{}", super::list::format_like_usbip(&addr.to_string(), &devices, &super::list::UsbIds::load()));
+    print!("{}", super::list::format_like_usbip(&addr.to_string(), &devices, &super::list::UsbIds::load(), true));
 
     let disk_busid = exported
         .iter()

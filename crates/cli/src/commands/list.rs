@@ -34,8 +34,10 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
         add_states(&mut listing, states.as_deref());
         println!("{}", terminal_safe_json(listing.to_string()));
     } else {
-        print!("{}", format_like_usbip(remote, &devices, &names));
-        if let Some(states) = &states {
+        let verbose = super::verbosity() > 0;
+        print!("{}", format_like_usbip(remote, &devices, &names, verbose));
+        // Who holds what (usbwire servers) is ours, not usbip's: with -v.
+        if let (true, Some(states)) = (verbose, &states) {
             print!("{}", format_in_use(states));
         }
     }
@@ -135,7 +137,7 @@ async fn discovered(args: &ListArgs) -> Result<(), Failure> {
         } else {
             println!("{}", found_server_line(server, &host));
             match &listing {
-                Ok(devices) => print!("{}", format_like_usbip(&host, devices, &names)),
+                Ok(devices) => print!("{}", format_like_usbip(&host, devices, &names, super::verbosity() > 0)),
                 Err(error) => println!("  {}", escape(error)),
             }
             println!();
@@ -238,9 +240,13 @@ pub(crate) fn devices_json(host: &str, devices: &[DeviceRecord], names: &UsbIds)
     json!({ "host": host, "devices": devices })
 }
 
-pub(crate) fn format_like_usbip(host: &str, devices: &[DeviceRecord], names: &UsbIds) -> String {
+/// What `usbip list -r` prints, byte for byte (the host without its port,
+/// names from usb.ids as usbip's `usbip_names_get_*`). `verbose` (`-v`) adds
+/// each device's speed, which usbip does not print.
+pub(crate) fn format_like_usbip(host: &str, devices: &[DeviceRecord], names: &UsbIds, verbose: bool) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
+    let host = host_without_port(host);
     if devices.is_empty() {
         let _ = writeln!(out, "{host}: no exportable devices");
         return out;
@@ -253,31 +259,29 @@ pub(crate) fn format_like_usbip(host: &str, devices: &[DeviceRecord], names: &Us
             writeln!(out, "{:>11}: {vendor} : {product} ({:04x}:{:04x})", d.busid.as_str(), d.id_vendor, d.id_product);
         // `path` is free text from the server.
         let _ = writeln!(out, "{:>11}: {}", "", escape(&d.path));
-        let class = if d.b_device_class == 0 {
-            "(Defined at Interface level)".to_owned()
-        } else {
-            class_name(d.b_device_class).to_owned()
-        };
-        let _ = writeln!(
-            out,
-            "{:>11}: {class} ({:02x}/{:02x}/{:02x})",
-            "", d.b_device_class, d.b_device_sub_class, d.b_device_protocol
-        );
-        let _ = writeln!(out, "{:>11}: speed {}", "", d.speed.name());
+        let _ =
+            writeln!(out, "{:>11}: {}", "", names.class(d.b_device_class, d.b_device_sub_class, d.b_device_protocol));
+        if verbose {
+            let _ = writeln!(out, "{:>11}: speed {}", "", d.speed.name());
+        }
         for (i, f) in d.interfaces.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "{:>11}: {i:2} - {} ({:02x}/{:02x}/{:02x})",
-                "",
-                class_name(f.b_interface_class),
-                f.b_interface_class,
-                f.b_interface_sub_class,
-                f.b_interface_protocol
-            );
+            let class = names.class(f.b_interface_class, f.b_interface_sub_class, f.b_interface_protocol);
+            let _ = writeln!(out, "{:>11}: {i:2} - {class}", "");
         }
         out.push('\n');
     }
     out
+}
+
+/// `HOST:PORT`, `[V6]:PORT` or `HOST` → the host as usbip prints it.
+fn host_without_port(host: &str) -> &str {
+    if let Some(rest) = host.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    match host.rsplit_once(':') {
+        Some((name, port)) if !name.contains(':') && port.parse::<u16>().is_ok() => name,
+        _ => host,
+    }
 }
 
 /// USB class names for the classes people meet.
@@ -327,6 +331,40 @@ impl UsbIds {
         self.text.lines().find_map(|l| l.strip_prefix(key.as_str())).map(|name| name.trim().to_owned())
     }
 
+    /// `Class / Subclass / Protocol (cc/ss/pp)` as usbip's `usbip_names_get_class`
+    /// words it ("unknown …" for what usb.ids lacks; 0/0/0 is "Defined at Interface level").
+    pub(crate) fn class(&self, class: u8, subclass: u8, protocol: u8) -> String {
+        let numbers = format!("({class:02x}/{subclass:02x}/{protocol:02x})");
+        if (class, subclass, protocol) == (0, 0, 0) {
+            return format!("(Defined at Interface level) {numbers}");
+        }
+        let (mut class_name, mut subclass_name, mut protocol_name) = (None, None, None);
+        let class_key = format!("C {class:02x}  ");
+        let subclass_key = format!("\t{subclass:02x}  ");
+        let protocol_key = format!("\t\t{protocol:02x}  ");
+        let mut lines = self.text.lines().skip_while(|l| !l.starts_with(class_key.as_str()));
+        if let Some(line) = lines.next() {
+            class_name = line.strip_prefix(class_key.as_str()).map(str::trim);
+            let mut in_subclass = false;
+            for line in lines.take_while(|l| l.starts_with('\t') || l.starts_with('#')) {
+                if let Some(name) = line.strip_prefix(subclass_key.as_str()) {
+                    subclass_name = Some(name.trim());
+                    in_subclass = true;
+                } else if !line.starts_with("\t\t") {
+                    in_subclass = false;
+                } else if in_subclass {
+                    protocol_name = protocol_name.or(line.strip_prefix(protocol_key.as_str()).map(str::trim));
+                }
+            }
+        }
+        format!(
+            "{} / {} / {} {numbers}",
+            class_name.unwrap_or("unknown class"),
+            subclass_name.unwrap_or("unknown subclass"),
+            protocol_name.unwrap_or("unknown protocol")
+        )
+    }
+
     pub(crate) fn product(&self, vendor: u16, product: u16) -> Option<String> {
         let key = format!("{vendor:04x}  ");
         let product_key = format!("\t{product:04x}  ");
@@ -353,6 +391,23 @@ mod tests {
         assert_eq!(ids.product(0x1209, 0x0003), None);
         assert_eq!(ids.product(0x1d6b, 0x0002).as_deref(), Some("2.0 root hub"));
         assert_eq!(ids.vendor(0xffff), None);
+    }
+
+    #[test]
+    fn class_names_as_usbip_words_them() {
+        let ids = UsbIds {
+            text: "1209  Generic\nC 03  Human Interface Device\n\t00  No Subclass\n\t01  Boot Interface Subclass\n\
+                   \t\t01  Keyboard\n\t\t02  Mouse\nC 08  Mass Storage\n\t06  SCSI\n\t\t50  Bulk-Only\n"
+                .into(),
+        };
+        assert_eq!(ids.class(3, 1, 1), "Human Interface Device / Boot Interface Subclass / Keyboard (03/01/01)");
+        assert_eq!(ids.class(3, 0, 2), "Human Interface Device / No Subclass / unknown protocol (03/00/02)");
+        assert_eq!(ids.class(8, 6, 0x50), "Mass Storage / SCSI / Bulk-Only (08/06/50)");
+        assert_eq!(ids.class(0xff, 0, 0), "unknown class / unknown subclass / unknown protocol (ff/00/00)");
+        assert_eq!(ids.class(0, 0, 0), "(Defined at Interface level) (00/00/00)");
+        assert_eq!(host_without_port("127.0.0.1:3240"), "127.0.0.1");
+        assert_eq!(host_without_port("[::1]:3240"), "::1");
+        assert_eq!(host_without_port("lab-server"), "lab-server");
     }
 
     fn state(

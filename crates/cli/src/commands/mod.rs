@@ -24,6 +24,17 @@ use usbwire_transport::Identity;
 use crate::args::{ClientSecurityArgs, Command};
 use crate::exit::Failure;
 
+/// `-v` count, for commands whose output (not only their log) grows with it.
+static VERBOSITY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+pub(crate) fn set_verbosity(verbose: u8) {
+    VERBOSITY.store(verbose, std::sync::atomic::Ordering::Relaxed);
+}
+
+pub(crate) fn verbosity() -> u8 {
+    VERBOSITY.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 pub(crate) async fn run(command: Command) -> Result<(), Failure> {
     match command {
         Command::Serve(args) => serve::run(args).await,
