@@ -160,6 +160,10 @@ pub(crate) struct ServeArgs {
     /// in-flight depth, holder, imports, resumes; connections and refusals.
     #[arg(long, value_name = "ADDR:PORT")]
     pub(crate) metrics: Option<SocketAddr>,
+    /// Serve a status page at http://ADDR:PORT/: devices, state, holders, live throughput per
+    /// device, and /metrics beside it. Plain HTTP: bind it to loopback or a management network.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub(crate) http: Option<SocketAddr>,
     /// Capture every import's URBs into DIR, one pcapng file per import (Linux usbmon format, for
     /// Wireshark/tshark; TLS sessions too). Files rotate at 64 MiB, keeping the previous as NAME.1.
     #[arg(long, value_name = "DIR")]

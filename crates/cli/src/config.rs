@@ -7,6 +7,7 @@
 //! control = "/run/usbwire/control.sock"
 //! resume_grace = 30  # seconds a dropped import waits for its client to resume; 0: off
 //! metrics = "127.0.0.1:9324" # Prometheus text at http://ADDR:PORT/metrics
+//! http = "127.0.0.1:8324"    # the status page (and /metrics) at http://ADDR:PORT/
 //! capture = "/var/lib/usbwire/capture" # a pcapng file (usbmon) per import
 //!
 //! [[virtual]]
@@ -237,6 +238,8 @@ pub(crate) struct FileConfig {
     pub(crate) resume_grace: Option<u64>,
     /// Where to serve Prometheus metrics (`--metrics`).
     pub(crate) metrics: Option<SocketAddr>,
+    /// Where to serve the status page (`--http`).
+    pub(crate) http: Option<SocketAddr>,
     /// Where to write packet captures (`--capture`).
     pub(crate) capture: Option<PathBuf>,
 }

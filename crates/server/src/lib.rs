@@ -70,6 +70,8 @@ pub struct ServerConfig {
     pub resume_grace: Duration,
     /// Where to serve Prometheus metrics (`GET /metrics`); `None`: nowhere.
     pub metrics: Option<SocketAddr>,
+    /// Where to serve the status page (and `/metrics` beside it); `None`: nowhere.
+    pub http: Option<SocketAddr>,
     /// Capture every import's URBs to pcapng files (usbmon format) here.
     pub capture: Option<CaptureConfig>,
     /// Keeps `usbwire bind`s across restarts (one bus id per line); `None`: they end with the server.
@@ -148,6 +150,7 @@ impl Default for ServerConfig {
             host_rules: Vec::new(),
             resume_grace: DEFAULT_RESUME_GRACE,
             metrics: None,
+            http: None,
             capture: None,
             bind_state: None,
         }
@@ -168,8 +171,8 @@ pub enum ServerError {
     /// user's, writable by others, a symlink); the message says what to do.
     #[error("control socket {path}: {reason}")]
     ControlDir { path: PathBuf, reason: private_dir::PrivateDirError },
-    /// The metrics address is taken or not ours; pick another with `--metrics`.
-    #[error("cannot serve metrics on {addr}: {source}")]
+    /// The metrics or status page address is taken or not ours; pick another with `--metrics` / `--http`.
+    #[error("cannot serve HTTP (metrics or status page) on {addr}: {source}")]
     Metrics { addr: SocketAddr, source: std::io::Error },
 }
 
@@ -212,10 +215,15 @@ impl Server {
             Some(addr) => Some(listen(addr).map_err(|source| ServerError::Metrics { addr, source })?),
             None => None,
         };
+        let http = match self.config.http {
+            Some(addr) => Some(listen(addr).map_err(|source| ServerError::Metrics { addr, source })?),
+            None => None,
+        };
         Ok(BoundServer {
             listener,
             control,
             metrics,
+            http,
             host_exports: host_exports::HostExports::new(
                 self.registry.clone(),
                 self.config.host_rules.clone(),
@@ -271,6 +279,7 @@ pub struct BoundServer {
     listener: TcpListener,
     control: Option<control::ControlSocket>,
     metrics: Option<TcpListener>,
+    http: Option<TcpListener>,
     config: Arc<ServerConfig>,
     registry: Registry,
     text_inputs: Arc<Vec<(BusId, Arc<dyn TextInput>)>>,
@@ -297,6 +306,11 @@ impl BoundServer {
         self.metrics.as_ref().and_then(|l| l.local_addr().ok())
     }
 
+    /// Where it serves the status page, if it does.
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
     /// TLS and plain-connection settings it runs with.
     pub fn security(&self) -> &Security {
         &self.config.security
@@ -312,7 +326,10 @@ impl BoundServer {
         summaries.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut tasks = tokio::task::JoinSet::new();
         if let Some(listener) = self.metrics.take() {
-            tasks.spawn(metrics::serve(listener, self.registry.clone(), stop_rx.clone()));
+            tasks.spawn(metrics::serve(listener, self.registry.clone(), stop_rx.clone(), metrics::Site::Metrics));
+        }
+        if let Some(listener) = self.http.take() {
+            tasks.spawn(metrics::serve(listener, self.registry.clone(), stop_rx.clone(), metrics::Site::StatusPage));
         }
         if !self.config.host_rules.is_empty() {
             let exported = self.host_exports.export_matching();

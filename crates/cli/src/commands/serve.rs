@@ -57,6 +57,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     file.limits.apply(&mut config.limits, &mut config.budget).map_err(Failure::config)?;
     config.admission = file.admission.limits().map_err(Failure::config)?;
     config.metrics = args.metrics.or(file.metrics);
+    config.http = args.http.or(file.http);
     // `usbwire bind`s are kept in --bind-state, or beside the config file (server.toml → server.binds).
     config.bind_state =
         args.bind_state.clone().or_else(|| args.config.as_ref().map(|path| path.with_extension("binds")));
@@ -78,6 +79,9 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     }
     if let Some(addr) = bound.metrics_addr() {
         println!("  metrics on http://{addr}/metrics");
+    }
+    if let Some(addr) = bound.http_addr() {
+        println!("  status page on http://{addr}/");
     }
     if let Some(capture) = &config_capture {
         println!("  capturing imports into {}", capture.display());

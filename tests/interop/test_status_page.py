@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""The status page (issue 13 item 3), in a real browser: `usbwire serve --http`
+while a client streams through the loopback device. Headless Chromium
+(Debian's `chromium`) renders `/?once`: a row per device, the imported one
+"in_use" with its holder and a URB count; a screenshot of `/` is taken. The
+live updates are checked on the wire: `/events` sends the status every
+second, and the streamed device's byte counters grow between messages.
+
+    USBWIRE_BIN=target/release/usbwire python3 tests/interop/test_status_page.py
+"""
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import guest  # noqa: E402
+
+BIN = guest.BIN
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def status(http):
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/status.json", timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def bulk_bytes(device):
+    return sum(t["bytes"] for t in device.get("counters", {}).get("transfers", []) if t["transfer"] == "bulk")
+
+
+def events(http, seconds):
+    """The `data:` messages /events sends within `seconds`."""
+    messages = []
+    with socket.create_connection(("127.0.0.1", http), timeout=5) as s:
+        s.sendall(b"GET /events HTTP/1.1\r\nHost: test\r\nAccept: text/event-stream\r\n\r\n")
+        buffer = b""
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            s.settimeout(max(0.1, deadline - time.time()))
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            buffer += chunk
+        head, _, body = buffer.partition(b"\r\n\r\n")
+        for block in body.decode().split("\n\n"):
+            if block.startswith("data: "):
+                messages.append(json.loads(block[len("data: "):]))
+    return head.decode(errors="replace"), messages
+
+
+def main():
+    guest.require(BIN, CHROMIUM)
+    checks = guest.Checks()
+    work = tempfile.mkdtemp(prefix="usbwire-status-")
+    os.makedirs(guest.LOGS, exist_ok=True)
+    port, http = guest.free_port(), guest.free_port()
+    log = open(os.path.join(guest.LOGS, "status-page.server.log"), "w")
+    server = subprocess.Popen([BIN, "serve", "--listen", f"127.0.0.1:{port}", "--no-advertise", "--control",
+                               os.path.join(work, "control.sock"), "--virtual", "loopback", "--virtual", "keyboard",
+                               "--http", f"127.0.0.1:{http}"], stdout=log, stderr=subprocess.STDOUT)
+    load = None
+    try:
+        for _ in range(100):
+            try:
+                status(http)
+                break
+            except OSError:
+                time.sleep(0.1)
+        # A client streams 64 KiB bulk URBs through the loopback device for a while.
+        load = subprocess.Popen([BIN, "bench", "-r", f"127.0.0.1:{port}", "-b", "1-1", "--sizes", "64K",
+                                 "--depths", "8", "--seconds", "3", "--repeat", "4"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 20
+        while time.time() < deadline and status(http)["devices"][0]["state"] != "in_use":
+            time.sleep(0.1)
+
+        head, messages = events(http, 3.6)
+        checks.check("/events is a server-sent event stream", "text/event-stream" in head, head)
+        checks.check("/events sends the status every second", len(messages) >= 3, f"{len(messages)} messages")
+        if len(messages) >= 2:
+            gaps = [(b["time_ms"] - a["time_ms"]) / 1000 for a, b in zip(messages, messages[1:])]
+            checks.check("one message a second", all(0.7 <= g <= 1.5 for g in gaps), gaps)
+            streamed = [bulk_bytes(m["devices"][0]) for m in messages]
+            checks.check("the streamed device's bytes grow between messages (live throughput)",
+                         all(b > a for a, b in zip(streamed, streamed[1:])), streamed)
+
+        dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                              "--dump-dom", f"http://127.0.0.1:{http}/?once"],
+                             capture_output=True, text=True, timeout=120).stdout
+
+        def field(name):
+            return re.findall(r'data-field="' + name + r'"[^>]*>([^<]*)<', dom)
+
+        checks.check("the page lists both devices", field("busid") == ["1-1", "1-2"], field("busid"))
+        checks.check("the streamed device is in use, the other available",
+                     field("state") == ["in_use", "available"], field("state"))
+        checks.check("the holder is shown", (field("holder") or [""])[0].startswith("127.0.0.1:"), field("holder"))
+        urbs = field("urbs")
+        checks.check("the page shows the URBs the device has completed", bool(urbs) and int(urbs[0]) > 0, urbs)
+        checks.check("the page links the metrics", 'href="/metrics"' in dom, dom[:300])
+
+        shot = os.path.join(guest.LOGS, "status-page.png")
+        if os.path.exists(shot):
+            os.remove(shot)
+        subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,500",
+                        f"--screenshot={shot}", f"http://127.0.0.1:{http}/"],
+                       capture_output=True, timeout=120)
+        png = open(shot, "rb").read() if os.path.exists(shot) else b""
+        checks.check("a screenshot of the live page", png[:8] == b"\x89PNG\r\n\x1a\n"
+                     and int.from_bytes(png[16:20], "big") == 1200, f"{len(png)} bytes")
+
+        load.wait(120)
+        deadline = time.time() + 10
+        while time.time() < deadline and status(http)["devices"][0]["state"] != "available":
+            time.sleep(0.1)
+        checks.check("the device is available again after the client", status(http)["devices"][0]["state"] == "available")
+    except Exception as error:  # a wait that timed out is a failure with a reason
+        checks.check("test ran to the end", False, str(error))
+    finally:
+        if load and load.poll() is None:
+            load.kill()
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    checks.exit()
+
+
+if __name__ == "__main__":
+    main()
