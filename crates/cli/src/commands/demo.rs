@@ -56,7 +56,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         .ok_or_else(|| Failure::software(anyhow!("the demo disk was not exported")))?;
     println!("The disk's descriptors, read over USB/IP (usbwire describe -r {addr} -b {disk_busid}):\n");
     let description = super::describe::fetch(addr, &disk_busid, &usbwire_client::Security::Plain).await?;
-    print!("{}", super::describe::format(&disk_busid, &description));
+    print!("{}", super::describe::format(&disk_busid, &description, &super::list::UsbIds::load()));
     println!();
 
     println!("A short benchmark (usbwire bench --quick for more): a loopback device, our client and server, next to raw TCP:\n");

@@ -21,7 +21,7 @@ pub(crate) async fn run(args: DescribeArgs) -> Result<(), Failure> {
         let json = serde_json::to_string_pretty(&description).map_err(|e| Failure::software(e.into()))?;
         println!("{}", super::output::terminal_safe_json(json));
     } else {
-        print!("{}", format(&busid, &description));
+        print!("{}", format(&busid, &description, &super::list::UsbIds::load()));
     }
     Ok(())
 }
@@ -40,7 +40,16 @@ pub(crate) async fn fetch(
     Ok(description)
 }
 
-pub(crate) fn format(busid: &BusId, d: &Description) -> String {
+/// `cc/ss/pp` with its names from usb.ids, as lsusb prints a class.
+fn named_class(triple: &str, names: &super::list::UsbIds) -> String {
+    let parts: Vec<u8> = triple.split('/').filter_map(|p| u8::from_str_radix(p, 16).ok()).collect();
+    match parts[..] {
+        [class, subclass, protocol] => names.class(class, subclass, protocol),
+        _ => triple.to_owned(),
+    }
+}
+
+pub(crate) fn format(busid: &BusId, d: &Description, names: &super::list::UsbIds) -> String {
     let mut o = String::new();
     // String descriptors are the remote device's own words: shown escaped.
     let name = |s: &Option<String>| escape(s.as_deref().unwrap_or_default()).to_string();
@@ -54,7 +63,7 @@ pub(crate) fn format(busid: &BusId, d: &Description) -> String {
     );
     let _ = writeln!(o, "Device Descriptor:");
     let _ = writeln!(o, "  bcdUSB              {}", d.bcd_usb);
-    let _ = writeln!(o, "  class/sub/proto     {}", d.device_class);
+    let _ = writeln!(o, "  class/sub/proto     {}", named_class(&d.device_class, names));
     let _ = writeln!(o, "  bMaxPacketSize0     {}", d.max_packet_size0);
     let _ = writeln!(o, "  idVendor            0x{}", d.vendor_id);
     let _ = writeln!(o, "  idProduct           0x{}", d.product_id);
@@ -70,17 +79,17 @@ pub(crate) fn format(busid: &BusId, d: &Description) -> String {
     for item in &d.items {
         match item {
             Item::InterfaceAssociation { first_interface, interface_count, class } => {
-                let _ = writeln!(
-                    o,
-                    "    Interface Association: interfaces {first_interface}..+{interface_count} class {class}"
-                );
+                let _ = writeln!(o, "    Interface Association:");
+                let _ = writeln!(o, "      bFirstInterface     {first_interface}");
+                let _ = writeln!(o, "      bInterfaceCount     {interface_count}");
+                let _ = writeln!(o, "      class/sub/proto     {}", named_class(class, names));
             }
             Item::Interface { number, alt_setting, num_endpoints, class, name } => {
                 let _ = writeln!(o, "    Interface Descriptor:");
                 let _ = writeln!(o, "      bInterfaceNumber    {number}");
                 let _ = writeln!(o, "      bAlternateSetting   {alt_setting}");
                 let _ = writeln!(o, "      bNumEndpoints       {num_endpoints}");
-                let _ = writeln!(o, "      class/sub/proto     {class}");
+                let _ = writeln!(o, "      class/sub/proto     {}", named_class(class, names));
                 if let Some(name) = name {
                     let _ = writeln!(o, "      iInterface          {}", escape(name));
                 }
@@ -98,20 +107,75 @@ pub(crate) fn format(busid: &BusId, d: &Description) -> String {
                     "        SuperSpeed Companion: bMaxBurst {max_burst} bmAttributes {attributes:#04x} wBytesPerInterval {bytes_per_interval}"
                 );
             }
-            Item::Other { descriptor_type, bytes } => {
-                let _ = writeln!(o, "      Descriptor {descriptor_type}: {bytes}");
+            Item::Hid { bcd_hid, country_code, descriptors } => {
+                let _ = writeln!(o, "      HID Device Descriptor:");
+                let _ = writeln!(o, "        bcdHID            {bcd_hid}");
+                let _ = writeln!(o, "        bCountryCode      {country_code}");
+                for (kind, length) in descriptors {
+                    let what = if kind == "0x22" { "Report" } else { "Class" };
+                    let _ = writeln!(o, "        {what} Descriptor  type {kind}, {length} bytes");
+                }
             }
+            Item::CdcHeader { bcd_cdc } => {
+                let _ = writeln!(o, "      CDC Header:");
+                let _ = writeln!(o, "        bcdCDC            {bcd_cdc}");
+            }
+            Item::CdcCallManagement { capabilities, data_interface } => {
+                let _ = writeln!(o, "      CDC Call Management:");
+                let _ = writeln!(o, "        bmCapabilities    {capabilities}");
+                let _ = writeln!(o, "        bDataInterface    {data_interface}");
+            }
+            Item::CdcAcm { capabilities } => {
+                let _ = writeln!(o, "      CDC ACM:");
+                let _ = writeln!(o, "        bmCapabilities    {capabilities}");
+            }
+            Item::CdcUnion { control_interface, subordinate_interfaces } => {
+                let _ = writeln!(o, "      CDC Union:");
+                let _ = writeln!(o, "        bMasterInterface  {control_interface}");
+                let slaves: Vec<String> = subordinate_interfaces.iter().map(u8::to_string).collect();
+                let _ = writeln!(o, "        bSlaveInterface   {}", slaves.join(" "));
+            }
+            other => format_other(&mut o, other, "      "),
         }
     }
     if !d.bos.is_empty() {
         let _ = writeln!(o, "Binary Object Store Descriptor:");
         for item in &d.bos {
-            if let Item::Other { bytes, .. } = item {
-                let _ = writeln!(o, "  Device Capability: {bytes}");
-            }
+            format_other(&mut o, item, "  ");
         }
     }
     o
+}
+
+/// BOS capabilities, and what is left as hex.
+fn format_other(o: &mut String, item: &Item, indent: &str) {
+    match item {
+        Item::Usb2Extension { attributes, lpm } => {
+            let _ = writeln!(o, "{indent}USB 2.0 Extension Device Capability:");
+            let _ = writeln!(o, "{indent}  bmAttributes      {attributes}");
+            let _ = writeln!(o, "{indent}  LPM               {}", if *lpm { "supported" } else { "not supported" });
+        }
+        Item::SuperSpeedCapability {
+            speeds_supported,
+            lowest_full_function_speed,
+            u1_exit_latency_us,
+            u2_exit_latency_us,
+        } => {
+            let _ = writeln!(o, "{indent}SuperSpeed USB Device Capability:");
+            let _ = writeln!(o, "{indent}  wSpeedsSupported  {}", speeds_supported.join(", "));
+            let _ = writeln!(o, "{indent}  bFunctionalitySupport {lowest_full_function_speed}");
+            let _ = writeln!(o, "{indent}  bU1DevExitLat     {u1_exit_latency_us} µs");
+            let _ = writeln!(o, "{indent}  bU2DevExitLat     {u2_exit_latency_us} µs");
+        }
+        Item::ContainerId { uuid } => {
+            let _ = writeln!(o, "{indent}Container ID Device Capability:");
+            let _ = writeln!(o, "{indent}  ContainerID       {{{uuid}}}");
+        }
+        Item::Other { descriptor_type, bytes } => {
+            let _ = writeln!(o, "{indent}Descriptor {descriptor_type}: {bytes}");
+        }
+        _ => {}
+    }
 }
 
 #[cfg(test)]
@@ -143,7 +207,7 @@ mod tests {
             }],
             bos: Vec::new(),
         };
-        let text = format(&BusId::new("1-1").unwrap(), &description);
+        let text = format(&BusId::new("1-1").unwrap(), &description, &crate::commands::list::UsbIds::default());
         assert!(!text.chars().any(|c| usbwire_proto::display::needs_escape(c) && c != '\n'), "{text:?}");
         assert!(text.contains(r"Device 1-1: ID 1209:0001 ACME\x1b[2J Key\u{9b}31mboard\r\n"), "{text}");
         assert!(text.contains(r"iSerial             \u{202e}123"), "{text}");
