@@ -94,10 +94,25 @@ pub(crate) enum Command {
     Demo(DemoArgs),
     /// Offer a remote device to a QEMU/KVM guest through usbredir (QEMU's usb-redir device).
     Redir(RedirArgs),
+    /// Start or stop capturing the running server's imports into pcapng files (usbmon, for Wireshark).
+    Capture(CaptureArgs),
     /// Print the shell completion script (bash: `source <(usbwire completions bash)`).
     Completions(CompletionsArgs),
     /// Write the man pages (usbwire.1 and one per command) into a directory, or print usbwire.1.
     Man(ManArgs),
+}
+
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["dir", "stop"])))]
+pub(crate) struct CaptureArgs {
+    /// Capture every import, running ones included, into DIR (one file per import; the
+    /// server's user must be able to write there).
+    pub(crate) dir: Option<PathBuf>,
+    /// Stop capturing.
+    #[arg(long)]
+    pub(crate) stop: bool,
+    #[command(flatten)]
+    pub(crate) control: ControlArgs,
 }
 
 #[derive(Args, Debug)]

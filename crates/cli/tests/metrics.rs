@@ -155,3 +155,51 @@ fn the_endpoint_serves_metrics_only() {
     let (head, _) = served.get("/metrics");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
 }
+
+/// Enhanced packet blocks in a pcapng file.
+fn packets_in(path: &std::path::Path) -> usize {
+    let bytes = std::fs::read(path).unwrap();
+    let mut at = 0;
+    let mut packets = 0;
+    while at + 12 <= bytes.len() {
+        let kind = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+        let len = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().unwrap()) as usize;
+        assert!(len >= 12 && at + len <= bytes.len(), "a cut or malformed block at {at}");
+        packets += usize::from(kind == 6);
+        at += len;
+    }
+    packets
+}
+
+#[tokio::test]
+async fn usbwire_capture_switches_a_running_import_on_and_off() {
+    let served = Served::start("capture");
+    let busid = BusId::new("1-1").unwrap();
+    let (connection, _) = Connection::import_resumable(served.addr, &busid, &Security::Plain, &[]).await.unwrap();
+    connection.transfer_checked(Transfer::control_out([0x00, 0x09, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
+    let dir = served.control.parent().unwrap().join("capture");
+    let started = Command::new(BIN).arg("capture").arg(&dir).arg("--control").arg(&served.control).output().unwrap();
+    assert!(started.status.success(), "{}", String::from_utf8_lossy(&started.stderr));
+    // The running import starts its file as soon as it hears of the switch.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let file = loop {
+        let found = std::fs::read_dir(&dir).ok().and_then(|mut d| d.next()).and_then(Result::ok).map(|e| e.path());
+        if let Some(file) = found {
+            break file;
+        }
+        assert!(Instant::now() < deadline, "no capture file for the running import");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    for n in 0..5u8 {
+        connection.transfer_checked(Transfer::bulk_out(SINK_OUT, Bytes::from(vec![n; 512]))).await.unwrap();
+    }
+    let stopped = Command::new(BIN).args(["capture", "--stop", "--control"]).arg(&served.control).output().unwrap();
+    assert!(stopped.status.success(), "{}", String::from_utf8_lossy(&stopped.stderr));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for n in 0..3u8 {
+        connection.transfer_checked(Transfer::bulk_out(SINK_OUT, Bytes::from(vec![n; 512]))).await.unwrap();
+    }
+    connection.close().await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(packets_in(&file), 10, "a submit and a completion for each of the 5 URBs made while capturing");
+}

@@ -198,18 +198,7 @@ pub(crate) async fn serve_session(
                         parked: registry.parked.clone(),
                         grace: config.resume_grace,
                     });
-                    let capture = config.capture.as_ref().and_then(|capture| {
-                        let record = lease.record();
-                        crate::capture::Capture::start(
-                            capture,
-                            busid.as_str(),
-                            (record.busnum, record.devnum),
-                            peer.addr,
-                        )
-                        .inspect_err(|error| warn!(%error, dir = %capture.dir.display(), "cannot capture this import"))
-                        .ok()
-                    });
-                    let channel = urb_channel::run(stream, buf, &mut lease, &config, stop, resumable, capture)
+                    let channel = urb_channel::run(stream, buf, &mut lease, &config, stop, resumable, peer.addr)
                         .instrument(span.clone());
                     let outcome = tokio::select! {
                         outcome = channel => outcome,

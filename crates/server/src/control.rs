@@ -46,6 +46,8 @@ pub enum ControlRequest {
     Bind { busid: String },
     /// Stop exporting `busid`, ending any import, and give it back to its kernel drivers.
     Unbind { busid: String },
+    /// Capture every import into pcapng files in `dir` (running ones from now on), or stop (`None`).
+    Capture { dir: Option<std::path::PathBuf> },
 }
 
 /// The answer to a [`ControlRequest`].
@@ -242,6 +244,21 @@ fn answer(
             }
             Err(error) => ControlResponse::error(error),
         },
+        ControlRequest::Capture { dir } => {
+            match &dir {
+                Some(dir) => {
+                    if let Err(error) = std::fs::create_dir_all(dir) {
+                        return ControlResponse::error(format!("cannot create {}: {error}", dir.display()));
+                    }
+                    info!(dir = %dir.display(), "capturing imports");
+                }
+                None => info!("capture stopped"),
+            }
+            registry.set_capture(
+                dir.map(|dir| crate::CaptureConfig { dir, max_file_bytes: crate::DEFAULT_CAPTURE_FILE_BYTES }),
+            );
+            ControlResponse { ok: true, error: None, reports: None, devices: None }
+        }
         ControlRequest::Type { text, busid } => {
             let target = match &busid {
                 Some(wanted) => inputs.iter().find(|(b, _)| b.as_str() == wanted),

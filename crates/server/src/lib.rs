@@ -185,7 +185,9 @@ pub struct Server {
 
 impl Server {
     pub fn new(config: ServerConfig) -> Self {
-        Self { config, registry: Registry::default(), text_inputs: Vec::new() }
+        let registry = Registry::default();
+        registry.set_capture(config.capture.clone());
+        Self { config, registry, text_inputs: Vec::new() }
     }
 
     /// Exports a device under the next free bus id (bus 2 for SuperSpeed,

@@ -24,7 +24,17 @@ use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
 use usbwire_proto::sync::lock;
 
+use crate::capture::CaptureConfig;
 use crate::metrics::{DeviceMeter, ServerMeter};
+
+/// The capture setting every URB channel watches.
+struct CaptureSwitch(watch::Sender<Option<CaptureConfig>>);
+
+impl Default for CaptureSwitch {
+    fn default() -> Self {
+        Self(watch::Sender::new(None))
+    }
+}
 
 /// Whether a device can be imported.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -151,6 +161,8 @@ pub struct Registry {
     exports: Arc<Mutex<Vec<Arc<Export>>>>,
     /// The server's own counters (connections, refusals).
     server_meter: Arc<ServerMeter>,
+    /// Where imports are captured now (`--capture`, `usbwire capture`); every URB channel follows it.
+    capture: Arc<CaptureSwitch>,
     /// Imports whose connection dropped, waiting for their client to resume.
     pub(crate) parked: crate::resumable::Parked,
 }
@@ -266,6 +278,16 @@ impl Registry {
 
     pub(crate) fn server_meter(&self) -> &Arc<ServerMeter> {
         &self.server_meter
+    }
+
+    /// Starts (`Some`) or stops (`None`) capturing every import, running ones included.
+    pub(crate) fn set_capture(&self, capture: Option<CaptureConfig>) {
+        self.capture.0.send_replace(capture);
+    }
+
+    /// The capture setting, and its changes from now on.
+    pub(crate) fn capture(&self) -> watch::Receiver<Option<CaptureConfig>> {
+        self.capture.0.subscribe()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -415,6 +437,11 @@ impl Lease {
 
     pub(crate) fn device(&mut self) -> &mut dyn Device {
         self.device.as_deref_mut().expect("the device is present until the lease drops")
+    }
+
+    /// The server's capture setting and its changes (see [`Registry::capture`]).
+    pub(crate) fn capture_setting(&self) -> watch::Receiver<Option<CaptureConfig>> {
+        self.registry.capture()
     }
 
     /// The device's counters.

@@ -32,7 +32,7 @@ use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
 use usbwire_transport::access::ClientId;
 use usbwire_transport::{poll_write_outbox, PeerStream};
 
-use crate::capture::Capture;
+use crate::capture::{Capture, CaptureConfig};
 use crate::connection::Peer;
 use crate::metrics::UrbMeter;
 use crate::registry::{Holder, Lease};
@@ -79,8 +79,17 @@ pub(crate) async fn run(
     config: &ServerConfig,
     mut stop: watch::Receiver<bool>,
     resumable: Option<Resumable>,
-    mut capture: Option<Capture>,
+    peer: std::net::SocketAddr,
 ) -> Result<End, ChannelError> {
+    let record = lease.record().clone();
+    let mut capture_setting = lease.capture_setting();
+    // Captured from the start if the server captures now; `usbwire capture` switches it later.
+    let start_capture = |setting: &CaptureConfig| {
+        Capture::start(setting, record.busid.as_str(), (record.busnum, record.devnum), peer)
+            .inspect_err(|error| warn!(%error, dir = %setting.dir.display(), "cannot capture this import"))
+            .ok()
+    };
+    let mut capture = capture_setting.borrow_and_update().as_ref().and_then(start_capture);
     let mut session =
         ServerSession::new(lease.record().devid(), leftover, config.limits.clone(), config.budget.clone());
     if resumable.is_some() {
@@ -94,11 +103,12 @@ pub(crate) async fn run(
     let mut meter = UrbMeter::new(lease.meter());
     let device = lease.device();
     let mut stream = stream;
+    let mut unflushed = false;
     // A resumed connection's admission place lives as long as it carries the session.
     let mut _resumed_peer: Option<Peer> = None;
     loop {
         let mut channel =
-            Channel { stream, unflushed: false, session: &mut session, meter: &mut meter, capture: &mut capture };
+            Channel { stream, unflushed, session: &mut session, meter: &mut meter, capture: &mut capture };
         let mut early_arrival = None;
         let outcome = tokio::select! {
             result = std::future::poll_fn(|cx| channel.poll_drive(cx, device)) => result,
@@ -112,6 +122,22 @@ pub(crate) async fn run(
                 info!(peer = %arrival.peer.addr, "client came back on a new connection; dropping the old one");
                 early_arrival = Some(arrival);
                 Ok(End::ClientClosed)
+            }
+            Ok(()) = capture_setting.changed() => {
+                // Capture switched on or off (`usbwire capture`): the same connection goes on.
+                (stream, unflushed) = (channel.stream, channel.unflushed);
+                let wanted = capture_setting.borrow_and_update().clone();
+                capture = match wanted {
+                    Some(setting) if capture.is_none() => start_capture(&setting),
+                    Some(_) => capture,
+                    None => {
+                        if capture.is_some() {
+                            info!("capture of this import stopped");
+                        }
+                        None
+                    }
+                };
+                continue;
             }
         };
         let (Some(resumable), Some(parking)) = (&resumable, &mut parking) else { return outcome };

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::anyhow;
 use usbwire_server::{control_request, default_control_path, ControlRequest, ControlResponse};
 
-use crate::args::{BindArgs, ControlArgs, StateArgs, TypeArgs};
+use crate::args::{BindArgs, CaptureArgs, ControlArgs, StateArgs, TypeArgs};
 use crate::exit::Failure;
 
 async fn ask(control: &ControlArgs, request: ControlRequest) -> Result<ControlResponse, Failure> {
@@ -60,6 +60,20 @@ pub(crate) async fn state(args: StateArgs) -> Result<(), Failure> {
 pub(crate) async fn bind(args: BindArgs) -> Result<(), Failure> {
     ask(&args.control, ControlRequest::Bind { busid: args.busid.clone() }).await?;
     println!("bind device on busid {}: complete", args.busid);
+    Ok(())
+}
+
+pub(crate) async fn capture(args: CaptureArgs) -> Result<(), Failure> {
+    // The server writes the files: an absolute path means the same to it as to us.
+    let dir = match &args.dir {
+        Some(dir) => Some(std::path::absolute(dir).map_err(|e| Failure::usage(e.into()))?),
+        None => None,
+    };
+    ask(&args.control, ControlRequest::Capture { dir: dir.clone() }).await?;
+    match dir {
+        Some(dir) => println!("capturing every import into {} (usbwire capture --stop ends it)", dir.display()),
+        None => println!("capture stopped"),
+    }
     Ok(())
 }
 

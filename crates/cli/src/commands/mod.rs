@@ -53,6 +53,7 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
         Command::Unbind(args) => local::unbind(args).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Redir(args) => redir::run(args).await,
+        Command::Capture(args) => local::capture(args).await,
         Command::Completions(args) => docs::completions(args),
         Command::Man(args) => docs::man(args),
     }
