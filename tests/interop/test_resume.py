@@ -89,6 +89,7 @@ must() { check "$@"; [ "$2" = 0 ] || { echo "@@ABORT $1"; exit 1; }; }
 stamp() { echo "@@T $1 $(cut -d' ' -f1 /proc/uptime)"; }
 S=10.0.2.2:__PROXY__
 DONE=__DONE__
+MAXPASS=__MAXPASS__
 SBUS=__SBUS__; SDONE=__SDONE__; BATCH=__BATCH__; MINL=__MINL__; MAXL=__MAXL__
 
 # Kernel messages about USB, SCSI and the filesystem, live on the console.
@@ -163,7 +164,9 @@ while :; do
   [ "$got" = "$want" ]; check pass-$pass-read-back $? "wrote $want ($src), read back $got"
   echo "@@IDLE"
   nc -w 2 10.0.2.2 $DONE </dev/null >/dev/null 2>&1 && break
-  [ $pass -ge 8 ] && break
+  # A safety net should the host never say DONE: it makes at most MAX_CUTS cuts, each
+  # after 1.5 s or more, so it is done long before this many 64 MiB passes.
+  [ $pass -ge $MAXPASS ] && break
   if [ $src = a ]; then src=b; else src=a; fi
 done
 stamp write-done
@@ -761,6 +764,7 @@ def main():
             raise RuntimeError(f"the server exports no serial device with a pty at {link}; log: {log_path}")
         serial_busid = found.group(1)
         script = (GUEST_SCRIPT.replace("__PROXY__", str(proxy_port)).replace("__DONE__", str(done_port))
+                  .replace("__MAXPASS__", str(MAX_CUTS))
                   .replace("__SBUS__", serial_busid).replace("__SDONE__", str(sdone_port))
                   .replace("__BATCH__", str(SERIAL_BATCH)).replace("__MINL__", str(MIN_LINES))
                   .replace("__MAXL__", str(MAX_LINES)))
