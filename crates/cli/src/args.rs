@@ -96,6 +96,12 @@ pub(crate) enum Command {
     Redir(RedirArgs),
     /// Start or stop capturing the running server's imports into pcapng files (usbmon, for Wireshark).
     Capture(CaptureArgs),
+    /// Take a free device matching a selector in the lab registry, for a while or until Ctrl-C.
+    Reserve(ReserveArgs),
+    /// Give back a device reserved in the lab registry.
+    Release(ReleaseArgs),
+    /// Show who holds which device in the lab registry.
+    Who(WhoArgs),
     /// Print the shell completion script (bash: `source <(usbwire completions bash)`).
     Completions(CompletionsArgs),
     /// Write the man pages (usbwire.1 and one per command) into a directory, or print usbwire.1.
@@ -192,7 +198,71 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "SECS")]
     pub(crate) resume_grace: Option<u64>,
     #[command(flatten)]
+    pub(crate) registry: RegistryArgs,
+    /// The address clients import from, as published in the lab registry [default: --listen, or
+    /// this machine's host name when listening on every address].
+    #[arg(long, value_name = "HOST:PORT", requires = "registry")]
+    pub(crate) registry_address: Option<String>,
+    #[command(flatten)]
     pub(crate) control: ControlArgs,
+}
+
+/// Where the lab registry (etcd) is.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct RegistryArgs {
+    /// The lab registry: etcd://HOST:PORT[,HOST:PORT…][/PREFIX] (an etcd cluster; prefix `usbwire` by default).
+    #[arg(long, value_name = "etcd://HOST:PORT[,…][/PREFIX]")]
+    pub(crate) registry: Option<usbwire_lab::RegistryUrl>,
+    /// TLS towards etcd: the CA certificate (PEM) its members' certificates are issued by.
+    #[arg(long, value_name = "FILE", requires = "registry")]
+    pub(crate) registry_ca: Option<PathBuf>,
+    /// TLS towards etcd: this machine's client certificate (PEM), when the cluster requires one.
+    #[arg(long, value_name = "FILE", requires_all = ["registry", "registry_key"])]
+    pub(crate) registry_cert: Option<PathBuf>,
+    /// TLS towards etcd: the client certificate's key (PEM).
+    #[arg(long, value_name = "FILE", requires_all = ["registry", "registry_cert"])]
+    pub(crate) registry_key: Option<PathBuf>,
+}
+
+/// A duration: `90s`, `30m`, `2h`, `1h30m` (humantime).
+fn duration(text: &str) -> Result<std::time::Duration, String> {
+    humantime::parse_duration(text).map_err(|e| format!("{text:?} is not a duration (e.g. 30m, 2h, 1h30m): {e}"))
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ReserveArgs {
+    #[command(flatten)]
+    pub(crate) registry: RegistryArgs,
+    /// Which device: terms joined by commas, each a bus id, VID:PID, serial=TEXT, class=HEX,
+    /// label=NAME or server=HOST:PORT (e.g. 0483:374b,label=nucleo).
+    #[arg(long, value_name = "SELECTOR")]
+    pub(crate) device: String,
+    /// Keep it this long (then it is free again by itself) and return at once; without, hold it
+    /// until this command is stopped (Ctrl-C), or dies.
+    #[arg(long = "for", value_name = "DURATION", value_parser = duration)]
+    pub(crate) hold_for: Option<std::time::Duration>,
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ReleaseArgs {
+    #[command(flatten)]
+    pub(crate) registry: RegistryArgs,
+    /// Which reserved devices (same selector as `reserve`): yours among them are released.
+    #[arg(long, value_name = "SELECTOR")]
+    pub(crate) device: String,
+    /// Release them whoever holds them (for a lab's administrators).
+    #[arg(long)]
+    pub(crate) force: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct WhoArgs {
+    #[command(flatten)]
+    pub(crate) registry: RegistryArgs,
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -217,7 +287,7 @@ pub(crate) struct ClientSecurityArgs {
 }
 
 #[derive(Args, Debug)]
-#[command(group(clap::ArgGroup::new("what").required(true).args(["remote", "local", "discover"])))]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["remote", "local", "discover", "registry"])))]
 pub(crate) struct ListArgs {
     #[command(flatten)]
     pub(crate) security: ClientSecurityArgs,
@@ -238,6 +308,12 @@ pub(crate) struct ListArgs {
     /// With --discover: how long to listen for answers, in seconds.
     #[arg(long, value_name = "SECS", default_value_t = 3.0)]
     pub(crate) timeout: f64,
+    /// List every server and device of a lab registry, with state, holder and reservation.
+    #[command(flatten)]
+    pub(crate) registry: RegistryArgs,
+    /// With --registry: then follow the changes live, one line (or JSON object) each.
+    #[arg(long, requires = "registry")]
+    pub(crate) watch: bool,
     /// Port, as `usbip --tcp-port` (when HOST has none).
     #[arg(long = "tcp-port", value_name = "PORT")]
     pub(crate) tcp_port: Option<u16>,
@@ -314,7 +390,32 @@ pub(crate) struct DemoArgs {
 #[derive(Args, Debug)]
 pub(crate) struct AttachArgs {
     #[command(flatten)]
-    pub(crate) device: RemoteDevice,
+    pub(crate) security: ClientSecurityArgs,
+    /// The server, HOST[:PORT].
+    #[arg(
+        short = 'r',
+        long = "remote",
+        value_name = "HOST[:PORT]",
+        required_unless_present = "registry",
+        conflicts_with = "registry"
+    )]
+    pub(crate) remote: Option<String>,
+    /// Bus id of the device on the server.
+    #[arg(short = 'b', long = "busid", required_unless_present = "registry", conflicts_with = "registry")]
+    pub(crate) busid: Option<String>,
+    /// Port, as `usbip --tcp-port` (when HOST has none).
+    #[arg(long = "tcp-port", value_name = "PORT")]
+    pub(crate) tcp_port: Option<u16>,
+    /// Instead of -r/-b: take a free device matching --device in this lab registry, wherever it is.
+    #[command(flatten)]
+    pub(crate) registry: RegistryArgs,
+    /// With --registry: which device (as `usbwire reserve --device`). A reservation of yours that
+    /// matches (from `usbwire reserve --for`) is used first.
+    #[arg(long, value_name = "SELECTOR", requires = "registry")]
+    pub(crate) device: Option<String>,
+    /// With --registry: detach and give the device back after this long (e.g. 1h).
+    #[arg(long = "for", value_name = "DURATION", value_parser = duration, requires = "registry")]
+    pub(crate) hold_for: Option<std::time::Duration>,
     /// Compress the stream (usbwire servers): zstd or lz4; the kernel gets it through a local relay.
     #[arg(long, value_name = "ALGO", value_parser = ["zstd", "lz4"])]
     pub(crate) compress: Option<String>,

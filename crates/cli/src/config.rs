@@ -23,10 +23,14 @@
 //! [[bind]]            # a real device of this machine, now and on hotplug
 //! device = "0781:5567" # bus id (1-1.2), VID:PID, serial=TEXT or class=HEX
 //! also = ["0781:df11"] # the same device in another mode
+//! labels = ["nucleo", "bench-3"] # how the lab registry shows it (also in [[virtual]])
 //!
 //! [[redir]]           # offer a device to QEMU guests through usbredir (usb-redir)
 //! device = "2-1"       # bus id, VID:PID, serial=TEXT or class=HEX; looked up for each guest
 //! listen = "127.0.0.1:4000"
+//!
+//! [registry]          # a lab registry on etcd (see RegistryTable)
+//! endpoints = ["10.0.0.5:2379"]
 //!
 //! [limits]             # per connection; when one is full the server stops reading
 //! max_transfer_length = "16M" # largest URB a client may submit
@@ -204,7 +208,7 @@ pub(crate) struct FileConfig {
     pub(crate) listen: Option<SocketAddr>,
     pub(crate) control: Option<PathBuf>,
     #[serde(default, rename = "virtual")]
-    pub(crate) virtual_devices: Vec<VirtualSpec>,
+    pub(crate) virtual_devices: Vec<VirtualEntry>,
     /// Real devices to export.
     #[serde(default)]
     pub(crate) bind: Vec<BindRule>,
@@ -242,6 +246,62 @@ pub(crate) struct FileConfig {
     pub(crate) http: Option<SocketAddr>,
     /// Where to write packet captures (`--capture`).
     pub(crate) capture: Option<PathBuf>,
+    /// `[registry]`: register in a lab registry (`--registry`).
+    pub(crate) registry: Option<RegistryTable>,
+}
+
+/// `[[virtual]]`: a virtual device, and the labels the lab registry shows for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct VirtualEntry {
+    pub(crate) spec: VirtualSpec,
+    pub(crate) labels: Vec<String>,
+}
+
+impl<'de> Deserialize<'de> for VirtualEntry {
+    /// The device's own fields ([`VirtualSpec`], unknown ones refused) and `labels`.
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let mut table = toml::Table::deserialize(deserializer)?;
+        let labels = match table.remove("labels") {
+            Some(value) => Vec::<String>::deserialize(value).map_err(D::Error::custom)?,
+            None => Vec::new(),
+        };
+        let spec = VirtualSpec::deserialize(toml::Value::Table(table)).map_err(D::Error::custom)?;
+        Ok(Self { spec, labels })
+    }
+}
+
+/// `[registry]`: the lab registry this server registers in.
+///
+/// ```toml
+/// [registry]
+/// endpoints = ["10.0.0.5:2379", "10.0.0.6:2379", "10.0.0.7:2379"]
+/// prefix = "usbwire"            # the default
+/// address = "bench-3.lab:3240"  # what clients import from [default: listen, or the host name]
+/// ttl = "10s"                   # a server that dies is gone from the registry after this
+/// ca = "/etc/usbwire/etcd-ca.crt"   # TLS towards etcd; cert and key when it wants a client certificate
+/// cert = "/etc/usbwire/etcd.crt"
+/// key = "/etc/usbwire/etcd.key"
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RegistryTable {
+    pub(crate) endpoints: Vec<String>,
+    pub(crate) prefix: Option<String>,
+    pub(crate) address: Option<String>,
+    #[serde(default, deserialize_with = "duration_field")]
+    pub(crate) ttl: Option<Duration>,
+    pub(crate) ca: Option<PathBuf>,
+    pub(crate) cert: Option<PathBuf>,
+    pub(crate) key: Option<PathBuf>,
+}
+
+impl RegistryTable {
+    /// The endpoints and prefix as a `--registry` URL.
+    pub(crate) fn url(&self) -> anyhow::Result<usbwire_lab::RegistryUrl> {
+        let text = format!("etcd://{}/{}", self.endpoints.join(","), self.prefix.as_deref().unwrap_or_default());
+        text.parse().context("[registry] endpoints and prefix")
+    }
 }
 
 /// `[limits]`: what one connection may make the server hold. Unset fields keep
@@ -367,7 +427,8 @@ pub(crate) fn parse_duration(text: &str) -> anyhow::Result<Duration> {
         "ms" => Ok(Duration::from_millis(number)),
         "s" => Ok(Duration::from_secs(number)),
         "m" => Ok(Duration::from_secs(number.saturating_mul(60))),
-        _ => bail!("invalid duration unit in {text:?} (use ms, s or m)"),
+        "h" => Ok(Duration::from_secs(number.saturating_mul(3600))),
+        _ => bail!("invalid duration unit in {text:?} (use ms, s, m or h)"),
     }
 }
 
@@ -394,6 +455,9 @@ pub(crate) struct BindRule {
     /// The same device under other identities (after it re-enumerates, e.g. into its bootloader).
     #[serde(default, deserialize_with = "selector_list")]
     pub(crate) also: Vec<usbwire_server::Selector>,
+    /// What the lab registry shows it as (`label=NAME` selects it there).
+    #[serde(default)]
+    pub(crate) labels: Vec<String>,
 }
 
 /// `[[redir]] device = "SELECTOR" listen = "ADDR:PORT"`: a usbredir bridge
@@ -612,6 +676,36 @@ mod tests {
     }
 
     #[test]
+    fn labels_and_the_registry_table() {
+        let config: FileConfig = toml::from_str(
+            r#"
+            [[virtual]]
+            kind = "disk"
+            path = "/tmp/x.img"
+            labels = ["nucleo", "bench-3"]
+            [[virtual]]
+            kind = "keyboard"
+            [[bind]]
+            device = "0483:374b"
+            labels = ["stlink"]
+            [registry]
+            endpoints = ["127.0.0.1:2379", "127.0.0.1:2479"]
+            ttl = "4s"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(config.virtual_devices[0].labels, ["nucleo", "bench-3"]);
+        assert!(config.virtual_devices[1].labels.is_empty());
+        assert_eq!(config.virtual_devices[1].spec, VirtualSpec::Keyboard);
+        assert_eq!(config.bind[0].labels, ["stlink"]);
+        let registry = config.registry.unwrap();
+        assert_eq!(registry.ttl, Some(Duration::from_secs(4)));
+        assert_eq!(registry.url().unwrap().to_string(), "etcd://127.0.0.1:2379,127.0.0.1:2479/usbwire");
+        let unknown = toml::from_str::<FileConfig>("[[virtual]]\nkind = \"keyboard\"\nlable = [\"x\"]").unwrap_err();
+        assert!(unknown.to_string().contains("lable"), "{unknown}");
+    }
+
+    #[test]
     fn config_file() {
         let config: FileConfig = toml::from_str(
             r#"
@@ -640,7 +734,7 @@ mod tests {
         assert_eq!(config.bind[1].device, "serial=A1".parse().unwrap());
         assert_eq!(config.bind[1].also, vec!["0483:df11".parse().unwrap()]);
         assert!(matches!(
-            config.virtual_devices[0],
+            config.virtual_devices[0].spec,
             VirtualSpec::Disk { size: Some(1048576), speed: SpeedChoice::Super, .. }
         ));
         assert!(toml::from_str::<FileConfig>("lisen = 1").is_err());

@@ -26,6 +26,10 @@ impl Failure {
     pub(crate) fn unavailable(error: anyhow::Error) -> Self {
         Self { error, code: 69 }
     }
+    /// 75: try again later (every matching device in the lab registry is taken).
+    pub(crate) fn temporary(error: anyhow::Error) -> Self {
+        Self { error, code: 75 }
+    }
     /// 77: the server does not admit this client's identity.
     pub(crate) fn not_admitted(error: anyhow::Error) -> Self {
         Self { error, code: 77 }

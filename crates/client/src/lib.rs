@@ -48,6 +48,7 @@ pub use connect::{resolve, Security, TlsClient};
 pub use connection::{Connection, RESUME_GIVE_UP};
 pub use error::{ClientError, TransferError};
 pub use op_exchange::{
-    device_states, import, import_resumable, import_with, list_devices, resume_session, Imported, RemoteDeviceState,
+    device_states, import, import_reserved, import_resumable, import_with, list_devices, resume_session, Imported,
+    RemoteDeviceState,
 };
 pub use transfer::{is_ok, Transfer};

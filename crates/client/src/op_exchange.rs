@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest};
+use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::resume::{self, Token};
 use usbwire_proto::Limits;
 use usbwire_transport::transform::{Pipeline, Side, TransformedStream};
@@ -112,19 +113,26 @@ async fn negotiate(
     stream: PeerStream,
     offer: &[TransformSpec],
     resume: bool,
+    reservation: Option<&ReservationToken>,
     addr: SocketAddr,
     security: &Security,
 ) -> Result<(PeerStream, Option<Token>), ClientError> {
-    if offer.is_empty() && !resume {
+    if offer.is_empty() && !resume && reservation.is_none() {
         return Ok((stream, None));
     }
-    let mut offer_text = TransformSpec::list_text(offer);
+    let mut entries = vec![TransformSpec::list_text(offer)];
     if resume {
-        if !offer_text.is_empty() {
-            offer_text.push(',');
-        }
-        offer_text.push_str(resume::OFFER);
+        entries.push(resume::OFFER.to_owned());
     }
+    let reservation_entry = reservation.map(ReservationToken::offer_entry);
+    entries.extend(reservation_entry.clone());
+    entries.retain(|entry| !entry.is_empty());
+    let offer_text = entries.join(",");
+    // The reservation token is a secret: logged without it.
+    let offer_logged = match &reservation_entry {
+        Some(entry) => offer_text.replace(entry, "reservation=…"),
+        None => offer_text.clone(),
+    };
     let mut stream = stream;
     let exchange = async {
         let mut out = BytesMut::new();
@@ -155,7 +163,7 @@ async fn negotiate(
     let token = if resume { Token::from_answer(&accepted) } else { None };
     // The token is a secret: log what was agreed, not the answer itself.
     tracing::info!(
-        offered = %offer_text,
+        offered = %offer_logged,
         accepted = %TransformSpec::list_text(&specs),
         resume = token.is_some(),
         "stream transforms"
@@ -184,13 +192,25 @@ pub async fn import_resumable(
     security: &Security,
     transforms: &[TransformSpec],
 ) -> Result<Imported, ClientError> {
-    match import_inner(addr, busid, security, transforms, true).await {
+    match import_inner(addr, busid, security, transforms, true, None).await {
         Err(ClientError::NoTransforms { .. }) if transforms.is_empty() => {
             tracing::debug!(%addr, "server does not resume sessions; importing without");
-            import_inner(addr, busid, security, transforms, false).await
+            import_inner(addr, busid, security, transforms, false, None).await
         }
         other => other,
     }
+}
+
+/// [`import_resumable`] for a device reserved in a lab registry: the import
+/// carries the reservation's token, without which the server refuses it.
+pub async fn import_reserved(
+    addr: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+    transforms: &[TransformSpec],
+    reservation: &ReservationToken,
+) -> Result<Imported, ClientError> {
+    import_inner(addr, busid, security, transforms, true, Some(reservation)).await
 }
 
 /// Takes a resumable session over on a new connection: offers the same
@@ -204,7 +224,7 @@ pub async fn resume_session(
     replies_received: u64,
 ) -> Result<(PeerStream, u64), ClientError> {
     let stream = connect(addr, security).await?;
-    let (mut stream, _new_token) = negotiate(stream, transforms, true, addr, security).await?;
+    let (mut stream, _new_token) = negotiate(stream, transforms, true, None, addr, security).await?;
     let exchange = async {
         let mut out = BytesMut::new();
         OpRequest::Resume { token: *token, replies_received }.encode(&mut out);
@@ -239,7 +259,7 @@ pub async fn import_with(
     security: &Security,
     transforms: &[TransformSpec],
 ) -> Result<(PeerStream, DeviceRecord), ClientError> {
-    let imported = import_inner(addr, busid, security, transforms, false).await?;
+    let imported = import_inner(addr, busid, security, transforms, false, None).await?;
     Ok((imported.stream, imported.device))
 }
 
@@ -249,9 +269,10 @@ async fn import_inner(
     security: &Security,
     transforms: &[TransformSpec],
     resume: bool,
+    reservation: Option<&ReservationToken>,
 ) -> Result<Imported, ClientError> {
     let stream = connect(addr, security).await?;
-    let (mut stream, token) = negotiate(stream, transforms, resume, addr, security).await?;
+    let (mut stream, token) = negotiate(stream, transforms, resume, reservation, addr, security).await?;
     let exchange = async {
         let mut out = BytesMut::new();
         OpRequest::Import { busid: busid.clone() }.encode(&mut out);

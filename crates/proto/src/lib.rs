@@ -47,6 +47,7 @@ mod limits;
 pub mod op;
 mod outbox;
 mod recv_buffer;
+pub mod reservation;
 pub mod resume;
 mod seqnum_map;
 pub mod server_session;

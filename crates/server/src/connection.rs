@@ -20,6 +20,7 @@ use tokio::sync::watch;
 use tokio_rustls::rustls as rustls_config;
 use tracing::{debug, info, warn, Instrument};
 use usbwire_proto::op::{self, OpRequest, OpStatus};
+use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::resume::{self, Token};
 use usbwire_proto::{DecodeError, Limits};
 use usbwire_transport::access::ClientId;
@@ -81,7 +82,10 @@ pub(crate) async fn serve_session(
     let Some(mut request) = next_request(&mut stream, &mut buf, &config, &peer.ticket).await else { return };
     // Set when the client asked for resume and we granted it: names the session an import starts.
     let mut resume_token = None;
+    // The lab registry reservation the client says it holds.
+    let mut reservation = None;
     if let OpRequest::Transforms { offer } = &request {
+        reservation = ReservationToken::from_offer(offer);
         // Our extension: agree on transforms, then the real request comes framed.
         let specs = TransformSpec::parse_list(offer);
         let accepted = TransformSpec::list_text(&specs);
@@ -103,7 +107,17 @@ pub(crate) async fn serve_session(
             warn!("client sent more before the transform answer; closing");
             return;
         }
-        info!(offered = %offer, accepted = %accepted, resume = resume_token.is_some(), "stream transforms");
+        info!(
+            // The reservation token is a secret: logged without it.
+            offered = %match &reservation {
+                Some(token) => offer.replace(&token.hex(), "…"),
+                None => offer.clone(),
+            },
+            accepted = %accepted,
+            resume = resume_token.is_some(),
+            reservation = reservation.is_some(),
+            "stream transforms"
+        );
         if !specs.is_empty() {
             stream = PeerStream::Transformed(Box::new(
                 TransformedStream::new(stream, Pipeline::new(&specs, Side::Server))
@@ -166,7 +180,7 @@ pub(crate) async fn serve_session(
             .await;
         }
         OpRequest::Import { busid } => {
-            let importer = Importer { client: peer.addr, identity: identity(&client), probe: peer.probe };
+            let importer = Importer { client: peer.addr, identity: identity(&client), probe: peer.probe, reservation };
             match registry.import(&busid, importer, visible, config.admission.release_wait).await {
                 Err(refused) => {
                     info!(%busid, %client, reason = %refused, "import refused");

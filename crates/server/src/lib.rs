@@ -41,7 +41,7 @@ pub use control::{
     default_control_path, request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput,
 };
 pub use host_exports::{HostExports, HOST_KIND};
-pub use registry::{DeviceState, ExportInfo, Registry};
+pub use registry::{reservation_digest, DeviceState, ExportInfo, Registry, ReservationDigest};
 pub use usbwire_host::{Selector, SelectorError};
 pub use usbwire_transport::access::{AccessRules, Admission};
 pub use usbwire_transport::Identity;

@@ -13,15 +13,18 @@
 //! retry) must not lose the race with the old connection's teardown. Only a
 //! device held by a live connection is busy at once.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use sha2::{Digest as _, Sha256};
 use tokio::sync::{watch, Notify};
 use tracing::info;
 use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
+use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::sync::lock;
 
 use crate::capture::CaptureConfig;
@@ -29,6 +32,30 @@ use crate::metrics::{DeviceMeter, ServerMeter};
 
 /// The capture setting every URB channel watches.
 struct CaptureSwitch(watch::Sender<Option<CaptureConfig>>);
+
+/// Counts changes to the list and to devices' states (export, withdraw,
+/// import, release, resuming): what a lab registry publisher follows.
+struct Changes(watch::Sender<u64>);
+
+impl Default for Changes {
+    fn default() -> Self {
+        Self(watch::Sender::new(0))
+    }
+}
+
+impl Changes {
+    fn bump(&self) {
+        self.0.send_modify(|count| *count = count.wrapping_add(1));
+    }
+}
+
+/// The SHA-256 of a reservation token: what a lab registry holds for a reserved device.
+pub type ReservationDigest = [u8; 32];
+
+/// The digest a registry stores for `token`.
+pub fn reservation_digest(token: &ReservationToken) -> ReservationDigest {
+    Sha256::digest(token.0).into()
+}
 
 impl Default for CaptureSwitch {
     fn default() -> Self {
@@ -98,6 +125,8 @@ pub(crate) struct Importer {
     pub(crate) client: SocketAddr,
     pub(crate) identity: Option<String>,
     pub(crate) probe: PeerProbe,
+    /// The lab registry reservation the client's offer carried.
+    pub(crate) reservation: Option<ReservationToken>,
 }
 
 /// Tells whether the peer of a connection has hung up, without reading from it.
@@ -143,6 +172,9 @@ pub(crate) enum ImportError {
     /// The previous holder's connection had ended but its device was not back within the bound.
     #[error("device busy: still being released by its previous importer after {} ms; try again", .waited.as_millis())]
     StillReleasing { waited: Duration },
+    /// Reserved in the lab registry, and the import did not carry that reservation.
+    #[error("device reserved in the lab registry by another client (reserve it with `usbwire attach --registry URL --device …`)")]
+    Reserved,
 }
 
 impl ImportError {
@@ -150,7 +182,7 @@ impl ImportError {
     pub(crate) fn status(&self) -> OpStatus {
         match self {
             Self::NoDevice => OpStatus::NODEV,
-            Self::InUse { .. } | Self::StillReleasing { .. } => OpStatus::DEV_BUSY,
+            Self::InUse { .. } | Self::StillReleasing { .. } | Self::Reserved => OpStatus::DEV_BUSY,
         }
     }
 }
@@ -165,6 +197,9 @@ pub struct Registry {
     capture: Arc<CaptureSwitch>,
     /// Imports whose connection dropped, waiting for their client to resume.
     pub(crate) parked: crate::resumable::Parked,
+    /// Devices reserved in a lab registry (bus id → token digest); imports must carry the token.
+    reservations: Arc<Mutex<HashMap<String, ReservationDigest>>>,
+    changes: Arc<Changes>,
 }
 
 impl Registry {
@@ -180,6 +215,8 @@ impl Registry {
         let devnum = busid.as_str()[2..].parse().unwrap_or(0);
         let path = format!("/sys/devices/usbwire/{kind}/{busid}");
         Self::insert(&mut exports, kind, busid.clone(), busnum, devnum, path, device);
+        drop(exports);
+        self.changes.bump();
         busid
     }
 
@@ -198,6 +235,8 @@ impl Registry {
             return Err(device);
         }
         Self::insert(&mut exports, kind, busid, busnum, devnum, path, device);
+        drop(exports);
+        self.changes.bump();
         Ok(())
     }
 
@@ -217,6 +256,7 @@ impl Registry {
         export.released.notify_waiters();
         drop(previous);
         info!(busid, "export withdrawn");
+        self.changes.bump();
         true
     }
 
@@ -270,6 +310,45 @@ impl Registry {
             withdrawn: watch::Sender::new(false),
             abandoned: Notify::new(),
         }));
+    }
+
+    /// A count that changes whenever a device is exported, withdrawn,
+    /// imported, released or starts or stops waiting for its client to resume.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changes.0.subscribe()
+    }
+
+    /// The devices reserved in a lab registry now (bus id → digest of the
+    /// reservation's token, [`reservation_digest`]): an import of one of them
+    /// must carry that token. A device whose reservation ended while its
+    /// importer is away (its session parked, waiting to resume) is let go.
+    pub fn set_reservations(&self, reservations: HashMap<String, ReservationDigest>) {
+        let ended: Vec<String> = {
+            let mut held = lock(&self.reservations);
+            let ended = held.keys().filter(|busid| !reservations.contains_key(*busid)).cloned().collect();
+            *held = reservations;
+            ended
+        };
+        for busid in ended {
+            let export = lock(&self.exports).iter().find(|e| e.record.busid.as_str() == busid).cloned();
+            let Some(export) = export else { continue };
+            let parked = matches!(&*lock(&export.slot), Slot::InUse { resuming_since: Some(_), .. });
+            if parked {
+                info!(%busid, "reservation ended while its importer was away; releasing the device");
+                export.abandoned.notify_one();
+            }
+        }
+    }
+
+    /// Stops enforcing reservations (the lab registry cannot be read): every
+    /// device can be imported directly again. Sessions are left alone.
+    pub fn forget_reservations(&self) {
+        lock(&self.reservations).clear();
+    }
+
+    /// Whether `busid` is reserved in a lab registry.
+    pub fn is_reserved(&self, busid: &str) -> bool {
+        lock(&self.reservations).contains_key(busid)
     }
 
     pub fn len(&self) -> usize {
@@ -342,6 +421,12 @@ impl Registry {
             .find(|e| &e.record.busid == busid && visible(&e.kind, busid.as_str()))
             .cloned()
             .ok_or(ImportError::NoDevice)?;
+        if let Some(reserved) = lock(&self.reservations).get(busid.as_str()) {
+            let carried = importer.reservation.as_ref().map(reservation_digest);
+            if carried.is_none_or(|digest| !digests_match(&digest, reserved)) {
+                return Err(ImportError::Reserved);
+            }
+        }
         let deadline = tokio::time::Instant::now() + wait;
         let mut last_look = false;
         let watched = export.clone();
@@ -354,7 +439,7 @@ impl Registry {
                 let mut slot = lock(&export.slot);
                 match &*slot {
                     Slot::Available(_) => {
-                        let Importer { client, identity, probe } = importer;
+                        let Importer { client, identity, probe, .. } = importer;
                         let taken = std::mem::replace(
                             &mut *slot,
                             Slot::InUse { client, since: SystemTime::now(), identity, probe, resuming_since: None },
@@ -362,6 +447,7 @@ impl Registry {
                         drop(slot);
                         let Slot::Available(device) = taken else { unreachable!("matched Available above") };
                         export.meter.imported();
+                        self.changes.bump();
                         return Ok(Lease { export, device: Some(device), registry: self.clone() });
                     }
                     Slot::Withdrawn => return Err(ImportError::NoDevice),
@@ -403,8 +489,13 @@ impl Registry {
     }
 }
 
+/// Compares without an early exit.
+fn digests_match(a: &ReservationDigest, b: &ReservationDigest) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// What the server shows about a lease's holder.
-pub(crate) struct Holder(Arc<Export>);
+pub(crate) struct Holder(Arc<Export>, Arc<Changes>);
 
 impl Holder {
     /// The holder's connection dropped at `since` (`Some`), or it is back (`None`).
@@ -412,6 +503,7 @@ impl Holder {
         if let Slot::InUse { resuming_since, .. } = &mut *lock(&self.0.slot) {
             *resuming_since = since;
         }
+        self.1.bump();
     }
 
     /// Resolves when the client a parked session waits for imports the device
@@ -451,7 +543,7 @@ impl Lease {
 
     /// A handle that marks the holder as away (resuming) or back, for `state`.
     pub(crate) fn holder(&self) -> Holder {
-        Holder(self.export.clone())
+        Holder(self.export.clone(), self.registry.changes.clone())
     }
 
     /// Resolves when the export is withdrawn (unbind or unplug).
@@ -493,6 +585,7 @@ impl Drop for Lease {
         *slot = Slot::Available(device);
         drop(slot);
         self.export.released.notify_waiters();
+        self.registry.changes.bump();
         info!(%busid, "device reset and available again");
     }
 }
@@ -523,7 +616,7 @@ mod tests {
 
     /// An importer with no socket: always counts as present.
     fn importer() -> Importer {
-        Importer { client: peer(), identity: None, probe: PeerProbe::none() }
+        Importer { client: peer(), identity: None, probe: PeerProbe::none(), reservation: None }
     }
 
     /// Both ends of a real loopback TCP connection: the server's end, and the client's.
@@ -578,11 +671,21 @@ mod tests {
         let busid = registry.add("loopback", loopback());
         let (server_end, _client_end) = tcp_pair();
         let probe = PeerProbe::of(&server_end);
-        let _lease = import(&registry, &busid, Importer { client: peer(), identity: None, probe }, Duration::ZERO)
-            .await
-            .unwrap();
+        let _lease = import(
+            &registry,
+            &busid,
+            Importer { client: peer(), identity: None, probe, reservation: None },
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
         let started = std::time::Instant::now();
-        let elsewhere = Importer { client: "10.0.0.2:5000".parse().unwrap(), identity: None, probe: PeerProbe::none() };
+        let elsewhere = Importer {
+            client: "10.0.0.2:5000".parse().unwrap(),
+            identity: None,
+            probe: PeerProbe::none(),
+            reservation: None,
+        };
         let refused = import(&registry, &busid, elsewhere, Duration::from_secs(30)).await.err().unwrap();
         assert!(matches!(refused, ImportError::InUse { holder } if holder == peer()), "{refused:?}");
         assert_eq!(refused.status(), OpStatus::DEV_BUSY);
@@ -596,9 +699,14 @@ mod tests {
         let busid = registry.add("loopback", loopback());
         let (server_end, _client_end) = tcp_pair();
         let probe = PeerProbe::of(&server_end);
-        let _lease = import(&registry, &busid, Importer { client: peer(), identity: None, probe }, Duration::ZERO)
-            .await
-            .unwrap();
+        let _lease = import(
+            &registry,
+            &busid,
+            Importer { client: peer(), identity: None, probe, reservation: None },
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
         let started = std::time::Instant::now();
         let refused = import(&registry, &busid, importer(), Duration::from_millis(300)).await.err().unwrap();
         assert!(matches!(refused, ImportError::InUse { .. }), "{refused:?}");
@@ -613,7 +721,7 @@ mod tests {
         let lease = import(
             &registry,
             &busid,
-            Importer { client: peer(), identity: None, probe: PeerProbe::of(&server_end) },
+            Importer { client: peer(), identity: None, probe: PeerProbe::of(&server_end), reservation: None },
             Duration::ZERO,
         )
         .await
@@ -656,7 +764,7 @@ mod tests {
         let _stuck = import(
             &registry,
             &busid,
-            Importer { client: peer(), identity: None, probe: PeerProbe::of(&server_end) },
+            Importer { client: peer(), identity: None, probe: PeerProbe::of(&server_end), reservation: None },
             Duration::ZERO,
         )
         .await
@@ -682,7 +790,7 @@ mod tests {
         let _held = import(
             &registry,
             &busid,
-            Importer { client: peer(), identity: None, probe: PeerProbe::of(&server_end) },
+            Importer { client: peer(), identity: None, probe: PeerProbe::of(&server_end), reservation: None },
             Duration::ZERO,
         )
         .await

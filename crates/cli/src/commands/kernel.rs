@@ -26,26 +26,67 @@ fn vhci_failure(error: VhciError) -> Failure {
 }
 
 pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
-    let busid = BusId::new(&args.device.busid)
-        .ok_or_else(|| Failure::usage(anyhow!("invalid bus id {:?}", args.device.busid)))?;
+    let wanted = match (&args.registry.registry, &args.device) {
+        (Some(_), None) => {
+            return Err(Failure::usage(anyhow!("--registry needs --device SELECTOR (which device to take)")))
+        }
+        (Some(_), Some(device)) => Some(device.clone()),
+        _ => None,
+    };
+    let named_busid = match &args.busid {
+        Some(text) if wanted.is_none() => {
+            Some(BusId::new(text).ok_or_else(|| Failure::usage(anyhow!("invalid bus id {text:?}")))?)
+        }
+        _ => None,
+    };
     // Check vhci before asking the server, so a missing module costs nothing remote.
     vhci::ports().map_err(vhci_failure)?;
     let transforms = super::bench::transforms(args.compress.as_deref(), args.jitter_buffer);
-    let may_relay = !args.no_resume || args.device.security.tls || !transforms.is_empty();
+    // A reservation lives as long as the process that holds it: the relay.
+    let may_relay = wanted.is_some() || !args.no_resume || args.security.tls || !transforms.is_empty();
     if may_relay && !args.foreground && std::env::var_os(RELAY_LOG_ENV).is_none() {
         return attach_in_background();
     }
-    let addr = super::list::resolve(&args.device.remote, args.device.tcp_port).await?;
-    let security = super::client_security(&args.device.security)?;
-    let imported = if args.no_resume {
-        let (stream, device) = usbwire_client::import_with(addr, &busid, &security, &transforms).await?;
-        usbwire_client::Imported { stream, device, resume: None }
-    } else {
-        usbwire_client::import_resumable(addr, &busid, &security, &transforms).await?
+    let security = super::client_security(&args.security)?;
+    let (addr, busid, taken) = match (&wanted, named_busid) {
+        (Some(device), _) => {
+            let taken = super::lab::take(&args.registry, device, args.hold_for).await?;
+            let busid = BusId::new(&taken.busid).ok_or_else(|| {
+                Failure::protocol(anyhow!("the lab registry names an invalid bus id {:?}", taken.busid))
+            })?;
+            let addr = super::list::resolve(&taken.server, None).await?;
+            (addr, busid, Some(taken))
+        }
+        (None, Some(busid)) => {
+            let remote = args.remote.as_deref().unwrap_or_default();
+            (super::list::resolve(remote, args.tcp_port).await?, busid, None)
+        }
+        (None, None) => {
+            return Err(Failure::usage(anyhow!("attach needs -r HOST -b BUSID, or --registry URL --device SELECTOR")))
+        }
+    };
+    let imported = match &taken {
+        Some(reserved) => {
+            match usbwire_client::import_reserved(addr, &busid, &security, &transforms, &reserved.token).await {
+                Ok(imported) => imported,
+                Err(error) => {
+                    if let Some(held) = taken.and_then(|t| t.held) {
+                        let _ = held.release().await;
+                    }
+                    return Err(error.into());
+                }
+            }
+        }
+        None if args.no_resume => {
+            let (stream, device) = usbwire_client::import_with(addr, &busid, &security, &transforms).await?;
+            usbwire_client::Imported { stream, device, resume: None }
+        }
+        None => usbwire_client::import_resumable(addr, &busid, &security, &transforms).await?,
     };
     let record =
         vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: busid.to_string() };
-    let needs_relay = imported.resume.is_some() || imported.stream.is_tls() || !transforms.is_empty();
+    let needs_relay =
+        taken.is_some() || imported.resume.is_some() || imported.stream.is_tls() || !transforms.is_empty();
     if !needs_relay {
         // Plain USB/IP without resume: the kernel takes the socket itself.
         let usbwire_transport::PeerStream::Plain(tcp) = imported.stream else {
@@ -66,7 +107,7 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
         resume: imported.resume,
         give_up_after: RESUME_GIVE_UP,
     };
-    relay_attached(imported, upstream, record).await
+    relay_attached(imported, upstream, record, taken).await
 }
 
 /// Environment variable naming the relay log: set by `attach` for the
@@ -130,6 +171,7 @@ async fn relay_attached(
     imported: usbwire_client::Imported,
     upstream: usbwire_client::relay::Upstream,
     record: vhci::Record,
+    taken: Option<super::lab::Taken>,
 ) -> Result<(), Failure> {
     let shutdown = super::shutdown_signal();
     let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair().map_err(|e| Failure::io(e.into()))?;
@@ -151,6 +193,15 @@ async fn relay_attached(
         },
         if upstream.resume.is_some() { ", resumable" } else { "" },
     );
+    if let Some(taken) = &taken {
+        match taken.until {
+            Some(until) => println!(
+                "reserved in the lab registry until {}; detached and given back then",
+                humantime::format_rfc3339_seconds(until)
+            ),
+            None => println!("reserved in the lab registry; given back on detach"),
+        }
+    }
     let status = RelayStatusFile::create(port, &upstream);
     if let Some(log) = std::env::var_os(RELAY_LOG_ENV) {
         detach_output(std::path::Path::new(&log));
@@ -165,13 +216,40 @@ async fn relay_attached(
     };
     let devid = device.devid();
     let relay = usbwire_client::relay::run(kernel, imported.stream, devid, upstream, Some(state_tx));
+    let (mut held, until) = match taken {
+        Some(taken) => (taken.held, taken.until),
+        None => (None, None),
+    };
+    let reservation_lost = async {
+        match &mut held {
+            Some(reservation) => reservation.lost().await,
+            None => std::future::pending().await,
+        }
+    };
+    let time_up = async {
+        match until.and_then(|until| until.duration_since(std::time::SystemTime::now()).ok()) {
+            Some(left) => tokio::time::sleep(left).await,
+            None if until.is_some() => {}
+            None => std::future::pending().await,
+        }
+    };
     let outcome = tokio::select! {
-        result = relay => Some(result),
+        result = relay => Some(result.map_err(anyhow::Error::from)),
         () = reporting => None,
         () = shutdown => None,
+        lost = reservation_lost => Some(Err(anyhow!("{lost}; the device may be someone else's now"))),
+        () = time_up => {
+            tracing::info!(port, "reservation time is up");
+            None
+        }
     };
     drop(status);
     let _ = std::fs::remove_file(vhci::record_path(port));
+    if let Some(reservation) = held {
+        if let Err(error) = reservation.release().await {
+            tracing::warn!(%error, "reservation not released; it ends when its lease runs out");
+        }
+    }
     match outcome {
         Some(Ok(())) => {
             tracing::info!(port, "port detached; relay stopped");

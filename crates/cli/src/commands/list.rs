@@ -11,6 +11,9 @@ use crate::args::ListArgs;
 use crate::exit::Failure;
 
 pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
+    if args.registry.registry.is_some() {
+        return super::lab::list(&args.registry, args.json, args.watch).await;
+    }
     if args.discover {
         return discovered(&args).await;
     }

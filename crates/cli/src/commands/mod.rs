@@ -7,6 +7,7 @@ mod docs;
 mod doctor;
 mod identity;
 mod kernel;
+mod lab;
 mod list;
 mod local;
 mod output;
@@ -54,6 +55,9 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
         Command::Demo(args) => demo::run(args).await,
         Command::Redir(args) => redir::run(args).await,
         Command::Capture(args) => local::capture(args).await,
+        Command::Reserve(args) => lab::reserve(args).await,
+        Command::Release(args) => lab::release(args).await,
+        Command::Who(args) => lab::who(args).await,
         Command::Completions(args) => docs::completions(args),
         Command::Man(args) => docs::man(args),
     }

@@ -20,10 +20,11 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
         Some(path) => FileConfig::load(path).map_err(Failure::config)?,
         None => FileConfig::default(),
     };
-    let mut specs = file.virtual_devices.clone();
+    let mut specs: Vec<VirtualSpec> = file.virtual_devices.iter().map(|entry| entry.spec.clone()).collect();
     for spec in &args.virtual_devices {
         specs.push(VirtualSpec::parse(spec).map_err(Failure::usage)?);
     }
+    let registration = Registering::from(&args, &file)?;
     let mut config = ServerConfig {
         host_rules: file
             .bind
@@ -90,15 +91,119 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     warn_if_open(bound.local_addr(), bound.security(), announce);
     let advertising = if announce { advertise(&bound) } else { None };
     let bridges = start_redir_bridges(&redir_rules, bound.local_addr(), tls_identity.as_deref()).await?;
+    let publishing = match registration {
+        Some(registering) => {
+            let registration = registering.finish(&file, &exported, &bound, tls_identity.as_deref())?;
+            println!(
+                "  registering in the lab registry {} as {}",
+                registration.endpoint.url, registration.server.address
+            );
+            Some(tokio::spawn(usbwire_lab::publish::publish(registration, bound.registry().clone())))
+        }
+        None => None,
+    };
     super::notify_ready();
     let reloading = tokio::spawn(reload_on_hangup(args.config.clone(), args.bind.clone(), file, bound.host_exports()));
     bound.run(shutdown).await;
     reloading.abort();
     bridges.iter().for_each(|bridge| bridge.abort());
+    if let Some(task) = publishing {
+        task.abort();
+    }
     if let Some(task) = advertising {
         task.abort();
     }
     Ok(())
+}
+
+/// `--registry` / `[registry]`, checked before anything starts.
+struct Registering {
+    endpoint: usbwire_lab::Endpoint,
+    address: Option<String>,
+    ttl: std::time::Duration,
+}
+
+impl Registering {
+    fn from(args: &ServeArgs, file: &FileConfig) -> Result<Option<Self>, Failure> {
+        let table = file.registry.clone().unwrap_or_default();
+        let endpoint = match super::lab::endpoint(&args.registry) {
+            Some(endpoint) => endpoint,
+            None if file.registry.is_some() => {
+                let url = table.url().map_err(Failure::config)?;
+                let tls = (table.ca.is_some() || table.cert.is_some()).then(|| usbwire_lab::EtcdTls {
+                    ca: table.ca.clone(),
+                    cert: table.cert.clone(),
+                    key: table.key.clone(),
+                });
+                usbwire_lab::Endpoint { url, tls }
+            }
+            None => return Ok(None),
+        };
+        let ttl = table.ttl.unwrap_or(usbwire_lab::DEFAULT_TTL);
+        if ttl < std::time::Duration::from_secs(2) {
+            return Err(Failure::config(anyhow::anyhow!("[registry] ttl must be at least 2s")));
+        }
+        Ok(Some(Self { endpoint, address: args.registry_address.clone().or(table.address), ttl }))
+    }
+
+    /// What to register, once the server is bound (its address) and has exported (labels by bus id).
+    fn finish(
+        self,
+        file: &FileConfig,
+        exported: &[String],
+        bound: &usbwire_server::BoundServer,
+        tls_identity: Option<&std::path::Path>,
+    ) -> Result<usbwire_lab::publish::Registration, Failure> {
+        let listening = bound.local_addr();
+        let address = self.address.unwrap_or_else(|| {
+            if listening.ip().is_unspecified() {
+                format!("{}:{}", super::hostname(), listening.port())
+            } else {
+                listening.to_string()
+            }
+        });
+        let tls_fingerprint = match tls_identity {
+            Some(dir) => Some(
+                usbwire_server::Identity::load_or_create(dir, &super::hostname())
+                    .map_err(|e| Failure::config(anyhow::anyhow!("identity in {}: {e}", dir.display())))?
+                    .0
+                    .fingerprint()
+                    .to_string(),
+            ),
+            None => None,
+        };
+        let security = bound.security();
+        // [[virtual]] labels by the bus id each got (the lines follow the file's devices first).
+        let mut labels: Vec<(usbwire_server::Selector, Vec<String>)> = file
+            .virtual_devices
+            .iter()
+            .zip(exported)
+            .filter(|(entry, _)| !entry.labels.is_empty())
+            .filter_map(|(entry, line)| {
+                let busid = line.split_whitespace().next()?;
+                Some((usbwire_server::Selector::BusId(busid.to_owned()), entry.labels.clone()))
+            })
+            .collect();
+        for rule in file.bind.iter().filter(|rule| !rule.labels.is_empty()) {
+            for selector in std::iter::once(&rule.device).chain(&rule.also) {
+                labels.push((selector.clone(), rule.labels.clone()));
+            }
+        }
+        Ok(usbwire_lab::publish::Registration {
+            endpoint: self.endpoint,
+            ttl: self.ttl,
+            server: usbwire_lab::ServerEntry {
+                schema_version: usbwire_lab::entry::SCHEMA_VERSION,
+                address,
+                tls_fingerprint,
+                plain: security.tls.is_none() || security.plain != PlainPolicy::Never,
+                implementation: "usbwire".to_owned(),
+                version: crate::args::VERSION.to_owned(),
+                started: usbwire_lab::entry::timestamp(std::time::SystemTime::now()),
+            },
+            labels,
+        })
+    }
 }
 
 /// One usbredir bridge per `[[redir]]` rule, importing from this server over

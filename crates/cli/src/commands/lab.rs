@@ -1,0 +1,437 @@
+//! The lab registry from the command line: `list --registry [--watch]`,
+//! `reserve`, `release`, `who`; the reservation `attach --registry` takes;
+//! and the tokens of this user's reservations, kept so a later `attach`
+//! can use what `reserve --for` took.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use anyhow::anyhow;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+use usbwire_lab::{Endpoint, EtcdTls, Fleet, FleetDevice, Hold, Lab, LabError, Reservation, Want, DEFAULT_TTL};
+use usbwire_proto::display::escape;
+use usbwire_proto::reservation::ReservationToken;
+
+use super::output::terminal_safe_json;
+use crate::args::{RegistryArgs, ReleaseArgs, ReserveArgs, WhoArgs};
+use crate::exit::Failure;
+
+pub(crate) fn failure(error: LabError) -> Failure {
+    match error {
+        LabError::NoneFree { .. } => Failure::temporary(error.into()),
+        LabError::Tls(_) => Failure::config(error.into()),
+        _ => Failure::unavailable(error.into()),
+    }
+}
+
+/// The registry `--registry` (and the TLS flags beside it) names.
+pub(crate) fn endpoint(args: &RegistryArgs) -> Option<Endpoint> {
+    let url = args.registry.clone()?;
+    let tls = (args.registry_ca.is_some() || args.registry_cert.is_some()).then(|| EtcdTls {
+        ca: args.registry_ca.clone(),
+        cert: args.registry_cert.clone(),
+        key: args.registry_key.clone(),
+    });
+    Some(Endpoint { url, tls })
+}
+
+fn required(args: &RegistryArgs) -> Result<Endpoint, Failure> {
+    endpoint(args).ok_or_else(|| Failure::usage(anyhow!("--registry etcd://HOST:PORT is required")))
+}
+
+fn want(text: &str) -> Result<Want, Failure> {
+    text.parse().map_err(|e: usbwire_lab::WantError| Failure::usage(e.into()))
+}
+
+/// `usbwire list --registry URL [--json] [--watch]`.
+pub(crate) async fn list(args: &RegistryArgs, json: bool, watch: bool) -> Result<(), Failure> {
+    let mut lab = Lab::connect(required(args)?).await.map_err(failure)?;
+    let fleet = lab.fleet().await.map_err(failure)?;
+    if json && watch {
+        // One JSON document per line: the fleet, then each change.
+        println!("{}", terminal_safe_json(serde_json::to_string(&fleet).unwrap_or_default()));
+    } else if json {
+        println!("{}", terminal_safe_json(serde_json::to_string_pretty(&fleet).unwrap_or_default()));
+    } else {
+        print_fleet(lab.endpoint(), &fleet);
+    }
+    if !watch {
+        return Ok(());
+    }
+    let mut changes = lab.watch(fleet.revision).await.map_err(failure)?;
+    let stop = super::shutdown_signal();
+    tokio::pin!(stop);
+    loop {
+        let next = tokio::select! {
+            next = changes.next() => next.map_err(failure)?,
+            () = &mut stop => return Ok(()),
+        };
+        let Some(batch) = next else {
+            return Err(Failure::unavailable(anyhow!("the lab registry ended the watch; run the command again")));
+        };
+        for change in batch {
+            if json {
+                println!("{}", terminal_safe_json(serde_json::to_string(&change).unwrap_or_default()));
+            } else {
+                let what = match &change.busid {
+                    Some(busid) => format!("{} {} {}", change.what, escape(&change.server), escape(busid)),
+                    None => format!("{} {}", change.what, escape(&change.server)),
+                };
+                match &change.entry {
+                    None => println!("- {what} removed"),
+                    Some(entry) => println!("+ {what}: {}", summary(entry)),
+                }
+            }
+        }
+        let _ = std::io::stdout().flush();
+    }
+}
+
+/// One line about a changed record.
+fn summary(entry: &serde_json::Value) -> String {
+    let field = |name: &str| entry.get(name).and_then(serde_json::Value::as_str).map(|s| escape(s).to_string());
+    if let Some(state) = field("state") {
+        let mut line = state;
+        if let Some(holder) = field("holder") {
+            line.push_str(&format!(" by {holder}"));
+        }
+        return line;
+    }
+    if let Some(holder) = field("holder") {
+        let until = field("until").map(|u| format!(" until {u}")).unwrap_or_default();
+        return format!("reserved by {holder}{until}");
+    }
+    match field("implementation") {
+        Some(implementation) => format!("{implementation} {}", field("version").unwrap_or_default()),
+        None => "changed".to_owned(),
+    }
+}
+
+fn print_fleet(endpoint: &Endpoint, fleet: &Fleet) {
+    let free = fleet.devices.iter().filter(|d| d.is_free()).count();
+    println!(
+        "lab registry {}: {} server(s), {} device(s), {free} free",
+        endpoint.url,
+        fleet.servers.len(),
+        fleet.devices.len()
+    );
+    for server in &fleet.servers {
+        let security = match (&server.tls_fingerprint, server.plain) {
+            (Some(fingerprint), true) => format!("TLS {}, plain too", escape(fingerprint)),
+            (Some(fingerprint), false) => format!("TLS only, {}", escape(fingerprint)),
+            (None, _) => "plain".to_owned(),
+        };
+        println!(
+            "{}  {} {} ({security})",
+            escape(&server.address),
+            escape(&server.implementation),
+            escape(&server.version)
+        );
+        for device in fleet.devices.iter().filter(|d| d.device.server == server.address) {
+            println!("    {}", device_line(device));
+        }
+    }
+}
+
+fn device_line(device: &FleetDevice) -> String {
+    let entry = &device.device;
+    let name = entry.product.as_deref().unwrap_or(&entry.kind);
+    let mut line = format!(
+        "{:<6} {}:{}  {:<22} {:<6} {}",
+        escape(&entry.busid),
+        escape(&entry.vendor_id),
+        escape(&entry.product_id),
+        escape(name),
+        escape(&entry.speed),
+        escape(&entry.state).to_string().replace('_', " ")
+    );
+    if let Some(holder) = &entry.holder {
+        line.push_str(&format!(" by {}", escape(holder)));
+    }
+    if let Some(reservation) = &device.reservation {
+        line.push_str(&format!("; reserved by {} ({})", escape(&reservation.holder), escape(&reservation.client)));
+        if let Some(until) = &reservation.until {
+            line.push_str(&format!(" until {}", escape(until)));
+        }
+    }
+    if !entry.labels.is_empty() {
+        let labels: Vec<String> = entry.labels.iter().map(|l| escape(l).to_string()).collect();
+        line.push_str(&format!("  [{}]", labels.join(", ")));
+    }
+    line
+}
+
+/// `usbwire reserve --registry URL --device SELECTOR [--for DURATION] [--json]`.
+pub(crate) async fn reserve(args: ReserveArgs) -> Result<(), Failure> {
+    let want = want(&args.device)?;
+    let endpoint = required(&args.registry)?;
+    let url = endpoint.url.to_string();
+    let mut lab = Lab::connect(endpoint).await.map_err(failure)?;
+    let hold = match args.hold_for {
+        Some(duration) => Hold::For(duration),
+        None => Hold::WhileRunning { ttl: DEFAULT_TTL, until: None },
+    };
+    let reservation = lab.reserve(&want, hold, "usbwire reserve").await.map_err(failure)?;
+    let store = TokenStore::for_user();
+    if args.hold_for.is_some() {
+        store.save(&url, &reservation).map_err(|e| Failure::io(e.into()))?;
+    }
+    let device = &reservation.device;
+    if args.json {
+        let value = serde_json::json!({
+            "registry": url,
+            "server": device.server,
+            "busid": device.busid,
+            "device": device,
+            "holder": reservation.entry.holder,
+            "since": reservation.entry.since,
+            "until": reservation.entry.until,
+            "lease": format!("{:x}", reservation.lease),
+        });
+        println!("{}", terminal_safe_json(value.to_string()));
+    } else {
+        println!(
+            "reserved {} on {} ({} {}:{}){}",
+            escape(&device.busid),
+            escape(&device.server),
+            escape(device.product.as_deref().unwrap_or(&device.kind)),
+            escape(&device.vendor_id),
+            escape(&device.product_id),
+            match &reservation.entry.until {
+                Some(until) => format!(" until {until}"),
+                None => " until this command stops (Ctrl-C)".to_owned(),
+            }
+        );
+        println!(
+            "  attach it: usbwire attach --registry {url} --device server={},{}",
+            escape(&device.server),
+            escape(&device.busid)
+        );
+    }
+    let _ = std::io::stdout().flush();
+    if args.hold_for.is_some() {
+        reservation.keep();
+        return Ok(());
+    }
+    hold_until_stopped(reservation).await
+}
+
+/// Holds a reservation made without `--for` until SIGINT/SIGTERM, then gives it back.
+async fn hold_until_stopped(mut reservation: Reservation) -> Result<(), Failure> {
+    let stop = super::shutdown_signal();
+    tokio::select! {
+        () = stop => {
+            reservation.release().await.map_err(failure)?;
+            eprintln!("released");
+            Ok(())
+        }
+        lost = reservation.lost() => Err(failure(lost)),
+    }
+}
+
+/// `usbwire release --registry URL --device SELECTOR [--force]`.
+pub(crate) async fn release(args: ReleaseArgs) -> Result<(), Failure> {
+    let want = want(&args.device)?;
+    let endpoint = required(&args.registry)?;
+    let url = endpoint.url.to_string();
+    let mut lab = Lab::connect(endpoint).await.map_err(failure)?;
+    let fleet = lab.fleet().await.map_err(failure)?;
+    let store = TokenStore::for_user();
+    let mine = store.load(&url);
+    let mut released = 0;
+    let mut others = Vec::new();
+    for device in fleet.devices.iter().filter(|d| d.reservation.is_some() && want.matches(&d.device)) {
+        let (server, busid) = (&device.device.server, &device.device.busid);
+        let token = mine.iter().find(|t| &t.server == server && &t.busid == busid).and_then(|t| t.token());
+        if token.is_none() && !args.force {
+            others.push(device);
+            continue;
+        }
+        let token = if args.force { None } else { token };
+        match lab.release(server, busid, token.as_ref()).await {
+            Ok(entry) => {
+                println!("released {} on {} (was held by {})", escape(busid), escape(server), escape(&entry.holder));
+                store.forget(&url, server, busid);
+                released += 1;
+            }
+            Err(error @ LabError::NotReserved { .. }) => eprintln!("usbwire: {error}"),
+            Err(error) => return Err(failure(error)),
+        }
+    }
+    if released > 0 {
+        return Ok(());
+    }
+    let held_by: Vec<String> = others
+        .iter()
+        .filter_map(|d| d.reservation.as_ref())
+        .map(|r| format!("{} ({})", escape(&r.holder), escape(&r.client)))
+        .collect();
+    Err(Failure::unavailable(if held_by.is_empty() {
+        anyhow!("no reserved device matches {want}")
+    } else {
+        anyhow!(
+            "none of the reserved devices matching {want} is yours (held by {}); --force releases them anyway",
+            held_by.join(", ")
+        )
+    }))
+}
+
+/// `usbwire who --registry URL [--json]`.
+pub(crate) async fn who(args: WhoArgs) -> Result<(), Failure> {
+    let mut lab = Lab::connect(required(&args.registry)?).await.map_err(failure)?;
+    let fleet = lab.fleet().await.map_err(failure)?;
+    let held: Vec<&FleetDevice> = fleet.devices.iter().filter(|d| d.reservation.is_some()).collect();
+    if args.json {
+        println!("{}", terminal_safe_json(serde_json::to_string_pretty(&held).unwrap_or_default()));
+        return Ok(());
+    }
+    if held.is_empty() {
+        println!("no device is reserved ({} registered)", fleet.devices.len());
+        return Ok(());
+    }
+    for device in held {
+        let Some(reservation) = &device.reservation else { continue };
+        let entry = &device.device;
+        println!(
+            "{} {:<6} {:<22} {} ({}, pid {}) since {}{}",
+            escape(&entry.server),
+            escape(&entry.busid),
+            escape(entry.product.as_deref().unwrap_or(&entry.kind)),
+            escape(&reservation.holder),
+            escape(&reservation.client),
+            reservation.pid,
+            escape(&reservation.since),
+            reservation.until.as_ref().map(|u| format!(" until {}", escape(u))).unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// What `attach --registry` imports: a reservation of ours that matches
+/// (from `reserve --for`) if one is still held, else a new one held while
+/// the relay runs. Returns the reservation's server, bus id, token and, when
+/// new, the reservation to keep alive.
+pub(crate) struct Taken {
+    pub(crate) server: String,
+    pub(crate) busid: String,
+    pub(crate) token: ReservationToken,
+    pub(crate) held: Option<Reservation>,
+    pub(crate) until: Option<SystemTime>,
+}
+
+pub(crate) async fn take(args: &RegistryArgs, device: &str, hold_for: Option<Duration>) -> Result<Taken, Failure> {
+    let want = want(device)?;
+    let endpoint = required(args)?;
+    let url = endpoint.url.to_string();
+    let mut lab = Lab::connect(endpoint).await.map_err(failure)?;
+    let store = TokenStore::for_user();
+    let fleet = lab.fleet().await.map_err(failure)?;
+    for saved in store.load(&url) {
+        let Some(token) = saved.token() else { continue };
+        let still_held = fleet.devices.iter().any(|d| {
+            d.device.server == saved.server
+                && d.device.busid == saved.busid
+                && d.reservation.is_some()
+                && want.matches(&d.device)
+        });
+        if still_held {
+            tracing::info!(server = %saved.server, busid = %saved.busid, "using the reservation made earlier");
+            return Ok(Taken { server: saved.server, busid: saved.busid, token, held: None, until: None });
+        }
+    }
+    let until = hold_for.map(|d| SystemTime::now() + d);
+    let reservation =
+        lab.reserve(&want, Hold::WhileRunning { ttl: DEFAULT_TTL, until }, "usbwire attach").await.map_err(failure)?;
+    Ok(Taken {
+        server: reservation.device.server.clone(),
+        busid: reservation.device.busid.clone(),
+        token: reservation.token,
+        held: Some(reservation),
+        until,
+    })
+}
+
+/// This user's reservation tokens, one file each (mode 0600 in a 0700
+/// directory): `/var/lib/usbwire/reservations` for root, else under
+/// `$XDG_STATE_HOME` (or `~/.local/state`) `/usbwire/reservations`.
+struct TokenStore {
+    dir: PathBuf,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SavedToken {
+    registry: String,
+    server: String,
+    busid: String,
+    token: String,
+    until: Option<String>,
+}
+
+impl SavedToken {
+    fn token(&self) -> Option<ReservationToken> {
+        ReservationToken::from_hex(&self.token)
+    }
+}
+
+impl TokenStore {
+    fn for_user() -> Self {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let dir = if unsafe { libc::geteuid() } == 0 {
+            PathBuf::from("/var/lib/usbwire")
+        } else if let Some(dir) = std::env::var_os("XDG_STATE_HOME").filter(|d| !d.is_empty()) {
+            Path::new(&dir).join("usbwire")
+        } else {
+            Path::new(&std::env::var_os("HOME").unwrap_or_else(|| "/".into())).join(".local/state/usbwire")
+        };
+        Self { dir: dir.join("reservations") }
+    }
+
+    fn path(&self, registry: &str, server: &str, busid: &str) -> PathBuf {
+        let digest = Sha256::digest(format!("{registry}\n{server}\n{busid}"));
+        let name: String = digest[..12].iter().map(|b| format!("{b:02x}")).collect();
+        self.dir.join(format!("{name}.json"))
+    }
+
+    fn save(&self, registry: &str, reservation: &Reservation) -> std::io::Result<()> {
+        use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&self.dir)?;
+        let device = &reservation.device;
+        let saved = SavedToken {
+            registry: registry.to_owned(),
+            server: device.server.clone(),
+            busid: device.busid.clone(),
+            token: reservation.token.hex(),
+            until: reservation.entry.until.clone(),
+        };
+        let path = self.path(registry, &device.server, &device.busid);
+        let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&path)?;
+        file.write_all(serde_json::to_string(&saved).unwrap_or_default().as_bytes())
+    }
+
+    /// The saved tokens for `registry` that have not run out; run-out ones are deleted.
+    fn load(&self, registry: &str) -> Vec<SavedToken> {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else { return Vec::new() };
+        let mut saved = Vec::new();
+        for entry in entries.flatten() {
+            let Ok(text) = std::fs::read_to_string(entry.path()) else { continue };
+            let Ok(token) = serde_json::from_str::<SavedToken>(&text) else { continue };
+            let ended = token
+                .until
+                .as_deref()
+                .and_then(|u| humantime::parse_rfc3339(u).ok())
+                .is_some_and(|until| until < SystemTime::now());
+            if ended {
+                let _ = std::fs::remove_file(entry.path());
+            } else if token.registry == registry {
+                saved.push(token);
+            }
+        }
+        saved
+    }
+
+    fn forget(&self, registry: &str, server: &str, busid: &str) {
+        let _ = std::fs::remove_file(self.path(registry, server, busid));
+    }
+}

@@ -1,0 +1,445 @@
+//! What the registry holds, and where: the key layout, the JSON records
+//! (servers, devices, reservations), the fleet they add up to, and the
+//! device selectors clients pick from it with. No I/O.
+//!
+//! ```text
+//! PREFIX/servers/SERVER              ServerEntry       lease: the server's
+//! PREFIX/devices/SERVER/BUSID        DeviceEntry       lease: the server's
+//! PREFIX/reservations/SERVER/BUSID   ReservationEntry  lease: the holder's
+//! ```
+//!
+//! SERVER is the address clients import from (`HOST:PORT`). A reservation is
+//! created only by a transaction that finds its key absent, so at most one
+//! exists per device; it goes when its holder releases it or its lease ends.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+use usbwire_host::Selector;
+
+/// The version of the records' JSON; readers skip records of a newer major version.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// The registry's keys under one prefix.
+#[derive(Clone, Debug)]
+pub struct Keys {
+    root: String,
+}
+
+/// What a registry key names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Key {
+    Server { server: String },
+    Device { server: String, busid: String },
+    Reservation { server: String, busid: String },
+}
+
+impl Keys {
+    pub fn new(prefix: &str) -> Self {
+        Self { root: format!("{prefix}/") }
+    }
+
+    /// Every key of the registry starts with this.
+    pub fn all(&self) -> String {
+        self.root.clone()
+    }
+
+    pub fn server(&self, server: &str) -> String {
+        format!("{}servers/{server}", self.root)
+    }
+
+    pub fn device(&self, server: &str, busid: &str) -> String {
+        format!("{}devices/{server}/{busid}", self.root)
+    }
+
+    /// The prefix of one server's reservations.
+    pub fn reservations_of(&self, server: &str) -> String {
+        format!("{}reservations/{server}/", self.root)
+    }
+
+    pub fn reservation(&self, server: &str, busid: &str) -> String {
+        format!("{}reservations/{server}/{busid}", self.root)
+    }
+
+    /// Names a key, if it is one of ours. Bus ids have no `/`; server
+    /// addresses may (never in practice), so the bus id is the last part.
+    pub fn parse(&self, key: &[u8]) -> Option<Key> {
+        let rest = std::str::from_utf8(key).ok()?.strip_prefix(&self.root)?;
+        let (kind, rest) = rest.split_once('/')?;
+        let split = || rest.rsplit_once('/').map(|(server, busid)| (server.to_owned(), busid.to_owned()));
+        match kind {
+            "servers" if !rest.is_empty() => Some(Key::Server { server: rest.to_owned() }),
+            "devices" => split().map(|(server, busid)| Key::Device { server, busid }),
+            "reservations" => split().map(|(server, busid)| Key::Reservation { server, busid }),
+            _ => None,
+        }
+    }
+}
+
+/// A server, as it registers itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerEntry {
+    pub schema_version: u32,
+    /// `HOST:PORT` clients import from; also the server's name in the registry.
+    pub address: String,
+    /// SHA-256 of its TLS certificate (`sha256:…`) when it speaks TLS.
+    pub tls_fingerprint: Option<String>,
+    /// Plain USB/IP accepted too (a TLS server may refuse it).
+    pub plain: bool,
+    pub implementation: String,
+    pub version: String,
+    /// RFC 3339.
+    pub started: String,
+}
+
+/// A device a server exports, with its state now.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceEntry {
+    pub schema_version: u32,
+    pub server: String,
+    pub busid: String,
+    /// `disk`, `keyboard`, `host` (a real device), …
+    pub kind: String,
+    /// Four hex digits.
+    pub vendor_id: String,
+    pub product_id: String,
+    pub manufacturer: Option<String>,
+    pub product: Option<String>,
+    pub serial: Option<String>,
+    /// The device class and each interface's, two hex digits each (`00`, `08`).
+    pub class: String,
+    pub interface_classes: Vec<String>,
+    pub speed: String,
+    /// `available`, `in_use` or `resuming` (in use, its client away).
+    pub state: String,
+    /// Who imports it (TLS identity, else address), when in use.
+    pub holder: Option<String>,
+    /// RFC 3339: since when in use.
+    pub since: Option<String>,
+    pub labels: Vec<String>,
+}
+
+/// A device taken for a client.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReservationEntry {
+    pub schema_version: u32,
+    /// `user@host`.
+    pub holder: String,
+    /// What holds it: `usbwire attach` (released on detach) or `usbwire reserve`.
+    pub client: String,
+    pub pid: u32,
+    /// SHA-256 of the token the holder's imports carry, hex.
+    pub token_sha256: String,
+    /// RFC 3339.
+    pub since: String,
+    /// RFC 3339: when it ends by itself (`--for`), if it does.
+    pub until: Option<String>,
+}
+
+/// RFC 3339, to the second, UTC.
+pub fn timestamp(at: SystemTime) -> String {
+    humantime::format_rfc3339_seconds(at).to_string()
+}
+
+/// A record, if it is one we can read (a newer major schema is skipped).
+pub(crate) fn decode<T: serde::de::DeserializeOwned>(value: &[u8]) -> Option<T> {
+    #[derive(Deserialize)]
+    struct Version {
+        schema_version: u32,
+    }
+    let version: Version = serde_json::from_slice(value).ok()?;
+    if version.schema_version > SCHEMA_VERSION {
+        return None;
+    }
+    serde_json::from_slice(value).ok()
+}
+
+/// A device in the fleet view: its entry and its reservation, if any.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FleetDevice {
+    #[serde(flatten)]
+    pub device: DeviceEntry,
+    pub reservation: Option<ReservationView>,
+    /// The etcd revision its entry was last written at: a reservation is
+    /// taken only if the entry is still the one that showed it free.
+    #[serde(skip)]
+    pub mod_revision: i64,
+}
+
+/// A reservation as others see it (no digest).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ReservationView {
+    pub holder: String,
+    pub client: String,
+    pub pid: u32,
+    pub since: String,
+    pub until: Option<String>,
+}
+
+impl From<&ReservationEntry> for ReservationView {
+    fn from(entry: &ReservationEntry) -> Self {
+        Self {
+            holder: entry.holder.clone(),
+            client: entry.client.clone(),
+            pid: entry.pid,
+            since: entry.since.clone(),
+            until: entry.until.clone(),
+        }
+    }
+}
+
+impl FleetDevice {
+    /// Free to reserve: exported, not imported, not reserved, on a registered server.
+    pub fn is_free(&self) -> bool {
+        self.reservation.is_none() && self.device.state == "available"
+    }
+}
+
+/// Everything registered under a prefix, at one etcd revision.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Fleet {
+    pub revision: i64,
+    pub servers: Vec<ServerEntry>,
+    /// Sorted by server, then bus id.
+    pub devices: Vec<FleetDevice>,
+}
+
+impl Fleet {
+    /// Builds the view from the registry's key-value pairs. Devices of
+    /// servers that are not registered (a stale key) are left out;
+    /// unreadable records are skipped.
+    /// Each pair is (key, value, the revision it was last modified at).
+    pub fn from_pairs<'a>(
+        keys: &Keys,
+        revision: i64,
+        pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8], i64)>,
+    ) -> Self {
+        let mut servers = BTreeMap::new();
+        let mut devices = BTreeMap::new();
+        let mut reservations = BTreeMap::new();
+        for (key, value, modified) in pairs {
+            match keys.parse(key) {
+                Some(Key::Server { server }) => {
+                    if let Some(entry) = decode::<ServerEntry>(value) {
+                        servers.insert(server, entry);
+                    }
+                }
+                Some(Key::Device { server, busid }) => {
+                    if let Some(entry) = decode::<DeviceEntry>(value) {
+                        devices.insert((server, busid), (entry, modified));
+                    }
+                }
+                Some(Key::Reservation { server, busid }) => {
+                    if let Some(entry) = decode::<ReservationEntry>(value) {
+                        reservations.insert((server, busid), entry);
+                    }
+                }
+                None => {}
+            }
+        }
+        let devices = devices
+            .into_iter()
+            .filter(|((server, _), _)| servers.contains_key(server))
+            .map(|(at, (device, mod_revision))| FleetDevice {
+                device,
+                reservation: reservations.get(&at).map(ReservationView::from),
+                mod_revision,
+            })
+            .collect();
+        Self { revision, servers: servers.into_values().collect(), devices }
+    }
+
+    pub fn server(&self, address: &str) -> Option<&ServerEntry> {
+        self.servers.iter().find(|server| server.address == address)
+    }
+}
+
+/// Which devices a client wants: terms joined by `,`, all of which must
+/// match. A term is a bus id, `VID:PID`, `serial=TEXT`, `class=HEX` (the
+/// device's class or an interface's), `label=NAME` or `server=HOST:PORT`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Want {
+    terms: Vec<Term>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Term {
+    Device(Selector),
+    Label(String),
+    Server(String),
+}
+
+/// Why a `--device` value is not a selector.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{0:?} is not a device selector: use terms joined by commas, each a bus id (1-1.2), VID:PID in hex (0483:374b), serial=TEXT, class=HEX, label=NAME or server=HOST:PORT")]
+pub struct WantError(String);
+
+impl FromStr for Want {
+    type Err = WantError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let error = || WantError(text.to_owned());
+        let mut terms = Vec::new();
+        for term in text.split(',').map(str::trim) {
+            let parsed = if let Some(label) = term.strip_prefix("label=") {
+                (!label.is_empty()).then(|| Term::Label(label.to_owned()))
+            } else if let Some(server) = term.strip_prefix("server=") {
+                (!server.is_empty()).then(|| Term::Server(server.to_owned()))
+            } else {
+                term.parse().ok().map(Term::Device)
+            };
+            terms.push(parsed.ok_or_else(error)?);
+        }
+        Ok(Self { terms })
+    }
+}
+
+impl fmt::Display for Want {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, term) in self.terms.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            match term {
+                Term::Device(selector) => write!(f, "{selector}")?,
+                Term::Label(label) => write!(f, "label={label}")?,
+                Term::Server(server) => write!(f, "server={server}")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Want {
+    pub fn matches(&self, device: &DeviceEntry) -> bool {
+        self.terms.iter().all(|term| match term {
+            Term::Label(label) => device.labels.iter().any(|l| l == label),
+            Term::Server(server) => &device.server == server,
+            Term::Device(Selector::BusId(busid)) => &device.busid == busid,
+            Term::Device(Selector::VidPid { vendor_id, product_id }) => {
+                hex16(&device.vendor_id) == Some(*vendor_id) && hex16(&device.product_id) == Some(*product_id)
+            }
+            Term::Device(Selector::Serial(serial)) => device.serial.as_deref() == Some(serial.as_str()),
+            Term::Device(Selector::Class(class)) => std::iter::once(&device.class)
+                .chain(&device.interface_classes)
+                .any(|c| u8::from_str_radix(c, 16).ok() == Some(*class)),
+        })
+    }
+}
+
+fn hex16(text: &str) -> Option<u16> {
+    u16::from_str_radix(text, 16).ok()
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn device(server: &str, busid: &str, labels: &[&str]) -> DeviceEntry {
+        DeviceEntry {
+            schema_version: SCHEMA_VERSION,
+            server: server.into(),
+            busid: busid.into(),
+            kind: "disk".into(),
+            vendor_id: "1209".into(),
+            product_id: "0003".into(),
+            manufacturer: Some("usbwire".into()),
+            product: Some("usbwire disk".into()),
+            serial: Some(format!("SN-{busid}")),
+            class: "00".into(),
+            interface_classes: vec!["08".into()],
+            speed: "high".into(),
+            state: "available".into(),
+            holder: None,
+            since: None,
+            labels: labels.iter().map(|l| l.to_string()).collect(),
+        }
+    }
+
+    fn server(address: &str) -> ServerEntry {
+        ServerEntry {
+            schema_version: SCHEMA_VERSION,
+            address: address.into(),
+            tls_fingerprint: None,
+            plain: true,
+            implementation: "usbwire".into(),
+            version: "0.1.0".into(),
+            started: timestamp(SystemTime::UNIX_EPOCH),
+        }
+    }
+
+    #[test]
+    fn keys_round_trip() {
+        let keys = Keys::new("lab/a");
+        assert_eq!(keys.device("10.0.0.5:3240", "1-1.2"), "lab/a/devices/10.0.0.5:3240/1-1.2");
+        assert_eq!(
+            keys.parse(keys.reservation("[::1]:3240", "2-1").as_bytes()),
+            Some(Key::Reservation { server: "[::1]:3240".into(), busid: "2-1".into() })
+        );
+        assert_eq!(keys.parse(keys.server("h:1").as_bytes()), Some(Key::Server { server: "h:1".into() }));
+        assert_eq!(keys.parse(b"lab/b/servers/h:1"), None);
+        assert_eq!(keys.parse(b"lab/a/devices/nobusid"), None);
+        assert_eq!(keys.parse(b"lab/a/other/h:1/1-1"), None);
+        assert_eq!(keys.parse(&[0xff, 0xfe]), None);
+    }
+
+    #[test]
+    fn fleet_joins_devices_with_servers_and_reservations() {
+        let keys = Keys::new("usbwire");
+        let reservation = ReservationEntry {
+            schema_version: SCHEMA_VERSION,
+            holder: "ci@runner".into(),
+            client: "usbwire attach".into(),
+            pid: 7,
+            token_sha256: "00".repeat(32),
+            since: timestamp(SystemTime::UNIX_EPOCH),
+            until: None,
+        };
+        let mut newer = device("a:1", "1-3", &[]);
+        newer.schema_version = SCHEMA_VERSION + 1;
+        let pairs: Vec<(String, Vec<u8>)> = vec![
+            (keys.server("a:1"), serde_json::to_vec(&server("a:1")).unwrap()),
+            (keys.device("a:1", "1-1"), serde_json::to_vec(&device("a:1", "1-1", &["x"])).unwrap()),
+            (keys.device("a:1", "1-2"), serde_json::to_vec(&device("a:1", "1-2", &[])).unwrap()),
+            (keys.device("a:1", "1-3"), serde_json::to_vec(&newer).unwrap()),
+            (keys.device("a:1", "1-4"), b"{not json".to_vec()),
+            // A device of a server that is gone (its lease not yet expired for this key).
+            (keys.device("b:1", "1-1"), serde_json::to_vec(&device("b:1", "1-1", &[])).unwrap()),
+            (keys.reservation("a:1", "1-2"), serde_json::to_vec(&reservation).unwrap()),
+        ];
+        let fleet = Fleet::from_pairs(&keys, 42, pairs.iter().map(|(k, v)| (k.as_bytes(), v.as_slice(), 1)));
+        assert_eq!(fleet.revision, 42);
+        assert_eq!(fleet.servers.len(), 1);
+        let listed: Vec<(&str, bool)> = fleet.devices.iter().map(|d| (d.device.busid.as_str(), d.is_free())).collect();
+        assert_eq!(listed, [("1-1", true), ("1-2", false)]);
+        assert_eq!(fleet.devices[1].reservation.as_ref().unwrap().holder, "ci@runner");
+        let json = serde_json::to_value(&fleet).unwrap();
+        assert!(json["devices"][1]["reservation"].get("token_sha256").is_none(), "the digest is not shown");
+    }
+
+    #[test]
+    fn selectors_match_every_term() {
+        let disk = device("a:1", "1-1", &["nucleo", "bench-3"]);
+        for (text, expected) in [
+            ("1209:0003", true),
+            ("1209:0003,label=nucleo", true),
+            ("1209:0003,label=stm32", false),
+            ("class=08", true),
+            ("class=03", false),
+            ("serial=SN-1-1", true),
+            ("server=a:1,1-1", true),
+            ("server=b:1", false),
+            ("label=bench-3", true),
+        ] {
+            let want: Want = text.parse().unwrap();
+            assert_eq!(want.matches(&disk), expected, "{text}");
+            assert_eq!(want.to_string(), text);
+        }
+        for bad in ["", "label=", "server=", "nucleo", "1209:0003,,label=x", "class=zz"] {
+            assert!(bad.parse::<Want>().is_err(), "{bad:?} accepted");
+        }
+    }
+}

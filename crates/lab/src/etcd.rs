@@ -1,0 +1,131 @@
+//! The etcd connection both sides use: endpoints, TLS, timeouts, and the
+//! lease keep-alive loop that survives a member going away.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, GetOptions, TlsOptions};
+use tokio::time::Instant;
+use tracing::debug;
+
+use crate::url::RegistryUrl;
+use crate::LabError;
+
+/// How long one etcd request may take before the registry counts as unreachable.
+pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// The lease time-to-live a server registers under and a client holds a reservation by.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
+
+/// TLS towards etcd (`--registry-ca/--registry-cert/--registry-key`, or the
+/// config's `[registry]`): the CA that signed the members' certificates, and
+/// a client certificate when the cluster requires one.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EtcdTls {
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+/// Where the registry is and how to reach it.
+#[derive(Clone, Debug)]
+pub struct Endpoint {
+    pub url: RegistryUrl,
+    pub tls: Option<EtcdTls>,
+}
+
+impl Endpoint {
+    pub fn plain(url: RegistryUrl) -> Self {
+        Self { url, tls: None }
+    }
+
+    /// A client for the registry, checked with one request (so an
+    /// unreachable cluster is said now, not at the first real request).
+    pub(crate) async fn connect(&self) -> Result<Client, LabError> {
+        let unreachable = |reason: String| LabError::Unreachable { url: self.url.to_string(), reason };
+        let mut options = ConnectOptions::new()
+            .with_connect_timeout(REQUEST_TIMEOUT)
+            .with_timeout(REQUEST_TIMEOUT)
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5));
+        if let Some(tls) = &self.tls {
+            options = options.with_tls(tls_options(tls).map_err(|e| LabError::Tls(e.to_string()))?);
+        }
+        let urls = self.url.endpoint_urls(self.tls.is_some());
+        let connecting = Client::connect(urls, Some(options));
+        let mut client = tokio::time::timeout(REQUEST_TIMEOUT, connecting)
+            .await
+            .map_err(|_| unreachable(format!("no answer within {REQUEST_TIMEOUT:?}")))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        let probe = client.get(self.url.prefix.as_bytes(), Some(GetOptions::new().with_count_only()));
+        tokio::time::timeout(REQUEST_TIMEOUT, probe)
+            .await
+            .map_err(|_| unreachable(format!("no answer within {REQUEST_TIMEOUT:?}")))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        Ok(client)
+    }
+}
+
+fn tls_options(tls: &EtcdTls) -> std::io::Result<TlsOptions> {
+    let mut options = TlsOptions::new();
+    if let Some(ca) = &tls.ca {
+        options = options.ca_certificate(etcd_client::Certificate::from_pem(std::fs::read(ca)?));
+    }
+    match (&tls.cert, &tls.key) {
+        (Some(cert), Some(key)) => {
+            options = options.identity(etcd_client::Identity::from_pem(std::fs::read(cert)?, std::fs::read(key)?));
+        }
+        (None, None) => {}
+        _ => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "a client certificate for etcd needs both cert and key",
+            ))
+        }
+    }
+    Ok(options)
+}
+
+/// Keeps `lease` alive until it is lost: renewed every third of `ttl`; when
+/// the member we renew through goes away, the renewal is set up again
+/// through another, until the lease would have expired. Returns why it was lost.
+pub(crate) async fn keep_alive(mut client: Client, lease: i64, ttl: Duration) -> LabError {
+    let every = (ttl / 3).max(Duration::from_millis(500));
+    let mut renewed = Instant::now();
+    loop {
+        let expires = renewed + ttl;
+        let stream = tokio::time::timeout(REQUEST_TIMEOUT, client.lease_keep_alive(lease)).await;
+        let (mut keeper, mut answers) = match stream {
+            Ok(Ok(pair)) => pair,
+            Ok(Err(error)) => {
+                debug!(lease, %error, "lease renewal not set up; trying again");
+                if Instant::now() >= expires {
+                    return LabError::LeaseLost { lease, reason: error.to_string() };
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+            Err(_) => {
+                if Instant::now() >= expires {
+                    return LabError::LeaseLost { lease, reason: "etcd did not answer".into() };
+                }
+                continue;
+            }
+        };
+        loop {
+            if let Err(error) = keeper.keep_alive().await {
+                debug!(lease, %error, "lease renewal failed");
+                break;
+            }
+            match tokio::time::timeout(REQUEST_TIMEOUT.min(ttl), answers.message()).await {
+                Ok(Ok(Some(answer))) if answer.ttl() > 0 => renewed = Instant::now(),
+                Ok(Ok(Some(_))) => {
+                    return LabError::LeaseLost { lease, reason: "etcd says the lease has expired".into() };
+                }
+                Ok(Ok(None)) | Ok(Err(_)) | Err(_) => break,
+            }
+            tokio::time::sleep(every).await;
+        }
+        if Instant::now() >= renewed + ttl {
+            return LabError::LeaseLost { lease, reason: "not renewed within its time to live".into() };
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! The client's side: read the fleet, follow it, take and give back reservations.
+//!
+//! Requests per operation (what grows with the lab): [`Lab::fleet`] is one
+//! range read of the prefix (its size grows with the devices); a reservation
+//! is one read, one lease grant and one transaction per device tried (one
+//! when uncontended; candidates are tried in random order so racing clients
+//! spread out); holding it costs one renewal every third of the lease's time
+//! to live; a release is one lease revocation.
+
+use std::time::{Duration, SystemTime};
+
+use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
+use rand::seq::SliceRandom as _;
+use sha2::{Digest as _, Sha256};
+use tokio::task::JoinHandle;
+use usbwire_proto::reservation::ReservationToken;
+
+use crate::entry::{
+    decode, timestamp, DeviceEntry, Fleet, FleetDevice, Key, Keys, ReservationEntry, ServerEntry, Want, SCHEMA_VERSION,
+};
+use crate::etcd::{keep_alive, Endpoint};
+use crate::LabError;
+
+/// A connection to the lab registry.
+pub struct Lab {
+    endpoint: Endpoint,
+    client: Client,
+    keys: Keys,
+}
+
+/// How long a reservation lasts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hold {
+    /// While this process runs: renewed every third of `ttl`, gone within
+    /// `ttl` of the process dying. `until`, if set, is shown to others as
+    /// when the holder means to let go (`attach --for`).
+    WhileRunning { ttl: Duration, until: Option<SystemTime> },
+    /// For a fixed time, whether or not this process runs (`usbwire reserve --for`).
+    For(Duration),
+}
+
+/// A device taken in the registry. Dropping it stops renewing the lease (the
+/// reservation then ends within its time to live); [`Reservation::release`]
+/// ends it at once.
+pub struct Reservation {
+    pub server: ServerEntry,
+    pub device: DeviceEntry,
+    pub entry: ReservationEntry,
+    /// What the import must carry.
+    pub token: ReservationToken,
+    pub lease: i64,
+    client: Client,
+    renewing: Option<JoinHandle<LabError>>,
+}
+
+/// One change seen by [`FleetWatch`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct FleetChange {
+    /// `server`, `device` or `reservation`.
+    pub what: &'static str,
+    pub server: String,
+    pub busid: Option<String>,
+    /// The new record; `None` when it was removed.
+    pub entry: Option<serde_json::Value>,
+    pub revision: i64,
+}
+
+/// Follows every change under the registry's prefix.
+pub struct FleetWatch {
+    stream: etcd_client::WatchStream,
+    keys: Keys,
+}
+
+impl Lab {
+    /// Connects (and checks the registry answers).
+    pub async fn connect(endpoint: Endpoint) -> Result<Self, LabError> {
+        let client = endpoint.connect().await?;
+        let keys = Keys::new(&endpoint.url.prefix);
+        Ok(Self { endpoint, client, keys })
+    }
+
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// Every server and device, and who holds what: one read.
+    pub async fn fleet(&mut self) -> Result<Fleet, LabError> {
+        let response = self.client.get(self.keys.all(), Some(GetOptions::new().with_prefix())).await?;
+        let revision = response.header().map_or(0, |h| h.revision());
+        let pairs = response.kvs().iter().map(|kv| (kv.key(), kv.value(), kv.mod_revision()));
+        Ok(Fleet::from_pairs(&self.keys, revision, pairs))
+    }
+
+    /// Changes after `revision` (a [`Fleet`]'s), as they happen.
+    pub async fn watch(&mut self, revision: i64) -> Result<FleetWatch, LabError> {
+        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
+        let stream = self.client.watch(self.keys.all(), Some(options)).await?;
+        Ok(FleetWatch { stream, keys: self.keys.clone() })
+    }
+
+    /// Takes a free device that matches `want`: reads the fleet, then tries
+    /// the free matching devices in random order, each with a transaction
+    /// that succeeds only if no one reserved it and its entry is unchanged
+    /// since the read. Fails with [`LabError::NoMatch`] or [`LabError::NoneFree`].
+    pub async fn reserve(&mut self, want: &Want, hold: Hold, client: &str) -> Result<Reservation, LabError> {
+        let fleet = self.fleet().await?;
+        let matching: Vec<&FleetDevice> = fleet.devices.iter().filter(|d| want.matches(&d.device)).collect();
+        if matching.is_empty() {
+            return Err(LabError::NoMatch { want: want.to_string() });
+        }
+        let reserved = matching.iter().filter(|d| d.reservation.is_some()).count();
+        let in_use = matching.iter().filter(|d| d.reservation.is_none() && !d.is_free()).count();
+        let mut free: Vec<&FleetDevice> = matching.iter().copied().filter(|d| d.is_free()).collect();
+        let none_free = |lost: usize| LabError::NoneFree {
+            want: want.to_string(),
+            matching: matching.len(),
+            reserved: reserved + lost,
+            in_use,
+        };
+        if free.is_empty() {
+            return Err(none_free(0));
+        }
+        free.shuffle(&mut rand::thread_rng());
+        let (ttl, until) = match hold {
+            Hold::WhileRunning { ttl, until } => (ttl, until),
+            Hold::For(duration) => (duration, Some(SystemTime::now() + duration)),
+        };
+        let ttl_secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let lease = self.client.lease_grant(ttl_secs, None).await?.id();
+        let token = ReservationToken(rand::random());
+        let entry = ReservationEntry {
+            schema_version: SCHEMA_VERSION,
+            holder: holder_name(),
+            client: client.to_owned(),
+            pid: std::process::id(),
+            token_sha256: hex(&Sha256::digest(token.0)),
+            since: timestamp(SystemTime::now()),
+            until: until.map(timestamp),
+        };
+        let json = serde_json::to_string(&entry).unwrap_or_default();
+        for candidate in &free {
+            let device = &candidate.device;
+            let key = self.keys.reservation(&device.server, &device.busid);
+            let device_key = self.keys.device(&device.server, &device.busid);
+            let txn = Txn::new()
+                .when([
+                    Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+                    Compare::mod_revision(device_key, CompareOp::Equal, candidate.mod_revision),
+                ])
+                .and_then([TxnOp::put(key, json.clone(), Some(PutOptions::new().with_lease(lease)))]);
+            match self.client.txn(txn).await {
+                Ok(response) if response.succeeded() => {}
+                Ok(_) => continue,
+                Err(error) => {
+                    let _ = self.client.lease_revoke(lease).await;
+                    return Err(error.into());
+                }
+            }
+            let server =
+                fleet.server(&device.server).cloned().ok_or_else(|| LabError::NoMatch { want: want.to_string() })?;
+            let renewing = matches!(hold, Hold::WhileRunning { .. })
+                .then(|| tokio::spawn(keep_alive(self.client.clone(), lease, ttl)));
+            tracing::info!(server = %device.server, busid = %device.busid, lease = format_args!("{lease:x}"), "reserved");
+            return Ok(Reservation {
+                server,
+                device: device.clone(),
+                entry,
+                token,
+                lease,
+                client: self.client.clone(),
+                renewing,
+            });
+        }
+        // Every free one was taken by someone faster.
+        let _ = self.client.lease_revoke(lease).await;
+        Err(none_free(free.len()))
+    }
+
+    /// Ends the reservation of `busid` on `server`: only the holder's, when
+    /// `token` is given; anyone's otherwise (`usbwire release --force`).
+    pub async fn release(
+        &mut self,
+        server: &str,
+        busid: &str,
+        token: Option<&ReservationToken>,
+    ) -> Result<ReservationEntry, LabError> {
+        let key = self.keys.reservation(server, busid);
+        let what = format!("{busid} on {server}");
+        let response = self.client.get(key.clone(), None).await?;
+        let Some(kv) = response.kvs().first() else {
+            return Err(LabError::NotReserved { what, by: String::new() });
+        };
+        let entry = decode::<ReservationEntry>(kv.value())
+            .ok_or_else(|| LabError::NotReserved { what: what.clone(), by: " (its record is unreadable)".into() })?;
+        if let Some(token) = token {
+            if hex(&Sha256::digest(token.0)) != entry.token_sha256 {
+                return Err(LabError::NotReserved { what, by: format!(" by you (held by {})", entry.holder) });
+            }
+        }
+        // Only if it is still the one read (not a new holder's since).
+        let txn = Txn::new()
+            .when([Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision())])
+            .and_then([TxnOp::delete(key, None)]);
+        if !self.client.txn(txn).await?.succeeded() {
+            return Err(LabError::NotReserved { what, by: " any more (it changed meanwhile)".into() });
+        }
+        Ok(entry)
+    }
+}
+
+impl Reservation {
+    /// Resolves if the reservation is lost while held (its lease could not
+    /// be renewed for its time to live); never for [`Hold::For`].
+    pub async fn lost(&mut self) -> LabError {
+        match &mut self.renewing {
+            Some(task) => task
+                .await
+                .unwrap_or_else(|_| LabError::LeaseLost { lease: self.lease, reason: "renewal stopped".into() }),
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Ends the reservation now (revokes its lease).
+    pub async fn release(mut self) -> Result<(), LabError> {
+        if let Some(task) = self.renewing.take() {
+            task.abort();
+        }
+        self.client.lease_revoke(self.lease).await?;
+        tracing::info!(server = %self.device.server, busid = %self.device.busid, "reservation released");
+        Ok(())
+    }
+
+    /// Leaves the reservation to run out by itself ([`Hold::For`]).
+    pub fn keep(mut self) {
+        self.renewing.take();
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some(task) = self.renewing.take() {
+            task.abort();
+        }
+    }
+}
+
+impl FleetWatch {
+    /// The next changes; `None` when the watch ended.
+    pub async fn next(&mut self) -> Result<Option<Vec<FleetChange>>, LabError> {
+        let Some(response) = self.stream.message().await? else { return Ok(None) };
+        let revision = response.header().map_or(0, |h| h.revision());
+        let changes = response
+            .events()
+            .iter()
+            .filter_map(|event| {
+                let kv = event.kv()?;
+                let (what, server, busid) = match self.keys.parse(kv.key())? {
+                    Key::Server { server } => ("server", server, None),
+                    Key::Device { server, busid } => ("device", server, Some(busid)),
+                    Key::Reservation { server, busid } => ("reservation", server, Some(busid)),
+                };
+                let entry = match event.event_type() {
+                    EventType::Put => {
+                        let mut value: serde_json::Value = serde_json::from_slice(kv.value()).ok()?;
+                        // Others see who holds a reservation, not its digest.
+                        if let Some(object) = value.as_object_mut() {
+                            object.remove("token_sha256");
+                        }
+                        Some(value)
+                    }
+                    EventType::Delete => None,
+                };
+                Some(FleetChange { what, server, busid, entry, revision })
+            })
+            .collect();
+        Ok(Some(changes))
+    }
+}
+
+/// `user@host`, for others to see who holds a device.
+fn holder_name() -> String {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .ok()
+        .filter(|user| !user.is_empty())
+        .or_else(user_of_this_process)
+        .unwrap_or_else(|| "unknown".to_owned());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default();
+    format!("{user}@{host}")
+}
+
+/// The name `/etc/passwd` gives this process's real uid (services often run without `$USER`).
+fn user_of_this_process() -> Option<String> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let uid = status.lines().find_map(|line| line.strip_prefix("Uid:"))?.split_whitespace().next()?.to_owned();
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    let name = passwd.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split(':').collect();
+        (fields.get(2) == Some(&uid.as_str())).then(|| fields[0].to_owned())
+    });
+    Some(name.unwrap_or_else(|| format!("uid {uid}")))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
