@@ -11,7 +11,6 @@ use std::time::{Duration, SystemTime};
 
 use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
 use rand::seq::SliceRandom as _;
-use sha2::{Digest as _, Sha256};
 use tokio::task::JoinHandle;
 use usbwire_proto::reservation::ReservationToken;
 
@@ -133,7 +132,7 @@ impl Lab {
             holder: holder_name(),
             client: client.to_owned(),
             pid: std::process::id(),
-            token_sha256: hex(&Sha256::digest(token.0)),
+            token_sha256: hex(&usbwire_server::reservation_digest(&token)),
             since: timestamp(SystemTime::now()),
             until: until.map(timestamp),
         };
@@ -160,7 +159,7 @@ impl Lab {
                 fleet.server(&device.server).cloned().ok_or_else(|| LabError::NoMatch { want: want.to_string() })?;
             let renewing = matches!(hold, Hold::WhileRunning { .. })
                 .then(|| tokio::spawn(keep_alive(self.client.clone(), lease, ttl)));
-            tracing::info!(server = %device.server, busid = %device.busid, lease = format_args!("{lease:x}"), "reserved");
+            tracing::debug!(server = %device.server, busid = %device.busid, lease = format_args!("{lease:x}"), "reserved");
             return Ok(Reservation {
                 server,
                 device: device.clone(),
@@ -193,7 +192,7 @@ impl Lab {
         let entry = decode::<ReservationEntry>(kv.value())
             .ok_or_else(|| LabError::NotReserved { what: what.clone(), by: " (its record is unreadable)".into() })?;
         if let Some(token) = token {
-            if hex(&Sha256::digest(token.0)) != entry.token_sha256 {
+            if hex(&usbwire_server::reservation_digest(token)) != entry.token_sha256 {
                 return Err(LabError::NotReserved { what, by: format!(" by you (held by {})", entry.holder) });
             }
         }
@@ -226,7 +225,7 @@ impl Reservation {
             task.abort();
         }
         self.client.lease_revoke(self.lease).await?;
-        tracing::info!(server = %self.device.server, busid = %self.device.busid, "reservation released");
+        tracing::debug!(server = %self.device.server, busid = %self.device.busid, "reservation released");
         Ok(())
     }
 

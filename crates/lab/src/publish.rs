@@ -287,3 +287,45 @@ fn scopeguard(f: impl FnOnce()) -> impl Drop {
     }
     Guard(Some(f))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_entries_carry_identity_state_and_labels() {
+        let mut server = usbwire_server::Server::new(usbwire_server::ServerConfig::default());
+        let disk = server.export("loopback", Box::new(usbwire_gadgets::loopback(usbwire_device::Speed::HIGH)));
+        let keyboard = server.export("keyboard", Box::new(usbwire_gadgets::keyboard().0));
+        let labels = vec![
+            (Selector::BusId(disk.to_string()), vec!["nucleo".to_owned(), "bench-3".to_owned()]),
+            ("class=03".parse().unwrap(), vec!["hid".to_owned(), "nucleo".to_owned()]),
+        ];
+        let entries: Vec<DeviceEntry> =
+            server.registry().list().iter().map(|export| device_entry("10.0.0.5:3240", export, &labels)).collect();
+        let by_busid = |busid: &usbwire_proto::op::BusId| entries.iter().find(|e| e.busid == busid.as_str()).unwrap();
+        let loopback = by_busid(&disk);
+        assert_eq!(loopback.labels, ["nucleo", "bench-3"]);
+        assert_eq!(
+            (loopback.server.as_str(), loopback.state.as_str(), loopback.holder.as_deref()),
+            ("10.0.0.5:3240", "available", None)
+        );
+        assert_eq!(loopback.schema_version, SCHEMA_VERSION);
+        let hid = by_busid(&keyboard);
+        assert_eq!(hid.labels, ["hid", "nucleo"], "each label once, in rule order");
+        assert_eq!((hid.vendor_id.as_str(), hid.product_id.as_str()), ("1209", "0001"));
+        assert_eq!(hid.interface_classes, ["03"]);
+        assert_eq!(hid.speed, "high");
+        let json: serde_json::Value = serde_json::to_value(hid).unwrap();
+        assert_eq!(json["product"], "usbwire keyboard");
+    }
+
+    #[test]
+    fn reservation_digests_parse_from_their_hex() {
+        let token = usbwire_proto::reservation::ReservationToken([0x5a; 32]);
+        let digest = usbwire_server::reservation_digest(&token);
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(digest_from_hex(&hex), Some(digest));
+        assert_eq!(digest_from_hex("00"), None);
+    }
+}

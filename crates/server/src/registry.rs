@@ -825,4 +825,55 @@ mod tests {
         assert!(matches!(gone, Err(ImportError::NoDevice)));
         assert!(!registry.remove(busid.as_str()));
     }
+
+    #[tokio::test]
+    async fn a_reserved_device_imports_only_with_its_reservation() {
+        let registry = Registry::default();
+        let busid = registry.add("loopback", loopback());
+        let token = ReservationToken([7; 32]);
+        let mut changes = registry.changes();
+        registry.set_reservations(HashMap::from([(busid.to_string(), reservation_digest(&token))]));
+        assert!(registry.is_reserved(busid.as_str()));
+        let without = import(&registry, &busid, importer(), Duration::ZERO).await;
+        assert!(matches!(without, Err(ImportError::Reserved)), "no token");
+        let other = Importer { reservation: Some(ReservationToken([8; 32])), ..importer() };
+        assert!(matches!(import(&registry, &busid, other, Duration::ZERO).await, Err(ImportError::Reserved)));
+        assert_eq!(ImportError::Reserved.status(), OpStatus::DEV_BUSY, "what a stock client understands");
+        let holder = Importer { reservation: Some(token), ..importer() };
+        let lease = import(&registry, &busid, holder, Duration::ZERO).await.expect("the holder imports");
+        assert!(changes.has_changed().unwrap(), "an import is a change a publisher sees");
+        changes.mark_unchanged();
+        drop(lease);
+        assert!(changes.has_changed().unwrap(), "so is the release");
+        // The registry unreachable: reservations are not enforced, anyone imports directly.
+        registry.forget_reservations();
+        assert!(!registry.is_reserved(busid.as_str()));
+        let _direct = import(&registry, &busid, importer(), Duration::ZERO).await.expect("direct import");
+    }
+
+    #[tokio::test]
+    async fn a_reservation_ending_while_its_importer_is_away_lets_the_parked_session_go() {
+        let registry = Registry::default();
+        let busid = registry.add("loopback", loopback());
+        let token = ReservationToken([1; 32]);
+        registry.set_reservations(HashMap::from([(busid.to_string(), reservation_digest(&token))]));
+        let lease = import(&registry, &busid, Importer { reservation: Some(token), ..importer() }, Duration::ZERO)
+            .await
+            .unwrap();
+        let holder = lease.holder();
+        holder.set_resuming(Some(SystemTime::now()));
+        let abandoned = tokio::spawn(async move { holder.abandoned().await });
+        tokio::task::yield_now().await;
+        // Another reservation ending changes nothing for it.
+        registry.set_reservations(HashMap::from([
+            (busid.to_string(), reservation_digest(&token)),
+            ("9-9".to_owned(), [0; 32]),
+        ]));
+        registry.set_reservations(HashMap::from([(busid.to_string(), reservation_digest(&token))]));
+        tokio::task::yield_now().await;
+        assert!(!abandoned.is_finished());
+        registry.set_reservations(HashMap::new());
+        tokio::time::timeout(Duration::from_secs(5), abandoned).await.expect("the parked session is told").unwrap();
+        drop(lease);
+    }
 }

@@ -354,8 +354,9 @@ pub(crate) async fn take(args: &RegistryArgs, device: &str, hold_for: Option<Dur
 }
 
 /// This user's reservation tokens, one file each (mode 0600 in a 0700
-/// directory): `/var/lib/usbwire/reservations` for root, else under
-/// `$XDG_STATE_HOME` (or `~/.local/state`) `/usbwire/reservations`.
+/// directory): `$XDG_STATE_HOME/usbwire/reservations` when set, else
+/// `/var/lib/usbwire/reservations` for root and
+/// `~/.local/state/usbwire/reservations` for others.
 struct TokenStore {
     dir: PathBuf,
 }
@@ -378,10 +379,11 @@ impl SavedToken {
 impl TokenStore {
     fn for_user() -> Self {
         // SAFETY: geteuid has no preconditions and cannot fail.
-        let dir = if unsafe { libc::geteuid() } == 0 {
-            PathBuf::from("/var/lib/usbwire")
-        } else if let Some(dir) = std::env::var_os("XDG_STATE_HOME").filter(|d| !d.is_empty()) {
+        let root = unsafe { libc::geteuid() } == 0;
+        let dir = if let Some(dir) = std::env::var_os("XDG_STATE_HOME").filter(|d| !d.is_empty()) {
             Path::new(&dir).join("usbwire")
+        } else if root {
+            PathBuf::from("/var/lib/usbwire")
         } else {
             Path::new(&std::env::var_os("HOME").unwrap_or_else(|| "/".into())).join(".local/state/usbwire")
         };

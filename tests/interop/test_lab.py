@@ -1,0 +1,409 @@
+#!/usr/bin/env python3
+"""A lab of many servers on etcd (issue 14): a 3-member etcd cluster (Debian's
+etcd-server) on loopback ports and 6 `usbwire serve` instances registered in
+it, each with virtual devices and labels.
+
+- A vhci-hcd guest gets a disk by `usbwire attach --registry … --device
+  label=guestdisk` without knowing the server: the disk's first sector reads
+  back the host's marker; while attached, `who` shows the reservation held
+  by `usbwire attach`; detach gives it back.
+- `list --registry --json` shows every server and device with labels;
+  `list --registry --watch --json` follows the changes live.
+- 20 clients race (`usbwire reserve --for`) for the 10 devices labelled
+  `nucleo`: each device is held by exactly one client, the other ten are told
+  that none is free (exit 75); a reserved device refuses a direct import;
+  released, all ten are reserved again at once.
+- kill -9 a holding client (`usbwire reserve` without --for): its device is
+  free again within the lease's time to live (10 s).
+- kill -9 a server: gone from the registry within its ttl (4 s).
+- Stop one etcd member: reservations and the fleet view still work.
+- Stop the whole cluster: servers keep serving devices directly, a client
+  says the registry is unreachable (exit 69); start it again: the servers
+  register again by themselves.
+
+Run: python3 tests/interop/test_lab.py   (USBWIRE_BIN=path/to/usbwire)
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import guest  # noqa: E402
+
+BIN = guest.BIN
+ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+SERVER_TTL = 4
+CLIENT_TTL = 10
+# Slack on top of a time to live: etcd checks leases every 500 ms, and the test polls.
+SLACK = 3.0
+MARKER = b"USBWIRE-LAB-MARKER"
+
+GUEST_SCRIPT = r"""
+set -u
+check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
+wait_for() { i=0; while [ $i -lt $2 ]; do eval "$1" && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
+export XDG_STATE_HOME=/tmp/state
+timeout 90 usbwire attach --registry __REGISTRY__ --device label=guestdisk > /tmp/attach.out 2>&1
+check attach-by-registry $? "$(tr '\n' '|' < /tmp/attach.out)"
+echo "@@ATTACH-OUT $(tr '\n' '|' < /tmp/attach.out)"
+wait_for '[ -e /sys/block/sda ]' 600; check disk-appears $?
+sleep 1
+dd if=/dev/sda bs=512 count=1 2>/dev/null | grep -q USBWIRE-LAB-MARKER; check marker-reads-back $?
+echo "@@HELD"
+i=0; while ! nc -w 2 10.0.2.2 __GO__ </dev/null >/dev/null 2>&1 && [ $i -lt 120 ]; do sleep 1; i=$((i+1)); done
+PORT=$(sed -n 's/.* port \([0-9][0-9]*\).*/\1/p' /tmp/attach.out | head -n 1)
+usbwire detach -p "$PORT"; check detach $?
+wait_for '[ ! -e /sys/block/sda ]' 300; check disk-gone $?
+echo "@@DETACHED"
+exit 0
+"""
+
+
+def http_json(url, timeout=2):
+    with urllib.request.urlopen(url, timeout=timeout) as answer:
+        return json.loads(answer.read())
+
+
+class Cluster:
+    """Three etcd members on loopback, each in its own data directory."""
+
+    def __init__(self, work):
+        self.work = work
+        self.client_ports = [guest.free_port() for _ in range(3)]
+        self.peer_ports = [guest.free_port() for _ in range(3)]
+        self.procs = [None, None, None]
+        self.initial = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(self.peer_ports))
+
+    def endpoints(self, host="127.0.0.1"):
+        return ",".join(f"{host}:{p}" for p in self.client_ports)
+
+    def start(self, i):
+        log = open(os.path.join(guest.LOGS, f"lab.etcd{i}.log"), "a")
+        client, peer = self.client_ports[i], self.peer_ports[i]
+        # Clients in the guest come through QEMU's user network, from 127.0.0.1 too.
+        self.procs[i] = subprocess.Popen(
+            [ETCD, "--name", f"m{i}", "--data-dir", os.path.join(self.work, f"m{i}"),
+             "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", self.initial, "--initial-cluster-state", "new", "--initial-cluster-token", "usbwire-lab-test"],
+            stdout=log, stderr=subprocess.STDOUT)
+
+    def start_all(self):
+        for i in range(3):
+            self.start(i)
+        self.wait_healthy(range(3))
+
+    def wait_healthy(self, members, timeout=60):
+        deadline = time.time() + timeout
+        for i in members:
+            while True:
+                try:
+                    if http_json(f"http://127.0.0.1:{self.client_ports[i]}/health").get("health") == "true":
+                        break
+                except OSError:
+                    pass
+                if time.time() > deadline:
+                    raise RuntimeError(f"etcd member {i} not healthy within {timeout} s (log {guest.LOGS}/lab.etcd{i}.log)")
+                time.sleep(0.2)
+
+    def stop(self, i):
+        proc = self.procs[i]
+        if proc and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def stop_all(self):
+        for i in range(3):
+            self.stop(i)
+
+
+class Servers:
+    def __init__(self, work, registry_table, disk_image):
+        self.work = work
+        self.table = registry_table
+        self.disk_image = disk_image
+        self.procs = {}
+        self.ports = {}
+        self.logs = {}
+
+    def config(self, n):
+        port = self.ports[n]
+        lines = [f'listen = "127.0.0.1:{port}"', "advertise = false", "resume_grace = 5", ""]
+        if n == 5:
+            # The guest's disk: registered under the address the guest reaches it by.
+            lines += ["[[virtual]]", 'kind = "disk"', f'path = "{self.disk_image}"', 'labels = ["guestdisk"]', ""]
+        else:
+            for d in range(2):
+                lines += ["[[virtual]]", 'kind = "disk"', f'path = "{self.work}/s{n}-d{d}.img"', 'size = "1M"',
+                          f'labels = ["nucleo", "bench-{n}"]', ""]
+            lines += ["[[virtual]]", 'kind = "keyboard"', 'labels = ["kbd"]', ""]
+        address = f"10.0.2.2:{port}" if n == 5 else f"127.0.0.1:{port}"
+        lines += ["[registry]", self.table, f'address = "{address}"', f'ttl = "{SERVER_TTL}s"']
+        return "\n".join(lines) + "\n"
+
+    def start(self, n):
+        self.ports.setdefault(n, guest.free_port())
+        path = os.path.join(self.work, f"server{n}.toml")
+        with open(path, "w") as f:
+            f.write(self.config(n))
+        self.logs[n] = os.path.join(guest.LOGS, f"lab.server{n}.log")
+        self.procs[n] = subprocess.Popen([BIN, "serve", "--config", path, "--control", os.path.join(self.work, f"c{n}.sock")],
+                                         stdout=open(self.logs[n], "w"), stderr=subprocess.STDOUT)
+
+    def log(self, n):
+        return open(self.logs[n], errors="replace").read()
+
+    def wait_log(self, n, needle, timeout, count=1):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.log(n).count(needle) >= count:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def stop_all(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def usbwire(*args, env=None, timeout=60):
+    return subprocess.run([BIN, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def fleet(registry, env):
+    out = usbwire("list", "--registry", registry, "--json", env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"list --registry failed ({out.returncode}): {out.stderr.strip()}")
+    return json.loads(out.stdout)
+
+
+def reserved(registry, env):
+    out = usbwire("who", "--registry", registry, "--json", env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"who failed ({out.returncode}): {out.stderr.strip()}")
+    return json.loads(out.stdout)
+
+
+def wait_until(predicate, timeout, step=0.2):
+    start = time.time()
+    while time.time() - start < timeout:
+        if predicate():
+            return time.time() - start
+        time.sleep(step)
+    return None
+
+
+def listen_to_release(port):
+    """The guest detaches once it can connect here."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+
+    def answer():
+        try:
+            while True:
+                sock.accept()[0].close()
+        except OSError:
+            pass  # closed by the test
+
+    def go():
+        sock.listen(4)
+        threading.Thread(target=answer, daemon=True).start()
+    return go, sock
+
+
+def main():
+    guest.require(BIN, ETCD)
+    checks = guest.Checks()
+    os.makedirs(guest.LOGS, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="usbwire-lab-")
+    env = dict(os.environ, XDG_STATE_HOME=os.path.join(work, "state"))
+    cluster = Cluster(work)
+    disk_image = os.path.join(work, "guest.img")
+    with open(disk_image, "wb") as f:
+        f.write(MARKER + bytes(512 - len(MARKER)))
+        f.truncate(4 << 20)
+    prefix = f"lab-test-{os.getpid()}"
+    registry = f"etcd://{cluster.endpoints()}/{prefix}"
+    table = "endpoints = [" + ", ".join(f'"127.0.0.1:{p}"' for p in cluster.client_ports) + f']\nprefix = "{prefix}"'
+    servers = Servers(work, table, disk_image)
+    watcher = None
+    g = None
+    try:
+        cluster.start_all()
+        print(f"etcd cluster up: {cluster.endpoints()}", flush=True)
+        for n in range(6):
+            servers.start(n)
+        for n in range(6):
+            checks.check(f"server {n} registered", servers.wait_log(n, "registered in the lab registry", 20), servers.log(n)[-400:])
+        watch_log = open(os.path.join(guest.LOGS, "lab.watch.log"), "w")
+        watcher = subprocess.Popen([BIN, "list", "--registry", registry, "--watch", "--json"], stdout=watch_log,
+                                   stderr=subprocess.STDOUT, env=env)
+
+        view = fleet(registry, env)
+        nucleo = [d for d in view["devices"] if "nucleo" in d["labels"]]
+        checks.check("list --registry: 6 servers", len(view["servers"]) == 6, [s["address"] for s in view["servers"]])
+        checks.check("list --registry: 16 devices, 10 labelled nucleo", len(view["devices"]) == 16 and len(nucleo) == 10,
+                     f"{len(view['devices'])} devices, {len(nucleo)} nucleo")
+        checks.check("every device available with its server's state", all(d["state"] == "available" for d in view["devices"]),
+                     [(d["server"], d["busid"], d["state"]) for d in view["devices"]])
+        text = usbwire("list", "--registry", registry, env=env).stdout
+        checks.check("list --registry text names servers, devices and labels",
+                     "6 server(s), 16 device(s), 16 free" in text and "nucleo" in text and "usbwire disk" in text, text)
+
+        # ---- The guest takes a disk by label, knowing only the registry ----
+        go_port = guest.free_port()
+        go, go_sock = listen_to_release(go_port)
+        script = (GUEST_SCRIPT.replace("__REGISTRY__", f"etcd://{cluster.endpoints('10.0.2.2')}/{prefix}")
+                  .replace("__GO__", str(go_port)))
+        g = guest.Guest("lab", script, files={BIN: "/usr/bin/usbwire"}, timeout=400)
+        held_line = g.wait_for("@@HELD", 300)
+        print(f"guest: {held_line}", flush=True)
+        who = reserved(registry, env)
+        mine = [d for d in who if "guestdisk" in d["labels"]]
+        checks.check("while attached, who shows the guest's reservation by `usbwire attach`",
+                     len(mine) == 1 and mine[0]["reservation"]["client"] == "usbwire attach", who)
+        in_use = [d for d in fleet(registry, env)["devices"] if "guestdisk" in d["labels"]]
+        checks.check("the attached disk is in use in the registry", in_use and in_use[0]["state"] == "in_use", in_use)
+        go()
+        g.wait_for("@@DETACHED", 120)
+        rc = g.finish(60)
+        console = open(g.console_path, errors="replace").read()
+        for line in console.splitlines():
+            if line.startswith("@@CHECK "):
+                _, name, verdict, *detail = line.split(" ", 3)
+                checks.check(f"guest: {name}", verdict == "PASS", " ".join(detail))
+        checks.check("guest script finished", rc == 0, rc)
+        go_sock.close()
+        took = wait_until(lambda: not [d for d in reserved(registry, env) if "guestdisk" in d["labels"]], 5)
+        checks.check("detach gave the reservation back", took is not None)
+
+        # ---- 20 clients race for the 10 nucleo devices ----
+        racers = [subprocess.Popen([BIN, "reserve", "--registry", registry, "--device", "label=nucleo", "--for", "5m", "--json"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(20)]
+        results = [(p.wait(60), p.stdout.read(), p.stderr.read()) for p in racers]
+        won = [json.loads(out) for rc, out, _ in results if rc == 0]
+        lost = [(rc, err) for rc, _, err in results if rc != 0]
+        held = {(r["server"], r["busid"]) for r in won}
+        checks.check("20 racing clients: 10 reserved a device", len(won) == 10, f"{len(won)} won; losers: {lost[:3]}")
+        checks.check("each device held by exactly one client", len(held) == len(won) == 10, sorted(held))
+        checks.check("the other 10 were told none is free (exit 75)",
+                     len(lost) == 10 and all(rc == 75 and "no free device matches label=nucleo" in err for rc, err in lost), lost[:3])
+        who = reserved(registry, env)
+        checks.check("who lists the 10 reservations", len(who) == 10, len(who))
+        server, busid = sorted(held)[0]
+        refused = usbwire("describe", "-r", server, "-b", busid, env=env)
+        checks.check("a reserved device refuses a direct import", refused.returncode != 0 and "busy" in refused.stderr,
+                     (refused.returncode, refused.stderr.strip()))
+        keyboard = next(d for d in fleet(registry, env)["devices"] if "kbd" in d["labels"])
+        direct = usbwire("describe", "-r", keyboard["server"], "-b", keyboard["busid"], env=env)
+        checks.check("an unreserved device imports directly", direct.returncode == 0, direct.stderr.strip()[-300:])
+
+        released = usbwire("release", "--registry", registry, "--device", "label=nucleo", env=env)
+        checks.check("release gives back all 10", released.returncode == 0 and released.stdout.count("released ") == 10,
+                     released.stdout + released.stderr)
+        again = [subprocess.Popen([BIN, "reserve", "--registry", registry, "--device", "label=nucleo", "--for", "5m", "--json"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(10)]
+        again_rcs = [p.wait(60) for p in again]
+        checks.check("released devices are reusable at once: 10 of 10 reserved again", again_rcs.count(0) == 10, again_rcs)
+        released = usbwire("release", "--registry", registry, "--device", "label=nucleo", env=env)
+        checks.check("and released again", released.stdout.count("released ") == 10, released.stdout + released.stderr)
+
+        # ---- kill -9 a holding client ----
+        holder = subprocess.Popen([BIN, "reserve", "--registry", registry, "--device", "label=bench-0,class=08"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        line = holder.stdout.readline()
+        checks.check("a client holds a device while it runs", line.startswith("reserved "), line)
+        checks.check("who shows it", len(reserved(registry, env)) == 1)
+        holder.kill()
+        holder.wait()
+        took = wait_until(lambda: not reserved(registry, env), CLIENT_TTL + SLACK)
+        checks.check(f"kill -9 the client: its device is free within the ttl ({CLIENT_TTL} s)", took is not None,
+                     "still reserved")
+        print(f"  client's reservation gone {took} s after kill -9", flush=True)
+
+        # ---- kill -9 a server ----
+        victim = servers.ports[4]
+        servers.procs[4].kill()
+        servers.procs[4].wait()
+        took = wait_until(lambda: all(s["address"] != f"127.0.0.1:{victim}" for s in fleet(registry, env)["servers"]),
+                          SERVER_TTL + SLACK)
+        checks.check(f"kill -9 a server: gone from the registry within its ttl ({SERVER_TTL} s)", took is not None)
+        print(f"  server gone {took} s after kill -9", flush=True)
+        view = fleet(registry, env)
+        checks.check("its devices went with it", all(d["server"] != f"127.0.0.1:{victim}" for d in view["devices"]),
+                     len(view["devices"]))
+
+        # ---- one etcd member stops ----
+        cluster.stop(0)
+        one = usbwire("reserve", "--registry", registry, "--device", "label=nucleo", "--for", "1m", "--json", env=env)
+        checks.check("one member down: a reservation still works", one.returncode == 0, one.stderr.strip())
+        view = fleet(registry, env)
+        checks.check("one member down: the fleet view still works (5 servers)", len(view["servers"]) == 5, len(view["servers"]))
+        released = usbwire("release", "--registry", registry, "--device", "label=nucleo", env=env)
+        checks.check("one member down: release still works", released.returncode == 0, released.stderr.strip())
+        cluster.start(0)
+        cluster.wait_healthy([0])
+
+        # ---- the whole cluster stops ----
+        cluster.stop_all()
+        for n in (0, 1):
+            checks.check(f"cluster down: server {n} says the registry is unreachable",
+                         servers.wait_log(n, "lab registry unreachable", SERVER_TTL + 15), servers.log(n)[-300:])
+        down = usbwire("list", "--registry", registry, env=env, timeout=30)
+        checks.check("cluster down: a client says the registry is unreachable (exit 69)",
+                     down.returncode == 69 and "unreachable" in down.stderr, (down.returncode, down.stderr.strip()))
+        disk = next(d for d in view["devices"] if d["server"] == f"127.0.0.1:{servers.ports[1]}" and d["kind"] == "disk")
+        direct = usbwire("describe", "-r", disk["server"], "-b", disk["busid"], env=env)
+        checks.check("cluster down: servers keep serving devices directly", direct.returncode == 0, direct.stderr.strip()[-300:])
+        cluster.start_all()
+        for n in (0, 1, 2, 3, 5):
+            checks.check(f"cluster back: server {n} registered again",
+                         servers.wait_log(n, "registered again in the lab registry", 30), servers.log(n)[-300:])
+        view = fleet(registry, env)
+        checks.check("cluster back: 5 servers and their 13 devices listed", len(view["servers"]) == 5 and len(view["devices"]) == 13,
+                     (len(view["servers"]), len(view["devices"])))
+
+        watcher.terminate()
+        watcher.wait(10)
+        watched = [json.loads(line) for line in open(watch_log.name) if line.startswith("{")]
+        changes = watched[1:]
+        kinds = {(c["what"], c["entry"] is None) for c in changes}
+        checks.check("--watch: the fleet first, then changes live (reservations made and ended, devices, a server gone)",
+                     watched and "servers" in watched[0] and {("reservation", False), ("reservation", True),
+                                                               ("device", False), ("server", True)} <= kinds,
+                     sorted(kinds))
+    except Exception as error:  # noqa: BLE001 - report and fail
+        checks.check("test ran to the end", False, f"{type(error).__name__}: {error}")
+    finally:
+        if g:
+            g.kill()
+        if watcher and watcher.poll() is None:
+            watcher.kill()
+        servers.stop_all()
+        cluster.stop_all()
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"logs: {guest.LOGS}/lab.*", flush=True)
+    checks.exit()
+
+
+if __name__ == "__main__":
+    main()
