@@ -6,7 +6,8 @@ it, each with virtual devices and labels.
 - A vhci-hcd guest gets a disk by `usbwire attach --registry … --device
   label=guestdisk` without knowing the server: the disk's first sector reads
   back the host's marker; while attached, `who` shows the reservation held
-  by `usbwire attach`; detach gives it back.
+  by `usbwire attach`; detach gives it back. Then `usbwire client` with a
+  `server = "registry"` rule attaches it, reserved, until SIGTERM.
 - `list --registry --json` shows every server and device with labels;
   `list --registry --watch --json` follows the changes live.
 - 20 clients race (`usbwire reserve --for`) for the 10 devices labelled
@@ -64,6 +65,26 @@ PORT=$(sed -n 's/.* port \([0-9][0-9]*\).*/\1/p' /tmp/attach.out | head -n 1)
 usbwire detach -p "$PORT"; check detach $?
 wait_for '[ ! -e /sys/block/sda ]' 300; check disk-gone $?
 echo "@@DETACHED"
+# The service: a server = "registry" rule keeps a labelled device attached, reserved.
+mkdir -p /etc/usbwire
+cat > /etc/usbwire/client.toml <<EOF
+[registry]
+endpoints = [__ENDPOINTS__]
+prefix = "__PREFIX__"
+
+[[attach]]
+server = "registry"
+device = "class=08"
+labels = ["guestdisk"]
+EOF
+usbwire client --config /etc/usbwire/client.toml > /tmp/client.log 2>&1 &
+CLIENT=$!
+wait_for '[ -e /sys/block/sda ]' 600; check service-attaches-by-registry $? "$(tail -n 3 /tmp/client.log | tr '\n' '|')"
+echo "@@SERVICE-HELD"
+i=0; while ! nc -w 2 10.0.2.2 __GO2__ </dev/null >/dev/null 2>&1 && [ $i -lt 120 ]; do sleep 1; i=$((i+1)); done
+kill -TERM $CLIENT; wait $CLIENT; check service-stops $?
+wait_for '[ ! -e /sys/block/sda ]' 300; check service-detached $?
+echo "@@SERVICE-DONE"
 exit 0
 """
 
@@ -272,8 +293,12 @@ def main():
         # ---- The guest takes a disk by label, knowing only the registry ----
         go_port = guest.free_port()
         go, go_sock = listen_to_release(go_port)
+        go2_port = guest.free_port()
+        go2, go2_sock = listen_to_release(go2_port)
+        guest_endpoints = ", ".join(f'"10.0.2.2:{p}"' for p in cluster.client_ports)
         script = (GUEST_SCRIPT.replace("__REGISTRY__", f"etcd://{cluster.endpoints('10.0.2.2')}/{prefix}")
-                  .replace("__GO__", str(go_port)))
+                  .replace("__GO__", str(go_port)).replace("__GO2__", str(go2_port))
+                  .replace("__ENDPOINTS__", guest_endpoints).replace("__PREFIX__", prefix))
         g = guest.Guest("lab", script, files={BIN: "/usr/bin/usbwire"}, timeout=400)
         held_line = g.wait_for("@@HELD", 300)
         print(f"guest: {held_line}", flush=True)
@@ -285,6 +310,15 @@ def main():
         checks.check("the attached disk is in use in the registry", in_use and in_use[0]["state"] == "in_use", in_use)
         go()
         g.wait_for("@@DETACHED", 120)
+        took = wait_until(lambda: not [d for d in reserved(registry, env) if "guestdisk" in d["labels"]], 5)
+        checks.check("detach gave the reservation back", took is not None)
+        g.wait_for("@@SERVICE-HELD", 180)
+        who = reserved(registry, env)
+        mine = [d for d in who if "guestdisk" in d["labels"]]
+        checks.check("the client service holds its device reserved (`usbwire client`)",
+                     len(mine) == 1 and mine[0]["reservation"]["client"] == "usbwire client", who)
+        go2()
+        g.wait_for("@@SERVICE-DONE", 120)
         rc = g.finish(60)
         console = open(g.console_path, errors="replace").read()
         for line in console.splitlines():
@@ -293,8 +327,9 @@ def main():
                 checks.check(f"guest: {name}", verdict == "PASS", " ".join(detail))
         checks.check("guest script finished", rc == 0, rc)
         go_sock.close()
+        go2_sock.close()
         took = wait_until(lambda: not [d for d in reserved(registry, env) if "guestdisk" in d["labels"]], 5)
-        checks.check("detach gave the reservation back", took is not None)
+        checks.check("stopping the service gave the reservation back", took is not None)
 
         # ---- 20 clients race for the 10 nucleo devices ----
         racers = [subprocess.Popen([BIN, "reserve", "--registry", registry, "--device", "label=nucleo", "--for", "5m", "--json"],
@@ -356,8 +391,11 @@ def main():
         cluster.stop(0)
         one = usbwire("reserve", "--registry", registry, "--device", "label=nucleo", "--for", "1m", "--json", env=env)
         checks.check("one member down: a reservation still works", one.returncode == 0, one.stderr.strip())
-        view = fleet(registry, env)
-        checks.check("one member down: the fleet view still works (5 servers)", len(view["servers"]) == 5, len(view["servers"]))
+        # Clients try the members in random order: several calls meet the stopped one first.
+        views = [fleet(registry, env) for _ in range(6)]
+        view = views[-1]
+        checks.check("one member down: the fleet view still works (5 servers, 6 times of 6)",
+                     all(len(v["servers"]) == 5 for v in views), [len(v["servers"]) for v in views])
         released = usbwire("release", "--registry", registry, "--device", "label=nucleo", env=env)
         checks.check("one member down: release still works", released.returncode == 0, released.stderr.strip())
         cluster.start(0)

@@ -302,6 +302,16 @@ impl RegistryTable {
         let text = format!("etcd://{}/{}", self.endpoints.join(","), self.prefix.as_deref().unwrap_or_default());
         text.parse().context("[registry] endpoints and prefix")
     }
+
+    /// The registry to reach: the URL, and TLS when `ca` or `cert` is set.
+    pub(crate) fn endpoint(&self) -> anyhow::Result<usbwire_lab::Endpoint> {
+        let tls = (self.ca.is_some() || self.cert.is_some()).then(|| usbwire_lab::EtcdTls {
+            ca: self.ca.clone(),
+            cert: self.cert.clone(),
+            key: self.key.clone(),
+        });
+        Ok(usbwire_lab::Endpoint { url: self.url()?, tls })
+    }
 }
 
 /// `[limits]`: what one connection may make the server hold. Unset fields keep
@@ -504,6 +514,14 @@ fn selector_list<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Ve
 /// device = "0483:5740"              # bus id, VID:PID, serial=TEXT or class=HEX
 /// also = ["0483:df11"]              # the same device in another mode (its DFU bootloader)
 /// tls = false
+///
+/// [registry]                        # a lab registry on etcd, for server = "registry" rules
+/// endpoints = ["10.0.0.5:2379"]
+///
+/// [[attach]]
+/// server = "registry"              # a free matching device, wherever it is, reserved while attached
+/// device = "0483:374b"
+/// labels = ["nucleo"]               # and carrying these labels
 /// ```
 ///
 /// `server = "discover"` without TLS is refused at load: any machine on the LAN
@@ -516,6 +534,8 @@ pub(crate) struct ClientConfig {
     pub(crate) identity: Option<PathBuf>,
     #[serde(default)]
     pub(crate) attach: Vec<AttachRule>,
+    /// The lab registry `server = "registry"` rules reserve from (its `address` and `ttl` are a server's, unused here).
+    pub(crate) registry: Option<RegistryTable>,
 }
 
 /// Keep a device matching `device` (or any of `also`) on `server` attached.
@@ -529,6 +549,9 @@ pub(crate) struct AttachRule {
     pub(crate) also: Vec<usbwire_server::Selector>,
     #[serde(default)]
     pub(crate) tls: bool,
+    /// With `server = "registry"`: the device must carry these labels too.
+    #[serde(default)]
+    pub(crate) labels: Vec<String>,
 }
 
 impl AttachRule {
@@ -538,11 +561,25 @@ impl AttachRule {
     }
 }
 
+impl AttachRule {
+    /// A `server = "registry"` rule: what it asks the registry for.
+    pub(crate) fn wanted(&self) -> anyhow::Result<usbwire_lab::Want> {
+        let mut text = self.device.to_string();
+        for label in &self.labels {
+            text.push_str(&format!(",label={label}"));
+        }
+        text.parse().with_context(|| format!("[[attach]] rule {self}"))
+    }
+}
+
 impl std::fmt::Display for AttachRule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}", self.device)?;
         for other in &self.also {
             write!(f, "|{other}")?;
+        }
+        for label in &self.labels {
+            write!(f, ",label={label}")?;
         }
         write!(f, " on {}", self.server)
     }
@@ -561,6 +598,18 @@ impl ClientConfig {
 
     /// Refuses rules that would attach what an unauthenticated peer offers.
     pub(crate) fn check(&self) -> anyhow::Result<()> {
+        for rule in self.attach.iter().filter(|r| r.server == "registry") {
+            if self.registry.is_none() {
+                bail!("[[attach]] rule {rule}: server = \"registry\" needs a [registry] table (endpoints = [\"HOST:PORT\"])");
+            }
+            if !rule.also.is_empty() {
+                bail!("[[attach]] rule {rule}: `also` does not apply to server = \"registry\" (a reservation is of one device)");
+            }
+            rule.wanted()?;
+        }
+        if let Some(rule) = self.attach.iter().find(|r| r.server != "registry" && !r.labels.is_empty()) {
+            bail!("[[attach]] rule {rule}: labels apply only to server = \"registry\" rules");
+        }
         if let Some(rule) = self.attach.iter().find(|r| r.server == "discover" && !r.tls) {
             bail!(
                 "[[attach]] rule {rule}: server = \"discover\" needs tls = true: without TLS any machine on the \
@@ -664,6 +713,20 @@ mod tests {
     }
 
     #[test]
+    fn registry_rules_need_the_registry_and_take_labels() {
+        let rule = "[[attach]]\nserver = \"registry\"\ndevice = \"0483:374b\"\nlabels = [\"nucleo\"]\n";
+        let without: ClientConfig = toml::from_str(rule).unwrap();
+        assert!(without.check().unwrap_err().to_string().contains("needs a [registry] table"));
+        let with: ClientConfig =
+            toml::from_str(&format!("{rule}[registry]\nendpoints = [\"127.0.0.1:2379\"]\n")).unwrap();
+        with.check().unwrap();
+        assert_eq!(with.attach[0].wanted().unwrap().to_string(), "0483:374b,label=nucleo");
+        let labels_elsewhere: ClientConfig =
+            toml::from_str("[[attach]]\nserver = \"h:1\"\ndevice = \"1-1\"\nlabels = [\"x\"]").unwrap();
+        assert!(labels_elsewhere.check().unwrap_err().to_string().contains("only to server = \"registry\""));
+    }
+
+    #[test]
     fn discover_needs_tls() {
         let rule = |tls: bool| format!("[[attach]]\nserver = \"discover\"\ndevice = \"1-1\"\ntls = {tls}\n");
         let plain: ClientConfig = toml::from_str(&rule(false)).unwrap();
@@ -701,7 +764,8 @@ mod tests {
         let registry = config.registry.unwrap();
         assert_eq!(registry.ttl, Some(Duration::from_secs(4)));
         assert_eq!(registry.url().unwrap().to_string(), "etcd://127.0.0.1:2379,127.0.0.1:2479/usbwire");
-        let unknown = toml::from_str::<FileConfig>("[[virtual]]\nkind = \"keyboard\"\nlable = [\"x\"]").unwrap_err();
+        let unknown =
+            toml::from_str::<FileConfig>("[[virtual]]\nkind = \"disk\"\npath = \"/x\"\nlable = [\"x\"]").unwrap_err();
         assert!(unknown.to_string().contains("lable"), "{unknown}");
     }
 
@@ -832,7 +896,7 @@ mod tests {
             assert!(message.contains(needle), "{table}: {message}");
         }
         for (table, needle) in
-            [("request_timeout = \"3 fortnights\"", "use ms, s or m"), ("per_adress_max = 1", "unknown field")]
+            [("request_timeout = \"3 fortnights\"", "use ms, s, m or h"), ("per_adress_max = 1", "unknown field")]
         {
             let message = toml::from_str::<FileConfig>(&format!("[admission]\n{table}")).unwrap_err().to_string();
             assert!(message.contains(needle), "{table}: {message}");

@@ -442,4 +442,32 @@ pub(crate) mod tests {
             assert!(bad.parse::<Want>().is_err(), "{bad:?} accepted");
         }
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// Whatever the registry holds (other tools write there too), reading it never panics,
+            /// and only keys of ours with readable records become servers and devices.
+            #[test]
+            fn any_keys_and_values_read_without_panic(
+                pairs in proptest::collection::vec((proptest::collection::vec(any::<u8>(), 0..40), proptest::collection::vec(any::<u8>(), 0..80)), 0..20)
+            ) {
+                let keys = Keys::new("usbwire");
+                let fleet = Fleet::from_pairs(&keys, 1, pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice(), 1)));
+                prop_assert!(fleet.devices.len() <= pairs.len());
+                prop_assert!(fleet.servers.len() <= pairs.len());
+            }
+
+            /// Every server address and bus id a key is made of is read back from it.
+            #[test]
+            fn keys_round_trip(server in "[a-z0-9.:\\[\\]-]{1,30}", busid in "[0-9]{1,2}-[0-9.]{1,8}") {
+                let keys = Keys::new("lab/x");
+                prop_assert_eq!(keys.parse(keys.device(&server, &busid).as_bytes()), Some(Key::Device { server: server.clone(), busid: busid.clone() }));
+                prop_assert_eq!(keys.parse(keys.reservation(&server, &busid).as_bytes()), Some(Key::Reservation { server: server.clone(), busid }));
+                prop_assert_eq!(keys.parse(keys.server(&server).as_bytes()), Some(Key::Server { server }));
+            }
+        }
+    }
 }

@@ -13,6 +13,8 @@ use crate::LabError;
 
 /// How long one etcd request may take before the registry counts as unreachable.
 pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long to wait for one member of several before trying the next.
+const MEMBER_TIMEOUT: Duration = Duration::from_secs(2);
 /// The lease time-to-live a server registers under and a client holds a reservation by.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
 
@@ -38,29 +40,69 @@ impl Endpoint {
         Self { url, tls: None }
     }
 
-    /// A client for the registry, checked with one request (so an
-    /// unreachable cluster is said now, not at the first real request).
+    /// A client for the registry, through the first member that answers a
+    /// request (tried in random order, so clients spread over the members).
+    /// Each member serves the whole cluster; one client per member, because
+    /// a client balancing over several sends requests to a member that is
+    /// down as readily as to one that is up.
     pub(crate) async fn connect(&self) -> Result<Client, LabError> {
-        let unreachable = |reason: String| LabError::Unreachable { url: self.url.to_string(), reason };
+        use rand::seq::SliceRandom as _;
+        let mut urls = self.url.endpoint_urls(self.tls.is_some());
+        urls.shuffle(&mut rand::thread_rng());
+        // Several members: do not wait long on one that does not answer.
+        let timeout = if urls.len() > 1 { MEMBER_TIMEOUT } else { REQUEST_TIMEOUT };
+        let mut failures = Vec::new();
+        for url in urls {
+            match self.connect_to(&url, timeout).await {
+                Ok(client) => {
+                    debug!(member = %url, "using etcd member");
+                    return Ok(client);
+                }
+                Err(reason) => {
+                    debug!(member = %url, %reason, "etcd member did not answer");
+                    failures.push(format!("{url}: {reason}"));
+                }
+            }
+        }
+        Err(LabError::Unreachable { url: self.url.to_string(), reason: failures.join("; ") })
+    }
+
+    async fn connect_to(&self, url: &str, timeout: Duration) -> Result<Client, String> {
         let mut options = ConnectOptions::new()
-            .with_connect_timeout(REQUEST_TIMEOUT)
+            .with_connect_timeout(timeout)
             .with_timeout(REQUEST_TIMEOUT)
             .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5));
         if let Some(tls) = &self.tls {
-            options = options.with_tls(tls_options(tls).map_err(|e| LabError::Tls(e.to_string()))?);
+            options = options.with_tls(tls_options(tls).map_err(|e| format!("TLS files: {e}"))?);
         }
-        let urls = self.url.endpoint_urls(self.tls.is_some());
-        let connecting = Client::connect(urls, Some(options));
-        let mut client = tokio::time::timeout(REQUEST_TIMEOUT, connecting)
+        let connecting = Client::connect([url], Some(options));
+        let mut client = tokio::time::timeout(timeout, connecting)
             .await
-            .map_err(|_| unreachable(format!("no answer within {REQUEST_TIMEOUT:?}")))?
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|_| format!("no answer within {timeout:?}"))?
+            .map_err(|e| short(&e))?;
         let probe = client.get(self.url.prefix.as_bytes(), Some(GetOptions::new().with_count_only()));
-        tokio::time::timeout(REQUEST_TIMEOUT, probe)
+        tokio::time::timeout(timeout, probe)
             .await
-            .map_err(|_| unreachable(format!("no answer within {REQUEST_TIMEOUT:?}")))?
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|_| format!("no answer within {timeout:?}"))?
+            .map_err(|e| short(&e))?;
         Ok(client)
+    }
+}
+
+/// An etcd client error in a few words (tonic's carry their whole source chain).
+fn short(error: &etcd_client::Error) -> String {
+    match error {
+        etcd_client::Error::GRpcStatus(status) => {
+            let source = std::error::Error::source(status).map(|s| s.to_string());
+            match source {
+                Some(source) if status.message().contains("connect") => {
+                    let inner = source.rsplit(": ").next().unwrap_or(&source).to_owned();
+                    format!("{} ({inner})", status.message())
+                }
+                _ => status.message().to_owned(),
+            }
+        }
+        other => other.to_string(),
     }
 }
 
@@ -87,7 +129,7 @@ fn tls_options(tls: &EtcdTls) -> std::io::Result<TlsOptions> {
 /// Keeps `lease` alive until it is lost: renewed every third of `ttl`; when
 /// the member we renew through goes away, the renewal is set up again
 /// through another, until the lease would have expired. Returns why it was lost.
-pub(crate) async fn keep_alive(mut client: Client, lease: i64, ttl: Duration) -> LabError {
+pub(crate) async fn keep_alive(endpoint: Endpoint, mut client: Client, lease: i64, ttl: Duration) -> LabError {
     let every = (ttl / 3).max(Duration::from_millis(500));
     let mut renewed = Instant::now();
     loop {
@@ -96,16 +138,22 @@ pub(crate) async fn keep_alive(mut client: Client, lease: i64, ttl: Duration) ->
         let (mut keeper, mut answers) = match stream {
             Ok(Ok(pair)) => pair,
             Ok(Err(error)) => {
-                debug!(lease, %error, "lease renewal not set up; trying again");
+                debug!(lease, error = %short(&error), "lease renewal not set up; trying another member");
                 if Instant::now() >= expires {
-                    return LabError::LeaseLost { lease, reason: error.to_string() };
+                    return LabError::LeaseLost { lease, reason: short(&error) };
                 }
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                if let Ok(other) = endpoint.connect().await {
+                    client = other;
+                }
                 continue;
             }
             Err(_) => {
                 if Instant::now() >= expires {
                     return LabError::LeaseLost { lease, reason: "etcd did not answer".into() };
+                }
+                if let Ok(other) = endpoint.connect().await {
+                    client = other;
                 }
                 continue;
             }

@@ -158,7 +158,7 @@ impl Lab {
             let server =
                 fleet.server(&device.server).cloned().ok_or_else(|| LabError::NoMatch { want: want.to_string() })?;
             let renewing = matches!(hold, Hold::WhileRunning { .. })
-                .then(|| tokio::spawn(keep_alive(self.client.clone(), lease, ttl)));
+                .then(|| tokio::spawn(keep_alive(self.endpoint.clone(), self.client.clone(), lease, ttl)));
             tracing::debug!(server = %device.server, busid = %device.busid, lease = format_args!("{lease:x}"), "reserved");
             return Ok(Reservation {
                 server,

@@ -45,9 +45,11 @@ pub struct Registration {
 pub async fn publish(registration: Registration, registry: Registry) {
     let url = registration.endpoint.url.to_string();
     let mut retry = RETRY_MIN;
+    let mut pause = Duration::ZERO;
     let mut registered_before = false;
     let mut said_unreachable = false;
     loop {
+        tokio::time::sleep(pause).await;
         let error = match Session::start(&registration, &registry).await {
             Ok(mut session) => {
                 info!(
@@ -61,7 +63,15 @@ pub async fn publish(registration: Registration, registry: Registry) {
                 registered_before = true;
                 said_unreachable = false;
                 retry = RETRY_MIN;
-                session.run(&registration, &registry).await
+                let started = tokio::time::Instant::now();
+                let error = session.run(&registration, &registry).await;
+                // The member we talked to went away (or the lease or watch ended):
+                // register again at once through another, reservations still in
+                // force meanwhile; only a cluster that does not answer at all
+                // makes the server serve without them.
+                info!(registry = %url, %error, "lost the lab registry connection; registering again");
+                pause = if started.elapsed() < RETRY_MIN { RETRY_MIN } else { Duration::ZERO };
+                continue;
             }
             Err(error) => error,
         };
@@ -73,7 +83,7 @@ pub async fn publish(registration: Registration, registry: Registry) {
             warn!(registry = %url, %error, "lab registry unreachable; serving directly and trying again");
             said_unreachable = true;
         }
-        tokio::time::sleep(retry).await;
+        pause = retry;
         retry = (retry * 2).min(RETRY_MAX);
     }
 }
@@ -118,7 +128,8 @@ impl Session {
     async fn run(&mut self, registration: &Registration, registry: &Registry) -> LabError {
         let address = &registration.server.address;
         let mut changes = registry.changes();
-        let renewing = tokio::spawn(keep_alive(self.client.clone(), self.lease, registration.ttl));
+        let renewing =
+            tokio::spawn(keep_alive(registration.endpoint.clone(), self.client.clone(), self.lease, registration.ttl));
         let renewing_abort = renewing.abort_handle();
         let _stop_renewing = scopeguard(move || renewing_abort.abort());
         let options = WatchOptions::new().with_prefix().with_start_revision(self.revision + 1);

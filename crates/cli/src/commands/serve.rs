@@ -128,15 +128,7 @@ impl Registering {
         let table = file.registry.clone().unwrap_or_default();
         let endpoint = match super::lab::endpoint(&args.registry) {
             Some(endpoint) => endpoint,
-            None if file.registry.is_some() => {
-                let url = table.url().map_err(Failure::config)?;
-                let tls = (table.ca.is_some() || table.cert.is_some()).then(|| usbwire_lab::EtcdTls {
-                    ca: table.ca.clone(),
-                    cert: table.cert.clone(),
-                    key: table.key.clone(),
-                });
-                usbwire_lab::Endpoint { url, tls }
-            }
+            None if file.registry.is_some() => table.endpoint().map_err(Failure::config)?,
             None => return Ok(None),
         };
         let ttl = table.ttl.unwrap_or(usbwire_lab::DEFAULT_TTL);

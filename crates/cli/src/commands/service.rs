@@ -5,6 +5,10 @@
 //! seconds — and logs each step. SIGHUP re-reads the file: rules that did not
 //! change keep their devices attached, removed rules detach, new rules start.
 //! SIGTERM / SIGINT detach what this service attached and exit.
+//!
+//! A `server = "registry"` rule takes a free matching device from the lab
+//! registry (`[registry]`), reserved for as long as it is attached: the
+//! reservation is given back on detach, and a lost one detaches the device.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -121,15 +125,24 @@ async fn apply(config: &ClientConfig, running: &mut Vec<Running>) -> Result<(), 
             identity: config.identity.clone(),
             trust_new: false,
         })?;
+        let registry = match (&config.registry, rule.server == "registry") {
+            (Some(table), true) => Some(table.endpoint().map_err(Failure::config)?),
+            _ => None,
+        };
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(keep_attached(rule.clone(), security, stopped));
+        let task = tokio::spawn(keep_attached(rule.clone(), security, registry, stopped));
         running.push(Running { rule: rule.clone(), stop, task });
     }
     Ok(())
 }
 
 /// Attaches the rule's device and attaches it again whenever it is lost, until stopped.
-async fn keep_attached(rule: AttachRule, security: Security, mut stop: watch::Receiver<bool>) {
+async fn keep_attached(
+    rule: AttachRule,
+    security: Security,
+    registry: Option<usbwire_lab::Endpoint>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(4));
     loop {
         let delay = backoff.next_delay();
@@ -140,11 +153,11 @@ async fn keep_attached(rule: AttachRule, security: Security, mut stop: watch::Re
             }
         }
         let attached = tokio::select! {
-            attached = attach_once(&rule, &security) => attached,
+            attached = attach_once(&rule, &security, registry.as_ref()) => attached,
             _ = stop.wait_for(|stop| *stop) => return,
         };
         match attached {
-            Ok(attachment) => {
+            Ok(mut attachment) => {
                 info!(rule = %rule, port = attachment.port, busid = %attachment.busid, "attached");
                 backoff.reset();
                 let stopped = tokio::select! {
@@ -176,23 +189,49 @@ struct Attachment {
     /// Over TLS, or when the server resumes sessions, the service relays
     /// between the kernel's socket and the server (the same relay as `attach`).
     relay: Option<JoinHandle<Result<(), usbwire_client::relay::RelayError>>>,
+    /// The lab registry reservation it was taken under (`server = "registry"`).
+    reservation: Option<usbwire_lab::Reservation>,
 }
 
 impl Attachment {
     /// Resolves when the port no longer carries this device (connection
-    /// dropped, device gone, detached by hand) or the relay ended.
-    async fn lost(&self) -> &'static str {
+    /// dropped, device gone, detached by hand), the relay ended or the
+    /// reservation was lost (then the device is detached: it may be someone else's).
+    async fn lost(&mut self) -> &'static str {
+        let reservation_lost = async {
+            match &mut self.reservation {
+                Some(reservation) => {
+                    let error = reservation.lost().await;
+                    warn!(%error, "reservation lost");
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            reason = Self::port_lost(self.port, self.devid, self.relay.as_ref()) => reason,
+            () = reservation_lost => {
+                let _ = vhci::detach(self.port);
+                "reservation lost"
+            }
+        }
+    }
+
+    async fn port_lost(
+        port: u32,
+        devid: u32,
+        relay: Option<&JoinHandle<Result<(), usbwire_client::relay::RelayError>>>,
+    ) -> &'static str {
         loop {
             tokio::time::sleep(WATCH_INTERVAL).await;
-            if self.relay.as_ref().is_some_and(JoinHandle::is_finished) {
-                let _ = vhci::detach(self.port);
+            if relay.is_some_and(JoinHandle::is_finished) {
+                let _ = vhci::detach(port);
                 return "relay ended";
             }
             match vhci::ports() {
-                Ok(ports) => match ports.iter().find(|p| p.port == self.port) {
-                    Some(p) if !p.is_free() && p.devid == self.devid => {}
+                Ok(ports) => match ports.iter().find(|p| p.port == port) {
+                    Some(p) if !p.is_free() && p.devid == devid => {}
                     _ => {
-                        let _ = std::fs::remove_file(vhci::record_path(self.port));
+                        let _ = std::fs::remove_file(vhci::record_path(port));
                         return "port released";
                     }
                 },
@@ -211,6 +250,11 @@ impl Attachment {
         if let Some(mut relay) = self.relay {
             if tokio::time::timeout(RELAY_END_WAIT, &mut relay).await.is_err() {
                 relay.abort();
+            }
+        }
+        if let Some(reservation) = self.reservation {
+            if let Err(error) = reservation.release().await {
+                warn!(%error, "reservation not released; it ends when its lease runs out");
             }
         }
     }
@@ -232,7 +276,14 @@ async fn candidate_servers(rule: &AttachRule) -> anyhow::Result<Vec<SocketAddr>>
 }
 
 /// Finds an available device matching the rule and attaches it.
-async fn attach_once(rule: &AttachRule, security: &Security) -> anyhow::Result<Attachment> {
+async fn attach_once(
+    rule: &AttachRule,
+    security: &Security,
+    registry: Option<&usbwire_lab::Endpoint>,
+) -> anyhow::Result<Attachment> {
+    if let Some(endpoint) = registry {
+        return attach_reserved(endpoint, rule, security).await;
+    }
     let mut last_error = None;
     for addr in candidate_servers(rule).await? {
         match attach_from(addr, rule, security).await {
@@ -255,15 +306,55 @@ async fn attach_from(addr: SocketAddr, rule: &AttachRule, security: &Security) -
     // relay and the kernel never notices; a server that shuts down ends the
     // session, the relay ends, the port goes, and the rule attaches again.
     let imported = usbwire_client::import_resumable(addr, &device.busid, security, &[]).await?;
+    attach_imported(addr, imported, security, None)
+}
+
+/// A `server = "registry"` rule: reserve a free matching device in the lab
+/// registry, then import it with the reservation.
+async fn attach_reserved(
+    endpoint: &usbwire_lab::Endpoint,
+    rule: &AttachRule,
+    security: &Security,
+) -> anyhow::Result<Attachment> {
+    let want = rule.wanted()?;
+    let mut lab = usbwire_lab::Lab::connect(endpoint.clone()).await?;
+    let hold = usbwire_lab::Hold::WhileRunning { ttl: usbwire_lab::DEFAULT_TTL, until: None };
+    let reservation = lab.reserve(&want, hold, "usbwire client").await?;
+    let imported = async {
+        let addr = usbwire_client::resolve(&reservation.device.server).await?;
+        let busid = usbwire_proto::op::BusId::new(&reservation.device.busid)
+            .ok_or_else(|| anyhow!("the lab registry names an invalid bus id {:?}", reservation.device.busid))?;
+        let imported = usbwire_client::import_reserved(addr, &busid, security, &[], &reservation.token).await?;
+        anyhow::Ok((addr, imported))
+    }
+    .await;
+    match imported {
+        Ok((addr, imported)) => attach_imported(addr, imported, security, Some(reservation)),
+        Err(error) => {
+            let _ = reservation.release().await;
+            Err(error)
+        }
+    }
+}
+
+/// Hands an imported device to vhci-hcd: the socket itself for plain USB/IP
+/// without resume, else through a relay (which a reservation always needs:
+/// it lives as long as this process does).
+fn attach_imported(
+    addr: SocketAddr,
+    imported: usbwire_client::Imported,
+    security: &Security,
+    reservation: Option<usbwire_lab::Reservation>,
+) -> anyhow::Result<Attachment> {
     let record = imported.device.clone();
+    let busid = record.busid.to_string();
     let vhci_record =
-        vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: device.busid.to_string() };
-    let busid = device.busid.to_string();
+        vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: busid.clone() };
     match imported.stream {
         usbwire_transport::PeerStream::Plain(tcp) if imported.resume.is_none() => {
             let socket = tcp.into_std()?;
             let port = vhci::attach(&socket, record.devid(), record.speed, &vhci_record)?;
-            Ok(Attachment { port, devid: record.devid(), busid, relay: None })
+            Ok(Attachment { port, devid: record.devid(), busid, relay: None, reservation })
         }
         stream => {
             let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair()?;
@@ -279,7 +370,7 @@ async fn attach_from(addr: SocketAddr, rule: &AttachRule, security: &Security) -
                 give_up_after: Duration::from_secs(120),
             };
             let relay = tokio::spawn(usbwire_client::relay::run(kernel, stream, record.devid(), upstream, None));
-            Ok(Attachment { port, devid: record.devid(), busid, relay: Some(relay) })
+            Ok(Attachment { port, devid: record.devid(), busid, relay: Some(relay), reservation })
         }
     }
 }
