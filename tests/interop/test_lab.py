@@ -21,6 +21,9 @@ it, each with virtual devices and labels.
 - Stop the whole cluster: servers keep serving devices directly, a client
   says the registry is unreachable (exit 69); start it again: the servers
   register again by themselves.
+- etcd with TLS and client certificates (openssl-made CA): a server
+  registers with `[registry] ca/cert/key`, `list --registry-ca/-cert/-key`
+  reads it, a client without a certificate is refused.
 
 Run: python3 tests/interop/test_lab.py   (USBWIRE_BIN=path/to/usbwire)
 """
@@ -205,6 +208,68 @@ class Servers:
                     proc.kill()
 
 
+def make_certificates(work):
+    """A CA, a certificate for etcd on 127.0.0.1, and a client certificate (openssl)."""
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=work)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=usbwire lab test CA")
+    for name, usage, san in (("etcd", "serverAuth", "IP:127.0.0.1"), ("client", "clientAuth", "DNS:usbwire-client")):
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        with open(os.path.join(work, f"{name}.ext"), "w") as f:
+            f.write(f"subjectAltName={san}\nextendedKeyUsage={usage}\n")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext")
+    return {name: os.path.join(work, name) for name in
+            ("ca.crt", "etcd.crt", "etcd.key", "client.crt", "client.key")}
+
+
+def tls_phase(checks, work, env):
+    """One etcd member that speaks TLS and wants client certificates."""
+    certs = make_certificates(work)
+    client_port, peer_port = guest.free_port(), guest.free_port()
+    log = open(os.path.join(guest.LOGS, "lab.etcd-tls.log"), "w")
+    etcd = subprocess.Popen(
+        [ETCD, "--name", "tls", "--data-dir", os.path.join(work, "tls"),
+         "--listen-client-urls", f"https://127.0.0.1:{client_port}", "--advertise-client-urls", f"https://127.0.0.1:{client_port}",
+         "--listen-peer-urls", f"http://127.0.0.1:{peer_port}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+         "--initial-cluster", f"tls=http://127.0.0.1:{peer_port}",
+         "--cert-file", certs["etcd.crt"], "--key-file", certs["etcd.key"],
+         "--trusted-ca-file", certs["ca.crt"], "--client-cert-auth"],
+        stdout=log, stderr=subprocess.STDOUT)
+    server = None
+    try:
+        time.sleep(2)
+        port = guest.free_port()
+        config = os.path.join(work, "server-tls.toml")
+        with open(config, "w") as f:
+            f.write(f'listen = "127.0.0.1:{port}"\nadvertise = false\n[[virtual]]\nkind = "keyboard"\n'
+                    f'[registry]\nendpoints = ["127.0.0.1:{client_port}"]\nprefix = "tls-lab"\n'
+                    f'ca = "{certs["ca.crt"]}"\ncert = "{certs["client.crt"]}"\nkey = "{certs["client.key"]}"\n')
+        server_log = os.path.join(guest.LOGS, "lab.server-tls.log")
+        server = subprocess.Popen([BIN, "serve", "--config", config, "--control", os.path.join(work, "ctls.sock")],
+                                  stdout=open(server_log, "w"), stderr=subprocess.STDOUT)
+        registered = wait_until(lambda: "registered in the lab registry" in open(server_log).read(), 20)
+        checks.check("TLS etcd: a server registers with [registry] ca/cert/key", registered is not None,
+                     open(server_log).read()[-400:])
+        registry = f"etcd://127.0.0.1:{client_port}/tls-lab"
+        listed = usbwire("list", "--registry", registry, "--registry-ca", certs["ca.crt"], "--registry-cert",
+                         certs["client.crt"], "--registry-key", certs["client.key"], "--json", env=env)
+        view = json.loads(listed.stdout) if listed.returncode == 0 else {}
+        checks.check("TLS etcd: list --registry-ca/--registry-cert/--registry-key shows it",
+                     len(view.get("servers", [])) == 1 and len(view.get("devices", [])) == 1,
+                     (listed.returncode, listed.stderr.strip()[-300:]))
+        refused = usbwire("list", "--registry", registry, "--registry-ca", certs["ca.crt"], env=env)
+        checks.check("TLS etcd: a client without a certificate is refused (exit 69)",
+                     refused.returncode == 69 and "unreachable" in refused.stderr, (refused.returncode, refused.stderr.strip()))
+    finally:
+        if server:
+            server.terminate()
+            server.wait(10)
+        etcd.terminate()
+        etcd.wait(10)
+
+
 def usbwire(*args, env=None, timeout=60):
     return subprocess.run([BIN, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -252,7 +317,7 @@ def listen_to_release(port):
 
 
 def main():
-    guest.require(BIN, ETCD)
+    guest.require(BIN, ETCD, shutil.which("openssl") or "/usr/bin/openssl")
     checks = guest.Checks()
     os.makedirs(guest.LOGS, exist_ok=True)
     work = tempfile.mkdtemp(prefix="usbwire-lab-")
@@ -419,6 +484,8 @@ def main():
         view = fleet(registry, env)
         checks.check("cluster back: 5 servers and their 13 devices listed", len(view["servers"]) == 5 and len(view["devices"]) == 13,
                      (len(view["servers"]), len(view["devices"])))
+
+        tls_phase(checks, work, env)
 
         watcher.terminate()
         watcher.wait(10)
