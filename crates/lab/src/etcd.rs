@@ -64,7 +64,7 @@ impl Endpoint {
                 }
             }
         }
-        Err(LabError::Unreachable { url: self.url.to_string(), reason: failures.join("; ") })
+        Err(LabError::Unreachable { url: self.url.to_string(), reason: failures.join("; "), tls: self.tls.is_some() })
     }
 
     async fn connect_to(&self, url: &str, timeout: Duration) -> Result<Client, String> {
@@ -89,20 +89,19 @@ impl Endpoint {
     }
 }
 
-/// An etcd client error in a few words (tonic's carry their whole source chain).
+/// An etcd client error in a few words: tonic's carry their whole source
+/// chain in their text; the status message and the innermost cause say it.
 fn short(error: &etcd_client::Error) -> String {
-    match error {
-        etcd_client::Error::GRpcStatus(status) => {
-            let source = std::error::Error::source(status).map(|s| s.to_string());
-            match source {
-                Some(source) if status.message().contains("connect") => {
-                    let inner = source.rsplit(": ").next().unwrap_or(&source).to_owned();
-                    format!("{} ({inner})", status.message())
-                }
-                _ => status.message().to_owned(),
-            }
-        }
-        other => other.to_string(),
+    let etcd_client::Error::GRpcStatus(status) = error else { return error.to_string() };
+    let mut innermost = None;
+    let mut cause = std::error::Error::source(status);
+    while let Some(error) = cause {
+        innermost = Some(error.to_string());
+        cause = error.source();
+    }
+    match innermost {
+        Some(inner) if !status.message().contains(&inner) => format!("{} ({inner})", status.message()),
+        _ => status.message().to_owned(),
     }
 }
 

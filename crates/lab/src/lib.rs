@@ -29,9 +29,10 @@ pub use url::{RegistryUrl, UrlError};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LabError {
-    /// No etcd member answered: the cluster is down, or `--registry` names the wrong place.
-    #[error("lab registry {url} unreachable: {reason} (is etcd running there? check --registry)")]
-    Unreachable { url: String, reason: String },
+    /// No etcd member answered: the cluster is down, `--registry` names the
+    /// wrong place, or TLS towards it failed.
+    #[error("lab registry {url} unreachable: {reason} ({})", unreachable_hint(.reason, *.tls))]
+    Unreachable { url: String, reason: String, tls: bool },
     /// A request reached etcd and failed.
     #[error("lab registry request failed: {0}")]
     Request(#[from] etcd_client::Error),
@@ -52,6 +53,18 @@ pub enum LabError {
     /// `release` named a reservation that does not exist (or is not ours).
     #[error("{what} is not reserved{by}")]
     NotReserved { what: String, by: String },
+}
+
+/// What to check, from why etcd could not be reached.
+fn unreachable_hint(reason: &str, tls: bool) -> &'static str {
+    let reason = reason.to_ascii_lowercase();
+    if reason.contains("certificate") || reason.contains("alert") {
+        "TLS towards etcd failed: check --registry-ca, --registry-cert and --registry-key (or [registry] ca, cert, key)"
+    } else if tls {
+        "is etcd running there, with TLS? check --registry, and --registry-ca, --registry-cert and --registry-key"
+    } else {
+        "is etcd running there? check --registry"
+    }
 }
 
 impl LabError {

@@ -142,7 +142,7 @@ impl Session {
             tokio::select! {
                 changed = changes.changed() => {
                     if changed.is_err() {
-                        return LabError::Unreachable { url: registration.endpoint.url.to_string(), reason: "server stopped".into() };
+                        return LabError::Unreachable { url: registration.endpoint.url.to_string(), reason: "server stopped".into(), tls: false };
                     }
                     if let Err(error) = self.sync(registration, registry).await {
                         return error;
@@ -154,11 +154,11 @@ impl Session {
                 message = watch.message() => {
                     let response = match message {
                         Ok(Some(response)) => response,
-                        Ok(None) => return LabError::Unreachable { url: registration.endpoint.url.to_string(), reason: "the reservation watch ended".into() },
+                        Ok(None) => return LabError::Unreachable { url: registration.endpoint.url.to_string(), reason: "the reservation watch ended".into(), tls: false },
                         Err(error) => return error.into(),
                     };
                     if response.canceled() {
-                        return LabError::Unreachable { url: registration.endpoint.url.to_string(), reason: format!("the reservation watch was cancelled: {}", response.cancel_reason()) };
+                        return LabError::Unreachable { url: registration.endpoint.url.to_string(), reason: format!("the reservation watch was cancelled: {}", response.cancel_reason()), tls: false };
                     }
                     for event in response.events() {
                         let Some(kv) = event.kv() else { continue };
