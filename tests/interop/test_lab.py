@@ -285,7 +285,7 @@ def reserved(registry, env):
     out = usbwire("who", "--registry", registry, "--json", env=env)
     if out.returncode != 0:
         raise RuntimeError(f"who failed ({out.returncode}): {out.stderr.strip()}")
-    return json.loads(out.stdout)
+    return json.loads(out.stdout)["reservations"]
 
 
 def wait_until(predicate, timeout, step=0.2):

@@ -563,6 +563,19 @@ pub(crate) struct BenchArgs {
     pub(crate) periodic: Option<u8>,
     #[command(flatten)]
     pub(crate) security: ClientSecurityArgs,
+    /// With --registry, instead of the throughput matrix: bench the lab registry with a simulated
+    /// fleet of this many in-process servers (each with its own etcd connection) [default: 100].
+    #[arg(long, value_name = "N", requires = "registry")]
+    pub(crate) servers: Option<usize>,
+    /// With --registry: virtual devices per simulated server; every 10th is labelled `nucleo` [default: 10].
+    #[arg(long, value_name = "M", requires = "registry")]
+    pub(crate) devices_per_server: Option<usize>,
+    /// With --registry: clients reserving `label=nucleo` at once, each with its own etcd connection [default: 100].
+    #[arg(long, value_name = "K", requires = "registry")]
+    pub(crate) clients: Option<usize>,
+    /// With --registry: the etcd cluster to bench (a prefix of its own under PREFIX, deleted afterwards).
+    #[command(flatten)]
+    pub(crate) registry: RegistryArgs,
 }
 
 fn parse_endpoint(text: &str) -> Result<u8, String> {

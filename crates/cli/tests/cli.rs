@@ -436,3 +436,43 @@ fn under_systemd_the_server_says_ready_and_logs_with_priorities_for_the_journal(
     assert!(first.starts_with("<6>"), "an info line with its syslog priority: {logged}");
     assert!(!first.contains("Z "), "no timestamp of its own (journald adds one): {first}");
 }
+
+#[test]
+fn json_output_speaks_one_vocabulary() {
+    let dir = scratch("vocabulary");
+    let served = serve(&dir, &["keyboard", "loopback"]);
+    // Hold the loopback device: OP_REQ_IMPORT by hand (version 0x0111, code 0x8003, status 0, bus id).
+    let mut import = vec![0x01, 0x11, 0x80, 0x03, 0, 0, 0, 0];
+    import.extend_from_slice(&{
+        let mut busid = [0u8; 32];
+        busid[..3].copy_from_slice(b"1-2");
+        busid
+    });
+    let mut held = std::net::TcpStream::connect(&served.addr).unwrap();
+    std::io::Write::write_all(&mut held, &import).unwrap();
+    let mut reply = [0u8; 8 + 312];
+    std::io::Read::read_exact(&mut held, &mut reply).unwrap();
+    assert_eq!(&reply[4..8], &[0, 0, 0, 0], "imported");
+
+    let control = served.control.to_str().unwrap();
+    let state: serde_json::Value =
+        serde_json::from_slice(&usbwire(&["state", "--json", "--control", control]).stdout).unwrap();
+    let listed: serde_json::Value =
+        serde_json::from_slice(&usbwire(&["list", "-r", &served.addr, "--json"]).stdout).unwrap();
+    for document in [&state, &listed] {
+        assert_eq!(document["schema_version"], 1, "{document}");
+    }
+    let loopback = &state["devices"][1];
+    assert_eq!((loopback["busid"].as_str(), loopback["state"].as_str()), (Some("1-2"), Some("in_use")));
+    let since = loopback["since"].as_u64().expect("the Unix time stays");
+    let since_at = loopback["since_at"].as_str().expect("and its RFC 3339 form is beside it");
+    let parsed = humantime::parse_rfc3339(since_at).unwrap();
+    assert_eq!(parsed.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs(), since);
+    assert_eq!(loopback["product_string"], loopback["product"], "the device's own string, by its common name");
+    // list -r: `product` stays the usb.ids name there; `product_name` says so in every verb.
+    let keyboard = &listed["devices"][0];
+    assert_eq!(keyboard["product_name"], keyboard["product"]);
+    assert_eq!(keyboard["product_string"], "usbwire keyboard");
+    assert_eq!(listed["in_use"][0]["since_at"], since_at);
+    drop(held);
+}

@@ -92,7 +92,7 @@ pub struct ServerEntry {
     pub implementation: String,
     pub version: String,
     /// RFC 3339.
-    pub started: String,
+    pub started_at: String,
 }
 
 /// A device a server exports, with its state now.
@@ -118,7 +118,7 @@ pub struct DeviceEntry {
     /// Who imports it (TLS identity, else address), when in use.
     pub holder: Option<String>,
     /// RFC 3339: since when in use.
-    pub since: Option<String>,
+    pub since_at: Option<String>,
     pub labels: Vec<String>,
 }
 
@@ -134,9 +134,9 @@ pub struct ReservationEntry {
     /// SHA-256 of the token the holder's imports carry, hex.
     pub token_sha256: String,
     /// RFC 3339.
-    pub since: String,
+    pub since_at: String,
     /// RFC 3339: when it ends by itself (`--for`), if it does.
-    pub until: Option<String>,
+    pub until_at: Option<String>,
 }
 
 /// RFC 3339, to the second, UTC.
@@ -175,8 +175,8 @@ pub struct ReservationView {
     pub holder: String,
     pub client: String,
     pub pid: u32,
-    pub since: String,
-    pub until: Option<String>,
+    pub since_at: String,
+    pub until_at: Option<String>,
 }
 
 impl From<&ReservationEntry> for ReservationView {
@@ -185,8 +185,8 @@ impl From<&ReservationEntry> for ReservationView {
             holder: entry.holder.clone(),
             client: entry.client.clone(),
             pid: entry.pid,
-            since: entry.since.clone(),
-            until: entry.until.clone(),
+            since_at: entry.since_at.clone(),
+            until_at: entry.until_at.clone(),
         }
     }
 }
@@ -354,7 +354,7 @@ pub(crate) mod tests {
             speed: "high".into(),
             state: "available".into(),
             holder: None,
-            since: None,
+            since_at: None,
             labels: labels.iter().map(|l| l.to_string()).collect(),
         }
     }
@@ -367,7 +367,7 @@ pub(crate) mod tests {
             plain: true,
             implementation: "usbwire".into(),
             version: "0.1.0".into(),
-            started: timestamp(SystemTime::UNIX_EPOCH),
+            started_at: timestamp(SystemTime::UNIX_EPOCH),
         }
     }
 
@@ -395,8 +395,8 @@ pub(crate) mod tests {
             client: "usbwire attach".into(),
             pid: 7,
             token_sha256: "00".repeat(32),
-            since: timestamp(SystemTime::UNIX_EPOCH),
-            until: None,
+            since_at: timestamp(SystemTime::UNIX_EPOCH),
+            until_at: None,
         };
         let mut newer = device("a:1", "1-3", &[]);
         newer.schema_version = SCHEMA_VERSION + 1;

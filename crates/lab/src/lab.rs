@@ -133,8 +133,8 @@ impl Lab {
             client: client.to_owned(),
             pid: std::process::id(),
             token_sha256: hex(&usbwire_server::reservation_digest(&token)),
-            since: timestamp(SystemTime::now()),
-            until: until.map(timestamp),
+            since_at: timestamp(SystemTime::now()),
+            until_at: until.map(timestamp),
         };
         let json = serde_json::to_string(&entry).unwrap_or_default();
         for candidate in &free {

@@ -263,7 +263,7 @@ pub fn device_entry(server: &str, export: &ExportInfo, labels: &[(Selector, Vec<
         speed: summary.speed.name().to_owned(),
         state: state.to_owned(),
         holder,
-        since,
+        since_at: since,
         labels: device_labels,
     }
 }

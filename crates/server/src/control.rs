@@ -299,6 +299,11 @@ pub(crate) fn state_entries(registry: &Registry, visible: impl Fn(&str, &str) ->
         .filter(|e| visible(&e.kind, e.record.busid.as_str()))
         .map(|e| {
             let unix = |at: std::time::SystemTime| at.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs());
+            let rfc3339 = |at: Option<u64>| {
+                at.map(|s| {
+                    humantime::format_rfc3339_seconds(UNIX_EPOCH + std::time::Duration::from_secs(s)).to_string()
+                })
+            };
             let (state, client, since, identity, resuming_since) = match e.state {
                 DeviceState::Available => ("available", None, None, None, None),
                 DeviceState::InUse { client, since, identity, resuming_since } => {
@@ -310,6 +315,7 @@ pub(crate) fn state_entries(registry: &Registry, visible: impl Fn(&str, &str) ->
                 kind: e.kind,
                 vendor_id: format!("{:04x}", e.record.id_vendor),
                 product_id: format!("{:04x}", e.record.id_product),
+                product_string: e.summary.product.clone(),
                 product: e.summary.product,
                 speed: e.summary.speed.name().to_owned(),
                 manufacturer: e.summary.manufacturer,
@@ -317,6 +323,8 @@ pub(crate) fn state_entries(registry: &Registry, visible: impl Fn(&str, &str) ->
                 state: state.to_owned(),
                 client,
                 identity,
+                since_at: rfc3339(since),
+                resuming_since_at: rfc3339(resuming_since),
                 since,
                 resuming_since,
                 counters: Some(e.meter.snapshot()),

@@ -17,6 +17,9 @@ pub struct DeviceStateEntry {
     /// The device's own product string.
     #[serde(default)]
     pub product: String,
+    /// The same, under the name every `--json` gives the device's own string.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub product_string: String,
     #[serde(default)]
     pub speed: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -38,6 +41,12 @@ pub struct DeviceStateEntry {
     /// since the Unix epoch) and the server holds the session for it to resume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resuming_since: Option<u64>,
+    /// `since` in RFC 3339.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since_at: Option<String>,
+    /// `resuming_since` in RFC 3339.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resuming_since_at: Option<String>,
     /// What the device has carried since the server started (the same numbers
     /// as its Prometheus metrics).
     #[serde(default, skip_serializing_if = "Option::is_none")]

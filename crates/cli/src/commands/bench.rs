@@ -93,6 +93,9 @@ pub(crate) fn transforms(compress: Option<&str>, jitter_buffer_ms: Option<u64>) 
 }
 
 pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
+    if args.registry.registry.is_some() {
+        return super::bench_lab::run(&args).await;
+    }
     let plan = Plan::from_args(&args)?;
     let security = super::client_security(&args.security)?;
     let (target, busid) = match (&args.remote, &args.busid) {
@@ -122,7 +125,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
         std::fs::write(path, csv(&report.records)).map_err(|e| Failure::io(anyhow!("{}: {e}", path.display())))?;
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report.json()).map_err(|e| Failure::software(e.into()))?);
+        super::output::print_json(&report.json(), true);
     } else {
         print!("{}", report.table());
     }
@@ -180,10 +183,7 @@ async fn periodic(
             .iter()
             .map(|(rtt_ms, s)| json!({ "rtt_ms": rtt_ms, "jitter_ms": plan.jitter_ms, "transforms": transforms, "spacing": s }))
             .collect();
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({ "periodic": records })).map_err(|e| Failure::software(e.into()))?
-        );
+        super::output::print_json(&json!({ "periodic": records }), true);
     } else {
         println!(
             "periodic completions on {endpoint:#04x}, jitter up to {} ms, transforms [{transforms}]",
@@ -245,10 +245,7 @@ async fn resume_time(
             "depth": depth,
             "times": times,
         });
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({ "resume": record })).map_err(|e| Failure::software(e.into()))?
-        );
+        super::output::print_json(&json!({ "resume": record }), true);
     } else {
         println!(
             "resume after {} cuts: {size} B URBs, {depth} in flight per bulk endpoint, rtt {rtt_ms} ms, {} URBs",

@@ -18,8 +18,7 @@ pub(crate) async fn run(args: DescribeArgs) -> Result<(), Failure> {
     let security = super::client_security(&args.device.security)?;
     let description = fetch(addr, &busid, &security).await?;
     if args.json {
-        let json = serde_json::to_string_pretty(&description).map_err(|e| Failure::software(e.into()))?;
-        println!("{}", super::output::terminal_safe_json(json));
+        super::output::print_json(&description, true);
     } else {
         print!("{}", format(&busid, &description, &super::list::UsbIds::load()));
     }

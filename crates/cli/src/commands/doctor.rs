@@ -50,7 +50,7 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<(), Failure> {
         checks.extend(remote_server(remote, &args).await);
     }
     if args.json {
-        println!("{}", serde_json::json!({ "checks": checks }));
+        super::output::print_json(&serde_json::json!({ "checks": checks }), false);
     } else {
         for c in &checks {
             let mark = match c.verdict {

@@ -19,9 +19,9 @@ pub(crate) fn run(args: IdentityArgs) -> Result<(), Failure> {
         let identity = ca.issue(name, args.days).map_err(|e| Failure::software(e.into()))?;
         identity.save(&dir).map_err(|e| Failure::config(e.into()))?;
         if args.json {
-            println!(
-                "{}",
-                json!({ "fingerprint": identity.fingerprint().to_string(), "dir": dir, "name": name, "days": args.days })
+            super::output::print_json(
+                &json!({ "fingerprint": identity.fingerprint().to_string(), "dir": dir, "name": name, "days": args.days }),
+                false,
             );
         } else {
             println!(
@@ -43,7 +43,10 @@ pub(crate) fn run(args: IdentityArgs) -> Result<(), Failure> {
         other => Failure::config(anyhow::Error::from(other).context(format!("identity in {}", dir.display()))),
     })?;
     if args.json {
-        println!("{}", json!({ "fingerprint": identity.fingerprint().to_string(), "dir": dir, "created": created }));
+        super::output::print_json(
+            &json!({ "fingerprint": identity.fingerprint().to_string(), "dir": dir, "created": created }),
+            false,
+        );
     } else {
         if created {
             println!("created a new identity in {}", dir.display());

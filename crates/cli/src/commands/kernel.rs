@@ -360,7 +360,7 @@ pub(crate) fn port(args: PortArgs) -> Result<(), Failure> {
                 })
             })
             .collect();
-        println!("{}", json!({ "ports": list }));
+        super::output::print_json(&json!({ "ports": list }), false);
         return Ok(());
     }
     println!("Imported USB devices\n====================");

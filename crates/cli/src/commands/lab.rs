@@ -14,7 +14,7 @@ use usbwire_lab::{Endpoint, EtcdTls, Fleet, FleetDevice, Hold, Lab, LabError, Re
 use usbwire_proto::display::escape;
 use usbwire_proto::reservation::ReservationToken;
 
-use super::output::terminal_safe_json;
+use super::output::print_json;
 use crate::args::{RegistryArgs, ReleaseArgs, ReserveArgs, WhoArgs};
 use crate::exit::Failure;
 
@@ -51,9 +51,9 @@ pub(crate) async fn list(args: &RegistryArgs, json: bool, watch: bool) -> Result
     let fleet = lab.fleet().await.map_err(failure)?;
     if json && watch {
         // One JSON document per line: the fleet, then each change.
-        println!("{}", terminal_safe_json(serde_json::to_string(&fleet).unwrap_or_default()));
+        print_json(&fleet, false);
     } else if json {
-        println!("{}", terminal_safe_json(serde_json::to_string_pretty(&fleet).unwrap_or_default()));
+        print_json(&fleet, true);
     } else {
         print_fleet(lab.endpoint(), &fleet);
     }
@@ -73,7 +73,7 @@ pub(crate) async fn list(args: &RegistryArgs, json: bool, watch: bool) -> Result
         };
         for change in batch {
             if json {
-                println!("{}", terminal_safe_json(serde_json::to_string(&change).unwrap_or_default()));
+                print_json(&change, false);
             } else {
                 let what = match &change.busid {
                     Some(busid) => format!("{} {} {}", change.what, escape(&change.server), escape(busid)),
@@ -100,7 +100,7 @@ fn summary(entry: &serde_json::Value) -> String {
         return line;
     }
     if let Some(holder) = field("holder") {
-        let until = field("until").map(|u| format!(" until {u}")).unwrap_or_default();
+        let until = field("until_at").map(|u| format!(" until {u}")).unwrap_or_default();
         return format!("reserved by {holder}{until}");
     }
     match field("implementation") {
@@ -152,7 +152,7 @@ fn device_line(device: &FleetDevice) -> String {
     }
     if let Some(reservation) = &device.reservation {
         line.push_str(&format!("; reserved by {} ({})", escape(&reservation.holder), escape(&reservation.client)));
-        if let Some(until) = &reservation.until {
+        if let Some(until) = &reservation.until_at {
             line.push_str(&format!(" until {}", escape(until)));
         }
     }
@@ -186,11 +186,11 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<(), Failure> {
             "busid": device.busid,
             "device": device,
             "holder": reservation.entry.holder,
-            "since": reservation.entry.since,
-            "until": reservation.entry.until,
+            "since_at": reservation.entry.since_at,
+            "until_at": reservation.entry.until_at,
             "lease": format!("{:x}", reservation.lease),
         });
-        println!("{}", terminal_safe_json(value.to_string()));
+        print_json(&value, false);
     } else {
         println!(
             "reserved {} on {} ({} {}:{}){}",
@@ -199,7 +199,7 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<(), Failure> {
             escape(device.product.as_deref().unwrap_or(&device.kind)),
             escape(&device.vendor_id),
             escape(&device.product_id),
-            match &reservation.entry.until {
+            match &reservation.entry.until_at {
                 Some(until) => format!(" until {until}"),
                 None => " until this command stops (Ctrl-C)".to_owned(),
             }
@@ -284,7 +284,7 @@ pub(crate) async fn who(args: WhoArgs) -> Result<(), Failure> {
     let fleet = lab.fleet().await.map_err(failure)?;
     let held: Vec<&FleetDevice> = fleet.devices.iter().filter(|d| d.reservation.is_some()).collect();
     if args.json {
-        println!("{}", terminal_safe_json(serde_json::to_string_pretty(&held).unwrap_or_default()));
+        print_json(&serde_json::json!({ "reservations": held }), true);
         return Ok(());
     }
     if held.is_empty() {
@@ -302,8 +302,8 @@ pub(crate) async fn who(args: WhoArgs) -> Result<(), Failure> {
             escape(&reservation.holder),
             escape(&reservation.client),
             reservation.pid,
-            escape(&reservation.since),
-            reservation.until.as_ref().map(|u| format!(" until {}", escape(u))).unwrap_or_default()
+            escape(&reservation.since_at),
+            reservation.until_at.as_ref().map(|u| format!(" until {}", escape(u))).unwrap_or_default()
         );
     }
     Ok(())
@@ -405,7 +405,7 @@ impl TokenStore {
             server: device.server.clone(),
             busid: device.busid.clone(),
             token: reservation.token.hex(),
-            until: reservation.entry.until.clone(),
+            until: reservation.entry.until_at.clone(),
         };
         let path = self.path(registry, &device.server, &device.busid);
         let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&path)?;

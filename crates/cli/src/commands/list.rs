@@ -5,8 +5,6 @@ use serde_json::json;
 use usbwire_proto::display::escape;
 use usbwire_proto::op::DeviceRecord;
 
-use super::output::terminal_safe_json;
-
 use crate::args::ListArgs;
 use crate::exit::Failure;
 
@@ -35,7 +33,7 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     if args.json {
         let mut listing = devices_json(remote, &devices, &names);
         add_states(&mut listing, states.as_deref());
-        println!("{}", terminal_safe_json(listing.to_string()));
+        super::output::print_json(&listing, false);
     } else {
         let verbose = super::verbosity() > 0;
         print!("{}", format_like_usbip(remote, &devices, &names, verbose));
@@ -147,7 +145,7 @@ async fn discovered(args: &ListArgs) -> Result<(), Failure> {
         }
     }
     if args.json {
-        println!("{}", terminal_safe_json(json!({ "servers": records }).to_string()));
+        super::output::print_json(&json!({ "servers": records }), false);
     } else if servers.is_empty() {
         println!("no USB/IP servers answered within {:.1} s (mDNS, _usbip._tcp)", wait.as_secs_f64());
     }
@@ -166,7 +164,7 @@ fn found_server_line(server: &usbwire_discovery::FoundServer, host: &str) -> Str
 fn local_devices(json: bool) -> Result<(), Failure> {
     let devices = usbwire_host::list().map_err(|error| Failure::unavailable(error.into()))?;
     if json {
-        println!("{}", terminal_safe_json(json!({ "devices": devices }).to_string()));
+        super::output::print_json(&json!({ "devices": devices }), false);
         return Ok(());
     }
     if devices.is_empty() {
@@ -228,6 +226,8 @@ pub(crate) fn devices_json(host: &str, devices: &[DeviceRecord], names: &UsbIds)
                 "product_id": format!("{:04x}", d.id_product),
                 "vendor": names.vendor(d.id_vendor),
                 "product": names.product(d.id_vendor, d.id_product),
+                "product_name": names.product(d.id_vendor, d.id_product),
+                "vendor_name": names.vendor(d.id_vendor),
                 "bcd_device": format!("{:04x}", d.bcd_device),
                 "device_class": format!("{:02x}/{:02x}/{:02x}", d.b_device_class, d.b_device_sub_class, d.b_device_protocol),
                 "configuration_value": d.b_configuration_value,
@@ -435,6 +435,7 @@ mod tests {
             since,
             resuming_since: None,
             counters: None,
+            ..Default::default()
         }
     }
 

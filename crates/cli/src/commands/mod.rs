@@ -1,6 +1,7 @@
 //! One module per verb; each takes its parsed arguments and does the work.
 
 mod bench;
+mod bench_lab;
 mod demo;
 mod describe;
 mod docs;

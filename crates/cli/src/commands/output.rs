@@ -1,8 +1,38 @@
 //! Printing what the network sent. Human output shows each such string
 //! through [`usbwire_proto::display::escape`]; JSON output goes through
-//! [`terminal_safe_json`].
+//! [`print_json`] (or [`terminal_safe_json`]).
+//!
+//! The JSON vocabulary, the same in every verb's `--json` (version
+//! [`JSON_SCHEMA_VERSION`], in each document's `schema_version`):
+//! * times are RFC 3339 strings in fields ending `_at` (`since_at`,
+//!   `until_at`); the Unix-second fields older versions printed (`since`,
+//!   `resuming_since` in `state` and `list -r`) are still there, unchanged;
+//! * `product_string` is the device's own product string, `product_name`
+//!   what usb.ids calls it; `product` keeps the meaning it had in each verb
+//!   (the usb.ids name in `list -r`, the device's string elsewhere);
+//! * `busid`, `vendor_id`/`product_id` (four hex digits), `speed` (`high`,
+//!   `super`, …), `state` (`available`, `in_use`, `resuming`) mean the same everywhere.
 
 use usbwire_proto::display::needs_escape;
+
+/// The version of the JSON vocabulary above. A field's meaning changes only with it.
+pub(crate) const JSON_SCHEMA_VERSION: u32 = 1;
+
+/// Prints a `--json` document: `schema_version` added at its top, strings
+/// made terminal-safe, on one line (`pretty`: indented).
+pub(crate) fn print_json(value: &impl serde::Serialize, pretty: bool) {
+    let mut value = serde_json::to_value(value).unwrap_or(serde_json::Value::Null);
+    if let Some(object) = value.as_object_mut() {
+        object.insert("schema_version".into(), JSON_SCHEMA_VERSION.into());
+    }
+    let text = if pretty { serde_json::to_string_pretty(&value) } else { serde_json::to_string(&value) };
+    println!("{}", terminal_safe_json(text.unwrap_or_default()));
+}
+
+/// RFC 3339 (UTC, to the second) for a Unix time.
+pub(crate) fn rfc3339(unix_seconds: u64) -> String {
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_secs(unix_seconds)).to_string()
+}
 
 /// JSON text with every character [`needs_escape`] names written as a
 /// `\uXXXX` escape, so `--json` on a terminal cannot be driven by a device
@@ -49,6 +79,12 @@ mod tests {
             let back: serde_json::Value = serde_json::from_str(&safe).unwrap();
             assert_eq!(back, value);
         }
+    }
+
+    #[test]
+    fn rfc3339_times() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_795_000_000), "2026-11-18T11:06:40Z");
     }
 
     #[test]

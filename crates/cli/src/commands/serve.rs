@@ -191,7 +191,7 @@ impl Registering {
                 plain: security.tls.is_none() || security.plain != PlainPolicy::Never,
                 implementation: "usbwire".to_owned(),
                 version: crate::args::VERSION.to_owned(),
-                started: usbwire_lab::entry::timestamp(std::time::SystemTime::now()),
+                started_at: usbwire_lab::entry::timestamp(std::time::SystemTime::now()),
             },
             labels,
         })
