@@ -3,14 +3,22 @@
 //! device selectors clients pick from it with. No I/O.
 //!
 //! ```text
-//! PREFIX/servers/SERVER              ServerEntry       lease: the server's
-//! PREFIX/devices/SERVER/BUSID        DeviceEntry       lease: the server's
-//! PREFIX/reservations/SERVER/BUSID   ReservationEntry  lease: the holder's
+//! PREFIX/servers/SERVER                      ServerEntry       lease: the server's
+//! PREFIX/devices/SERVER/BUSID                DeviceEntry       lease: the server's
+//! PREFIX/reservations/SERVER/BUSID           ReservationEntry  lease: the holder's
+//! PREFIX/index/KIND/VALUE/SERVER/BUSID       its availability  lease: the server's
 //! ```
 //!
 //! SERVER is the address clients import from (`HOST:PORT`). A reservation is
 //! created only by a transaction that finds its key absent, so at most one
 //! exists per device; it goes when its holder releases it or its lease ends.
+//!
+//! The index lets a client find the devices a selector term names without
+//! reading the fleet: one key per device and label (`label/nucleo`), VID:PID
+//! (`id/0483:374b`), class of the device or an interface (`class/08`) and
+//! serial (`serial/…`), whose value is the device's [`Availability`] word.
+//! Its server keeps it current (imports, releases, the reservations it sees),
+//! so a reservation reads a few bytes per matching device.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -62,6 +70,43 @@ impl Keys {
 
     pub fn reservation(&self, server: &str, busid: &str) -> String {
         format!("{}reservations/{server}/{busid}", self.root)
+    }
+
+    /// The prefixes the fleet view reads (the index is not part of it).
+    pub fn fleet_prefixes(&self) -> [String; 3] {
+        ["servers/", "devices/", "reservations/"].map(|kind| format!("{}{kind}", self.root))
+    }
+
+    /// The index prefix of one term (`label`, `nucleo`); `/` and `%` in the value are escaped.
+    pub fn index_of(&self, kind: &str, value: &str) -> String {
+        format!("{}index/{kind}/{}/", self.root, key_part(value))
+    }
+
+    /// A device's key in the index under one term.
+    pub fn index_entry(&self, kind: &str, value: &str, server: &str, busid: &str) -> String {
+        format!("{}{server}/{busid}", self.index_of(kind, value))
+    }
+
+    /// Every index key of a device (its labels, VID:PID, classes, serial).
+    pub fn index_entries(&self, device: &DeviceEntry) -> Vec<String> {
+        let (server, busid) = (&device.server, &device.busid);
+        let mut keys: Vec<String> =
+            device.labels.iter().map(|label| self.index_entry("label", label, server, busid)).collect();
+        keys.push(self.index_entry("id", &format!("{}:{}", device.vendor_id, device.product_id), server, busid));
+        let mut classes: Vec<&String> = std::iter::once(&device.class).chain(&device.interface_classes).collect();
+        classes.sort();
+        classes.dedup();
+        keys.extend(classes.into_iter().map(|class| self.index_entry("class", class, server, busid)));
+        if let Some(serial) = &device.serial {
+            keys.push(self.index_entry("serial", serial, server, busid));
+        }
+        keys
+    }
+
+    /// The (server, bus id) an index key under `prefix` names.
+    pub fn parse_index_entry(&self, prefix: &str, key: &[u8]) -> Option<(String, String)> {
+        let rest = std::str::from_utf8(key).ok()?.strip_prefix(prefix)?;
+        rest.rsplit_once('/').map(|(server, busid)| (server.to_owned(), busid.to_owned()))
     }
 
     /// Names a key, if it is one of ours. Bus ids have no `/`; server
@@ -142,6 +187,28 @@ pub struct ReservationEntry {
 /// RFC 3339, to the second, UTC.
 pub fn timestamp(at: SystemTime) -> String {
     humantime::format_rfc3339_seconds(at).to_string()
+}
+
+/// What an index entry says of its device: the only word a reservation
+/// takes a device on is [`Availability::AVAILABLE`].
+pub struct Availability;
+
+impl Availability {
+    pub const AVAILABLE: &'static str = "available";
+    pub const RESERVED: &'static str = "reserved";
+
+    /// The word for a device in `state` (`available`, `in_use`, `resuming`), reserved or not.
+    pub fn of(state: &str, reserved: bool) -> &str {
+        match state {
+            Self::AVAILABLE if reserved => Self::RESERVED,
+            other => other,
+        }
+    }
+}
+
+/// A value as one part of a key: `/` and `%` escaped.
+fn key_part(value: &str) -> String {
+    value.replace('%', "%25").replace('/', "%2F")
 }
 
 /// A record, if it is one we can read (a newer major schema is skipped).
@@ -314,6 +381,32 @@ impl fmt::Display for Want {
 }
 
 impl Want {
+    /// The index prefixes of the terms that have one (all but bus id and
+    /// server); a device the selector matches is under every one of them.
+    pub fn index_prefixes(&self, keys: &Keys) -> Vec<String> {
+        self.terms
+            .iter()
+            .filter_map(|term| match term {
+                Term::Label(label) => Some(keys.index_of("label", label)),
+                Term::Device(Selector::VidPid { vendor_id, product_id }) => {
+                    Some(keys.index_of("id", &format!("{vendor_id:04x}:{product_id:04x}")))
+                }
+                Term::Device(Selector::Class(class)) => Some(keys.index_of("class", &format!("{class:02x}"))),
+                Term::Device(Selector::Serial(serial)) => Some(keys.index_of("serial", serial)),
+                Term::Device(Selector::BusId(_)) | Term::Server(_) => None,
+            })
+            .collect()
+    }
+
+    /// Whether the bus id and server terms allow this device.
+    pub fn matches_place(&self, server: &str, busid: &str) -> bool {
+        self.terms.iter().all(|term| match term {
+            Term::Server(wanted) => wanted == server,
+            Term::Device(Selector::BusId(wanted)) => wanted == busid,
+            _ => true,
+        })
+    }
+
     pub fn matches(&self, device: &DeviceEntry) -> bool {
         self.terms.iter().all(|term| match term {
             Term::Label(label) => device.labels.iter().any(|l| l == label),
@@ -441,6 +534,34 @@ pub(crate) mod tests {
         for bad in ["", "label=", "server=", "nucleo", "1209:0003,,label=x", "class=zz"] {
             assert!(bad.parse::<Want>().is_err(), "{bad:?} accepted");
         }
+    }
+
+    #[test]
+    fn a_matching_selector_finds_the_device_under_each_of_its_index_terms() {
+        let keys = Keys::new("usbwire");
+        let mut disk = device("a:1", "1-1", &["nucleo", "bench/3"]);
+        disk.serial = Some("SN/1%".into());
+        let entries = keys.index_entries(&disk);
+        assert!(entries.contains(&"usbwire/index/label/bench%2F3/a:1/1-1".to_owned()), "{entries:?}");
+        assert!(entries.contains(&"usbwire/index/serial/SN%2F1%25/a:1/1-1".to_owned()), "{entries:?}");
+        for text in
+            ["label=nucleo", "1209:0003,label=bench/3", "class=08", "class=00", "serial=SN/1%", "server=a:1,1-1"]
+        {
+            let want: Want = text.parse().unwrap();
+            assert!(want.matches(&disk), "{text}");
+            assert!(want.matches_place(&disk.server, &disk.busid), "{text}");
+            for prefix in want.index_prefixes(&keys) {
+                let found: Vec<_> = entries.iter().filter(|e| e.starts_with(&prefix)).collect();
+                assert_eq!(found.len(), 1, "{text}: {prefix} in {entries:?}");
+                assert_eq!(keys.parse_index_entry(&prefix, found[0].as_bytes()), Some(("a:1".into(), "1-1".into())));
+            }
+        }
+        let elsewhere: Want = "server=b:1".parse().unwrap();
+        assert!(!elsewhere.matches_place(&disk.server, &disk.busid));
+        assert!(keys.parse(entries[0].as_bytes()).is_none(), "the index is not part of the fleet view");
+        assert_eq!(Availability::of("available", true), Availability::RESERVED);
+        assert_eq!(Availability::of("available", false), Availability::AVAILABLE);
+        assert_eq!(Availability::of("in_use", true), "in_use");
     }
 
     mod properties {

@@ -157,11 +157,8 @@ pub(crate) async fn keep_alive(endpoint: Endpoint, mut client: Client, lease: i6
                 continue;
             }
         };
+        // Setting the renewal up sent the first request: its answer, then one every third of the ttl.
         loop {
-            if let Err(error) = keeper.keep_alive().await {
-                debug!(lease, %error, "lease renewal failed");
-                break;
-            }
             match tokio::time::timeout(REQUEST_TIMEOUT.min(ttl), answers.message()).await {
                 Ok(Ok(Some(answer))) if answer.ttl() > 0 => renewed = Instant::now(),
                 Ok(Ok(Some(_))) => {
@@ -170,6 +167,10 @@ pub(crate) async fn keep_alive(endpoint: Endpoint, mut client: Client, lease: i6
                 Ok(Ok(None)) | Ok(Err(_)) | Err(_) => break,
             }
             tokio::time::sleep(every).await;
+            if let Err(error) = keeper.keep_alive().await {
+                debug!(lease, error = %short(&error), "lease renewal failed");
+                break;
+            }
         }
         if Instant::now() >= renewed + ttl {
             return LabError::LeaseLost { lease, reason: "not renewed within its time to live".into() };

@@ -1,21 +1,25 @@
 //! The client's side: read the fleet, follow it, take and give back reservations.
 //!
-//! Requests per operation (what grows with the lab): [`Lab::fleet`] is one
-//! range read of the prefix (its size grows with the devices); a reservation
-//! is one read, one lease grant and one transaction per device tried (one
-//! when uncontended; candidates are tried in random order so racing clients
-//! spread out); holding it costs one renewal every third of the lease's time
-//! to live; a release is one lease revocation.
+//! Requests per operation (what grows with the lab): [`Lab::fleet`] reads
+//! three prefixes a page at a time (its size grows with the devices); a
+//! reservation reads the index under each of its selector's terms (a few
+//! bytes per matching device, not the fleet), then one lease grant and one
+//! transaction per device tried (one when uncontended; candidates are tried
+//! in random order so racing clients spread out); holding it costs one
+//! renewal every third of the lease's time to live; a release is one lease
+//! revocation.
 
 use std::time::{Duration, SystemTime};
 
-use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
+use etcd_client::{
+    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
+};
 use rand::seq::SliceRandom as _;
 use tokio::task::JoinHandle;
 use usbwire_proto::reservation::ReservationToken;
 
 use crate::entry::{
-    decode, timestamp, DeviceEntry, Fleet, FleetDevice, Key, Keys, ReservationEntry, ServerEntry, Want, SCHEMA_VERSION,
+    decode, timestamp, Availability, DeviceEntry, Fleet, Key, Keys, ReservationEntry, ServerEntry, Want, SCHEMA_VERSION,
 };
 use crate::etcd::{keep_alive, Endpoint};
 use crate::LabError;
@@ -52,6 +56,30 @@ pub struct Reservation {
     renewing: Option<JoinHandle<LabError>>,
 }
 
+/// How many keys one range request returns at most.
+const PAGE: i64 = 2000;
+
+/// A device a selector matches, as the index shows it.
+struct Candidate {
+    server: String,
+    busid: String,
+    /// The index entry the reservation's transaction checks.
+    index_key: String,
+    availability: String,
+}
+
+/// The first key after every key that starts with `prefix`.
+fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}
+
 /// One change seen by [`FleetWatch`].
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct FleetChange {
@@ -82,12 +110,53 @@ impl Lab {
         &self.endpoint
     }
 
-    /// Every server and device, and who holds what: one read.
+    /// Every server and device, and who holds what: the three prefixes at
+    /// one revision, read a page at a time (any fleet size fits).
     pub async fn fleet(&mut self) -> Result<Fleet, LabError> {
-        let response = self.client.get(self.keys.all(), Some(GetOptions::new().with_prefix())).await?;
-        let revision = response.header().map_or(0, |h| h.revision());
-        let pairs = response.kvs().iter().map(|kv| (kv.key(), kv.value(), kv.mod_revision()));
-        Ok(Fleet::from_pairs(&self.keys, revision, pairs))
+        let mut revision = None;
+        let mut kvs = Vec::new();
+        for prefix in self.keys.fleet_prefixes() {
+            let (at, mut page) = self.range(&prefix, revision, false).await?;
+            revision = Some(at);
+            kvs.append(&mut page);
+        }
+        let pairs = kvs.iter().map(|kv| (kv.key(), kv.value(), kv.mod_revision()));
+        Ok(Fleet::from_pairs(&self.keys, revision.unwrap_or(0), pairs))
+    }
+
+    /// Every key under `prefix` (and its value unless `keys_only`), in pages
+    /// of [`PAGE`], at `revision` (the first page's when `None`).
+    async fn range(
+        &mut self,
+        prefix: &str,
+        revision: Option<i64>,
+        keys_only: bool,
+    ) -> Result<(i64, Vec<etcd_client::KeyValue>), LabError> {
+        let end = prefix_end(prefix);
+        let mut from = prefix.as_bytes().to_vec();
+        let mut revision = revision;
+        let mut kvs = Vec::new();
+        loop {
+            let mut options = GetOptions::new().with_range(end.clone()).with_limit(PAGE);
+            if let Some(at) = revision {
+                options = options.with_revision(at);
+            }
+            if keys_only {
+                options = options.with_keys_only();
+            }
+            let mut response = self.client.get(from.clone(), Some(options)).await?;
+            revision = revision.or(response.header().map(|h| h.revision()));
+            let more = response.more();
+            let mut page = response.take_kvs();
+            if let (true, Some(last)) = (more, page.last()) {
+                from = last.key().to_vec();
+                from.push(0);
+            }
+            kvs.append(&mut page);
+            if !more {
+                return Ok((revision.unwrap_or(0), kvs));
+            }
+        }
     }
 
     /// Changes after `revision` (a [`Fleet`]'s), as they happen.
@@ -97,22 +166,24 @@ impl Lab {
         Ok(FleetWatch { stream, keys: self.keys.clone() })
     }
 
-    /// Takes a free device that matches `want`: reads the fleet, then tries
-    /// the free matching devices in random order, each with a transaction
-    /// that succeeds only if no one reserved it and its entry is unchanged
-    /// since the read. Fails with [`LabError::NoMatch`] or [`LabError::NoneFree`].
+    /// Takes a free device that matches `want`. The candidates come from the
+    /// index (a few bytes per device under each term, at one revision),
+    /// filtered by bus id and server; they are tried in random order, each
+    /// with a transaction that succeeds only if the device has no reservation
+    /// and its index entry still says available. Fails with
+    /// [`LabError::NoMatch`] or [`LabError::NoneFree`].
     pub async fn reserve(&mut self, want: &Want, hold: Hold, client: &str) -> Result<Reservation, LabError> {
-        let fleet = self.fleet().await?;
-        let matching: Vec<&FleetDevice> = fleet.devices.iter().filter(|d| want.matches(&d.device)).collect();
-        if matching.is_empty() {
+        let candidates = self.candidates(want).await?;
+        if candidates.is_empty() {
             return Err(LabError::NoMatch { want: want.to_string() });
         }
-        let reserved = matching.iter().filter(|d| d.reservation.is_some()).count();
-        let in_use = matching.iter().filter(|d| d.reservation.is_none() && !d.is_free()).count();
-        let mut free: Vec<&FleetDevice> = matching.iter().copied().filter(|d| d.is_free()).collect();
+        let reserved = candidates.iter().filter(|c| c.availability == Availability::RESERVED).count();
+        let mut free: Vec<&Candidate> =
+            candidates.iter().filter(|c| c.availability == Availability::AVAILABLE).collect();
+        let in_use = candidates.len() - reserved - free.len();
         let none_free = |lost: usize| LabError::NoneFree {
             want: want.to_string(),
-            matching: matching.len(),
+            matching: candidates.len(),
             reserved: reserved + lost,
             in_use,
         };
@@ -137,42 +208,102 @@ impl Lab {
             until_at: until.map(timestamp),
         };
         let json = serde_json::to_string(&entry).unwrap_or_default();
-        for candidate in &free {
-            let device = &candidate.device;
-            let key = self.keys.reservation(&device.server, &device.busid);
-            let device_key = self.keys.device(&device.server, &device.busid);
+        for (tried, candidate) in free.iter().enumerate() {
+            let key = self.keys.reservation(&candidate.server, &candidate.busid);
             let txn = Txn::new()
                 .when([
                     Compare::create_revision(key.clone(), CompareOp::Equal, 0),
-                    Compare::mod_revision(device_key, CompareOp::Equal, candidate.mod_revision),
+                    Compare::value(candidate.index_key.clone(), CompareOp::Equal, Availability::AVAILABLE),
                 ])
-                .and_then([TxnOp::put(key, json.clone(), Some(PutOptions::new().with_lease(lease)))]);
-            match self.client.txn(txn).await {
-                Ok(response) if response.succeeded() => {}
+                .and_then([
+                    TxnOp::put(key, json.clone(), Some(PutOptions::new().with_lease(lease))),
+                    TxnOp::get(self.keys.device(&candidate.server, &candidate.busid), None),
+                    TxnOp::get(self.keys.server(&candidate.server), None),
+                ]);
+            let response = match self.client.txn(txn).await {
+                Ok(response) if response.succeeded() => response,
                 Ok(_) => continue,
                 Err(error) => {
                     let _ = self.client.lease_revoke(lease).await;
                     return Err(error.into());
                 }
-            }
-            let server =
-                fleet.server(&device.server).cloned().ok_or_else(|| LabError::NoMatch { want: want.to_string() })?;
+            };
+            let mut read = response.op_responses().into_iter().filter_map(|op| match op {
+                TxnOpResponse::Get(got) => got.kvs().first().map(|kv| kv.value().to_vec()),
+                _ => None,
+            });
+            let device = read.next().and_then(|v| decode::<DeviceEntry>(&v));
+            let server = read.next().and_then(|v| decode::<ServerEntry>(&v));
+            let (Some(device), Some(server)) = (device, server) else {
+                // Its server went between the index read and now: give it back, try another.
+                let _ = self.client.delete(self.keys.reservation(&candidate.server, &candidate.busid), None).await;
+                continue;
+            };
             let renewing = matches!(hold, Hold::WhileRunning { .. })
                 .then(|| tokio::spawn(keep_alive(self.endpoint.clone(), self.client.clone(), lease, ttl)));
-            tracing::debug!(server = %device.server, busid = %device.busid, lease = format_args!("{lease:x}"), "reserved");
-            return Ok(Reservation {
-                server,
-                device: device.clone(),
-                entry,
-                token,
-                lease,
-                client: self.client.clone(),
-                renewing,
-            });
+            tracing::debug!(server = %device.server, busid = %device.busid, lease = format_args!("{lease:x}"), tried = tried + 1, "reserved");
+            return Ok(Reservation { server, device, entry, token, lease, client: self.client.clone(), renewing });
         }
         // Every free one was taken by someone faster.
         let _ = self.client.lease_revoke(lease).await;
         Err(none_free(free.len()))
+    }
+
+    /// The devices `want` matches, with their availability: from the index
+    /// of each term that has one (their intersection), else the device list.
+    async fn candidates(&mut self, want: &Want) -> Result<Vec<Candidate>, LabError> {
+        let prefixes = want.index_prefixes(&self.keys);
+        if prefixes.is_empty() {
+            // Only a bus id or a server: read the device entries themselves.
+            let fleet = self.fleet().await?;
+            return Ok(fleet
+                .devices
+                .iter()
+                .filter(|d| want.matches(&d.device))
+                .map(|d| {
+                    let reserved = d.reservation.is_some();
+                    let availability = Availability::of(&d.device.state, reserved).to_owned();
+                    let index_key = self.keys.index_entry(
+                        "id",
+                        &format!("{}:{}", d.device.vendor_id, d.device.product_id),
+                        &d.device.server,
+                        &d.device.busid,
+                    );
+                    Candidate {
+                        server: d.device.server.clone(),
+                        busid: d.device.busid.clone(),
+                        index_key,
+                        availability,
+                    }
+                })
+                .collect());
+        }
+        let mut revision = None;
+        let mut found: Option<Vec<Candidate>> = None;
+        for prefix in &prefixes {
+            let (at, kvs) = self.range(prefix, revision, false).await?;
+            revision = Some(at);
+            let here: Vec<Candidate> = kvs
+                .iter()
+                .filter_map(|kv| {
+                    let (server, busid) = self.keys.parse_index_entry(prefix, kv.key())?;
+                    want.matches_place(&server, &busid).then(|| Candidate {
+                        server,
+                        busid,
+                        index_key: String::from_utf8_lossy(kv.key()).into_owned(),
+                        availability: String::from_utf8_lossy(kv.value()).into_owned(),
+                    })
+                })
+                .collect();
+            found = Some(match found {
+                None => here,
+                Some(before) => before
+                    .into_iter()
+                    .filter(|c| here.iter().any(|h| h.server == c.server && h.busid == c.busid))
+                    .collect(),
+            });
+        }
+        Ok(found.unwrap_or_default())
     }
 
     /// Ends the reservation of `busid` on `server`: only the holder's, when

@@ -18,7 +18,9 @@ use tracing::{debug, info, warn};
 use usbwire_host::Selector;
 use usbwire_server::{DeviceState, ExportInfo, Registry, ReservationDigest};
 
-use crate::entry::{decode, timestamp, DeviceEntry, Key, Keys, ReservationEntry, ServerEntry, SCHEMA_VERSION};
+use crate::entry::{
+    decode, timestamp, Availability, DeviceEntry, Key, Keys, ReservationEntry, ServerEntry, SCHEMA_VERSION,
+};
 use crate::etcd::{keep_alive, Endpoint};
 use crate::LabError;
 
@@ -55,7 +57,7 @@ pub async fn publish(registration: Registration, registry: Registry) {
                 info!(
                     registry = %url,
                     server = %registration.server.address,
-                    devices = session.published.len(),
+                    devices = session.devices,
                     ttl_secs = registration.ttl.as_secs(),
                     "{}",
                     if registered_before { "registered again in the lab registry" } else { "registered in the lab registry" }
@@ -93,8 +95,9 @@ struct Session {
     client: Client,
     keys: Keys,
     lease: i64,
-    /// Bus id → the JSON published for it.
+    /// Key → value of every device entry and index entry published.
     published: HashMap<String, String>,
+    devices: usize,
     reservations: HashMap<String, ReservationDigest>,
     revision: i64,
 }
@@ -108,10 +111,16 @@ impl Session {
         let server = &registration.server;
         let entry = serde_json::to_string(server).unwrap_or_default();
         client.put(keys.server(&server.address), entry, Some(PutOptions::new().with_lease(lease))).await?;
-        let mut session =
-            Self { client, keys, lease, published: HashMap::new(), reservations: HashMap::new(), revision: 0 };
-        session.sync(registration, registry).await?;
-        // Reservations now, then every change after them.
+        let mut session = Self {
+            client,
+            keys,
+            lease,
+            published: HashMap::new(),
+            devices: 0,
+            reservations: HashMap::new(),
+            revision: 0,
+        };
+        // Reservations now (the index shows them), then every change after them.
         let held = session
             .client
             .get(session.keys.reservations_of(&server.address), Some(GetOptions::new().with_prefix()))
@@ -121,6 +130,7 @@ impl Session {
             session.reservation_changed(kv.key(), Some(kv.value()));
         }
         registry.set_reservations(session.reservations.clone());
+        session.sync(registration, registry).await?;
         Ok(session)
     }
 
@@ -166,31 +176,38 @@ impl Session {
                         self.reservation_changed(kv.key(), value);
                     }
                     registry.set_reservations(self.reservations.clone());
+                    // The index says which devices are reserved.
+                    if let Err(error) = self.sync(registration, registry).await {
+                        return error;
+                    }
                 }
             }
         }
     }
 
-    /// Puts what changed in the device list and deletes what went, in as few transactions as fit.
+    /// Puts what changed in the device list and its index, and deletes what
+    /// went, in as few transactions as fit.
     async fn sync(&mut self, registration: &Registration, registry: &Registry) -> Result<(), LabError> {
         let address = &registration.server.address;
-        let now: HashMap<String, String> = registry
-            .list()
-            .iter()
-            .map(|export| {
-                let entry = device_entry(address, export, &registration.labels);
-                (entry.busid.clone(), serde_json::to_string(&entry).unwrap_or_default())
-            })
-            .collect();
+        let mut now: HashMap<String, String> = HashMap::new();
+        let exports = registry.list();
+        for export in &exports {
+            let entry = device_entry(address, export, &registration.labels);
+            let availability = Availability::of(&entry.state, self.reservations.contains_key(&entry.busid));
+            for key in self.keys.index_entries(&entry) {
+                now.insert(key, availability.to_owned());
+            }
+            now.insert(self.keys.device(address, &entry.busid), serde_json::to_string(&entry).unwrap_or_default());
+        }
         let mut ops = Vec::new();
-        for (busid, json) in &now {
-            if self.published.get(busid) != Some(json) {
+        for (key, value) in &now {
+            if self.published.get(key) != Some(value) {
                 let put = PutOptions::new().with_lease(self.lease);
-                ops.push(TxnOp::put(self.keys.device(address, busid), json.clone(), Some(put)));
+                ops.push(TxnOp::put(key.clone(), value.clone(), Some(put)));
             }
         }
-        for busid in self.published.keys().filter(|busid| !now.contains_key(*busid)) {
-            ops.push(TxnOp::delete(self.keys.device(address, busid), None));
+        for key in self.published.keys().filter(|key| !now.contains_key(*key)) {
+            ops.push(TxnOp::delete(key.clone(), None));
         }
         let count = ops.len();
         while !ops.is_empty() {
@@ -201,6 +218,7 @@ impl Session {
             debug!(changed = count, "published device changes");
         }
         self.published = now;
+        self.devices = exports.len();
         Ok(())
     }
 

@@ -425,11 +425,13 @@ async fn phases(
         let next = tokio::time::timeout(REGISTRATION_TIMEOUT.saturating_sub(started.elapsed()), watch.next()).await;
         let batch = match next {
             Ok(batch) => batch.map_err(failure)?,
-            Err(_) => return Err(Failure::unavailable(anyhow!(
+            Err(_) => {
+                return Err(Failure::unavailable(anyhow!(
                 "only {} of {devices} devices and {} of {servers} servers registered within {REGISTRATION_TIMEOUT:?}",
                 seen.len(),
                 registered.len()
-            ))),
+            )))
+            }
         };
         let Some(batch) = batch else {
             return Err(Failure::unavailable(anyhow!("the lab registry ended the watch during registration")));
