@@ -59,6 +59,36 @@ pub struct Reservation {
 /// How many keys one range request returns at most.
 const PAGE: i64 = 2000;
 
+/// What one read of the index showed: the free candidates (shuffled, so
+/// racing clients spread out) and the counts an error reports.
+struct Seen {
+    free: Vec<Candidate>,
+    matching: usize,
+    reserved: usize,
+    in_use: usize,
+}
+
+impl Seen {
+    fn of(candidates: Vec<Candidate>) -> Self {
+        let matching = candidates.len();
+        let reserved = candidates.iter().filter(|c| c.availability == Availability::RESERVED).count();
+        let mut free: Vec<Candidate> =
+            candidates.into_iter().filter(|c| c.availability == Availability::AVAILABLE).collect();
+        free.shuffle(&mut rand::thread_rng());
+        let in_use = matching - reserved - free.len();
+        Self { free, matching, reserved, in_use }
+    }
+
+    fn none_free(&self, want: &Want) -> LabError {
+        LabError::NoneFree {
+            want: want.to_string(),
+            matching: self.matching,
+            reserved: self.reserved + self.free.len(),
+            in_use: self.in_use,
+        }
+    }
+}
+
 /// A device a selector matches, as the index shows it.
 struct Candidate {
     server: String,
@@ -173,24 +203,13 @@ impl Lab {
     /// and its index entry still says available. Fails with
     /// [`LabError::NoMatch`] or [`LabError::NoneFree`].
     pub async fn reserve(&mut self, want: &Want, hold: Hold, client: &str) -> Result<Reservation, LabError> {
-        let candidates = self.candidates(want).await?;
-        if candidates.is_empty() {
+        let mut seen = Seen::of(self.candidates(want).await?);
+        if seen.matching == 0 {
             return Err(LabError::NoMatch { want: want.to_string() });
         }
-        let reserved = candidates.iter().filter(|c| c.availability == Availability::RESERVED).count();
-        let mut free: Vec<&Candidate> =
-            candidates.iter().filter(|c| c.availability == Availability::AVAILABLE).collect();
-        let in_use = candidates.len() - reserved - free.len();
-        let none_free = |lost: usize| LabError::NoneFree {
-            want: want.to_string(),
-            matching: candidates.len(),
-            reserved: reserved + lost,
-            in_use,
-        };
-        if free.is_empty() {
-            return Err(none_free(0));
+        if seen.free.is_empty() {
+            return Err(seen.none_free(want));
         }
-        free.shuffle(&mut rand::thread_rng());
         let (ttl, until) = match hold {
             Hold::WhileRunning { ttl, until } => (ttl, until),
             Hold::For(duration) => (duration, Some(SystemTime::now() + duration)),
@@ -208,7 +227,17 @@ impl Lab {
             until_at: until.map(timestamp),
         };
         let json = serde_json::to_string(&entry).unwrap_or_default();
-        for (tried, candidate) in free.iter().enumerate() {
+        // Taken by someone faster since the read: after two such, read the index
+        // again rather than walk a stale list (racing clients find out at once
+        // when none is left). Bounded, in case devices keep changing.
+        let mut tried = 0;
+        let mut lost_since_read = 0;
+        let attempts = 2 * seen.matching + 8;
+        while let Some(candidate) = seen.free.pop() {
+            tried += 1;
+            if tried > attempts {
+                break;
+            }
             let key = self.keys.reservation(&candidate.server, &candidate.busid);
             let txn = Txn::new()
                 .when([
@@ -222,7 +251,20 @@ impl Lab {
                 ]);
             let response = match self.client.txn(txn).await {
                 Ok(response) if response.succeeded() => response,
-                Ok(_) => continue,
+                Ok(_) => {
+                    lost_since_read += 1;
+                    if lost_since_read >= 2 || seen.free.is_empty() {
+                        lost_since_read = 0;
+                        match self.candidates(want).await {
+                            Ok(candidates) => seen = Seen::of(candidates),
+                            Err(error) => {
+                                let _ = self.client.lease_revoke(lease).await;
+                                return Err(error);
+                            }
+                        }
+                    }
+                    continue;
+                }
                 Err(error) => {
                     let _ = self.client.lease_revoke(lease).await;
                     return Err(error.into());
@@ -241,12 +283,12 @@ impl Lab {
             };
             let renewing = matches!(hold, Hold::WhileRunning { .. })
                 .then(|| tokio::spawn(keep_alive(self.endpoint.clone(), self.client.clone(), lease, ttl)));
-            tracing::debug!(server = %device.server, busid = %device.busid, lease = format_args!("{lease:x}"), tried = tried + 1, "reserved");
+            tracing::debug!(server = %device.server, busid = %device.busid, lease = format_args!("{lease:x}"), tried, "reserved");
             return Ok(Reservation { server, device, entry, token, lease, client: self.client.clone(), renewing });
         }
         // Every free one was taken by someone faster.
         let _ = self.client.lease_revoke(lease).await;
-        Err(none_free(free.len()))
+        Err(seen.none_free(want))
     }
 
     /// The devices `want` matches, with their availability: from the index
