@@ -29,14 +29,23 @@ struct Served {
 
 impl Served {
     fn start(name: &str) -> Self {
+        Self::start_with(name, "")
+    }
+
+    /// With `config` as the server's configuration file.
+    fn start_with(name: &str, config: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("usbwire-cli-metrics-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let control = dir.join("control.sock");
+        let config_path = dir.join("server.toml");
+        std::fs::write(&config_path, config).unwrap();
         let mut child = Command::new(BIN)
             .args(["serve", "--no-advertise", "--virtual", "loopback", "--listen", &addr.to_string()])
+            .arg("--config")
+            .arg(&config_path)
             .args(["--metrics", &metrics.to_string(), "--control"])
             .arg(&control)
             .stdout(Stdio::piped())
@@ -124,6 +133,8 @@ async fn counters_move_by_exactly_what_was_transferred() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(served.sample("usbwire_device_urbs_in_flight{busid=\"1-1\",kind=\"loopback\"}"), 0);
+    let budget = "usbwire_device_budget_refusals_total{busid=\"1-1\",kind=\"loopback\",budget=\"in_flight_urbs\"}";
+    assert_eq!(served.sample(budget), 0, "one URB at a time never fills a budget");
 
     // `state --json` carries the same counters.
     let state = Command::new(BIN).args(["state", "--json", "--control"]).arg(&served.control).output().unwrap();
@@ -202,4 +213,28 @@ async fn usbwire_capture_switches_a_running_import_on_and_off() {
     connection.close().await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(packets_in(&file), 10, "a submit and a completion for each of the 5 URBs made while capturing");
+}
+
+#[tokio::test]
+async fn a_client_outrunning_its_budget_is_counted() {
+    let served = Served::start_with("budget", "[limits]\nin_flight_urbs = 2\n");
+    let busid = BusId::new("1-1").unwrap();
+    let (connection, _) = Connection::import_resumable(served.addr, &busid, &Security::Plain, &[]).await.unwrap();
+    connection.transfer_checked(Transfer::control_out([0x00, 0x09, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
+    // Sixteen URBs at once against a budget of two in flight: the server stops
+    // reading until the device completes some, and says so.
+    let transfers =
+        (0..16u8).map(|n| connection.transfer_checked(Transfer::bulk_out(SINK_OUT, Bytes::from(vec![n; 512]))));
+    for done in futures_util::future::join_all(transfers).await {
+        done.unwrap();
+    }
+    connection.close().await;
+    let budget = "usbwire_device_budget_refusals_total{busid=\"1-1\",kind=\"loopback\",budget=\"in_flight_urbs\"}";
+    assert!(served.sample(budget) >= 1, "the in-flight URB budget was full at least once");
+    assert_eq!(served.sample(&budget.replace("in_flight_urbs", "unacked_reply_bytes")), 0);
+    let state = Command::new(BIN).args(["state", "--json", "--control"]).arg(&served.control).output().unwrap();
+    let state: serde_json::Value = serde_json::from_slice(&state.stdout).unwrap();
+    let refusals = &state["devices"][0]["counters"]["budget_refusals"];
+    assert_eq!(refusals[0]["budget"], "in_flight_urbs", "{refusals}");
+    assert_eq!(refusals[0]["times"].as_u64(), Some(served.sample(budget)));
 }

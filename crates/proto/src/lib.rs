@@ -56,7 +56,7 @@ pub mod urb;
 mod wire;
 
 pub use error::DecodeError;
-pub use limits::{Budget, Limits};
+pub use limits::{Budget, BudgetKind, Limits};
 pub use outbox::Outbox;
 pub use recv_buffer::RecvBuffer;
 pub use seqnum_map::{SeqnumHasher, SeqnumMap};

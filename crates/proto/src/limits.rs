@@ -82,3 +82,31 @@ mod tests {
         assert!(!budget.admits(usize::MAX, 1));
     }
 }
+
+/// Which [`Budget`] holds a session back when it is full.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BudgetKind {
+    /// [`Budget::in_flight_bytes`]: a submit waits for URB bytes in flight to complete.
+    InFlightBytes,
+    /// [`Budget::in_flight_urbs`].
+    InFlightUrbs,
+    /// [`Budget::queued_reply_bytes`]: replies wait for the client to read them.
+    QueuedReplyBytes,
+    /// [`Budget::unacked_reply_bytes`]: a resumable session's replies wait for acknowledgement.
+    UnackedReplyBytes,
+}
+
+impl BudgetKind {
+    pub const ALL: [Self; 4] =
+        [Self::InFlightBytes, Self::InFlightUrbs, Self::QueuedReplyBytes, Self::UnackedReplyBytes];
+
+    /// Its name in the configuration file's `[limits]` and in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::InFlightBytes => "in_flight_bytes",
+            Self::InFlightUrbs => "in_flight_urbs",
+            Self::QueuedReplyBytes => "queued_reply_bytes",
+            Self::UnackedReplyBytes => "unacked_reply_bytes",
+        }
+    }
+}

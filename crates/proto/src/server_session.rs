@@ -47,7 +47,7 @@ use bytes::BytesMut;
 use crate::outbox::Outbox;
 use crate::resume;
 use crate::urb::{self, ClientMessage, CmdSubmit, RetSubmit, RetUnlink, ServerMessage};
-use crate::{Budget, DecodeError, Direction, Limits, RecvBuffer, SeqnumMap, Status};
+use crate::{Budget, BudgetKind, DecodeError, Direction, Limits, RecvBuffer, SeqnumMap, Status};
 
 /// What a read buffer grows by, at least.
 const READ_CHUNK: usize = 256 * 1024;
@@ -226,9 +226,20 @@ impl ServerSession {
     /// Whether to read more from the client: URBs in flight and replies waiting
     /// are under budget and no submit is waiting for in-flight room.
     pub fn wants_input(&self) -> bool {
-        self.waiting_submit.is_none()
-            && self.in_flight.len() < self.budget.in_flight_urbs
-            && self.outbox.queued() < self.budget.queued_reply_bytes
+        self.input_held_by().is_none()
+    }
+
+    /// The full budget that keeps [`wants_input`](Self::wants_input) false, if one does.
+    pub fn input_held_by(&self) -> Option<BudgetKind> {
+        if self.waiting_submit.is_some() {
+            Some(BudgetKind::InFlightBytes)
+        } else if self.in_flight.len() >= self.budget.in_flight_urbs {
+            Some(BudgetKind::InFlightUrbs)
+        } else if self.outbox.queued() >= self.budget.queued_reply_bytes {
+            Some(BudgetKind::QueuedReplyBytes)
+        } else {
+            None
+        }
     }
 
     /// The buffer to read client bytes into, with room for the whole next
@@ -327,8 +338,18 @@ impl ServerSession {
     /// Input is not gated on unacknowledged replies: the acknowledgements that
     /// free them come in the input.
     pub fn wants_completions(&self) -> bool {
-        self.outbox.queued() < self.budget.queued_reply_bytes
-            && self.replay.as_ref().is_none_or(|replay| replay.held_bytes < self.budget.unacked_reply_bytes)
+        self.completions_held_by().is_none()
+    }
+
+    /// The full budget that keeps [`wants_completions`](Self::wants_completions) false, if one does.
+    pub fn completions_held_by(&self) -> Option<BudgetKind> {
+        if self.outbox.queued() >= self.budget.queued_reply_bytes {
+            Some(BudgetKind::QueuedReplyBytes)
+        } else if self.replay.as_ref().is_some_and(|replay| replay.held_bytes >= self.budget.unacked_reply_bytes) {
+            Some(BudgetKind::UnackedReplyBytes)
+        } else {
+            None
+        }
     }
 
     /// A URB the device finished, as its RET_SUBMIT; queues the replies it calls for.
@@ -571,6 +592,8 @@ mod tests {
         let calls = feed(&mut session, &wire);
         assert_eq!(calls, vec![DeviceCall::Submit(submit(1, Direction::Out, 600))]);
         assert!(!session.wants_input(), "reading stops while a submit waits");
+        assert_eq!(session.input_held_by(), Some(BudgetKind::InFlightBytes));
+        assert_eq!(session.completions_held_by(), None);
         assert!(replies(&mut session).is_empty(), "the unlink behind it waits too");
         session.complete(done(1, Status::OK, &[]));
         assert!(session.handle_input(|_, _| false).unwrap());
@@ -594,6 +617,8 @@ mod tests {
         }
         feed(&mut session, &wire);
         assert!(!session.wants_input() && !session.wants_completions());
+        assert_eq!(session.input_held_by(), Some(BudgetKind::QueuedReplyBytes));
+        assert_eq!(session.completions_held_by(), Some(BudgetKind::QueuedReplyBytes));
         assert_eq!(replies(&mut session).len(), 4, "four answers fit the budget; the rest wait unread");
         session.handle_input(|_, _| false).unwrap();
         assert_eq!(replies(&mut session).len(), 4);
@@ -609,7 +634,9 @@ mod tests {
             wire.extend_from_slice(&submit_bytes(seqnum, Direction::In, 8));
         }
         assert_eq!(feed(&mut session, &wire).len(), 2);
+        assert_eq!(session.input_held_by(), Some(BudgetKind::InFlightUrbs));
         session.complete(done(1, Status::OK, b"a"));
+        assert_eq!(session.input_held_by(), None);
         session.handle_input(|_, _| false).unwrap();
         assert_eq!(session.poll_device_call(), Some(DeviceCall::Submit(submit(3, Direction::In, 8))));
     }

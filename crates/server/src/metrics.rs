@@ -23,8 +23,8 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 use usbwire_device::TransferType;
 use usbwire_proto::sync::lock;
-use usbwire_proto::{Direction, Status};
-use usbwire_transport::devstate::{DeviceCounters, ErrorCounter, TransferCounter};
+use usbwire_proto::{BudgetKind, Direction, Status};
+use usbwire_transport::devstate::{BudgetCounter, DeviceCounters, ErrorCounter, TransferCounter};
 
 use crate::admission::Gate;
 use crate::registry::{DeviceState, Registry};
@@ -76,6 +76,8 @@ pub(crate) struct DeviceMeter {
     in_flight: AtomicU64,
     imports: AtomicU64,
     resumes: AtomicU64,
+    /// Per [`BudgetKind::ALL`]: times that budget became full.
+    budget_refusals: [AtomicU64; 4],
 }
 
 impl DeviceMeter {
@@ -106,12 +108,20 @@ impl DeviceMeter {
             .iter()
             .map(|(&status, &urbs)| ErrorCounter { status, name: status_symbol(status), urbs })
             .collect();
+        let budget_refusals = BudgetKind::ALL
+            .iter()
+            .zip(&self.budget_refusals)
+            .map(|(kind, times)| (kind, times.load(Relaxed)))
+            .filter(|(_, times)| *times > 0)
+            .map(|(kind, times)| BudgetCounter { budget: kind.name().to_owned(), times })
+            .collect();
         DeviceCounters {
             transfers,
             errors,
             in_flight: self.in_flight.load(Relaxed),
             imports: self.imports.load(Relaxed),
             resumes: self.resumes.load(Relaxed),
+            budget_refusals,
         }
     }
 }
@@ -128,11 +138,28 @@ pub(crate) struct UrbMeter {
     device: Arc<DeviceMeter>,
     /// seqnum → (direction index, transfer index) of each URB in flight.
     in_flight: HashMap<u32, (usize, usize)>,
+    /// The budgets holding the session back at the last look (input, completions).
+    held: (Option<BudgetKind>, Option<BudgetKind>),
 }
 
 impl UrbMeter {
     pub(crate) fn new(device: Arc<DeviceMeter>) -> Self {
-        Self { device, in_flight: HashMap::new() }
+        Self { device, in_flight: HashMap::new(), held: (None, None) }
+    }
+
+    /// What holds the session back now (its reading of the client's
+    /// commands, its taking of the device's completions); counts each budget
+    /// when it becomes full.
+    pub(crate) fn held(&mut self, input: Option<BudgetKind>, completions: Option<BudgetKind>) {
+        if (input, completions) == self.held {
+            return;
+        }
+        for (now, before) in [(input, self.held.0), (completions, self.held.1)] {
+            if let Some(kind) = now.filter(|kind| Some(*kind) != before) {
+                self.device.budget_refusals[kind as usize].fetch_add(1, Relaxed);
+            }
+        }
+        self.held = (input, completions);
     }
 
     pub(crate) fn device(&self) -> &DeviceMeter {
@@ -283,6 +310,24 @@ pub(crate) fn render(registry: &Registry) -> String {
     for e in &devices {
         let meter = &e.meter;
         let _ = writeln!(out, "usbwire_device_resumes_total{{{}}} {}", device_labels(e), meter.resumes.load(Relaxed));
+    }
+    family(
+        &mut out,
+        "usbwire_device_budget_refusals_total",
+        "counter",
+        "Times a per-connection budget ([limits]) was full and the server refused more until there was room: \
+         it stopped reading the client's commands, or taking the device's completions. By budget.",
+    );
+    for e in &devices {
+        for (kind, times) in BudgetKind::ALL.iter().zip(&e.meter.budget_refusals) {
+            let _ = writeln!(
+                out,
+                "usbwire_device_budget_refusals_total{{{},budget=\"{}\"}} {}",
+                device_labels(e),
+                kind.name(),
+                times.load(Relaxed)
+            );
+        }
     }
     family(
         &mut out,
@@ -494,6 +539,24 @@ mod tests {
                 ErrorCounter { status: -32, name: "EPIPE".into(), urbs: 2 },
                 ErrorCounter { status: -5, name: "Status(-5)".into(), urbs: 1 },
             ]
+        );
+    }
+
+    #[test]
+    fn a_budget_counts_each_time_it_becomes_full() {
+        let device = Arc::new(DeviceMeter::default());
+        let mut meter = UrbMeter::new(device.clone());
+        meter.held(Some(BudgetKind::InFlightUrbs), None);
+        meter.held(Some(BudgetKind::InFlightUrbs), None);
+        meter.held(None, None);
+        meter.held(Some(BudgetKind::InFlightUrbs), Some(BudgetKind::QueuedReplyBytes));
+        meter.held(Some(BudgetKind::QueuedReplyBytes), Some(BudgetKind::QueuedReplyBytes));
+        let counted: Vec<(String, u64)> =
+            device.snapshot().budget_refusals.into_iter().map(|c| (c.budget, c.times)).collect();
+        assert_eq!(
+            counted,
+            [("in_flight_urbs".to_owned(), 2), ("queued_reply_bytes".to_owned(), 2)],
+            "full twice each: input by URBs, then by replies; completions by replies once"
         );
     }
 

@@ -342,6 +342,7 @@ impl Channel<'_> {
             if self.session.client_ended() {
                 return Poll::Ready(Ok(End::ClientEnded));
             }
+            self.meter.held(self.session.input_held_by(), self.session.completions_held_by());
             if self.session.wants_input() {
                 let inbuf = self.session.input(|d, ep| is_iso(device, d, ep))?;
                 match poll_read_buf(Pin::new(&mut self.stream), cx, inbuf) {

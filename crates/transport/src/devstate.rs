@@ -71,6 +71,18 @@ pub struct DeviceCounters {
     /// Sessions resumed after a dropped connection.
     #[serde(default)]
     pub resumes: u64,
+    /// Times a per-connection budget was full and the server refused more
+    /// until there was room, per budget (only those that were).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub budget_refusals: Vec<BudgetCounter>,
+}
+
+/// How often one budget (`in_flight_urbs`, `in_flight_bytes`,
+/// `queued_reply_bytes`, `unacked_reply_bytes`) was full.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetCounter {
+    pub budget: String,
+    pub times: u64,
 }
 
 /// URBs and bytes for one direction (`in`, `out`) and transfer type
