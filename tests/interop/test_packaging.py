@@ -4,7 +4,8 @@ no system font libraries, `-V` names the commit, shell completions load, the
 man pages generated from the command line render with `man`; and the
 systemd units in contrib/ score at most 5.0 in `systemd-analyze security`
 (offline), their sysusers.d file creates the server's user, and the udev
-rule gives its group the usbfs nodes.
+rule gives its group the usbfs nodes. `scripts/deb.sh` builds a Debian
+package with cargo-deb that holds all of it, and its binary runs.
 
     USBWIRE_BIN=target/release/usbwire python3 tests/interop/test_packaging.py
 """
@@ -67,7 +68,41 @@ def main():
             checks.check(f"man -l {page} renders", shown.returncode == 0 and wanted in text,
                          shown.stderr + text[:400])
     check_systemd(checks)
+    check_deb(checks)
     checks.exit()
+
+
+def check_deb(checks):
+    """scripts/deb.sh (cargo-deb): what the package holds, its control data, and its binary runs."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    built = run(["bash", os.path.join(root, "scripts", "deb.sh")], cwd=root)
+    path = built.stdout.strip().splitlines()[-1] if built.returncode == 0 and built.stdout.strip() else ""
+    checks.check("scripts/deb.sh builds a .deb", path.endswith(".deb") and os.path.exists(path),
+                 built.stdout[-500:] + built.stderr[-1500:])
+    if not os.path.exists(path):
+        return
+    info = run(["dpkg-deb", "--info", path]).stdout
+    checks.check("the package is named usbwire, depends on libc, has a postinst",
+                 "Package: usbwire" in info and "Depends: libc6" in info and "postinst" in info, info)
+    listed = run(["dpkg-deb", "--contents", path]).stdout
+    for wanted in ("./usr/bin/usbwire", "./lib/systemd/system/usbwire-server.service",
+                   "./lib/systemd/system/usbwire-client.service", "./usr/lib/sysusers.d/usbwire.conf",
+                   "./lib/udev/rules.d/70-usbwire.rules", "./usr/share/man/man1/usbwire.1.gz",
+                   "./usr/share/man/man1/usbwire-serve.1.gz", "./usr/share/bash-completion/completions/usbwire"):
+        checks.check(f"the package holds {wanted}", wanted in listed, listed[-800:])
+    with tempfile.TemporaryDirectory() as unpacked:
+        run(["dpkg-deb", "-x", path, unpacked])
+        version = run([os.path.join(unpacked, "usr", "bin", "usbwire"), "-V"]).stdout.strip()
+        checks.check("the packaged binary runs", version.startswith("usbwire "), version)
+        for unit in ("usbwire-server.service", "usbwire-client.service"):
+            text = open(os.path.join(unpacked, "lib", "systemd", "system", unit)).read()
+            starts = re.findall(r"^ExecStart=(\S+)", text, re.M)
+            checks.check(f"packaged {unit} starts the packaged binary",
+                         starts and all(s == "/usr/bin/usbwire" for s in starts), starts)
+        env = dict(os.environ, MANPAGER="cat", PAGER="cat", MANWIDTH="100")
+        shown = run(["man", "-l", os.path.join(unpacked, "usr", "share", "man", "man1", "usbwire-attach.1.gz")], env=env)
+        checks.check("its man pages render", shown.returncode == 0 and "--registry" in re.sub(r".\x08", "", shown.stdout),
+                     shown.stderr + shown.stdout[:300])
 
 
 def check_systemd(checks):

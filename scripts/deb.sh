@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds the Debian package with cargo-deb: target/debian/usbwire_VERSION-1_ARCH.deb,
+# with the binary, the man pages and shell completions it writes itself, and
+# contrib/'s systemd units, sysusers.d file and udev rule. Prints the path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v cargo-deb >/dev/null || cargo install cargo-deb --locked
+cargo build --release --locked -p usbwire-cli
+assets=target/release/deb-assets
+rm -rf "$assets"
+mkdir -p "$assets/man" "$assets/completions" "$assets/systemd"
+# The units in contrib/ name the `cargo install` path; the package installs into /usr/bin.
+for unit in contrib/systemd/*.service; do
+  sed 's|/usr/local/bin/usbwire|/usr/bin/usbwire|g' "$unit" > "$assets/systemd/$(basename "$unit")"
+done
+target/release/usbwire man --dir "$assets/man" >/dev/null
+gzip -9n "$assets"/man/*.1
+target/release/usbwire completions bash > "$assets/completions/usbwire"
+target/release/usbwire completions zsh > "$assets/completions/_usbwire"
+target/release/usbwire completions fish > "$assets/completions/usbwire.fish"
+cargo deb -p usbwire-cli --no-build --locked --no-strip
