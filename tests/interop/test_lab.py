@@ -88,6 +88,19 @@ i=0; while ! nc -w 2 10.0.2.2 __GO2__ </dev/null >/dev/null 2>&1 && [ $i -lt 120
 kill -TERM $CLIENT; wait $CLIENT; check service-stops $?
 wait_for '[ ! -e /sys/block/sda ]' 300; check service-detached $?
 echo "@@SERVICE-DONE"
+# A person's reservation first (reserve --for), then attach uses it rather than taking another.
+R=__REGISTRY__
+usbwire reserve --registry $R --device label=guestdisk --for 5m > /tmp/reserve.out 2>&1; check reserve-for $? "$(cat /tmp/reserve.out)"
+timeout 90 usbwire attach --registry $R --device label=guestdisk > /tmp/attach2.out 2>&1
+check attach-uses-the-reservation $? "$(tr '\n' '|' < /tmp/attach2.out)"
+wait_for '[ -e /sys/block/sda ]' 600; check disk-appears-again $?
+n=$(usbwire who --registry $R --json | grep -o '"client": *"usbwire reserve"' | wc -l)
+m=$(usbwire who --registry $R --json | grep -o '"client": *"usbwire attach"' | wc -l)
+[ "$n" = 1 ] && [ "$m" = 0 ]; check one-reservation-the-persons $? "reserve $n, attach $m"
+PORT=$(sed -n 's/.* port \([0-9][0-9]*\).*/\1/p' /tmp/attach2.out | head -n 1)
+usbwire detach -p "$PORT"; wait_for '[ ! -e /sys/block/sda ]' 300; check detached-again $?
+usbwire release --registry $R --device label=guestdisk > /tmp/release.out 2>&1; check release-after $? "$(cat /tmp/release.out)"
+echo "@@RESERVE-DONE"
 exit 0
 """
 
@@ -384,6 +397,7 @@ def main():
                      len(mine) == 1 and mine[0]["reservation"]["client"] == "usbwire client", who)
         go2()
         g.wait_for("@@SERVICE-DONE", 120)
+        g.wait_for("@@RESERVE-DONE", 240)
         rc = g.finish(60)
         console = open(g.console_path, errors="replace").read()
         for line in console.splitlines():

@@ -348,6 +348,29 @@ impl Lab {
         Ok(found.unwrap_or_default())
     }
 
+    /// The device `busid` on `server`, if the reservation `token` proves is
+    /// still there (not run out, not someone else's since): one request.
+    pub async fn still_held(
+        &mut self,
+        server: &str,
+        busid: &str,
+        token: &ReservationToken,
+    ) -> Result<Option<DeviceEntry>, LabError> {
+        let read = Txn::new().and_then([
+            TxnOp::get(self.keys.reservation(server, busid), None),
+            TxnOp::get(self.keys.device(server, busid), None),
+        ]);
+        let response = self.client.txn(read).await?;
+        let mut values = response.op_responses().into_iter().map(|op| match op {
+            TxnOpResponse::Get(got) => got.kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        });
+        let reservation = values.next().flatten().and_then(|v| decode::<ReservationEntry>(&v));
+        let device = values.next().flatten().and_then(|v| decode::<DeviceEntry>(&v));
+        let ours = reservation.is_some_and(|r| r.token_sha256 == hex(&usbwire_server::reservation_digest(token)));
+        Ok(device.filter(|_| ours))
+    }
+
     /// Ends the reservation of `busid` on `server`: only the holder's, when
     /// `token` is given; anyone's otherwise (`usbwire release --force`).
     pub async fn release(

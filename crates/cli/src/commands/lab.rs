@@ -327,16 +327,15 @@ pub(crate) async fn take(args: &RegistryArgs, device: &str, hold_for: Option<Dur
     let url = endpoint.url.to_string();
     let mut lab = Lab::connect(endpoint).await.map_err(failure)?;
     let store = TokenStore::for_user();
-    let fleet = lab.fleet().await.map_err(failure)?;
     for saved in store.load(&url) {
         let Some(token) = saved.token() else { continue };
-        let still_held = fleet.devices.iter().any(|d| {
-            d.device.server == saved.server
-                && d.device.busid == saved.busid
-                && d.reservation.is_some()
-                && want.matches(&d.device)
-        });
-        if still_held {
+        let held = lab.still_held(&saved.server, &saved.busid, &token).await.map_err(failure)?;
+        let Some(device) = held else {
+            // Run out, or someone else's since: the token is worth nothing now.
+            store.forget(&url, &saved.server, &saved.busid);
+            continue;
+        };
+        if want.matches(&device) {
             tracing::info!(server = %saved.server, busid = %saved.busid, "using the reservation made earlier");
             return Ok(Taken { server: saved.server, busid: saved.busid, token, held: None, until: None });
         }
