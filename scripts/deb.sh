@@ -4,8 +4,9 @@
 # contrib/'s systemd units, sysusers.d file and udev rule. Prints the path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup (https://rustup.rs)"; exit 1; }
+. scripts/build-deps.sh
 command -v cargo-deb >/dev/null || cargo install cargo-deb --locked
-cargo build --release --locked -p usbwire-cli
 assets=target/release/deb-assets
 rm -rf "$assets"
 mkdir -p "$assets/man" "$assets/completions" "$assets/systemd"

@@ -4,11 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup (https://rustup.rs)"; exit 1; }
-# protoc builds the etcd client (gRPC) the lab registry uses.
-if ! command -v protoc >/dev/null; then
-  as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends protobuf-compiler
-fi
-cargo build --release --locked -p usbwire-cli
+. scripts/build-deps.sh
 exec target/release/usbwire demo "$@"
