@@ -6,13 +6,17 @@
 //! control, isochronous IN with 3 packets) and one unlink are outstanding; the
 //! stream arrives in pieces (`chunking`, as in the decoder harnesses); after piece
 //! number `cut % 8` the connection drops and the session resumes with `claim % 16`
-//! commands received.
+//! commands received. With `claim`'s top bit set the session has keep-alive,
+//! and a virtual clock moves on by a quarter second times `piece.len() % 7`
+//! after each piece, running its timer (pings queued, silence declared).
 //!
 //! Invariants: no panic; a reply is delivered at most once per seqnum; an error
 //! ends the session (the driver closes the connection) and nothing is delivered
 //! after it; a claim beyond the commands sent is refused; the commands queued
 //! again are exactly those from the claim on, and the outstanding table never
-//! grows from what the server sends.
+//! grows from what the server sends; a timer never changes what is
+//! outstanding, and silence is only declared after the bounds of
+//! `usbwire_proto::liveness`.
 
 use std::collections::HashSet;
 
@@ -47,6 +51,12 @@ pub fn client_session(data: &[u8]) {
     let Some((&[chunking, cut, claim], stream)) = crate::split_control::<3>(data) else { return };
     let mut session: ClientSession<u32> =
         ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default()).resumable();
+    let start = std::time::Instant::now();
+    let mut now = start;
+    let keepalive = claim & 0x80 != 0;
+    if keepalive {
+        session = session.keepalive(now);
+    }
     let shapes = [
         (Direction::In, 1, 512, 0),
         (Direction::Out, 2, 512, 0),
@@ -86,6 +96,19 @@ pub fn client_session(data: &[u8]) {
         assert!(session.outstanding() <= before, "the server's bytes made the table grow");
         if result.is_err() {
             return;
+        }
+        if keepalive {
+            now += std::time::Duration::from_millis(250 * (piece.len() % 7) as u64);
+            let outstanding = session.outstanding();
+            match session.handle_timeout(now, true) {
+                Ok(()) => {}
+                Err(usbwire_proto::client_session::ClientSessionError::Silent(silent)) => {
+                    assert!(silent >= usbwire_proto::liveness::BUSY_SILENCE, "called silent after {silent:?}");
+                    return;
+                }
+                Err(error) => panic!("a timer failed with {error}"),
+            }
+            assert_eq!(session.outstanding(), outstanding, "a timer changed what is outstanding");
         }
         if index == usize::from(cut % 8) {
             session.disconnected();

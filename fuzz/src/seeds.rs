@@ -216,6 +216,12 @@ fn client_session_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)
     cancelled.extend_from_slice(&RetUnlink { seqnum: 9, status: Status::ECONNRESET }.header());
     ret(1, vec![0x11; 512]).encode(&mut cancelled);
     add("client_session", "unlink_cancels_its_target", &[1, 7, 0], cancelled.to_vec());
+    let mut pinging = BytesMut::new();
+    pinging.extend_from_slice(&usbwire_proto::liveness::ping_header(0x0001_0002));
+    ret(1, vec![0x11; 100]).encode(&mut pinging);
+    pinging.extend_from_slice(&usbwire_proto::liveness::ping_header(0x0001_0002));
+    ret(2, vec![]).encode(&mut pinging);
+    add("client_session", "keepalive_pings_between_replies", &[2, 5, 0x80], pinging.to_vec());
 }
 
 /// server_session: `[chunking, mode]`; mode 1 reads replies, 2 half-closes at the end.
@@ -273,6 +279,17 @@ fn server_session_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)
     session.extend(&urbs);
     add("server_session", "loopback_urbs", &[3, 3], session.clone());
     add("server_session", "loopback_urbs_unread", &[0, 0], session);
+
+    // A resumable import with keep-alive: pings and an acknowledgement between the URBs.
+    let mut pinging = request(OpRequest::Transforms { offer: "resume,keepalive".to_owned() });
+    pinging.extend(import("1-3"));
+    pinging.extend(usbwire_proto::liveness::ping_header(devid));
+    pinging.extend(submit(devid, 1, Direction::In, 0, 18, GET_DEVICE));
+    pinging.extend(usbwire_proto::resume::ack_header(devid, 1));
+    pinging.extend(usbwire_proto::liveness::ping_header(devid));
+    pinging.extend(submit(devid, 2, Direction::Out, 2, 512, NO_SETUP));
+    pinging.extend(usbwire_proto::resume::end_header(devid));
+    add("server_session", "resumable_keepalive_pings", &[2, 3], pinging);
 
     // The unread-unlink flood, in miniature.
     let mut flood = import("1-3");

@@ -44,18 +44,32 @@ pub async fn start(target: SocketAddr, rtt: Duration, jitter: Duration) -> std::
 }
 
 /// A running delay proxy that can also cut every connection through it (a
-/// network drop, for reattach tests). Dropping it stops accepting; connections
+/// network drop, for reattach and resume tests: closed, reset on one side,
+/// or silent). Dropping it stops accepting; connections
 /// already open keep going until either side closes.
 pub struct Proxy {
     pub addr: SocketAddr,
-    cut: watch::Sender<u64>,
+    cut: watch::Sender<(u64, Cut)>,
+}
+
+/// How [`Proxy::cut_all`] ends the connections through the proxy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cut {
+    /// Both sockets closed: each end sees the link go.
+    Close,
+    /// Nothing forwarded any more, both sockets left open: a pulled cable
+    /// as both ends see it, neither told anything.
+    Silence,
+    /// The server's side reset (RST), the client's side left open without a
+    /// word: what the client sees of a link lost beyond its own network.
+    ResetServerSide,
 }
 
 impl Proxy {
     pub async fn start(target: SocketAddr, rtt: Duration, jitter: Duration) -> std::io::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let (cut, cuts) = watch::channel(0u64);
+        let (cut, cuts) = watch::channel((0u64, Cut::Close));
         let mut stopped = cuts.clone();
         tokio::spawn(async move {
             loop {
@@ -68,16 +82,35 @@ impl Proxy {
                 let Ok(server) = TcpStream::connect(target).await else { continue };
                 let _ = client.set_nodelay(true);
                 let _ = server.set_nodelay(true);
-                let (cr, cw) = client.into_split();
-                let (sr, sw) = server.into_split();
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
                 let mut cuts = cuts.clone();
                 cuts.mark_unchanged();
                 tokio::spawn(async move {
-                    let both = async { tokio::join!(pipe(cr, sw, rtt / 2, jitter), pipe(sr, cw, rtt / 2, jitter)) };
-                    // A cut drops both pipes, closing both sockets at once.
-                    tokio::select! {
-                        _ = both => {}
-                        Ok(()) = cuts.changed() => {}
+                    let cut = {
+                        let both = async {
+                            tokio::join!(
+                                pipe(&mut cr, &mut sw, rtt / 2, jitter),
+                                pipe(&mut sr, &mut cw, rtt / 2, jitter)
+                            )
+                        };
+                        tokio::select! {
+                            _ = both => None,
+                            Ok(()) = cuts.changed() => Some(cuts.borrow().1),
+                        }
+                    };
+                    let keep_client_open = match cut {
+                        None | Some(Cut::Close) => false,
+                        Some(Cut::Silence) => true,
+                        Some(Cut::ResetServerSide) => {
+                            if let Ok(server) = sr.reunite(sw) {
+                                let _ = server.set_zero_linger();
+                            }
+                            return hold_until_changed(cuts, (cr, cw)).await;
+                        }
+                    };
+                    if keep_client_open {
+                        hold_until_changed(cuts, (cr, cw, sr, sw)).await;
                     }
                 });
             }
@@ -87,13 +120,29 @@ impl Proxy {
 
     /// Closes every connection open through the proxy now; new ones are accepted.
     pub fn cut_all(&self) {
-        self.cut.send_modify(|n| *n += 1);
+        self.cut_all_as(Cut::Close);
+    }
+
+    /// Ends every connection open through the proxy now, the way `cut` says;
+    /// new ones are accepted. Sockets left open stay open, silent, until the
+    /// next cut or until the proxy is dropped.
+    pub fn cut_all_as(&self, cut: Cut) {
+        self.cut.send_modify(|(n, kind)| {
+            *n += 1;
+            *kind = cut;
+        });
     }
 }
 
+/// Keeps `sockets` open, forwarding nothing, until the next cut or the proxy's end.
+async fn hold_until_changed<T>(mut cuts: watch::Receiver<(u64, Cut)>, sockets: T) {
+    let _ = cuts.changed().await;
+    drop(sockets);
+}
+
 async fn pipe(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
+    from: &mut tokio::net::tcp::OwnedReadHalf,
+    to: &mut tokio::net::tcp::OwnedWriteHalf,
     delay: Duration,
     jitter: Duration,
 ) {

@@ -5,9 +5,10 @@ use std::net::SocketAddr;
 
 use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use usbwire_proto::liveness;
 use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest};
 use usbwire_proto::reservation::ReservationToken;
-use usbwire_proto::resume::{self, Token};
+use usbwire_proto::resume::{self, Grant, Token};
 use usbwire_proto::Limits;
 use usbwire_transport::transform::{Pipeline, Side, TransformedStream};
 use usbwire_transport::PeerStream;
@@ -116,13 +117,14 @@ async fn negotiate(
     reservation: Option<&ReservationToken>,
     addr: SocketAddr,
     security: &Security,
-) -> Result<(PeerStream, Option<Token>), ClientError> {
+) -> Result<(PeerStream, Option<Grant>), ClientError> {
     if offer.is_empty() && !resume && reservation.is_none() {
         return Ok((stream, None));
     }
     let mut entries = vec![TransformSpec::list_text(offer)];
     if resume {
         entries.push(resume::OFFER.to_owned());
+        entries.push(liveness::OFFER.to_owned());
     }
     let reservation_entry = reservation.map(ReservationToken::offer_entry);
     entries.extend(reservation_entry.clone());
@@ -160,19 +162,20 @@ async fn negotiate(
         .await
         .map_err(|_| ClientError::Timeout { addr: addr.to_string() })??;
     let specs = TransformSpec::parse_list(&accepted);
-    let token = if resume { Token::from_answer(&accepted) } else { None };
+    let grant = if resume { Grant::from_answer(&accepted) } else { None };
     // The token is a secret: log what was agreed, not the answer itself.
     tracing::info!(
         offered = %offer_logged,
         accepted = %TransformSpec::list_text(&specs),
-        resume = token.is_some(),
+        resume = grant.is_some(),
+        keepalive = grant.is_some_and(|grant| grant.keepalive),
         "stream transforms"
     );
     if specs.is_empty() {
-        return Ok((stream, token));
+        return Ok((stream, grant));
     }
     let stream = PeerStream::Transformed(Box::new(TransformedStream::new(stream, Pipeline::new(&specs, Side::Client))));
-    Ok((stream, token))
+    Ok((stream, grant))
 }
 
 /// An imported device's URB channel, and the token to resume it by when the
@@ -180,7 +183,7 @@ async fn negotiate(
 pub struct Imported {
     pub stream: PeerStream,
     pub device: DeviceRecord,
-    pub resume: Option<Token>,
+    pub resume: Option<Grant>,
 }
 
 /// [`import_with`], offering resume too. A server that does not know our
@@ -272,7 +275,7 @@ async fn import_inner(
     reservation: Option<&ReservationToken>,
 ) -> Result<Imported, ClientError> {
     let stream = connect(addr, security).await?;
-    let (mut stream, token) = negotiate(stream, transforms, resume, reservation, addr, security).await?;
+    let (mut stream, grant) = negotiate(stream, transforms, resume, reservation, addr, security).await?;
     let exchange = async {
         let mut out = BytesMut::new();
         OpRequest::Import { busid: busid.clone() }.encode(&mut out);
@@ -306,5 +309,5 @@ async fn import_inner(
         .await
         .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
         .map_err(|e| closed_early(e, addr, security))?;
-    Ok(Imported { stream, device, resume: token })
+    Ok(Imported { stream, device, resume: grant })
 }

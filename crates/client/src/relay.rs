@@ -14,6 +14,7 @@
 //! session, the relay ends with [`RelayError::SessionLost`] and the caller
 //! detaches.
 
+use std::future::Future as _;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -26,7 +27,7 @@ use tokio::sync::watch;
 use tokio_util::io::poll_read_buf;
 use tracing::{info, warn};
 use usbwire_proto::client_session::{ClientSession, ClientSessionError, Event};
-use usbwire_proto::resume::Token;
+use usbwire_proto::resume::{Grant, Token};
 use usbwire_proto::urb::{self, ClientMessage};
 use usbwire_proto::{Budget, Limits, Outbox};
 use usbwire_transport::{poll_write_outbox, PeerStream};
@@ -42,8 +43,8 @@ pub struct Upstream {
     pub addr: SocketAddr,
     pub security: Security,
     pub transforms: Vec<TransformSpec>,
-    /// The session token, when the server granted resume.
-    pub resume: Option<Token>,
+    /// The session token (and whether the server pings), when it granted resume.
+    pub resume: Option<Grant>,
     /// How long to keep trying to resume before giving up.
     pub give_up_after: Duration,
 }
@@ -144,8 +145,11 @@ pub(crate) async fn drive<F: Front>(
     state: Option<watch::Sender<RelayState>>,
 ) -> Result<(), RelayError> {
     let mut session = ClientSession::new(devid, BytesMut::new(), Limits::default(), Budget::default());
-    if upstream.resume.is_some() {
+    if let Some(grant) = upstream.resume {
         session = session.resumable();
+        if grant.keepalive {
+            session = session.keepalive(Instant::now());
+        }
     }
     let result = drive_session(&mut front, &mut session, stream, upstream, state).await;
     front.ended();
@@ -161,8 +165,11 @@ async fn drive_session<F: Front>(
     state: Option<watch::Sender<RelayState>>,
 ) -> Result<(), RelayError> {
     let mut server = stream;
+    // Keep-alive's clock (sessions that negotiated it): reset to each deadline the session names.
+    let mut timer = Box::pin(tokio::time::sleep(Duration::ZERO));
     loop {
-        let lost = match std::future::poll_fn(|cx| poll_drive(front, cx, Some(&mut server), session)).await? {
+        let mut link = Link { stream: &mut server, timer: &mut timer };
+        let lost = match std::future::poll_fn(|cx| poll_drive(front, cx, Some(&mut link), session)).await? {
             Stop::Detached => {
                 end_session(&mut server, session).await;
                 return Ok(());
@@ -175,7 +182,7 @@ async fn drive_session<F: Front>(
                 })
             }
         };
-        let Some(token) = upstream.resume else {
+        let Some(Grant { token, .. }) = upstream.resume else {
             return Err(RelayError::SessionLost { addr: upstream.addr, reason: format!("{lost} (no resume)") });
         };
         session.disconnected();
@@ -211,15 +218,29 @@ async fn drive_session<F: Front>(
     }
 }
 
+/// The connection to the server while there is one, with the keep-alive timer.
+struct Link<'a> {
+    stream: &'a mut PeerStream,
+    timer: &'a mut Pin<Box<tokio::time::Sleep>>,
+}
+
 /// One turn of the relay: front -> session -> server and server -> session
-/// -> front, until nothing moves. `server` is `None` while reconnecting.
+/// -> front, until nothing moves. `link` is `None` while reconnecting.
 fn poll_drive<F: Front>(
     front: &mut F,
     cx: &mut Context<'_>,
-    mut server: Option<&mut PeerStream>,
+    mut link: Option<&mut Link<'_>>,
     session: &mut ClientSession<F::Tag>,
 ) -> Poll<Result<Stop, RelayError>> {
     loop {
+        // Keep-alive: a ping when quiet, and a link gone silent is lost.
+        if let Some(link) = link.as_deref_mut() {
+            if let Some(silent) = poll_keepalive(cx, link, session, front.takes_replies())? {
+                let reason = format!("nothing heard from the server for {:.1} s", silent.as_secs_f64());
+                return Poll::Ready(Ok(Stop::LinkLost(io::Error::new(io::ErrorKind::TimedOut, reason))));
+            }
+        }
+        let server = link.as_deref_mut().map(|link| &mut *link.stream);
         let mut progressed = false;
         let mut woke = false;
 
@@ -232,7 +253,7 @@ fn poll_drive<F: Front>(
             }
         }
 
-        if let Some(stream) = server.as_deref_mut() {
+        if let Some(stream) = server {
             // Server -> session -> front.
             if front.takes_replies() {
                 match poll_read_buf(Pin::new(&mut *stream), cx, session.input()) {
@@ -280,10 +301,36 @@ fn poll_drive<F: Front>(
         if progressed {
             continue;
         }
-        if server.is_none() || !session.acknowledge() {
+        if link.is_none() || !session.acknowledge() {
             return Poll::Pending;
         }
     }
+}
+
+/// Runs the session's keep-alive timer: queues a ping when one is due, and
+/// returns how long the server has been silent once that is too long. Leaves
+/// the timer armed for the session's next deadline.
+fn poll_keepalive<T>(
+    cx: &mut Context<'_>,
+    link: &mut Link<'_>,
+    session: &mut ClientSession<T>,
+    listening: bool,
+) -> Result<Option<Duration>, RelayError> {
+    while let Some(deadline) = session.poll_timeout() {
+        let deadline = tokio::time::Instant::from_std(deadline);
+        if link.timer.deadline() != deadline {
+            link.timer.as_mut().reset(deadline);
+        }
+        if link.timer.as_mut().poll(cx).is_pending() {
+            break;
+        }
+        match session.handle_timeout(Instant::now(), listening) {
+            Ok(()) => {}
+            Err(ClientSessionError::Silent(silent)) => return Ok(Some(silent)),
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(None)
 }
 
 /// The kernel let go: tell a resumable server it may release the device now

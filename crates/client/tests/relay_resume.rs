@@ -13,7 +13,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
-use usbwire_bench::proxy::Proxy;
+use usbwire_bench::proxy::{Cut, Proxy};
 use usbwire_client::relay::{self, RelayError, Upstream};
 use usbwire_client::{Security, TransformSpec};
 use usbwire_device::Speed;
@@ -217,6 +217,67 @@ async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
     panic!("device not released within 2 s of the detach (grace period is 30 s): {last:?}");
 }
 
+/// Links that die without a word: the proxy stops forwarding with both
+/// sockets left open, or resets only the server's side. Neither end is told;
+/// keep-alive notices the silence within seconds (the server's grace period
+/// is 30 s), the relay resumes, and every round comes back in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_gone_silent_is_noticed_and_resumed_well_within_the_grace_period() {
+    let (server, _stop) = start_server(Duration::from_secs(30)).await;
+    let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
+    let busid = BusId::new("1-1").unwrap();
+    let imported = usbwire_client::import_resumable(proxy.addr, &busid, &Security::Plain, &[]).await.unwrap();
+    assert!(imported.resume.is_some_and(|grant| grant.keepalive), "a usbwire server pings");
+    let (kernel_end, relay_end) = UnixStream::pair().unwrap();
+    let devid = imported.device.devid();
+    let upstream = Upstream {
+        addr: proxy.addr,
+        security: Security::Plain,
+        transforms: vec![],
+        resume: imported.resume,
+        give_up_after: Duration::from_secs(20),
+    };
+    let (state, mut states) = tokio::sync::watch::channel(relay::RelayState::Connected);
+    let relay = tokio::spawn(relay::run(relay_end, imported.stream, devid, upstream, Some(state)));
+    let rounds = 100_000;
+    let progress = Arc::new(AtomicU32::new(0));
+    let kernel = tokio::spawn(kernel(kernel_end, devid, rounds, progress.clone()));
+    let mut outages = vec![];
+    for cut in [Cut::Silence, Cut::ResetServerSide, Cut::Silence, Cut::ResetServerSide] {
+        // Mid-stream: rounds are flowing when the link dies.
+        let before = progress.load(Ordering::Relaxed);
+        while progress.load(Ordering::Relaxed) < before + 200 {
+            assert!(!kernel.is_finished(), "the rounds ended early: {:?}", kernel.await);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let cut_at = std::time::Instant::now();
+        proxy.cut_all_as(cut);
+        let resumed = tokio::time::timeout(Duration::from_secs(25), async {
+            loop {
+                states.changed().await.expect("relay runs");
+                if *states.borrow_and_update() == relay::RelayState::Connected {
+                    return;
+                }
+            }
+        })
+        .await;
+        assert!(resumed.is_ok(), "{cut:?}: not resumed within 25 s (the grace period is 30 s)");
+        outages.push((cut, cut_at.elapsed()));
+        let resumed_at = progress.load(Ordering::Relaxed);
+        while progress.load(Ordering::Relaxed) < resumed_at + 100 {
+            assert!(!kernel.is_finished(), "the rounds ended: {:?}", kernel.await);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    eprintln!("outages from cut to resumed: {outages:?}");
+    // Far below the grace period: the busy bound is 2 s; a loaded machine may add some.
+    for (cut, outage) in &outages {
+        assert!(*outage < Duration::from_secs(10), "{cut:?}: resumed only after {outage:?}");
+    }
+    kernel.abort();
+    let _ = relay.await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_resume_a_cut_ends_the_relay_with_what_to_do() {
     let (server, _stop) = start_server(Duration::ZERO).await;
@@ -291,7 +352,8 @@ async fn a_dropped_session_shows_as_resuming_then_is_released_after_the_grace_pe
     let states = usbwire_client::device_states(server, &Security::Plain).await.unwrap().unwrap();
     assert_eq!(state(states), ("available".into(), false), "released after the grace period");
     // The session is gone: resuming it now is refused with what to do.
-    let refused = usbwire_client::resume_session(server, &Security::Plain, &[], &imported.resume.unwrap(), 0).await;
+    let refused =
+        usbwire_client::resume_session(server, &Security::Plain, &[], &imported.resume.unwrap().token, 0).await;
     assert!(matches!(refused, Err(usbwire_client::ClientError::ResumeRefused { .. })), "{:?}", refused.err());
 }
 
@@ -345,6 +407,7 @@ async fn the_same_client_importing_afresh_takes_its_parked_device_back() {
     assert!(again.is_ok(), "{:?}", again.err());
     assert!(started.elapsed() < Duration::from_secs(3), "took {:?}", started.elapsed());
     // The old session is over: its token no longer resumes anything.
-    let refused = usbwire_client::resume_session(server, &Security::Plain, &[], &imported.resume.unwrap(), 0).await;
+    let refused =
+        usbwire_client::resume_session(server, &Security::Plain, &[], &imported.resume.unwrap().token, 0).await;
     assert!(matches!(refused, Err(usbwire_client::ClientError::ResumeRefused { .. })), "{:?}", refused.err());
 }

@@ -32,9 +32,11 @@
 //! [`resumed`]: ClientSession::resumed
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 
+use crate::liveness::{self, Due, Link, Liveness};
 use crate::outbox::Outbox;
 use crate::resume;
 use crate::urb::{self, CmdSubmit, CmdUnlink, RetSubmit, RetUnlink, ServerMessage, SubmittedShape};
@@ -75,6 +77,11 @@ pub enum ClientSessionError {
     /// nothing to resume; replies before the end were delivered.
     #[error("the server ended the session (it is shutting down)")]
     ServerEnded,
+    /// Keep-alive: nothing arrived from the server for this long while it
+    /// should have pinged. The link is dead though it never said so:
+    /// resume on a new connection.
+    #[error("nothing heard from the server for {:.1} s", .0.as_secs_f64())]
+    Silent(Duration),
 }
 
 enum Command {
@@ -108,6 +115,11 @@ pub struct ClientSession<T> {
     connected: bool,
     outbox: Outbox,
     events: VecDeque<Event<T>>,
+    /// `Some` when keep-alive was negotiated ([`crate::liveness`]).
+    liveness: Option<Liveness>,
+    /// Input buffered after the last [`handle_input`](Self::handle_input):
+    /// more at the next call means the server said something.
+    input_seen: usize,
 }
 
 impl<T> ClientSession<T> {
@@ -129,7 +141,52 @@ impl<T> ClientSession<T> {
             connected: true,
             outbox: Outbox::default(),
             events: VecDeque::new(),
+            liveness: None,
+            input_seen: 0,
         }
+    }
+
+    /// Sends keep-alives and watches for silence ([`crate::liveness`]; the
+    /// server agreed to it), from `now` on. Drive it with
+    /// [`poll_timeout`](Self::poll_timeout) and [`handle_timeout`](Self::handle_timeout).
+    pub fn keepalive(mut self, now: Instant) -> Self {
+        self.liveness = Some(Liveness::new(now));
+        self
+    }
+
+    /// When to call [`handle_timeout`](Self::handle_timeout) next, if ever
+    /// (keep-alive sessions, while connected).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.liveness.as_ref().filter(|_| self.connected).map(Liveness::deadline)
+    }
+
+    /// Queues a keep-alive when this side has been quiet (an acknowledgement
+    /// that is due serves as one), or says the link is dead: nothing heard
+    /// for [`liveness::BUSY_SILENCE`] with URBs outstanding,
+    /// [`liveness::IDLE_SILENCE`] without. `listening`: the caller reads the
+    /// server now (a caller whose own side is backed up, and so stopped
+    /// reading, does not count that time as the server's silence).
+    pub fn handle_timeout(&mut self, now: Instant, listening: bool) -> Result<(), ClientSessionError> {
+        if !self.connected {
+            return Ok(());
+        }
+        let Some(liveness) = self.liveness.as_mut() else { return Ok(()) };
+        let link = Link {
+            busy: !self.outstanding.is_empty(),
+            listening,
+            written: self.outbox.written(),
+            unsent: !self.outbox.is_empty(),
+        };
+        match liveness.tick(now, link) {
+            Due::Nothing => {}
+            Due::Ping => {
+                if !self.acknowledge() {
+                    self.outbox.push_header(&liveness::ping_header(self.devid));
+                }
+            }
+            Due::Dead(silent) => return Err(ClientSessionError::Silent(silent)),
+        }
+        Ok(())
     }
 
     /// Makes the session resumable (the server granted resume).
@@ -221,9 +278,28 @@ impl<T> ClientSession<T> {
     /// [`acknowledge`](Self::acknowledge).
     pub fn handle_input(&mut self) -> Result<(), ClientSessionError> {
         let buffered = self.inbuf.len();
+        if let Some(liveness) = self.liveness.as_mut().filter(|_| buffered > self.input_seen) {
+            liveness.heard();
+        }
+        let decoded = self.decode_replies();
+        self.input_seen = self.inbuf.len();
+        if self.resumable {
+            self.unacked_bytes += buffered - self.inbuf.len();
+            if self.unacked_bytes >= ACK_EVERY_BYTES {
+                self.acknowledge();
+            }
+        }
+        decoded
+    }
+
+    fn decode_replies(&mut self) -> Result<(), ClientSessionError> {
         loop {
             if self.resumable && self.inbuf.len() >= urb::HEADER_LEN && self.inbuf[..4] == resume::END.0.to_be_bytes() {
                 return Err(ClientSessionError::ServerEnded);
+            }
+            if self.liveness.is_some() && liveness::is_ping(&self.inbuf) {
+                bytes::Buf::advance(&mut *self.inbuf, urb::HEADER_LEN);
+                continue;
             }
             let outstanding = &self.outstanding;
             let shape = |seqnum: u32| match outstanding.get(seqnum) {
@@ -266,12 +342,6 @@ impl<T> ClientSession<T> {
                     }
                     None => tracing::debug!(seqnum = reply.seqnum, "RET_UNLINK for nothing outstanding; ignored"),
                 },
-            }
-        }
-        if self.resumable {
-            self.unacked_bytes += buffered - self.inbuf.len();
-            if self.unacked_bytes >= ACK_EVERY_BYTES {
-                self.acknowledge();
             }
         }
         Ok(())
@@ -322,6 +392,7 @@ impl<T> ClientSession<T> {
     /// [`resumed`](Self::resumed) if the server never got it.
     pub fn disconnected(&mut self) {
         self.inbuf.clear();
+        self.input_seen = 0;
         self.outbox.clear();
         self.connected = false;
     }
@@ -349,6 +420,10 @@ impl<T> ClientSession<T> {
             }
         }
         self.inbuf = RecvBuffer::holding(leftover, READ_CHUNK, crate::recv_buffer::MAX_SPARE_BYTES);
+        self.input_seen = 0;
+        if let Some(liveness) = &mut self.liveness {
+            liveness.reconnected();
+        }
         // The resume request carried the count.
         self.replies_acked = self.replies_received;
         self.unacked_bytes = 0;

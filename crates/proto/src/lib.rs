@@ -34,7 +34,8 @@
 //! server's tokio loop only drives it. [`client_session::ClientSession`] is the
 //! client side (outstanding URBs, their replies, acknowledgements), and both
 //! carry the resume state of [`resume`], the usbwire extension that lets a
-//! URB channel outlive its connection.
+//! URB channel outlive its connection, and the keep-alives of [`liveness`]
+//! that notice a link gone silent.
 //!
 //! [`display::escape`] is how every crate shows a string that came from the
 //! network (device strings, paths, mDNS names): control characters and bidi
@@ -44,6 +45,7 @@ pub mod client_session;
 pub mod display;
 mod error;
 mod limits;
+pub mod liveness;
 pub mod op;
 mod outbox;
 mod recv_buffer;

@@ -26,6 +26,8 @@ pub struct Outbox {
     frames: VecDeque<Bytes>,
     scratch: BytesMut,
     queued: usize,
+    /// Bytes written out over the outbox's life.
+    written: u64,
 }
 
 impl Outbox {
@@ -80,6 +82,11 @@ impl Outbox {
         self.queued == 0
     }
 
+    /// Bytes written out (reported by [`advance`](Self::advance)) over the outbox's life.
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
     /// Up to `max` slices, in order, for one vectored write.
     pub fn slices(&mut self, max: usize) -> Vec<IoSlice<'_>> {
         self.seal();
@@ -89,6 +96,7 @@ impl Outbox {
     /// Drops the first `written` bytes (what the write took).
     pub fn advance(&mut self, mut written: usize) {
         self.seal();
+        self.written += written as u64;
         self.queued -= written.min(self.queued);
         while written > 0 {
             let Some(front) = self.frames.front_mut() else { break };

@@ -12,6 +12,9 @@
 //!   replay.
 //! * **End**: a client that is done says so ([`end_header`]) before it closes,
 //!   so the server releases the device at once rather than waiting for it.
+//! * **Keep-alive** ([`crate::liveness`]): a client that offers `keepalive`
+//!   beside `resume` to a server that answers it back gets pings from the
+//!   server and sends its own, so a link gone silent is noticed in seconds.
 //! * **Resume**: a new connection (transforms negotiated afresh) sends
 //!   `OP_REQ_RESUME` with the token and the number of replies received
 //!   instead of `OP_REQ_IMPORT`; the server answers `OP_REP_RESUME` with the
@@ -82,6 +85,22 @@ impl fmt::Debug for Token {
     }
 }
 
+/// What a server's transform answer granted a client that offered resume:
+/// the session's token, and whether the server pings ([`crate::liveness`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grant {
+    pub token: Token,
+    pub keepalive: bool,
+}
+
+impl Grant {
+    /// The grant in a server's transform answer, if it granted resume.
+    pub fn from_answer(answer: &str) -> Option<Self> {
+        let token = Token::from_answer(answer)?;
+        Some(Self { token, keepalive: crate::liveness::offered(answer) })
+    }
+}
+
 /// Whether a client's transform offer asks for resume.
 pub fn offered(offer: &str) -> bool {
     offer.split(',').any(|entry| entry.trim() == OFFER)
@@ -126,6 +145,10 @@ mod tests {
         assert_eq!(Token::from_answer("resume=zz"), None);
         assert_eq!(Token::from_answer(&format!("resume={}", "é".repeat(32))), None);
         assert!(token.matches(&token) && !token.matches(&Token([0; 32])));
+        assert_eq!(Grant::from_answer(&answer), Some(Grant { token, keepalive: false }));
+        let pinging = format!("{},keepalive", token.answer_entry());
+        assert_eq!(Grant::from_answer(&pinging), Some(Grant { token, keepalive: true }));
+        assert_eq!(Grant::from_answer("keepalive"), None);
     }
 
     #[test]

@@ -41,9 +41,11 @@
 //! [`resume`]: ServerSession::resume
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 
+use crate::liveness::{self, Due, Link, Liveness};
 use crate::outbox::Outbox;
 use crate::resume;
 use crate::urb::{self, ClientMessage, CmdSubmit, RetSubmit, RetUnlink, ServerMessage};
@@ -85,6 +87,11 @@ pub enum SessionError {
     /// A resume for a session that did not negotiate it.
     #[error("session is not resumable")]
     NotResumable,
+    /// Keep-alive: nothing arrived from the client for this long while it
+    /// should have pinged. The link is dead though it never said so: a
+    /// resumable session parks for the client to come back.
+    #[error("nothing heard from the client for {:.1} s", .0.as_secs_f64())]
+    Silent(Duration),
 }
 
 /// A URB handed to the device and not yet completed.
@@ -156,6 +163,11 @@ pub struct ServerSession {
     connected: bool,
     /// The client ended the session (a resumable client's last message).
     ended: bool,
+    /// `Some` when keep-alive was negotiated ([`crate::liveness`]).
+    liveness: Option<Liveness>,
+    /// Input buffered after the last [`handle_input`](Self::handle_input):
+    /// more at the next call means the client said something.
+    input_seen: usize,
 }
 
 impl ServerSession {
@@ -176,6 +188,50 @@ impl ServerSession {
             replay: None,
             connected: true,
             ended: false,
+            liveness: None,
+            input_seen: 0,
+        }
+    }
+
+    /// Sends keep-alives and watches for silence ([`crate::liveness`]; the
+    /// client asked for it; resumable sessions only), from `now` on. Drive it
+    /// with [`poll_timeout`](Self::poll_timeout) and [`handle_timeout`](Self::handle_timeout).
+    pub fn keepalive(mut self, now: Instant) -> Self {
+        if self.replay.is_some() {
+            self.liveness = Some(Liveness::new(now));
+        }
+        self
+    }
+
+    /// When to call [`handle_timeout`](Self::handle_timeout) next, if ever
+    /// (keep-alive sessions, while connected).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.liveness.as_ref().filter(|_| self.connected && !self.ended).map(Liveness::deadline)
+    }
+
+    /// Queues a keep-alive when this side has been quiet, or says the link
+    /// is dead: nothing heard for [`liveness::BUSY_SILENCE`] with URBs in
+    /// flight, [`liveness::IDLE_SILENCE`] without. Time spent not reading
+    /// the client (its input held by the budget) does not count as silence.
+    pub fn handle_timeout(&mut self, now: Instant) -> Result<(), SessionError> {
+        if !self.connected || self.ended {
+            return Ok(());
+        }
+        let listening = self.wants_input();
+        let Some(liveness) = self.liveness.as_mut() else { return Ok(()) };
+        let link = Link {
+            busy: !self.in_flight.is_empty() || self.waiting_submit.is_some(),
+            listening,
+            written: self.outbox.written(),
+            unsent: !self.outbox.is_empty(),
+        };
+        match liveness.tick(now, link) {
+            Due::Nothing => Ok(()),
+            Due::Ping => {
+                self.outbox.push_header(&liveness::ping_header(self.devid));
+                Ok(())
+            }
+            Due::Dead(silent) => Err(SessionError::Silent(silent)),
         }
     }
 
@@ -195,6 +251,7 @@ impl ServerSession {
     /// flight go on, and their completions are held for [`resume`](Self::resume).
     pub fn disconnected(&mut self) {
         self.inbuf.clear();
+        self.input_seen = 0;
         self.outbox.clear();
         self.connected = false;
     }
@@ -214,6 +271,10 @@ impl ServerSession {
             }
         }
         self.inbuf = RecvBuffer::holding(leftover, READ_CHUNK, SPARE_BYTES);
+        self.input_seen = 0;
+        if let Some(liveness) = &mut self.liveness {
+            liveness.reconnected();
+        }
         self.connected = true;
         Ok(self.commands_received)
     }
@@ -261,6 +322,15 @@ impl ServerSession {
     /// Decodes buffered commands while [`wants_input`](Self::wants_input) and
     /// queues what they ask of the device. Returns whether anything was taken.
     pub fn handle_input(&mut self, is_iso: impl Fn(Direction, u8) -> bool) -> Result<bool, SessionError> {
+        if let Some(liveness) = self.liveness.as_mut().filter(|_| self.inbuf.len() > self.input_seen) {
+            liveness.heard();
+        }
+        let handled = self.take_commands(is_iso);
+        self.input_seen = self.inbuf.len();
+        handled
+    }
+
+    fn take_commands(&mut self, is_iso: impl Fn(Direction, u8) -> bool) -> Result<bool, SessionError> {
         let mut handled = false;
         if let Some(submit) = self.waiting_submit.take() {
             if !self.budget.admits(self.in_flight_bytes, submit.transfer_buffer_length as usize) {
@@ -280,6 +350,11 @@ impl ServerSession {
                     if let (Some(replay), Some(received)) = (self.replay.as_mut(), received) {
                         replay.acknowledge(received)?;
                     }
+                    handled = true;
+                    continue;
+                }
+                Some(liveness::PING) => {
+                    bytes::Buf::advance(&mut *self.inbuf, urb::HEADER_LEN);
                     handled = true;
                     continue;
                 }
@@ -394,7 +469,7 @@ impl ServerSession {
     }
 
     /// A resumable session's next input, when it is one of our own messages
-    /// (an acknowledgement or the end) and whole.
+    /// (an acknowledgement, a keep-alive or the end) and whole.
     fn extension_in_front(&self) -> Option<urb::Command> {
         self.extension_at(0)
     }
@@ -406,7 +481,9 @@ impl ServerSession {
         }
         let word = &self.inbuf[at..at + 4];
         let command = urb::Command(u32::from_be_bytes([word[0], word[1], word[2], word[3]]));
-        [resume::ACK, resume::END].contains(&command).then_some(command)
+        let ours =
+            [resume::ACK, resume::END].contains(&command) || (self.liveness.is_some() && command == liveness::PING);
+        ours.then_some(command)
     }
 
     /// Replies waiting to be written.

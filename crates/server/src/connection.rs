@@ -19,9 +19,10 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio_rustls::rustls as rustls_config;
 use tracing::{debug, info, warn, Instrument};
+use usbwire_proto::liveness;
 use usbwire_proto::op::{self, OpRequest, OpStatus};
 use usbwire_proto::reservation::ReservationToken;
-use usbwire_proto::resume::{self, Token};
+use usbwire_proto::resume::{self, Grant, Token};
 use usbwire_proto::{DecodeError, Limits};
 use usbwire_transport::access::ClientId;
 use usbwire_transport::transform::{Pipeline, Side, TransformSpec, TransformedStream};
@@ -96,7 +97,13 @@ pub(crate) async fn serve_session(
                 answer.push(',');
             }
             answer.push_str(&token.answer_entry());
-            resume_token = Some(token);
+            // Keep-alive goes with resume: a link gone silent is noticed in seconds and resumed.
+            let keepalive = liveness::offered(offer);
+            if keepalive {
+                answer.push(',');
+                answer.push_str(liveness::OFFER);
+            }
+            resume_token = Some(Grant { token, keepalive });
         }
         let mut reply = BytesMut::new();
         op::encode_transforms_reply(&answer, &mut reply);
@@ -206,8 +213,9 @@ pub(crate) async fn serve_session(
                         tracing::info_span!("urb", %busid, devid = format_args!("{:#x}", lease.record().devid()));
                     span.in_scope(|| info!("imported"));
                     let mut withdrawn = lease.withdrawn();
-                    let resumable = resume_token.map(|token| urb_channel::Resumable {
+                    let resumable = resume_token.map(|Grant { token, keepalive }| urb_channel::Resumable {
                         token,
+                        keepalive,
                         client: client.clone(),
                         parked: registry.parked.clone(),
                         grace: config.resume_grace,

@@ -67,6 +67,8 @@ pub(crate) enum ChannelError {
 /// What a resumable import needs to park when its connection drops.
 pub(crate) struct Resumable {
     pub(crate) token: Token,
+    /// The client asked for keep-alives ([`usbwire_proto::liveness`]).
+    pub(crate) keepalive: bool,
     pub(crate) client: ClientId,
     pub(crate) parked: Parked,
     pub(crate) grace: Duration,
@@ -92,8 +94,11 @@ pub(crate) async fn run(
     let mut capture = capture_setting.borrow_and_update().as_ref().and_then(start_capture);
     let mut session =
         ServerSession::new(lease.record().devid(), leftover, config.limits.clone(), config.budget.clone());
-    if resumable.is_some() {
+    if let Some(resumable) = &resumable {
         session = session.resumable();
+        if resumable.keepalive {
+            session = session.keepalive(Instant::now());
+        }
     }
     // Registered for the session's whole life: a client may come back on a new
     // connection before this side has seen the old one drop.
@@ -110,8 +115,23 @@ pub(crate) async fn run(
         let mut channel =
             Channel { stream, unflushed, session: &mut session, meter: &mut meter, capture: &mut capture };
         let mut early_arrival = None;
+        let keepalive = channel.session.poll_timeout();
         let outcome = tokio::select! {
             result = std::future::poll_fn(|cx| channel.poll_drive(cx, device)) => result,
+            () = sleep_until(keepalive) => {
+                // Keep-alive: a ping when quiet; a client gone silent is a lost connection.
+                match channel.session.handle_timeout(Instant::now()) {
+                    Ok(()) => {
+                        (stream, unflushed) = (channel.stream, channel.unflushed);
+                        continue;
+                    }
+                    Err(SessionError::Silent(silent)) => Err(ChannelError::Io(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("nothing heard from the client for {:.1} s", silent.as_secs_f64()),
+                    ))),
+                    Err(error) => Err(error.into()),
+                }
+            }
             () = crate::stopped(&mut stop) => {
                 if resumable.is_some() {
                     channel.say_goodbye().await;
@@ -165,6 +185,14 @@ enum ParkOutcome {
     /// The new connection, and its place in the admission budgets.
     Resumed(PeerStream, Peer),
     Ended(End),
+}
+
+/// Sleeps until `deadline`, or forever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(tokio::time::Instant::from_std(deadline)).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// The next connection handed over to a resumable session (never, for others).

@@ -372,7 +372,7 @@ async fn only_the_importing_identity_can_resume_a_session() {
     let alice = tls(&setup.alice, pinned(&setup, setup.addr, "resume-alice"), false);
     let busid = BusId::new("1-1").unwrap();
     let imported = usbwire_client::import_resumable(setup.addr, &busid, &alice, &[]).await.unwrap();
-    let token = imported.resume.expect("resume granted over TLS");
+    let token = imported.resume.expect("resume granted over TLS").token;
     drop(imported.stream);
     tokio::time::sleep(Duration::from_millis(200)).await;
 
