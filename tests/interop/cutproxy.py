@@ -7,6 +7,11 @@ tests of sessions that must survive a broken network path.
     proxy.cut("rst")                  # every live connection: RST to both ends
     proxy.cut("fin")                  #   ... or an orderly close (FIN) to both ends
     proxy.cut("blackhole")            #   ... or nothing either way for a while, then RST
+    proxy.cut("server-rst")           #   ... or RST to the server only; the client's side
+                                      #       stays open and silent (a link lost beyond its
+                                      #       own network: nothing tells the client)
+    proxy.cut("stall")                #   ... or nothing either way, both sides left open
+                                      #       (a pulled cable); RST only `silent_seconds` later
     proxy.stats()                     # connections accepted, cuts made, per-connection detail
 
 New connections are always accepted and forwarded, also while older ones sit
@@ -23,7 +28,9 @@ import sys
 import threading
 import time
 
-MODES = ("rst", "fin", "blackhole")
+MODES = ("rst", "fin", "blackhole", "server-rst", "stall")
+# The cuts that tell the client nothing: only its own timers can notice them.
+SILENT_MODES = ("server-rst", "stall")
 
 
 class _Conn:
@@ -62,9 +69,11 @@ def _reset(writer):
 
 
 class CutProxy:
-    def __init__(self, upstream, hole_seconds=5.0, listen_host="127.0.0.1"):
+    def __init__(self, upstream, hole_seconds=5.0, listen_host="127.0.0.1", silent_seconds=40.0):
         self.upstream = upstream
         self.hole_seconds = hole_seconds
+        # How long a silent cut keeps the sockets it leaves open: beyond a server's 30 s grace.
+        self.silent_seconds = silent_seconds
         self.listen_host = listen_host
         self.port = None
         self.conns = []
@@ -204,11 +213,18 @@ class CutProxy:
                 # Read and drop whatever still arrives, so the close that follows stays
                 # a FIN (closing with unread data would send RST).
                 asyncio.ensure_future(self._drain_then_close(conn))
+            elif mode == "server-rst":
+                conn.state = "holed"
+                if conn.server:
+                    _reset(conn.server[1])
+                conn.client[1].transport.pause_reading()
+                asyncio.ensure_future(self._hole_then_reset(conn, self.silent_seconds, [conn.client[1]]))
             else:
                 conn.state = "holed"
                 for w in conn.writers():
                     w.transport.pause_reading()
-                asyncio.ensure_future(self._hole_then_reset(conn))
+                hold = self.hole_seconds if mode == "blackhole" else self.silent_seconds
+                asyncio.ensure_future(self._hole_then_reset(conn, hold, conn.writers()))
         self.cuts.append((time.time(), mode, len(victims)))
         return len(victims)
 
@@ -228,10 +244,12 @@ class CutProxy:
         for w in conn.writers():
             w.close()
 
-    async def _hole_then_reset(self, conn):
-        await asyncio.sleep(self.hole_seconds)
+    async def _hole_then_reset(self, conn, seconds, writers):
+        await asyncio.sleep(seconds)
+        if conn.state == "closed":
+            return
         conn.state, conn.closed_at = "closed", time.time()
-        for w in conn.writers():
+        for w in writers:
             _reset(w)
 
     async def _close_all(self):
@@ -278,7 +296,7 @@ def selftest():
             threading.Thread(target=echo, args=(conn,), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
-    proxy = CutProxy(listener.getsockname(), hole_seconds=0.6)
+    proxy = CutProxy(listener.getsockname(), hole_seconds=0.6, silent_seconds=0.9)
     port = proxy.start()
 
     def client():
@@ -333,10 +351,42 @@ def selftest():
         results.append(("proxy blackhole: silence, then a reset to both ends",
                         n == 1 and during == "silent" and seen == "reset" and wait_ends(3) == "reset",
                         f"cut {n}, during the hole {during}, then client {seen}, server {wait_ends(3)}"))
+        s, _ = client()
+        n = proxy.cut("server-rst")
+        server_end = wait_ends(4)
+        s.sendall(b"lost")
+        s.settimeout(0.4)
+        try:
+            during = f"data {s.recv(16)!r}"
+        except socket.timeout:
+            during = "silent"
+        except OSError as error:
+            during = repr(error)
+        s.close()
+        results.append(("proxy server-rst: the server sees a reset, the client silence",
+                        n == 1 and server_end == "reset" and during == "silent",
+                        f"cut {n}, server {server_end}, client {during}"))
+        s, _ = client()
+        n = proxy.cut("stall")
+        s.sendall(b"lost")
+        s.settimeout(0.4)
+        try:
+            during = f"data {s.recv(16)!r}"
+        except socket.timeout:
+            during = "silent"
+        except OSError as error:
+            during = repr(error)
+        early = ends[4] if len(ends) > 4 else "nothing"
+        s.settimeout(3)
+        seen = outcome(s)
+        results.append(("proxy stall: silence with both ends open, a reset only much later",
+                        n == 1 and during == "silent" and early == "nothing" and seen == "reset"
+                        and wait_ends(5) == "reset", f"cut {n}, during {during}, server meanwhile {early}, "
+                        f"then client {seen}, server {wait_ends(5)}"))
         s, got = client()
         stats = proxy.stats()
-        results.append(("proxy accepts after cuts and counts", got == b"ping" and stats["connections"] == 4
-                        and stats["cuts"] == 3, f"{stats['connections']} connections, {stats['cuts']} cuts"))
+        results.append(("proxy accepts after cuts and counts", got == b"ping" and stats["connections"] == 6
+                        and stats["cuts"] == 5, f"{stats['connections']} connections, {stats['cuts']} cuts"))
         s.close()
     except Exception as error:  # noqa: BLE001 - reported as a failed check
         results.append(("proxy self-test ran", False, repr(error)))

@@ -12,9 +12,11 @@ the disk and writes a 64 MiB file of random data (from tmpfs, checksummed
 first) in 1 MiB pieces with a sync every 4 MiB, reads it back after dropping
 the caches, and does so again from a second source, pass after pass, until
 the host is done cutting. Meanwhile the host cuts every live connection
-(RST, FIN, 5-second black hole), 1.5-3 s apart, each time after the relay
-has reconnected and the server has logged "resumed": the 12 cuts of PLAN,
-and on until at least 10 of them hit a write. Then the guest checks the
+(RST, FIN, 5-second black hole, and the silent ones: RST to the server
+only with the guest's side left open and mute, or both sides left open and
+mute, which only keep-alive can notice), 1.5-3 s apart, each time after the
+relay has reconnected and the server has logged "resumed": the 12 cuts of
+PLAN, and on until at least 10 silent ones hit a write. Then the guest checks the
 file's sha256 once more, the mount, the device name and dmesg (no
 disconnect, reset, I/O or ext4 error), and detaches; the host checks the
 proxy's and the server's counts and that the detach released the device at
@@ -27,7 +29,7 @@ raw, and numbered lines stream both ways at once, "g NNNNN" guest -> host and
 the host is done cutting (it listens on a second "done" port), then an "END
 <count>" line. The host reads the pty all the time (a full pty would stall
 the device) and cuts as in the disk phase, each time after the session has
-resumed and carried new lines, until 10 cuts hit the stream. Each side then
+resumed and carried new lines, until 10 cuts (6 of them silent) hit the stream. Each side then
 checks what it received: every line once, in order, none missing, none
 doubled, no garbage, the byte count exact; and dmesg since the serial
 attach has no disconnect, reset or failure and the tty is still ttyACM0.
@@ -59,18 +61,22 @@ import guest  # noqa: E402
 BIN = guest.BIN
 MKE2FS = "/sbin/mke2fs"
 NAME = "resume"
-# The cuts, in order: 5 RST, 4 FIN, 3 black holes.
-PLAN = ["rst", "fin", "blackhole", "rst", "fin", "rst", "blackhole", "fin", "rst", "fin", "blackhole", "rst"]
+# The cuts, in order: 2 RST, 2 FIN, 2 black holes, and 6 that tell the guest nothing (the
+# server's side reset, or both sides left open and silent: only keep-alive notices those).
+PLAN = ["server-rst", "rst", "stall", "fin", "server-rst", "blackhole", "stall", "rst", "server-rst", "fin",
+        "stall", "blackhole"]
 HOLE_SECONDS = 5.0
-# The plan is cut through, and on until this many cuts hit the guest's writes (it also reads).
+# The plan is cut through, and on until this many silent cuts hit the guest's writes (it also reads).
 MIN_CUTS_IN_WRITES = 10
-MAX_CUTS = 24
+MAX_CUTS = 36
 # Until that many have, every other cut waits up to this long for the guest to be in the busy
 # phase (the time split between writing and reading varies by machine; CI once saw 8 of 24).
 BUSY_WAIT_SECONDS = 30
 # How long the relay may take to come back after a cut (the server's grace is 30 s).
 RECONNECT_TIMEOUT = 25
-# The serial phase: the same plan, and on until this many cuts hit the two-way stream.
+# The serial phase: the same plan, and on until this many silent cuts hit the two-way stream
+# (and at least MIN_CUTS_IN_STREAM cuts in all).
+MIN_SILENT_IN_STREAM = 6
 MIN_CUTS_IN_STREAM = 10
 # Lines each way: BATCH every 0.1 s, at least MIN_LINES and on until the host is done cutting.
 SERIAL_BATCH = 10
@@ -560,14 +566,16 @@ def cut_phase(console, proxy, resumed, seed, busy="write", min_busy=MIN_CUTS_IN_
     before the next one is made, what it counts). Returns (seconds, cuts by
     guest phase)."""
     rng = random.Random(seed)
-    print(f"cutting (seed {seed}): {' '.join(PLAN)}, then on until {min_busy} cuts hit {doing}", flush=True)
+    print(f"cutting (seed {seed}): {' '.join(PLAN)}, then on until {min_busy} silent cuts hit {doing}",
+          flush=True)
     started = time.time()
     phases = {}
+    silent = {}
     k = 0
     last_progress = progress()[0] if progress else None
-    while k < len(PLAN) or phases.get(busy, 0) < min_busy:
+    while k < len(PLAN) or silent.get(busy, 0) < min_busy:
         if k >= MAX_CUTS:
-            raise RuntimeError(f"{k} cuts, only {phases.get(busy, 0)} while the guest was {doing}")
+            raise RuntimeError(f"{k} cuts, only {silent.get(busy, 0)} silent ones while the guest was {doing}")
         k += 1
         mode = PLAN[(k - 1) % len(PLAN)]
         console.sleep(rng.uniform(1.5, 3.0))
@@ -581,7 +589,7 @@ def cut_phase(console, proxy, resumed, seed, busy="write", min_busy=MIN_CUTS_IN_
                 raise RuntimeError(f"before cut {k}: {what} stuck at {count} for {RECONNECT_TIMEOUT} s "
                                    f"after cut {k - 1}")
             last_progress = count
-        if k % 2 == 1 and phases.get(busy, 0) < min_busy:
+        if (mode in cutproxy.SILENT_MODES or k % 2 == 1) and silent.get(busy, 0) < min_busy:
             # Aim this cut at the busy phase: wait for it, then a moment into it.
             deadline = time.time() + BUSY_WAIT_SECONDS
             while console.phase[0] not in (busy, "done") and time.time() < deadline and not console.bad:
@@ -596,6 +604,8 @@ def cut_phase(console, proxy, resumed, seed, busy="write", min_busy=MIN_CUTS_IN_
         n = proxy.cut(mode)
         phase, now_doing = console.phase
         phases[phase] = phases.get(phase, 0) + 1
+        if mode in cutproxy.SILENT_MODES:
+            silent[phase] = silent.get(phase, 0) + 1
         print(f"  cut {k:2}: {mode:9} ({n} connection(s)) at +{time.time() - started:5.1f} s; guest: {now_doing}"
               + (f"; {progress()[1]} {progress()[0]}" if progress else ""), flush=True)
         if n == 0:
@@ -620,7 +630,7 @@ def cut_phase(console, proxy, resumed, seed, busy="write", min_busy=MIN_CUTS_IN_
                                f"{resumed()} 'resumed' for {k} cuts")
         print(f"      resumed on connection {conn['id']} after {time.time() - proxy.stats()['cut_log'][-1][0]:.1f} s",
               flush=True)
-    return time.time() - started, phases
+    return time.time() - started, phases, silent
 
 
 def listen_to_hang_up(sock, port):
@@ -659,12 +669,15 @@ def serial_phase(checks, console, proxy, server_log, busid, link, seed, sdone, s
                 raise RuntimeError(f"host pty: {host.error}")
             return host.received_lines(), "guest -> host lines"
 
-        took, phases = cut_phase(console, proxy, lambda: len(server_log.resumed(busid, start["log"])), seed + 1,
-                                 busy="stream", min_busy=MIN_CUTS_IN_STREAM, doing="streaming", progress=progress)
+        took, phases, silent = cut_phase(console, proxy, lambda: len(server_log.resumed(busid, start["log"])),
+                                         seed + 1, busy="stream", min_busy=MIN_SILENT_IN_STREAM, doing="streaming",
+                                         progress=progress)
         print(f"{sum(phases.values())} cuts in {took:.1f} s; while the guest was: "
-              + ", ".join(f"{p} {n}" for p, n in sorted(phases.items())), flush=True)
+              + ", ".join(f"{p} {n}" for p, n in sorted(phases.items())) + f"; silent ones: {silent}", flush=True)
         checks.check(f"serial: >= {MIN_CUTS_IN_STREAM} cuts while both ways were streaming",
                      phases.get("stream", 0) >= MIN_CUTS_IN_STREAM, phases)
+        checks.check(f"serial: >= {MIN_SILENT_IN_STREAM} of them silent (server-rst, stall)",
+                     silent.get("stream", 0) >= MIN_SILENT_IN_STREAM, silent)
         host.stop_writing()
         listen_to_hang_up(sdone, sdone_port)
         if not host.wrote_end.wait(60):
@@ -779,12 +792,12 @@ def main():
         console.until("@@WRITE-START", 150)
         print(f"write started at {time.time() - g.started:.1f} s (disk {disk})", flush=True)
 
-        took, phases = cut_phase(console, proxy, lambda: len(server_log.resumed("2-1")), seed)
+        took, phases, silent = cut_phase(console, proxy, lambda: len(server_log.resumed("2-1")), seed)
         cut_ok = True
         print(f"{sum(phases.values())} cuts in {took:.1f} s; while the guest was: "
-              + ", ".join(f"{p} {n}" for p, n in sorted(phases.items())), flush=True)
-        checks.check(f">= {MIN_CUTS_IN_WRITES} cuts while the guest was writing", phases.get("write", 0) >= MIN_CUTS_IN_WRITES,
-                     phases)
+              + ", ".join(f"{p} {n}" for p, n in sorted(phases.items())) + f"; silent ones: {silent}", flush=True)
+        checks.check(f">= {MIN_CUTS_IN_WRITES} silent cuts (server-rst, stall) while the guest was writing",
+                     silent.get("write", 0) >= MIN_CUTS_IN_WRITES, silent)
         # Tell the guest to stop after its current pass.
         listen_to_hang_up(done, done_port)
         print(console.until("@@WRITE-DONE", 120), flush=True)
