@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, GetOptions, TlsOptions};
+use etcd_client::{Client, ConnectOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper, TlsOptions};
 use tokio::time::Instant;
 use tracing::debug;
 
@@ -125,55 +125,183 @@ fn tls_options(tls: &EtcdTls) -> std::io::Result<TlsOptions> {
     Ok(options)
 }
 
-/// Keeps `lease` alive until it is lost: renewed every third of `ttl`; when
-/// the member we renew through goes away, the renewal is set up again
-/// through another, until the lease would have expired. Returns why it was lost.
+/// Keeps `lease` alive until it is lost, and returns why. One lease for as
+/// long as it lives: renewed every third of `ttl`; when the member we renew
+/// through goes away (its stream ends, fails, or a renewal goes unanswered),
+/// the renewal is set up again through another member under the same lease.
+/// Lost only when etcd says the lease expired, or when no renewal was
+/// answered for `ttl` (then etcd has let it expire too).
+///
+/// Only answers that arrive count as renewals. etcd-client's
+/// `lease_keep_alive` sends the first request and reads its answer itself
+/// (to learn the lease's id; it fails when that answer says the lease is
+/// gone), so a renewal set up is a renewal answered; every later answer
+/// comes through the stream it returns.
 pub(crate) async fn keep_alive(endpoint: Endpoint, mut client: Client, lease: i64, ttl: Duration) -> LabError {
     let every = (ttl / 3).max(Duration::from_millis(500));
+    // The caller has just granted the lease, or checked it is alive.
     let mut renewed = Instant::now();
     loop {
         let expires = renewed + ttl;
-        let stream = tokio::time::timeout(REQUEST_TIMEOUT, client.lease_keep_alive(lease)).await;
-        let (mut keeper, mut answers) = match stream {
-            Ok(Ok(pair)) => pair,
-            Ok(Err(error)) => {
-                debug!(lease, error = %short(&error), "lease renewal not set up; trying another member");
-                if Instant::now() >= expires {
-                    return LabError::LeaseLost { lease, reason: short(&error) };
+        let why = match tokio::time::timeout_at(
+            expires.min(Instant::now() + REQUEST_TIMEOUT),
+            client.lease_keep_alive(lease),
+        )
+        .await
+        {
+            Ok(Ok((mut keeper, mut answers))) => {
+                renewed = Instant::now();
+                match renew(&mut keeper, &mut answers, every, &mut renewed).await {
+                    Renewals::Expired => return expired(lease),
+                    Renewals::Broken(why) => why,
                 }
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                if let Ok(other) = endpoint.connect().await {
-                    client = other;
-                }
-                continue;
             }
-            Err(_) => {
-                if Instant::now() >= expires {
-                    return LabError::LeaseLost { lease, reason: "etcd did not answer".into() };
-                }
-                if let Ok(other) = endpoint.connect().await {
-                    client = other;
-                }
-                continue;
-            }
+            Ok(Err(error)) if says_expired(&error) => return expired(lease),
+            Ok(Err(error)) => short(&error),
+            Err(_) => "etcd did not answer".to_owned(),
         };
-        // Setting the renewal up sent the first request: its answer, then one every third of the ttl.
-        loop {
-            match tokio::time::timeout(REQUEST_TIMEOUT.min(ttl), answers.message()).await {
-                Ok(Ok(Some(answer))) if answer.ttl() > 0 => renewed = Instant::now(),
-                Ok(Ok(Some(_))) => {
-                    return LabError::LeaseLost { lease, reason: "etcd says the lease has expired".into() };
+        if Instant::now() >= renewed + ttl {
+            return LabError::LeaseLost { lease, reason: format!("not renewed within its time to live ({why})") };
+        }
+        debug!(lease, reason = %why, "lease renewal interrupted; setting it up again, through another member if need be");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if let Ok(Ok(other)) = tokio::time::timeout_at(renewed + ttl, endpoint.connect()).await {
+            client = other;
+        }
+    }
+}
+
+/// How a renewal stream ended.
+enum Renewals {
+    /// etcd answered that the lease no longer exists.
+    Expired,
+    /// The stream ended, failed or stopped answering: set it up again.
+    Broken(String),
+}
+
+/// Renews through one stream: a request every `every`, `renewed` moved on
+/// by each answer that says the lease lives. A request unanswered for
+/// `every` (at most [`REQUEST_TIMEOUT`]) counts the stream as broken.
+async fn renew(
+    keeper: &mut LeaseKeeper,
+    answers: &mut LeaseKeepAliveStream,
+    every: Duration,
+    renewed: &mut Instant,
+) -> Renewals {
+    let patience = every.min(REQUEST_TIMEOUT);
+    let mut ticks = tokio::time::interval_at(Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // When the oldest request still unanswered was sent.
+    let mut waiting_since: Option<Instant> = None;
+    loop {
+        let deadline = waiting_since.map(|since| since + patience);
+        tokio::select! {
+            _ = ticks.tick() => {
+                if let Err(error) = keeper.keep_alive().await {
+                    return Renewals::Broken(short(&error));
                 }
-                Ok(Ok(None)) | Ok(Err(_)) | Err(_) => break,
+                waiting_since.get_or_insert_with(Instant::now);
             }
-            tokio::time::sleep(every).await;
-            if let Err(error) = keeper.keep_alive().await {
-                debug!(lease, error = %short(&error), "lease renewal failed");
-                break;
+            answer = answers.message() => match answer {
+                Ok(Some(answer)) if answer.ttl() > 0 => {
+                    *renewed = Instant::now();
+                    waiting_since = None;
+                }
+                Ok(Some(_)) => return Renewals::Expired,
+                Ok(None) => return Renewals::Broken("the member ended the renewal stream".into()),
+                Err(error) => return Renewals::Broken(short(&error)),
+            },
+            () = sleep_until_some(deadline) => {
+                return Renewals::Broken(format!("a renewal went unanswered for {patience:?}"));
             }
         }
-        if Instant::now() >= renewed + ttl {
-            return LabError::LeaseLost { lease, reason: "not renewed within its time to live".into() };
+    }
+}
+
+/// Sleeps until `deadline`; forever without one.
+async fn sleep_until_some(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// etcd-client says so when the first answer of a renewal carries no time
+/// to live: the lease is gone (expired or revoked), not the member.
+fn says_expired(error: &etcd_client::Error) -> bool {
+    matches!(error, etcd_client::Error::LeaseKeepAliveError(message) if message.contains("not found"))
+}
+
+fn expired(lease: i64) -> LabError {
+    LabError::LeaseLost { lease, reason: "etcd says the lease has expired".into() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::Cluster;
+
+    const TTL: Duration = Duration::from_secs(2);
+
+    /// A lease of [`TTL`] granted through the only member, and its renewal.
+    async fn renewing_one(cluster: &Cluster) -> (Client, i64, tokio::task::JoinHandle<LabError>) {
+        let mut client = cluster.client(0).await;
+        let lease = client.lease_grant(2, None).await.expect("lease").id();
+        let renewing = tokio::spawn(keep_alive(cluster.endpoint(&[0]), client.clone(), lease, TTL));
+        (client, lease, renewing)
+    }
+
+    /// Checks once a time to live, `ttls` times, that `renewing` still runs
+    /// and etcd still keeps `lease`; then stops it.
+    async fn renewed_for(ttls: u32, renewing: tokio::task::JoinHandle<LabError>, client: &mut Client, lease: i64) {
+        for _ in 0..ttls {
+            tokio::time::sleep(TTL).await;
+            assert!(!renewing.is_finished(), "renewal ended: {:?}", renewing.await.map(|e| e.to_string()));
+            let remaining = client.lease_time_to_live(lease, None).await.expect("lease time to live").ttl();
+            assert!(remaining > 0, "etcd let the lease expire");
+        }
+        renewing.abort();
+    }
+
+    /// Issue 18: the renewal waited for the answer etcd-client had already
+    /// read, timed out, and called the lease lost after one time to live
+    /// (servers re-registered every 10 s).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_quiet_lease_is_renewed_for_many_ttls() {
+        let Some(cluster) = Cluster::start(1, "quiet_lease").await else { return };
+        let (mut client, lease, renewing) = renewing_one(&cluster).await;
+        renewed_for(4, renewing, &mut client, lease).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_member_moves_the_renewal_not_the_lease() {
+        let Some(mut cluster) = Cluster::start(3, "member_lost").await else { return };
+        // Renewing through a follower alone; the endpoint knows all three.
+        let follower = cluster.follower().await;
+        let through = cluster.client(follower).await;
+        let others: Vec<usize> = (0..3).filter(|&i| i != follower).collect();
+        let mut other = cluster.client(others[0]).await;
+        let lease = other.lease_grant(2, None).await.expect("lease").id();
+        let renewing = tokio::spawn(keep_alive(cluster.endpoint(&[0, 1, 2]), through, lease, TTL));
+        tokio::time::sleep(TTL / 2).await;
+        cluster.kill(follower);
+        renewed_for(3, renewing, &mut other, lease).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_revoked_lease_ends_the_renewal_at_once() {
+        let Some(cluster) = Cluster::start(1, "lease_revoked").await else { return };
+        let (mut client, lease, renewing) = renewing_one(&cluster).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        client.lease_revoke(lease).await.expect("revoke");
+        // The next renewal (a third of the ttl later) is answered "no such lease".
+        let ended = tokio::time::timeout(TTL, renewing).await.expect("renewal ends within the ttl").expect("task");
+        match ended {
+            LabError::LeaseLost { lease: lost, reason } => {
+                assert_eq!(lost, lease);
+                assert!(reason.contains("expired"), "{reason}");
+            }
+            other => panic!("not a lost lease: {other}"),
         }
     }
 }

@@ -18,6 +18,8 @@ pub mod entry;
 mod etcd;
 mod lab;
 pub mod publish;
+#[cfg(test)]
+mod testing;
 pub mod url;
 
 pub use entry::{DeviceEntry, Fleet, FleetDevice, ReservationEntry, ServerEntry, Want, WantError};

@@ -1,0 +1,157 @@
+//! Real etcd for the tests that need one: members of a cluster on free
+//! loopback ports, each in its own directory, killed and removed when the
+//! cluster is dropped. The binary is `$USBWIRE_ETCD`, else `etcd` on the
+//! `PATH` (Debian's etcd-server, which `scripts/test.sh` installs); without
+//! one these tests say so on stderr and pass, as they cannot run.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use etcd_client::Client;
+
+use crate::etcd::Endpoint;
+
+pub(crate) struct Cluster {
+    etcd: PathBuf,
+    dir: PathBuf,
+    initial: String,
+    members: Vec<Member>,
+}
+
+struct Member {
+    client_port: u16,
+    peer_port: u16,
+    process: Option<Child>,
+}
+
+impl Cluster {
+    /// `n` members, started and answering; `None` when etcd is not installed.
+    pub(crate) async fn start(n: usize, test: &str) -> Option<Self> {
+        let Some(etcd) = etcd_binary() else {
+            eprintln!("{test}: skipped, no etcd binary (install etcd-server or set USBWIRE_ETCD)");
+            return None;
+        };
+        let dir = std::env::temp_dir().join(format!(
+            "usbwire-lab-{test}-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).expect("test directory");
+        let members: Vec<Member> =
+            (0..n).map(|_| Member { client_port: free_port(), peer_port: free_port(), process: None }).collect();
+        let initial = members
+            .iter()
+            .enumerate()
+            .map(|(i, m)| format!("m{i}=http://127.0.0.1:{}", m.peer_port))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cluster = Self { etcd, dir, initial, members };
+        for i in 0..n {
+            cluster.start_member(i);
+        }
+        for i in 0..n {
+            cluster.wait_answers(i).await;
+        }
+        Some(cluster)
+    }
+
+    fn start_member(&mut self, i: usize) {
+        let (client, peer) = (self.members[i].client_port, self.members[i].peer_port);
+        let log = std::fs::File::create(self.dir.join(format!("m{i}.log"))).expect("etcd log");
+        let process = Command::new(&self.etcd)
+            .args(["--name", &format!("m{i}")])
+            .arg("--data-dir")
+            .arg(self.dir.join(format!("m{i}")))
+            .args(["--listen-client-urls", &format!("http://127.0.0.1:{client}")])
+            .args(["--advertise-client-urls", &format!("http://127.0.0.1:{client}")])
+            .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
+            .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{peer}")])
+            .args(["--initial-cluster", &self.initial, "--initial-cluster-state", "new"])
+            .args(["--initial-cluster-token", "usbwire-lab-unit-test"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("etcd log"))
+            .stderr(log)
+            .spawn()
+            .expect("etcd starts");
+        self.members[i].process = Some(process);
+    }
+
+    /// Waits until member `i` serves requests (the cluster has a leader).
+    async fn wait_answers(&self, i: usize) {
+        let url = format!("http://127.0.0.1:{}", self.members[i].client_port);
+        for _ in 0..300 {
+            if let Ok(Ok(mut client)) =
+                tokio::time::timeout(Duration::from_secs(1), Client::connect([&url], None)).await
+            {
+                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(1), client.get("probe", None)).await {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("etcd member {i} did not answer within 30 s (log in {})", self.dir.display());
+    }
+
+    /// The registry on `members`, under the key prefix `test`.
+    pub(crate) fn endpoint(&self, members: &[usize]) -> Endpoint {
+        let hosts: Vec<String> =
+            members.iter().map(|&i| format!("127.0.0.1:{}", self.members[i].client_port)).collect();
+        Endpoint::plain(format!("etcd://{}/test", hosts.join(",")).parse().expect("registry URL"))
+    }
+
+    /// A client of member `i` alone.
+    pub(crate) async fn client(&self, i: usize) -> Client {
+        self.endpoint(&[i]).connect().await.expect("etcd member answers")
+    }
+
+    /// A member that is not the leader.
+    pub(crate) async fn follower(&self) -> usize {
+        let mut client = self.client(0).await;
+        let leader = client.status().await.expect("etcd status").leader();
+        for i in 0..self.members.len() {
+            let mut client = self.client(i).await;
+            if client.status().await.expect("etcd status").header().map(|h| h.member_id()) != Some(leader) {
+                return i;
+            }
+        }
+        panic!("every member is the leader");
+    }
+
+    /// Kills member `i` at once (SIGKILL: no goodbye to its clients).
+    pub(crate) fn kill(&mut self, i: usize) {
+        if let Some(mut process) = self.members[i].process.take() {
+            let _ = process.kill();
+            let _ = process.wait();
+        }
+    }
+
+    /// Starts member `i` again on its data, and waits until it answers.
+    pub(crate) async fn restart(&mut self, i: usize) {
+        self.kill(i);
+        self.start_member(i);
+        self.wait_answers(i).await;
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn etcd_binary() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("USBWIRE_ETCD") {
+        return Some(path.into());
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|dir| dir.join("etcd")).find(|candidate| candidate.is_file())
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port()
+}
