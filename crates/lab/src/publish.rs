@@ -4,16 +4,24 @@
 //! One task per server ([`publish`]). It grants a lease, puts the server's
 //! entry and one entry per exported device under it, then follows three
 //! things at once: the server's device list (each change is published as it
-//! happens), the lease (renewed every third of its time to live) and the
-//! reservations of this server's devices (handed to the server, which refuses
-//! imports without the reservation's token). When etcd cannot be reached the
-//! server serves on as if it had no registry (reservations are not enforced
-//! meanwhile) and registers again, with a new lease, once etcd answers.
+//! happens), the lease (renewed every third of its time to live, through
+//! another member when one goes away) and the reservations of this server's
+//! devices (handed to the server, which refuses imports without the
+//! reservation's token). One lease for as long as the server runs: a lost
+//! connection is set up again under the same lease while etcd keeps it, and
+//! only a lease that expired (etcd unreachable for its time to live) is
+//! replaced. When etcd cannot be reached the server serves on as if it had
+//! no registry (reservations are not enforced meanwhile) and registers
+//! again once etcd answers. Stopping the task the way [`publish`] says
+//! revokes the lease, so the server leaves the registry at once.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
 use std::time::Duration;
 
-use etcd_client::{Client, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
+use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
+use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 use usbwire_host::Selector;
 use usbwire_server::{DeviceState, ExportInfo, Registry, ReservationDigest};
@@ -29,6 +37,12 @@ const OPS_PER_TXN: usize = 100;
 /// Retrying an unreachable registry: from this, doubling, up to [`RETRY_MAX`].
 const RETRY_MIN: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(10);
+/// How long a stopping server tries to revoke its lease: an unreachable
+/// registry must not hold the shutdown up (the lease then expires by itself).
+const DEREGISTER_WITHIN: Duration = Duration::from_secs(2);
+/// What [`Session::sync`] remembers of a put whose transaction failed: no
+/// value equals it, so the next sync puts the key again (or deletes it).
+const UNKNOWN: &str = "\0unknown";
 
 /// What a server registers, and where.
 #[derive(Clone, Debug)]
@@ -41,10 +55,25 @@ pub struct Registration {
     pub labels: Vec<(Selector, Vec<String>)>,
 }
 
-/// Registers the server and keeps the registry current, for as long as the
-/// server runs (abort the task to stop). Never fails: an unreachable
-/// registry is logged once and retried.
-pub async fn publish(registration: Registration, registry: Registry) {
+/// Registers the server and keeps the registry current until `stop`
+/// resolves, then revokes the lease (for at most [`DEREGISTER_WITHIN`]), so
+/// the server's entries leave the registry at once. Never fails: an
+/// unreachable registry is logged once and retried. Aborting the task
+/// instead leaves the entries to expire with the lease.
+pub async fn publish(registration: Registration, registry: Registry, stop: impl Future<Output = ()>) {
+    let mut lease = None;
+    tokio::select! {
+        never = register(&registration, &registry, &mut lease) => match never {},
+        () = stop => {}
+    }
+    if let Some(lease) = lease {
+        lease.revoke(&registration).await;
+    }
+}
+
+/// Registers, and again each time the connection is lost; `lease` is the
+/// server's lease while it has one.
+async fn register(registration: &Registration, registry: &Registry, lease: &mut Option<Lease>) -> Infallible {
     let url = registration.endpoint.url.to_string();
     let mut retry = RETRY_MIN;
     let mut pause = Duration::ZERO;
@@ -52,13 +81,14 @@ pub async fn publish(registration: Registration, registry: Registry) {
     let mut said_unreachable = false;
     loop {
         tokio::time::sleep(pause).await;
-        let error = match Session::start(&registration, &registry).await {
-            Ok(mut session) => {
+        let error = match Session::start(registration, registry, lease).await {
+            Ok((mut session, held)) => {
                 info!(
                     registry = %url,
                     server = %registration.server.address,
                     devices = session.devices,
                     ttl_secs = registration.ttl.as_secs(),
+                    lease = format_args!("{:x}", held.id),
                     "{}",
                     if registered_before { "registered again in the lab registry" } else { "registered in the lab registry" }
                 );
@@ -66,11 +96,12 @@ pub async fn publish(registration: Registration, registry: Registry) {
                 said_unreachable = false;
                 retry = RETRY_MIN;
                 let started = tokio::time::Instant::now();
-                let error = session.run(&registration, &registry).await;
+                let error = session.run(registration, registry, held).await;
                 // The member we talked to went away (or the lease or watch ended):
-                // register again at once through another, reservations still in
-                // force meanwhile; only a cluster that does not answer at all
-                // makes the server serve without them.
+                // register again at once through another, under the same lease if
+                // etcd still keeps it, reservations still in force meanwhile; only
+                // a cluster that does not answer at all makes the server serve
+                // without them.
                 info!(registry = %url, %error, "lost the lab registry connection; registering again");
                 pause = if started.elapsed() < RETRY_MIN { RETRY_MIN } else { Duration::ZERO };
                 continue;
@@ -90,76 +121,148 @@ pub async fn publish(registration: Registration, registry: Registry) {
     }
 }
 
-/// One registration: a client, a lease, and what was put under it.
+/// The server's lease and what is published under it: kept across
+/// connections for as long as etcd keeps the lease.
+struct Lease {
+    id: i64,
+    /// The latest session's client, to revoke the lease through.
+    client: Client,
+    /// Renews the lease; ends, saying why, when it is lost.
+    renewing: JoinHandle<LabError>,
+    /// Key → value of every device entry and index entry put under it.
+    published: HashMap<String, String>,
+}
+
+impl Lease {
+    /// Whether etcd still keeps it (asked through `client`).
+    async fn alive(&self, client: &mut Client) -> Result<bool, LabError> {
+        if self.renewing.is_finished() {
+            return Ok(false);
+        }
+        Ok(client.lease_time_to_live(self.id, None).await?.ttl() > 0)
+    }
+
+    /// Ends the registration now: through the latest session's member, else
+    /// through any that answers, for at most [`DEREGISTER_WITHIN`].
+    async fn revoke(self, registration: &Registration) {
+        self.renewing.abort();
+        let url = registration.endpoint.url.to_string();
+        let id = self.id;
+        let mut client = self.client.clone();
+        let revoking = async {
+            if client.lease_revoke(id).await.is_ok() {
+                return Ok(());
+            }
+            let mut other = registration.endpoint.connect().await?;
+            other.lease_revoke(id).await?;
+            Ok::<(), LabError>(())
+        };
+        match tokio::time::timeout(DEREGISTER_WITHIN, revoking).await {
+            Ok(Ok(())) => info!(registry = %url, lease = format_args!("{id:x}"), "left the lab registry"),
+            Ok(Err(error)) => {
+                warn!(registry = %url, %error, "could not leave the lab registry; its entries expire with the lease");
+            }
+            Err(_) => warn!(
+                registry = %url,
+                "the lab registry did not answer within {DEREGISTER_WITHIN:?}; its entries expire with the lease"
+            ),
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.renewing.abort();
+    }
+}
+
+/// One connection's registration: a client, and what it follows.
 struct Session {
     client: Client,
     keys: Keys,
-    lease: i64,
-    /// Key → value of every device entry and index entry published.
-    published: HashMap<String, String>,
     devices: usize,
     reservations: HashMap<String, ReservationDigest>,
     revision: i64,
 }
 
 impl Session {
-    async fn start(registration: &Registration, registry: &Registry) -> Result<Self, LabError> {
+    /// Connects, takes up `lease` again if etcd still keeps it (else grants
+    /// a new one), and puts the server's entry and its devices under it.
+    async fn start<'l>(
+        registration: &Registration,
+        registry: &Registry,
+        lease: &'l mut Option<Lease>,
+    ) -> Result<(Self, &'l mut Lease), LabError> {
         let mut client = registration.endpoint.connect().await?;
         let keys = Keys::new(&registration.endpoint.url.prefix);
-        let ttl = i64::try_from(registration.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
-        let lease = client.lease_grant(ttl, None).await?.id();
-        let server = &registration.server;
-        let entry = serde_json::to_string(server).unwrap_or_default();
-        client.put(keys.server(&server.address), entry, Some(PutOptions::new().with_lease(lease))).await?;
-        let mut session = Self {
-            client,
-            keys,
-            lease,
-            published: HashMap::new(),
-            devices: 0,
-            reservations: HashMap::new(),
-            revision: 0,
+        let alive = match lease.as_ref() {
+            Some(held) => held.alive(&mut client).await?,
+            None => false,
         };
+        let kept = if alive { lease.take() } else { None };
+        let held = match kept {
+            Some(mut held) => {
+                held.client = client.clone();
+                lease.insert(held)
+            }
+            None => {
+                // Dropping the old one stops its renewal.
+                *lease = None;
+                let ttl = i64::try_from(registration.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+                let id = client.lease_grant(ttl, None).await?.id();
+                let renewing =
+                    tokio::spawn(keep_alive(registration.endpoint.clone(), client.clone(), id, registration.ttl));
+                lease.insert(Lease { id, client: client.clone(), renewing, published: HashMap::new() })
+            }
+        };
+        let server = &registration.server;
+        let key = keys.server(&server.address);
+        let entry = serde_json::to_string(server).unwrap_or_default();
+        // Put only if not already there under this lease (a connection set up
+        // again): watchers see a change only when there is one.
+        let put = Txn::new()
+            .when([
+                Compare::value(key.clone(), CompareOp::Equal, entry.clone()),
+                Compare::lease(key.clone(), CompareOp::Equal, held.id),
+            ])
+            .or_else([TxnOp::put(key, entry, Some(PutOptions::new().with_lease(held.id)))]);
+        client.txn(put).await?;
+        let mut session = Self { client, keys, devices: 0, reservations: HashMap::new(), revision: 0 };
         // Reservations now (the index shows them), then every change after them.
-        let held = session
+        let reserved = session
             .client
             .get(session.keys.reservations_of(&server.address), Some(GetOptions::new().with_prefix()))
             .await?;
-        session.revision = held.header().map_or(0, |h| h.revision());
-        for kv in held.kvs() {
+        session.revision = reserved.header().map_or(0, |h| h.revision());
+        for kv in reserved.kvs() {
             session.reservation_changed(kv.key(), Some(kv.value()));
         }
         registry.set_reservations(session.reservations.clone());
-        session.sync(registration, registry).await?;
-        Ok(session)
+        session.sync(registration, registry, held).await?;
+        Ok((session, held))
     }
 
     /// Follows the device list, the lease and the reservations until one of them fails.
-    async fn run(&mut self, registration: &Registration, registry: &Registry) -> LabError {
+    async fn run(&mut self, registration: &Registration, registry: &Registry, lease: &mut Lease) -> LabError {
         let address = &registration.server.address;
         let mut changes = registry.changes();
-        let renewing =
-            tokio::spawn(keep_alive(registration.endpoint.clone(), self.client.clone(), self.lease, registration.ttl));
-        let renewing_abort = renewing.abort_handle();
-        let _stop_renewing = scopeguard(move || renewing_abort.abort());
         let options = WatchOptions::new().with_prefix().with_start_revision(self.revision + 1);
         let mut watch = match self.client.watch(self.keys.reservations_of(address), Some(options)).await {
             Ok(watch) => watch,
             Err(error) => return error.into(),
         };
-        tokio::pin!(renewing);
         loop {
             tokio::select! {
                 changed = changes.changed() => {
                     if changed.is_err() {
                         return LabError::Unreachable { url: registration.endpoint.url.to_string(), reason: "server stopped".into(), tls: false };
                     }
-                    if let Err(error) = self.sync(registration, registry).await {
+                    if let Err(error) = self.sync(registration, registry, lease).await {
                         return error;
                     }
                 }
-                lost = &mut renewing => {
-                    return lost.unwrap_or_else(|_| LabError::LeaseLost { lease: self.lease, reason: "renewal stopped".into() });
+                lost = &mut lease.renewing => {
+                    return lost.unwrap_or_else(|_| LabError::LeaseLost { lease: lease.id, reason: "renewal stopped".into() });
                 }
                 message = watch.message() => {
                     let response = match message {
@@ -177,7 +280,7 @@ impl Session {
                     }
                     registry.set_reservations(self.reservations.clone());
                     // The index says which devices are reserved.
-                    if let Err(error) = self.sync(registration, registry).await {
+                    if let Err(error) = self.sync(registration, registry, lease).await {
                         return error;
                     }
                 }
@@ -185,9 +288,15 @@ impl Session {
         }
     }
 
-    /// Puts what changed in the device list and its index, and deletes what
-    /// went, in as few transactions as fit.
-    async fn sync(&mut self, registration: &Registration, registry: &Registry) -> Result<(), LabError> {
+    /// Puts what changed in the device list and its index under `lease`, and
+    /// deletes what went, in as few transactions as fit. What a failed
+    /// transaction may or may not have done is put (or deleted) again next time.
+    async fn sync(
+        &mut self,
+        registration: &Registration,
+        registry: &Registry,
+        lease: &mut Lease,
+    ) -> Result<(), LabError> {
         let address = &registration.server.address;
         let mut now: HashMap<String, String> = HashMap::new();
         let exports = registry.list();
@@ -199,25 +308,40 @@ impl Session {
             }
             now.insert(self.keys.device(address, &entry.busid), serde_json::to_string(&entry).unwrap_or_default());
         }
-        let mut ops = Vec::new();
+        // Key → the value to put, or `None` to delete it.
+        let mut changes: Vec<(String, Option<String>)> = Vec::new();
         for (key, value) in &now {
-            if self.published.get(key) != Some(value) {
-                let put = PutOptions::new().with_lease(self.lease);
-                ops.push(TxnOp::put(key.clone(), value.clone(), Some(put)));
+            if lease.published.get(key) != Some(value) {
+                changes.push((key.clone(), Some(value.clone())));
             }
         }
-        for key in self.published.keys().filter(|key| !now.contains_key(*key)) {
-            ops.push(TxnOp::delete(key.clone(), None));
+        for key in lease.published.keys().filter(|key| !now.contains_key(*key)) {
+            changes.push((key.clone(), None));
         }
-        let count = ops.len();
-        while !ops.is_empty() {
-            let batch: Vec<TxnOp> = ops.drain(..ops.len().min(OPS_PER_TXN)).collect();
-            self.client.txn(Txn::new().and_then(batch)).await?;
+        let count = changes.len();
+        for batch in changes.chunks(OPS_PER_TXN) {
+            let ops: Vec<TxnOp> = batch
+                .iter()
+                .map(|(key, value)| match value {
+                    Some(value) => TxnOp::put(key.clone(), value.clone(), Some(PutOptions::new().with_lease(lease.id))),
+                    None => TxnOp::delete(key.clone(), None),
+                })
+                .collect();
+            let done = self.client.txn(Txn::new().and_then(ops)).await;
+            for (key, value) in batch {
+                match (value, &done) {
+                    (Some(value), Ok(_)) => lease.published.insert(key.clone(), value.clone()),
+                    (Some(_), Err(_)) => lease.published.insert(key.clone(), UNKNOWN.to_owned()),
+                    (None, Ok(_)) => lease.published.remove(key),
+                    // Still listed: deleted again next time.
+                    (None, Err(_)) => None,
+                };
+            }
+            done?;
         }
         if count > 0 {
             debug!(changed = count, "published device changes");
         }
-        self.published = now;
         self.devices = exports.len();
         Ok(())
     }
@@ -304,22 +428,118 @@ fn digest_from_hex(hex: &str) -> Option<ReservationDigest> {
     usbwire_proto::reservation::ReservationToken::from_hex(hex).map(|token| token.0)
 }
 
-/// Runs `f` when dropped.
-fn scopeguard(f: impl FnOnce()) -> impl Drop {
-    struct Guard<F: FnOnce()>(Option<F>);
-    impl<F: FnOnce()> Drop for Guard<F> {
-        fn drop(&mut self) {
-            if let Some(f) = self.0.take() {
-                f();
-            }
-        }
-    }
-    Guard(Some(f))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::Cluster;
+
+    fn registration(endpoint: Endpoint, ttl: Duration) -> Registration {
+        Registration {
+            endpoint,
+            ttl,
+            server: ServerEntry {
+                schema_version: SCHEMA_VERSION,
+                address: "127.0.0.1:3240".to_owned(),
+                tls_fingerprint: None,
+                plain: true,
+                implementation: "usbwire".to_owned(),
+                version: "test".to_owned(),
+                started_at: timestamp(std::time::SystemTime::now()),
+            },
+            labels: Vec::new(),
+        }
+    }
+
+    fn loopback() -> Box<dyn usbwire_device::Device> {
+        Box::new(usbwire_gadgets::loopback(usbwire_device::Speed::HIGH))
+    }
+
+    /// Every key under the test prefix: (key, lease, revision it was last put at).
+    async fn published(client: &mut Client) -> Vec<(String, i64, i64)> {
+        let all = client.get("test/", Some(GetOptions::new().with_prefix())).await.expect("read the registry");
+        all.kvs()
+            .iter()
+            .map(|kv| (String::from_utf8_lossy(kv.key()).into_owned(), kv.lease(), kv.mod_revision()))
+            .collect()
+    }
+
+    /// Waits until the server's entry, its `devices` device entries and their index are there.
+    async fn registered(client: &mut Client, devices: usize) -> Vec<(String, i64, i64)> {
+        for _ in 0..100 {
+            let keys = published(client).await;
+            if keys.iter().filter(|(key, ..)| key.starts_with("test/devices/")).count() == devices
+                && keys.iter().any(|(key, ..)| key.starts_with("test/servers/"))
+            {
+                return keys;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("not registered with {devices} device(s) within 10 s: {:?}", published(client).await);
+    }
+
+    fn one_lease(keys: &[(String, i64, i64)]) -> i64 {
+        let leases: std::collections::HashSet<i64> = keys.iter().map(|(_, lease, _)| *lease).collect();
+        assert_eq!(leases.len(), 1, "every entry under one lease: {keys:?}");
+        leases.into_iter().next().unwrap_or_default()
+    }
+
+    /// Issue 18: an idle server lost its lease every time to live and put
+    /// everything again under a new one (watchers saw the fleet vanish and
+    /// come back every 10 s); and a stopped server stayed listed until its
+    /// lease expired.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_quiet_server_keeps_its_lease_and_leaves_at_once_when_stopped() {
+        let Some(cluster) = Cluster::start(1, "quiet_server").await else { return };
+        let mut server = usbwire_server::Server::new(usbwire_server::ServerConfig::default());
+        server.export("loopback", loopback());
+        let ttl = Duration::from_secs(2);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let stopped = async move {
+            let _ = stopped.await;
+        };
+        let publishing =
+            tokio::spawn(publish(registration(cluster.endpoint(&[0]), ttl), server.registry().clone(), stopped));
+        let mut client = cluster.client(0).await;
+        let first = registered(&mut client, 1).await;
+        let lease = one_lease(&first);
+        tokio::time::sleep(ttl * 4).await;
+        assert_eq!(published(&mut client).await, first, "nothing put again, nothing under another lease");
+        assert!(client.lease_time_to_live(lease, None).await.expect("ttl").ttl() > 0);
+
+        let stopping = tokio::time::Instant::now();
+        let _ = stop.send(());
+        publishing.await.expect("publishing ends");
+        assert!(stopping.elapsed() < Duration::from_secs(1), "left in {:?}", stopping.elapsed());
+        assert_eq!(published(&mut client).await, [], "the lease is revoked with everything under it");
+    }
+
+    /// A connection lost and set up again (here: etcd restarted within the
+    /// time to live) keeps the lease: entries are not put again, and changes
+    /// after it are published under the same lease.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_connection_registers_again_under_the_same_lease() {
+        let Some(mut cluster) = Cluster::start(1, "same_lease").await else { return };
+        let mut server = usbwire_server::Server::new(usbwire_server::ServerConfig::default());
+        server.export("loopback", loopback());
+        let ttl = Duration::from_secs(6);
+        let publishing = tokio::spawn(publish(
+            registration(cluster.endpoint(&[0]), ttl),
+            server.registry().clone(),
+            std::future::pending(),
+        ));
+        let mut client = cluster.client(0).await;
+        let first = registered(&mut client, 1).await;
+        let lease = one_lease(&first);
+        cluster.restart(0).await;
+        let mut client = cluster.client(0).await;
+        server.export("loopback", loopback());
+        let now = registered(&mut client, 2).await;
+        assert_eq!(one_lease(&now), lease, "the same lease after the connection came back");
+        for entry in &first {
+            assert!(now.contains(entry), "{entry:?} put again: {now:?}");
+        }
+        publishing.abort();
+    }
 
     #[test]
     fn device_entries_carry_identity_state_and_labels() {

@@ -121,7 +121,9 @@ impl SimulatedFleet {
     fn start(&mut self, registrations: Vec<Registration>) {
         for (registration, server) in registrations.into_iter().zip(&self.servers) {
             let registry = server.registry().clone();
-            self.publishers.push(tokio::spawn(usbwire_lab::publish::publish(registration, registry)));
+            // Stopped by aborting (see `stop`): no revocation per server.
+            let publishing = usbwire_lab::publish::publish(registration, registry, std::future::pending());
+            self.publishers.push(tokio::spawn(publishing));
         }
     }
 

@@ -71,7 +71,14 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
         config.resume_grace = std::time::Duration::from_secs(secs);
     }
     let config_capture = config.capture.as_ref().map(|c| c.dir.clone());
-    let shutdown = super::shutdown_signal();
+    // The first signal both stops the server and makes the registration
+    // leave the lab registry (at once, while connections are still closing).
+    let signal = super::shutdown_signal();
+    let (stopping, stopped) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        signal.await;
+        let _ = stopping.send(());
+    };
     let (server, exported) = build(config, &specs, DiskLinks::Follow)?;
     let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
     println!("usbwire serving on {}", bound.local_addr());
@@ -98,7 +105,11 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
                 "  registering in the lab registry {} as {}",
                 registration.endpoint.url, registration.server.address
             );
-            Some(tokio::spawn(usbwire_lab::publish::publish(registration, bound.registry().clone())))
+            // Also stops if the server stops without a signal (the sender dropped).
+            let stop = async move {
+                let _ = stopped.await;
+            };
+            Some(tokio::spawn(usbwire_lab::publish::publish(registration, bound.registry().clone(), stop)))
         }
         None => None,
     };
@@ -108,7 +119,8 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     reloading.abort();
     bridges.iter().for_each(|bridge| bridge.abort());
     if let Some(task) = publishing {
-        task.abort();
+        // Revoking its lease, for at most a couple of seconds.
+        let _ = task.await;
     }
     if let Some(task) = advertising {
         task.abort();
