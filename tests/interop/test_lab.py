@@ -14,6 +14,11 @@ it, each with virtual devices and labels.
   `nucleo`: each device is held by exactly one client, the other ten are told
   that none is free (exit 75); a reserved device refuses a direct import;
   released, all ten are reserved again at once.
+- A quiet fleet stays quiet (issue 18): while a client holds a device with
+  `usbwire reserve` (no --for) for 3 of its leases' times to live (30 s),
+  nobody else can take it, `list --registry --watch` prints no change, the
+  servers (ttl 4 s) log no lost connection, and each server keeps the lease
+  it registered under at the start, as does the client.
 - kill -9 a holding client (`usbwire reserve` without --for): its device is
   free again within the lease's time to live (10 s).
 - kill -9 a server: gone from the registry within its ttl (4 s).
@@ -23,11 +28,15 @@ it, each with virtual devices and labels.
   register again by themselves.
 - etcd with TLS and client certificates (openssl-made CA): a server
   registers with `[registry] ca/cert/key`, `list --registry-ca/-cert/-key`
-  reads it, a client without a certificate is refused.
+  reads it, a client without a certificate is refused; with that etcd
+  frozen (SIGSTOP), a server stopped with SIGTERM still exits at once.
+- SIGTERM a server: its devices are gone from `list --registry` within 1 s
+  (it revokes its lease on the way out).
 
 Run: python3 tests/interop/test_lab.py   (USBWIRE_BIN=path/to/usbwire)
 """
 
+import base64
 import json
 import os
 import shutil
@@ -108,6 +117,18 @@ exit 0
 def http_json(url, timeout=2):
     with urllib.request.urlopen(url, timeout=timeout) as answer:
         return json.loads(answer.read())
+
+
+def leases(port, prefix):
+    """Key -> lease id of every key under `prefix`, from etcd's JSON gateway on `port`."""
+    start = prefix.encode()
+    end = start[:-1] + bytes([start[-1] + 1])
+    body = json.dumps({"key": base64.b64encode(start).decode(), "range_end": base64.b64encode(end).decode()}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v3/kv/range", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        kvs = json.loads(answer.read()).get("kvs", [])
+    return {base64.b64decode(kv["key"]).decode(): int(kv.get("lease", 0)) for kv in kvs}
 
 
 class Cluster:
@@ -221,6 +242,51 @@ class Servers:
                     proc.kill()
 
 
+def quiet_phase(checks, cluster, servers, registry, prefix, env, first_leases):
+    """Issue 18: nothing changes in a fleet where nothing happens, for 3 of
+    the holding client's times to live (30 s; 7 of the servers')."""
+    def holds():
+        return sorted((d["server"], d["busid"], d["reservation"]["holder"], d["reservation"]["since_at"])
+                      for d in reserved(registry, env))
+    held = holds()
+    # Exactly the held device (its server has another that matches the holder's selector).
+    device = f"server={held[0][0]},{held[0][1]}" if held else "label=bench-0,class=08"
+    held_leases = leases(cluster.client_ports[1], f"{prefix}/reservations/")
+    watch_log = os.path.join(guest.LOGS, "lab.quiet-watch.log")
+    watcher = subprocess.Popen([BIN, "list", "--registry", registry, "--watch", "--json"], stdout=open(watch_log, "w"),
+                               stderr=subprocess.STDOUT, env=env)
+    try:
+        started = wait_until(lambda: open(watch_log).read().startswith("{"), 10, step=0.1)
+        checks.check("quiet fleet: list --watch shows the fleet", started is not None, open(watch_log).read()[-300:])
+        refusals = []
+        for _ in range(3):
+            time.sleep(CLIENT_TTL)
+            other = usbwire("reserve", "--registry", registry, "--device", device, "--for", "1m", env=env)
+            refusals.append((other.returncode, other.stderr.strip()[-200:]))
+        output = open(watch_log).read().splitlines()
+    finally:
+        watcher.terminate()
+        watcher.wait(10)
+    checks.check(f"quiet fleet: another client cannot take the held device in 3 tries over {3 * CLIENT_TTL} s (exit 75)",
+                 all(rc == 75 for rc, _ in refusals), refusals)
+    checks.check(f"quiet fleet: the client still holds it after 3 times to live ({3 * CLIENT_TTL} s), under the same lease",
+                 len(held) == 1 and holds() == held and leases(cluster.client_ports[1], f"{prefix}/reservations/") == held_leases,
+                 (held, held_leases))
+    checks.check(f"quiet fleet: list --watch printed no change in {3 * CLIENT_TTL} s", len(output) == 1, output[1:6])
+    lost = {n: [line for line in servers.log(n).splitlines() if "lost the lab registry" in line or "registered again" in line]
+            for n in servers.procs}
+    checks.check("quiet fleet: no server lost its registry connection or registered again since it started",
+                 not any(lost.values()), {n: lines[:2] for n, lines in lost.items() if lines})
+    now = leases(cluster.client_ports[1], f"{prefix}/servers/")
+    checks.check("quiet fleet: every server is still under the lease it registered with at the start",
+                 now == first_leases, (first_leases, now))
+    devices = leases(cluster.client_ports[1], f"{prefix}/devices/")
+    by_server = {key.rsplit("/", 1)[-1]: lease for key, lease in now.items()}
+    checks.check("quiet fleet: and so is every device it registered",
+                 len(devices) == 16 and all(by_server.get(key.split("/")[-2]) == lease for key, lease in devices.items()),
+                 devices)
+
+
 def make_certificates(work):
     """A CA, a certificate for etcd on 127.0.0.1, and a client certificate (openssl)."""
     def run(*args):
@@ -275,6 +341,19 @@ def tls_phase(checks, work, env):
         refused = usbwire("list", "--registry", registry, "--registry-ca", certs["ca.crt"], env=env)
         checks.check("TLS etcd: a client without a certificate is refused (exit 69)",
                      refused.returncode == 69 and "unreachable" in refused.stderr, (refused.returncode, refused.stderr.strip()))
+        # A registry that does not answer at all must not hold a stopping server up.
+        etcd.send_signal(signal.SIGSTOP)
+        sent = time.time()
+        server.terminate()
+        try:
+            rc = server.wait(10)
+        except subprocess.TimeoutExpired:
+            rc = None
+        took = time.time() - sent
+        print(f"  server stopped {took:.1f} s after SIGTERM with its etcd frozen", flush=True)
+        checks.check("TLS etcd frozen (SIGSTOP): a server stopped with SIGTERM exits within 4 s", rc == 0 and took <= 4,
+                     (rc, round(took, 1), open(server_log).read()[-300:]))
+        etcd.send_signal(signal.SIGCONT)
     finally:
         if server:
             server.terminate()
@@ -353,6 +432,10 @@ def main():
             servers.start(n)
         for n in range(6):
             checks.check(f"server {n} registered", servers.wait_log(n, "registered in the lab registry", 20), servers.log(n)[-400:])
+        first_leases = leases(cluster.client_ports[1], f"{prefix}/servers/")
+        checks.check("6 servers, each under a lease of its own",
+                     len(first_leases) == 6 and len(set(first_leases.values())) == 6 and 0 not in first_leases.values(),
+                     first_leases)
         watch_log = open(os.path.join(guest.LOGS, "lab.watch.log"), "w")
         watcher = subprocess.Popen([BIN, "list", "--registry", registry, "--watch", "--json"], stdout=watch_log,
                                    stderr=subprocess.STDOUT, env=env)
@@ -441,12 +524,13 @@ def main():
         released = usbwire("release", "--registry", registry, "--device", "label=nucleo", env=env)
         checks.check("and released again", released.stdout.count("released ") == 10, released.stdout + released.stderr)
 
-        # ---- kill -9 a holding client ----
+        # ---- a quiet fleet stays quiet, a holding client holds ----
         holder = subprocess.Popen([BIN, "reserve", "--registry", registry, "--device", "label=bench-0,class=08"],
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         line = holder.stdout.readline()
         checks.check("a client holds a device while it runs", line.startswith("reserved "), line)
         checks.check("who shows it", len(reserved(registry, env)) == 1)
+        quiet_phase(checks, cluster, servers, registry, prefix, env, first_leases)
         holder.kill()
         holder.wait()
         took = wait_until(lambda: not reserved(registry, env), CLIENT_TTL + SLACK)
@@ -500,6 +584,21 @@ def main():
                      (len(view["servers"]), len(view["devices"])))
 
         tls_phase(checks, work, env)
+
+        # ---- SIGTERM a server: it leaves the registry at once ----
+        leaving = f"127.0.0.1:{servers.ports[2]}"
+        servers.procs[2].send_signal(signal.SIGTERM)
+
+        def gone():
+            view = fleet(registry, env)
+            return all(d["server"] != leaving for d in view["devices"]) and all(s["address"] != leaving for s in view["servers"])
+        took = wait_until(gone, 5, step=0.05)
+        print(f"  server gone {took} s after SIGTERM", flush=True)
+        checks.check("SIGTERM a server: it and its devices are gone from list --registry within 1 s",
+                     took is not None and took <= 1.0, (took, servers.log(2)[-300:]))
+        rc = servers.procs[2].wait(10)
+        checks.check("and it exited cleanly, saying it left the lab registry",
+                     rc == 0 and "left the lab registry" in servers.log(2), (rc, servers.log(2)[-300:]))
 
         watcher.terminate()
         watcher.wait(10)
