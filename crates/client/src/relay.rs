@@ -150,6 +150,9 @@ pub(crate) async fn drive<F: Front>(
         if grant.keepalive {
             session = session.keepalive(Instant::now());
         }
+        if let Some((urbs, bytes)) = grant.in_flight {
+            session = session.server_takes(urbs, bytes);
+        }
     }
     let result = drive_session(&mut front, &mut session, stream, upstream, state).await;
     front.ended();

@@ -89,6 +89,15 @@ enum Command {
     Unlink(CmdUnlink),
 }
 
+impl Command {
+    fn seqnum(&self) -> u32 {
+        match self {
+            Self::Submit(submit) => submit.seqnum,
+            Self::Unlink(unlink) => unlink.seqnum,
+        }
+    }
+}
+
 struct Outstanding<T> {
     /// Position in the order commands were sent (counts submits and unlinks).
     index: u64,
@@ -106,6 +115,14 @@ pub struct ClientSession<T> {
     outstanding: SeqnumMap<Outstanding<T>>,
     /// `transfer_buffer_length` summed over outstanding submits.
     outstanding_bytes: usize,
+    /// Submits among `outstanding`.
+    outstanding_submits: usize,
+    /// What the server's in-flight table takes (URBs, bytes), when it said so:
+    /// commands it would not take at once wait here, unsent, so the server
+    /// never stops reading (and so always reads our acknowledgements).
+    server_in_flight: Option<(usize, usize)>,
+    /// Commands taken from the caller that wait for room in the server's table, in order.
+    held: VecDeque<(Command, Option<T>)>,
     commands_sent: u64,
     replies_received: u64,
     replies_acked: u64,
@@ -133,6 +150,9 @@ impl<T> ClientSession<T> {
             inbuf: RecvBuffer::holding(leftover, READ_CHUNK, crate::recv_buffer::MAX_SPARE_BYTES),
             outstanding: SeqnumMap::default(),
             outstanding_bytes: 0,
+            outstanding_submits: 0,
+            server_in_flight: None,
+            held: VecDeque::new(),
             commands_sent: 0,
             replies_received: 0,
             replies_acked: 0,
@@ -199,49 +219,80 @@ impl<T> ClientSession<T> {
         self.devid
     }
 
+    /// The server's in-flight table takes `urbs` URBs and `bytes` bytes (it
+    /// said so when it granted resume): commands are sent only while it would
+    /// take them at once, so it never stops reading while its acknowledgements
+    /// are what its completions wait for. Our own budget still applies.
+    pub fn server_takes(mut self, urbs: usize, bytes: usize) -> Self {
+        self.server_in_flight = Some((urbs.max(1), bytes));
+        self
+    }
+
     /// Whether to take more commands from the caller: outstanding URBs and
-    /// bytes, and commands waiting to be written, are under budget. Keeps the
-    /// server's in-flight table (the same budget) from filling, so its
-    /// acknowledgements are always read.
+    /// bytes, and commands waiting to be written, are under budget, and none
+    /// waits for room in the server's table. Keeps the server's in-flight
+    /// table from filling, so its acknowledgements are always read.
     pub fn wants_commands(&self) -> bool {
-        self.outstanding.len() < self.budget.in_flight_urbs
+        self.held.is_empty()
+            && self.outstanding.len() < self.budget.in_flight_urbs
             && (self.outstanding_bytes == 0 || self.outstanding_bytes < self.budget.in_flight_bytes)
             && self.outbox.queued() < self.budget.queued_reply_bytes
     }
 
     /// Queues a `CMD_SUBMIT`; its reply comes back as [`Event::Completed`] with `tag`.
     pub fn submit(&mut self, command: CmdSubmit, tag: T) -> Result<(), ClientSessionError> {
-        if self.outstanding.contains_key(command.seqnum) {
-            return Err(ClientSessionError::DuplicateSeqnum(command.seqnum));
-        }
-        if self.connected {
-            self.acknowledge();
-            self.outbox.push_cmd_submit(&command);
-        }
-        self.outstanding_bytes += command.transfer_buffer_length as usize;
-        let outstanding = Outstanding { index: self.commands_sent, command: Command::Submit(command), tag: Some(tag) };
-        let seqnum = match &outstanding.command {
-            Command::Submit(submit) => submit.seqnum,
-            Command::Unlink(unlink) => unlink.seqnum,
-        };
-        self.outstanding.insert(seqnum, outstanding);
-        self.commands_sent += 1;
+        self.check_fresh(command.seqnum)?;
+        self.held.push_back((Command::Submit(command), Some(tag)));
+        self.send_held();
         Ok(())
     }
 
     /// Queues a `CMD_UNLINK`; its answer comes back as [`Event::Unlinked`].
     pub fn unlink(&mut self, command: CmdUnlink) -> Result<(), ClientSessionError> {
-        if self.outstanding.contains_key(command.seqnum) {
-            return Err(ClientSessionError::DuplicateSeqnum(command.seqnum));
-        }
-        if self.connected {
-            self.acknowledge();
-            self.outbox.push_header(&command.header());
-        }
-        let outstanding = Outstanding { index: self.commands_sent, command: Command::Unlink(command), tag: None };
-        self.outstanding.insert(command.seqnum, outstanding);
-        self.commands_sent += 1;
+        self.check_fresh(command.seqnum)?;
+        self.held.push_back((Command::Unlink(command), None));
+        self.send_held();
         Ok(())
+    }
+
+    fn check_fresh(&self, seqnum: u32) -> Result<(), ClientSessionError> {
+        let held = self.held.iter().any(|(command, _)| command.seqnum() == seqnum);
+        if held || self.outstanding.contains_key(seqnum) {
+            return Err(ClientSessionError::DuplicateSeqnum(seqnum));
+        }
+        Ok(())
+    }
+
+    /// Sends the commands held for room in the server's table, in order, while
+    /// it would take them: a submit while its URBs and bytes admit one more
+    /// (as the server counts; our outstanding submits are never fewer than its
+    /// URBs in flight), an unlink always.
+    fn send_held(&mut self) {
+        while let Some((command, _)) = self.held.front() {
+            if let (Command::Submit(submit), Some((urbs, bytes))) = (command, self.server_in_flight) {
+                let length = submit.transfer_buffer_length as usize;
+                let admitted = self.outstanding_submits < urbs
+                    && (self.outstanding_bytes == 0 || self.outstanding_bytes.saturating_add(length) <= bytes);
+                if !admitted {
+                    return;
+                }
+            }
+            let Some((command, tag)) = self.held.pop_front() else { return };
+            if self.connected {
+                self.acknowledge();
+                match &command {
+                    Command::Submit(submit) => self.outbox.push_cmd_submit(submit),
+                    Command::Unlink(unlink) => self.outbox.push_header(&unlink.header()),
+                }
+            }
+            if let Command::Submit(submit) = &command {
+                self.outstanding_bytes += submit.transfer_buffer_length as usize;
+                self.outstanding_submits += 1;
+            }
+            let seqnum = command.seqnum();
+            self.outstanding.insert(seqnum, Outstanding { index: self.commands_sent, command, tag });
+            self.commands_sent += 1;
+        }
     }
 
     /// The buffer to read server bytes into, with room for the whole next reply.
@@ -283,6 +334,7 @@ impl<T> ClientSession<T> {
         }
         let decoded = self.decode_replies();
         self.input_seen = self.inbuf.len();
+        self.send_held();
         if self.resumable {
             self.unacked_bytes += buffered - self.inbuf.len();
             if self.unacked_bytes >= ACK_EVERY_BYTES {
@@ -378,9 +430,10 @@ impl<T> ClientSession<T> {
         &mut self.outbox
     }
 
-    /// Seqnums outstanding (submitted or unlinking, no answer yet).
+    /// Seqnums outstanding (submitted or unlinking, no answer yet), with
+    /// those still waiting for room in the server's table.
     pub fn outstanding(&self) -> usize {
-        self.outstanding.len()
+        self.outstanding.len() + self.held.len()
     }
 
     pub fn is_connected(&self) -> bool {
@@ -434,6 +487,7 @@ impl<T> ClientSession<T> {
     fn forget(&mut self, done: &Outstanding<T>) {
         if let Command::Submit(submit) = &done.command {
             self.outstanding_bytes -= submit.transfer_buffer_length as usize;
+            self.outstanding_submits -= 1;
         }
     }
 }

@@ -15,6 +15,10 @@
 //! * **Keep-alive** ([`crate::liveness`]): a client that offers `keepalive`
 //!   beside `resume` to a server that answers it back gets pings from the
 //!   server and sends its own, so a link gone silent is noticed in seconds.
+//! * **In flight**: a server that grants resume also says what its in-flight
+//!   table takes (`in_flight=URBS/BYTES`); the client sends no command it
+//!   would not take at once, so the server never stops reading — and so
+//!   always reads the acknowledgements that free its held replies.
 //! * **Resume**: a new connection (transforms negotiated afresh) sends
 //!   `OP_REQ_RESUME` with the token and the number of replies received
 //!   instead of `OP_REQ_IMPORT`; the server answers `OP_REP_RESUME` with the
@@ -91,14 +95,30 @@ impl fmt::Debug for Token {
 pub struct Grant {
     pub token: Token,
     pub keepalive: bool,
+    /// What the server's in-flight table takes, `(URBs, bytes)`, when it said
+    /// ([`in_flight_entry`]): a client sends no more, so the server always
+    /// reads on, acknowledgements included.
+    pub in_flight: Option<(usize, usize)>,
 }
 
 impl Grant {
     /// The grant in a server's transform answer, if it granted resume.
     pub fn from_answer(answer: &str) -> Option<Self> {
         let token = Token::from_answer(answer)?;
-        Some(Self { token, keepalive: crate::liveness::offered(answer) })
+        let in_flight = answer.split(',').find_map(|entry| {
+            let (urbs, bytes) = entry.trim().strip_prefix(IN_FLIGHT_KEY)?.strip_prefix('=')?.split_once('/')?;
+            Some((urbs.parse().ok()?, bytes.parse().ok()?))
+        });
+        Some(Self { token, keepalive: crate::liveness::offered(answer), in_flight })
     }
+}
+
+/// The answer entry naming what a resumable server's in-flight table takes.
+pub const IN_FLIGHT_KEY: &str = "in_flight";
+
+/// `in_flight=URBS/BYTES`, beside `resume=TOKEN` in a server's answer.
+pub fn in_flight_entry(urbs: usize, bytes: usize) -> String {
+    format!("{IN_FLIGHT_KEY}={urbs}/{bytes}")
 }
 
 /// Whether a client's transform offer asks for resume.
@@ -145,9 +165,11 @@ mod tests {
         assert_eq!(Token::from_answer("resume=zz"), None);
         assert_eq!(Token::from_answer(&format!("resume={}", "é".repeat(32))), None);
         assert!(token.matches(&token) && !token.matches(&Token([0; 32])));
-        assert_eq!(Grant::from_answer(&answer), Some(Grant { token, keepalive: false }));
-        let pinging = format!("{},keepalive", token.answer_entry());
-        assert_eq!(Grant::from_answer(&pinging), Some(Grant { token, keepalive: true }));
+        assert_eq!(Grant::from_answer(&answer), Some(Grant { token, keepalive: false, in_flight: None }));
+        let pinging = format!("{},keepalive,{}", token.answer_entry(), in_flight_entry(4, 6000));
+        assert_eq!(Grant::from_answer(&pinging), Some(Grant { token, keepalive: true, in_flight: Some((4, 6000)) }));
+        let garbled = format!("{},in_flight=4/x,in_flight=/", token.answer_entry());
+        assert_eq!(Grant::from_answer(&garbled).and_then(|grant| grant.in_flight), None);
         assert_eq!(Grant::from_answer("keepalive"), None);
     }
 

@@ -653,3 +653,46 @@ fn a_server_holding_its_input_does_not_call_the_client_silent() {
     }
     pair.finish();
 }
+
+/// Client and server with different budgets, both ways, down to one URB in
+/// flight. A resumable server says what its table takes when it grants
+/// resume, and the client sends no more than that: the server never stops
+/// reading, so it always reads the acknowledgements its completions wait for.
+#[test]
+fn unequal_budgets_never_stall() {
+    for seed in 0..1000 {
+        let mut pair = Pair::new(seed, true);
+        let resumable = seed % 4 != 0;
+        let small = Budget {
+            in_flight_urbs: 1 + pair.rng.below(4),
+            in_flight_bytes: [512, 6000, 1 << 20][pair.rng.below(3)],
+            queued_reply_bytes: 4096,
+            unacked_reply_bytes: [100, 9000][pair.rng.below(2)],
+            ..Budget::default()
+        };
+        let (client_budget, server_budget) =
+            if seed % 2 == 0 { (Budget::default(), small) } else { (small, Budget::default()) };
+        let (urbs, bytes) = (server_budget.in_flight_urbs, server_budget.in_flight_bytes);
+        pair.client = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), client_budget);
+        pair.server = ServerSession::new(DEVID, BytesMut::new(), Limits::default(), server_budget);
+        if resumable {
+            let client = std::mem::replace(&mut pair.client, placeholder_client());
+            pair.client = client.resumable().server_takes(urbs, bytes);
+            let server = std::mem::replace(&mut pair.server, placeholder_server());
+            pair.server = server.resumable();
+        }
+        let steps = 100 + pair.rng.below(400);
+        for _ in 0..steps {
+            pair.step(resumable);
+        }
+        pair.finish();
+    }
+}
+
+fn placeholder_client() -> ClientSession<u32> {
+    ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default())
+}
+
+fn placeholder_server() -> ServerSession {
+    ServerSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default())
+}

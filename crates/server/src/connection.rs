@@ -103,7 +103,11 @@ pub(crate) async fn serve_session(
                 answer.push(',');
                 answer.push_str(liveness::OFFER);
             }
-            resume_token = Some(Grant { token, keepalive });
+            // What our table takes: the client sends no more, so we always read its acknowledgements.
+            let in_flight = (config.budget.in_flight_urbs, config.budget.in_flight_bytes);
+            answer.push(',');
+            answer.push_str(&resume::in_flight_entry(in_flight.0, in_flight.1));
+            resume_token = Some(Grant { token, keepalive, in_flight: Some(in_flight) });
         }
         let mut reply = BytesMut::new();
         op::encode_transforms_reply(&answer, &mut reply);
@@ -213,7 +217,7 @@ pub(crate) async fn serve_session(
                         tracing::info_span!("urb", %busid, devid = format_args!("{:#x}", lease.record().devid()));
                     span.in_scope(|| info!("imported"));
                     let mut withdrawn = lease.withdrawn();
-                    let resumable = resume_token.map(|Grant { token, keepalive }| urb_channel::Resumable {
+                    let resumable = resume_token.map(|Grant { token, keepalive, .. }| urb_channel::Resumable {
                         token,
                         keepalive,
                         client: client.clone(),
