@@ -4,7 +4,7 @@
 //! send ([`Outbox`]). It owns the in-flight table, the unlink rules and the
 //! memory budget; the caller owns the socket, the device and the clock.
 //!
-//! Unlink, following the kernel stub (strategy A in PROTOCOL.md §4.2): if the
+//! Unlink, following the kernel stub (`docs/protocol.md` §4.1): if the
 //! target is still in flight, the device is asked to cancel it; when it comes
 //! back cancelled, only RET_UNLINK(-ECONNRESET) is sent (vhci gives the URB
 //! back on it). If it completed anyway, its RET_SUBMIT goes first and then

@@ -157,7 +157,7 @@ fn op_rep_devlist_empty() {
 fn op_rep_devlist() {
     let bytes = vector!("op_rep_devlist");
     let devices = [logitech_receiver(), virtual_device()];
-    // The absolute offsets of PROTOCOL.md 2.4 / usbip_protocol.rst, device 0.
+    // The absolute offsets of `docs/protocol.md` §2.2 / usbip_protocol.rst, device 0.
     assert_eq!(&bytes[0x0C..0x0C + 4], b"/sys");
     assert_eq!(&bytes[0x10C..0x10F], b"3-2");
     assert_eq!(&bytes[0x12C..0x130], &3u32.to_be_bytes()); // busnum

@@ -8,8 +8,8 @@
 //! What it owns: the device's descriptors (read once at start through the
 //! URB path), the configuration and alt settings the guest chose, the
 //! announce (ep_info, interface_info, device_connect, after the guest's
-//! hello), the mapping of each guest request to URBs (`../shared/PROTOCOL.md`
-//! §8.4), the host-driven streams (interrupt receiving, isochronous), and
+//! hello), the mapping of each guest request to URBs (`docs/protocol.md`
+//! §7.3), the host-driven streams (interrupt receiving, isochronous), and
 //! cancels. The guest's requests are answered in the order their URBs
 //! complete; per endpoint that is the order they came.
 

@@ -9,7 +9,7 @@
 //! [`host::UsbHost`] plays the usb-host role on top of the codec for a device
 //! reached over USB/IP, still without I/O: guest packets and URB completions
 //! in, packets and URBs out. Not here: sockets and clocks (the client crate's
-//! `redir` module drives it). Layout facts: `../shared/PROTOCOL.md` §8.
+//! `redir` module drives it). Layout facts: `docs/protocol.md` §7.
 //!
 //! Wire format: little-endian, packed. A header `u32 type, u32 length, u32 id`
 //! (or `u64 id` once both sides announced [`Caps::IDS_64`]; a hello always uses
