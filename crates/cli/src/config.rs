@@ -8,7 +8,8 @@
 //! resume_grace = 30  # seconds a dropped import waits for its client to resume; 0: off
 //! metrics = "127.0.0.1:9324" # Prometheus text at http://ADDR:PORT/metrics
 //! http = "127.0.0.1:8324"    # the status page (and /metrics) at http://ADDR:PORT/
-//! capture = "/var/lib/usbwire/capture" # a pcapng file (usbmon) per import
+//! capture = "/var/lib/usbwire/capture" # a pcapng file (usbmon) per import, in a private (0700) directory
+//! capture_max_bytes = 1073741824       # all capture files together; the oldest are deleted first
 //!
 //! [[virtual]]
 //! kind = "disk"
@@ -246,6 +247,8 @@ pub(crate) struct FileConfig {
     pub(crate) http: Option<SocketAddr>,
     /// Where to write packet captures (`--capture`).
     pub(crate) capture: Option<PathBuf>,
+    /// All capture files together stay under this many bytes, the oldest deleted first (default 1 GiB).
+    pub(crate) capture_max_bytes: Option<u64>,
     /// `[registry]`: register in a lab registry (`--registry`).
     pub(crate) registry: Option<RegistryTable>,
 }

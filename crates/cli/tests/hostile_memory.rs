@@ -1,6 +1,7 @@
 //! Memory budgets against a hostile client, from real sockets against the real
 //! `usbwire serve`: a compression bomb, a flood of unlinks whose replies are never
-//! read, and OUT data piled up in flight. Each must leave the server's peak RSS
+//! read, OUT data piled up in flight, and a stream of 1 MiB URBs with capture on.
+//! Each must leave the server's peak RSS
 //! (`VmHWM`) bounded, push back on the sender instead of buffering, and keep
 //! serving other clients.
 
@@ -40,6 +41,10 @@ impl Drop for Served {
 
 impl Served {
     fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    fn start_with(extra: &[&std::ffi::OsStr]) -> Self {
         let addr = format!("127.0.0.1:{}", TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
         let control = std::env::temp_dir().join(format!(
             "usbwire-hostile-{}-{}.sock",
@@ -49,6 +54,7 @@ impl Served {
         let mut child = Command::new(BIN)
             .args(["serve", "--listen", &addr, "--virtual", "loopback", "--control"])
             .arg(&control)
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -284,6 +290,41 @@ fn out_data_in_flight_is_bounded_by_pushing_back() {
     let growth = served.status_kib("VmHWM:").saturating_sub(idle);
     eprintln!("OUT in flight: peak RSS grew by {growth} KiB");
     assert!(growth < RSS_GROWTH_BOUND_KIB, "OUT data in flight grew the server by {growth} KiB");
+}
+
+/// What capture may add to the server, at any URB size: its queue (16 MiB) and
+/// file buffers, with room for the allocator. It was 2.6 GB with 1 MiB URBs.
+const CAPTURE_GROWTH_BOUND_KIB: u64 = 64 * 1024;
+
+#[test]
+fn capturing_a_stream_of_1_mib_urbs_adds_tens_of_mib_not_gigabytes() {
+    let base = std::env::temp_dir().join(format!("usbwire-capture-rss-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).unwrap();
+    let dir = base.join("capture");
+    let served = Served::start_with(&["--capture".as_ref(), dir.as_os_str()]);
+    let idle = served.status_kib("VmRSS:");
+
+    let bench = Command::new(BIN)
+        .args(["bench", "-r", &served.addr, "-b", "1-1", "--sizes", "1M", "--depths", "8", "--seconds", "3"])
+        .args(["--repeat", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(bench.status.success(), "bench failed: {}", String::from_utf8_lossy(&bench.stderr));
+    served.assert_serves_others();
+    let growth = served.status_kib("VmHWM:").saturating_sub(idle);
+    eprintln!("capture of 1 MiB URBs: peak RSS grew by {growth} KiB");
+    assert!(growth < CAPTURE_GROWTH_BOUND_KIB, "capture grew the server by {growth} KiB");
+
+    use std::os::unix::fs::MetadataExt as _;
+    assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700, "the capture directory is private");
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    assert!(!files.is_empty(), "nothing was captured");
+    for file in &files {
+        assert_eq!(std::fs::metadata(file).unwrap().mode() & 0o777, 0o600, "{}", file.display());
+    }
+    drop(served);
+    let _ = std::fs::remove_dir_all(&base);
 }
 
 trait TryWaitOk {

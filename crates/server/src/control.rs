@@ -245,18 +245,18 @@ fn answer(
             Err(error) => ControlResponse::error(error),
         },
         ControlRequest::Capture { dir } => {
-            match &dir {
-                Some(dir) => {
-                    if let Err(error) = std::fs::create_dir_all(dir) {
-                        return ControlResponse::error(format!("cannot create {}: {error}", dir.display()));
+            let setting = dir.map(|dir| registry.capture_into(dir));
+            match &setting {
+                Some(setting) => {
+                    // A private directory, or no capture: what it holds is what devices carried.
+                    if let Err(error) = setting.prepare() {
+                        return ControlResponse::error(format!("cannot capture: {error}"));
                     }
-                    info!(dir = %dir.display(), "capturing imports");
+                    info!(dir = %setting.dir.display(), "capturing imports");
                 }
                 None => info!("capture stopped"),
             }
-            registry.set_capture(
-                dir.map(|dir| crate::CaptureConfig { dir, max_file_bytes: crate::DEFAULT_CAPTURE_FILE_BYTES }),
-            );
+            registry.set_capture(setting);
             ControlResponse { ok: true, error: None, reports: None, devices: None }
         }
         ControlRequest::Type { text, busid } => {

@@ -36,7 +36,9 @@ use usbwire_proto::op::BusId;
 use usbwire_proto::{Budget, Limits};
 
 pub use admission::AdmissionLimits;
-pub use capture::{CaptureConfig, DEFAULT_MAX_FILE_BYTES as DEFAULT_CAPTURE_FILE_BYTES};
+pub use capture::{
+    CaptureConfig, DEFAULT_MAX_BYTES as DEFAULT_CAPTURE_MAX_BYTES, DEFAULT_MAX_FILE_BYTES as DEFAULT_CAPTURE_FILE_BYTES,
+};
 pub use control::{
     default_control_path, request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput,
 };
@@ -171,6 +173,10 @@ pub enum ServerError {
     /// user's, writable by others, a symlink); the message says what to do.
     #[error("control socket {path}: {reason}")]
     ControlDir { path: PathBuf, reason: private_dir::PrivateDirError },
+    /// The capture directory is not one only we can change (another user's,
+    /// writable by others, a symlink); the message says what to do.
+    #[error("capture directory: {0}")]
+    CaptureDir(private_dir::PrivateDirError),
     /// The metrics or status page address is taken or not ours; pick another with `--metrics` / `--http`.
     #[error("cannot serve HTTP (metrics or status page) on {addr}: {source}")]
     Metrics { addr: SocketAddr, source: std::io::Error },
@@ -207,6 +213,9 @@ impl Server {
 
     /// Binds the listening socket and the control socket.
     pub async fn bind(self) -> Result<BoundServer, ServerError> {
+        if let Some(capture) = &self.config.capture {
+            capture.prepare().map_err(ServerError::CaptureDir)?;
+        }
         let addr = self.config.listen;
         let listener = listen(addr).map_err(|source| ServerError::Listen { addr, source })?;
         let control = match &self.config.control_path {

@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -30,8 +31,9 @@ use usbwire_proto::sync::lock;
 use crate::capture::CaptureConfig;
 use crate::metrics::{DeviceMeter, ServerMeter};
 
-/// The capture setting every URB channel watches.
-struct CaptureSwitch(watch::Sender<Option<CaptureConfig>>);
+/// The capture setting every URB channel watches, and the bounds the last
+/// one had (kept for a `usbwire capture DIR` after `--capture` was off).
+struct CaptureSwitch(watch::Sender<Option<CaptureConfig>>, Mutex<Option<CaptureConfig>>);
 
 /// Counts changes to the list and to devices' states (export, withdraw,
 /// import, release, resuming): what a lab registry publisher follows.
@@ -59,7 +61,7 @@ pub fn reservation_digest(token: &ReservationToken) -> ReservationDigest {
 
 impl Default for CaptureSwitch {
     fn default() -> Self {
-        Self(watch::Sender::new(None))
+        Self(watch::Sender::new(None), Mutex::new(None))
     }
 }
 
@@ -361,7 +363,19 @@ impl Registry {
 
     /// Starts (`Some`) or stops (`None`) capturing every import, running ones included.
     pub(crate) fn set_capture(&self, capture: Option<CaptureConfig>) {
+        if let Some(config) = &capture {
+            *lock(&self.capture.1) = Some(config.clone());
+        }
         self.capture.0.send_replace(capture);
+    }
+
+    /// Bounds for capturing into `dir` (`usbwire capture DIR`): those of
+    /// the server's configuration (`capture_max_bytes`) or its last capture.
+    pub(crate) fn capture_into(&self, dir: PathBuf) -> CaptureConfig {
+        match lock(&self.capture.1).as_ref() {
+            Some(last) => CaptureConfig { dir, ..last.clone() },
+            None => CaptureConfig::new(dir),
+        }
     }
 
     /// The capture setting, and its changes from now on.

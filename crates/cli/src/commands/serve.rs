@@ -62,11 +62,10 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     // `usbwire bind`s are kept in --bind-state, or beside the config file (server.toml → server.binds).
     config.bind_state =
         args.bind_state.clone().or_else(|| args.config.as_ref().map(|path| path.with_extension("binds")));
-    config.capture = args
-        .capture
-        .clone()
-        .or(file.capture.clone())
-        .map(|dir| usbwire_server::CaptureConfig { dir, max_file_bytes: usbwire_server::DEFAULT_CAPTURE_FILE_BYTES });
+    config.capture = args.capture.clone().or(file.capture.clone()).map(|dir| usbwire_server::CaptureConfig {
+        max_bytes: file.capture_max_bytes.unwrap_or(usbwire_server::DEFAULT_CAPTURE_MAX_BYTES),
+        ..usbwire_server::CaptureConfig::new(dir)
+    });
     if let Some(secs) = args.resume_grace.or(file.resume_grace) {
         config.resume_grace = std::time::Duration::from_secs(secs);
     }
@@ -80,7 +79,10 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
         let _ = stopping.send(());
     };
     let (server, exported) = build(config, &specs, DiskLinks::Follow)?;
-    let bound = server.bind().await.map_err(|e| Failure::unavailable(e.into()))?;
+    let bound = server.bind().await.map_err(|e| match e {
+        error @ usbwire_server::ServerError::CaptureDir(_) => Failure::config(error.into()),
+        error => Failure::unavailable(error.into()),
+    })?;
     println!("usbwire serving on {}", bound.local_addr());
     for line in &exported {
         println!("  {line}");
