@@ -40,7 +40,7 @@ def events(http, seconds):
     """The `data:` messages /events sends within `seconds`."""
     messages = []
     with socket.create_connection(("127.0.0.1", http), timeout=5) as s:
-        s.sendall(b"GET /events HTTP/1.1\r\nHost: test\r\nAccept: text/event-stream\r\n\r\n")
+        s.sendall(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n")
         buffer = b""
         deadline = time.time() + seconds
         while time.time() < deadline:

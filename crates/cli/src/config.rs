@@ -8,6 +8,7 @@
 //! resume_grace = 30  # seconds a dropped import waits for its client to resume; 0: off
 //! metrics = "127.0.0.1:9324" # Prometheus text at http://ADDR:PORT/metrics
 //! http = "127.0.0.1:8324"    # the status page (and /metrics) at http://ADDR:PORT/
+//! http_hosts = ["usb.lab.example"] # names it answers to besides IP literals and localhost (else 421)
 //! capture = "/var/lib/usbwire/capture" # a pcapng file (usbmon) per import, in a private (0700) directory
 //! capture_max_bytes = 1073741824       # all capture files together; the oldest are deleted first
 //!
@@ -245,6 +246,9 @@ pub(crate) struct FileConfig {
     pub(crate) metrics: Option<SocketAddr>,
     /// Where to serve the status page (`--http`).
     pub(crate) http: Option<SocketAddr>,
+    /// Names the status page and metrics answer to besides IP literals and `localhost`.
+    #[serde(default)]
+    pub(crate) http_hosts: Vec<String>,
     /// Where to write packet captures (`--capture`).
     pub(crate) capture: Option<PathBuf>,
     /// All capture files together stay under this many bytes, the oldest deleted first (default 1 GiB).

@@ -68,7 +68,7 @@ impl Served {
     fn get(&self, path: &str) -> (String, String) {
         let mut stream = TcpStream::connect(self.metrics).unwrap();
         stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").unwrap();
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: {}\r\n\r\n", self.metrics).unwrap();
         let mut response = String::new();
         stream.read_to_string(&mut response).unwrap();
         let (head, body) = response.split_once("\r\n\r\n").unwrap();

@@ -16,6 +16,7 @@ mod capture;
 mod connection;
 mod control;
 mod host_exports;
+mod http;
 mod metrics;
 pub mod private_dir;
 mod registry;
@@ -74,6 +75,9 @@ pub struct ServerConfig {
     pub metrics: Option<SocketAddr>,
     /// Where to serve the status page (and `/metrics` beside it); `None`: nowhere.
     pub http: Option<SocketAddr>,
+    /// Names a request to `--http` / `--metrics` may carry in its `Host`
+    /// besides IP literals and `localhost` (others get 421: DNS rebinding).
+    pub http_hosts: Vec<String>,
     /// Capture every import's URBs to pcapng files (usbmon format) here.
     pub capture: Option<CaptureConfig>,
     /// Keeps `usbwire bind`s across restarts (one bus id per line); `None`: they end with the server.
@@ -153,6 +157,7 @@ impl Default for ServerConfig {
             resume_grace: DEFAULT_RESUME_GRACE,
             metrics: None,
             http: None,
+            http_hosts: Vec::new(),
             capture: None,
             bind_state: None,
         }
@@ -336,11 +341,14 @@ impl BoundServer {
         let mut summaries = tokio::time::interval(self.config.admission.log_interval.max(Duration::from_millis(100)));
         summaries.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut tasks = tokio::task::JoinSet::new();
-        if let Some(listener) = self.metrics.take() {
-            tasks.spawn(metrics::serve(listener, self.registry.clone(), stop_rx.clone(), metrics::Site::Metrics));
-        }
-        if let Some(listener) = self.http.take() {
-            tasks.spawn(metrics::serve(listener, self.registry.clone(), stop_rx.clone(), metrics::Site::StatusPage));
+        // Both HTTP listeners share one budget of connections, apart from USB/IP's.
+        let responder = http::Responder::new(http::HttpLimits::new(self.config.http_hosts.clone()));
+        for (listener, site) in [(self.metrics.take(), http::Site::Metrics), (self.http.take(), http::Site::StatusPage)]
+        {
+            if let Some(listener) = listener {
+                let (registry, stop) = (self.registry.clone(), stop_rx.clone());
+                tasks.spawn(http::serve(listener, registry, stop, site, responder.clone()));
+            }
         }
         if !self.config.host_rules.is_empty() {
             let exported = self.host_exports.export_matching();

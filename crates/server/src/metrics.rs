@@ -1,8 +1,6 @@
-//! What the server counts, and the ways it is read: Prometheus text on
-//! `--metrics ADDR:PORT` (`GET /metrics`), the `counters` of each device in
-//! `state --json` / `OP_REP_DEVSTATE`, and the status page on `--http
-//! ADDR:PORT` (`/`: one embedded HTML file; `/status.json`; `/events`, the
-//! same document every second as server-sent events; `/metrics`).
+//! What the server counts, and how it reads as Prometheus text ([`render`],
+//! served by [`crate::http`] as `/metrics`) and as the `counters` of each
+//! device in `state --json` / `OP_REP_DEVSTATE`.
 //!
 //! Each exported device has a [`DeviceMeter`] (atomics, shared by whoever
 //! imports it); a URB channel counts through an [`UrbMeter`], which remembers
@@ -12,15 +10,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
-use tokio::sync::watch;
-use tracing::{debug, info, warn};
 use usbwire_device::TransferType;
 use usbwire_proto::sync::lock;
 use usbwire_proto::{BudgetKind, Direction, Status};
@@ -36,26 +28,6 @@ const TRANSFERS: [(TransferType, &str); 4] = [
     (TransferType::Bulk, "bulk"),
     (TransferType::Interrupt, "interrupt"),
 ];
-/// The most a metrics request may send before the server answers or closes.
-const MAX_REQUEST: usize = 8 * 1024;
-/// How long a metrics client may take to send its request.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
-/// The status page (no framework: one file, built in).
-const STATUS_PAGE: &str = include_str!("status.html");
-/// How often `/events` sends the device state.
-const EVENT_INTERVAL: Duration = Duration::from_secs(1);
-/// Browsers following `/events` at once; more get 503.
-const MAX_EVENT_STREAMS: usize = 16;
-
-/// What an HTTP listener serves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Site {
-    /// `/metrics` only (`--metrics`).
-    Metrics,
-    /// The status page, its JSON and events, and `/metrics` (`--http`).
-    StatusPage,
-}
-
 fn direction_index(direction: Direction) -> usize {
     DIRECTIONS.iter().position(|(d, _)| *d == direction).unwrap_or(0)
 }
@@ -375,125 +347,6 @@ pub(crate) fn render(registry: &Registry) -> String {
     );
     let _ = writeln!(out, "usbwire_tls_handshakes_refused_total {}", server.tls_refused.load(Relaxed));
     out
-}
-
-/// Serves `site` on `listener` until `stop`. An unknown path is a 404; a
-/// request larger than 8 KiB or slower than 5 s is dropped.
-pub(crate) async fn serve(listener: TcpListener, registry: Registry, mut stop: watch::Receiver<bool>, site: Site) {
-    if let Ok(addr) = listener.local_addr() {
-        match site {
-            Site::Metrics => info!(%addr, "metrics on http://{addr}/metrics"),
-            Site::StatusPage => info!(%addr, "status page on http://{addr}/"),
-        }
-    }
-    let streams = Arc::new(tokio::sync::Semaphore::new(MAX_EVENT_STREAMS));
-    loop {
-        tokio::select! {
-            () = crate::stopped(&mut stop) => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    let registry = registry.clone();
-                    let stop = stop.clone();
-                    let streams = streams.clone();
-                    tokio::spawn(async move {
-                        if let Err(error) = answer(stream, peer, &registry, site, stop, &streams).await {
-                            debug!(%peer, %error, "HTTP request failed");
-                        }
-                    });
-                }
-                Err(error) => {
-                    warn!(%error, "metrics: accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            }
-        }
-    }
-}
-
-/// The devices and their counters, as `/status.json` and each `/events` message carry them.
-fn status_json(registry: &Registry) -> String {
-    let time_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-    let devices = crate::control::state_entries(registry, |_, _| true);
-    serde_json::json!({ "time_ms": time_ms as u64, "devices": devices }).to_string()
-}
-
-/// `/events`: the status every [`EVENT_INTERVAL`] until the browser goes or the server stops.
-async fn event_stream(
-    mut stream: tokio::net::TcpStream,
-    registry: &Registry,
-    mut stop: watch::Receiver<bool>,
-) -> std::io::Result<()> {
-    let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n\
-                Connection: close\r\n\r\n";
-    stream.write_all(head.as_bytes()).await?;
-    let mut tick = tokio::time::interval(EVENT_INTERVAL);
-    loop {
-        tokio::select! {
-            () = crate::stopped(&mut stop) => return Ok(()),
-            _ = tick.tick() => {
-                let message = format!("data: {}\n\n", status_json(registry));
-                stream.write_all(message.as_bytes()).await?;
-            }
-        }
-    }
-}
-
-async fn answer(
-    mut stream: tokio::net::TcpStream,
-    peer: SocketAddr,
-    registry: &Registry,
-    site: Site,
-    stop: watch::Receiver<bool>,
-    streams: &tokio::sync::Semaphore,
-) -> std::io::Result<()> {
-    let mut request = Vec::new();
-    let read = tokio::time::timeout(REQUEST_TIMEOUT, async {
-        let mut buf = [0u8; 1024];
-        while !request.windows(4).any(|w| w == b"\r\n\r\n") && !request.windows(2).any(|w| w == b"\n\n") {
-            let n = stream.read(&mut buf).await?;
-            if n == 0 || request.len() + n > MAX_REQUEST {
-                return Err(std::io::Error::other("request too large or cut short"));
-            }
-            request.extend_from_slice(&buf[..n]);
-        }
-        Ok(())
-    })
-    .await;
-    match read {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => return Err(error),
-        Err(_) => return Err(std::io::Error::other("request not sent in time")),
-    }
-    let line = request.split(|&b| b == b'\n').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = path.split('?').next().unwrap_or("");
-    let page = site == Site::StatusPage;
-    let (status, content_type, body) = match (method, path) {
-        ("GET" | "HEAD", "/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render(registry)),
-        ("GET" | "HEAD", "/") if page => ("200 OK", "text/html; charset=utf-8", STATUS_PAGE.to_owned()),
-        ("GET" | "HEAD", "/status.json") if page => ("200 OK", "application/json", status_json(registry)),
-        ("GET", "/events") if page => match streams.try_acquire() {
-            Ok(_permit) => return event_stream(stream, registry, stop).await,
-            Err(_) => ("503 Service Unavailable", "text/plain; charset=utf-8", "too many event streams\n".into()),
-        },
-        ("GET" | "HEAD", _) if page => {
-            ("404 Not Found", "text/plain; charset=utf-8", "/, /status.json, /events, /metrics\n".into())
-        }
-        ("GET" | "HEAD", _) => ("404 Not Found", "text/plain; charset=utf-8", "usbwire serves /metrics only\n".into()),
-        _ => ("405 Method Not Allowed", "text/plain; charset=utf-8", "GET only\n".into()),
-    };
-    debug!(%peer, method, path, status, "metrics request");
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    if method != "HEAD" {
-        stream.write_all(body.as_bytes()).await?;
-    }
-    stream.shutdown().await
 }
 
 #[cfg(test)]

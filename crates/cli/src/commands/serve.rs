@@ -59,6 +59,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     config.admission = file.admission.limits().map_err(Failure::config)?;
     config.metrics = args.metrics.or(file.metrics);
     config.http = args.http.or(file.http);
+    config.http_hosts = file.http_hosts.clone();
     // `usbwire bind`s are kept in --bind-state, or beside the config file (server.toml → server.binds).
     config.bind_state =
         args.bind_state.clone().or_else(|| args.config.as_ref().map(|path| path.with_extension("binds")));
