@@ -352,13 +352,20 @@ pub(crate) async fn take(args: &RegistryArgs, device: &str, hold_for: Option<Dur
     })
 }
 
-/// This user's reservation tokens, one file each (mode 0600 in a 0700
-/// directory): `$XDG_STATE_HOME/usbwire/reservations` when set, else
-/// `/var/lib/usbwire/reservations` for root and
-/// `~/.local/state/usbwire/reservations` for others.
+/// This user's reservation tokens, one file each (mode 0600 in a private
+/// 0700 directory, refused if a symlink, another user's or open to others'
+/// writes): root's in `/var/lib/usbwire-client/reservations`, whatever the
+/// environment says (a `sudo` that kept `HOME` must not write root's tokens
+/// into a user's directory, nor into the server's user's `/var/lib/usbwire`);
+/// others' in `$XDG_STATE_HOME/usbwire/reservations`, else
+/// `~/.local/state/usbwire/reservations`. Each is written to a new file
+/// beside it and renamed into place: never through a symlink.
 struct TokenStore {
     dir: PathBuf,
 }
+
+/// Root's token directory: root-owned all the way down.
+const ROOT_TOKEN_DIR: &str = "/var/lib/usbwire-client/reservations";
 
 #[derive(Serialize, Deserialize)]
 struct SavedToken {
@@ -377,16 +384,19 @@ impl SavedToken {
 
 impl TokenStore {
     fn for_user() -> Self {
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        let root = unsafe { libc::geteuid() } == 0;
-        let dir = if let Some(dir) = std::env::var_os("XDG_STATE_HOME").filter(|d| !d.is_empty()) {
-            Path::new(&dir).join("usbwire")
-        } else if root {
-            PathBuf::from("/var/lib/usbwire")
-        } else {
-            Path::new(&std::env::var_os("HOME").unwrap_or_else(|| "/".into())).join(".local/state/usbwire")
+        let uid = usbwire_server::private_dir::effective_uid();
+        Self { dir: Self::dir_for(uid, std::env::var_os("XDG_STATE_HOME"), std::env::var_os("HOME")) }
+    }
+
+    fn dir_for(uid: u32, xdg_state_home: Option<std::ffi::OsString>, home: Option<std::ffi::OsString>) -> PathBuf {
+        if uid == 0 {
+            return PathBuf::from(ROOT_TOKEN_DIR);
+        }
+        let base = match xdg_state_home.filter(|d| !d.is_empty()) {
+            Some(dir) => PathBuf::from(dir),
+            None => Path::new(&home.unwrap_or_else(|| "/".into())).join(".local/state"),
         };
-        Self { dir: dir.join("reservations") }
+        base.join("usbwire").join("reservations")
     }
 
     fn path(&self, registry: &str, server: &str, busid: &str) -> PathBuf {
@@ -396,27 +406,59 @@ impl TokenStore {
     }
 
     fn save(&self, registry: &str, reservation: &Reservation) -> std::io::Result<()> {
-        use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&self.dir)?;
         let device = &reservation.device;
-        let saved = SavedToken {
+        self.write(&SavedToken {
             registry: registry.to_owned(),
             server: device.server.clone(),
             busid: device.busid.clone(),
             token: reservation.token.hex(),
             until: reservation.entry.until_at.clone(),
-        };
-        let path = self.path(registry, &device.server, &device.busid);
-        let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&path)?;
-        file.write_all(serde_json::to_string(&saved).unwrap_or_default().as_bytes())
+        })
+    }
+
+    /// Writes `saved` to a new 0600 file (`O_EXCL | O_NOFOLLOW`) in the
+    /// private directory and renames it over its place: a symlink planted
+    /// there is replaced, never followed.
+    fn write(&self, saved: &SavedToken) -> std::io::Result<()> {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        usbwire_server::private_dir::ensure_private_dir(&self.dir).map_err(|error| {
+            std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("reservation tokens: {error}"))
+        })?;
+        let path = self.path(&saved.registry, &saved.server, &saved.busid);
+        let mut name = path.file_name().unwrap_or_default().to_owned();
+        name.push(format!(".{}.new", std::process::id()));
+        let new = path.with_file_name(name);
+        let _ = std::fs::remove_file(&new); // one of ours left by a crash
+        let written = (|| {
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&new)?;
+            file.write_all(serde_json::to_string(saved).map_err(std::io::Error::other)?.as_bytes())?;
+            file.sync_all()?;
+            std::fs::rename(&new, &path)
+        })();
+        if written.is_err() {
+            let _ = std::fs::remove_file(&new);
+        }
+        written
     }
 
     /// The saved tokens for `registry` that have not run out; run-out ones are deleted.
     fn load(&self, registry: &str) -> Vec<SavedToken> {
+        if !self.dir.exists() {
+            return Vec::new();
+        }
+        if let Err(error) = usbwire_server::private_dir::check_private_dir(&self.dir) {
+            tracing::warn!(%error, "reservation tokens not read");
+            return Vec::new();
+        }
         let Ok(entries) = std::fs::read_dir(&self.dir) else { return Vec::new() };
         let mut saved = Vec::new();
         for entry in entries.flatten() {
-            let Ok(text) = std::fs::read_to_string(entry.path()) else { continue };
+            let Ok(text) = read_no_follow(&entry.path()) else { continue };
             let Ok(token) = serde_json::from_str::<SavedToken>(&text) else { continue };
             let ended = token
                 .until
@@ -434,5 +476,94 @@ impl TokenStore {
 
     fn forget(&self, registry: &str, server: &str, busid: &str) {
         let _ = std::fs::remove_file(self.path(registry, server, busid));
+    }
+}
+
+/// A token file's text; a symlink is not read through.
+fn read_no_follow(path: &Path) -> std::io::Result<String> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut text = String::new();
+    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path)?.read_to_string(&mut text)?;
+    Ok(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("usbwire-tokens-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        dir
+    }
+
+    fn saved(token: &str) -> SavedToken {
+        SavedToken {
+            registry: "http://etcd:2379".into(),
+            server: "bench3:3240".into(),
+            busid: "1-1".into(),
+            token: token.into(),
+            until: None,
+        }
+    }
+
+    #[test]
+    fn roots_tokens_live_in_a_root_directory_whatever_the_environment_says() {
+        let dir = TokenStore::dir_for(0, Some("/home/mallory/.state".into()), Some("/home/mallory".into()));
+        assert_eq!(dir, PathBuf::from(ROOT_TOKEN_DIR));
+        assert!(!dir.starts_with("/var/lib/usbwire/"), "not in the server user's state directory");
+        let dir = TokenStore::dir_for(1000, None, Some("/home/alice".into()));
+        assert_eq!(dir, PathBuf::from("/home/alice/.local/state/usbwire/reservations"));
+        let dir = TokenStore::dir_for(1000, Some("/home/alice/st".into()), Some("/home/alice".into()));
+        assert_eq!(dir, PathBuf::from("/home/alice/st/usbwire/reservations"));
+    }
+
+    #[test]
+    fn a_planted_symlink_is_replaced_not_followed() {
+        let base = scratch("symlink");
+        let store = TokenStore { dir: base.join("reservations") };
+        store.write(&saved("aa")).unwrap();
+        let victim = base.join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let path = store.path("http://etcd:2379", "bench3:3240", "1-1");
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink(&victim, &path).unwrap();
+        assert!(store.load("http://etcd:2379").is_empty(), "a link is not read through");
+        store.write(&saved("bb")).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious", "the link's target is untouched");
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert!(meta.is_file(), "the link itself was replaced by the token file");
+        assert_eq!(meta.mode() & 0o777, 0o600);
+        assert_eq!(std::fs::metadata(&store.dir).unwrap().mode() & 0o777, 0o700);
+        let loaded = store.load("http://etcd:2379");
+        assert_eq!(loaded.len(), 1);
+        assert_eq!(loaded[0].token, "bb");
+        let leftovers: Vec<_> = std::fs::read_dir(&store.dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(leftovers.len(), 1, "no temporary file left: {leftovers:?}");
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn a_token_directory_that_is_a_symlink_or_open_to_others_is_refused() {
+        let base = scratch("dir");
+        let elsewhere = base.join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        std::fs::set_permissions(&elsewhere, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, base.join("reservations")).unwrap();
+        let store = TokenStore { dir: base.join("reservations") };
+        let error = store.write(&saved("aa")).unwrap_err();
+        assert!(error.to_string().contains("symbolic link"), "{error}");
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0, "nothing written through the link");
+        let open = base.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let error = TokenStore { dir: open }.write(&saved("aa")).unwrap_err();
+        assert!(error.to_string().contains("writable by other users"), "{error}");
+        let _ = std::fs::remove_dir_all(&base);
     }
 }
