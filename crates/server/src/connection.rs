@@ -168,8 +168,10 @@ pub(crate) async fn serve_session(
         OpRequest::Transforms { .. } => warn!("transforms offered twice; closing"),
         OpRequest::Resume { token, replies_received } => {
             // The parked session answers and carries on with this connection.
+            let peer_addr = peer.addr.ip();
             let arrival = Handover { stream, leftover: buf, replies_received, peer };
-            if let Err((refused, mut stream)) = registry.parked.hand_over(&token, &client, arrival) {
+            let owner = crate::resumable::Owner::new(client.clone(), peer_addr);
+            if let Err((refused, mut stream)) = registry.parked.hand_over(&token, &owner, arrival) {
                 info!(?token, %client, reason = %refused, "resume refused");
                 op::encode_resume_reply(Err(OpStatus::NODEV), &mut reply);
                 let _ = async {
@@ -220,7 +222,7 @@ pub(crate) async fn serve_session(
                     let resumable = resume_token.map(|Grant { token, keepalive, .. }| urb_channel::Resumable {
                         token,
                         keepalive,
-                        client: client.clone(),
+                        client: crate::resumable::Owner::new(client.clone(), peer.addr.ip()),
                         parked: registry.parked.clone(),
                         grace: config.resume_grace,
                     });

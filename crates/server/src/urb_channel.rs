@@ -29,7 +29,6 @@ use usbwire_device::{Device, TransferType, Urb};
 use usbwire_proto::op::{self, OpStatus};
 use usbwire_proto::resume::Token;
 use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
-use usbwire_transport::access::ClientId;
 use usbwire_transport::{poll_write_outbox, PeerStream};
 
 use crate::capture::{Capture, CaptureConfig};
@@ -69,7 +68,7 @@ pub(crate) struct Resumable {
     pub(crate) token: Token,
     /// The client asked for keep-alives ([`usbwire_proto::liveness`]).
     pub(crate) keepalive: bool,
-    pub(crate) client: ClientId,
+    pub(crate) client: crate::resumable::Owner,
     pub(crate) parked: Parked,
     pub(crate) grace: Duration,
 }

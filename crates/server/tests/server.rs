@@ -457,3 +457,35 @@ async fn serial_and_mouse_over_the_network() {
     let ret = tokio::time::timeout(Duration::from_secs(5), report).await.unwrap().unwrap();
     assert_eq!(&ret.data[..3], &[1, 5, (-3i8) as u8]);
 }
+
+/// Sends `OP_REQ_RESUME` with `token` from a socket bound to `source`; the server's answer.
+async fn resume_from(source: std::net::Ipv4Addr, addr: SocketAddr, token: &usbwire_proto::resume::Token) -> bool {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from((source, 0))).unwrap();
+    let mut stream = socket.connect(addr).await.unwrap();
+    let mut out = BytesMut::new();
+    usbwire_proto::op::OpRequest::Resume { token: *token, replies_received: 0 }.encode(&mut out);
+    stream.write_all(&out).await.unwrap();
+    let mut header = [0u8; usbwire_proto::op::OP_HEADER_LEN];
+    tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut header)).await.unwrap().unwrap();
+    // A refusal is the header alone (ST_NODEV); a handover goes on with the count.
+    !matches!(usbwire_proto::op::decode_resume_reply(&mut BytesMut::from(&header[..])), Ok(Some(Err(_))))
+}
+
+/// A plain client's resume token crosses the wire in clear: sniffed and sent
+/// from another address, it is refused — while its owner is connected and
+/// after it dropped — and the owner still resumes from its own address.
+#[tokio::test]
+async fn a_sniffed_plain_resume_token_from_another_address_is_refused() {
+    let addr = start().await;
+    let imported = usbwire_client::import_resumable(addr, &busid("1-1"), &Security::Plain, &[]).await.unwrap();
+    let token = imported.resume.expect("resume granted to a plain client");
+    let sniffer = std::net::Ipv4Addr::new(127, 0, 0, 2);
+    assert!(!resume_from(sniffer, addr, &token).await, "taken over from 127.0.0.2 while the owner is connected");
+    drop(imported.stream);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!resume_from(sniffer, addr, &token).await, "taken over from 127.0.0.2 after the owner dropped");
+    let (_stream, commands_received) =
+        usbwire_client::resume_session(addr, &Security::Plain, &[], &token, 0).await.expect("the owner resumes");
+    assert_eq!(commands_received, 0);
+}
