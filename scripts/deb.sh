@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the Debian package with cargo-deb: target/debian/usbwire_VERSION-1_ARCH.deb,
 # with the binary, the man pages and shell completions it writes itself, and
-# contrib/'s systemd units, sysusers.d file and udev rule. Prints the path.
+# contrib/'s systemd units and sysusers.d file (no udev rule: `usbwire udev-rules`
+# prints them for the configured devices). Prints the path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup (https://rustup.rs)"; exit 1; }

@@ -3,9 +3,10 @@
 no system font libraries, `-V` names the commit, shell completions load, the
 man pages generated from the command line render with `man`; and the
 systemd units in contrib/ score at most 5.0 in `systemd-analyze security`
-(offline), their sysusers.d file creates the server's user, and the udev
-rule gives its group the usbfs nodes. `scripts/deb.sh` builds a Debian
-package with cargo-deb that holds all of it, and its binary runs.
+(offline), their sysusers.d file creates the server's user, and `usbwire
+udev-rules` gives its group the usbfs nodes of the [[bind]] devices only.
+`scripts/deb.sh` builds a Debian package with cargo-deb that holds all of it
+but a udev rule (no catch-all rule opening every device), and its binary runs.
 
     USBWIRE_BIN=target/release/usbwire python3 tests/interop/test_packaging.py
 """
@@ -87,11 +88,17 @@ def check_deb(checks):
     listed = run(["dpkg-deb", "--contents", path]).stdout
     for wanted in ("./usr/bin/usbwire", "./lib/systemd/system/usbwire-server.service",
                    "./lib/systemd/system/usbwire-client.service", "./usr/lib/sysusers.d/usbwire.conf",
-                   "./lib/udev/rules.d/70-usbwire.rules", "./usr/share/man/man1/usbwire.1.gz",
+                   "./usr/share/man/man1/usbwire.1.gz",
                    "./usr/share/man/man1/usbwire-serve.1.gz", "./usr/share/bash-completion/completions/usbwire"):
         checks.check(f"the package holds {wanted}", wanted in listed, listed[-800:])
     with tempfile.TemporaryDirectory() as unpacked:
         run(["dpkg-deb", "-x", path, unpacked])
+        catch_all = []
+        for folder, _, names in os.walk(unpacked):
+            for name in names:
+                if name.endswith(".rules"):
+                    catch_all += [f"{name}: {line}" for line in open(os.path.join(folder, name)) if udev_opens_all(line)]
+        checks.check("the package holds no udev rule that opens every USB device", not catch_all, catch_all)
         version = run([os.path.join(unpacked, "usr", "bin", "usbwire"), "-V"]).stdout.strip()
         checks.check("the packaged binary runs", version.startswith("usbwire "), version)
         for unit in ("usbwire-server.service", "usbwire-client.service"):
@@ -126,9 +133,26 @@ def check_systemd(checks):
         checks.check("sysusers.d creates the user the server's unit runs as",
                      re.search(r"^usbwire:x:\d+:\d+:", passwd, re.M) is not None and "User=usbwire" in server,
                      made.stdout + made.stderr + passwd)
-    rules = open(os.path.join(CONTRIB, "udev", "70-usbwire.rules")).read()
-    checks.check("the udev rule gives that group the usbfs nodes the unit allows",
-                 'GROUP="usbwire"' in rules and "DeviceAllow=char-usb_device rw" in server, rules)
+    with tempfile.TemporaryDirectory() as scratch:
+        config = os.path.join(scratch, "server.toml")
+        with open(config, "w") as f:
+            f.write('[[bind]]\ndevice = "0781:5567"\nalso = ["serial=4C530001"]\n[[bind]]\ndevice = "class=03"\n')
+        made = run([BIN, "udev-rules", "--config", config])
+        rules = [line for line in made.stdout.splitlines() if line and not line.startswith("#")]
+        checks.check("usbwire udev-rules gives that group the [[bind]] devices the unit allows, and nothing else",
+                     made.returncode == 0 and len(rules) == 2 and not any(udev_opens_all(r) for r in rules)
+                     and all('GROUP="usbwire"' in r for r in rules) and 'ATTR{idVendor}=="0781"' in rules[0]
+                     and 'ATTR{serial}=="4C530001"' in rules[1] and "DeviceAllow=char-usb_device rw" in server,
+                     made.stdout + made.stderr)
+        checks.check("a class selector gets no rule, and the reason", "class=03" in made.stderr, made.stderr)
+
+
+def udev_opens_all(line):
+    """A udev rule that gives usbfs device nodes a mode or group without naming which devices."""
+    line = line.strip()
+    if not line or line.startswith("#") or "SUBSYSTEM" not in line or not re.search(r"\b(MODE|GROUP|OWNER)=", line):
+        return False
+    return not re.search(r"ATTRS?\{(idVendor|serial)\}==|KERNEL==", line)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,8 @@ pub(crate) enum Command {
     Release(ReleaseArgs),
     /// Show who holds which device in the lab registry.
     Who(WhoArgs),
+    /// Print udev rules that give the server's group the real devices its [[bind]] rules name, and no others.
+    UdevRules(UdevRulesArgs),
     /// Print the shell completion script (bash: `source <(usbwire completions bash)`).
     Completions(CompletionsArgs),
     /// Write the man pages (usbwire.1 and one per command) into a directory, or print usbwire.1.
@@ -119,6 +121,16 @@ pub(crate) struct CaptureArgs {
     pub(crate) stop: bool,
     #[command(flatten)]
     pub(crate) control: ControlArgs,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct UdevRulesArgs {
+    /// The server's config file, whose [[bind]] rules (device and also) name the devices.
+    #[arg(long, value_name = "FILE", default_value = "/etc/usbwire/server.toml")]
+    pub(crate) config: PathBuf,
+    /// The group that gets the devices (the server's unit runs in it).
+    #[arg(long, value_name = "NAME", default_value = "usbwire")]
+    pub(crate) group: String,
 }
 
 #[derive(Args, Debug)]

@@ -476,3 +476,51 @@ fn json_output_speaks_one_vocabulary() {
     assert_eq!(listed["in_use"][0]["since_at"], since_at);
     drop(held);
 }
+
+/// `usbwire udev-rules`: one narrow rule per `[[bind]]` selector of a sample
+/// config (the package ships none), none for a class, exit 78 without binds.
+#[test]
+fn udev_rules_name_the_bind_devices_and_nothing_else() {
+    let dir = scratch("udev-rules");
+    let config = dir.join("server.toml");
+    std::fs::write(
+        &config,
+        "[[bind]]\ndevice = \"0781:5567\"\nalso = [\"0781:df11\", \"serial=4C530001\"]\n\
+         [[bind]]\ndevice = \"1-1.2\"\n[[bind]]\ndevice = \"class=03\"\n[[bind]]\ndevice = \"0781:5567\"\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN).args(["udev-rules", "--config"]).arg(&config).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let rules: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    let rule = |matcher: &str| {
+        format!("SUBSYSTEM==\"usb\", ENV{{DEVTYPE}}==\"usb_device\", {matcher}, MODE=\"0660\", GROUP=\"usbwire\"")
+    };
+    assert_eq!(
+        rules,
+        [
+            rule("ATTR{idVendor}==\"0781\", ATTR{idProduct}==\"5567\""),
+            rule("ATTR{idVendor}==\"0781\", ATTR{idProduct}==\"df11\""),
+            rule("ATTR{serial}==\"4C530001\""),
+            rule("KERNEL==\"1-1.2\""),
+        ],
+        "one rule per selector, the repeated one once:\n{text}"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("class=03 gets no rule"));
+
+    let out = Command::new(BIN).args(["udev-rules", "--group", "plugdev", "--config"]).arg(&config).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .all(|l| l.ends_with("GROUP=\"plugdev\"")));
+
+    std::fs::write(&config, "listen = \"127.0.0.1:3240\"\n").unwrap();
+    let out = Command::new(BIN).args(["udev-rules", "--config"]).arg(&config).output().unwrap();
+    assert_eq!(out.status.code(), Some(78));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no [[bind]] rules"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

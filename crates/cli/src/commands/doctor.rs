@@ -123,7 +123,8 @@ fn usbfs_access(root: &Path) -> Check {
             if is_root() {
                 ""
             } else {
-                "run the server as root, or install contrib/udev/70-usbwire.rules and join group usbwire"
+                "run the server as root, or name the devices in [[bind]] rules, install what `usbwire udev-rules \
+                 --config FILE` prints as /etc/udev/rules.d/70-usbwire.rules and join group usbwire"
             },
         ),
     }

@@ -15,6 +15,7 @@ mod output;
 mod redir;
 mod serve;
 mod service;
+mod udev;
 
 use std::sync::Arc;
 
@@ -59,6 +60,7 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
         Command::Reserve(args) => lab::reserve(args).await,
         Command::Release(args) => lab::release(args).await,
         Command::Who(args) => lab::who(args).await,
+        Command::UdevRules(args) => udev::run(args),
         Command::Completions(args) => docs::completions(args),
         Command::Man(args) => docs::man(args),
     }
