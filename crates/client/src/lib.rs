@@ -27,6 +27,7 @@
 //! session is resumable, encrypted or transformed, one end of a socket pair
 //! whose other end the [`relay`] carries.
 
+mod backoff;
 pub mod describe;
 mod queue;
 pub mod reattach;
@@ -34,8 +35,9 @@ pub mod redir;
 pub mod relay;
 pub mod vhci;
 
+pub use backoff::Backoff;
 pub use queue::TransferQueue;
-pub use reattach::{Backoff, ReattachingDevice};
+pub use reattach::ReattachingDevice;
 pub use usbwire_transport::transform::TransformSpec;
 
 mod connect;
