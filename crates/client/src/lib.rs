@@ -9,9 +9,11 @@
 //! one task, a [`TransferQueue`] ([`Connection::queue`]) delivers completions
 //! in batches instead of one future per URB.
 //!
+//! Every connection hands its commands to a [`relay`] task, which drives the
+//! session within a budget of URBs and bytes in flight (callers wait for room
+//! past it), the same path the kernel attach and the usbredir bridge take.
 //! [`Connection::import_resumable`] imports and, when the server (usbwire)
-//! grants resume, keeps the session through network drops: the connection
-//! hands its commands to a [`relay`] task, which drives the session and
+//! grants resume, keeps the session through network drops: the relay
 //! reconnects and resumes, so an outage shorter than the server's grace
 //! period is a delay for pending transfers, not an error. A session that
 //! cannot be resumed fails them with [`TransferError::Disconnected`], as any
@@ -19,9 +21,12 @@
 //!
 //! Modules by concept: `connect` (resolution, TCP, TLS and pinning),
 //! `op_exchange` (device list, states, transforms, import), `transfer` (what a
-//! caller asks of an endpoint), `connection` and `queue` (the URB channel),
-//! `error`; [`vhci`] attaches to the kernel, [`reattach`] keeps a device
-//! imported across drops, [`describe`] reads a device's descriptors. The
+//! caller asks of an endpoint), `connection` and `queue` (the URB channel's
+//! API), `waiters` (commands handed to the relay, replies to their waiters),
+//! [`relay`] (the task driving the session), `backoff`, `error`; [`vhci`]
+//! attaches to the kernel, [`reattach`] keeps a device imported across drops,
+//! [`redir`] bridges it to a usbredir guest, [`describe`] reads a device's
+//! descriptors. The
 //! kernel attach path ([`vhci`]) imports the same way and then hands the
 //! socket to vhci-hcd instead of keeping a [`Connection`] — or, when the
 //! session is resumable, encrypted or transformed, one end of a socket pair
@@ -45,6 +50,7 @@ mod connection;
 mod error;
 mod op_exchange;
 mod transfer;
+mod waiters;
 
 pub use connect::{resolve, Security, TlsClient};
 pub use connection::{Connection, RESUME_GIVE_UP};

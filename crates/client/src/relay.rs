@@ -2,8 +2,9 @@
 //! submits URBs (its [`Front`]) and the server, so the URB channel can be
 //! encrypted, transformed and — when the server granted resume — outlive its
 //! connection. Two fronts: vhci-hcd speaking plain USB/IP on one end of a
-//! socket pair ([`run`]), and a userspace [`Connection`](crate::Connection)
-//! handing over commands with their waiters (no bytes in between).
+//! socket pair ([`run`]), and every userspace [`Connection`](crate::Connection)
+//! (the library, the usbredir bridge, the bench), handing over commands with
+//! their waiters (no bytes in between).
 //!
 //! While connected, the front's commands go into the session (which keeps
 //! each until its reply), and the replies the session decodes go back to the
@@ -132,19 +133,20 @@ where
     K: AsyncRead + AsyncWrite + Unpin,
 {
     let front = KernelFront { kernel, kernel_in: BytesMut::with_capacity(64 * 1024), kernel_out: Outbox::default() };
-    drive(front, stream, devid, upstream, state).await
+    drive(front, stream, devid, upstream, state, Budget::default()).await
 }
 
 /// Drives `front`'s session with the server until the front lets go (`Ok`)
-/// or the session is lost.
+/// or the session is lost; the session keeps to `budget`.
 pub(crate) async fn drive<F: Front>(
     mut front: F,
     stream: PeerStream,
     devid: u32,
     upstream: Upstream,
     state: Option<watch::Sender<RelayState>>,
+    budget: Budget,
 ) -> Result<(), RelayError> {
-    let mut session = ClientSession::new(devid, BytesMut::new(), Limits::default(), Budget::default());
+    let mut session = ClientSession::new(devid, BytesMut::new(), Limits::default(), budget);
     if let Some(grant) = upstream.resume {
         session = session.resumable();
         if grant.keepalive {

@@ -1,7 +1,7 @@
 //! [`Transfer`]: what a caller asks of an endpoint, with builders per transfer type.
 
 use bytes::Bytes;
-use usbwire_proto::urb::{IsoPacketDescriptor, RetSubmit, TransferFlags};
+use usbwire_proto::urb::{CmdSubmit, IsoPacketDescriptor, RetSubmit, TransferFlags};
 use usbwire_proto::{Direction, Status};
 
 /// A transfer to submit.
@@ -78,4 +78,26 @@ impl Transfer {
 /// The status a RET_SUBMIT carries, for callers that only care about success.
 pub fn is_ok(ret: &RetSubmit) -> bool {
     ret.status == Status::OK
+}
+
+/// The `CMD_SUBMIT` for `transfer`.
+pub(crate) fn build_submit(devid: u32, seqnum: u32, transfer: Transfer) -> CmdSubmit {
+    let length = match transfer.direction {
+        Direction::Out => transfer.data.len() as u32,
+        Direction::In => transfer.length,
+    };
+    CmdSubmit {
+        seqnum,
+        devid,
+        direction: transfer.direction,
+        ep: transfer.endpoint,
+        transfer_flags: TransferFlags(transfer.flags),
+        transfer_buffer_length: length,
+        start_frame: 0,
+        number_of_packets: transfer.iso_packets.as_ref().map_or(0, |p| p.len() as i32),
+        interval: transfer.interval,
+        setup: transfer.setup,
+        data: transfer.data,
+        iso_packets: transfer.iso_packets.unwrap_or_default(),
+    }
 }

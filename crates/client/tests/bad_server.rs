@@ -13,7 +13,10 @@ use tokio::net::{TcpListener, TcpStream};
 use usbwire_client::{ClientError, Connection, Security, Transfer, TransferError};
 use usbwire_proto::op::{self, BusId, DeviceRecord};
 use usbwire_proto::urb::RetSubmit;
-use usbwire_proto::{DecodeError, Speed, Status};
+use usbwire_proto::{DecodeError, Status};
+
+mod support;
+use support::record;
 
 /// Longer than any answer takes on loopback, shorter than a hang.
 const PATIENCE: Duration = Duration::from_secs(20);
@@ -31,26 +34,6 @@ where
         script(socket).await;
     });
     addr
-}
-
-fn record() -> DeviceRecord {
-    DeviceRecord {
-        path: "/sys/devices/fake/1-1".into(),
-        busid: BusId::new("1-1").unwrap(),
-        busnum: 1,
-        devnum: 1,
-        speed: Speed::HIGH,
-        id_vendor: 0x1209,
-        id_product: 0x0005,
-        bcd_device: 0x0100,
-        b_device_class: 0xff,
-        b_device_sub_class: 0,
-        b_device_protocol: 0,
-        b_configuration_value: 1,
-        b_num_configurations: 1,
-        interfaces: Vec::new(),
-        b_num_interfaces: 1,
-    }
 }
 
 async fn list(addr: SocketAddr) -> Result<Vec<DeviceRecord>, ClientError> {

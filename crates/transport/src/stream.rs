@@ -43,6 +43,18 @@ impl PeerStream {
         }
     }
 
+    /// The address of the peer at the other end of the TCP connection
+    /// underneath (an in-process stream has none).
+    pub fn peer_addr(&self) -> io::Result<std::net::SocketAddr> {
+        match self {
+            Self::Plain(tcp) => tcp.peer_addr(),
+            Self::ServerTls(tls) => tls.get_ref().0.get_ref().peer_addr(),
+            Self::ClientTls(tls) => tls.get_ref().0.get_ref().peer_addr(),
+            Self::Transformed(s) => s.get_ref().peer_addr(),
+            Self::InProcess(_) => Err(io::ErrorKind::NotConnected.into()),
+        }
+    }
+
     /// Byte counters of the transforms, if any were negotiated.
     pub fn transform_stats(&self) -> Option<std::sync::Arc<crate::transform::TransformStats>> {
         match self {
