@@ -3,17 +3,19 @@
 //! read, OUT data piled up in flight, and a stream of 1 MiB URBs with capture on.
 //! Each must leave the server's peak RSS
 //! (`VmHWM`) bounded, push back on the sender instead of buffering, and keep
-//! serving other clients.
+//! serving other clients. The same for the usbredir bridge (`usbwire redir`)
+//! against a guest that floods it with URBs the device cannot finish.
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use usbwire_proto::op::{self, BusId, OpRequest};
 use usbwire_proto::urb::{CmdSubmit, CmdUnlink, TransferFlags, HEADER_LEN};
 use usbwire_proto::Direction;
+use usbwire_redir::{Caps, Codec, Packet};
 use usbwire_transform::{Frame, Pipeline, Side, TransformSpec, MAX_FRAME_PAYLOAD};
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
@@ -21,6 +23,8 @@ const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 const LOOPBACK_DEVID: u32 = 0x0001_0001;
 /// The loopback gadget's bulk OUT whose data waits for its loop IN (16 MiB queue).
 const LOOP_OUT_EP: u8 = 3;
+/// The loopback gadget's bulk IN that returns the loop OUT's data (waits for it).
+const LOOP_IN_EP: u8 = 0x83;
 /// Growth of the server's peak RSS over its idle RSS that every attack must stay under.
 /// The default budgets allow about 100 MiB per connection (64 MiB of URBs in flight,
 /// 8 MiB of replies, 8 MiB decoded, one message being read); the attacks below reached
@@ -44,6 +48,7 @@ impl Served {
         Self::start_with(&[])
     }
 
+    /// The server with `extra` arguments after the usual ones.
     fn start_with(extra: &[&std::ffi::OsStr]) -> Self {
         let addr = format!("127.0.0.1:{}", TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
         let control = std::env::temp_dir().join(format!(
@@ -67,11 +72,9 @@ impl Served {
         Self { child, addr }
     }
 
-    /// A field of `/proc/PID/status` in KiB (`VmRSS`, `VmHWM`).
+    /// A field of the server's `/proc/PID/status` in KiB (`VmRSS`, `VmHWM`).
     fn status_kib(&self, field: &str) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let line = status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("no {field} in {status}"));
-        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+        status_kib(&self.child, field)
     }
 
     /// Another client is still served: the device list comes back, quickly.
@@ -89,6 +92,13 @@ impl Served {
         stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         stream
     }
+}
+
+/// A field of `/proc/PID/status` in KiB (`VmRSS`, `VmHWM`).
+fn status_kib(child: &Child, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+    let line = status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("no {field} in {status}"));
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
 fn import_request() -> BytesMut {
@@ -325,6 +335,171 @@ fn capturing_a_stream_of_1_mib_urbs_adds_tens_of_mib_not_gigabytes() {
     }
     drop(served);
     let _ = std::fs::remove_dir_all(&base);
+}
+
+/// `usbwire redir` importing the server's loopback device for usbredir guests.
+struct RedirBridge {
+    child: Child,
+    listen: String,
+}
+
+impl Drop for RedirBridge {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl RedirBridge {
+    fn start(served: &Served) -> Self {
+        let listen = format!("127.0.0.1:{}", TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+        let child = Command::new(BIN)
+            .args(["redir", "-r", &served.addr, "-b", "1-1", "--listen", &listen])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        Self { child, listen }
+    }
+
+    /// A guest that said hello, saw the device announced and configured it.
+    fn guest(&self) -> (TcpStream, Codec) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut stream = loop {
+            match TcpStream::connect(&self.listen) {
+                Ok(stream) => break stream,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+                Err(e) => panic!("the bridge does not listen on {}: {e}", self.listen),
+            }
+        };
+        stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let caps = [Caps::CONNECT_DEVICE_VERSION, Caps::EP_INFO_MAX_PACKET_SIZE, Caps::IDS_64, Caps::BULK_LENGTH_32];
+        let mut codec = Codec::new(usbwire_redir::Side::Guest, caps.into_iter().fold(Caps(0), Caps::with), u32::MAX);
+        send(&mut stream, &codec, 0, &codec.hello("hostile guest"));
+        let mut inbuf = BytesMut::new();
+        expect(&mut stream, &mut codec, &mut inbuf, |p| matches!(p, Packet::DeviceConnect { .. }));
+        send(&mut stream, &codec, 1, &Packet::SetConfiguration { configuration: 1 });
+        expect(
+            &mut stream,
+            &mut codec,
+            &mut inbuf,
+            |p| matches!(p, Packet::ConfigurationStatus { status, .. } if *status == usbwire_redir::Status::SUCCESS),
+        );
+        (stream, codec)
+    }
+}
+
+fn send(stream: &mut TcpStream, codec: &Codec, id: u64, packet: &Packet) {
+    let mut out = BytesMut::new();
+    codec.encode(id, packet, &mut out).unwrap();
+    stream.write_all(&out).unwrap();
+}
+
+/// Reads packets from the bridge until one `wanted` arrives.
+fn expect(stream: &mut TcpStream, codec: &mut Codec, inbuf: &mut BytesMut, wanted: impl Fn(&Packet) -> bool) {
+    let mut chunk = [0u8; 4096];
+    loop {
+        while let Some((_, packet)) = codec.decode(inbuf).unwrap() {
+            if wanted(&packet) {
+                return;
+            }
+        }
+        let n = stream.read(&mut chunk).unwrap();
+        assert!(n > 0, "the bridge closed the guest's connection");
+        inbuf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Bulk packets on the loop pair: `count` IN requests of 512 bytes on the loop IN
+/// (which wait for loop data that never comes), or OUT packets of `size` bytes on
+/// the loop OUT (of which the device takes 16 MiB, then leaves the rest pending).
+/// The OUT packets share one buffer.
+fn bulk_packets(first_id: u64, count: usize, size: usize, endpoint: u8) -> impl Iterator<Item = (u64, Packet)> + Send {
+    let data = if endpoint & 0x80 == 0 { Bytes::from(vec![0x5a; size]) } else { Bytes::new() };
+    (first_id..first_id + count as u64).map(move |id| {
+        let status = usbwire_redir::Status::SUCCESS;
+        (id, Packet::Bulk { endpoint, status, length: size as u32, stream_id: 0, data: data.clone() })
+    })
+}
+
+/// Writes `packets` from a thread of its own until they are all out or the bridge
+/// stopped reading for 3 s. The thread returns the bytes that went out and
+/// whether that was all of them.
+fn flood(
+    stream: &TcpStream,
+    codec: Codec,
+    packets: impl Iterator<Item = (u64, Packet)> + Send + 'static,
+) -> std::thread::JoinHandle<(usize, bool)> {
+    let mut stream = stream.try_clone().unwrap();
+    stream.set_write_timeout(Some(Duration::from_secs(3))).unwrap();
+    std::thread::spawn(move || {
+        let mut written = 0;
+        let mut out = BytesMut::new();
+        for (id, packet) in packets {
+            codec.encode(id, &packet, &mut out).unwrap();
+            while !out.is_empty() {
+                match stream.write(&out) {
+                    Ok(0) | Err(_) => return (written, false),
+                    Ok(n) => {
+                        written += n;
+                        let _ = out.split_to(n);
+                    }
+                }
+            }
+        }
+        (written, true)
+    })
+}
+
+/// Growth of the bridge's peak RSS over its idle RSS under the floods below: the
+/// default budget lets 64 MiB of OUT data be in flight, plus a 16 MiB packet being
+/// read. Before the bridge kept to the budget the same floods took it from 10 MB to
+/// 404 MB.
+const BRIDGE_GROWTH_BOUND_KIB: u64 = 160 * 1024;
+/// IN requests the first guest queues: more than the budget's 1 024 URBs in flight.
+const FLOOD_INS: usize = 1_100;
+/// OUT packets of 16 MiB the guests send on the loop OUT.
+const FLOOD_OUTS: usize = 16;
+const FLOOD_OUT_SIZE: usize = 16 << 20;
+
+#[test]
+fn a_usbredir_guest_flooding_the_bridge_with_urbs_leaves_it_bounded() {
+    // The attack as reported: IN requests that never finish, then 256 MiB of OUT data.
+    let packets = bulk_packets(100, FLOOD_INS, 512, LOOP_IN_EP).chain(bulk_packets(
+        10_000,
+        FLOOD_OUTS,
+        FLOOD_OUT_SIZE,
+        LOOP_OUT_EP,
+    ));
+    flood_the_bridge("IN+OUT", Box::new(packets));
+}
+
+#[test]
+fn a_usbredir_guest_flooding_the_bridge_with_out_data_leaves_it_bounded() {
+    // The OUT data first: the bytes in flight, not the URB count, must stop the reads.
+    let packets = bulk_packets(100, FLOOD_OUTS, FLOOD_OUT_SIZE, LOOP_OUT_EP)
+        .chain(bulk_packets(10_000, FLOOD_INS, 512, LOOP_IN_EP));
+    flood_the_bridge("OUT+IN", Box::new(packets));
+}
+
+type Packets = Box<dyn Iterator<Item = (u64, Packet)> + Send>;
+
+/// A guest of a bridge to a fresh server sends `packets`: the bridge must stop
+/// reading instead of buffering them and stay within its bound; the server keeps
+/// serving others.
+fn flood_the_bridge(name: &str, packets: Packets) {
+    let served = Served::start();
+    let bridge = RedirBridge::start(&served);
+    let (guest, codec) = bridge.guest();
+    let idle = status_kib(&bridge.child, "VmRSS:");
+    let (written, all) = flood(&guest, codec, packets).join().unwrap();
+    let growth = status_kib(&bridge.child, "VmHWM:").saturating_sub(idle);
+    eprintln!("usbredir {name} flood: {written} bytes taken, peak RSS grew by {growth} KiB");
+    assert!(!all, "the bridge read the whole flood: it does not push back");
+    assert!(growth < BRIDGE_GROWTH_BOUND_KIB, "the flood grew the bridge by {growth} KiB");
+    assert!(bridge.child.try_wait_ok(), "the bridge exited");
+    drop(guest);
+    served.assert_serves_others();
 }
 
 trait TryWaitOk {

@@ -8,7 +8,14 @@
 //! The protocol work is in `usbwire_redir::host` (sans I/O); this module only
 //! moves bytes and URBs: guest bytes into the core, the core's URBs onto a
 //! [`TransferQueue`](crate::TransferQueue), completions back, and the core's
-//! bytes to the guest through a writer task.
+//! bytes to the guest, all from one task.
+//!
+//! Nothing here grows with what the guest sends: the bridge reads from the
+//! guest only while the URBs it has in flight, and their bytes, are under the
+//! connection's [`Budget`] (the server's default, which the client connection
+//! keeps too), and while what waits to be written to the guest is under the
+//! budget's `queued_reply_bytes`; past either, it waits for completions or for
+//! the guest to read.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -16,14 +23,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::BytesMut;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use bytes::{Buf, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
 use tracing::{debug, info, warn, Instrument};
 use usbwire_proto::op::{BusId, DeviceRecord};
-use usbwire_proto::urb::{IsoPacketDescriptor, TransferFlags};
-use usbwire_proto::{Direction, Status};
+use usbwire_proto::urb::{IsoPacketDescriptor, RetSubmit, TransferFlags};
+use usbwire_proto::{Budget, Direction, Status};
 use usbwire_redir::host::{HostError, HostEvent, UrbCommand, UrbRequest, UrbResult};
 use usbwire_redir::UsbHost;
 
@@ -31,9 +37,6 @@ use crate::{Backoff, ClientError, Connection, Security, Transfer, TransferError,
 
 /// The version text of our hello.
 const HELLO: &str = concat!("usbwire ", env!("CARGO_PKG_VERSION"));
-/// Chunks for the guest queued before the bridge stops taking completions
-/// (a guest that does not read slows the device down instead of growing us).
-const TO_GUEST_CHUNKS: usize = 64;
 /// How often an idle bridge checks that its USB/IP side is still there.
 const LIVENESS_TICK: Duration = Duration::from_secs(1);
 
@@ -180,36 +183,34 @@ async fn serve_logged(source: &Source, stream: TcpStream, peer: SocketAddr) {
 }
 
 /// One guest: imports the device, bridges until either side goes, releases it.
-pub async fn serve_guest(source: &Source, stream: TcpStream) -> Result<Ended, BridgeError> {
+pub async fn serve_guest(source: &Source, mut stream: TcpStream) -> Result<Ended, BridgeError> {
     stream.set_nodelay(true)?;
-    let (mut reader, mut writer) = stream.into_split();
     let mut inbuf = BytesMut::with_capacity(64 * 1024);
-    let Some((connection, device)) = import_while_guest_waits(source, &mut reader, &mut inbuf).await? else {
+    let Some((connection, device)) = import_while_guest_waits(source, &mut stream, &mut inbuf).await? else {
         return Ok(Ended::GuestLeft);
     };
     info!(target: "usbwire::redir", resumable = connection.is_resumable(), speed = device.speed.name(),
         vid = format_args!("{:04x}", device.id_vendor), pid = format_args!("{:04x}", device.id_product), "device imported");
-    let (to_guest, mut outgoing) = mpsc::channel::<bytes::Bytes>(TO_GUEST_CHUNKS);
-    let writer_task = tokio::spawn(async move {
-        while let Some(bytes) = outgoing.recv().await {
-            writer.write_all(&bytes).await?;
-        }
-        writer.shutdown().await
-    });
     let mut bridge = Bridge {
         host: UsbHost::new(HELLO, device.speed),
         queue: connection.queue(),
         seqnums: HashMap::new(),
-        tags: HashMap::new(),
+        urbs: HashMap::new(),
+        in_flight_bytes: 0,
+        budget: Budget::default(),
     };
-    let outcome = bridge.run(&connection, &mut reader, &mut inbuf, &to_guest).await;
+    let outcome = bridge.run(&connection, &stream, &mut inbuf).await;
     let traffic = bridge.host.traffic();
     info!(target: "usbwire::redir", control = traffic.control, bulk = traffic.bulk,
         interrupt_in = traffic.interrupt_in, interrupt_out = traffic.interrupt_out,
         iso_in_packets = traffic.iso_in_packets, iso_out_packets = traffic.iso_out_packets, "guest traffic");
-    drop(to_guest);
     // What the core said last (a device_disconnect) reaches the guest before the socket closes.
-    let _ = tokio::time::timeout(Duration::from_secs(1), writer_task).await;
+    let last = bridge.host.to_guest();
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        stream.write_all(last).await?;
+        stream.shutdown().await
+    })
+    .await;
     drop(bridge);
     connection.close().await;
     outcome
@@ -219,9 +220,9 @@ pub async fn serve_guest(source: &Source, stream: TcpStream) -> Result<Ended, Br
 /// guest's first bytes (its hello) are kept in `inbuf`. `None`: the guest left.
 async fn import_while_guest_waits(
     source: &Source,
-    reader: &mut tokio::net::tcp::OwnedReadHalf,
+    reader: &mut TcpStream,
     inbuf: &mut BytesMut,
-) -> Result<Option<(Connection, usbwire_proto::op::DeviceRecord)>, BridgeError> {
+) -> Result<Option<(Connection, DeviceRecord)>, BridgeError> {
     let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
     loop {
         let imported = match source.device.resolve(source.addr, &source.security).await {
@@ -261,39 +262,65 @@ async fn import_while_guest_waits(
 struct Bridge {
     host: UsbHost,
     queue: crate::TransferQueue,
-    /// Core tag → USB/IP seqnum, for cancels.
+    /// Core tag → USB/IP seqnum, for cancels (until cancelled or completed).
     seqnums: HashMap<u64, u32>,
-    /// USB/IP seqnum → core tag, for completions.
-    tags: HashMap<u32, u64>,
+    /// USB/IP seqnum → core tag and `transfer_buffer_length`: the URBs in flight.
+    urbs: HashMap<u32, (u64, u32)>,
+    /// `transfer_buffer_length` summed over `urbs`.
+    in_flight_bytes: usize,
+    budget: Budget,
 }
 
 impl Bridge {
     async fn run(
         &mut self,
         connection: &Connection,
-        reader: &mut tokio::net::tcp::OwnedReadHalf,
+        guest: &TcpStream,
         inbuf: &mut BytesMut,
-        to_guest: &mpsc::Sender<bytes::Bytes>,
     ) -> Result<Ended, BridgeError> {
         // A hello that came while the import was under way.
         self.host.handle_guest(inbuf)?;
         let mut tick = tokio::time::interval(LIVENESS_TICK);
         loop {
             if let Some(ended) = self.handle_events() {
-                self.flush(to_guest).await;
                 return Ok(ended);
             }
-            self.issue_commands(connection).await;
-            self.flush(to_guest).await;
+            self.issue_commands();
+            // A guest that does not read slows the device down instead of growing us.
+            let to_guest = self.host.to_guest().len();
+            let guest_reads = to_guest < self.budget.queued_reply_bytes;
+            let read_guest = guest_reads && self.has_room();
+            let collect = guest_reads && self.queue.pending() > 0;
             tokio::select! {
-                read = reader.read_buf(inbuf) => {
-                    if read? == 0 {
+                ready = guest.ready(Interest::READABLE) => {
+                    if read_guest {
+                        match guest.try_read_buf(inbuf) {
+                            Ok(0) => return Ok(Ended::GuestLeft),
+                            Ok(_) => {
+                                self.host.handle_guest(inbuf)?;
+                                inbuf.reserve(64 * 1024);
+                            }
+                            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                            Err(error) => return Err(error.into()),
+                        }
+                    } else if ready?.is_read_closed() {
+                        // Gone with bytes we had no room for: no need to read them to know.
                         return Ok(Ended::GuestLeft);
+                    } else {
+                        // Bytes we have no room for yet: wait for the next change (more
+                        // bytes, or the guest hanging up) rather than spin on these.
+                        let _ = guest.try_io(Interest::READABLE, || Err::<(), _>(std::io::ErrorKind::WouldBlock.into()));
                     }
-                    self.host.handle_guest(inbuf)?;
-                    inbuf.reserve(64 * 1024);
                 }
-                completion = self.queue.next_complete(), if self.queue.pending() > 0 => {
+                writable = guest.writable(), if to_guest > 0 => {
+                    writable?;
+                    match guest.try_write(self.host.to_guest()) {
+                        Ok(wrote) => self.host.to_guest().advance(wrote),
+                        Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(error) => return Err(error.into()),
+                    }
+                }
+                completion = self.queue.next_complete(), if collect => {
                     match completion {
                         Some(Ok(ret)) => {
                             self.complete(ret)?;
@@ -301,16 +328,23 @@ impl Bridge {
                                 self.complete(ret)?;
                             }
                         }
-                        Some(Err(_)) | None => return self.lost(to_guest).await,
+                        Some(Err(_)) | None => return Err(self.lost()),
                     }
                 }
                 _ = tick.tick() => {
                     if connection.is_closed() {
-                        return self.lost(to_guest).await;
+                        return Err(self.lost());
                     }
                 }
             }
         }
+    }
+
+    /// Whether the URBs in flight and their bytes leave room in the budget:
+    /// the guest is read only then (one read may still add a few URBs past it).
+    fn has_room(&self) -> bool {
+        self.urbs.len() < self.budget.in_flight_urbs
+            && (self.in_flight_bytes == 0 || self.in_flight_bytes < self.budget.in_flight_bytes)
     }
 
     fn handle_events(&mut self) -> Option<Ended> {
@@ -331,29 +365,39 @@ impl Bridge {
         None
     }
 
-    async fn issue_commands(&mut self, connection: &Connection) {
+    fn issue_commands(&mut self) {
         while let Some(command) = self.host.poll_urb() {
             match command {
-                UrbCommand::Submit { tag, urb } => match self.queue.submit(transfer_of(urb)) {
-                    Ok(seqnum) => {
-                        self.seqnums.insert(tag, seqnum);
-                        self.tags.insert(seqnum, tag);
+                UrbCommand::Submit { tag, urb } => {
+                    let transfer = transfer_of(urb);
+                    let length = match transfer.direction {
+                        Direction::Out => transfer.data.len() as u32,
+                        Direction::In => transfer.length,
+                    };
+                    match self.queue.submit(transfer) {
+                        Ok(seqnum) => {
+                            self.seqnums.insert(tag, seqnum);
+                            self.urbs.insert(seqnum, (tag, length));
+                            self.in_flight_bytes += length as usize;
+                        }
+                        // The connection is gone; the liveness check ends the session.
+                        Err(TransferError::Disconnected) => {}
+                        Err(error) => debug!(target: "usbwire::redir", %error, "submit failed"),
                     }
-                    // The connection is gone; the liveness check ends the session.
-                    Err(TransferError::Disconnected) => {}
-                    Err(error) => debug!(target: "usbwire::redir", %error, "submit failed"),
-                },
+                }
                 UrbCommand::Cancel { tag } => {
-                    if let Some(&seqnum) = self.seqnums.get(&tag) {
-                        let _ = connection.unlink(seqnum).await;
+                    // Once per URB: its completion (cancelled or not) follows.
+                    if let Some(seqnum) = self.seqnums.remove(&tag) {
+                        let _ = self.queue.unlink(seqnum);
                     }
                 }
             }
         }
     }
 
-    fn complete(&mut self, ret: usbwire_proto::urb::RetSubmit) -> Result<(), HostError> {
-        let Some(tag) = self.tags.remove(&ret.seqnum) else { return Ok(()) };
+    fn complete(&mut self, ret: RetSubmit) -> Result<(), HostError> {
+        let Some((tag, length)) = self.urbs.remove(&ret.seqnum) else { return Ok(()) };
+        self.in_flight_bytes -= length as usize;
         self.seqnums.remove(&tag);
         let result = UrbResult {
             status: ret.status,
@@ -364,18 +408,10 @@ impl Bridge {
         self.host.handle_urb(tag, result)
     }
 
-    async fn flush(&mut self, to_guest: &mpsc::Sender<bytes::Bytes>) {
-        let out = self.host.to_guest();
-        if !out.is_empty() {
-            // An error means the writer ended (the guest's socket failed); the read side sees it too.
-            let _ = to_guest.send(out.split().freeze()).await;
-        }
-    }
-
-    async fn lost(&mut self, to_guest: &mpsc::Sender<bytes::Bytes>) -> Result<Ended, BridgeError> {
+    /// The USB/IP side is gone: the core tells the guest the device went.
+    fn lost(&mut self) -> BridgeError {
         self.host.device_lost();
-        self.flush(to_guest).await;
-        Err(BridgeError::DeviceLost)
+        BridgeError::DeviceLost
     }
 }
 
