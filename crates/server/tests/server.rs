@@ -479,7 +479,7 @@ async fn resume_from(source: std::net::Ipv4Addr, addr: SocketAddr, token: &usbwi
 async fn a_sniffed_plain_resume_token_from_another_address_is_refused() {
     let addr = start().await;
     let imported = usbwire_client::import_resumable(addr, &busid("1-1"), &Security::Plain, &[]).await.unwrap();
-    let token = imported.resume.expect("resume granted to a plain client");
+    let token = imported.resume.expect("resume granted to a plain client").token;
     let sniffer = std::net::Ipv4Addr::new(127, 0, 0, 2);
     assert!(!resume_from(sniffer, addr, &token).await, "taken over from 127.0.0.2 while the owner is connected");
     drop(imported.stream);
