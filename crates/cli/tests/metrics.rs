@@ -215,21 +215,39 @@ async fn usbwire_capture_switches_a_running_import_on_and_off() {
     assert_eq!(packets_in(&file), 10, "a submit and a completion for each of the 5 URBs made while capturing");
 }
 
+/// Sixteen 512-byte bulk OUT URBs to the sink, all at once.
+async fn sixteen_at_once(
+    connection: &Connection,
+) -> Vec<Result<usbwire_proto::urb::RetSubmit, usbwire_client::TransferError>> {
+    let transfers =
+        (0..16u8).map(|n| connection.transfer_checked(Transfer::bulk_out(SINK_OUT, Bytes::from(vec![n; 512]))));
+    futures_util::future::join_all(transfers).await
+}
+
 #[tokio::test]
 async fn a_client_outrunning_its_budget_is_counted() {
     let served = Served::start_with("budget", "[limits]\nin_flight_urbs = 2\n");
     let busid = BusId::new("1-1").unwrap();
+    // A resumable client hears what the server's table takes and sends no more:
+    // sixteen URBs at once never fill it.
     let (connection, _) = Connection::import_resumable(served.addr, &busid, &Security::Plain, &[]).await.unwrap();
     connection.transfer_checked(Transfer::control_out([0x00, 0x09, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
-    // Sixteen URBs at once against a budget of two in flight: the server stops
-    // reading until the device completes some, and says so.
-    let transfers =
-        (0..16u8).map(|n| connection.transfer_checked(Transfer::bulk_out(SINK_OUT, Bytes::from(vec![n; 512]))));
-    for done in futures_util::future::join_all(transfers).await {
+    for done in sixteen_at_once(&connection).await {
         done.unwrap();
     }
     connection.close().await;
     let budget = "usbwire_device_budget_refusals_total{busid=\"1-1\",kind=\"loopback\",budget=\"in_flight_urbs\"}";
+    assert_eq!(served.sample(budget), 0, "a resumable client filled the server's table");
+    // A plain client (as the kernel's) does not know the budget: sixteen URBs at
+    // once against two in flight, and the server stops reading until the device
+    // completes some, and says so.
+    let (stream, device) = usbwire_client::import(served.addr, &busid, &Security::Plain).await.unwrap();
+    let connection = Connection::new(stream, &device);
+    connection.transfer_checked(Transfer::control_out([0x00, 0x09, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
+    for done in sixteen_at_once(&connection).await {
+        done.unwrap();
+    }
+    connection.close().await;
     assert!(served.sample(budget) >= 1, "the in-flight URB budget was full at least once");
     assert_eq!(served.sample(&budget.replace("in_flight_urbs", "unacked_reply_bytes")), 0);
     let state = Command::new(BIN).args(["state", "--json", "--control"]).arg(&served.control).output().unwrap();
