@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 /// `--listen`: `ADDR:PORT`, `ADDR` (port 3240), `HOST:PORT` or `HOST` (the
-/// name's first address: `localhost` is 127.0.0.1 on most machines).
+/// name's first address; `localhost` is always 127.0.0.1, as RFC 6761 has it).
 fn listen_address(text: &str) -> Result<SocketAddr, String> {
     use std::net::{IpAddr, ToSocketAddrs as _};
     let port = usbwire_proto::DEFAULT_PORT;
@@ -16,6 +16,15 @@ fn listen_address(text: &str) -> Result<SocketAddr, String> {
     }
     if let Ok(ip) = text.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
         return Ok(SocketAddr::new(ip, port));
+    }
+    // A localhost name is this machine's loopback, resolver or not (RFC 6761).
+    match text.rsplit_once(':') {
+        Some((host, p)) if usbwire_client::is_localhost(host) => {
+            let port = p.parse::<u16>().map_err(|_| format!("{p:?} is not a port"))?;
+            return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+        }
+        None if usbwire_client::is_localhost(text) => return Ok(SocketAddr::from(([127, 0, 0, 1], port))),
+        _ => {}
     }
     let resolved = match text.rsplit_once(':') {
         Some((host, p)) if p.parse::<u16>().is_ok() => text.to_socket_addrs().map_err(|e| (host.to_owned(), e)),
@@ -39,6 +48,8 @@ mod tests {
         assert_eq!(listen_address("[::1]"), Ok("[::1]:3240".parse().unwrap()));
         assert!(listen_address("localhost:4000").is_ok_and(|a| a.port() == 4000 && a.ip().is_loopback()));
         assert!(listen_address("localhost").is_ok_and(|a| a.port() == 3240 && a.ip().is_loopback()));
+        assert_eq!(listen_address("LocalHost.:7"), Ok("127.0.0.1:7".parse().unwrap()));
+        assert!(listen_address("localhost:x").is_err());
         let error = listen_address("no-such-host.invalid:1").unwrap_err();
         assert!(error.contains("not an address or a host name"), "{error}");
     }

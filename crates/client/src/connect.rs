@@ -15,15 +15,29 @@ use crate::error::OP_TIMEOUT;
 use crate::ClientError;
 
 /// Resolves `HOST`, `HOST:PORT` or `[V6]:PORT` (default port 3240).
+/// `localhost` is 127.0.0.1 without asking the resolver (RFC 6761), so it
+/// works on a machine without `/etc/hosts` too.
 pub async fn resolve(target: &str) -> Result<SocketAddr, ClientError> {
     let with_port = if target.parse::<SocketAddr>().is_ok() || has_port(target) {
         target.to_owned()
     } else {
         format!("{target}:{}", usbwire_proto::DEFAULT_PORT)
     };
+    if let Some((host, port)) = with_port.rsplit_once(':') {
+        if let (true, Ok(port)) = (is_localhost(host), port.parse::<u16>()) {
+            return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+        }
+    }
     let connect_error = |source| ClientError::Connect { addr: target.to_owned(), source };
     let mut addrs = tokio::net::lookup_host(&with_port).await.map_err(connect_error)?;
     addrs.next().ok_or_else(|| connect_error(std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))
+}
+
+/// Whether `host` is a localhost name, which always means this machine's
+/// loopback (RFC 6761 §6.3): `localhost`, `localhost.`, `*.localhost`.
+pub fn is_localhost(host: &str) -> bool {
+    let host = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
+    host == "localhost" || host.ends_with(".localhost")
 }
 
 fn has_port(target: &str) -> bool {
@@ -159,5 +173,13 @@ mod tests {
     #[test]
     fn a_port_is_recognised_but_a_bare_v6_address_is_not_one() {
         assert!(has_port("host:3240") && !has_port("host") && !has_port("::1"));
+    }
+
+    #[tokio::test]
+    async fn localhost_is_loopback_without_the_resolver() {
+        assert!(is_localhost("localhost") && is_localhost("LOCALHOST.") && is_localhost("lab.localhost"));
+        assert!(!is_localhost("localhost.example") && !is_localhost("mylocalhost"));
+        assert_eq!(resolve("localhost").await.unwrap(), "127.0.0.1:3240".parse().unwrap());
+        assert_eq!(resolve("localhost:4000").await.unwrap(), "127.0.0.1:4000".parse().unwrap());
     }
 }

@@ -52,7 +52,7 @@ mod op_exchange;
 mod transfer;
 mod waiters;
 
-pub use connect::{resolve, Security, TlsClient};
+pub use connect::{is_localhost, resolve, Security, TlsClient};
 pub use connection::{Connection, RESUME_GIVE_UP};
 pub use error::{ClientError, TransferError};
 pub use op_exchange::{
