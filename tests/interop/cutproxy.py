@@ -318,6 +318,17 @@ def selftest():
         finally:
             s.close()
 
+    def after_sending(s):
+        """Sends a few bytes through a cut connection: what comes back within 0.4 s."""
+        s.sendall(b"lost")
+        s.settimeout(0.4)
+        try:
+            return f"data {s.recv(16)!r}"
+        except socket.timeout:
+            return "silent"
+        except OSError as error:
+            return repr(error)
+
     def wait_ends(n):
         deadline = time.time() + 3
         while len(ends) < n and time.time() < deadline:
@@ -338,14 +349,7 @@ def selftest():
                         f"cut {n}, client {seen}, server {wait_ends(2)}"))
         s, _ = client()
         n = proxy.cut("blackhole")
-        s.sendall(b"lost")
-        s.settimeout(0.4)
-        try:
-            during = f"data {s.recv(16)!r}"
-        except socket.timeout:
-            during = "silent"
-        except OSError as error:
-            during = repr(error)
+        during = after_sending(s)
         s.settimeout(3)
         seen = outcome(s)
         results.append(("proxy blackhole: silence, then a reset to both ends",
@@ -354,28 +358,14 @@ def selftest():
         s, _ = client()
         n = proxy.cut("server-rst")
         server_end = wait_ends(4)
-        s.sendall(b"lost")
-        s.settimeout(0.4)
-        try:
-            during = f"data {s.recv(16)!r}"
-        except socket.timeout:
-            during = "silent"
-        except OSError as error:
-            during = repr(error)
+        during = after_sending(s)
         s.close()
         results.append(("proxy server-rst: the server sees a reset, the client silence",
                         n == 1 and server_end == "reset" and during == "silent",
                         f"cut {n}, server {server_end}, client {during}"))
         s, _ = client()
         n = proxy.cut("stall")
-        s.sendall(b"lost")
-        s.settimeout(0.4)
-        try:
-            during = f"data {s.recv(16)!r}"
-        except socket.timeout:
-            during = "silent"
-        except OSError as error:
-            during = repr(error)
+        during = after_sending(s)
         early = ends[4] if len(ends) > 4 else "nothing"
         s.settimeout(3)
         seen = outcome(s)
