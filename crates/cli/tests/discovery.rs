@@ -42,22 +42,30 @@ impl Namespaces {
         for (ns, dev, host) in [(&a, &va, 1), (&b, &vb, 2)] {
             let address = format!("10.231.{subnet}.{host}/24");
             for args in [
-                vec!["-n", ns, "addr", "add", &address, "dev", dev],
-                vec!["-n", ns, "link", "set", dev, "up"],
-                vec!["-n", ns, "link", "set", "lo", "up"],
+                vec!["addr", "add", &address, "dev", dev],
+                vec!["link", "set", dev, "up"],
+                vec!["link", "set", "lo", "up"],
             ] {
-                let out = ip(&args);
-                assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+                let out = Command::new("nsenter").arg(net(ns)).arg("ip").args(&args).output().unwrap();
+                assert!(out.status.success(), "ip {args:?} in {ns}: {}", String::from_utf8_lossy(&out.stderr));
             }
         }
         Some(namespaces)
     }
 
+    /// `BIN args` in the network namespace `ns`. nsenter switches only the
+    /// network namespace; `ip netns exec` (and `ip -n`) also remount `/sys`,
+    /// which fails where `/` is not a mount point (a chroot).
     fn run_in(&self, ns: &str, args: &[&str]) -> Command {
-        let mut command = Command::new("ip");
-        command.args(["netns", "exec", ns, BIN]).args(args);
+        let mut command = Command::new("nsenter");
+        command.arg(net(ns)).arg(BIN).args(args);
         command
     }
+}
+
+/// nsenter's option for the named network namespace `ip netns add` made.
+fn net(ns: &str) -> String {
+    format!("--net=/run/netns/{ns}")
 }
 
 impl Drop for Namespaces {
