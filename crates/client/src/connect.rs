@@ -63,6 +63,10 @@ pub struct TlsClient {
     pub known: KnownServers,
     /// Pin an unknown server's key on first use instead of refusing it.
     pub trust_new: bool,
+    /// The server's key as a source the user trusts names it (the lab
+    /// registry's entry for the server): only this key is accepted, whatever
+    /// `known` pins for the address, and nothing is written to `known`.
+    pub pinned: Option<Fingerprint>,
 }
 
 pub(crate) async fn connect(addr: SocketAddr, security: &Security) -> Result<PeerStream, ClientError> {
@@ -71,7 +75,7 @@ pub(crate) async fn connect(addr: SocketAddr, security: &Security) -> Result<Pee
         return Ok(PeerStream::Plain(tcp));
     };
     let key = addr.to_string();
-    let pinned = tls.known.lookup(&key);
+    let pinned = tls.pinned.or_else(|| tls.known.lookup(&key));
     let trust = match (pinned, tls.trust_new) {
         (Some(fingerprint), _) => ServerTrust::Pinned(fingerprint),
         (None, true) => ServerTrust::FirstUse,
@@ -90,6 +94,9 @@ pub(crate) async fn connect(addr: SocketAddr, security: &Security) -> Result<Pee
         Ok(Err(error)) => {
             let got = seen.fingerprint();
             return Err(match (pinned, got) {
+                (Some(expected), Some(got)) if expected != got && tls.pinned.is_some() => {
+                    ClientError::NotTheRegisteredKey { addr: key, expected: expected.to_string(), got: got.to_string() }
+                }
                 (Some(expected), Some(got)) if expected != got => ClientError::ServerKeyChanged {
                     addr: key,
                     expected: expected.to_string(),

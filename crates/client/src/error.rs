@@ -35,6 +35,11 @@ pub enum ClientError {
     /// TLS: the server's key differs from the pinned one.
     #[error("{addr} presented key {got}, but {expected} is pinned in {}: someone may be in the middle; if the server's key really changed, remove its line from that file", .known.display())]
     ServerKeyChanged { addr: String, expected: String, got: String, known: std::path::PathBuf },
+    /// TLS: the server's key is not the one its lab registry entry names
+    /// ([`crate::TlsClient::pinned`]): the entry was planted or is stale, or
+    /// someone is in the middle.
+    #[error("{addr} presented key {got}, but its lab registry entry names {expected}: refused (a planted or stale entry, or someone in the middle); if the server's key really changed, restart its `usbwire serve --registry` so it registers the new one")]
+    NotTheRegisteredKey { addr: String, expected: String, got: String },
     /// TLS: the handshake failed (for instance the server does not know our identity).
     #[error(
         "TLS with {addr} failed: {reason} (does the server allow this client's identity? `usbwire identity` shows it)"

@@ -231,7 +231,11 @@ async fn import_while_guest_waits(
         };
         match imported {
             Ok(imported) => return Ok(Some(imported)),
-            Err(error @ (ClientError::UnknownServer { .. } | ClientError::ServerKeyChanged { .. })) => {
+            Err(
+                error @ (ClientError::UnknownServer { .. }
+                | ClientError::ServerKeyChanged { .. }
+                | ClientError::NotTheRegisteredKey { .. }),
+            ) => {
                 return Err(error.into());
             }
             Err(error) => {

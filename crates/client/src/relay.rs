@@ -393,7 +393,11 @@ async fn reconnect(upstream: &Upstream, token: &Token, replies_received: u64) ->
         tokio::time::sleep(backoff.next_delay()).await;
         match resume_session(upstream.addr, &upstream.security, &upstream.transforms, token, replies_received).await {
             Ok(resumed) => return Ok(resumed),
-            Err(error @ (ClientError::ResumeRefused { .. } | ClientError::ServerKeyChanged { .. })) => {
+            Err(
+                error @ (ClientError::ResumeRefused { .. }
+                | ClientError::ServerKeyChanged { .. }
+                | ClientError::NotTheRegisteredKey { .. }),
+            ) => {
                 return Err(RelayError::SessionLost { addr: upstream.addr, reason: error.to_string() });
             }
             Err(error) if started.elapsed() >= upstream.give_up_after => {

@@ -62,7 +62,7 @@ async fn serve_tls() -> (SocketAddr, Security) {
     let addr = serve(security).await;
     let known = KnownServers::in_dir(&scratch("known"));
     known.add(&addr.to_string(), server.fingerprint()).unwrap();
-    (addr, Security::Tls(Arc::new(TlsClient { identity: client, known, trust_new: false })))
+    (addr, Security::Tls(Arc::new(TlsClient { identity: client, known, trust_new: false, pinned: None })))
 }
 
 /// Connections from 127.0.0.2 that send nothing, each re-opened as soon as the

@@ -73,7 +73,15 @@ fn tls(identity: &Identity, known: KnownServers, trust_new: bool) -> Security {
     let dir = scratch(&format!("copy-{}", identity.fingerprint().to_string()[7..15].to_owned()));
     identity.save(&dir).unwrap();
     let copy = Identity::load(&dir).unwrap();
-    Security::Tls(Arc::new(TlsClient { identity: copy, known, trust_new }))
+    Security::Tls(Arc::new(TlsClient { identity: copy, known, trust_new, pinned: None }))
+}
+
+/// As the lab registry's entry pins it: only `fingerprint`, whatever `known` says.
+fn registry_pinned(identity: &Identity, known: KnownServers, fingerprint: usbwire_transport::Fingerprint) -> Security {
+    let dir = scratch(&format!("registry-copy-{}", identity.fingerprint().to_string()[7..15].to_owned()));
+    identity.save(&dir).unwrap();
+    let copy = Identity::load(&dir).unwrap();
+    Security::Tls(Arc::new(TlsClient { identity: copy, known, trust_new: false, pinned: Some(fingerprint) }))
 }
 
 fn pinned(setup: &Setup, addr: SocketAddr, name: &str) -> KnownServers {
@@ -138,6 +146,27 @@ async fn refused_before_any_device_is_listed() {
     known.add(&setup.addr.to_string(), other_server.fingerprint()).unwrap();
     let result = usbwire_client::list_devices(setup.addr, &tls(&setup.alice, known, false)).await;
     assert!(matches!(result, Err(ClientError::ServerKeyChanged { .. })), "{result:?}");
+    // A lab registry entry naming another key (planted, or stale) is refused, even
+    // where known_servers pins the right one; the entry's right key is accepted even
+    // where known_servers pins another, and known_servers is left as it was.
+    let right = pinned(&setup, setup.addr, "registry-right");
+    let planted = registry_pinned(&setup.alice, right.clone(), other_server.fingerprint());
+    match usbwire_client::list_devices(setup.addr, &planted).await {
+        Err(ClientError::NotTheRegisteredKey { expected, got, .. }) => {
+            assert_eq!(expected, other_server.fingerprint().to_string());
+            assert_eq!(got, setup.server.fingerprint().to_string());
+        }
+        other => panic!("expected a refused registry key, got {other:?}"),
+    }
+    let wrong = KnownServers::in_dir(&scratch("registry-wrong-known"));
+    wrong.add(&setup.addr.to_string(), other_server.fingerprint()).unwrap();
+    let registered = registry_pinned(&setup.alice, wrong.clone(), setup.server.fingerprint());
+    usbwire_client::list_devices(setup.addr, &registered).await.expect("the registered key is accepted");
+    assert_eq!(wrong.lookup(&setup.addr.to_string()), Some(other_server.fingerprint()), "known_servers untouched");
+    let unpinned = KnownServers::in_dir(&scratch("registry-unpinned"));
+    let registered = registry_pinned(&setup.alice, unpinned.clone(), setup.server.fingerprint());
+    usbwire_client::list_devices(setup.addr, &registered).await.expect("no pin needed beside the registry's");
+    assert!(unpinned.is_empty(), "the registry's key is not written to known_servers");
     // An unknown server without --trust-new: refused, and the error shows the key to check.
     let known = KnownServers::in_dir(&scratch("unpinned"));
     match usbwire_client::list_devices(setup.addr, &tls(&setup.alice, known.clone(), false)).await {

@@ -280,7 +280,12 @@ async fn tls_with_identity(addr: SocketAddr, args: &DoctorArgs) -> Check {
     };
     let fingerprint = identity.fingerprint();
     let known = usbwire_transport::known_servers::KnownServers::in_dir(&dir);
-    let security = Security::Tls(std::sync::Arc::new(usbwire_client::TlsClient { identity, known, trust_new: false }));
+    let security = Security::Tls(std::sync::Arc::new(usbwire_client::TlsClient {
+        identity,
+        known,
+        trust_new: false,
+        pinned: None,
+    }));
     match usbwire_client::list_devices(addr, &security).await {
         Ok(devices) => check(
             "tls",

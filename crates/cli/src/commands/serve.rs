@@ -238,7 +238,12 @@ async fn start_redir_bridges(
                     format!("pinning this server's key for its usbredir bridges in {}", known.path().display())
                 })
                 .map_err(Failure::config)?;
-            usbwire_client::Security::Tls(Arc::new(usbwire_client::TlsClient { identity, known, trust_new: false }))
+            usbwire_client::Security::Tls(Arc::new(usbwire_client::TlsClient {
+                identity,
+                known,
+                trust_new: false,
+                pinned: None,
+            }))
         }
         _ => usbwire_client::Security::Plain,
     };
