@@ -439,6 +439,11 @@ pub(crate) struct AttachArgs {
     /// With --registry: detach and give the device back after this long (e.g. 1h).
     #[arg(long = "for", value_name = "DURATION", value_parser = duration, requires = "registry")]
     pub(crate) hold_for: Option<std::time::Duration>,
+    /// With --registry: import from a server whose registry entry carries no TLS key, over plain
+    /// USB/IP (refused otherwise: anyone who can write to the registry could have planted it). A
+    /// server with a key in its entry is always reached over TLS, pinned to that key.
+    #[arg(long, requires = "registry")]
+    pub(crate) allow_plain: bool,
     /// Compress the stream (usbwire servers): zstd or lz4; the kernel gets it through a local relay.
     #[arg(long, value_name = "ALGO", value_parser = ["zstd", "lz4"])]
     pub(crate) compress: Option<String>,

@@ -301,6 +301,10 @@ pub(crate) struct RegistryTable {
     pub(crate) ca: Option<PathBuf>,
     pub(crate) cert: Option<PathBuf>,
     pub(crate) key: Option<PathBuf>,
+    /// A client's (`usbwire client`): import from servers whose entry carries no
+    /// TLS key, over plain USB/IP (as `attach --allow-plain`). Refused by default.
+    #[serde(default)]
+    pub(crate) plain: bool,
 }
 
 impl RegistryTable {
@@ -524,6 +528,7 @@ fn selector_list<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Ve
 ///
 /// [registry]                        # a lab registry on etcd, for server = "registry" rules
 /// endpoints = ["10.0.0.5:2379"]
+/// plain = false                     # true: also servers whose entry has no TLS key, over plain USB/IP
 ///
 /// [[attach]]
 /// server = "registry"              # a free matching device, wherever it is, reserved while attached
@@ -535,6 +540,9 @@ fn selector_list<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Ve
 /// could answer mDNS and have its "device" (a keyboard that types commands)
 /// attached to this kernel. With TLS, only servers whose key is pinned in the
 /// identity's `known_servers` are accepted (the service never pins on first use).
+/// `server = "registry"` rules always use TLS pinned to the key in the reserved
+/// server's registry entry (whatever `tls` says); a server whose entry has no
+/// key is refused unless `[registry] plain = true`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct ClientConfig {

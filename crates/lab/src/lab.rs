@@ -98,6 +98,14 @@ struct Candidate {
     availability: String,
 }
 
+/// Whether a server's and a device's records name the server and bus id of
+/// the keys they were read from (`servers/SERVER`, `devices/SERVER/BUSID`).
+/// A client imports from the address and pins the key the records name, so
+/// records that name another server are not taken.
+fn names_its_key(server: &ServerEntry, device: &DeviceEntry, key_server: &str, key_busid: &str) -> bool {
+    server.address == key_server && device.server == key_server && device.busid == key_busid
+}
+
 /// The first key after every key that starts with `prefix`.
 fn prefix_end(prefix: &str) -> Vec<u8> {
     let mut end = prefix.as_bytes().to_vec();
@@ -281,6 +289,15 @@ impl Lab {
                 let _ = self.client.delete(self.keys.reservation(&candidate.server, &candidate.busid), None).await;
                 continue;
             };
+            if !names_its_key(&server, &device, &candidate.server, &candidate.busid) {
+                // Records under one server's keys that name another: a client would
+                // import from (and pin the key of) a server other than the one reserved.
+                tracing::warn!(server = %candidate.server, busid = %candidate.busid, named_server = %server.address,
+                    named_device = %format!("{} {}", device.server, device.busid),
+                    "skipped: its registry records name another server or device than their keys");
+                let _ = self.client.delete(self.keys.reservation(&candidate.server, &candidate.busid), None).await;
+                continue;
+            }
             let renewing = matches!(hold, Hold::WhileRunning { .. })
                 .then(|| tokio::spawn(keep_alive(self.endpoint.clone(), self.client.clone(), lease, ttl)));
             tracing::debug!(server = %device.server, busid = %device.busid, lease = format_args!("{lease:x}"), tried, "reserved");
@@ -348,17 +365,19 @@ impl Lab {
         Ok(found.unwrap_or_default())
     }
 
-    /// The device `busid` on `server`, if the reservation `token` proves is
-    /// still there (not run out, not someone else's since): one request.
+    /// The device `busid` on `server` and its server's entry, if the
+    /// reservation `token` proves is still there (not run out, not someone
+    /// else's since) and the records name their own keys: one request.
     pub async fn still_held(
         &mut self,
         server: &str,
         busid: &str,
         token: &ReservationToken,
-    ) -> Result<Option<DeviceEntry>, LabError> {
+    ) -> Result<Option<(ServerEntry, DeviceEntry)>, LabError> {
         let read = Txn::new().and_then([
             TxnOp::get(self.keys.reservation(server, busid), None),
             TxnOp::get(self.keys.device(server, busid), None),
+            TxnOp::get(self.keys.server(server), None),
         ]);
         let response = self.client.txn(read).await?;
         let mut values = response.op_responses().into_iter().map(|op| match op {
@@ -367,8 +386,9 @@ impl Lab {
         });
         let reservation = values.next().flatten().and_then(|v| decode::<ReservationEntry>(&v));
         let device = values.next().flatten().and_then(|v| decode::<DeviceEntry>(&v));
+        let entry = values.next().flatten().and_then(|v| decode::<ServerEntry>(&v));
         let ours = reservation.is_some_and(|r| r.token_sha256 == hex(&usbwire_server::reservation_digest(token)));
-        Ok(device.filter(|_| ours))
+        Ok(entry.zip(device).filter(|(entry, device)| ours && names_its_key(entry, device, server, busid)))
     }
 
     /// Ends the reservation of `busid` on `server`: only the holder's, when
@@ -498,4 +518,99 @@ fn user_of_this_process() -> Option<String> {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::Cluster;
+
+    fn device(server: &str, busid: &str) -> DeviceEntry {
+        DeviceEntry {
+            schema_version: SCHEMA_VERSION,
+            server: server.into(),
+            busid: busid.into(),
+            kind: "keyboard".into(),
+            vendor_id: "1209".into(),
+            product_id: "0001".into(),
+            manufacturer: None,
+            product: Some("planted keyboard".into()),
+            serial: None,
+            class: "03".into(),
+            interface_classes: vec![],
+            speed: "full".into(),
+            state: "available".into(),
+            holder: None,
+            since_at: None,
+            labels: vec!["kbd".into()],
+        }
+    }
+
+    fn server(address: &str, fingerprint: Option<&str>) -> ServerEntry {
+        ServerEntry {
+            schema_version: SCHEMA_VERSION,
+            address: address.into(),
+            tls_fingerprint: fingerprint.map(str::to_owned),
+            plain: fingerprint.is_none(),
+            implementation: "usbwire".into(),
+            version: "0.1.0".into(),
+            started_at: timestamp(SystemTime::now()),
+        }
+    }
+
+    /// Writes a server's and a device's records (and the device's index
+    /// entries) under the keys of `key_server`, as anyone who can write to
+    /// the registry could.
+    async fn plant(client: &mut Client, keys: &Keys, key_server: &str, server: &ServerEntry, device: &DeviceEntry) {
+        client.put(keys.server(key_server), json(server), None).await.unwrap();
+        client.put(keys.device(key_server, &device.busid), json(device), None).await.unwrap();
+        let mut indexed = device.clone();
+        indexed.server = key_server.into();
+        for key in keys.index_entries(&indexed) {
+            client.put(key, Availability::AVAILABLE, None).await.unwrap();
+        }
+    }
+
+    fn json<T: serde::Serialize>(value: &T) -> String {
+        serde_json::to_string(value).unwrap()
+    }
+
+    /// Issue 20: a client imports from the address, and pins the key, that
+    /// the records name; records under one server's keys that name another
+    /// server are not taken, and a reservation carries its server's entry
+    /// (its key) from the keys it reserved.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn records_that_name_another_server_than_their_keys_are_not_taken() {
+        let Some(cluster) = Cluster::start(1, "names_its_key").await else { return };
+        let mut client = cluster.client(0).await;
+        let keys = Keys::new("test");
+        let key = format!("sha256:{}", "cd".repeat(32));
+        // Under a's keys, records that send the client to b.
+        plant(&mut client, &keys, "a:3240", &server("b:3240", Some(&key)), &device("a:3240", "1-1")).await;
+        plant(&mut client, &keys, "c:3240", &server("c:3240", Some(&key)), &device("b:3240", "1-1")).await;
+        let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
+        let want: Want = "label=kbd".parse().unwrap();
+        let hold = Hold::WhileRunning { ttl: Duration::from_secs(5), until: None };
+        match lab.reserve(&want, hold, "test").await {
+            Err(LabError::NoneFree { .. }) => {}
+            Err(other) => panic!("expected none taken, got {other}"),
+            Ok(taken) => {
+                panic!("took {} on {} from records naming another server", taken.device.busid, taken.server.address)
+            }
+        }
+        let reservations =
+            client.get(format!("{}reservations/", keys.all()), Some(GetOptions::new().with_prefix())).await.unwrap();
+        assert_eq!(reservations.kvs().len(), 0, "the reservations tried were given back");
+        // Consistent records are taken, with the server's entry (and key) beside the device.
+        plant(&mut client, &keys, "d:3240", &server("d:3240", Some(&key)), &device("d:3240", "2-1")).await;
+        let taken = lab.reserve(&want, hold, "test").await.unwrap();
+        assert_eq!((taken.server.address.as_str(), taken.device.busid.as_str()), ("d:3240", "2-1"));
+        assert_eq!(taken.server.tls_fingerprint.as_deref(), Some(key.as_str()));
+        let (entry, held) = lab.still_held("d:3240", "2-1", &taken.token).await.unwrap().unwrap();
+        assert_eq!((entry.address.as_str(), held.busid.as_str()), ("d:3240", "2-1"));
+        // A server entry rewritten to name another address no longer counts as held there.
+        client.put(keys.server("d:3240"), json(&server("b:3240", Some(&key))), None).await.unwrap();
+        assert!(lab.still_held("d:3240", "2-1", &taken.token).await.unwrap().is_none());
+        taken.release().await.unwrap();
+    }
 }

@@ -47,19 +47,25 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
     if may_relay && !args.foreground && std::env::var_os(RELAY_LOG_ENV).is_none() {
         return attach_in_background();
     }
-    let security = super::client_security(&args.security)?;
-    let (addr, busid, taken) = match (&wanted, named_busid) {
+    let (addr, busid, security, taken) = match (&wanted, named_busid) {
         (Some(device), _) => {
-            let taken = super::lab::take(&args.registry, device, args.hold_for).await?;
-            let busid = BusId::new(&taken.busid).ok_or_else(|| {
-                Failure::protocol(anyhow!("the lab registry names an invalid bus id {:?}", taken.busid))
-            })?;
-            let addr = super::list::resolve(&taken.server, None).await?;
-            (addr, busid, Some(taken))
+            let mut taken = super::lab::take(&args.registry, device, args.hold_for).await?;
+            let trust =
+                super::lab::RegistryTrust { identity: args.security.identity.clone(), allow_plain: args.allow_plain };
+            match reserved_server(&taken, &trust).await {
+                Ok((addr, busid, security)) => (addr, busid, security, Some(taken)),
+                Err(failure) => {
+                    if let Some(held) = taken.held.take() {
+                        let _ = held.release().await;
+                    }
+                    return Err(failure);
+                }
+            }
         }
         (None, Some(busid)) => {
+            let security = super::client_security(&args.security)?;
             let remote = args.remote.as_deref().unwrap_or_default();
-            (super::list::resolve(remote, args.tcp_port).await?, busid, None)
+            (super::list::resolve(remote, args.tcp_port).await?, busid, security, None)
         }
         (None, None) => {
             return Err(Failure::usage(anyhow!("attach needs -r HOST -b BUSID, or --registry URL --device SELECTOR")))
@@ -108,6 +114,21 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
         give_up_after: RESUME_GIVE_UP,
     };
     relay_attached(imported, upstream, record, taken).await
+}
+
+/// Where and how to import a device reserved in the lab registry: its
+/// server's address and the security its entry calls for
+/// ([`super::lab::RegistryTrust`]: TLS pinned to the entry's key, or plain
+/// if allowed).
+async fn reserved_server(
+    taken: &super::lab::Taken,
+    trust: &super::lab::RegistryTrust,
+) -> Result<(std::net::SocketAddr, BusId, usbwire_client::Security), Failure> {
+    let busid = BusId::new(&taken.busid)
+        .ok_or_else(|| Failure::protocol(anyhow!("the lab registry names an invalid bus id {:?}", taken.busid)))?;
+    let security = trust.security(&taken.server)?;
+    let addr = super::list::resolve(&taken.server.address, None).await?;
+    Ok((addr, busid, security))
 }
 
 /// Environment variable naming the relay log: set by `attach` for the

@@ -1,7 +1,9 @@
 //! The lab registry from the command line: `list --registry [--watch]`,
-//! `reserve`, `release`, `who`; the reservation `attach --registry` takes;
-//! and the tokens of this user's reservations, kept so a later `attach`
-//! can use what `reserve --for` took.
+//! `reserve`, `release`, `who`; the reservation `attach --registry` takes,
+//! and how it reaches the reserved device's server ([`RegistryTrust`]: TLS
+//! pinned to the key in the server's entry, plain only when allowed); and
+//! the tokens of this user's reservations, kept so a later `attach` can use
+//! what `reserve --for` took.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -10,9 +12,14 @@ use std::time::{Duration, SystemTime};
 use anyhow::anyhow;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
-use usbwire_lab::{Endpoint, EtcdTls, Fleet, FleetDevice, Hold, Lab, LabError, Reservation, Want, DEFAULT_TTL};
+use usbwire_client::{Security, TlsClient};
+use usbwire_lab::{
+    Endpoint, EtcdTls, Fleet, FleetDevice, Hold, Lab, LabError, Reservation, ServerEntry, Want, DEFAULT_TTL,
+};
 use usbwire_proto::display::escape;
 use usbwire_proto::reservation::ReservationToken;
+use usbwire_transport::known_servers::KnownServers;
+use usbwire_transport::Fingerprint;
 
 use super::output::print_json;
 use crate::args::{RegistryArgs, ReleaseArgs, ReserveArgs, WhoArgs};
@@ -309,12 +316,60 @@ pub(crate) async fn who(args: WhoArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+/// How a registry attach reaches the server of the device it reserved. The
+/// registry is not trusted to name a server: anyone who can write to it
+/// could plant one. So the server's entry must carry its TLS key, and the
+/// connection accepts only that key ([`TlsClient::pinned`]; `known_servers`
+/// is neither read nor written); an entry without one (a plain server) is
+/// refused unless `allow_plain` (`attach --allow-plain`, `plain = true` in
+/// the client's `[registry]`) says plain USB/IP from this registry is fine.
+#[derive(Clone, Debug)]
+pub(crate) struct RegistryTrust {
+    /// This client's identity directory (`--identity`, `identity =`), default when `None`.
+    pub(crate) identity: Option<PathBuf>,
+    pub(crate) allow_plain: bool,
+}
+
+impl RegistryTrust {
+    /// TLS pinned to the entry's key; plain for an entry without one if
+    /// allowed. Refused (69) for a plain entry otherwise, with what to do;
+    /// an entry whose key is not a fingerprint is the registry's fault (65).
+    pub(crate) fn security(&self, entry: &ServerEntry) -> Result<Security, Failure> {
+        let server = escape(&entry.address);
+        let Some(text) = &entry.tls_fingerprint else {
+            if self.allow_plain {
+                tracing::warn!(%server, "plain USB/IP to a server the lab registry names (--allow-plain): not authenticated");
+                return Ok(Security::Plain);
+            }
+            return Err(Failure::unavailable(anyhow!(
+                "refused: the lab registry lists {server} as a plain USB/IP server (its entry carries no TLS key to \
+                 check it against), and anyone who can write to the registry could have planted it; serve it \
+                 with `usbwire serve --tls --registry …` so its entry carries its key, or accept plain servers \
+                 from this registry with --allow-plain (`plain = true` in [registry] for `usbwire client`)"
+            )));
+        };
+        let pinned: Fingerprint = text.parse().map_err(|error: String| {
+            Failure::protocol(anyhow!(
+                "the lab registry entry of {server} has an invalid TLS key: {}; refused",
+                escape(&error)
+            ))
+        })?;
+        let (identity, dir) = super::client_identity(self.identity.as_deref())?;
+        Ok(Security::Tls(std::sync::Arc::new(TlsClient {
+            identity,
+            known: KnownServers::in_dir(&dir),
+            trust_new: false,
+            pinned: Some(pinned),
+        })))
+    }
+}
+
 /// What `attach --registry` imports: a reservation of ours that matches
 /// (from `reserve --for`) if one is still held, else a new one held while
-/// the relay runs. Returns the reservation's server, bus id, token and, when
-/// new, the reservation to keep alive.
+/// the relay runs. Returns the reservation's server (its entry: address and
+/// TLS key), bus id, token and, when new, the reservation to keep alive.
 pub(crate) struct Taken {
-    pub(crate) server: String,
+    pub(crate) server: ServerEntry,
     pub(crate) busid: String,
     pub(crate) token: ReservationToken,
     pub(crate) held: Option<Reservation>,
@@ -330,21 +385,21 @@ pub(crate) async fn take(args: &RegistryArgs, device: &str, hold_for: Option<Dur
     for saved in store.load(&url) {
         let Some(token) = saved.token() else { continue };
         let held = lab.still_held(&saved.server, &saved.busid, &token).await.map_err(failure)?;
-        let Some(device) = held else {
+        let Some((server, device)) = held else {
             // Run out, or someone else's since: the token is worth nothing now.
             store.forget(&url, &saved.server, &saved.busid);
             continue;
         };
         if want.matches(&device) {
             tracing::info!(server = %saved.server, busid = %saved.busid, "using the reservation made earlier");
-            return Ok(Taken { server: saved.server, busid: saved.busid, token, held: None, until: None });
+            return Ok(Taken { server, busid: saved.busid, token, held: None, until: None });
         }
     }
     let until = hold_for.map(|d| SystemTime::now() + d);
     let reservation =
         lab.reserve(&want, Hold::WhileRunning { ttl: DEFAULT_TTL, until }, "usbwire attach").await.map_err(failure)?;
     Ok(Taken {
-        server: reservation.device.server.clone(),
+        server: reservation.server.clone(),
         busid: reservation.device.busid.clone(),
         token: reservation.token,
         held: Some(reservation),
@@ -510,6 +565,50 @@ mod tests {
             token: token.into(),
             until: None,
         }
+    }
+
+    fn entry(fingerprint: Option<&str>) -> ServerEntry {
+        ServerEntry {
+            schema_version: usbwire_lab::entry::SCHEMA_VERSION,
+            address: "bench3:3240".into(),
+            tls_fingerprint: fingerprint.map(str::to_owned),
+            plain: fingerprint.is_none(),
+            implementation: "usbwire".into(),
+            version: "0.1.0".into(),
+            started_at: "2026-01-01T00:00:00Z".into(),
+        }
+    }
+
+    #[test]
+    fn a_plain_server_entry_is_refused_unless_plain_is_allowed() {
+        let dir = scratch("trust-plain");
+        let trust = RegistryTrust { identity: Some(dir.join("identity")), allow_plain: false };
+        let Err(failure) = trust.security(&entry(None)) else { panic!("a plain entry is refused") };
+        assert_eq!(failure.code(), std::process::ExitCode::from(69));
+        let text = failure.error.to_string();
+        assert!(text.contains("plain USB/IP server") && text.contains("bench3:3240"), "{text}");
+        assert!(text.contains("--allow-plain") && text.contains("plain = true") && text.contains("--tls"), "{text}");
+        assert!(!dir.join("identity").exists(), "no identity made for a refused server");
+        let allowed = RegistryTrust { allow_plain: true, ..trust };
+        assert!(matches!(allowed.security(&entry(None)), Ok(Security::Plain)));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_tls_server_entry_is_reached_over_tls_pinned_to_its_key_even_where_plain_is_allowed() {
+        let dir = scratch("trust-tls");
+        let key = format!("sha256:{}", "ab".repeat(32));
+        for allow_plain in [false, true] {
+            let trust = RegistryTrust { identity: Some(dir.join("identity")), allow_plain };
+            let Ok(Security::Tls(tls)) = trust.security(&entry(Some(&key))) else { panic!("TLS expected") };
+            assert_eq!(tls.pinned, Some(key.parse().unwrap()));
+            assert!(!tls.trust_new);
+        }
+        let trust = RegistryTrust { identity: Some(dir.join("identity")), allow_plain: true };
+        let Err(failure) = trust.security(&entry(Some("sha256:nonsense"))) else { panic!("an invalid key is refused") };
+        assert_eq!(failure.code(), std::process::ExitCode::from(65));
+        assert!(failure.error.to_string().contains("invalid TLS key"), "{}", failure.error);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

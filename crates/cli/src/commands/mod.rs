@@ -112,7 +112,20 @@ pub(crate) fn client_security(args: &ClientSecurityArgs) -> Result<Security, Fai
     if !args.tls {
         return Ok(Security::Plain);
     }
-    let dir = args.identity.clone().unwrap_or_else(usbwire_transport::identity::default_dir);
+    let (identity, dir) = client_identity(args.identity.as_deref())?;
+    Ok(Security::Tls(Arc::new(TlsClient {
+        identity,
+        known: KnownServers::in_dir(&dir),
+        trust_new: args.trust_new,
+        pinned: None,
+    })))
+}
+
+/// This client's TLS identity from `dir` (`--identity`, else the default
+/// directory), created there on first use (and said so on stderr); with the
+/// directory it came from.
+pub(crate) fn client_identity(dir: Option<&std::path::Path>) -> Result<(Identity, std::path::PathBuf), Failure> {
+    let dir = dir.map(std::path::Path::to_path_buf).unwrap_or_else(usbwire_transport::identity::default_dir);
     let (identity, created) = Identity::load_or_create(&dir, &hostname())
         .with_context(|| format!("identity in {}", dir.display()))
         .map_err(Failure::config)?;
@@ -123,7 +136,7 @@ pub(crate) fn client_security(args: &ClientSecurityArgs) -> Result<Security, Fai
             dir.display()
         );
     }
-    Ok(Security::Tls(Arc::new(TlsClient { identity, known: KnownServers::in_dir(&dir), trust_new: args.trust_new })))
+    Ok((identity, dir))
 }
 
 pub(crate) fn hostname() -> String {

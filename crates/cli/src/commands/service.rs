@@ -9,6 +9,8 @@
 //! A `server = "registry"` rule takes a free matching device from the lab
 //! registry (`[registry]`), reserved for as long as it is attached: the
 //! reservation is given back on detach, and a lost one detaches the device.
+//! It imports over TLS pinned to the key in the server's registry entry, or
+//! plain only with `[registry] plain = true` ([`super::lab::RegistryTrust`]).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -126,7 +128,10 @@ async fn apply(config: &ClientConfig, running: &mut Vec<Running>) -> Result<(), 
             trust_new: false,
         })?;
         let registry = match (&config.registry, rule.server == "registry") {
-            (Some(table), true) => Some(table.endpoint().map_err(Failure::config)?),
+            (Some(table), true) => Some(Registry {
+                endpoint: table.endpoint().map_err(Failure::config)?,
+                trust: super::lab::RegistryTrust { identity: config.identity.clone(), allow_plain: table.plain },
+            }),
             _ => None,
         };
         let (stop, stopped) = watch::channel(false);
@@ -136,11 +141,18 @@ async fn apply(config: &ClientConfig, running: &mut Vec<Running>) -> Result<(), 
     Ok(())
 }
 
+/// The lab registry a `server = "registry"` rule reserves from, and how it
+/// reaches the servers there.
+struct Registry {
+    endpoint: usbwire_lab::Endpoint,
+    trust: super::lab::RegistryTrust,
+}
+
 /// Attaches the rule's device and attaches it again whenever it is lost, until stopped.
 async fn keep_attached(
     rule: AttachRule,
     security: Security,
-    registry: Option<usbwire_lab::Endpoint>,
+    registry: Option<Registry>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(4));
@@ -279,10 +291,10 @@ async fn candidate_servers(rule: &AttachRule) -> anyhow::Result<Vec<SocketAddr>>
 async fn attach_once(
     rule: &AttachRule,
     security: &Security,
-    registry: Option<&usbwire_lab::Endpoint>,
+    registry: Option<&Registry>,
 ) -> anyhow::Result<Attachment> {
-    if let Some(endpoint) = registry {
-        return attach_reserved(endpoint, rule, security).await;
+    if let Some(registry) = registry {
+        return attach_reserved(registry, rule).await;
     }
     let mut last_error = None;
     for addr in candidate_servers(rule).await? {
@@ -310,26 +322,24 @@ async fn attach_from(addr: SocketAddr, rule: &AttachRule, security: &Security) -
 }
 
 /// A `server = "registry"` rule: reserve a free matching device in the lab
-/// registry, then import it with the reservation.
-async fn attach_reserved(
-    endpoint: &usbwire_lab::Endpoint,
-    rule: &AttachRule,
-    security: &Security,
-) -> anyhow::Result<Attachment> {
+/// registry, then import it with the reservation, over TLS pinned to the key
+/// in its server's entry (or plain, where `[registry] plain = true` allows).
+async fn attach_reserved(registry: &Registry, rule: &AttachRule) -> anyhow::Result<Attachment> {
     let want = rule.wanted()?;
-    let mut lab = usbwire_lab::Lab::connect(endpoint.clone()).await?;
+    let mut lab = usbwire_lab::Lab::connect(registry.endpoint.clone()).await?;
     let hold = usbwire_lab::Hold::WhileRunning { ttl: usbwire_lab::DEFAULT_TTL, until: None };
     let reservation = lab.reserve(&want, hold, "usbwire client").await?;
     let imported = async {
-        let addr = usbwire_client::resolve(&reservation.device.server).await?;
+        let security = registry.trust.security(&reservation.server).map_err(|failure| failure.error)?;
+        let addr = usbwire_client::resolve(&reservation.server.address).await?;
         let busid = usbwire_proto::op::BusId::new(&reservation.device.busid)
             .ok_or_else(|| anyhow!("the lab registry names an invalid bus id {:?}", reservation.device.busid))?;
-        let imported = usbwire_client::import_reserved(addr, &busid, security, &[], &reservation.token).await?;
-        anyhow::Ok((addr, imported))
+        let imported = usbwire_client::import_reserved(addr, &busid, &security, &[], &reservation.token).await?;
+        anyhow::Ok((addr, imported, security))
     }
     .await;
     match imported {
-        Ok((addr, imported)) => attach_imported(addr, imported, security, Some(reservation)),
+        Ok((addr, imported, security)) => attach_imported(addr, imported, &security, Some(reservation)),
         Err(error) => {
             let _ = reservation.release().await;
             Err(error)
