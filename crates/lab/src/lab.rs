@@ -613,4 +613,93 @@ mod tests {
         assert!(lab.still_held("d:3240", "2-1", &taken.token).await.unwrap().is_none());
         taken.release().await.unwrap();
     }
+
+    /// The README's etcd roles ("Trusting the registry"), as etcd enforces
+    /// them: a server writes its own entry, devices and the index, and reads
+    /// its own reservations, but cannot plant another server or device, nor
+    /// reserve; a client reads everything and writes reservations only.
+    /// (Users log in with passwords here; the README's log in by certificate.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_readme_roles_let_a_server_write_only_its_keys_and_a_client_only_reservations() {
+        use etcd_client::{ConnectOptions, Permission};
+        let Some(cluster) = Cluster::start(1, "roles").await else { return };
+        let keys = Keys::new("test");
+        let me = "bench-3:3240";
+        let mut root = cluster.client(0).await;
+        root.role_add("root").await.unwrap();
+        root.user_add("root", "root-pw", None).await.unwrap();
+        root.user_grant_role("root", "root").await.unwrap();
+        let server_role = "usbwire-server-bench-3";
+        root.role_add(server_role).await.unwrap();
+        for permission in [
+            Permission::read_write(keys.server(me)),
+            Permission::read_write(format!("test/devices/{me}/")).with_prefix(),
+            Permission::read(keys.reservations_of(me)).with_prefix(),
+            Permission::read_write("test/index/").with_prefix(),
+        ] {
+            root.role_grant_permission(server_role, permission).await.unwrap();
+        }
+        root.user_add("bench-3", "server-pw", None).await.unwrap();
+        root.user_grant_role("bench-3", server_role).await.unwrap();
+        root.role_add("usbwire-client").await.unwrap();
+        for permission in
+            [Permission::read("test/").with_prefix(), Permission::read_write("test/reservations/").with_prefix()]
+        {
+            root.role_grant_permission("usbwire-client", permission).await.unwrap();
+        }
+        root.user_add("lab-client", "client-pw", None).await.unwrap();
+        root.user_grant_role("lab-client", "usbwire-client").await.unwrap();
+        root.auth_enable().await.unwrap();
+        let login = |user: &'static str, password: &'static str| {
+            let url = cluster.url(0);
+            async move { Client::connect([url], Some(ConnectOptions::new().with_user(user, password))).await.unwrap() }
+        };
+
+        // The server: what `publish` does, under its lease.
+        let mut server_client = login("bench-3", "server-pw").await;
+        let lease = server_client.lease_grant(5, None).await.unwrap().id();
+        let on_lease = || Some(PutOptions::new().with_lease(lease));
+        let entry = json(&server(me, Some(&format!("sha256:{}", "ab".repeat(32)))));
+        let register = Txn::new()
+            .when([Compare::value(keys.server(me), CompareOp::Equal, entry.clone())])
+            .or_else([TxnOp::put(keys.server(me), entry, on_lease())]);
+        server_client.txn(register).await.expect("a server registers itself");
+        let own = device(me, "1-1");
+        server_client.put(keys.device(me, "1-1"), json(&own), on_lease()).await.expect("and its devices");
+        for key in keys.index_entries(&own) {
+            server_client.put(key, Availability::AVAILABLE, on_lease()).await.expect("and their index entries");
+        }
+        server_client
+            .get(keys.reservations_of(me), Some(GetOptions::new().with_prefix()))
+            .await
+            .expect("it reads its reservations");
+        let other = "other:3240";
+        let planted = [
+            (keys.server(other), json(&server(other, None))),
+            (keys.device(other, "1-1"), json(&device(other, "1-1"))),
+            (keys.reservation(me, "1-1"), "{}".to_owned()),
+        ];
+        for (key, value) in &planted {
+            let result = server_client.put(key.clone(), value.clone(), None).await;
+            assert!(result.is_err(), "a server wrote {key}");
+        }
+
+        // A client: reads the fleet, reserves, cannot plant a server or a device.
+        let mut client = login("lab-client", "client-pw").await;
+        let mut lab = Lab { endpoint: cluster.endpoint(&[0]), client: client.clone(), keys: keys.clone() };
+        let fleet = lab.fleet().await.expect("a client reads the fleet");
+        assert_eq!((fleet.servers.len(), fleet.devices.len()), (1, 1));
+        let want: Want = "label=kbd".parse().unwrap();
+        let hold = Hold::WhileRunning { ttl: Duration::from_secs(5), until: None };
+        let taken = lab.reserve(&want, hold, "test").await.expect("a client reserves");
+        assert_eq!(taken.server.address, me);
+        for (key, value) in &planted[..2] {
+            let result = client.put(key.clone(), value.clone(), None).await;
+            assert!(result.is_err(), "a client wrote {key}");
+        }
+        let index = keys.index_entries(&own).remove(0);
+        assert!(client.put(index, Availability::AVAILABLE, None).await.is_err(), "a client wrote the index");
+        taken.release().await.expect("a client releases its reservation");
+        server_client.lease_revoke(lease).await.expect("a server leaves");
+    }
 }

@@ -101,6 +101,11 @@ impl Cluster {
         Endpoint::plain(format!("etcd://{}/test", hosts.join(",")).parse().expect("registry URL"))
     }
 
+    /// Member `i`'s client URL (`http://127.0.0.1:PORT`).
+    pub(crate) fn url(&self, i: usize) -> String {
+        format!("http://127.0.0.1:{}", self.members[i].client_port)
+    }
+
     /// A client of member `i` alone.
     pub(crate) async fn client(&self, i: usize) -> Client {
         self.endpoint(&[i]).connect().await.expect("etcd member answers")
