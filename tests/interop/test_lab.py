@@ -3,8 +3,15 @@
 etcd-server) on loopback ports and 6 `usbwire serve` instances registered in
 it, each with virtual devices and labels.
 
+- The registry is not trusted to name servers (issue 20): entries planted
+  through etcd's JSON gateway, as anyone who can write to etcd could, are
+  refused by the guest's `attach --registry` with exit 69 and the reason: a
+  plain server's entry (no TLS key), and an entry naming the guest-disk
+  server's key for an intruder's TLS server; nothing is attached and the
+  reservations are given back.
 - A vhci-hcd guest gets a disk by `usbwire attach --registry … --device
-  label=guestdisk` without knowing the server: the disk's first sector reads
+  label=guestdisk` without knowing the server (a TLS server: the attach pins
+  the key in its registry entry, with no --trust-new): the disk's first sector reads
   back the host's marker; while attached, `who` shows the reservation held
   by `usbwire attach`; detach gives it back. Then `usbwire client` with a
   `server = "registry"` rule attaches it, reserved, until SIGTERM.
@@ -65,6 +72,16 @@ set -u
 check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
 wait_for() { i=0; while [ $i -lt $2 ]; do eval "$1" && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
 export XDG_STATE_HOME=/tmp/state
+# Planted entries: a plain server, and an intruder's TLS server under the guest disk server's key.
+timeout 60 usbwire attach --registry __REGISTRY__ --device label=planted-plain > /tmp/planted1.out 2>&1; rc=$?
+[ $rc = 69 ] && grep -q "plain USB/IP server" /tmp/planted1.out && grep -q -- "--allow-plain" /tmp/planted1.out
+check planted-plain-entry-refused $? "exit $rc: $(tr '\n' '|' < /tmp/planted1.out)"
+timeout 60 usbwire attach --registry __REGISTRY__ --device label=planted-tls > /tmp/planted2.out 2>&1; rc=$?
+[ $rc = 69 ] && grep -q "but its lab registry entry names" /tmp/planted2.out
+check planted-wrong-key-refused $? "exit $rc: $(tr '\n' '|' < /tmp/planted2.out)"
+[ "$(usbwire port | grep -c '^Port')" = 0 ]; check nothing-attached-from-planted-entries $? "$(usbwire port | tr '\n' '|')"
+echo "@@PLANTED-OUT $(tr '\n' '|' < /tmp/planted1.out) $(tr '\n' '|' < /tmp/planted2.out)"
+echo "@@PLANTED-DONE"
 timeout 90 usbwire attach --registry __REGISTRY__ --device label=guestdisk > /tmp/attach.out 2>&1
 check attach-by-registry $? "$(tr '\n' '|' < /tmp/attach.out)"
 echo "@@ATTACH-OUT $(tr '\n' '|' < /tmp/attach.out)"
@@ -129,6 +146,44 @@ def leases(port, prefix):
     with urllib.request.urlopen(request, timeout=5) as answer:
         kvs = json.loads(answer.read()).get("kvs", [])
     return {base64.b64decode(kv["key"]).decode(): int(kv.get("lease", 0)) for kv in kvs}
+
+
+def gateway(port, call, body):
+    """One request to etcd's JSON gateway on `port` (keys and values base64)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v3/{call}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        return json.loads(answer.read())
+
+
+def b64(text):
+    return base64.b64encode(text.encode()).decode()
+
+
+def plant(port, prefix, server, fingerprint, busid, label):
+    """Writes a server entry and one device (with its label's index entry) the way anyone who can
+    write to etcd could, under no lease; returns the key prefixes to delete afterwards."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    entry = {"schema_version": 1, "address": server, "tls_fingerprint": fingerprint, "plain": fingerprint is None,
+             "implementation": "usbwire", "version": "0.1.0", "started_at": now}
+    device = {"schema_version": 1, "server": server, "busid": busid, "kind": "keyboard", "vendor_id": "1209",
+              "product_id": "0001", "manufacturer": None, "product": "planted keyboard", "serial": None,
+              "class": "03", "interface_classes": [], "speed": "full", "state": "available", "holder": None,
+              "since_at": None, "labels": [label]}
+    for key, value in ((f"{prefix}/servers/{server}", json.dumps(entry)),
+                       (f"{prefix}/devices/{server}/{busid}", json.dumps(device)),
+                       (f"{prefix}/index/label/{label}/{server}/{busid}", "available")):
+        gateway(port, "kv/put", {"key": b64(key), "value": b64(value)})
+    return [f"{prefix}/servers/{server}", f"{prefix}/devices/{server}/", f"{prefix}/index/label/{label}/",
+            f"{prefix}/reservations/{server}/"]
+
+
+def unplant(port, prefixes):
+    for prefix in prefixes:
+        start = prefix.encode()
+        end = start[:-1] + bytes([start[-1] + 1])
+        gateway(port, "kv/deleterange", {"key": base64.b64encode(start).decode(),
+                                         "range_end": base64.b64encode(end).decode()})
 
 
 class Cluster:
@@ -201,7 +256,10 @@ class Servers:
         port = self.ports[n]
         lines = [f'listen = "127.0.0.1:{port}"', "advertise = false", "resume_grace = 5", ""]
         if n == 5:
-            # The guest's disk: registered under the address the guest reaches it by.
+            # The guest's disk: registered under the address the guest reaches it by, over TLS
+            # (its entry carries the key a registry attach pins); any client key is admitted.
+            lines[-1:-1] = ["tls = true", f'identity = "{self.work}/id5"', "allow_any_client = true"]
+            lines += ["[[allow]]", 'client = "*"', 'devices = ["*"]', ""]
             lines += ["[[virtual]]", 'kind = "disk"', f'path = "{self.disk_image}"', 'labels = ["guestdisk"]', ""]
         else:
             for d in range(2):
@@ -424,6 +482,7 @@ def main():
     table = "endpoints = [" + ", ".join(f'"127.0.0.1:{p}"' for p in cluster.client_ports) + f']\nprefix = "{prefix}"'
     servers = Servers(work, table, disk_image)
     watcher = None
+    intruder = None
     g = None
     try:
         cluster.start_all()
@@ -451,6 +510,19 @@ def main():
         checks.check("list --registry text names servers, devices and labels",
                      "6 server(s), 16 device(s), 16 free" in text and "nucleo" in text and "usbwire disk" in text, text)
 
+        # ---- Planted entries: a plain server, and an intruder's TLS server under another's key ----
+        disk_server = next(e for e in view["servers"] if e["address"] == f"10.0.2.2:{servers.ports[5]}")
+        checks.check("the guest disk's server registers its TLS key", bool(disk_server.get("tls_fingerprint")), disk_server)
+        intruder_port = guest.free_port()
+        intruder_log = os.path.join(guest.LOGS, "lab.intruder.log")
+        intruder = subprocess.Popen([BIN, "serve", "--listen", f"127.0.0.1:{intruder_port}", "--no-advertise", "--tls",
+                                     "--identity", os.path.join(work, "intruder"), "--allow", "*", "--allow-any-client",
+                                     "--virtual", "keyboard", "--control", os.path.join(work, "intruder.sock")],
+                                    stdout=open(intruder_log, "w"), stderr=subprocess.STDOUT)
+        planted = plant(cluster.client_ports[0], prefix, f"10.0.2.2:{guest.free_port()}", None, "1-1", "planted-plain")
+        planted += plant(cluster.client_ports[0], prefix, f"10.0.2.2:{intruder_port}", disk_server["tls_fingerprint"],
+                         "1-1", "planted-tls")
+
         # ---- The guest takes a disk by label, knowing only the registry ----
         go_port = guest.free_port()
         go, go_sock = listen_to_release(go_port)
@@ -461,6 +533,13 @@ def main():
                   .replace("__GO__", str(go_port)).replace("__GO2__", str(go2_port))
                   .replace("__ENDPOINTS__", guest_endpoints).replace("__PREFIX__", prefix))
         g = guest.Guest("lab", script, files={BIN: "/usr/bin/usbwire"}, timeout=400)
+        print(f"guest: {g.wait_for('@@PLANTED-OUT', 300)}", flush=True)
+        g.wait_for("@@PLANTED-DONE", 60)
+        left = [d for d in reserved(registry, env) if d["labels"][:1] in (["planted-plain"], ["planted-tls"])]
+        checks.check("the refused attaches gave their reservations back", not left, left)
+        unplant(cluster.client_ports[0], planted)
+        intruder.terminate()
+        intruder.wait(10)
         held_line = g.wait_for("@@HELD", 300)
         print(f"guest: {held_line}", flush=True)
         who = reserved(registry, env)
@@ -616,6 +695,8 @@ def main():
             g.kill()
         if watcher and watcher.poll() is None:
             watcher.kill()
+        if intruder and intruder.poll() is None:
+            intruder.kill()
         servers.stop_all()
         cluster.stop_all()
         shutil.rmtree(work, ignore_errors=True)

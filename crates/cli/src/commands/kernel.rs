@@ -7,6 +7,11 @@
 //! ([`usbwire_client::relay`]) carries the URB channel; `attach` then starts
 //! itself again in the background and returns once the device is attached,
 //! and `port` shows each relay's state from `/var/run/vhci_hcd/usbwire-portN.json`.
+//!
+//! `attach --registry` reserves the device in the lab registry and imports it
+//! over TLS pinned to the key in its server's entry, or plain only with
+//! `--allow-plain` ([`super::lab::RegistryTrust`]); the relay holds the
+//! reservation.
 
 use anyhow::anyhow;
 use serde_json::json;
