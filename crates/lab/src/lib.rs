@@ -8,7 +8,11 @@
 //! * Clients ([`Lab`]) list the fleet, follow it live, and reserve a free
 //!   matching device with an etcd transaction under their own lease, so two
 //!   clients never hold the same device; a reservation ends on release, at
-//!   the end of `--for`, or when its holder dies (its lease expires).
+//!   the end of `--for`, or when its holder dies (its lease expires). A
+//!   [`Reservation`] carries its server's entry, whose TLS key the client
+//!   pins when it imports: the registry names servers but does not vouch
+//!   for them, and records that name another server than their keys are
+//!   not taken.
 //!
 //! etcd does the coordinating (leases, transactions, watches); this crate
 //! only lays out keys and records ([`entry`]). It is not needed to serve or
