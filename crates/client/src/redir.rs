@@ -1,7 +1,8 @@
 //! The usbredir bridge's I/O: a device imported over USB/IP, offered to QEMU's
 //! `usb-redir` device (or anything else speaking usbredir as usb-guest) on a
-//! TCP connection. [`run`] accepts guests on a listening socket (or connects
-//! out to a listening QEMU) one at a time; for each it imports the device,
+//! Unix socket or a TCP connection. [`serve_listener`] accepts guests on a
+//! listening socket, [`run`] listens on TCP or connects out to a listening
+//! QEMU, one guest at a time; for each it imports the device,
 //! drives a [`UsbHost`] core between the two sockets, and releases the import
 //! when the guest goes, before serving the next one.
 //!
@@ -16,6 +17,10 @@
 //! keeps too), and while what waits to be written to the guest is under the
 //! budget's `queued_reply_bytes`; past either, it waits for completions or for
 //! the guest to read.
+//!
+//! usbredir has no authentication: whoever connects to the listening socket
+//! gets the device. Making that socket private (a Unix socket only its user,
+//! or QEMU's group, may open) is the caller's job; `usbwire` does it.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -24,8 +29,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
+use tokio::io::Ready;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tracing::{debug, info, warn, Instrument};
 use usbwire_proto::op::{BusId, DeviceRecord};
 use usbwire_proto::urb::{IsoPacketDescriptor, RetSubmit, TransferFlags};
@@ -141,7 +147,7 @@ pub async fn run(source: Source, guest: GuestSide) -> Result<(), BridgeError> {
                 match TcpStream::connect(addr).await {
                     Ok(stream) => {
                         backoff.reset();
-                        serve_logged(&source, stream, addr).await;
+                        serve_logged(&source, stream.into(), &addr.to_string()).await;
                         // The guest went; a restarted QEMU listens again shortly.
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
@@ -156,17 +162,146 @@ pub async fn run(source: Source, guest: GuestSide) -> Result<(), BridgeError> {
     }
 }
 
-/// Serves guests that connect to `listener`, one at a time, until accepting fails.
-pub async fn serve_listener(source: Source, listener: TcpListener) -> Result<(), BridgeError> {
-    let addr = listener.local_addr()?;
-    info!(target: "usbwire::redir", %addr, device = %source.device, "waiting for a usb-redir guest");
-    loop {
-        let (stream, peer) = listener.accept().await?;
-        serve_logged(&source, stream, peer).await;
+/// Where guests connect: a Unix socket (the private default) or TCP.
+#[derive(Debug)]
+pub enum GuestListener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+impl From<UnixListener> for GuestListener {
+    fn from(listener: UnixListener) -> Self {
+        Self::Unix(listener)
     }
 }
 
-async fn serve_logged(source: &Source, stream: TcpStream, peer: SocketAddr) {
+impl From<TcpListener> for GuestListener {
+    fn from(listener: TcpListener) -> Self {
+        Self::Tcp(listener)
+    }
+}
+
+impl GuestListener {
+    /// The next guest, and who it is for the log (its address, or its uid and pid).
+    async fn accept(&self) -> std::io::Result<(GuestStream, String)> {
+        match self {
+            Self::Tcp(listener) => {
+                let (stream, peer) = listener.accept().await?;
+                Ok((GuestStream::Tcp(stream), peer.to_string()))
+            }
+            Self::Unix(listener) => {
+                let (stream, _) = listener.accept().await?;
+                let peer = match stream.peer_cred() {
+                    Ok(cred) => format!("uid {} pid {}", cred.uid(), cred.pid().unwrap_or(0)),
+                    Err(_) => "unix socket".to_owned(),
+                };
+                Ok((GuestStream::Unix(stream), peer))
+            }
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Self::Tcp(listener) => listener.local_addr().map_or_else(|_| "tcp".to_owned(), |a| a.to_string()),
+            Self::Unix(listener) => listener
+                .local_addr()
+                .ok()
+                .and_then(|a| a.as_pathname().map(|p| format!("unix:{}", p.display())))
+                .unwrap_or_else(|| "unix socket".to_owned()),
+        }
+    }
+}
+
+/// One guest's connection, over a Unix socket or TCP.
+#[derive(Debug)]
+pub enum GuestStream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl From<UnixStream> for GuestStream {
+    fn from(stream: UnixStream) -> Self {
+        Self::Unix(stream)
+    }
+}
+
+impl From<TcpStream> for GuestStream {
+    fn from(stream: TcpStream) -> Self {
+        Self::Tcp(stream)
+    }
+}
+
+impl GuestStream {
+    async fn ready(&self, interest: Interest) -> std::io::Result<Ready> {
+        match self {
+            Self::Unix(stream) => stream.ready(interest).await,
+            Self::Tcp(stream) => stream.ready(interest).await,
+        }
+    }
+
+    async fn writable(&self) -> std::io::Result<()> {
+        match self {
+            Self::Unix(stream) => stream.writable().await,
+            Self::Tcp(stream) => stream.writable().await,
+        }
+    }
+
+    fn try_read_buf(&self, buf: &mut BytesMut) -> std::io::Result<usize> {
+        match self {
+            Self::Unix(stream) => stream.try_read_buf(buf),
+            Self::Tcp(stream) => stream.try_read_buf(buf),
+        }
+    }
+
+    fn try_write(&self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Unix(stream) => stream.try_write(buf),
+            Self::Tcp(stream) => stream.try_write(buf),
+        }
+    }
+
+    /// Clears the readiness `interest` had (until the socket changes again).
+    fn clear_ready(&self, interest: Interest) {
+        let would_block = || Err::<(), _>(std::io::Error::from(std::io::ErrorKind::WouldBlock));
+        let _ = match self {
+            Self::Unix(stream) => stream.try_io(interest, would_block),
+            Self::Tcp(stream) => stream.try_io(interest, would_block),
+        };
+    }
+
+    async fn read_buf(&mut self, buf: &mut BytesMut) -> std::io::Result<usize> {
+        match self {
+            Self::Unix(stream) => stream.read_buf(buf).await,
+            Self::Tcp(stream) => stream.read_buf(buf).await,
+        }
+    }
+
+    async fn write_all_and_close(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        match self {
+            Self::Unix(stream) => {
+                stream.write_all(bytes).await?;
+                stream.shutdown().await
+            }
+            Self::Tcp(stream) => {
+                stream.write_all(bytes).await?;
+                stream.shutdown().await
+            }
+        }
+    }
+}
+
+/// Serves guests that connect to `listener`, one at a time, until accepting fails.
+pub async fn serve_listener(source: Source, listener: impl Into<GuestListener>) -> Result<(), BridgeError> {
+    let listener = listener.into();
+    let addr = listener.describe();
+    info!(target: "usbwire::redir", %addr, device = %source.device, "waiting for a usb-redir guest");
+    loop {
+        let (stream, peer) = listener.accept().await?;
+        serve_logged(&source, stream, &peer).await;
+    }
+}
+
+async fn serve_logged(source: &Source, stream: GuestStream, peer: &str) {
     let span = tracing::info_span!(target: "usbwire::redir", "guest", %peer, device = %source.device);
     async {
         info!(target: "usbwire::redir", "guest connected");
@@ -183,8 +318,11 @@ async fn serve_logged(source: &Source, stream: TcpStream, peer: SocketAddr) {
 }
 
 /// One guest: imports the device, bridges until either side goes, releases it.
-pub async fn serve_guest(source: &Source, mut stream: TcpStream) -> Result<Ended, BridgeError> {
-    stream.set_nodelay(true)?;
+pub async fn serve_guest(source: &Source, stream: impl Into<GuestStream>) -> Result<Ended, BridgeError> {
+    let mut stream = stream.into();
+    if let GuestStream::Tcp(tcp) = &stream {
+        tcp.set_nodelay(true)?;
+    }
     let mut inbuf = BytesMut::with_capacity(64 * 1024);
     let Some((connection, device)) = import_while_guest_waits(source, &mut stream, &mut inbuf).await? else {
         return Ok(Ended::GuestLeft);
@@ -206,11 +344,7 @@ pub async fn serve_guest(source: &Source, mut stream: TcpStream) -> Result<Ended
         iso_in_packets = traffic.iso_in_packets, iso_out_packets = traffic.iso_out_packets, "guest traffic");
     // What the core said last (a device_disconnect) reaches the guest before the socket closes.
     let last = bridge.host.to_guest();
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        stream.write_all(last).await?;
-        stream.shutdown().await
-    })
-    .await;
+    let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all_and_close(last)).await;
     drop(bridge);
     connection.close().await;
     outcome
@@ -220,7 +354,7 @@ pub async fn serve_guest(source: &Source, mut stream: TcpStream) -> Result<Ended
 /// guest's first bytes (its hello) are kept in `inbuf`. `None`: the guest left.
 async fn import_while_guest_waits(
     source: &Source,
-    reader: &mut TcpStream,
+    reader: &mut GuestStream,
     inbuf: &mut BytesMut,
 ) -> Result<Option<(Connection, DeviceRecord)>, BridgeError> {
     let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
@@ -279,7 +413,7 @@ impl Bridge {
     async fn run(
         &mut self,
         connection: &Connection,
-        guest: &TcpStream,
+        guest: &GuestStream,
         inbuf: &mut BytesMut,
     ) -> Result<Ended, BridgeError> {
         // A hello that came while the import was under way.
@@ -313,7 +447,7 @@ impl Bridge {
                     } else {
                         // Bytes we have no room for yet: wait for the next change (more
                         // bytes, or the guest hanging up) rather than spin on these.
-                        let _ = guest.try_io(Interest::READABLE, || Err::<(), _>(std::io::ErrorKind::WouldBlock.into()));
+                        guest.clear_ready(Interest::READABLE);
                     }
                 }
                 writable = guest.writable(), if to_guest > 0 => {

@@ -10,7 +10,6 @@
 //! answers nobody else.
 
 use std::io;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
@@ -96,26 +95,21 @@ impl ControlSocket {
     /// or a sticky shared one like `/tmp` ([`crate::private_dir::ensure_socket_dir`]).
     pub(crate) fn bind(path: &Path) -> Result<Self, ServerError> {
         let failed = |source| ServerError::Control { path: path.to_path_buf(), source };
-        let dir = match path.parent() {
-            Some(dir) if !dir.as_os_str().is_empty() => dir,
-            _ => Path::new("."),
-        };
-        crate::private_dir::ensure_socket_dir(dir)
-            .map_err(|reason| ServerError::ControlDir { path: path.to_path_buf(), reason })?;
-        if std::fs::symlink_metadata(path).is_ok() {
-            // A live server answers; a stale socket from a crashed one does not.
-            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        let listener = match crate::private_dir::bind_socket(path, None) {
+            Ok(listener) => listener,
+            Err(crate::private_dir::SocketError::Dir { reason, .. }) => {
+                return Err(ServerError::ControlDir { path: path.to_path_buf(), reason })
+            }
+            Err(crate::private_dir::SocketError::InUse { .. }) => {
                 return Err(failed(io::Error::new(
                     io::ErrorKind::AddrInUse,
                     "another usbwire server is using it (stop it, or pass --control PATH)",
-                )));
+                )))
             }
-            std::fs::remove_file(path).map_err(failed)?;
-        }
-        let listener = UnixListener::bind(path).map_err(failed)?;
-        // Until this chmod the socket has the umask's mode; the directory (ours,
-        // written by nobody else) and the SO_PEERCRED check cover that moment.
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(failed)?;
+            Err(crate::private_dir::SocketError::Io { source, .. }) => return Err(failed(source)),
+        };
+        listener.set_nonblocking(true).map_err(failed)?;
+        let listener = UnixListener::from_std(listener).map_err(failed)?;
         info!(path = %path.display(), "control socket ready");
         Ok(Self { listener })
     }

@@ -1,5 +1,6 @@
 //! Directories for local files that only this user may change: the control
-//! socket's, the demo's disk image's.
+//! socket's, the usbredir sockets', the demo's disk image's; and
+//! [`bind_socket`], which makes a Unix socket in one.
 //!
 //! A directory in a shared place (`/tmp/usbwire-UID`) can be made by another
 //! user before us. If we used it, they could replace our socket with theirs
@@ -12,7 +13,7 @@
 //! someone else made is not ours to chmod.
 
 use std::io;
-use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _};
+use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 
 /// Why a directory cannot hold our local files.
@@ -135,6 +136,56 @@ fn check_parent(dir: &Path) -> Result<(), PrivateDirError> {
         return Err(PrivateDirError::WritableParent { path: dir.to_path_buf(), parent, mode });
     }
     Ok(())
+}
+
+/// Why a private Unix socket could not be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SocketError {
+    /// Its directory is not one only we can change; the message says what to do.
+    #[error("{}: {reason}", .path.display())]
+    Dir { path: PathBuf, reason: PrivateDirError },
+    /// A live server already listens there.
+    #[error("{} is in use by another running program; stop it, or use another path", .path.display())]
+    InUse { path: PathBuf },
+    /// Binding, or setting its mode or group, failed.
+    #[error("cannot make socket {}: {source}", .path.display())]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// Makes a Unix socket at `path` only this user can connect to (mode 0600),
+/// or also `group` (0660: the group QEMU or libvirt runs as), in a directory
+/// checked by [`ensure_socket_dir`] (created 0700 if missing; another user's,
+/// one others may write to, or a symlink is refused). A stale socket left by
+/// a program that is gone is replaced; one something still answers on is not.
+/// (With a group, the group must also
+/// be able to enter the directory: `chgrp GROUP DIR; chmod 0710 DIR`.)
+pub fn bind_socket(path: &Path, group: Option<u32>) -> Result<std::os::unix::net::UnixListener, SocketError> {
+    let failed = |source| SocketError::Io { path: path.to_path_buf(), source };
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    ensure_socket_dir(dir).map_err(|reason| SocketError::Dir { path: path.to_path_buf(), reason })?;
+    if std::fs::symlink_metadata(path).is_ok() {
+        // A live server answers; a stale socket from a crashed one does not.
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(SocketError::InUse { path: path.to_path_buf() });
+        }
+        std::fs::remove_file(path).map_err(failed)?;
+    }
+    let listener = std::os::unix::net::UnixListener::bind(path).map_err(failed)?;
+    // bind(2) applies the umask: the mode is set right after, and until then
+    // the directory (ours, written by nobody else) keeps others out.
+    let mode = match group {
+        Some(gid) => {
+            std::os::unix::fs::chown(path, None, Some(gid)).map_err(failed)?;
+            0o660
+        }
+        None => 0o600,
+    };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(failed)?;
+    Ok(listener)
 }
 
 /// Why the CLI will not talk to a control socket.
