@@ -197,9 +197,14 @@ pub(crate) struct ServeArgs {
     #[arg(long = "bind", value_name = "SELECTOR")]
     pub(crate) bind: Vec<String>,
     /// Offer a device of this server to QEMU guests through usbredir: QEMU's usb-redir chardev
-    /// connects to ADDR:PORT (e.g. 127.0.0.1:4000=2-1). Repeatable; like `usbwire redir --listen`.
-    #[arg(long = "redir", value_name = "ADDR:PORT=SELECTOR")]
+    /// connects to a Unix socket only this user may open (unix:/run/usbwire/redir.sock=2-1), or to
+    /// ADDR:PORT with --redir-tcp-unauthenticated. Repeatable; like `usbwire redir --listen`.
+    #[arg(long = "redir", value_name = "unix:PATH=SELECTOR")]
     pub(crate) redir: Vec<String>,
+    /// Let --redir listen on TCP: usbredir has no authentication, so anyone who reaches the port gets
+    /// the device. Refused on a server with --allow-plain never.
+    #[arg(long)]
+    pub(crate) redir_tcp_unauthenticated: bool,
     /// Serve Prometheus metrics at http://ADDR:PORT/metrics: per device URBs, bytes and errors,
     /// in-flight depth, holder, imports, resumes; connections and refusals.
     #[arg(long, value_name = "ADDR:PORT")]
@@ -465,9 +470,17 @@ pub(crate) struct AttachArgs {
 pub(crate) struct RedirArgs {
     #[command(flatten)]
     pub(crate) device: RemoteDevice,
-    /// Wait for QEMU to connect here (`-chardev socket,host=…,port=…` in client mode), one guest at a time.
-    #[arg(long, value_name = "ADDR:PORT")]
+    /// Wait for QEMU to connect here, one guest at a time: a Unix socket only this user may open
+    /// (`unix:PATH`; QEMU: `-chardev socket,path=PATH`), or ADDR:PORT with --redir-tcp-unauthenticated.
+    #[arg(long, value_name = "unix:PATH")]
     pub(crate) listen: Option<String>,
+    /// With --listen unix:PATH: let this group (name or number) open the socket too (mode 0660),
+    /// e.g. the group QEMU or libvirt runs as.
+    #[arg(long, value_name = "GROUP", requires = "listen")]
+    pub(crate) group: Option<String>,
+    /// Let --listen be a TCP port: usbredir has no authentication, so anyone who reaches it gets the device.
+    #[arg(long)]
+    pub(crate) redir_tcp_unauthenticated: bool,
     /// Connect to a QEMU listening here (`-chardev socket,…,server=on,wait=off`), again whenever it goes.
     #[arg(long, value_name = "ADDR:PORT")]
     pub(crate) connect: Option<String>,

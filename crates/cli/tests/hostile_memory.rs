@@ -8,6 +8,7 @@
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::unix::net::UnixStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -340,36 +341,46 @@ fn capturing_a_stream_of_1_mib_urbs_adds_tens_of_mib_not_gigabytes() {
 /// `usbwire redir` importing the server's loopback device for usbredir guests.
 struct RedirBridge {
     child: Child,
-    listen: String,
+    /// Its Unix socket, in a directory of its own.
+    socket: std::path::PathBuf,
 }
 
 impl Drop for RedirBridge {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(dir) = self.socket.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 
 impl RedirBridge {
     fn start(served: &Served) -> Self {
-        let listen = format!("127.0.0.1:{}", TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+        let dir = std::env::temp_dir().join(format!(
+            "usbwire-hostile-redir-{}-{}",
+            std::process::id(),
+            served.addr.replace(':', "-")
+        ));
+        let socket = dir.join("redir.sock");
         let child = Command::new(BIN)
-            .args(["redir", "-r", &served.addr, "-b", "1-1", "--listen", &listen])
+            .args(["redir", "-r", &served.addr, "-b", "1-1", "--listen"])
+            .arg(format!("unix:{}", socket.display()))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        Self { child, listen }
+        Self { child, socket }
     }
 
     /// A guest that said hello, saw the device announced and configured it.
-    fn guest(&self) -> (TcpStream, Codec) {
+    fn guest(&self) -> (UnixStream, Codec) {
         let deadline = Instant::now() + Duration::from_secs(20);
         let mut stream = loop {
-            match TcpStream::connect(&self.listen) {
+            match UnixStream::connect(&self.socket) {
                 Ok(stream) => break stream,
                 Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
-                Err(e) => panic!("the bridge does not listen on {}: {e}", self.listen),
+                Err(e) => panic!("the bridge does not listen on {}: {e}", self.socket.display()),
             }
         };
         stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -389,14 +400,14 @@ impl RedirBridge {
     }
 }
 
-fn send(stream: &mut TcpStream, codec: &Codec, id: u64, packet: &Packet) {
+fn send(stream: &mut UnixStream, codec: &Codec, id: u64, packet: &Packet) {
     let mut out = BytesMut::new();
     codec.encode(id, packet, &mut out).unwrap();
     stream.write_all(&out).unwrap();
 }
 
 /// Reads packets from the bridge until one `wanted` arrives.
-fn expect(stream: &mut TcpStream, codec: &mut Codec, inbuf: &mut BytesMut, wanted: impl Fn(&Packet) -> bool) {
+fn expect(stream: &mut UnixStream, codec: &mut Codec, inbuf: &mut BytesMut, wanted: impl Fn(&Packet) -> bool) {
     let mut chunk = [0u8; 4096];
     loop {
         while let Some((_, packet)) = codec.decode(inbuf).unwrap() {
@@ -426,7 +437,7 @@ fn bulk_packets(first_id: u64, count: usize, size: usize, endpoint: u8) -> impl 
 /// stopped reading for 3 s. The thread returns the bytes that went out and
 /// whether that was all of them.
 fn flood(
-    stream: &TcpStream,
+    stream: &UnixStream,
     codec: Codec,
     packets: impl Iterator<Item = (u64, Packet)> + Send + 'static,
 ) -> std::thread::JoinHandle<(usize, bool)> {

@@ -12,7 +12,7 @@ use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::Identity;
 
 use crate::args::ServeArgs;
-use crate::config::{FileConfig, RedirRule, VirtualSpec};
+use crate::config::{FileConfig, RedirListen, RedirRule, VirtualSpec};
 use crate::exit::Failure;
 
 pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
@@ -51,9 +51,14 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     }
     let mut redir_rules = file.redir.clone();
     for text in &args.redir {
-        redir_rules.push(text.parse().map_err(Failure::usage)?);
+        let rule: RedirRule = text.parse().map_err(Failure::usage)?;
+        redir_rules.push(RedirRule { allow_unauthenticated: args.redir_tcp_unauthenticated, ..rule });
     }
-    let (security, tls_identity) = security(&args, &file, !redir_rules.is_empty())?;
+    let (security, tls_identity) = security(&args, &file, &redir_rules)?;
+    let plain_never = security.tls.is_some() && security.plain == PlainPolicy::Never;
+    for rule in &redir_rules {
+        rule.check(plain_never).map_err(Failure::config)?;
+    }
     config.security = security;
     file.limits.apply(&mut config.limits, &mut config.budget).map_err(Failure::config)?;
     config.admission = file.admission.limits().map_err(Failure::config)?;
@@ -215,9 +220,10 @@ impl Registering {
 
 /// One usbredir bridge per `[[redir]]` rule, importing from this server over
 /// loopback: plain, or with TLS when the server has it, as the server itself
-/// (its identity, which its access rules then admit, and its own key pinned).
-/// The listening sockets are bound here, so a port in use fails the start
-/// rather than a log line later.
+/// (its identity, which its access rules admit for the rules' devices only,
+/// and its own key pinned). The listening sockets are bound here (a Unix
+/// socket 0600, or 0660 for the rule's group, in a checked directory), so a
+/// path or port in use fails the start rather than a log line later.
 async fn start_redir_bridges(
     rules: &[RedirRule],
     server: std::net::SocketAddr,
@@ -249,13 +255,7 @@ async fn start_redir_bridges(
     };
     let mut bridges = Vec::new();
     for rule in rules {
-        let listener = tokio::net::TcpListener::bind(rule.listen).await.map_err(|e| {
-            Failure::unavailable(anyhow::anyhow!(
-                "[[redir]] for {}: cannot listen on {}: {e}",
-                rule.device,
-                rule.listen
-            ))
-        })?;
+        let listener = bind_redir_listener(rule).await?;
         println!("  usbredir for {} on {}", rule.device, rule.listen);
         let selector = rule.device.clone();
         let device = WantedDevice::Matching {
@@ -270,6 +270,40 @@ async fn start_redir_bridges(
         }));
     }
     Ok(bridges)
+}
+
+/// The socket a `[[redir]]` rule's guests connect to.
+async fn bind_redir_listener(rule: &RedirRule) -> Result<usbwire_client::redir::GuestListener, Failure> {
+    match &rule.listen {
+        RedirListen::Unix(path) => {
+            let group = match &rule.group {
+                Some(group) => Some(crate::config::group_id(group).map_err(Failure::config)?),
+                None => None,
+            };
+            bind_unix_guest_socket(path, group)
+                .map_err(|e| Failure::config(anyhow::anyhow!("[[redir]] for {}: {e:#}", rule.device)))
+        }
+        RedirListen::Tcp(addr) => match tokio::net::TcpListener::bind(addr).await {
+            Ok(listener) => Ok(listener.into()),
+            Err(e) => Err(Failure::unavailable(anyhow::anyhow!(
+                "[[redir]] for {}: cannot listen on {addr}: {e}",
+                rule.device
+            ))),
+        },
+    }
+}
+
+/// A usbredir guest socket at `path`: 0600, or 0660 for `group`, in a
+/// directory only this user can change (see `private_dir::bind_socket`).
+pub(crate) fn bind_unix_guest_socket(
+    path: &std::path::Path,
+    group: Option<u32>,
+) -> anyhow::Result<usbwire_client::redir::GuestListener> {
+    let listener = usbwire_server::private_dir::bind_socket(path, group)?;
+    listener.set_nonblocking(true).with_context(|| format!("socket {}", path.display()))?;
+    let listener =
+        tokio::net::UnixListener::from_std(listener).with_context(|| format!("socket {}", path.display()))?;
+    Ok(listener.into())
 }
 
 /// SIGHUP re-reads the config file's `[[bind]]` rules: devices no rule wants
@@ -450,9 +484,9 @@ impl TextInput for Keyboard {
 }
 
 /// TLS, plain policy and access rules from flags and the config file, and
-/// with TLS the identity directory. `admit_self`: the server's own key may
-/// import everything (its `[[redir]]` bridges connect as the server).
-fn security(args: &ServeArgs, file: &FileConfig, admit_self: bool) -> Result<(Security, Option<PathBuf>), Failure> {
+/// with TLS the identity directory. With `redir` rules the server's own key
+/// may import everything (its `[[redir]]` bridges connect as the server).
+fn security(args: &ServeArgs, file: &FileConfig, redir: &[RedirRule]) -> Result<(Security, Option<PathBuf>), Failure> {
     if !(args.tls || file.tls) {
         if !args.allow.is_empty() || !file.allow.is_empty() || args.allow_plain.is_some() || args.allow_any_client {
             return Err(Failure::usage(anyhow::anyhow!(
@@ -495,7 +529,7 @@ fn security(args: &ServeArgs, file: &FileConfig, admit_self: bool) -> Result<(Se
     if access.rules.is_empty() {
         eprintln!("usbwire: no client is allowed yet: add --allow FINGERPRINT (from `usbwire identity` on the client)");
     }
-    if admit_self {
+    if !redir.is_empty() {
         access.rules.push(Rule { client: identity.fingerprint().to_string(), devices: vec!["*".into()] });
     }
     let ca = match args.ca.as_ref().or(file.ca.as_ref()) {
