@@ -2,13 +2,13 @@
 """usbwire devices in a QEMU guest through usbredir (issue 12): `usbwire serve`
 exports a virtual disk (an ext4 image), keyboard and CDC-ACM serial port; a
 `usbwire redir` bridge for the disk and one for the keyboard import them over
-USB/IP, and the server's own bridge (`serve --redir ADDR:PORT=class=02`)
+USB/IP, and the server's own bridge (`serve --redir unix:PATH=class=02`)
 offers the serial port. The server is TLS-only with one client key allowed:
 the two bridges use that key, the server's own bridge the server's. A guest
 (Debian's kernel under TCG) has an xHCI controller and one `-device
-usb-redir` per bridge: the disk's and serial's chardevs dial their bridge
-(`--listen`), the keyboard's bridge dials QEMU's listening chardev
-(`--connect`). The guest's own kernel drives the devices as if they were
+usb-redir` per bridge: the disk's and serial's chardevs dial their bridge's
+Unix socket (`--listen unix:PATH`, checked to be 0600), the keyboard's bridge
+dials QEMU's listening chardev (`--connect`). The guest's own kernel drives the devices as if they were
 plugged in: no usbip in the guest.
 
 Checked: the guest mounts the disk (ext4), writes a file and reads it back
@@ -118,12 +118,16 @@ class Monitor:
                     raise RuntimeError(f"QMP {command}: {reply['error'].get('desc', reply['error'])}")
             return reply.get("return")
 
-    def plug_redir(self, device_id, chardev, port):
+    def plug_redir(self, device_id, chardev, where):
         """A usb-redir device `device_id` on xhci.0 whose new chardev dials
-        127.0.0.1:`port`; "" or what QEMU said against it."""
+        `where`: a Unix socket's path, or a port on 127.0.0.1; "" or what
+        QEMU said against it."""
+        if isinstance(where, int):
+            addr = {"type": "inet", "data": {"host": "127.0.0.1", "port": str(where)}}
+        else:
+            addr = {"type": "unix", "data": {"path": where}}
         try:
-            self.execute("chardev-add", id=chardev, backend={"type": "socket", "data": {
-                "addr": {"type": "inet", "data": {"host": "127.0.0.1", "port": str(port)}}, "server": False}})
+            self.execute("chardev-add", id=chardev, backend={"type": "socket", "data": {"addr": addr, "server": False}})
             deadline = time.time() + 10
             while True:
                 try:
@@ -229,7 +233,9 @@ def main():
     port = guest.free_port()
     processes = []
     g = None
-    bridge_ports = {kind: guest.free_port() for kind in ("disk", "keyboard", "serial")}
+    # Bridges that QEMU dials listen on Unix sockets; the keyboard's dials QEMU's TCP port.
+    bridge_sockets = {kind: os.path.join(work, f"redir-{kind}.sock") for kind in ("disk", "serial")}
+    keyboard_port = guest.free_port()
     metrics_port = guest.free_port()
     server_dir, client_dir = os.path.join(work, "server-id"), os.path.join(work, "client-id")
     client_key = json.loads(subprocess.run([BIN, "identity", "--create", "--json", "--dir", client_dir],
@@ -243,7 +249,7 @@ def main():
             BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--no-advertise", "--control", control,
             "--tls", "--identity", server_dir, "--allow", client_key, "--allow-plain", "never",
             "--virtual", "keyboard", "--virtual", f"disk={image},size=64M,speed=super", "--virtual", f"serial={link}",
-            "--redir", f"127.0.0.1:{bridge_ports['serial']}=class=02", "--metrics", f"127.0.0.1:{metrics_port}"])
+            "--redir", f"unix:{bridge_sockets['serial']}=class=02", "--metrics", f"127.0.0.1:{metrics_port}"])
         processes.append(server)
         ids = None
         for _ in range(100):
@@ -255,10 +261,9 @@ def main():
         # The keyboard's bridge dials a listening QEMU (--connect); the others wait for QEMU to dial.
         dials = {"keyboard"}
         bridge_logs = {"serial": server_log}
-        for kind, bridge_port in bridge_ports.items():
-            if kind == "serial":
-                continue
-            side = ["--connect" if kind in dials else "--listen", f"127.0.0.1:{bridge_port}"]
+        for kind in ("disk", "keyboard"):
+            side = ["--connect", f"127.0.0.1:{keyboard_port}"] if kind in dials else \
+                ["--listen", f"unix:{bridge_sockets[kind]}"]
             proc, log = start_logged(f"bridge-{kind}", [
                 BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", ids[kind]] + tls + side)
             processes.append(proc)
@@ -267,11 +272,16 @@ def main():
             if kind not in dials:
                 checks.check(f"bridge for the {kind} listens", log.wait_count("waiting for a usb-redir guest", 1, 10),
                              log.tail())
+                mode = os.stat(bridge_sockets[kind]).st_mode & 0o777
+                checks.check(f"bridge for the {kind}: its socket is 0600", mode == 0o600, oct(mode))
 
         def redir_args(kind):
             # As README.md shows them: QEMU dials (and redials) a listening bridge, or listens for one.
-            mode = "server=on,wait=off" if kind in dials else "reconnect=2"
-            return ["-chardev", f"socket,id=rd-{kind},host=127.0.0.1,port={bridge_ports[kind]},{mode}",
+            if kind in dials:
+                where = f"host=127.0.0.1,port={keyboard_port},server=on,wait=off"
+            else:
+                where = f"path={bridge_sockets[kind]},reconnect=2"
+            return ["-chardev", f"socket,id=rd-{kind},{where}",
                     "-device", f"usb-redir,chardev=rd-{kind},id=redir-{kind},bus=xhci.0"]
 
         qemu_args = ["-device", "qemu-xhci,id=xhci", "-qmp", f"unix:{monitor_path},server=on,wait=off"]
@@ -321,7 +331,7 @@ def main():
                          server_log.tail())
             g.wait_for(f"@@PLUG {n}", 30)
             # A new chardev each time: the old one may outlive its device a while.
-            plugged = monitor.plug_redir("redir-disk", f"rd-disk-{n}", bridge_ports["disk"])
+            plugged = monitor.plug_redir("redir-disk", f"rd-disk-{n}", bridge_sockets["disk"])
             checks.check(f"plug {n}: QEMU took the device back", plugged == "", plugged)
             for name in [f"replug-{n}-back", f"replug-{n}-mount", f"replug-{n}-file"]:
                 guest_check(name)

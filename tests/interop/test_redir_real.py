@@ -5,8 +5,8 @@ exporter (issue 12).
 An exporter guest has a QEMU-emulated flash drive (usb-storage on xHCI, an
 ext2 image with a known file) and runs `usbwire serve`, which exports it
 through usbfs; the host runs `usbwire redir` against that server, and a
-second guest plugs a `usb-redir` device into the bridge (QMP chardev-add +
-device_add). The second guest's kernel finds the drive, mounts it, reads the
+second guest plugs a `usb-redir` device into the bridge's Unix socket (QMP
+chardev-add + device_add). The second guest's kernel finds the drive, mounts it, reads the
 known file, and reads the raw disk (dd) three times with the page cache
 dropped. Then the drive is unplugged, the bridge must release its import,
 and the same drive is exported by `usbredirect` (Debian's usbredir exporter)
@@ -113,7 +113,8 @@ def main():
     with open(os.path.join(files, "hello.txt"), "w") as f:
         f.write(known + "\n")
     guest.run(["mke2fs", "-q", "-t", "ext2", "-d", files, image, "64M"], capture_output=True)
-    port, redirect_port, bridge_port = guest.free_port(), guest.free_port(), guest.free_port()
+    port, redirect_port = guest.free_port(), guest.free_port()
+    bridge_socket = os.path.join(work, "redir-stick.sock")
     monitor_path = os.path.join(work, "qmp.sock")
     exporter = consumer = bridge = audio_bridge = None
     remote = Remote()
@@ -138,13 +139,13 @@ def main():
             raise RuntimeError(f"the exporter guest's usbwire serve listed flash drive {stick}, audio {audio}")
         busid = stick["busid"]
         bridge, bridge_log = start_logged("real-bridge", [
-            BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", busid, "--listen", f"127.0.0.1:{bridge_port}"])
+            BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", busid, "--listen", f"unix:{bridge_socket}"])
         checks.check("the bridge listens", bridge_log.wait_count("waiting for a usb-redir guest", 1, 10),
                      bridge_log.tail())
 
-        audio_port = guest.free_port()
+        audio_socket = os.path.join(work, "redir-audio.sock")
         audio_bridge, audio_log = start_logged("real-audio-bridge", [
-            BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", audio["busid"], "--listen", f"127.0.0.1:{audio_port}"])
+            BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", audio["busid"], "--listen", f"unix:{audio_socket}"])
         script = (GUEST_SCRIPT.replace("__TEXT__", known).replace("__MIB__", str(READ_MIB))
                   .replace("__READS__", str(READS)).replace("__AUDIO_SECONDS__", str(AUDIO_SECONDS)))
         consumer = guest.Guest("redir-consumer", script, timeout=900, qemu_args=[
@@ -155,7 +156,7 @@ def main():
             line = consumer.wait_for(f"@@CHECK {name} ", timeout)
             checks.check(f"guest: {name}", " PASS" in line, line)
 
-        for path, plug_port in [("bridge", bridge_port), ("usbredirect", redirect_port)]:
+        for path, plug_at in [("bridge", bridge_socket), ("usbredirect", redirect_port)]:
             consumer.wait_for(f"@@PLUG {path}", 180)
             if path == "usbredirect":
                 # The drive goes back to the exporter's kernel, and usbredirect takes it from there.
@@ -166,7 +167,7 @@ def main():
                     f"i=0; while ! grep -q ':{REDIRECT_PORT:04X} 00000000:0000 0A' /proc/net/tcp && [ $i -lt 100 ]; "
                     f"do sleep 0.1; i=$((i+1)); done; grep -q ':{REDIRECT_PORT:04X} 00000000:0000 0A' /proc/net/tcp")
                 checks.check("usbredirect listens in the exporter guest", rc == 0, out)
-            plugged = monitor.plug_redir("redir-stick", f"rd-{path}", plug_port)
+            plugged = monitor.plug_redir("redir-stick", f"rd-{path}", plug_at)
             checks.check(f"{path}: QEMU plugged the usb-redir device", plugged == "", plugged)
             for name in ["block-device", "mount", "file"]:
                 guest_check(f"{path}-{name}")
@@ -191,7 +192,7 @@ def main():
                 checks.check("the exporter lists the drive available again",
                              (listed(port) or {}).get("state", "available") == "available", "")
         consumer.wait_for("@@PLUG audio", 120)
-        plugged = monitor.plug_redir("redir-audio", "rd-audio", audio_port)
+        plugged = monitor.plug_redir("redir-audio", "rd-audio", audio_socket)
         checks.check("audio: QEMU plugged the usb-redir device", plugged == "", plugged)
         guest_check("audio-pcm")
         played = consumer.wait_for("@@PCMPLAY", 120)
