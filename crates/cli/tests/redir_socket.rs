@@ -1,8 +1,9 @@
 //! The usbredir listeners of `usbwire serve --redir` through the real binary:
 //! a Unix socket 0600 (0660 for a group) that serves a usbredir guest, a TCP
 //! listener refused at config load unless the rule opts in (and always on a
-//! server without plain USB/IP), and a socket directory another user owns
-//! refused (that test needs root to make one; without root it says so).
+//! server without plain USB/IP), a socket directory another user owns
+//! refused (that test needs root to make one; without root it says so), and
+//! the server's own key, which its bridges import with, limited to their devices.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -44,6 +45,7 @@ fn serve_refused(dir: &Path, extra: &[&str]) -> Output {
 
 struct Serving {
     child: Child,
+    addr: String,
     lines: Vec<String>,
 }
 
@@ -57,8 +59,9 @@ impl Drop for Serving {
 /// `usbwire serve` of a loopback device with `extra` arguments, once it has
 /// printed its usbredir line.
 fn serve(dir: &Path, extra: &[&str]) -> Serving {
+    let addr = free_addr();
     let mut child = Command::new(BIN)
-        .args(["serve", "--no-advertise", "--listen", &free_addr(), "--virtual", "loopback", "--control"])
+        .args(["serve", "--no-advertise", "--listen", &addr, "--virtual", "loopback", "--control"])
         .arg(dir.join("control.sock"))
         .args(extra)
         .stdin(Stdio::null())
@@ -78,7 +81,16 @@ fn serve(dir: &Path, extra: &[&str]) -> Serving {
     }
     std::thread::spawn(move || for _ in reader {});
     assert!(lines.iter().any(|l| l.contains("usbredir for")), "no usbredir line: {lines:?}");
-    Serving { child, lines }
+    Serving { child, addr, lines }
+}
+
+/// TLS only, no plain USB/IP, no client allowed: the issue's server.
+fn tls_only(identity: &Path) -> Vec<String> {
+    ["--tls", "--allow-plain", "never", "--identity"]
+        .map(String::from)
+        .into_iter()
+        .chain([identity.display().to_string()])
+        .collect()
 }
 
 fn stderr(output: &Output) -> String {
@@ -103,20 +115,11 @@ fn a_tcp_redir_listener_without_the_opt_in_is_refused_at_config_load() {
     assert!(stderr(&output).contains("allow_unauthenticated = true"), "{}", stderr(&output));
 
     // Never on a server that takes no plain USB/IP, even with the opt-in.
-    let identity = dir.join("identity");
-    let output = serve_refused(
-        &dir,
-        &[
-            "--tls",
-            "--allow-plain",
-            "never",
-            "--identity",
-            identity.to_str().unwrap(),
-            "--redir-tcp-unauthenticated",
-            "--redir",
-            &format!("{listen}=1-1"),
-        ],
-    );
+    let tls = tls_only(&dir.join("identity"));
+    let redir = format!("{listen}=1-1");
+    let args: Vec<&str> =
+        tls.iter().map(String::as_str).chain(["--redir-tcp-unauthenticated", "--redir", &redir]).collect();
+    let output = serve_refused(&dir, &args);
     assert_eq!(output.status.code(), Some(78), "{}", stderr(&output));
     let message = stderr(&output);
     assert!(message.contains("allow_plain = \"never\"") && message.contains("unix:PATH"), "{message}");
@@ -194,6 +197,28 @@ fn a_unix_redir_socket_in_another_users_directory_is_refused() {
     assert_eq!(output.status.code(), Some(78), "{}", stderr(&output));
     assert!(stderr(&output).contains("belongs to uid 65534"), "{}", stderr(&output));
     assert!(!socket.exists(), "a socket was made in another user's directory");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_servers_own_key_gets_only_its_bridges_devices() {
+    // The issue's setup: TLS only, no plain USB/IP, no client allowed, a keyboard and a bridge.
+    let dir = scratch("own-key");
+    let identity = dir.join("identity");
+    let socket = dir.join("redir.sock");
+    let tls = tls_only(&identity);
+    let redir = format!("unix:{}=1-1", socket.display());
+    let args: Vec<&str> = tls.iter().map(String::as_str).chain(["--virtual", "keyboard", "--redir", &redir]).collect();
+    let serving = serve(&dir, &args);
+    // Whoever holds the server's key (its bridges) sees the bridge's device, not the keyboard.
+    let list =
+        |args: &[&str]| Command::new(BIN).args(["list", "-r", &serving.addr, "--json"]).args(args).output().unwrap();
+    let own = list(&["--tls", "--identity", identity.to_str().unwrap()]);
+    let listed = String::from_utf8_lossy(&own.stdout);
+    assert!(own.status.success(), "{}", stderr(&own));
+    assert!(listed.contains("\"1-1\"") && !listed.contains("\"1-2\""), "{listed}");
+    assert_eq!(std::fs::metadata(&socket).unwrap().mode() & 0o777, 0o600);
+    drop(serving);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -32,6 +32,21 @@ impl Selector {
             Self::Class(class) => device.classes().any(|c| c == *class),
         }
     }
+
+    /// Whether a device as USB/IP lists it matches (`serial`: its serial
+    /// number, when known; a serial selector matches nothing without one).
+    pub fn matches_record(&self, device: &usbwire_proto::op::DeviceRecord, serial: Option<&str>) -> bool {
+        match self {
+            Self::BusId(busid) => device.busid.as_str() == busid,
+            Self::VidPid { vendor_id, product_id } => {
+                device.id_vendor == *vendor_id && device.id_product == *product_id
+            }
+            Self::Serial(wanted) => serial == Some(wanted.as_str()),
+            Self::Class(class) => {
+                device.b_device_class == *class || device.interfaces.iter().any(|i| i.b_interface_class == *class)
+            }
+        }
+    }
 }
 
 impl FromStr for Selector {

@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use tokio_rustls::rustls as rustls_config;
 use tracing::{debug, info, warn, Instrument};
 use usbwire_proto::liveness;
-use usbwire_proto::op::{self, OpRequest, OpStatus};
+use usbwire_proto::op::{self, DeviceRecord, OpRequest, OpStatus};
 use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::resume::{self, Grant, Token};
 use usbwire_proto::{DecodeError, Limits};
@@ -78,7 +78,8 @@ pub(crate) async fn serve_session(
     config: Arc<ServerConfig>,
     stop: watch::Receiver<bool>,
 ) {
-    let visible = |kind: &str, busid: &str| config.security.visible(&client, busid, kind);
+    let visible =
+        |kind: &str, device: &DeviceRecord, serial: &str| config.security.may_use(&client, kind, device, serial);
     let mut buf = BytesMut::with_capacity(256);
     let Some(mut request) = next_request(&mut stream, &mut buf, &config, &peer.ticket).await else { return };
     // Set when the client asked for resume and we granted it: names the session an import starts.

@@ -278,7 +278,7 @@ fn answer(
             }
         }
         ControlRequest::State => {
-            let devices = state_entries(registry, |_, _| true);
+            let devices = state_entries(registry, |_, _, _| true);
             ControlResponse { ok: true, error: None, reports: None, devices: Some(devices) }
         }
     }
@@ -286,11 +286,14 @@ fn answer(
 
 /// Every exported device this viewer may see, with its state: what `usbwire
 /// state` prints and what `OP_REP_DEVSTATE` carries.
-pub(crate) fn state_entries(registry: &Registry, visible: impl Fn(&str, &str) -> bool) -> Vec<StateEntry> {
+pub(crate) fn state_entries(
+    registry: &Registry,
+    visible: impl Fn(&str, &usbwire_proto::op::DeviceRecord, &str) -> bool,
+) -> Vec<StateEntry> {
     registry
         .list()
         .into_iter()
-        .filter(|e| visible(&e.kind, e.record.busid.as_str()))
+        .filter(|e| visible(&e.kind, &e.record, &e.summary.serial))
         .map(|e| {
             let unix = |at: std::time::SystemTime| at.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs());
             let rfc3339 = |at: Option<u64>| {

@@ -253,7 +253,7 @@ fn refuse_busy(stream: TcpStream, peer: SocketAddr) {
 /// The devices and their counters, as `/status.json` and each `/events` message carry them.
 fn status_json(registry: &Registry) -> String {
     let time_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-    let devices = crate::control::state_entries(registry, |_, _| true);
+    let devices = crate::control::state_entries(registry, |_, _, _| true);
     serde_json::json!({ "time_ms": time_ms as u64, "devices": devices }).to_string()
 }
 

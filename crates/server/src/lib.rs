@@ -104,13 +104,48 @@ pub struct Security {
     /// With TLS, a plain client is the identity `plain`: it sees only what a
     /// `client = "plain"` rule gives it (see [`Security::visible`]).
     pub admission: Admission,
+    /// The server's own `[[redir]]` bridges, which import as the server: what
+    /// its key may see and import (nothing else, whatever the rules say).
+    pub own_bridges: Option<OwnBridges>,
+}
+
+/// The server's own identity, admitted for its usbredir bridges only: it
+/// sees and imports exactly the devices `devices` select.
+#[derive(Clone, Debug)]
+pub struct OwnBridges {
+    /// The server's key (its bridges present it).
+    pub identity: usbwire_transport::Fingerprint,
+    /// The `[[redir]]` rules' devices.
+    pub devices: Vec<Selector>,
 }
 
 impl Security {
     /// TLS with `identity`, admitting the clients `admission` names.
     pub fn tls(identity: &Identity, plain: PlainPolicy, admission: Admission) -> Result<Self, rustls_config::Error> {
         let tls = usbwire_transport::tls::server_config(identity, admission.clone())?;
-        Ok(Self { tls: Some(tls), plain, admission })
+        Ok(Self { tls: Some(tls), plain, admission, own_bridges: None })
+    }
+
+    /// Whether `client` may see and import `device` (of kind `kind`, serial
+    /// number `serial`, empty if none): the server's own bridges the devices
+    /// their rules select, everyone else what [`Security::visible`] says.
+    pub fn may_use(
+        &self,
+        client: &usbwire_transport::access::ClientId,
+        kind: &str,
+        device: &usbwire_proto::op::DeviceRecord,
+        serial: &str,
+    ) -> bool {
+        use usbwire_transport::access::ClientId;
+        if let (Some(own), ClientId::Certificate(fingerprint) | ClientId::CaIssued { fingerprint, .. }) =
+            (&self.own_bridges, client)
+        {
+            if *fingerprint == own.identity {
+                let serial = Some(serial).filter(|s| !s.is_empty());
+                return own.devices.iter().any(|selector| selector.matches_record(device, serial));
+            }
+        }
+        self.visible(client, device.busid.as_str(), kind)
     }
 
     /// Whether `client` may see and import the device `busid` of kind `kind`.
@@ -136,7 +171,12 @@ impl Security {
 impl Default for Security {
     /// Plain USB/IP for everyone, as usbipd does.
     fn default() -> Self {
-        Self { tls: None, plain: PlainPolicy::Always, admission: Admission { rules: AccessRules::open(), ca: None } }
+        Self {
+            tls: None,
+            plain: PlainPolicy::Always,
+            admission: Admission { rules: AccessRules::open(), ca: None },
+            own_bridges: None,
+        }
     }
 }
 
@@ -457,9 +497,15 @@ mod tests {
     #[test]
     fn without_tls_a_plain_client_sees_everything_unless_a_rule_names_it() {
         assert!(Security::default().visible(&ClientId::Plain, "1-1", "keyboard"));
-        let unnamed = Security { tls: None, plain: PlainPolicy::Always, admission: rules(&[("*", "1-1")]) };
+        let unnamed =
+            Security { tls: None, plain: PlainPolicy::Always, admission: rules(&[("*", "1-1")]), own_bridges: None };
         assert!(unnamed.visible(&ClientId::Plain, "1-2", "disk"));
-        let named = Security { tls: None, plain: PlainPolicy::Always, admission: rules(&[("plain", "1-1")]) };
+        let named = Security {
+            tls: None,
+            plain: PlainPolicy::Always,
+            admission: rules(&[("plain", "1-1")]),
+            own_bridges: None,
+        };
         assert!(named.visible(&ClientId::Plain, "1-1", "disk"));
         assert!(!named.visible(&ClientId::Plain, "1-2", "disk"));
     }

@@ -411,28 +411,28 @@ impl Registry {
     }
 
     /// What `OP_REP_DEVLIST` carries: like usbipd, only devices that can be imported.
-    /// `visible(kind, busid)` says what this client may see.
-    pub(crate) fn devlist(&self, visible: impl Fn(&str, &str) -> bool) -> Vec<DeviceRecord> {
+    /// `visible(kind, record, serial)` says what this client may see.
+    pub(crate) fn devlist(&self, visible: impl Fn(&str, &DeviceRecord, &str) -> bool) -> Vec<DeviceRecord> {
         self.list()
             .into_iter()
-            .filter(|e| e.state == DeviceState::Available && visible(&e.kind, e.record.busid.as_str()))
+            .filter(|e| e.state == DeviceState::Available && visible(&e.kind, &e.record, &e.summary.serial))
             .map(|e| e.record)
             .collect()
     }
 
     /// Takes a device for exclusive use by `importer`. A device this client may
-    /// not see (`visible(kind, busid)`) does not exist for it. A device still
+    /// not see (`visible(kind, record, serial)`) does not exist for it. A device still
     /// being given back by a connection that has ended is waited for, up to `wait`.
     pub(crate) async fn import(
         &self,
         busid: &BusId,
         importer: Importer,
-        visible: impl Fn(&str, &str) -> bool,
+        visible: impl Fn(&str, &DeviceRecord, &str) -> bool,
         wait: Duration,
     ) -> Result<Lease, ImportError> {
         let export = lock(&self.exports)
             .iter()
-            .find(|e| &e.record.busid == busid && visible(&e.kind, busid.as_str()))
+            .find(|e| &e.record.busid == busid && visible(&e.kind, &e.record, &e.summary.serial))
             .cloned()
             .ok_or(ImportError::NoDevice)?;
         if let Some(reserved) = lock(&self.reservations).get(busid.as_str()) {
@@ -647,7 +647,7 @@ mod tests {
         importer: Importer,
         wait: Duration,
     ) -> Result<Lease, ImportError> {
-        registry.import(busid, importer, |_, _| true, wait).await
+        registry.import(busid, importer, |_, _, _| true, wait).await
     }
 
     /// A device whose reset takes a while, as a real one can.

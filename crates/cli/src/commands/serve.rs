@@ -220,8 +220,8 @@ impl Registering {
 
 /// One usbredir bridge per `[[redir]]` rule, importing from this server over
 /// loopback: plain, or with TLS when the server has it, as the server itself
-/// (its identity, which its access rules admit for the rules' devices only,
-/// and its own key pinned). The listening sockets are bound here (a Unix
+/// (its identity, admitted for the rules' devices only, and its own key
+/// pinned). The listening sockets are bound here (a Unix
 /// socket 0600, or 0660 for the rule's group, in a checked directory), so a
 /// path or port in use fails the start rather than a log line later.
 async fn start_redir_bridges(
@@ -485,7 +485,8 @@ impl TextInput for Keyboard {
 
 /// TLS, plain policy and access rules from flags and the config file, and
 /// with TLS the identity directory. With `redir` rules the server's own key
-/// may import everything (its `[[redir]]` bridges connect as the server).
+/// is admitted (its `[[redir]]` bridges connect as the server) for the
+/// devices those rules select, and nothing else.
 fn security(args: &ServeArgs, file: &FileConfig, redir: &[RedirRule]) -> Result<(Security, Option<PathBuf>), Failure> {
     if !(args.tls || file.tls) {
         if !args.allow.is_empty() || !file.allow.is_empty() || args.allow_plain.is_some() || args.allow_any_client {
@@ -530,7 +531,8 @@ fn security(args: &ServeArgs, file: &FileConfig, redir: &[RedirRule]) -> Result<
         eprintln!("usbwire: no client is allowed yet: add --allow FINGERPRINT (from `usbwire identity` on the client)");
     }
     if !redir.is_empty() {
-        access.rules.push(Rule { client: identity.fingerprint().to_string(), devices: vec!["*".into()] });
+        // The TLS handshake admits the server's key; which devices it gets is `own_bridges`.
+        access.rules.push(Rule { client: identity.fingerprint().to_string(), devices: Vec::new() });
     }
     let ca = match args.ca.as_ref().or(file.ca.as_ref()) {
         Some(path) => Some(usbwire_transport::ca::TrustedCa::load(path).map_err(|e| Failure::config(e.into()))?),
@@ -539,8 +541,14 @@ fn security(args: &ServeArgs, file: &FileConfig, redir: &[RedirRule]) -> Result<
     if ca.is_none() && access.rules.iter().any(|r| r.ca_name().is_some()) {
         return Err(Failure::config(anyhow::anyhow!("ca:NAME rules need the CA: pass --ca PATH (or ca = \"PATH\")")));
     }
-    let security =
+    let mut security =
         Security::tls(&identity, plain, Admission { rules: access, ca }).map_err(|e| Failure::software(e.into()))?;
+    if !redir.is_empty() {
+        security.own_bridges = Some(usbwire_server::OwnBridges {
+            identity: identity.fingerprint(),
+            devices: redir.iter().map(|rule| rule.device.clone()).collect(),
+        });
+    }
     Ok((security, Some(dir)))
 }
 

@@ -388,16 +388,7 @@ fn attach_imported(
 /// Whether a listed remote device matches a selector (`serial` comes from the
 /// server's device state, when it reports one).
 pub(crate) fn matches_remote(selector: &Selector, device: &DeviceRecord, serial: Option<&str>) -> bool {
-    match selector {
-        Selector::BusId(busid) => device.busid.as_str() == busid,
-        Selector::VidPid { vendor_id, product_id } => {
-            device.id_vendor == *vendor_id && device.id_product == *product_id
-        }
-        Selector::Serial(wanted) => serial == Some(wanted.as_str()),
-        Selector::Class(class) => {
-            device.b_device_class == *class || device.interfaces.iter().any(|i| i.b_interface_class == *class)
-        }
-    }
+    selector.matches_record(device, serial)
 }
 
 #[cfg(test)]
