@@ -250,8 +250,9 @@ impl OpRequest {
 
 /// Decodes one OP request (server side). `Ok(None)` means more bytes are needed.
 ///
-/// Like the kernel's `usbip_net_recv_op_common`, a wrong version, a non-zero
-/// status or an opcode other than DEVLIST/IMPORT is an error.
+/// Like the kernel's `usbip_net_recv_op_common`, a wrong version or a non-zero
+/// status is an error; so is an opcode other than DEVLIST and IMPORT and our
+/// own DEVSTATE, TRANSFORMS and RESUME (docs/protocol.md).
 pub fn decode_request(buf: &mut BytesMut, _limits: &Limits) -> Result<Option<OpRequest>, DecodeError> {
     let Some(code) = peek_header(buf, None)? else {
         return Ok(None);
@@ -408,8 +409,9 @@ pub fn decode_transforms_reply(buf: &mut BytesMut) -> Result<Option<String>, Dec
 }
 
 /// Encodes `OP_REP_RESUME`: on success the number of commands the server had
-/// received whole (u64); only the header with `ST_NODEV` when the session is
-/// unknown, expired or not the caller's.
+/// received whole (u64); only the header with an error status otherwise: the
+/// server sends `ST_NODEV` when the session is unknown, expired or not the
+/// caller's, and `ST_NA` when the client's count of replies does not fit it.
 pub fn encode_resume_reply(result: Result<u64, OpStatus>, out: &mut BytesMut) {
     match result {
         Ok(commands_received) => {

@@ -6,7 +6,9 @@
 //! socket becomes that device's URB channel, driven by [`urb_channel`], which
 //! owns the device outright while it is imported — there is no lock on the
 //! data path. When the client goes away, everything in flight is abandoned,
-//! the device is reset and listed as available again.
+//! the device is reset and listed as available again — unless the import is
+//! resumable: then the session parks for its grace period (`resumable.rs`),
+//! the device running on, for the client to come back.
 //!
 //! This crate is not for building devices (see `usbwire-device` and
 //! `usbwire-gadgets`) nor for parsing bytes (see `usbwire-proto`).
