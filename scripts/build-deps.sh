@@ -1,8 +1,9 @@
 # Sourced by demo.sh and deb.sh: installs what building usbwire needs beyond
 # Rust (a C compiler and linker; protoc and the well-known .proto files that
-# the etcd client's gRPC build reads), then builds the release binary.
+# the etcd client's gRPC build reads; git, for `usbwire -V` to name the commit;
+# and what the caller adds in extra_build_packages), then builds the release binary.
 # Not for running tests: test.sh installs its own, larger list.
-build_packages=(gcc libc6-dev protobuf-compiler libprotobuf-dev)
+build_packages=(gcc libc6-dev protobuf-compiler libprotobuf-dev git ${extra_build_packages[@]+"${extra_build_packages[@]}"})
 build_missing=()
 for p in "${build_packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || build_missing+=("$p"); done
 if [ ${#build_missing[@]} -gt 0 ]; then

@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup (https://rustup.rs)"; exit 1; }
+# dpkg-shlibdeps (dpkg-dev) gives cargo-deb the package's library dependencies.
+extra_build_packages=(dpkg-dev)
 . scripts/build-deps.sh
 command -v cargo-deb >/dev/null || cargo install cargo-deb --locked
 assets=target/release/deb-assets
