@@ -37,6 +37,12 @@
 //! URB channel outlive its connection, and the keep-alives of [`liveness`]
 //! that notice a link gone silent.
 //!
+//! Time-dependent server state is here too, with the clock left to the
+//! caller: [`import_slot::ImportWait`] decides what an import does with a
+//! device it finds taken (take it, wait for the previous importer's teardown
+//! until a deadline, or answer busy), and [`park::Grace`] is the grace period
+//! of a parked session (resumed in time, or expired).
+//!
 //! [`display::escape`] is how every crate shows a string that came from the
 //! network (device strings, paths, mDNS names): control characters and bidi
 //! overrides become visible escapes.
@@ -44,10 +50,12 @@
 pub mod client_session;
 pub mod display;
 mod error;
+pub mod import_slot;
 mod limits;
 pub mod liveness;
 pub mod op;
 mod outbox;
+pub mod park;
 mod recv_buffer;
 pub mod reservation;
 pub mod resume;
