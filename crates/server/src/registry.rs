@@ -11,19 +11,22 @@
 //! bound — for it to be Available instead of answering busy: a client that
 //! detaches and at once attaches again (the kernel's `usbip attach` does not
 //! retry) must not lose the race with the old connection's teardown. Only a
-//! device held by a live connection is busy at once.
+//! device held by a live connection is busy at once. Those rules and the
+//! deadline are the sans-I/O [`ImportWait`] (`usbwire_proto::import_slot`);
+//! [`Registry::import`] only looks at the slot, sleeps and wakes.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use sha2::{Digest as _, Sha256};
 use tokio::sync::{watch, Notify};
 use tracing::info;
 use usbwire_device::{Device, DeviceSummary};
+use usbwire_proto::import_slot::{Busy, Claimant, Found, ImportDecision, ImportWait, Presence};
 use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
 use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::sync::lock;
@@ -441,64 +444,66 @@ impl Registry {
                 return Err(ImportError::Reserved);
             }
         }
-        let deadline = tokio::time::Instant::now() + wait;
-        let mut last_look = false;
+        // What to do is decided by the sans-I/O core; this loop looks, sleeps and wakes.
+        let mut decider = ImportWait::new(Instant::now(), wait);
+        let asking = Claimant { address: importer.client, identity: importer.identity.as_deref() };
         let watched = export.clone();
         loop {
             // Registered before looking, so a release between the look and the wait is not missed.
             let released = watched.released.notified();
             tokio::pin!(released);
             released.as_mut().enable();
-            {
+            let until = {
                 let mut slot = lock(&export.slot);
-                match &*slot {
-                    Slot::Available(_) => {
+                match decider.decide(&asking, look(&slot)) {
+                    ImportDecision::Take => {
                         let Importer { client, identity, probe, .. } = importer;
                         let taken = std::mem::replace(
                             &mut *slot,
                             Slot::InUse { client, since: SystemTime::now(), identity, probe, resuming_since: None },
                         );
                         drop(slot);
-                        let Slot::Available(device) = taken else { unreachable!("matched Available above") };
+                        let Slot::Available(device) = taken else { unreachable!("decided Take only on Available") };
                         export.meter.imported();
                         self.changes.bump();
                         return Ok(Lease { export, device: Some(device), registry: self.clone() });
                     }
-                    Slot::Withdrawn => return Err(ImportError::NoDevice),
-                    // Held for a client that is away (its session parked, waiting to
-                    // resume). The same client importing afresh (it restarted, or its
-                    // relay was killed) takes the device back: the parked session is
-                    // told to let go, and this import waits for the release. Anyone
-                    // else finds it busy, at once.
-                    Slot::InUse { client, identity, resuming_since: Some(_), .. } => {
-                        let same_client = *identity == importer.identity
-                            && (identity.is_some() || client.ip() == importer.client.ip());
-                        if !same_client || last_look {
-                            return Err(ImportError::InUse { holder: *client });
-                        }
+                    ImportDecision::Withdrawn => return Err(ImportError::NoDevice),
+                    ImportDecision::Busy(Busy::Held { holder }) => return Err(ImportError::InUse { holder }),
+                    ImportDecision::Busy(Busy::StillReleasing { waited }) => {
+                        return Err(ImportError::StillReleasing { waited })
+                    }
+                    ImportDecision::WaitUntil(until) => until,
+                    ImportDecision::ReclaimAndWaitUntil(until) => {
                         info!(%busid, client = %importer.client, "imported afresh by the client its parked session waits for; ending that session");
                         export.abandoned.notify_one();
+                        until
                     }
-                    // The same host asking again for what it holds is, in practice, a
-                    // detach and attach: vhci-hcd closes the old socket some time after
-                    // `usbip detach` returns (0.1-1 s), so wait (bounded) for it to go.
-                    // Another host is refused at once.
-                    Slot::InUse { client, probe, .. }
-                        if !probe.peer_gone() && (client.ip() != importer.client.ip() || last_look) =>
-                    {
-                        return Err(ImportError::InUse { holder: *client })
-                    }
-                    // The holder has hung up (its task will notice), is on the same host
-                    // (see above), or is resetting the device.
-                    Slot::InUse { .. } | Slot::Releasing => {}
                 }
+            };
+            let until = tokio::time::Instant::from_std(until);
+            if tokio::time::timeout_at(until, released).await.is_err() {
+                decider.handle_timeout(Instant::now());
             }
-            if last_look {
-                return Err(ImportError::StillReleasing { waited: wait });
-            }
-            if tokio::time::timeout_at(deadline, released).await.is_err() {
-                last_look = true;
-            }
+        }
+    }
+}
+
+/// What an import finds in `slot`, for [`ImportWait::decide`].
+fn look(slot: &Slot) -> Found<'_> {
+    match slot {
+        Slot::Available(_) => Found::Available,
+        Slot::Releasing => Found::Releasing,
+        Slot::Withdrawn => Found::Withdrawn,
+        Slot::InUse { client, identity, probe, resuming_since, .. } => {
+            let presence = if resuming_since.is_some() {
+                Presence::Away
+            } else if probe.peer_gone() {
+                Presence::HungUp
+            } else {
+                Presence::Live
+            };
+            Found::Held { holder: Claimant { address: *client, identity: identity.as_deref() }, presence }
         }
     }
 }

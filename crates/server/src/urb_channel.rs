@@ -11,7 +11,8 @@
 //!
 //! A resumable session outlives its connection: when the link drops, the
 //! device keeps running, its completions are held, and the session parks
-//! ([`crate::resumable`]) for the grace period. A client that comes back
+//! ([`crate::resumable`]) for the grace period, whose clock is the sans-I/O
+//! [`Grace`] (`usbwire_proto::park`). A client that comes back
 //! with the session's token gets `OP_REP_RESUME` and the replies it missed,
 //! and the loop goes on with the new connection.
 
@@ -27,6 +28,7 @@ use tokio_util::io::poll_read_buf;
 use tracing::{debug, info, warn};
 use usbwire_device::{Device, TransferType, Urb};
 use usbwire_proto::op::{self, OpStatus};
+use usbwire_proto::park::{Grace, ParkEvent};
 use usbwire_proto::resume::Token;
 use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
 use usbwire_transport::{poll_write_outbox, PeerStream};
@@ -206,7 +208,8 @@ async fn next_arrival(parking: &mut Option<Parking>) -> Handover {
 }
 
 /// Holds a session whose connection dropped: the device runs on and its
-/// completions are held, until the client resumes or the grace period ends.
+/// completions are held, until the client resumes or the grace period ends
+/// (its clock is the sans-I/O [`Grace`]; this loop sleeps until it is due).
 #[allow(clippy::too_many_arguments)] // the parked session's whole world; a struct would only rename it
 async fn park(
     session: &mut ServerSession,
@@ -218,12 +221,10 @@ async fn park(
     holder: &Holder,
     stop: &mut watch::Receiver<bool>,
 ) -> ParkOutcome {
-    let lost = Instant::now();
+    let mut grace = Grace::start(Instant::now(), resumable.grace);
     if arrival.is_none() {
         info!(grace_secs = resumable.grace.as_secs(), "holding the session for the client to resume");
     }
-    let deadline = tokio::time::sleep(resumable.grace);
-    tokio::pin!(deadline);
     loop {
         let mut handover = match arrival.take() {
             Some(handover) => handover,
@@ -232,9 +233,13 @@ async fn park(
                     Some(handover) => handover,
                     None => return ParkOutcome::Ended(End::ClientClosed),
                 },
-                () = &mut deadline => {
-                    info!(grace_secs = resumable.grace.as_secs(), "not resumed within the grace period; releasing the device");
-                    return ParkOutcome::Ended(End::ClientClosed);
+                () = sleep_until(grace.poll_timeout()) => {
+                    grace.handle_timeout(Instant::now());
+                    if let Some(ParkEvent::Expired { grace: period }) = grace.poll_event() {
+                        info!(grace_secs = period.as_secs(), "not resumed within the grace period; releasing the device");
+                        return ParkOutcome::Ended(End::ClientClosed);
+                    }
+                    continue;
                 }
                 () = std::future::poll_fn(|cx| hold_completions(cx, session, device, &mut taps)) => {
                     info!("device unplugged while the client was away");
@@ -247,8 +252,19 @@ async fn park(
                 }
             },
         };
-        let held = session.replies().map_or(0, |(_, held)| held);
         let mut reply = BytesMut::new();
+        if let Err(refused) = grace.resume(Instant::now()) {
+            // Came back as the grace period ended: too late, as for a resume after it.
+            info!(peer = %handover.peer.addr, reason = %refused, "resume refused; releasing the device");
+            op::encode_resume_reply(Err(OpStatus::NODEV), &mut reply);
+            let _ = async {
+                handover.stream.write_all(&reply).await?;
+                handover.stream.flush().await
+            }
+            .await;
+            return ParkOutcome::Ended(End::ClientClosed);
+        }
+        let held = session.replies().map_or(0, |(_, held)| held);
         let resumed = session.resume(handover.replies_received, std::mem::take(&mut handover.leftover));
         op::encode_resume_reply(resumed.as_ref().copied().map_err(|_| OpStatus::NA), &mut reply);
         let delivered = async {
@@ -258,10 +274,16 @@ async fn park(
         .await;
         match (resumed, delivered) {
             (Ok(commands), Ok(())) => {
+                grace.answered(Instant::now());
+                // Answered after an accepted resume: the event is `Resumed`.
+                let outage = match grace.poll_event() {
+                    Some(ParkEvent::Resumed { outage }) => outage,
+                    _ => Duration::ZERO,
+                };
                 let replayed = session.replies().map_or(0, |(_, held)| held);
                 info!(
                     peer = %handover.peer.addr,
-                    outage_ms = lost.elapsed().as_millis() as u64,
+                    outage_ms = outage.as_millis() as u64,
                     replies_replayed = replayed,
                     replies_held = held,
                     commands_received = commands,
@@ -276,6 +298,7 @@ async fn park(
             }
             (Ok(_), Err(error)) => {
                 info!(%error, "resumed connection lost before the answer; still holding");
+                grace.answer_lost();
                 session.disconnected();
             }
         }
