@@ -29,17 +29,10 @@ use usbwire_transport::transform::{Pipeline, Side, TransformSpec, TransformedStr
 use usbwire_transport::{PeerStream, TLS_HANDSHAKE_BYTE};
 
 use crate::admission::{Dropped, Ticket};
-use crate::registry::{Importer, PeerProbe, Registry};
+use crate::peer::{Peer, PeerProbe};
+use crate::registry::{Importer, Registry};
 use crate::resumable::Handover;
 use crate::{urb_channel, PlainPolicy, ServerConfig};
-
-/// The other end of a session: its address, its place in the admission
-/// budgets, and a probe a later importer uses to see whether it hung up.
-pub(crate) struct Peer {
-    pub(crate) addr: SocketAddr,
-    pub(crate) ticket: Ticket,
-    pub(crate) probe: PeerProbe,
-}
 
 pub(crate) async fn handle(
     tcp: TcpStream,

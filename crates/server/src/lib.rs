@@ -20,6 +20,7 @@ mod control;
 mod host_exports;
 mod http;
 mod metrics;
+mod peer;
 pub mod private_dir;
 mod registry;
 mod resumable;
@@ -319,7 +320,7 @@ impl InProcessServer {
         let session = connection::serve_session(
             usbwire_transport::PeerStream::InProcess(stream),
             usbwire_transport::access::ClientId::Plain,
-            connection::Peer { addr: peer, ticket: admission::Ticket::unlimited(), probe: registry::PeerProbe::none() },
+            peer::Peer { addr: peer, ticket: admission::Ticket::unlimited(), probe: peer::PeerProbe::none() },
             self.registry.clone(),
             self.config.clone(),
             self.stop.subscribe(),

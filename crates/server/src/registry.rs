@@ -17,7 +17,6 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -33,6 +32,7 @@ use usbwire_proto::sync::lock;
 
 use crate::capture::CaptureConfig;
 use crate::metrics::{DeviceMeter, ServerMeter};
+use crate::peer::PeerProbe;
 
 /// The capture setting every URB channel watches, and the bounds the last
 /// one had (kept for a `usbwire capture DIR` after `--capture` was off).
@@ -132,37 +132,6 @@ pub(crate) struct Importer {
     pub(crate) probe: PeerProbe,
     /// The lab registry reservation the client's offer carried.
     pub(crate) reservation: Option<ReservationToken>,
-}
-
-/// Tells whether the peer of a connection has hung up, without reading from it.
-///
-/// Holds a duplicate of the connection's socket descriptor, so the number it
-/// checks can never be reused by another socket while the probe lives. That
-/// also keeps the socket open until the probe is dropped, which the registry
-/// does as soon as the lease ends.
-pub(crate) struct PeerProbe(Option<OwnedFd>);
-
-impl PeerProbe {
-    /// A probe on `socket` (a duplicate of its descriptor); without one when
-    /// the descriptor cannot be duplicated (then the peer always counts as present).
-    pub(crate) fn of(socket: &impl AsFd) -> Self {
-        Self(socket.as_fd().try_clone_to_owned().ok())
-    }
-
-    /// For connections with no socket (in-process sessions): always present.
-    pub(crate) fn none() -> Self {
-        Self(None)
-    }
-
-    /// Whether the peer has closed or reset the connection. Data still queued
-    /// for reading does not hide it (`POLLRDHUP`).
-    fn peer_gone(&self) -> bool {
-        let Some(fd) = &self.0 else { return false };
-        let mut poll = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
-        // SAFETY: one valid pollfd, and a zero timeout; the descriptor is owned by `self`.
-        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
-        ready == 1 && poll.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
-    }
 }
 
 /// Why an import was refused.

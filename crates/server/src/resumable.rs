@@ -25,7 +25,7 @@ use usbwire_proto::sync::lock;
 use usbwire_transport::access::ClientId;
 use usbwire_transport::PeerStream;
 
-use crate::connection::Peer;
+use crate::peer::Peer;
 
 /// A new connection for a parked session: the stream just past its resume
 /// request, and what the client has received.
