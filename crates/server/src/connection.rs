@@ -29,10 +29,11 @@ use usbwire_transport::transform::{Pipeline, Side, TransformSpec, TransformedStr
 use usbwire_transport::{PeerStream, TLS_HANDSHAKE_BYTE};
 
 use crate::admission::{Dropped, Ticket};
+use crate::config::{PlainPolicy, ServerConfig};
 use crate::peer::{Peer, PeerProbe};
 use crate::registry::{Importer, Registry};
 use crate::resumable::Handover;
-use crate::{urb_channel, PlainPolicy, ServerConfig};
+use crate::urb_channel;
 
 pub(crate) async fn handle(
     tcp: TcpStream,
@@ -49,7 +50,7 @@ pub(crate) async fn handle(
         secured = secure(tcp, peer, &config, &ticket, registry.server_meter()) => secured,
         // Counted by the gate when it evicted us.
         () = ticket.evicted() => None,
-        () = crate::stopped(&mut stopping) => None,
+        () = crate::shutdown::stopped(&mut stopping) => None,
     };
     let Some((stream, client)) = secured else {
         return;

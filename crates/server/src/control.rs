@@ -10,7 +10,7 @@
 //! answers nobody else.
 
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
 
@@ -21,9 +21,9 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 use usbwire_proto::op::BusId;
 
+use crate::error::ServerError;
 use crate::host_exports::HostExports;
 use crate::registry::{DeviceState, Registry};
-use crate::ServerError;
 
 /// Something that turns text into key presses on the attached host (a keyboard).
 pub trait TextInput: Send + Sync {
@@ -70,21 +70,6 @@ impl ControlResponse {
     }
 }
 
-/// Where the control socket lives unless `--control` says otherwise:
-/// `/run/usbwire/control.sock` for root, `$XDG_RUNTIME_DIR/usbwire/control.sock`
-/// or `TMPDIR/usbwire-UID/control.sock` (`/tmp` unless `TMPDIR` is set) for
-/// other users.
-pub fn default_control_path() -> PathBuf {
-    let uid = crate::private_dir::effective_uid();
-    if uid == 0 {
-        return PathBuf::from("/run/usbwire/control.sock");
-    }
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(dir) if !dir.is_empty() => Path::new(&dir).join("usbwire/control.sock"),
-        _ => std::env::temp_dir().join(format!("usbwire-{uid}/control.sock")),
-    }
-}
-
 pub(crate) struct ControlSocket {
     listener: UnixListener,
 }
@@ -123,7 +108,7 @@ impl ControlSocket {
     ) {
         loop {
             tokio::select! {
-                () = crate::stopped(&mut stop) => return,
+                () = crate::shutdown::stopped(&mut stop) => return,
                 accepted = self.listener.accept() => match accepted {
                     Ok((stream, _)) => {
                         if let Err(refusal) = check_peer(&stream) {

@@ -130,7 +130,7 @@ impl HostExports {
         };
         loop {
             let event = tokio::select! {
-                () = crate::stopped(&mut stop) => return,
+                () = crate::shutdown::stopped(&mut stop) => return,
                 event = events.next() => event,
             };
             match event {

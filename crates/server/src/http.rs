@@ -206,14 +206,14 @@ pub(crate) async fn serve(
         // A free place first: past the bound, connections wait in the
         // kernel's queue and hold none of our file descriptors.
         let permit = tokio::select! {
-            () = crate::stopped(&mut stop) => return,
+            () = crate::shutdown::stopped(&mut stop) => return,
             permit = responder.connections.clone().acquire_owned() => match permit {
                 Ok(permit) => permit,
                 Err(_) => return,
             },
         };
         let accepted = tokio::select! {
-            () = crate::stopped(&mut stop) => return,
+            () = crate::shutdown::stopped(&mut stop) => return,
             accepted = listener.accept() => accepted,
         };
         let (stream, peer) = match accepted {
@@ -277,7 +277,7 @@ async fn event_stream(
     let mut tick = tokio::time::interval(EVENT_INTERVAL);
     loop {
         tokio::select! {
-            () = crate::stopped(&mut stop) => return Ok(()),
+            () = crate::shutdown::stopped(&mut stop) => return Ok(()),
             _ = tick.tick() => {
                 let message = format!("data: {}\n\n", status_json(registry));
                 write_in_time(&mut stream, message.as_bytes()).await?;

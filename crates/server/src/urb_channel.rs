@@ -34,11 +34,11 @@ use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
 use usbwire_transport::{poll_write_outbox, PeerStream};
 
 use crate::capture::{Capture, CaptureConfig};
+use crate::config::ServerConfig;
 use crate::metrics::UrbMeter;
 use crate::peer::Peer;
 use crate::registry::{Holder, Lease};
 use crate::resumable::{Handover, Parked, Parking};
-use crate::ServerConfig;
 
 /// How long a shutting-down server tries to deliver a resumable client's last replies and the end.
 const GOODBYE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -133,7 +133,7 @@ pub(crate) async fn run(
                     Err(error) => Err(error.into()),
                 }
             }
-            () = crate::stopped(&mut stop) => {
+            () = crate::shutdown::stopped(&mut stop) => {
                 if resumable.is_some() {
                     channel.say_goodbye().await;
                 }
@@ -245,7 +245,7 @@ async fn park(
                     info!("device unplugged while the client was away");
                     return ParkOutcome::Ended(End::DeviceGone);
                 }
-                () = crate::stopped(stop) => return ParkOutcome::Ended(End::Shutdown),
+                () = crate::shutdown::stopped(stop) => return ParkOutcome::Ended(End::Shutdown),
                 () = holder.abandoned() => {
                     info!("the client imported the device afresh; releasing its parked session");
                     return ParkOutcome::Ended(End::ClientClosed);
