@@ -30,6 +30,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use tokio::sync::watch;
 use tracing::{info, warn};
 use usbwire_device::{Completion, TransferType, Urb};
 use usbwire_proto::sync::lock;
@@ -74,6 +75,45 @@ impl CaptureConfig {
     /// `--capture` and `usbwire capture` check before capturing anything.
     pub fn prepare(&self) -> Result<(), PrivateDirError> {
         ensure_private_dir(&self.dir)
+    }
+}
+
+/// The capture setting every URB channel of a server follows (`--capture`,
+/// `usbwire capture`), and the bounds the last one had (kept for a
+/// `usbwire capture DIR` after `--capture` was off).
+pub(crate) struct CaptureSwitch {
+    setting: watch::Sender<Option<CaptureConfig>>,
+    last: Mutex<Option<CaptureConfig>>,
+}
+
+impl CaptureSwitch {
+    /// Capturing as `initial` says (`None`: not at all) until [`set`](Self::set).
+    pub(crate) fn new(initial: Option<CaptureConfig>) -> Self {
+        let switch = Self { setting: watch::Sender::new(None), last: Mutex::new(None) };
+        switch.set(initial);
+        switch
+    }
+
+    /// Starts (`Some`) or stops (`None`) capturing every import, running ones included.
+    pub(crate) fn set(&self, capture: Option<CaptureConfig>) {
+        if let Some(config) = &capture {
+            *lock(&self.last) = Some(config.clone());
+        }
+        self.setting.send_replace(capture);
+    }
+
+    /// Bounds for capturing into `dir` (`usbwire capture DIR`): those of
+    /// the server's configuration (`capture_max_bytes`) or its last capture.
+    pub(crate) fn for_dir(&self, dir: PathBuf) -> CaptureConfig {
+        match lock(&self.last).as_ref() {
+            Some(last) => CaptureConfig { dir, ..last.clone() },
+            None => CaptureConfig::new(dir),
+        }
+    }
+
+    /// The capture setting, and its changes from now on.
+    pub(crate) fn watch(&self) -> watch::Receiver<Option<CaptureConfig>> {
+        self.setting.subscribe()
     }
 }
 

@@ -30,16 +30,17 @@ use usbwire_transport::{PeerStream, TLS_HANDSHAKE_BYTE};
 
 use crate::admission::{Dropped, Ticket};
 use crate::config::{PlainPolicy, ServerConfig};
+use crate::metrics::ServerMeter;
 use crate::peer::{Peer, PeerProbe};
-use crate::registry::{Importer, Registry};
+use crate::registry::Importer;
 use crate::resumable::Handover;
+use crate::state::ServerState;
 use crate::urb_channel;
 
 pub(crate) async fn handle(
     tcp: TcpStream,
     peer: SocketAddr,
-    registry: Registry,
-    config: Arc<ServerConfig>,
+    state: Arc<ServerState>,
     stop: watch::Receiver<bool>,
     mut ticket: Ticket,
 ) {
@@ -47,7 +48,7 @@ pub(crate) async fn handle(
     let probe = PeerProbe::of(&tcp);
     let mut stopping = stop.clone();
     let secured = tokio::select! {
-        secured = secure(tcp, peer, &config, &ticket, registry.server_meter()) => secured,
+        secured = secure(tcp, peer, &state.config, &ticket, &state.meter) => secured,
         // Counted by the gate when it evicted us.
         () = ticket.evicted() => None,
         () = crate::shutdown::stopped(&mut stopping) => None,
@@ -59,7 +60,7 @@ pub(crate) async fn handle(
     if client != ClientId::Plain && !ticket.authenticate() {
         return;
     }
-    serve_session(stream, client, Peer { addr: peer, ticket, probe }, registry, config, stop).await;
+    serve_session(stream, client, Peer { addr: peer, ticket, probe }, state, stop).await;
 }
 
 /// Everything after the transport is settled and the client named: the OP phase
@@ -68,14 +69,14 @@ pub(crate) async fn serve_session(
     mut stream: PeerStream,
     client: ClientId,
     mut peer: Peer,
-    registry: Registry,
-    config: Arc<ServerConfig>,
+    state: Arc<ServerState>,
     stop: watch::Receiver<bool>,
 ) {
+    let (config, registry) = (&state.config, &state.registry);
     let visible =
         |kind: &str, device: &DeviceRecord, serial: &str| config.security.may_use(&client, kind, device, serial);
     let mut buf = BytesMut::with_capacity(256);
-    let Some(mut request) = next_request(&mut stream, &mut buf, &config, &peer.ticket).await else { return };
+    let Some(mut request) = next_request(&mut stream, &mut buf, config, &peer.ticket).await else { return };
     // Set when the client asked for resume and we granted it: names the session an import starts.
     let mut resume_token = None;
     // The lab registry reservation the client says it holds.
@@ -130,7 +131,7 @@ pub(crate) async fn serve_session(
                     .with_decoded_budget(config.budget.decoded_bytes),
             ));
         }
-        let Some(next) = next_request(&mut stream, &mut buf, &config, &peer.ticket).await else { return };
+        let Some(next) = next_request(&mut stream, &mut buf, config, &peer.ticket).await else { return };
         request = next;
     }
     if !peer.ticket.authenticate() {
@@ -166,7 +167,7 @@ pub(crate) async fn serve_session(
             let peer_addr = peer.addr.ip();
             let arrival = Handover { stream, leftover: buf, replies_received, peer };
             let owner = crate::resumable::Owner::new(client.clone(), peer_addr);
-            if let Err((refused, mut stream)) = registry.parked.hand_over(&token, &owner, arrival) {
+            if let Err((refused, mut stream)) = state.parked.hand_over(&token, &owner, arrival) {
                 info!(?token, %client, reason = %refused, "resume refused");
                 op::encode_resume_reply(Err(OpStatus::NODEV), &mut reply);
                 let _ = async {
@@ -177,7 +178,7 @@ pub(crate) async fn serve_session(
             }
         }
         OpRequest::DevState => {
-            let devices = crate::control::state_entries(&registry, visible);
+            let devices = crate::devstate::entries(registry, visible);
             let body = serde_json::to_vec(&serde_json::json!({ "devices": devices })).unwrap_or_default();
             op::encode_devstate_reply(&body, &mut reply);
             debug!(devices = devices.len(), "device state");
@@ -218,10 +219,10 @@ pub(crate) async fn serve_session(
                         token,
                         keepalive,
                         client: crate::resumable::Owner::new(client.clone(), peer.addr.ip()),
-                        parked: registry.parked.clone(),
+                        parked: state.parked.clone(),
                         grace: config.resume_grace,
                     });
-                    let channel = urb_channel::run(stream, buf, &mut lease, &config, stop, resumable, peer.addr)
+                    let channel = urb_channel::run(stream, buf, &mut lease, &state, stop, resumable, peer.addr)
                         .instrument(span.clone());
                     let outcome = tokio::select! {
                         outcome = channel => outcome,
@@ -261,7 +262,7 @@ async fn secure(
     peer: SocketAddr,
     config: &ServerConfig,
     ticket: &Ticket,
-    meter: &crate::metrics::ServerMeter,
+    meter: &ServerMeter,
 ) -> Option<(PeerStream, ClientId)> {
     let security = &config.security;
     let limits = &config.admission;

@@ -12,7 +12,6 @@
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::UNIX_EPOCH;
 
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -21,9 +20,10 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 use usbwire_proto::op::BusId;
 
+use crate::devstate::{self, StateEntry};
 use crate::error::ServerError;
 use crate::host_exports::HostExports;
-use crate::registry::{DeviceState, Registry};
+use crate::state::ServerState;
 
 /// Something that turns text into key presses on the attached host (a keyboard).
 pub trait TextInput: Send + Sync {
@@ -60,9 +60,6 @@ pub struct ControlResponse {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub devices: Option<Vec<StateEntry>>,
 }
-
-/// One device in a `state` answer (the same document `OP_REP_DEVSTATE` carries).
-pub type StateEntry = usbwire_transport::devstate::DeviceStateEntry;
 
 impl ControlResponse {
     fn error(message: impl Into<String>) -> Self {
@@ -101,7 +98,7 @@ impl ControlSocket {
 
     pub(crate) async fn serve(
         self,
-        registry: Registry,
+        state: Arc<ServerState>,
         inputs: Arc<Vec<(BusId, Arc<dyn TextInput>)>>,
         hosts: HostExports,
         mut stop: watch::Receiver<bool>,
@@ -115,11 +112,11 @@ impl ControlSocket {
                             tokio::spawn(refuse(stream, refusal));
                             continue;
                         }
-                        let registry = registry.clone();
+                        let state = state.clone();
                         let inputs = inputs.clone();
                         let hosts = hosts.clone();
                         tokio::spawn(async move {
-                            if let Err(error) = serve_client(stream, &registry, &inputs, &hosts).await {
+                            if let Err(error) = serve_client(stream, &state, &inputs, &hosts).await {
                                 debug!(%error, "control client");
                             }
                         });
@@ -176,7 +173,7 @@ async fn refuse(mut stream: UnixStream, reason: String) {
 
 async fn serve_client(
     stream: UnixStream,
-    registry: &Registry,
+    state: &Arc<ServerState>,
     inputs: &Arc<Vec<(BusId, Arc<dyn TextInput>)>>,
     hosts: &HostExports,
 ) -> io::Result<()> {
@@ -186,8 +183,8 @@ async fn serve_client(
         let response = match serde_json::from_str::<ControlRequest>(&line) {
             // Binding opens a device and unbinding waits for its URBs: keep them off the reactor.
             Ok(request) => {
-                let (registry, inputs, hosts) = (registry.clone(), inputs.clone(), hosts.clone());
-                tokio::task::spawn_blocking(move || answer(request, &registry, &inputs, &hosts))
+                let (state, inputs, hosts) = (state.clone(), inputs.clone(), hosts.clone());
+                tokio::task::spawn_blocking(move || answer(request, &state, &inputs, &hosts))
                     .await
                     .unwrap_or_else(|error| ControlResponse::error(format!("request failed: {error}")))
             }
@@ -204,7 +201,7 @@ use tokio::io::AsyncReadExt as _;
 
 fn answer(
     request: ControlRequest,
-    registry: &Registry,
+    state: &ServerState,
     inputs: &[(BusId, Arc<dyn TextInput>)],
     hosts: &HostExports,
 ) -> ControlResponse {
@@ -224,7 +221,7 @@ fn answer(
             Err(error) => ControlResponse::error(error),
         },
         ControlRequest::Capture { dir } => {
-            let setting = dir.map(|dir| registry.capture_into(dir));
+            let setting = dir.map(|dir| state.capture.for_dir(dir));
             match &setting {
                 Some(setting) => {
                     // A private directory, or no capture: what it holds is what devices carried.
@@ -235,7 +232,7 @@ fn answer(
                 }
                 None => info!("capture stopped"),
             }
-            registry.set_capture(setting);
+            state.capture.set(setting);
             ControlResponse { ok: true, error: None, reports: None, devices: None }
         }
         ControlRequest::Type { text, busid } => {
@@ -263,56 +260,10 @@ fn answer(
             }
         }
         ControlRequest::State => {
-            let devices = state_entries(registry, |_, _, _| true);
+            let devices = devstate::entries(&state.registry, |_, _, _| true);
             ControlResponse { ok: true, error: None, reports: None, devices: Some(devices) }
         }
     }
-}
-
-/// Every exported device this viewer may see, with its state: what `usbwire
-/// state` prints and what `OP_REP_DEVSTATE` carries.
-pub(crate) fn state_entries(
-    registry: &Registry,
-    visible: impl Fn(&str, &usbwire_proto::op::DeviceRecord, &str) -> bool,
-) -> Vec<StateEntry> {
-    registry
-        .list()
-        .into_iter()
-        .filter(|e| visible(&e.kind, &e.record, &e.summary.serial))
-        .map(|e| {
-            let unix = |at: std::time::SystemTime| at.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs());
-            let rfc3339 = |at: Option<u64>| {
-                at.map(|s| {
-                    humantime::format_rfc3339_seconds(UNIX_EPOCH + std::time::Duration::from_secs(s)).to_string()
-                })
-            };
-            let (state, client, since, identity, resuming_since) = match e.state {
-                DeviceState::Available => ("available", None, None, None, None),
-                DeviceState::InUse { client, since, identity, resuming_since } => {
-                    ("in_use", Some(client.to_string()), unix(since), identity, resuming_since.and_then(unix))
-                }
-            };
-            StateEntry {
-                busid: e.record.busid.to_string(),
-                kind: e.kind,
-                vendor_id: format!("{:04x}", e.record.id_vendor),
-                product_id: format!("{:04x}", e.record.id_product),
-                product_string: e.summary.product.clone(),
-                product: e.summary.product,
-                speed: e.summary.speed.name().to_owned(),
-                manufacturer: e.summary.manufacturer,
-                serial: e.summary.serial,
-                state: state.to_owned(),
-                client,
-                identity,
-                since_at: rfc3339(since),
-                resuming_since_at: rfc3339(resuming_since),
-                since,
-                resuming_since,
-                counters: Some(e.meter.snapshot()),
-            }
-        })
-        .collect()
 }
 
 /// Sends one request to a server's control socket and returns its answer.

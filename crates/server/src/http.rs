@@ -26,8 +26,9 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 use usbwire_proto::sync::lock;
 
+use crate::devstate;
 use crate::metrics::render;
-use crate::registry::Registry;
+use crate::state::ServerState;
 
 /// The most a request may send before the server answers or closes.
 const MAX_REQUEST: usize = 8 * 1024;
@@ -191,7 +192,7 @@ fn host_name(value: &str) -> &str {
 /// is dropped.
 pub(crate) async fn serve(
     listener: TcpListener,
-    registry: Registry,
+    state: Arc<ServerState>,
     mut stop: watch::Receiver<bool>,
     site: Site,
     responder: Arc<Responder>,
@@ -229,11 +230,11 @@ pub(crate) async fn serve(
             refuse_busy(stream, peer);
             continue;
         };
-        let registry = registry.clone();
+        let state = state.clone();
         let stop = stop.clone();
         let responder = responder.clone();
         tokio::spawn(async move {
-            if let Err(error) = answer(stream, peer, &registry, site, stop, &responder, guard, permit).await {
+            if let Err(error) = answer(stream, peer, &state, site, stop, &responder, guard, permit).await {
                 debug!(%peer, %error, "HTTP request failed");
             }
         });
@@ -251,9 +252,9 @@ fn refuse_busy(stream: TcpStream, peer: SocketAddr) {
 }
 
 /// The devices and their counters, as `/status.json` and each `/events` message carry them.
-fn status_json(registry: &Registry) -> String {
+fn status_json(state: &ServerState) -> String {
     let time_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-    let devices = crate::control::state_entries(registry, |_, _, _| true);
+    let devices = devstate::entries(&state.registry, |_, _, _| true);
     serde_json::json!({ "time_ms": time_ms as u64, "devices": devices }).to_string()
 }
 
@@ -268,7 +269,7 @@ async fn write_in_time(stream: &mut TcpStream, bytes: &[u8]) -> std::io::Result<
 /// `/events`: the status every [`EVENT_INTERVAL`] until the browser goes or the server stops.
 async fn event_stream(
     mut stream: TcpStream,
-    registry: &Registry,
+    state: &ServerState,
     mut stop: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n\
@@ -279,7 +280,7 @@ async fn event_stream(
         tokio::select! {
             () = crate::shutdown::stopped(&mut stop) => return Ok(()),
             _ = tick.tick() => {
-                let message = format!("data: {}\n\n", status_json(registry));
+                let message = format!("data: {}\n\n", status_json(state));
                 write_in_time(&mut stream, message.as_bytes()).await?;
             }
         }
@@ -303,7 +304,7 @@ fn parse_head(request: &[u8]) -> (String, String, Option<String>) {
 async fn answer(
     mut stream: TcpStream,
     peer: SocketAddr,
-    registry: &Registry,
+    state: &ServerState,
     site: Site,
     stop: watch::Receiver<bool>,
     responder: &Responder,
@@ -343,11 +344,11 @@ async fn answer(
                 host_name(foreign_host.unwrap_or_default())
             ),
         ),
-        ("GET" | "HEAD", "/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render(registry)),
+        ("GET" | "HEAD", "/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render(state)),
         ("GET" | "HEAD", "/") if page => ("200 OK", "text/html; charset=utf-8", STATUS_PAGE.to_owned()),
-        ("GET" | "HEAD", "/status.json") if page => ("200 OK", "application/json", status_json(registry)),
+        ("GET" | "HEAD", "/status.json") if page => ("200 OK", "application/json", status_json(state)),
         ("GET", "/events") if page => match responder.streams.try_acquire() {
-            Ok(_stream) if guard.start_stream() => return event_stream(stream, registry, stop).await,
+            Ok(_stream) if guard.start_stream() => return event_stream(stream, state, stop).await,
             Ok(_) => (
                 "503 Service Unavailable",
                 "text/plain; charset=utf-8",

@@ -18,6 +18,7 @@ mod capture;
 mod config;
 mod connection;
 mod control;
+mod devstate;
 mod error;
 mod host_exports;
 mod http;
@@ -27,6 +28,7 @@ pub mod private_dir;
 mod registry;
 mod resumable;
 mod shutdown;
+mod state;
 mod urb_channel;
 
 use std::net::SocketAddr;
@@ -44,10 +46,12 @@ pub use capture::{
     CaptureConfig, DEFAULT_MAX_BYTES as DEFAULT_CAPTURE_MAX_BYTES, DEFAULT_MAX_FILE_BYTES as DEFAULT_CAPTURE_FILE_BYTES,
 };
 pub use config::{default_control_path, OwnBridges, PlainPolicy, Security, ServerConfig, DEFAULT_RESUME_GRACE};
-pub use control::{request as control_request, ControlRequest, ControlResponse, StateEntry, TextInput};
+pub use control::{request as control_request, ControlRequest, ControlResponse, TextInput};
+pub use devstate::StateEntry;
 pub use error::ServerError;
 pub use host_exports::{HostExports, HOST_KIND};
 pub use registry::{reservation_digest, DeviceState, ExportInfo, Registry, ReservationDigest};
+use state::ServerState;
 pub use usbwire_host::{Selector, SelectorError};
 pub use usbwire_transport::access::{AccessRules, Admission};
 pub use usbwire_transport::Identity;
@@ -61,9 +65,7 @@ pub struct Server {
 
 impl Server {
     pub fn new(config: ServerConfig) -> Self {
-        let registry = Registry::default();
-        registry.set_capture(config.capture.clone());
-        Self { config, registry, text_inputs: Vec::new() }
+        Self { config, registry: Registry::default(), text_inputs: Vec::new() }
     }
 
     /// Exports a device under the next free bus id (bus 2 for SuperSpeed,
@@ -110,8 +112,7 @@ impl Server {
                 self.config.host_rules.clone(),
                 self.config.bind_state.clone(),
             ),
-            config: Arc::new(self.config),
-            registry: self.registry,
+            state: ServerState::new(self.config, self.registry),
             text_inputs: Arc::new(self.text_inputs),
         })
     }
@@ -122,7 +123,7 @@ impl Server {
     /// (the fuzz harness drives whole sessions this way). No control socket, no bind rules.
     pub fn in_process(self) -> InProcessServer {
         let (stop, _) = watch::channel(false);
-        InProcessServer { config: Arc::new(self.config), registry: self.registry, stop }
+        InProcessServer { state: ServerState::new(self.config, self.registry), stop }
     }
 }
 
@@ -130,8 +131,7 @@ impl Server {
 /// call each: exactly what a TCP connection gets after its TLS handshake (or its plain
 /// first byte), with the same budgets and rules.
 pub struct InProcessServer {
-    config: Arc<ServerConfig>,
-    registry: Registry,
+    state: Arc<ServerState>,
     stop: watch::Sender<bool>,
 }
 
@@ -143,15 +143,14 @@ impl InProcessServer {
             usbwire_transport::PeerStream::InProcess(stream),
             usbwire_transport::access::ClientId::Plain,
             peer::Peer { addr: peer, ticket: admission::Ticket::unlimited(), probe: peer::PeerProbe::none() },
-            self.registry.clone(),
-            self.config.clone(),
+            self.state.clone(),
             self.stop.subscribe(),
         );
         session.instrument(tracing::info_span!("conn", %peer)).await;
     }
 
     pub fn registry(&self) -> &Registry {
-        &self.registry
+        &self.state.registry
     }
 }
 
@@ -161,8 +160,7 @@ pub struct BoundServer {
     control: Option<control::ControlSocket>,
     metrics: Option<TcpListener>,
     http: Option<TcpListener>,
-    config: Arc<ServerConfig>,
-    registry: Registry,
+    state: Arc<ServerState>,
     text_inputs: Arc<Vec<(BusId, Arc<dyn TextInput>)>>,
     host_exports: host_exports::HostExports,
 }
@@ -170,11 +168,11 @@ pub struct BoundServer {
 impl BoundServer {
     /// The address actually bound (useful with port 0).
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener.local_addr().unwrap_or(self.config.listen)
+        self.listener.local_addr().unwrap_or(self.state.config.listen)
     }
 
     pub fn registry(&self) -> &Registry {
-        &self.registry
+        &self.state.registry
     }
 
     /// The real-device bind rules, to reload them while running.
@@ -194,40 +192,40 @@ impl BoundServer {
 
     /// TLS and plain-connection settings it runs with.
     pub fn security(&self) -> &Security {
-        &self.config.security
+        &self.state.config.security
     }
 
     /// Serves until `shutdown` resolves, then closes every connection (each
     /// resets its device) and returns.
     pub async fn run(mut self, shutdown: impl std::future::Future<Output = ()>) {
         let (stop_tx, stop_rx) = watch::channel(false);
-        let gate = admission::Gate::new(self.config.admission.clone(), self.config.max_connections);
-        self.registry.server_meter().watch_gate(gate.clone());
-        let mut summaries = tokio::time::interval(self.config.admission.log_interval.max(Duration::from_millis(100)));
+        let config = &self.state.config;
+        let gate = self.state.gate.clone();
+        let mut summaries = tokio::time::interval(config.admission.log_interval.max(Duration::from_millis(100)));
         summaries.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut tasks = tokio::task::JoinSet::new();
         // Both HTTP listeners share one budget of connections, apart from USB/IP's.
-        let responder = http::Responder::new(http::HttpLimits::new(self.config.http_hosts.clone()));
+        let responder = http::Responder::new(http::HttpLimits::new(config.http_hosts.clone()));
         for (listener, site) in [(self.metrics.take(), http::Site::Metrics), (self.http.take(), http::Site::StatusPage)]
         {
             if let Some(listener) = listener {
-                let (registry, stop) = (self.registry.clone(), stop_rx.clone());
-                tasks.spawn(http::serve(listener, registry, stop, site, responder.clone()));
+                let (state, stop) = (self.state.clone(), stop_rx.clone());
+                tasks.spawn(http::serve(listener, state, stop, site, responder.clone()));
             }
         }
-        if !self.config.host_rules.is_empty() {
+        if !config.host_rules.is_empty() {
             let exported = self.host_exports.export_matching();
             info!(?exported, "real devices exported by bind rules");
         }
         tasks.spawn(self.host_exports.clone().watch(stop_rx.clone()));
         if let Some(control) = self.control.take() {
-            let registry = self.registry.clone();
+            let state = self.state.clone();
             let inputs = self.text_inputs.clone();
             let hosts = self.host_exports.clone();
             let stop = stop_rx.clone();
-            tasks.spawn(async move { control.serve(registry, inputs, hosts, stop).await });
+            tasks.spawn(async move { control.serve(state, inputs, hosts, stop).await });
         }
-        info!(addr = %self.local_addr(), devices = self.registry.len(), "usbwire server listening");
+        info!(addr = %self.local_addr(), devices = self.state.registry.len(), "usbwire server listening");
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -250,14 +248,13 @@ impl BoundServer {
                         gate.log_summary();
                         continue;
                     };
-                    let registry = self.registry.clone();
-                    let config = self.config.clone();
+                    let state = self.state.clone();
                     let stop = stop_rx.clone();
                     let span = tracing::info_span!("conn", %peer);
-                    let open = self.registry.server_meter().connection();
+                    let open = self.state.meter.connection();
                     tasks.spawn(async move {
                         let _open = open;
-                        connection::handle(stream, peer, registry, config, stop, ticket).await;
+                        connection::handle(stream, peer, state, stop, ticket).await;
                     }.instrument(span));
                 }
                 _ = summaries.tick() => gate.log_summary(),
@@ -267,7 +264,7 @@ impl BoundServer {
         info!("shutting down: closing connections and resetting devices");
         let _ = stop_tx.send(true);
         while tasks.join_next().await.is_some() {}
-        if let Some(path) = &self.config.control_path {
+        if let Some(path) = &self.state.config.control_path {
             let _ = std::fs::remove_file(path);
         }
     }

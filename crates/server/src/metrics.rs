@@ -18,8 +18,8 @@ use usbwire_proto::sync::lock;
 use usbwire_proto::{BudgetKind, Direction, Status};
 use usbwire_transport::devstate::{BudgetCounter, DeviceCounters, ErrorCounter, TransferCounter};
 
-use crate::admission::Gate;
-use crate::registry::{DeviceState, Registry};
+use crate::registry::{DeviceState, ExportInfo};
+use crate::state::ServerState;
 
 const DIRECTIONS: [(Direction, &str); 2] = [(Direction::In, "in"), (Direction::Out, "out")];
 const TRANSFERS: [(TransferType, &str); 4] = [
@@ -166,8 +166,6 @@ impl Drop for UrbMeter {
 pub(crate) struct ServerMeter {
     accepted: AtomicU64,
     open: AtomicU64,
-    /// The admission gate, whose totals say what was refused before authenticating.
-    gate: Mutex<Option<Gate>>,
     tls_refused: AtomicU64,
 }
 
@@ -177,11 +175,6 @@ impl ServerMeter {
         self.accepted.fetch_add(1, Relaxed);
         self.open.fetch_add(1, Relaxed);
         OpenConnection(self.clone())
-    }
-
-    /// The running server's admission gate.
-    pub(crate) fn watch_gate(&self, gate: Gate) {
-        *lock(&self.gate) = Some(gate);
     }
 
     pub(crate) fn tls_refused(&self) {
@@ -208,14 +201,14 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# TYPE {name} {kind}");
 }
 
-fn device_labels(e: &crate::ExportInfo) -> String {
+fn device_labels(e: &ExportInfo) -> String {
     format!("busid=\"{}\",kind=\"{}\"", label(e.record.busid.as_str()), label(&e.kind))
 }
 
 /// A counter family with one sample per device, direction and transfer type.
 fn per_transfer(
     out: &mut String,
-    devices: &[crate::ExportInfo],
+    devices: &[ExportInfo],
     name: &str,
     help: &str,
     counts: impl Fn(&DeviceMeter) -> &PerTransfer,
@@ -237,8 +230,8 @@ fn per_transfer(
 }
 
 /// Everything in the Prometheus text format (version 0.0.4).
-pub(crate) fn render(registry: &Registry) -> String {
-    let devices = registry.list();
+pub(crate) fn render(state: &ServerState) -> String {
+    let devices = state.registry.list();
     let mut out = String::new();
 
     per_transfer(
@@ -324,7 +317,7 @@ pub(crate) fn render(registry: &Registry) -> String {
             }
         }
     }
-    let server = registry.server_meter();
+    let server = &state.meter;
     family(&mut out, "usbwire_connections_accepted_total", "counter", "TCP connections accepted past admission.");
     let _ = writeln!(out, "usbwire_connections_accepted_total {}", server.accepted.load(Relaxed));
     family(&mut out, "usbwire_connections_open", "gauge", "Connections open now (OP phase or URB channel).");
@@ -335,7 +328,7 @@ pub(crate) fn render(registry: &Registry) -> String {
         "counter",
         "Connections refused or closed before they authenticated, by reason.",
     );
-    let dropped = lock(&server.gate).as_ref().map(Gate::dropped_totals).unwrap_or_default();
+    let dropped = state.gate.dropped_totals();
     for (reason, count) in dropped {
         let _ = writeln!(out, "usbwire_connections_refused_total{{reason=\"{reason}\"}} {count}");
     }

@@ -14,10 +14,13 @@
 //! device held by a live connection is busy at once. Those rules and the
 //! deadline are the sans-I/O [`ImportWait`] (`usbwire_proto::import_slot`);
 //! [`Registry::import`] only looks at the slot, sleeps and wakes.
+//!
+//! It holds exports, slots, reservations and the change count, nothing else:
+//! what the rest of a running server shares (counters, capture, parked
+//! sessions) is in [`crate::state`].
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -30,13 +33,8 @@ use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
 use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::sync::lock;
 
-use crate::capture::CaptureConfig;
-use crate::metrics::{DeviceMeter, ServerMeter};
+use crate::metrics::DeviceMeter;
 use crate::peer::PeerProbe;
-
-/// The capture setting every URB channel watches, and the bounds the last
-/// one had (kept for a `usbwire capture DIR` after `--capture` was off).
-struct CaptureSwitch(watch::Sender<Option<CaptureConfig>>, Mutex<Option<CaptureConfig>>);
 
 /// Counts changes to the list and to devices' states (export, withdraw,
 /// import, release, resuming): what a lab registry publisher follows.
@@ -60,12 +58,6 @@ pub type ReservationDigest = [u8; 32];
 /// The digest a registry stores for `token`.
 pub fn reservation_digest(token: &ReservationToken) -> ReservationDigest {
     Sha256::digest(token.0).into()
-}
-
-impl Default for CaptureSwitch {
-    fn default() -> Self {
-        Self(watch::Sender::new(None), Mutex::new(None))
-    }
 }
 
 /// Whether a device can be imported.
@@ -165,12 +157,6 @@ impl ImportError {
 #[derive(Clone, Default)]
 pub struct Registry {
     exports: Arc<Mutex<Vec<Arc<Export>>>>,
-    /// The server's own counters (connections, refusals).
-    server_meter: Arc<ServerMeter>,
-    /// Where imports are captured now (`--capture`, `usbwire capture`); every URB channel follows it.
-    capture: Arc<CaptureSwitch>,
-    /// Imports whose connection dropped, waiting for their client to resume.
-    pub(crate) parked: crate::resumable::Parked,
     /// Devices reserved in a lab registry (bus id → token digest); imports must carry the token.
     reservations: Arc<Mutex<HashMap<String, ReservationDigest>>>,
     changes: Arc<Changes>,
@@ -327,32 +313,6 @@ impl Registry {
 
     pub fn len(&self) -> usize {
         lock(&self.exports).len()
-    }
-
-    pub(crate) fn server_meter(&self) -> &Arc<ServerMeter> {
-        &self.server_meter
-    }
-
-    /// Starts (`Some`) or stops (`None`) capturing every import, running ones included.
-    pub(crate) fn set_capture(&self, capture: Option<CaptureConfig>) {
-        if let Some(config) = &capture {
-            *lock(&self.capture.1) = Some(config.clone());
-        }
-        self.capture.0.send_replace(capture);
-    }
-
-    /// Bounds for capturing into `dir` (`usbwire capture DIR`): those of
-    /// the server's configuration (`capture_max_bytes`) or its last capture.
-    pub(crate) fn capture_into(&self, dir: PathBuf) -> CaptureConfig {
-        match lock(&self.capture.1).as_ref() {
-            Some(last) => CaptureConfig { dir, ..last.clone() },
-            None => CaptureConfig::new(dir),
-        }
-    }
-
-    /// The capture setting, and its changes from now on.
-    pub(crate) fn capture(&self) -> watch::Receiver<Option<CaptureConfig>> {
-        self.capture.0.subscribe()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -517,11 +477,6 @@ impl Lease {
 
     pub(crate) fn device(&mut self) -> &mut dyn Device {
         self.device.as_deref_mut().expect("the device is present until the lease drops")
-    }
-
-    /// The server's capture setting and its changes (see [`Registry::capture`]).
-    pub(crate) fn capture_setting(&self) -> watch::Receiver<Option<CaptureConfig>> {
-        self.registry.capture()
     }
 
     /// The device's counters.

@@ -34,11 +34,11 @@ use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
 use usbwire_transport::{poll_write_outbox, PeerStream};
 
 use crate::capture::{Capture, CaptureConfig};
-use crate::config::ServerConfig;
 use crate::metrics::UrbMeter;
 use crate::peer::Peer;
 use crate::registry::{Holder, Lease};
 use crate::resumable::{Handover, Parked, Parking};
+use crate::state::ServerState;
 
 /// How long a shutting-down server tries to deliver a resumable client's last replies and the end.
 const GOODBYE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -79,13 +79,14 @@ pub(crate) async fn run(
     stream: PeerStream,
     leftover: BytesMut,
     lease: &mut Lease,
-    config: &ServerConfig,
+    state: &ServerState,
     mut stop: watch::Receiver<bool>,
     resumable: Option<Resumable>,
     peer: std::net::SocketAddr,
 ) -> Result<End, ChannelError> {
     let record = lease.record().clone();
-    let mut capture_setting = lease.capture_setting();
+    let mut capture_setting = state.capture.watch();
+    let config = &state.config;
     // Captured from the start if the server captures now; `usbwire capture` switches it later.
     let start_capture = |setting: &CaptureConfig| {
         Capture::start(setting, record.busid.as_str(), (record.busnum, record.devnum), peer)
