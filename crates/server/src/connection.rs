@@ -30,7 +30,7 @@ use usbwire_transport::{PeerStream, TLS_HANDSHAKE_BYTE};
 
 use crate::admission::{Dropped, Ticket};
 use crate::config::{PlainPolicy, ServerConfig};
-use crate::metrics::ServerMeter;
+use crate::meter::ServerMeter;
 use crate::peer::{Peer, PeerProbe};
 use crate::registry::Importer;
 use crate::resumable::Handover;

@@ -2,7 +2,8 @@
 //! /metrics`) and the status page on `--http ADDR:PORT` (`/`: one embedded
 //! HTML file; `/status.json`; `/events`, the same document every second as
 //! server-sent events; `/metrics`). What it shows is counted elsewhere
-//! ([`crate::metrics`], the registry); this module only answers.
+//! ([`crate::meter`], the registry, the admission gate); this module answers,
+//! and `http/prometheus.rs` renders the counters as `/metrics`.
 //!
 //! It is a door like the USB/IP port, so every resource it holds is bounded:
 //! open connections overall ([`HttpLimits::max_connections`], from the file
@@ -14,6 +15,8 @@
 //! `Host` header must be an IP literal, `localhost` or a name in
 //! `http_hosts`, else 421 — a web page that rebinds its own name to this
 //! address (DNS rebinding) cannot read `/status.json`.
+
+mod prometheus;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -27,8 +30,8 @@ use tracing::{debug, info, warn};
 use usbwire_proto::sync::lock;
 
 use crate::devstate;
-use crate::metrics::render;
 use crate::state::ServerState;
+use prometheus::render;
 
 /// The most a request may send before the server answers or closes.
 const MAX_REQUEST: usize = 8 * 1024;

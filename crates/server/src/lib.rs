@@ -22,7 +22,7 @@ mod devstate;
 mod error;
 mod host_exports;
 mod http;
-mod metrics;
+mod meter;
 mod peer;
 pub mod private_dir;
 mod registry;

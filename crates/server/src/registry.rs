@@ -33,7 +33,7 @@ use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
 use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::sync::lock;
 
-use crate::metrics::DeviceMeter;
+use crate::meter::DeviceMeter;
 use crate::peer::PeerProbe;
 
 /// Counts changes to the list and to devices' states (export, withdraw,

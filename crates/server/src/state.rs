@@ -12,7 +12,7 @@ use std::sync::Arc;
 use crate::admission::Gate;
 use crate::capture::CaptureSwitch;
 use crate::config::ServerConfig;
-use crate::metrics::ServerMeter;
+use crate::meter::ServerMeter;
 use crate::registry::Registry;
 use crate::resumable::Parked;
 

@@ -34,7 +34,7 @@ use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
 use usbwire_transport::{poll_write_outbox, PeerStream};
 
 use crate::capture::{Capture, CaptureConfig};
-use crate::metrics::UrbMeter;
+use crate::meter::UrbMeter;
 use crate::peer::Peer;
 use crate::registry::{Holder, Lease};
 use crate::resumable::{Handover, Parked, Parking};

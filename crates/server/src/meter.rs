@@ -1,5 +1,4 @@
-//! What the server counts, and how it reads as Prometheus text ([`render`],
-//! served by [`crate::http`] as `/metrics`) and as the `counters` of each
+//! What the server counts, and how it reads as the `counters` of each
 //! device in `state --json` / `OP_REP_DEVSTATE`.
 //!
 //! Each exported device has a [`DeviceMeter`] (atomics, shared by whoever
@@ -7,9 +6,12 @@
 //! each URB's direction and transfer type from its submit until its
 //! completion. The server as a whole has a [`ServerMeter`]. Counting never
 //! takes a lock on the URB path except for an error status, which is rare.
+//!
+//! It imports nothing of the server: the registry keeps a [`DeviceMeter`]
+//! per export, the URB channel counts into it, and the HTTP side
+//! (`http/prometheus.rs`) reads it.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
@@ -17,9 +19,6 @@ use usbwire_device::TransferType;
 use usbwire_proto::sync::lock;
 use usbwire_proto::{BudgetKind, Direction, Status};
 use usbwire_transport::devstate::{BudgetCounter, DeviceCounters, ErrorCounter, TransferCounter};
-
-use crate::registry::{DeviceState, ExportInfo};
-use crate::state::ServerState;
 
 const DIRECTIONS: [(Direction, &str); 2] = [(Direction::In, "in"), (Direction::Out, "out")];
 const TRANSFERS: [(TransferType, &str); 4] = [
@@ -61,45 +60,95 @@ impl DeviceMeter {
         self.resumes.fetch_add(1, Relaxed);
     }
 
+    /// What `state --json` and `OP_REP_DEVSTATE` show: only what happened (no zero counts).
     pub(crate) fn snapshot(&self) -> DeviceCounters {
-        let mut transfers = Vec::new();
-        for (d, (_, direction)) in DIRECTIONS.iter().enumerate() {
-            for (t, (_, transfer)) in TRANSFERS.iter().enumerate() {
-                let urbs = self.urbs[d][t].load(Relaxed);
-                if urbs > 0 {
-                    transfers.push(TransferCounter {
-                        direction: (*direction).to_owned(),
-                        transfer: (*transfer).to_owned(),
-                        urbs,
-                        bytes: self.bytes[d][t].load(Relaxed),
-                    });
-                }
-            }
-        }
-        let errors = lock(&self.errors)
-            .iter()
-            .map(|(&status, &urbs)| ErrorCounter { status, name: status_symbol(status), urbs })
+        let transfers = self
+            .transfer_totals()
+            .into_iter()
+            .filter(|totals| totals.urbs > 0)
+            .map(|totals| TransferCounter {
+                direction: totals.direction.to_owned(),
+                transfer: totals.transfer.to_owned(),
+                urbs: totals.urbs,
+                bytes: totals.bytes,
+            })
             .collect();
-        let budget_refusals = BudgetKind::ALL
-            .iter()
-            .zip(&self.budget_refusals)
-            .map(|(kind, times)| (kind, times.load(Relaxed)))
+        let errors = self
+            .error_totals()
+            .into_iter()
+            .map(|(status, urbs)| ErrorCounter { status, name: status_symbol(status), urbs })
+            .collect();
+        let budget_refusals = self
+            .budget_refusal_totals()
+            .into_iter()
             .filter(|(_, times)| *times > 0)
             .map(|(kind, times)| BudgetCounter { budget: kind.name().to_owned(), times })
             .collect();
         DeviceCounters {
             transfers,
             errors,
-            in_flight: self.in_flight.load(Relaxed),
-            imports: self.imports.load(Relaxed),
-            resumes: self.resumes.load(Relaxed),
+            in_flight: self.in_flight(),
+            imports: self.imports(),
+            resumes: self.resumes(),
             budget_refusals,
         }
     }
+
+    /// URBs and bytes completed for every direction and transfer type, zeros
+    /// included, always in the same order (in, out; control, isochronous, bulk, interrupt).
+    pub(crate) fn transfer_totals(&self) -> Vec<TransferTotals> {
+        let mut totals = Vec::with_capacity(DIRECTIONS.len() * TRANSFERS.len());
+        for (d, (_, direction)) in DIRECTIONS.iter().enumerate() {
+            for (t, (_, transfer)) in TRANSFERS.iter().enumerate() {
+                totals.push(TransferTotals {
+                    direction,
+                    transfer,
+                    urbs: self.urbs[d][t].load(Relaxed),
+                    bytes: self.bytes[d][t].load(Relaxed),
+                });
+            }
+        }
+        totals
+    }
+
+    /// URBs completed with an error status, by status (lowest first).
+    pub(crate) fn error_totals(&self) -> Vec<(i32, u64)> {
+        lock(&self.errors).iter().map(|(&status, &urbs)| (status, urbs)).collect()
+    }
+
+    /// URBs submitted to the device and not completed.
+    pub(crate) fn in_flight(&self) -> u64 {
+        self.in_flight.load(Relaxed)
+    }
+
+    /// Successful imports.
+    pub(crate) fn imports(&self) -> u64 {
+        self.imports.load(Relaxed)
+    }
+
+    /// Sessions resumed after their connection dropped.
+    pub(crate) fn resumes(&self) -> u64 {
+        self.resumes.load(Relaxed)
+    }
+
+    /// Times each budget (every kind, in [`BudgetKind::ALL`]'s order) became full.
+    pub(crate) fn budget_refusal_totals(&self) -> Vec<(BudgetKind, u64)> {
+        BudgetKind::ALL.iter().zip(&self.budget_refusals).map(|(kind, times)| (*kind, times.load(Relaxed))).collect()
+    }
+}
+
+/// One direction and transfer type's completed URBs and their bytes.
+pub(crate) struct TransferTotals {
+    /// `in` or `out`.
+    pub(crate) direction: &'static str,
+    /// `control`, `isochronous`, `bulk` or `interrupt`.
+    pub(crate) transfer: &'static str,
+    pub(crate) urbs: u64,
+    pub(crate) bytes: u64,
 }
 
 /// `EPIPE` for -32: the errno's symbol, or the number.
-fn status_symbol(status: i32) -> String {
+pub(crate) fn status_symbol(status: i32) -> String {
     let text = Status(status).to_string();
     text.split_whitespace().next().unwrap_or_default().to_owned()
 }
@@ -180,6 +229,21 @@ impl ServerMeter {
     pub(crate) fn tls_refused(&self) {
         self.tls_refused.fetch_add(1, Relaxed);
     }
+
+    /// TCP connections accepted past admission since the start.
+    pub(crate) fn accepted(&self) -> u64 {
+        self.accepted.load(Relaxed)
+    }
+
+    /// Connections open now.
+    pub(crate) fn open(&self) -> u64 {
+        self.open.load(Relaxed)
+    }
+
+    /// TLS handshakes that failed or were refused since the start.
+    pub(crate) fn tls_refusals(&self) -> u64 {
+        self.tls_refused.load(Relaxed)
+    }
 }
 
 /// Counts a connection as open while it lives.
@@ -189,157 +253,6 @@ impl Drop for OpenConnection {
     fn drop(&mut self) {
         self.0.open.fetch_sub(1, Relaxed);
     }
-}
-
-/// A Prometheus label value: backslash, quote and newline escaped.
-fn label(value: &str) -> String {
-    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
-}
-
-fn family(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
-}
-
-fn device_labels(e: &ExportInfo) -> String {
-    format!("busid=\"{}\",kind=\"{}\"", label(e.record.busid.as_str()), label(&e.kind))
-}
-
-/// A counter family with one sample per device, direction and transfer type.
-fn per_transfer(
-    out: &mut String,
-    devices: &[ExportInfo],
-    name: &str,
-    help: &str,
-    counts: impl Fn(&DeviceMeter) -> &PerTransfer,
-) {
-    family(out, name, "counter", help);
-    for e in devices {
-        let counts = counts(&e.meter);
-        for (d, (_, direction)) in DIRECTIONS.iter().enumerate() {
-            for (t, (_, transfer)) in TRANSFERS.iter().enumerate() {
-                let value = counts[d][t].load(Relaxed);
-                let _ = writeln!(
-                    out,
-                    "{name}{{{},direction=\"{direction}\",transfer=\"{transfer}\"}} {value}",
-                    device_labels(e)
-                );
-            }
-        }
-    }
-}
-
-/// Everything in the Prometheus text format (version 0.0.4).
-pub(crate) fn render(state: &ServerState) -> String {
-    let devices = state.registry.list();
-    let mut out = String::new();
-
-    per_transfer(
-        &mut out,
-        &devices,
-        "usbwire_device_urbs_total",
-        "URBs completed, by direction and transfer type.",
-        |m| &m.urbs,
-    );
-    per_transfer(
-        &mut out,
-        &devices,
-        "usbwire_device_bytes_total",
-        "Bytes transferred (actual length of each completion), by direction and transfer type.",
-        |m| &m.bytes,
-    );
-    family(&mut out, "usbwire_device_urb_errors_total", "counter", "URBs completed with an error, by status.");
-    for e in &devices {
-        let meter = &e.meter;
-        for (status, urbs) in lock(&meter.errors).iter() {
-            let _ = writeln!(
-                out,
-                "usbwire_device_urb_errors_total{{{},status=\"{status}\",name=\"{}\"}} {urbs}",
-                device_labels(e),
-                status_symbol(*status)
-            );
-        }
-    }
-    family(&mut out, "usbwire_device_urbs_in_flight", "gauge", "URBs submitted to the device and not completed.");
-    for e in &devices {
-        let meter = &e.meter;
-        let _ =
-            writeln!(out, "usbwire_device_urbs_in_flight{{{}}} {}", device_labels(e), meter.in_flight.load(Relaxed));
-    }
-    family(&mut out, "usbwire_device_imports_total", "counter", "Successful imports.");
-    for e in &devices {
-        let meter = &e.meter;
-        let _ = writeln!(out, "usbwire_device_imports_total{{{}}} {}", device_labels(e), meter.imports.load(Relaxed));
-    }
-    family(&mut out, "usbwire_device_resumes_total", "counter", "Sessions resumed after their connection dropped.");
-    for e in &devices {
-        let meter = &e.meter;
-        let _ = writeln!(out, "usbwire_device_resumes_total{{{}}} {}", device_labels(e), meter.resumes.load(Relaxed));
-    }
-    family(
-        &mut out,
-        "usbwire_device_budget_refusals_total",
-        "counter",
-        "Times a per-connection budget ([limits]) was full and the server refused more until there was room: \
-         it stopped reading the client's commands, or taking the device's completions. By budget.",
-    );
-    for e in &devices {
-        for (kind, times) in BudgetKind::ALL.iter().zip(&e.meter.budget_refusals) {
-            let _ = writeln!(
-                out,
-                "usbwire_device_budget_refusals_total{{{},budget=\"{}\"}} {}",
-                device_labels(e),
-                kind.name(),
-                times.load(Relaxed)
-            );
-        }
-    }
-    family(
-        &mut out,
-        "usbwire_device_in_use",
-        "gauge",
-        "1 while imported (client: its address; identity: its TLS key; resuming: its connection dropped), else 0.",
-    );
-    for e in &devices {
-        match &e.state {
-            DeviceState::Available => {
-                let _ = writeln!(out, "usbwire_device_in_use{{{}}} 0", device_labels(e));
-            }
-            DeviceState::InUse { client, identity, resuming_since, .. } => {
-                let _ = writeln!(
-                    out,
-                    "usbwire_device_in_use{{{},client=\"{}\",identity=\"{}\",resuming=\"{}\"}} 1",
-                    device_labels(e),
-                    label(&client.to_string()),
-                    label(identity.as_deref().unwrap_or("")),
-                    resuming_since.is_some()
-                );
-            }
-        }
-    }
-    let server = &state.meter;
-    family(&mut out, "usbwire_connections_accepted_total", "counter", "TCP connections accepted past admission.");
-    let _ = writeln!(out, "usbwire_connections_accepted_total {}", server.accepted.load(Relaxed));
-    family(&mut out, "usbwire_connections_open", "gauge", "Connections open now (OP phase or URB channel).");
-    let _ = writeln!(out, "usbwire_connections_open {}", server.open.load(Relaxed));
-    family(
-        &mut out,
-        "usbwire_connections_refused_total",
-        "counter",
-        "Connections refused or closed before they authenticated, by reason.",
-    );
-    let dropped = state.gate.dropped_totals();
-    for (reason, count) in dropped {
-        let _ = writeln!(out, "usbwire_connections_refused_total{{reason=\"{reason}\"}} {count}");
-    }
-    family(
-        &mut out,
-        "usbwire_tls_handshakes_refused_total",
-        "counter",
-        "TLS handshakes that failed or whose client key no rule admits.",
-    );
-    let _ = writeln!(out, "usbwire_tls_handshakes_refused_total {}", server.tls_refused.load(Relaxed));
-    out
 }
 
 #[cfg(test)]
@@ -404,10 +317,5 @@ mod tests {
             [("in_flight_urbs".to_owned(), 2), ("queued_reply_bytes".to_owned(), 2)],
             "full twice each: input by URBs, then by replies; completions by replies once"
         );
-    }
-
-    #[test]
-    fn label_values_are_escaped() {
-        assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }
