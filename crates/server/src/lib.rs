@@ -50,9 +50,11 @@ pub use control::{request as control_request, ControlRequest, ControlResponse, T
 pub use devstate::StateEntry;
 pub use error::ServerError;
 pub use host_exports::{HostExports, HOST_KIND};
-pub use registry::{reservation_digest, DeviceState, ExportInfo, Registry, ReservationDigest};
+pub use registry::{DeviceState, ExportInfo, Registry};
 use state::ServerState;
 pub use usbwire_host::{Selector, SelectorError};
+/// The reservation digest a lab registry stores (`usbwire_proto::reservation`), where the lab crate looks for it.
+pub use usbwire_proto::reservation::{digest as reservation_digest, ReservationDigest};
 pub use usbwire_transport::access::{AccessRules, Admission};
 pub use usbwire_transport::Identity;
 

@@ -24,13 +24,12 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use sha2::{Digest as _, Sha256};
 use tokio::sync::{watch, Notify};
 use tracing::info;
 use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::import_slot::{Busy, Claimant, Found, ImportDecision, ImportWait, Presence};
 use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
-use usbwire_proto::reservation::ReservationToken;
+use usbwire_proto::reservation::{digest as reservation_digest, ReservationDigest, ReservationToken};
 use usbwire_proto::sync::lock;
 
 use crate::meter::DeviceMeter;
@@ -50,14 +49,6 @@ impl Changes {
     fn bump(&self) {
         self.0.send_modify(|count| *count = count.wrapping_add(1));
     }
-}
-
-/// The SHA-256 of a reservation token: what a lab registry holds for a reserved device.
-pub type ReservationDigest = [u8; 32];
-
-/// The digest a registry stores for `token`.
-pub fn reservation_digest(token: &ReservationToken) -> ReservationDigest {
-    Sha256::digest(token.0).into()
 }
 
 /// Whether a device can be imported.
