@@ -209,6 +209,7 @@ pub(crate) async fn serve_session(
                     .await
                     {
                         warn!(%busid, %error, "import reply not delivered");
+                        lease.release().await;
                         return;
                     }
                     let span =
@@ -238,7 +239,9 @@ pub(crate) async fn serve_session(
                         Ok(urb_channel::End::Withdrawn) => info!("device unbound; connection closed"),
                         Err(error) => warn!(%error, "connection closed"),
                     }
-                    // Dropping the lease resets the device and makes it available again.
+                    drop(_enter);
+                    // Resets the device (on a blocking thread) and makes it available again.
+                    lease.release().await;
                 }
             }
         }

@@ -1,9 +1,10 @@
 //! The exported devices: bus ids, what to list, and who holds what.
 //!
 //! A device is owned by the registry while available and moved out, whole,
-//! into the connection that imports it (a [`Lease`]); dropping the lease
-//! resets the device and puts it back. The lock here is taken only when a
-//! device is listed, imported or released — never per URB.
+//! into the connection that imports it (a [`Lease`]); releasing the lease
+//! (or dropping it) resets the device on a blocking thread — a real device's
+//! reset can wait seconds for its URBs — and puts it back. The lock here is
+//! taken only when a device is listed, imported or released — never per URB.
 //!
 //! A device goes Available → InUse → Releasing → Available. An import that
 //! finds it Releasing, or InUse by a connection whose peer has already hung up
@@ -25,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::{watch, Notify};
-use tracing::info;
+use tracing::{info, warn};
 use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::import_slot::{Busy, Claimant, Found, ImportDecision, ImportWait, Presence};
 use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
@@ -452,9 +453,9 @@ impl Holder {
     }
 }
 
-/// A device imported by one connection. Dropping it resets the device and
-/// lists it as available again — also when the connection task panics or is
-/// cancelled.
+/// A device imported by one connection. [`Lease::release`] resets the device
+/// and lists it as available again; dropping the lease does too (not awaited)
+/// when the connection task panics or is cancelled.
 pub(crate) struct Lease {
     export: Arc<Export>,
     device: Option<Box<dyn Device>>,
@@ -486,7 +487,65 @@ impl Lease {
     }
 }
 
+impl Lease {
+    /// Gives the device back ([`Release`]) on a blocking thread, and resolves
+    /// once it is listed again (or dropped, if unplugged or withdrawn): a real
+    /// device's reset waits up to seconds for its URBs, which must not stall a
+    /// runtime worker. Imports arriving meanwhile wait for it (`Releasing`).
+    pub(crate) async fn release(mut self) {
+        let Some(release) = self.start_release() else { return };
+        // Its log lines keep the connection's span.
+        let span = tracing::Span::current();
+        if let Err(error) = tokio::task::spawn_blocking(move || span.in_scope(|| drop(release))).await {
+            warn!(busid = %self.export.record.busid, %error, "device release failed");
+        }
+    }
+
+    /// Marks the slot `Releasing` (unless the device is unplugged or the
+    /// export withdrawn) and hands what is left to do to a [`Release`].
+    fn start_release(&mut self) -> Option<Release> {
+        let device = self.device.take()?;
+        if !device.is_gone() {
+            let mut slot = lock(&self.export.slot);
+            if !matches!(*slot, Slot::Withdrawn) {
+                // Imports arriving during the reset wait for it rather than answer busy.
+                let holder = std::mem::replace(&mut *slot, Slot::Releasing);
+                drop(slot);
+                drop(holder);
+            }
+        }
+        Some(Release { device: Some(device), export: self.export.clone(), registry: self.registry.clone() })
+    }
+}
+
 impl Drop for Lease {
+    /// A lease dropped without [`Lease::release`] (its task cancelled or
+    /// panicking): the release runs on a blocking thread all the same, not
+    /// awaited; without a runtime, here.
+    fn drop(&mut self) {
+        let Some(release) = self.start_release() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let span = tracing::Span::current();
+                drop(runtime.spawn_blocking(move || span.in_scope(|| drop(release))));
+            }
+            Err(_) => drop(release),
+        }
+    }
+}
+
+/// A device on its way back from a lease: reset and listed again, or
+/// dropped if unplugged or withdrawn (a real device then goes back to its
+/// kernel drivers). The work is done when this is dropped, wherever that is:
+/// on the blocking thread it was sent to, or where the runtime drops a
+/// blocking task it never ran (shutting down) — never left `Releasing`.
+struct Release {
+    device: Option<Box<dyn Device>>,
+    export: Arc<Export>,
+    registry: Registry,
+}
+
+impl Drop for Release {
     fn drop(&mut self) {
         let Some(mut device) = self.device.take() else { return };
         let busid = &self.export.record.busid;
@@ -496,18 +555,12 @@ impl Drop for Lease {
             self.registry.remove(busid.as_str());
             return;
         }
-        let mut slot = lock(&self.export.slot);
-        if matches!(*slot, Slot::Withdrawn) {
-            drop(slot);
+        if matches!(*lock(&self.export.slot), Slot::Withdrawn) {
             // Dropping a real device gives its interfaces back to the kernel.
             drop(device);
             info!(%busid, "device released (no longer exported)");
             return;
         }
-        // Imports arriving during the reset wait for it rather than answer busy.
-        let holder = std::mem::replace(&mut *slot, Slot::Releasing);
-        drop(slot);
-        drop(holder);
         device.reset();
         let mut slot = lock(&self.export.slot);
         if matches!(*slot, Slot::Withdrawn) {
@@ -665,7 +718,7 @@ mod tests {
         let holder = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(300)).await;
             drop(server_end);
-            drop(lease);
+            lease.release().await;
         });
         let started = std::time::Instant::now();
         let lease = import(&registry, &busid, importer(), Duration::from_secs(30)).await.unwrap();
@@ -679,15 +732,46 @@ mod tests {
         let registry = Registry::default();
         let busid = registry.add("slow", Box::new(SlowReset(loopback(), Duration::from_millis(400))));
         let lease = import(&registry, &busid, importer(), Duration::ZERO).await.unwrap();
-        // The lease ends on another thread; the reset holds the device in Releasing for 400 ms.
-        let releasing = std::thread::spawn(move || drop(lease));
+        // The lease ends in another task; the reset holds the device in Releasing for 400 ms.
+        let releasing = tokio::spawn(lease.release());
         while registry.list()[0].state != DeviceState::Available {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         assert!(matches!(*lock(&lock(&registry.exports)[0].slot), Slot::Releasing), "listed while resetting");
         let lease = import(&registry, &busid, importer(), Duration::from_secs(30)).await;
         assert!(lease.is_ok(), "{:?}", lease.err());
-        releasing.join().unwrap();
+        releasing.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_release_resets_the_device_off_the_runtime_and_resolves_when_it_is_back() {
+        // One worker thread (tokio::test's runtime): a reset run on it would stop the ticker.
+        let registry = Registry::default();
+        let busid = registry.add("slow", Box::new(SlowReset(loopback(), Duration::from_millis(400))));
+        let lease = import(&registry, &busid, importer(), Duration::ZERO).await.unwrap();
+        let started = std::time::Instant::now();
+        let ticker = async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            started.elapsed()
+        };
+        let ((), ticked) = tokio::join!(lease.release(), ticker);
+        assert!(ticked < Duration::from_millis(300), "the runtime ran on during the reset: {ticked:?}");
+        assert!(started.elapsed() >= Duration::from_millis(400), "resolved after the reset: {:?}", started.elapsed());
+        assert!(matches!(*lock(&lock(&registry.exports)[0].slot), Slot::Available(_)), "listed again");
+    }
+
+    #[tokio::test]
+    async fn a_dropped_lease_resets_on_a_blocking_thread_and_the_next_import_waits_for_it() {
+        let registry = Registry::default();
+        let busid = registry.add("slow", Box::new(SlowReset(loopback(), Duration::from_millis(400))));
+        let lease = import(&registry, &busid, importer(), Duration::ZERO).await.unwrap();
+        let started = std::time::Instant::now();
+        // As when a connection task is cancelled or panics.
+        drop(lease);
+        assert!(started.elapsed() < Duration::from_millis(200), "the drop did not wait: {:?}", started.elapsed());
+        let lease = import(&registry, &busid, importer(), Duration::from_secs(30)).await;
+        assert!(lease.is_ok(), "{:?}", lease.err());
+        assert!(started.elapsed() >= Duration::from_millis(400), "waited for the reset: {:?}", started.elapsed());
     }
 
     #[tokio::test]
@@ -753,7 +837,7 @@ mod tests {
         assert!(registry.remove(busid.as_str()));
         assert!(*withdrawn.borrow(), "the importer is told");
         assert!(registry.list().is_empty());
-        drop(lease);
+        lease.release().await;
         assert!(registry.list().is_empty(), "not put back after the import ends");
         let gone = import(&registry, &busid, importer(), Duration::from_secs(30)).await;
         assert!(matches!(gone, Err(ImportError::NoDevice)));
@@ -777,7 +861,7 @@ mod tests {
         let lease = import(&registry, &busid, holder, Duration::ZERO).await.expect("the holder imports");
         assert!(changes.has_changed().unwrap(), "an import is a change a publisher sees");
         changes.mark_unchanged();
-        drop(lease);
+        lease.release().await;
         assert!(changes.has_changed().unwrap(), "so is the release");
         // The registry unreachable: reservations are not enforced, anyone imports directly.
         registry.forget_reservations();
