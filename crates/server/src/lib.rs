@@ -23,6 +23,7 @@ mod error;
 mod host_exports;
 mod http;
 mod meter;
+mod op;
 mod peer;
 pub mod private_dir;
 mod registry;
@@ -141,7 +142,7 @@ impl InProcessServer {
     /// Serves one plain session on `stream` as if from `peer`, until it ends. The
     /// imported device, if any, is back in the registry when this returns.
     pub async fn serve(&self, stream: tokio::io::DuplexStream, peer: SocketAddr) {
-        let session = connection::serve_session(
+        let session = op::serve_session(
             usbwire_transport::PeerStream::InProcess(stream),
             usbwire_transport::access::ClientId::Plain,
             peer::Peer { addr: peer, ticket: admission::Ticket::unlimited(), probe: peer::PeerProbe::none() },

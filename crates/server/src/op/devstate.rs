@@ -1,0 +1,19 @@
+//! `OP_REQ_DEVSTATE` (our extension): every device this client may see, with
+//! who holds it and its counters (the document `usbwire state` prints).
+
+use tracing::debug;
+use usbwire_proto::op::{self, DeviceRecord};
+use usbwire_transport::access::ClientId;
+
+use super::stream::OpStream;
+use crate::devstate;
+use crate::state::ServerState;
+
+pub(crate) async fn answer(mut stream: OpStream, client: &ClientId, state: &ServerState) {
+    let visible =
+        |kind: &str, device: &DeviceRecord, serial: &str| state.config.security.may_use(client, kind, device, serial);
+    let devices = devstate::entries(&state.registry, visible);
+    let body = serde_json::to_vec(&serde_json::json!({ "devices": devices })).unwrap_or_default();
+    debug!(devices = devices.len(), "device state");
+    let _ = stream.reply(|out| op::encode_devstate_reply(&body, out)).await;
+}
