@@ -86,7 +86,6 @@ pub(crate) async fn run(
 ) -> Result<End, ChannelError> {
     let record = lease.record().clone();
     let mut capture_setting = state.capture.watch();
-    let config = &state.config;
     // Captured from the start if the server captures now; `usbwire capture` switches it later.
     let start_capture = |setting: &CaptureConfig| {
         Capture::start(setting, record.busid.as_str(), (record.busnum, record.devnum), peer)
@@ -95,7 +94,7 @@ pub(crate) async fn run(
     };
     let mut capture = capture_setting.borrow_and_update().as_ref().and_then(start_capture);
     let mut session =
-        ServerSession::new(lease.record().devid(), leftover, config.limits.clone(), config.budget.clone());
+        ServerSession::new(lease.record().devid(), leftover, state.config.limits.clone(), state.config.budget.clone());
     if let Some(resumable) = &resumable {
         session = session.resumable();
         if resumable.keepalive {
@@ -149,16 +148,7 @@ pub(crate) async fn run(
                 // Capture switched on or off (`usbwire capture`): the same connection goes on.
                 (stream, unflushed) = (channel.stream, channel.unflushed);
                 let wanted = capture_setting.borrow_and_update().clone();
-                capture = match wanted {
-                    Some(setting) if capture.is_none() => start_capture(&setting),
-                    Some(_) => capture,
-                    None => {
-                        if capture.is_some() {
-                            info!("capture of this import stopped");
-                        }
-                        None
-                    }
-                };
+                capture = switch_capture(capture, wanted, start_capture);
                 continue;
             }
         };
@@ -179,6 +169,25 @@ pub(crate) async fn run(
                 _resumed_peer = Some(peer);
             }
             ParkOutcome::Ended(end) => return Ok(end),
+        }
+    }
+}
+
+/// The capture a channel runs once the server's setting is `wanted`: a
+/// running one goes on, a new one starts, or the running one stops.
+fn switch_capture(
+    capture: Option<Capture>,
+    wanted: Option<CaptureConfig>,
+    start: impl Fn(&CaptureConfig) -> Option<Capture>,
+) -> Option<Capture> {
+    match wanted {
+        Some(setting) if capture.is_none() => start(&setting),
+        Some(_) => capture,
+        None => {
+            if capture.is_some() {
+                info!("capture of this import stopped");
+            }
+            None
         }
     }
 }
