@@ -14,18 +14,23 @@
 //! validates endpoints, so each gadget only writes its class behaviour.
 //! Real devices (through usbfs) implement [`Device`] directly.
 //!
+//! A [`Selector`] (`1-1.2`, `0781:5567`, `serial=…`, `class=…`) picks
+//! devices by their [`DeviceFacts`], wherever the devices come from.
+//!
 //! This crate is not for sockets or wire formats: it knows URBs, not bytes
 //! on the network (it borrows only value types from `usbwire-proto`).
 
 pub mod control;
 pub mod descriptor;
 mod queue;
+pub mod selector;
 mod urb;
 mod virtual_device;
 
 use std::task::{Context, Poll};
 
 pub use queue::CompletionQueue;
+pub use selector::{AsDeviceFacts, ClassSet, DeviceFacts, Selector, SelectorError};
 pub use urb::{Completion, TransferType, Urb};
 pub use usbwire_proto::urb::{IsoPacketDescriptor, TransferFlags};
 pub use usbwire_proto::{Direction, Speed, Status};

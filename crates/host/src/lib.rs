@@ -2,7 +2,7 @@
 //!
 //! [`list`] enumerates local devices (through nusb) with what a user needs to
 //! pick one: bus id as usbip names it, VID:PID, strings, speed, and the kernel
-//! driver of each interface. [`Selector`] matches them by bus id, VID:PID,
+//! driver of each interface. A [`Selector`] (from `usbwire-device`) matches them by bus id, VID:PID,
 //! serial or class (bind rules). [`HostDevice`] is an opened device that the
 //! server exports: it implements `usbwire_device::Device` over usbfs URBs.
 //! [`hotplug::watch`] reports arrivals and departures.
@@ -10,8 +10,8 @@
 //! Not for virtual devices (see `usbwire-gadgets`) nor for sockets.
 
 mod device;
+mod facts;
 pub mod hotplug;
-mod selector;
 mod urb_table;
 mod usbfs;
 
@@ -23,7 +23,7 @@ use serde::Serialize;
 use usbwire_device::Speed;
 
 pub use device::HostDevice;
-pub use selector::{Selector, SelectorError};
+pub use usbwire_device::{Selector, SelectorError};
 
 /// A USB device plugged into this machine.
 #[derive(Clone, Debug, Serialize)]

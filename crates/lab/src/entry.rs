@@ -26,7 +26,7 @@ use std::str::FromStr;
 use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
-use usbwire_host::Selector;
+use usbwire_device::{AsDeviceFacts, DeviceFacts, Selector};
 
 /// The version of the records' JSON; readers skip records of a newer major version.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -411,20 +411,27 @@ impl Want {
         self.terms.iter().all(|term| match term {
             Term::Label(label) => device.labels.iter().any(|l| l == label),
             Term::Server(server) => &device.server == server,
-            Term::Device(Selector::BusId(busid)) => &device.busid == busid,
-            Term::Device(Selector::VidPid { vendor_id, product_id }) => {
-                hex16(&device.vendor_id) == Some(*vendor_id) && hex16(&device.product_id) == Some(*product_id)
-            }
-            Term::Device(Selector::Serial(serial)) => device.serial.as_deref() == Some(serial.as_str()),
-            Term::Device(Selector::Class(class)) => std::iter::once(&device.class)
-                .chain(&device.interface_classes)
-                .any(|c| u8::from_str_radix(c, 16).ok() == Some(*class)),
+            Term::Device(selector) => selector.matches(device),
         })
     }
 }
 
-fn hex16(text: &str) -> Option<u16> {
-    u16::from_str_radix(text, 16).ok()
+impl AsDeviceFacts for DeviceEntry {
+    /// Ids and classes are hex text in the registry; one that does not read
+    /// as hex is not known, and matches no selector that asks for it.
+    fn device_facts(&self) -> DeviceFacts<'_> {
+        let hex16 = |text: &str| u16::from_str_radix(text, 16).ok();
+        DeviceFacts {
+            busid: &self.busid,
+            vendor_id: hex16(&self.vendor_id),
+            product_id: hex16(&self.product_id),
+            serial: self.serial.as_deref(),
+            classes: std::iter::once(&self.class)
+                .chain(&self.interface_classes)
+                .filter_map(|class| u8::from_str_radix(class, 16).ok())
+                .collect(),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ use std::time::Duration;
 use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
-use usbwire_host::Selector;
+use usbwire_device::{DeviceFacts, Selector};
 use usbwire_server::{DeviceState, ExportInfo, Registry, ReservationDigest};
 
 use crate::entry::{
@@ -380,9 +380,10 @@ pub fn device_entry(server: &str, export: &ExportInfo, labels: &[(Selector, Vec<
             Some(timestamp(*since)),
         ),
     };
+    let facts = export_facts(export);
     let mut device_labels: Vec<String> = Vec::new();
     for (selector, names) in labels {
-        if selector_matches(selector, export) {
+        if selector.matches(&facts) {
             for name in names {
                 if !device_labels.contains(name) {
                     device_labels.push(name.clone());
@@ -410,18 +411,11 @@ pub fn device_entry(server: &str, export: &ExportInfo, labels: &[(Selector, Vec<
     }
 }
 
-fn selector_matches(selector: &Selector, export: &ExportInfo) -> bool {
-    let record = &export.record;
-    match selector {
-        Selector::BusId(busid) => record.busid.as_str() == busid,
-        Selector::VidPid { vendor_id, product_id } => {
-            record.id_vendor == *vendor_id && record.id_product == *product_id
-        }
-        Selector::Serial(serial) => !serial.is_empty() && &export.summary.serial == serial,
-        Selector::Class(class) => {
-            record.b_device_class == *class || record.interfaces.iter().any(|i| i.b_interface_class == *class)
-        }
-    }
+/// What a selector can ask of an exported device: its record, and its
+/// serial number where it has one.
+fn export_facts(export: &ExportInfo) -> DeviceFacts<'_> {
+    let serial = &export.summary.serial;
+    DeviceFacts::of_record(&export.record, (!serial.is_empty()).then_some(serial.as_str()))
 }
 
 fn digest_from_hex(hex: &str) -> Option<ReservationDigest> {

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use usbwire_client::redir::{Source, WantedDevice};
+use usbwire_device::DeviceFacts;
 use usbwire_gadgets::{DiskOptions, KeyboardHandle, MassStorage};
 use usbwire_server::{AccessRules, Admission, PlainPolicy, Security, Server, ServerConfig, TextInput};
 use usbwire_transport::access::Rule;
@@ -260,7 +261,7 @@ async fn start_redir_bridges(
         let selector = rule.device.clone();
         let device = WantedDevice::Matching {
             rule: rule.device.to_string(),
-            matches: Arc::new(move |record, serial| super::service::matches_remote(&selector, record, serial)),
+            matches: Arc::new(move |record, serial| selector.matches(&DeviceFacts::of_record(record, serial))),
         };
         let source = Source { addr, device, security: security.clone(), transforms: Vec::new() };
         bridges.push(tokio::spawn(async move {

@@ -21,8 +21,7 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 use usbwire_client::vhci::{self, VhciError};
 use usbwire_client::{Backoff, Security};
-use usbwire_proto::op::DeviceRecord;
-use usbwire_server::Selector;
+use usbwire_device::DeviceFacts;
 
 use crate::args::{ClientArgs, ClientSecurityArgs};
 use crate::config::{AttachRule, ClientConfig};
@@ -312,7 +311,7 @@ async fn attach_from(addr: SocketAddr, rule: &AttachRule, security: &Security) -
     let serial_of = |busid: &str| states.iter().find(|s| s.busid == busid).map(|s| s.serial.as_str());
     let device = devices
         .iter()
-        .find(|d| rule.selectors().any(|s| matches_remote(s, d, serial_of(d.busid.as_str()))))
+        .find(|d| rule.selectors().any(|s| s.matches(&DeviceFacts::of_record(d, serial_of(d.busid.as_str())))))
         .ok_or_else(|| anyhow!("no available device on {addr} matches {rule}"))?;
     // Resumable where the server is usbwire: a network blip is carried by the
     // relay and the kernel never notices; a server that shuts down ends the
@@ -382,56 +381,5 @@ fn attach_imported(
             let relay = tokio::spawn(usbwire_client::relay::run(kernel, stream, record.devid(), upstream, None));
             Ok(Attachment { port, devid: record.devid(), busid, relay: Some(relay), reservation })
         }
-    }
-}
-
-/// Whether a listed remote device matches a selector (`serial` comes from the
-/// server's device state, when it reports one).
-pub(crate) fn matches_remote(selector: &Selector, device: &DeviceRecord, serial: Option<&str>) -> bool {
-    selector.matches_record(device, serial)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use usbwire_proto::op::{BusId, InterfaceRecord};
-    use usbwire_proto::Speed;
-
-    fn disk() -> DeviceRecord {
-        DeviceRecord {
-            path: String::new(),
-            busid: BusId::new("2-1").unwrap(),
-            busnum: 2,
-            devnum: 1,
-            speed: Speed::SUPER,
-            id_vendor: 0x1209,
-            id_product: 0x0003,
-            bcd_device: 0x0100,
-            b_device_class: 0,
-            b_device_sub_class: 0,
-            b_device_protocol: 0,
-            b_configuration_value: 1,
-            b_num_configurations: 1,
-            b_num_interfaces: 1,
-            interfaces: vec![InterfaceRecord {
-                b_interface_class: 8,
-                b_interface_sub_class: 6,
-                b_interface_protocol: 0x50,
-            }],
-        }
-    }
-
-    #[test]
-    fn remote_devices_match_by_busid_ids_class_and_serial() {
-        let d = disk();
-        let sel = |text: &str| text.parse::<Selector>().unwrap();
-        assert!(matches_remote(&sel("2-1"), &d, None));
-        assert!(!matches_remote(&sel("1-1"), &d, None));
-        assert!(matches_remote(&sel("1209:0003"), &d, None));
-        assert!(matches_remote(&sel("class=08"), &d, None));
-        assert!(!matches_remote(&sel("class=03"), &d, None));
-        assert!(matches_remote(&sel("serial=A1"), &d, Some("A1")));
-        assert!(!matches_remote(&sel("serial=A1"), &d, Some("B2")));
-        assert!(!matches_remote(&sel("serial=A1"), &d, None), "no serial known: no match");
     }
 }
