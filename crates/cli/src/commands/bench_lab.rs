@@ -26,7 +26,7 @@ use usbwire_lab::publish::Registration;
 use usbwire_lab::{Endpoint, Hold, Lab, LabError, Reservation, ServerEntry, Want, DEFAULT_TTL};
 use usbwire_server::{Selector, Server, ServerConfig};
 
-use super::lab::failure;
+use super::common::registry::failure;
 use crate::args::BenchArgs;
 use crate::exit::Failure;
 
@@ -51,7 +51,7 @@ pub(crate) async fn run(args: &BenchArgs) -> Result<(), Failure> {
             "--servers (1..62500), --devices-per-server and --clients must be at least 1"
         )));
     }
-    let mut endpoint = super::lab::endpoint(&args.registry)
+    let mut endpoint = super::common::registry::endpoint(&args.registry)
         .ok_or_else(|| Failure::usage(anyhow!("--registry etcd://HOST:PORT is required")))?;
     let base = endpoint.url.to_string();
     endpoint.url.prefix = format!("{}/bench-{}", endpoint.url.prefix, std::process::id());
@@ -67,7 +67,7 @@ pub(crate) async fn run(args: &BenchArgs) -> Result<(), Failure> {
         let mut document = report.json();
         document["registry"] = json!(base);
         document["keys_deleted"] = json!(deleted);
-        super::output::print_json(&document, true);
+        super::common::output::print_json(&document, true);
     } else {
         print!("{}", report.table(&base));
         println!("deleted {deleted} keys under {}/", endpoint.url.prefix);

@@ -28,8 +28,9 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     ];
     let control = args.control.control.clone().unwrap_or_else(default_control_path);
     let config = ServerConfig { listen: args.listen, control_path: Some(control.clone()), ..ServerConfig::default() };
-    let shutdown = super::shutdown_signal();
-    let (server, exported) = super::serve::build(config, &specs, super::serve::DiskLinks::Refuse)?;
+    let shutdown = super::common::process::shutdown_signal();
+    let (server, exported) =
+        super::common::local_server::build(config, &specs, super::common::local_server::DiskLinks::Refuse)?;
     let bound = server.bind().await.map_err(|error| match error {
         ServerError::Listen { addr, source } if source.kind() == std::io::ErrorKind::AddrInUse => Failure::unavailable(
             anyhow!("{addr} is taken (is usbipd or another usbwire running?); pass --listen 127.0.0.1:3241"),
@@ -37,7 +38,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         other => Failure::unavailable(other.into()),
     })?;
     let addr = bound.local_addr();
-    super::serve::warn_if_open(addr, bound.security(), false);
+    super::common::local_server::warn_if_open(addr, bound.security(), false);
     let serving = tokio::spawn(bound.run(shutdown));
 
     println!("usbwire demo: serving on {addr}");
@@ -46,7 +47,15 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     }
     println!("\nWhat a USB/IP client sees (usbwire list -r {addr}):\n");
     let devices = usbwire_client::list_devices(addr, &usbwire_client::Security::Plain).await?;
-    print!("{}", super::list::format_like_usbip(&addr.to_string(), &devices, &super::list::UsbIds::load(), true));
+    print!(
+        "{}",
+        super::common::usb_names::format_like_usbip(
+            &addr.to_string(),
+            &devices,
+            &super::common::usb_names::UsbIds::load(),
+            true
+        )
+    );
 
     let disk_busid = exported
         .iter()
@@ -55,12 +64,15 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         .and_then(BusId::new)
         .ok_or_else(|| Failure::software(anyhow!("the demo disk was not exported")))?;
     println!("The disk's descriptors, read over USB/IP (usbwire describe -r {addr} -b {disk_busid}):\n");
-    let description = super::describe::fetch(addr, &disk_busid, &usbwire_client::Security::Plain).await?;
-    print!("{}", super::describe::format(&disk_busid, &description, &super::list::UsbIds::load()));
+    let description = super::common::description::fetch(addr, &disk_busid, &usbwire_client::Security::Plain).await?;
+    print!(
+        "{}",
+        super::common::description::format(&disk_busid, &description, &super::common::usb_names::UsbIds::load())
+    );
     println!();
 
     println!("A short benchmark (usbwire bench --quick for more): a loopback device, our client and server, next to raw TCP:\n");
-    let plan = super::bench::Plan {
+    let plan = super::common::bench_matrix::Plan {
         sizes: vec![512, 64 << 10],
         depths: vec![1, 8],
         rtts_ms: vec![0.0],
@@ -71,10 +83,16 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         payload: usbwire_bench::measure::Payload::Constant,
         resume: false,
     };
-    let (loopback, loopback_busid) = super::bench::local_loopback().await?;
-    let report =
-        super::bench::execute(&plan, loopback, &loopback_busid, &usbwire_client::Security::Plain, (None, None), false)
-            .await?;
+    let (loopback, loopback_busid) = super::common::bench_matrix::local_loopback().await?;
+    let report = super::common::bench_matrix::execute(
+        &plan,
+        loopback,
+        &loopback_busid,
+        &usbwire_client::Security::Plain,
+        (None, None),
+        false,
+    )
+    .await?;
     println!("{}", report.table());
 
     let host = addr.ip();

@@ -50,7 +50,7 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<(), Failure> {
         checks.extend(remote_server(remote, &args).await);
     }
     if args.json {
-        super::output::print_json(&serde_json::json!({ "checks": checks }), false);
+        super::common::output::print_json(&serde_json::json!({ "checks": checks }), false);
     } else {
         for c in &checks {
             let mark = match c.verdict {
@@ -197,7 +197,7 @@ async fn local_server(args: &DoctorArgs) -> Check {
 }
 
 async fn remote_server(remote: &str, args: &DoctorArgs) -> Vec<Check> {
-    let addr: SocketAddr = match super::list::resolve(remote, args.tcp_port).await {
+    let addr: SocketAddr = match super::common::peer::resolve(remote, args.tcp_port).await {
         Ok(addr) => addr,
         Err(failure) => {
             return vec![check(

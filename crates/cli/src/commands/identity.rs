@@ -19,7 +19,7 @@ pub(crate) fn run(args: IdentityArgs) -> Result<(), Failure> {
         let identity = ca.issue(name, args.days).map_err(|e| Failure::software(e.into()))?;
         identity.save(&dir).map_err(|e| Failure::config(e.into()))?;
         if args.json {
-            super::output::print_json(
+            super::common::output::print_json(
                 &json!({ "fingerprint": identity.fingerprint().to_string(), "dir": dir, "name": name, "days": args.days }),
                 false,
             );
@@ -34,7 +34,7 @@ pub(crate) fn run(args: IdentityArgs) -> Result<(), Failure> {
         return Ok(());
     }
     let (identity, created) = if args.create {
-        Identity::load_or_create(&dir, &super::hostname())
+        Identity::load_or_create(&dir, &super::common::process::hostname())
     } else {
         Identity::load(&dir).map(|i| (i, false))
     }
@@ -43,7 +43,7 @@ pub(crate) fn run(args: IdentityArgs) -> Result<(), Failure> {
         other => Failure::config(anyhow::Error::from(other).context(format!("identity in {}", dir.display()))),
     })?;
     if args.json {
-        super::output::print_json(
+        super::common::output::print_json(
             &json!({ "fingerprint": identity.fingerprint().to_string(), "dir": dir, "created": created }),
             false,
         );

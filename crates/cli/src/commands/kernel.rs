@@ -10,7 +10,7 @@
 //!
 //! `attach --registry` reserves the device in the lab registry and imports it
 //! over TLS pinned to the key in its server's entry, or plain only with
-//! `--allow-plain` ([`super::lab::RegistryTrust`]); the relay holds the
+//! `--allow-plain` ([`super::common::registry::RegistryTrust`]); the relay holds the
 //! reservation.
 
 use anyhow::anyhow;
@@ -46,7 +46,7 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
     };
     // Check vhci before asking the server, so a missing module costs nothing remote.
     vhci::ports().map_err(vhci_failure)?;
-    let transforms = super::bench::transforms(args.compress.as_deref(), args.jitter_buffer);
+    let transforms = super::common::peer::transforms(args.compress.as_deref(), args.jitter_buffer);
     // A reservation lives as long as the process that holds it: the relay.
     let may_relay = wanted.is_some() || !args.no_resume || args.security.tls || !transforms.is_empty();
     if may_relay && !args.foreground && std::env::var_os(RELAY_LOG_ENV).is_none() {
@@ -54,9 +54,11 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
     }
     let (addr, busid, security, taken) = match (&wanted, named_busid) {
         (Some(device), _) => {
-            let mut taken = super::lab::take(&args.registry, device, args.hold_for).await?;
-            let trust =
-                super::lab::RegistryTrust { identity: args.security.identity.clone(), allow_plain: args.allow_plain };
+            let mut taken = super::common::registry::take(&args.registry, device, args.hold_for).await?;
+            let trust = super::common::registry::RegistryTrust {
+                identity: args.security.identity.clone(),
+                allow_plain: args.allow_plain,
+            };
             match reserved_server(&taken, &trust).await {
                 Ok((addr, busid, security)) => (addr, busid, security, Some(taken)),
                 Err(failure) => {
@@ -68,9 +70,9 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
             }
         }
         (None, Some(busid)) => {
-            let security = super::client_security(&args.security)?;
+            let security = super::common::peer::client_security(&args.security)?;
             let remote = args.remote.as_deref().unwrap_or_default();
-            (super::list::resolve(remote, args.tcp_port).await?, busid, security, None)
+            (super::common::peer::resolve(remote, args.tcp_port).await?, busid, security, None)
         }
         (None, None) => {
             return Err(Failure::usage(anyhow!("attach needs -r HOST -b BUSID, or --registry URL --device SELECTOR")))
@@ -123,16 +125,16 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
 
 /// Where and how to import a device reserved in the lab registry: its
 /// server's address and the security its entry calls for
-/// ([`super::lab::RegistryTrust`]: TLS pinned to the entry's key, or plain
+/// ([`super::common::registry::RegistryTrust`]: TLS pinned to the entry's key, or plain
 /// if allowed).
 async fn reserved_server(
-    taken: &super::lab::Taken,
-    trust: &super::lab::RegistryTrust,
+    taken: &super::common::registry::Taken,
+    trust: &super::common::registry::RegistryTrust,
 ) -> Result<(std::net::SocketAddr, BusId, usbwire_client::Security), Failure> {
     let busid = BusId::new(&taken.busid)
         .ok_or_else(|| Failure::protocol(anyhow!("the lab registry names an invalid bus id {:?}", taken.busid)))?;
     let security = trust.security(&taken.server)?;
-    let addr = super::list::resolve(&taken.server.address, None).await?;
+    let addr = super::common::peer::resolve(&taken.server.address, None).await?;
     Ok((addr, busid, security))
 }
 
@@ -197,9 +199,9 @@ async fn relay_attached(
     imported: usbwire_client::Imported,
     upstream: usbwire_client::relay::Upstream,
     record: vhci::Record,
-    taken: Option<super::lab::Taken>,
+    taken: Option<super::common::registry::Taken>,
 ) -> Result<(), Failure> {
-    let shutdown = super::shutdown_signal();
+    let shutdown = super::common::process::shutdown_signal();
     let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair().map_err(|e| Failure::io(e.into()))?;
     let device = &imported.device;
     let port = vhci::attach(&kernel_end, device.devid(), device.speed, &record).map_err(vhci_failure)?;
@@ -386,7 +388,7 @@ pub(crate) fn port(args: PortArgs) -> Result<(), Failure> {
                 })
             })
             .collect();
-        super::output::print_json(&json!({ "ports": list }), false);
+        super::common::output::print_json(&json!({ "ports": list }), false);
         return Ok(());
     }
     println!("Imported USB devices\n====================");

@@ -1,16 +1,26 @@
 //! `usbwire list -r HOST`: a server's exported devices, printed the way
-//! `usbip list -r` prints them (names from usb.ids when the system has it).
+//! `usbip list -r` prints them (names from usb.ids when the system has it);
+//! `list -l` for this machine's devices, `list -d` for servers found by
+//! mDNS, `list --registry [--watch]` for the lab registry's fleet.
 
+use std::io::Write as _;
+
+use anyhow::anyhow;
 use serde_json::json;
+use usbwire_lab::{Endpoint, Fleet, FleetDevice, Lab};
 use usbwire_proto::display::escape;
-use usbwire_proto::op::DeviceRecord;
 
+use super::common::output::print_json;
+use super::common::peer::resolve;
+use super::common::registry::{failure, required};
+use super::common::usb_names::{class_name, devices_json, format_like_usbip, UsbIds};
 use crate::args::ListArgs;
+use crate::args::RegistryArgs;
 use crate::exit::Failure;
 
 pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     if args.registry.registry.is_some() {
-        return super::lab::list(&args.registry, args.json, args.watch).await;
+        return registry_list(&args.registry, args.json, args.watch).await;
     }
     if args.discover {
         return discovered(&args).await;
@@ -19,7 +29,7 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
         return local_devices(args.json);
     };
     let addr = resolve(remote, args.tcp_port).await?;
-    let security = super::client_security(&args.security)?;
+    let security = super::common::peer::client_security(&args.security)?;
     let devices = usbwire_client::list_devices(addr, &security).await?;
     // usbwire servers also say what is in use and by whom; others do not, and that is fine.
     let states = match usbwire_client::device_states(addr, &security).await {
@@ -33,9 +43,9 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     if args.json {
         let mut listing = devices_json(remote, &devices, &names);
         add_states(&mut listing, states.as_deref());
-        super::output::print_json(&listing, false);
+        super::common::output::print_json(&listing, false);
     } else {
-        let verbose = super::verbosity() > 0;
+        let verbose = super::common::process::verbosity() > 0;
         print!("{}", format_like_usbip(remote, &devices, &names, verbose));
         // Who holds what (usbwire servers) is ours, not usbip's: with -v.
         if let (true, Some(states)) = (verbose, &states) {
@@ -113,7 +123,7 @@ async fn discovered(args: &ListArgs) -> Result<(), Failure> {
         .await
         .map_err(|e| Failure::software(e.into()))?
         .map_err(|e| Failure::unavailable(anyhow::anyhow!("cannot browse with mDNS: {e}")))?;
-    let security = super::client_security(&args.security)?;
+    let security = super::common::peer::client_security(&args.security)?;
     let names = UsbIds::load();
     let mut records = Vec::new();
     for server in &servers {
@@ -138,14 +148,16 @@ async fn discovered(args: &ListArgs) -> Result<(), Failure> {
         } else {
             println!("{}", found_server_line(server, &host));
             match &listing {
-                Ok(devices) => print!("{}", format_like_usbip(&host, devices, &names, super::verbosity() > 0)),
+                Ok(devices) => {
+                    print!("{}", format_like_usbip(&host, devices, &names, super::common::process::verbosity() > 0))
+                }
                 Err(error) => println!("  {}", escape(error)),
             }
             println!();
         }
     }
     if args.json {
-        super::output::print_json(&json!({ "servers": records }), false);
+        super::common::output::print_json(&json!({ "servers": records }), false);
     } else if servers.is_empty() {
         println!("no USB/IP servers answered within {:.1} s (mDNS, _usbip._tcp)", wait.as_secs_f64());
     }
@@ -164,7 +176,7 @@ fn found_server_line(server: &usbwire_discovery::FoundServer, host: &str) -> Str
 fn local_devices(json: bool) -> Result<(), Failure> {
     let devices = usbwire_host::list().map_err(|error| Failure::unavailable(error.into()))?;
     if json {
-        super::output::print_json(&json!({ "devices": devices }), false);
+        super::common::output::print_json(&json!({ "devices": devices }), false);
         return Ok(());
     }
     if devices.is_empty() {
@@ -203,215 +215,127 @@ fn local_devices(json: bool) -> Result<(), Failure> {
     Ok(())
 }
 
-/// `HOST`, `HOST:PORT`, or `HOST` with `--tcp-port PORT`.
-pub(crate) async fn resolve(remote: &str, tcp_port: Option<u16>) -> Result<std::net::SocketAddr, Failure> {
-    let target = match tcp_port {
-        Some(port) if !remote.contains(':') => format!("{remote}:{port}"),
-        _ => remote.to_owned(),
-    };
-    Ok(usbwire_client::resolve(&target).await?)
-}
-
-pub(crate) fn devices_json(host: &str, devices: &[DeviceRecord], names: &UsbIds) -> serde_json::Value {
-    let devices: Vec<_> = devices
-        .iter()
-        .map(|d| {
-            json!({
-                "busid": d.busid.as_str(),
-                "busnum": d.busnum,
-                "devnum": d.devnum,
-                "path": d.path,
-                "speed": d.speed.name(),
-                "vendor_id": format!("{:04x}", d.id_vendor),
-                "product_id": format!("{:04x}", d.id_product),
-                "vendor": names.vendor(d.id_vendor),
-                "product": names.product(d.id_vendor, d.id_product),
-                "product_name": names.product(d.id_vendor, d.id_product),
-                "vendor_name": names.vendor(d.id_vendor),
-                "bcd_device": format!("{:04x}", d.bcd_device),
-                "device_class": format!("{:02x}/{:02x}/{:02x}", d.b_device_class, d.b_device_sub_class, d.b_device_protocol),
-                "configuration_value": d.b_configuration_value,
-                "num_configurations": d.b_num_configurations,
-                "interfaces": d.interfaces.iter().enumerate().map(|(i, f)| json!({
-                    "number": i,
-                    "class": format!("{:02x}/{:02x}/{:02x}", f.b_interface_class, f.b_interface_sub_class, f.b_interface_protocol),
-                    "class_name": class_name(f.b_interface_class),
-                })).collect::<Vec<_>>(),
-            })
-        })
-        .collect();
-    json!({ "host": host, "devices": devices })
-}
-
-/// What `usbip list -r` prints, byte for byte (the host without its port,
-/// names from usb.ids as usbip's `usbip_names_get_*`). `verbose` (`-v`) adds
-/// each device's speed, which usbip does not print.
-pub(crate) fn format_like_usbip(host: &str, devices: &[DeviceRecord], names: &UsbIds, verbose: bool) -> String {
-    use std::fmt::Write as _;
-    let mut out = String::new();
-    let host = host_without_port(host);
-    if devices.is_empty() {
-        let _ = writeln!(out, "{host}: no exportable devices");
-        return out;
+/// `usbwire list --registry URL [--json] [--watch]`.
+async fn registry_list(args: &RegistryArgs, json: bool, watch: bool) -> Result<(), Failure> {
+    let mut lab = Lab::connect(required(args)?).await.map_err(failure)?;
+    let fleet = lab.fleet().await.map_err(failure)?;
+    if json && watch {
+        // One JSON document per line: the fleet, then each change.
+        print_json(&fleet, false);
+    } else if json {
+        print_json(&fleet, true);
+    } else {
+        print_fleet(lab.endpoint(), &fleet);
     }
-    let _ = writeln!(out, "Exportable USB devices\n======================\n - {host}");
-    for d in devices {
-        let vendor = names.vendor(d.id_vendor).unwrap_or_else(|| "unknown vendor".into());
-        let product = names.product(d.id_vendor, d.id_product).unwrap_or_else(|| "unknown product".into());
-        let _ =
-            writeln!(out, "{:>11}: {vendor} : {product} ({:04x}:{:04x})", d.busid.as_str(), d.id_vendor, d.id_product);
-        // `path` is free text from the server.
-        let _ = writeln!(out, "{:>11}: {}", "", escape(&d.path));
-        let _ =
-            writeln!(out, "{:>11}: {}", "", names.class(d.b_device_class, d.b_device_sub_class, d.b_device_protocol));
-        if verbose {
-            let _ = writeln!(out, "{:>11}: speed {}", "", d.speed.name());
-        }
-        for (i, f) in d.interfaces.iter().enumerate() {
-            let class = names.class(f.b_interface_class, f.b_interface_sub_class, f.b_interface_protocol);
-            let _ = writeln!(out, "{:>11}: {i:2} - {class}", "");
-        }
-        out.push('\n');
+    if !watch {
+        return Ok(());
     }
-    out
-}
-
-/// `HOST:PORT`, `[V6]:PORT` or `HOST` → the host as usbip prints it.
-fn host_without_port(host: &str) -> &str {
-    if let Some(rest) = host.strip_prefix('[') {
-        return rest.split(']').next().unwrap_or(rest);
-    }
-    match host.rsplit_once(':') {
-        Some((name, port)) if !name.contains(':') && port.parse::<u16>().is_ok() => name,
-        _ => host,
-    }
-}
-
-/// USB class names for the classes people meet.
-pub(crate) fn class_name(class: u8) -> &'static str {
-    match class {
-        0x01 => "Audio",
-        0x02 => "Communications",
-        0x03 => "Human Interface Device",
-        0x05 => "Physical",
-        0x06 => "Imaging",
-        0x07 => "Printer",
-        0x08 => "Mass Storage",
-        0x09 => "Hub",
-        0x0a => "CDC Data",
-        0x0b => "Chip/SmartCard",
-        0x0d => "Content Security",
-        0x0e => "Video",
-        0x0f => "Personal Healthcare",
-        0x10 => "Audio/Video",
-        0xdc => "Diagnostic",
-        0xe0 => "Wireless",
-        0xef => "Miscellaneous Device",
-        0xfe => "Application Specific Interface",
-        0xff => "Vendor Specific Class",
-        _ => "unknown class",
-    }
-}
-
-/// Vendor and product names from the system's usb.ids (hwdata), when present.
-#[derive(Default)]
-pub(crate) struct UsbIds {
-    text: String,
-}
-
-impl UsbIds {
-    pub(crate) fn load() -> Self {
-        for path in ["/usr/share/hwdata/usb.ids", "/usr/share/misc/usb.ids", "/usr/share/usb.ids"] {
-            if let Ok(text) = std::fs::read_to_string(path) {
-                return Self { text };
-            }
-        }
-        Self::default()
-    }
-
-    pub(crate) fn vendor(&self, vendor: u16) -> Option<String> {
-        let key = format!("{vendor:04x}  ");
-        self.text.lines().find_map(|l| l.strip_prefix(key.as_str())).map(|name| name.trim().to_owned())
-    }
-
-    /// `Class / Subclass / Protocol (cc/ss/pp)` as usbip's `usbip_names_get_class`
-    /// words it ("unknown …" for what usb.ids lacks; 0/0/0 is "Defined at Interface level").
-    pub(crate) fn class(&self, class: u8, subclass: u8, protocol: u8) -> String {
-        let numbers = format!("({class:02x}/{subclass:02x}/{protocol:02x})");
-        if (class, subclass, protocol) == (0, 0, 0) {
-            return format!("(Defined at Interface level) {numbers}");
-        }
-        let (mut class_name, mut subclass_name, mut protocol_name) = (None, None, None);
-        let class_key = format!("C {class:02x}  ");
-        let subclass_key = format!("\t{subclass:02x}  ");
-        let protocol_key = format!("\t\t{protocol:02x}  ");
-        let mut lines = self.text.lines().skip_while(|l| !l.starts_with(class_key.as_str()));
-        if let Some(line) = lines.next() {
-            class_name = line.strip_prefix(class_key.as_str()).map(str::trim);
-            let mut in_subclass = false;
-            for line in lines.take_while(|l| l.starts_with('\t') || l.starts_with('#')) {
-                if let Some(name) = line.strip_prefix(subclass_key.as_str()) {
-                    subclass_name = Some(name.trim());
-                    in_subclass = true;
-                } else if !line.starts_with("\t\t") {
-                    in_subclass = false;
-                } else if in_subclass {
-                    protocol_name = protocol_name.or(line.strip_prefix(protocol_key.as_str()).map(str::trim));
+    let mut changes = lab.watch(fleet.revision).await.map_err(failure)?;
+    let stop = super::common::process::shutdown_signal();
+    tokio::pin!(stop);
+    loop {
+        let next = tokio::select! {
+            next = changes.next() => next.map_err(failure)?,
+            () = &mut stop => return Ok(()),
+        };
+        let Some(batch) = next else {
+            return Err(Failure::unavailable(anyhow!("the lab registry ended the watch; run the command again")));
+        };
+        for change in batch {
+            if json {
+                print_json(&change, false);
+            } else {
+                let what = match &change.busid {
+                    Some(busid) => format!("{} {} {}", change.what, escape(&change.server), escape(busid)),
+                    None => format!("{} {}", change.what, escape(&change.server)),
+                };
+                match &change.entry {
+                    None => println!("- {what} removed"),
+                    Some(entry) => println!("+ {what}: {}", summary(entry)),
                 }
             }
         }
-        format!(
-            "{} / {} / {} {numbers}",
-            class_name.unwrap_or("unknown class"),
-            subclass_name.unwrap_or("unknown subclass"),
-            protocol_name.unwrap_or("unknown protocol")
-        )
+        let _ = std::io::stdout().flush();
     }
+}
 
-    pub(crate) fn product(&self, vendor: u16, product: u16) -> Option<String> {
-        let key = format!("{vendor:04x}  ");
-        let product_key = format!("\t{product:04x}  ");
-        let mut lines = self.text.lines().skip_while(|l| !l.starts_with(key.as_str()));
-        lines.next()?;
-        lines
-            .take_while(|l| l.starts_with('\t') || l.starts_with('#'))
-            .find_map(|l| l.strip_prefix(product_key.as_str()))
-            .map(|name| name.trim().to_owned())
+/// One line about a changed record.
+fn summary(entry: &serde_json::Value) -> String {
+    let field = |name: &str| entry.get(name).and_then(serde_json::Value::as_str).map(|s| escape(s).to_string());
+    if let Some(state) = field("state") {
+        let mut line = state;
+        if let Some(holder) = field("holder") {
+            line.push_str(&format!(" by {holder}"));
+        }
+        return line;
     }
+    if let Some(holder) = field("holder") {
+        let until = field("until_at").map(|u| format!(" until {u}")).unwrap_or_default();
+        return format!("reserved by {holder}{until}");
+    }
+    match field("implementation") {
+        Some(implementation) => format!("{implementation} {}", field("version").unwrap_or_default()),
+        None => "changed".to_owned(),
+    }
+}
+
+fn print_fleet(endpoint: &Endpoint, fleet: &Fleet) {
+    let free = fleet.devices.iter().filter(|d| d.is_free()).count();
+    println!(
+        "lab registry {}: {} server(s), {} device(s), {free} free",
+        endpoint.url,
+        fleet.servers.len(),
+        fleet.devices.len()
+    );
+    for server in &fleet.servers {
+        let security = match (&server.tls_fingerprint, server.plain) {
+            (Some(fingerprint), true) => format!("TLS {}, plain too", escape(fingerprint)),
+            (Some(fingerprint), false) => format!("TLS only, {}", escape(fingerprint)),
+            (None, _) => "plain".to_owned(),
+        };
+        println!(
+            "{}  {} {} ({security})",
+            escape(&server.address),
+            escape(&server.implementation),
+            escape(&server.version)
+        );
+        for device in fleet.devices.iter().filter(|d| d.device.server == server.address) {
+            println!("    {}", device_line(device));
+        }
+    }
+}
+
+fn device_line(device: &FleetDevice) -> String {
+    let entry = &device.device;
+    let name = entry.product.as_deref().unwrap_or(&entry.kind);
+    let mut line = format!(
+        "{:<6} {}:{}  {:<22} {:<6} {}",
+        escape(&entry.busid),
+        escape(&entry.vendor_id),
+        escape(&entry.product_id),
+        escape(name),
+        escape(&entry.speed),
+        escape(&entry.state).to_string().replace('_', " ")
+    );
+    if let Some(holder) = &entry.holder {
+        line.push_str(&format!(" by {}", escape(holder)));
+    }
+    if let Some(reservation) = &device.reservation {
+        line.push_str(&format!("; reserved by {} ({})", escape(&reservation.holder), escape(&reservation.client)));
+        if let Some(until) = &reservation.until_at {
+            line.push_str(&format!(" until {}", escape(until)));
+        }
+    }
+    if !entry.labels.is_empty() {
+        let labels: Vec<String> = entry.labels.iter().map(|l| escape(l).to_string()).collect();
+        line.push_str(&format!("  [{}]", labels.join(", ")));
+    }
+    line
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn usb_ids_lookup() {
-        let ids = UsbIds {
-            text: "# comment\n1209  Generic\n\t0001  pid.codes Test PID\n\t0002  Other\n1d6b  Linux Foundation\n\t0002  2.0 root hub\n".into(),
-        };
-        assert_eq!(ids.vendor(0x1209).as_deref(), Some("Generic"));
-        assert_eq!(ids.product(0x1209, 0x0002).as_deref(), Some("Other"));
-        assert_eq!(ids.product(0x1209, 0x0003), None);
-        assert_eq!(ids.product(0x1d6b, 0x0002).as_deref(), Some("2.0 root hub"));
-        assert_eq!(ids.vendor(0xffff), None);
-    }
-
-    #[test]
-    fn class_names_as_usbip_words_them() {
-        let ids = UsbIds {
-            text: "1209  Generic\nC 03  Human Interface Device\n\t00  No Subclass\n\t01  Boot Interface Subclass\n\
-                   \t\t01  Keyboard\n\t\t02  Mouse\nC 08  Mass Storage\n\t06  SCSI\n\t\t50  Bulk-Only\n"
-                .into(),
-        };
-        assert_eq!(ids.class(3, 1, 1), "Human Interface Device / Boot Interface Subclass / Keyboard (03/01/01)");
-        assert_eq!(ids.class(3, 0, 2), "Human Interface Device / No Subclass / unknown protocol (03/00/02)");
-        assert_eq!(ids.class(8, 6, 0x50), "Mass Storage / SCSI / Bulk-Only (08/06/50)");
-        assert_eq!(ids.class(0xff, 0, 0), "unknown class / unknown subclass / unknown protocol (ff/00/00)");
-        assert_eq!(ids.class(0, 0, 0), "(Defined at Interface level) (00/00/00)");
-        assert_eq!(host_without_port("127.0.0.1:3240"), "127.0.0.1");
-        assert_eq!(host_without_port("[::1]:3240"), "::1");
-        assert_eq!(host_without_port("lab-server"), "lab-server");
-    }
 
     fn state(
         busid: &str,

@@ -38,12 +38,12 @@ pub(crate) async fn state(args: StateArgs) -> Result<(), Failure> {
     let response = ask(&args.control, ControlRequest::State).await?;
     let devices = response.devices.unwrap_or_default();
     if args.json {
-        super::output::print_json(&serde_json::json!({ "devices": devices }), false);
+        super::common::output::print_json(&serde_json::json!({ "devices": devices }), false);
         return Ok(());
     }
     println!("{:<6} {:<9} {:<10} {:<10} {:<22} since", "busid", "kind", "id", "state", "client");
     for d in devices {
-        let since = d.since.map(super::output::rfc3339).unwrap_or_default();
+        let since = d.since.map(super::common::output::rfc3339).unwrap_or_default();
         println!(
             "{:<6} {:<9} {:<10} {:<10} {:<22} {}",
             d.busid,

@@ -12,8 +12,8 @@ use crate::exit::Failure;
 pub(crate) async fn run(args: RedirArgs) -> Result<(), Failure> {
     let busid = BusId::new(&args.device.busid)
         .ok_or_else(|| Failure::usage(anyhow!("invalid bus id {:?}", args.device.busid)))?;
-    let addr = super::list::resolve(&args.device.remote, args.device.tcp_port).await?;
-    let security = super::client_security(&args.device.security)?;
+    let addr = super::common::peer::resolve(&args.device.remote, args.device.tcp_port).await?;
+    let security = super::common::peer::client_security(&args.device.security)?;
     let source = Source { addr, device: WantedDevice::BusId(busid), security, transforms: Vec::new() };
     let bridge = match (&args.listen, &args.connect) {
         (Some(listen), _) => match listen.parse::<RedirListen>().map_err(Failure::usage)? {
@@ -22,7 +22,8 @@ pub(crate) async fn run(args: RedirArgs) -> Result<(), Failure> {
                     Some(group) => Some(crate::config::group_id(group).map_err(Failure::config)?),
                     None => None,
                 };
-                let listener = super::serve::bind_unix_guest_socket(&path, group).map_err(Failure::config)?;
+                let listener =
+                    super::common::local_server::bind_unix_guest_socket(&path, group).map_err(Failure::config)?;
                 println!("usbredir for {} on unix:{}", args.device.busid, path.display());
                 boxed(redir::serve_listener(source, listener))
             }
@@ -48,7 +49,7 @@ pub(crate) async fn run(args: RedirArgs) -> Result<(), Failure> {
     };
     tokio::select! {
         outcome = bridge => outcome.map_err(|e| Failure::unavailable(e.into())),
-        _ = super::shutdown_signal() => Ok(()),
+        _ = super::common::process::shutdown_signal() => Ok(()),
     }
 }
 

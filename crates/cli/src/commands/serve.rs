@@ -6,12 +6,12 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use usbwire_client::redir::{Source, WantedDevice};
 use usbwire_device::DeviceFacts;
-use usbwire_gadgets::{DiskOptions, KeyboardHandle, MassStorage};
-use usbwire_server::{AccessRules, Admission, PlainPolicy, Security, Server, ServerConfig, TextInput};
+use usbwire_server::{AccessRules, Admission, PlainPolicy, Security, ServerConfig};
 use usbwire_transport::access::Rule;
 use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::Identity;
 
+use super::common::local_server::{bind_unix_guest_socket, build, warn_if_open, DiskLinks};
 use crate::args::ServeArgs;
 use crate::config::{FileConfig, RedirListen, RedirRule, VirtualSpec};
 use crate::exit::Failure;
@@ -79,7 +79,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     let config_capture = config.capture.as_ref().map(|c| c.dir.clone());
     // The first signal both stops the server and makes the registration
     // leave the lab registry (at once, while connections are still closing).
-    let signal = super::shutdown_signal();
+    let signal = super::common::process::shutdown_signal();
     let (stopping, stopped) = tokio::sync::oneshot::channel::<()>();
     let shutdown = async move {
         signal.await;
@@ -122,7 +122,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
         }
         None => None,
     };
-    super::notify_ready();
+    super::common::process::notify_ready();
     let reloading = tokio::spawn(reload_on_hangup(args.config.clone(), args.bind.clone(), file, bound.host_exports()));
     bound.run(shutdown).await;
     reloading.abort();
@@ -147,7 +147,7 @@ struct Registering {
 impl Registering {
     fn from(args: &ServeArgs, file: &FileConfig) -> Result<Option<Self>, Failure> {
         let table = file.registry.clone().unwrap_or_default();
-        let endpoint = match super::lab::endpoint(&args.registry) {
+        let endpoint = match super::common::registry::endpoint(&args.registry) {
             Some(endpoint) => endpoint,
             None if file.registry.is_some() => table.endpoint().map_err(Failure::config)?,
             None => return Ok(None),
@@ -170,14 +170,14 @@ impl Registering {
         let listening = bound.local_addr();
         let address = self.address.unwrap_or_else(|| {
             if listening.ip().is_unspecified() {
-                format!("{}:{}", super::hostname(), listening.port())
+                format!("{}:{}", super::common::process::hostname(), listening.port())
             } else {
                 listening.to_string()
             }
         });
         let tls_fingerprint = match tls_identity {
             Some(dir) => Some(
-                usbwire_server::Identity::load_or_create(dir, &super::hostname())
+                usbwire_server::Identity::load_or_create(dir, &super::common::process::hostname())
                     .map_err(|e| Failure::config(anyhow::anyhow!("identity in {}: {e}", dir.display())))?
                     .0
                     .fingerprint()
@@ -235,7 +235,7 @@ async fn start_redir_bridges(
     let addr = if server.ip().is_unspecified() { std::net::SocketAddr::new(loopback, server.port()) } else { server };
     let security = match tls_identity {
         Some(dir) if !rules.is_empty() => {
-            let (identity, _) = Identity::load_or_create(dir, &super::hostname())
+            let (identity, _) = Identity::load_or_create(dir, &super::common::process::hostname())
                 .with_context(|| format!("server identity in {}", dir.display()))
                 .map_err(Failure::config)?;
             let known = KnownServers::in_dir(dir);
@@ -294,19 +294,6 @@ async fn bind_redir_listener(rule: &RedirRule) -> Result<usbwire_client::redir::
     }
 }
 
-/// A usbredir guest socket at `path`: 0600, or 0660 for `group`, in a
-/// directory only this user can change (see `private_dir::bind_socket`).
-pub(crate) fn bind_unix_guest_socket(
-    path: &std::path::Path,
-    group: Option<u32>,
-) -> anyhow::Result<usbwire_client::redir::GuestListener> {
-    let listener = usbwire_server::private_dir::bind_socket(path, group)?;
-    listener.set_nonblocking(true).with_context(|| format!("socket {}", path.display()))?;
-    let listener =
-        tokio::net::UnixListener::from_std(listener).with_context(|| format!("socket {}", path.display()))?;
-    Ok(listener.into())
-}
-
 /// SIGHUP re-reads the config file's `[[bind]]` rules: devices no rule wants
 /// any more are withdrawn, newly matching ones exported, imports of the others
 /// go on undisturbed. Other settings need a restart, and the log says so.
@@ -345,28 +332,6 @@ async fn reload_on_hangup(
     }
 }
 
-/// Says once, at startup, what a server that takes plain USB/IP on a
-/// non-loopback address exposes: USB/IP has no authentication, so whoever
-/// reaches the port is a client.
-pub(crate) fn warn_if_open(addr: std::net::SocketAddr, security: &Security, announced: bool) {
-    let plain_from_anywhere = security.tls.is_none() || security.plain == PlainPolicy::Always;
-    if !plain_from_anywhere || addr.ip().is_loopback() {
-        return;
-    }
-    let what = if security.tls.is_none() {
-        "every device this server exports"
-    } else {
-        "the devices that [[allow]] client = \"plain\" rules give"
-    };
-    let mdns = if announced { " (and mDNS announces this server to the whole local network)" } else { "" };
-    tracing::warn!(
-        "plain USB/IP is accepted on {addr}: any host that can reach this port can list, import and use {what}, \
-         with no authentication{mdns}; listen on 127.0.0.1 (--listen 127.0.0.1:{port}), or use --tls \
-         (with --allow-plain never or loopback) to admit only known clients",
-        port = addr.port()
-    );
-}
-
 /// Announces the server with DNS-SD (`_usbip._tcp`) and keeps its device
 /// count current. Not when it listens on loopback only: nobody else could connect.
 fn advertise(bound: &usbwire_server::BoundServer) -> Option<tokio::task::JoinHandle<()>> {
@@ -383,7 +348,7 @@ fn advertise(bound: &usbwire_server::BoundServer) -> Option<tokio::task::JoinHan
     };
     let registry = bound.registry().clone();
     let announcement = usbwire_discovery::Announcement {
-        name: format!("{}-{}", super::hostname(), addr.port()),
+        name: format!("{}-{}", super::common::process::hostname(), addr.port()),
         port: addr.port(),
         tls,
         devices: registry.len(),
@@ -406,84 +371,6 @@ fn advertise(bound: &usbwire_server::BoundServer) -> Option<tokio::task::JoinHan
     }))
 }
 
-/// Whether disk images may be reached through a symbolic link: yes when the
-/// user named the path, no when we chose it (the demo's directory).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum DiskLinks {
-    Follow,
-    Refuse,
-}
-
-/// What was exported, one human-readable line per device.
-pub(crate) fn build(
-    config: ServerConfig,
-    specs: &[VirtualSpec],
-    links: DiskLinks,
-) -> Result<(Server, Vec<String>), Failure> {
-    let mut server = Server::new(config);
-    let mut lines = Vec::new();
-    for spec in specs {
-        let (busid, detail) = match spec {
-            VirtualSpec::Keyboard => {
-                let (device, handle) = usbwire_gadgets::keyboard();
-                let busid = server.export(spec.kind(), Box::new(device));
-                server.add_text_input(busid.clone(), Arc::new(Keyboard(handle)));
-                (busid, "keyboard (usbwire type TEXT types on it)".to_owned())
-            }
-            VirtualSpec::Mouse => {
-                let (device, _handle) = usbwire_gadgets::mouse();
-                (server.export(spec.kind(), Box::new(device)), "mouse".to_owned())
-            }
-            VirtualSpec::Disk { path, size, read_only, speed } => {
-                let options = DiskOptions { size: *size, read_only: *read_only, speed: speed.speed() };
-                let device = match links {
-                    DiskLinks::Follow => MassStorage::open(path, &options),
-                    DiskLinks::Refuse => MassStorage::open_no_follow(path, &options),
-                }
-                .with_context(|| format!("disk {}", path.display()))
-                .map_err(Failure::config)?;
-                let mode = if *read_only { "read-only" } else { "read-write" };
-                (
-                    server.export(spec.kind(), Box::new(device)),
-                    format!("disk {} ({mode}, {})", path.display(), speed.speed().name()),
-                )
-            }
-            VirtualSpec::Serial { link } => {
-                let (device, pty) =
-                    usbwire_gadgets::serial(link.as_deref()).context("serial port").map_err(Failure::io)?;
-                let shown: PathBuf = link.clone().unwrap_or_else(|| pty.clone());
-                let detail = match link {
-                    Some(link) => format!("serial port bridged to {} (link {})", pty.display(), link.display()),
-                    None => format!("serial port bridged to {}", shown.display()),
-                };
-                (server.export(spec.kind(), Box::new(device)), detail)
-            }
-            VirtualSpec::Loopback { speed } => {
-                let device = usbwire_gadgets::loopback(speed.speed());
-                (
-                    server.export(spec.kind(), Box::new(device)),
-                    format!("loopback test device ({})", speed.speed().name()),
-                )
-            }
-        };
-        lines.push(format!("{busid:<5} {detail}"));
-    }
-    Ok((server, lines))
-}
-
-/// Lets the control socket type on a virtual keyboard.
-struct Keyboard(KeyboardHandle);
-
-impl TextInput for Keyboard {
-    fn type_text(&self, text: &str) -> Result<usize, String> {
-        self.0.type_text(text).map_err(|error| error.to_string())
-    }
-
-    fn is_attached(&self) -> bool {
-        self.0.is_attached()
-    }
-}
-
 /// TLS, plain policy and access rules from flags and the config file, and
 /// with TLS the identity directory. With `redir` rules the server's own key
 /// is admitted (its `[[redir]]` bridges connect as the server) for the
@@ -503,7 +390,7 @@ fn security(args: &ServeArgs, file: &FileConfig, redir: &[RedirRule]) -> Result<
         .clone()
         .or_else(|| file.identity.clone())
         .unwrap_or_else(usbwire_transport::identity::default_dir);
-    let (identity, created) = Identity::load_or_create(&dir, &super::hostname())
+    let (identity, created) = Identity::load_or_create(&dir, &super::common::process::hostname())
         .with_context(|| format!("server identity in {}", dir.display()))
         .map_err(Failure::config)?;
     if created {

@@ -10,7 +10,7 @@
 //! registry (`[registry]`), reserved for as long as it is attached: the
 //! reservation is given back on detach, and a lost one detaches the device.
 //! It imports over TLS pinned to the key in the server's registry entry, or
-//! plain only with `[registry] plain = true` ([`super::lab::RegistryTrust`]).
+//! plain only with `[registry] plain = true` ([`super::common::registry::RegistryTrust`]).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -46,12 +46,12 @@ pub(crate) async fn run(args: ClientArgs) -> Result<(), Failure> {
     }
     let mut hangup =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).map_err(|e| Failure::io(e.into()))?;
-    let shutdown = super::shutdown_signal();
+    let shutdown = super::common::process::shutdown_signal();
     tokio::pin!(shutdown);
     let mut running: Vec<Running> = Vec::new();
     apply(&config, &mut running).await?;
     println!("usbwire client keeping {} rule(s) attached from {}", running.len(), args.config.display());
-    super::notify_ready();
+    super::common::process::notify_ready();
     loop {
         tokio::select! {
             () = &mut shutdown => break,
@@ -121,7 +121,7 @@ async fn apply(config: &ClientConfig, running: &mut Vec<Running>) -> Result<(), 
         if running.iter().any(|r| &r.rule == rule) {
             continue;
         }
-        let security = super::client_security(&ClientSecurityArgs {
+        let security = super::common::peer::client_security(&ClientSecurityArgs {
             tls: rule.tls,
             identity: config.identity.clone(),
             trust_new: false,
@@ -129,7 +129,10 @@ async fn apply(config: &ClientConfig, running: &mut Vec<Running>) -> Result<(), 
         let registry = match (&config.registry, rule.server == "registry") {
             (Some(table), true) => Some(Registry {
                 endpoint: table.endpoint().map_err(Failure::config)?,
-                trust: super::lab::RegistryTrust { identity: config.identity.clone(), allow_plain: table.plain },
+                trust: super::common::registry::RegistryTrust {
+                    identity: config.identity.clone(),
+                    allow_plain: table.plain,
+                },
             }),
             _ => None,
         };
@@ -144,7 +147,7 @@ async fn apply(config: &ClientConfig, running: &mut Vec<Running>) -> Result<(), 
 /// reaches the servers there.
 struct Registry {
     endpoint: usbwire_lab::Endpoint,
-    trust: super::lab::RegistryTrust,
+    trust: super::common::registry::RegistryTrust,
 }
 
 /// Attaches the rule's device and attaches it again whenever it is lost, until stopped.

@@ -1,0 +1,126 @@
+//! Building a server from the command line's virtual device specs, and the
+//! warnings and guest sockets that go with serving: what `serve`, `demo`
+//! and `redir` share.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use usbwire_gadgets::{DiskOptions, KeyboardHandle, MassStorage};
+use usbwire_server::{PlainPolicy, Security, Server, ServerConfig, TextInput};
+
+use crate::config::VirtualSpec;
+use crate::exit::Failure;
+
+/// A usbredir guest socket at `path`: 0600, or 0660 for `group`, in a
+/// directory only this user can change (see `private_dir::bind_socket`).
+pub(crate) fn bind_unix_guest_socket(
+    path: &std::path::Path,
+    group: Option<u32>,
+) -> anyhow::Result<usbwire_client::redir::GuestListener> {
+    let listener = usbwire_server::private_dir::bind_socket(path, group)?;
+    listener.set_nonblocking(true).with_context(|| format!("socket {}", path.display()))?;
+    let listener =
+        tokio::net::UnixListener::from_std(listener).with_context(|| format!("socket {}", path.display()))?;
+    Ok(listener.into())
+}
+
+/// Says once, at startup, what a server that takes plain USB/IP on a
+/// non-loopback address exposes: USB/IP has no authentication, so whoever
+/// reaches the port is a client.
+pub(crate) fn warn_if_open(addr: std::net::SocketAddr, security: &Security, announced: bool) {
+    let plain_from_anywhere = security.tls.is_none() || security.plain == PlainPolicy::Always;
+    if !plain_from_anywhere || addr.ip().is_loopback() {
+        return;
+    }
+    let what = if security.tls.is_none() {
+        "every device this server exports"
+    } else {
+        "the devices that [[allow]] client = \"plain\" rules give"
+    };
+    let mdns = if announced { " (and mDNS announces this server to the whole local network)" } else { "" };
+    tracing::warn!(
+        "plain USB/IP is accepted on {addr}: any host that can reach this port can list, import and use {what}, \
+         with no authentication{mdns}; listen on 127.0.0.1 (--listen 127.0.0.1:{port}), or use --tls \
+         (with --allow-plain never or loopback) to admit only known clients",
+        port = addr.port()
+    );
+}
+
+/// Whether disk images may be reached through a symbolic link: yes when the
+/// user named the path, no when we chose it (the demo's directory).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DiskLinks {
+    Follow,
+    Refuse,
+}
+
+/// What was exported, one human-readable line per device.
+pub(crate) fn build(
+    config: ServerConfig,
+    specs: &[VirtualSpec],
+    links: DiskLinks,
+) -> Result<(Server, Vec<String>), Failure> {
+    let mut server = Server::new(config);
+    let mut lines = Vec::new();
+    for spec in specs {
+        let (busid, detail) = match spec {
+            VirtualSpec::Keyboard => {
+                let (device, handle) = usbwire_gadgets::keyboard();
+                let busid = server.export(spec.kind(), Box::new(device));
+                server.add_text_input(busid.clone(), Arc::new(Keyboard(handle)));
+                (busid, "keyboard (usbwire type TEXT types on it)".to_owned())
+            }
+            VirtualSpec::Mouse => {
+                let (device, _handle) = usbwire_gadgets::mouse();
+                (server.export(spec.kind(), Box::new(device)), "mouse".to_owned())
+            }
+            VirtualSpec::Disk { path, size, read_only, speed } => {
+                let options = DiskOptions { size: *size, read_only: *read_only, speed: speed.speed() };
+                let device = match links {
+                    DiskLinks::Follow => MassStorage::open(path, &options),
+                    DiskLinks::Refuse => MassStorage::open_no_follow(path, &options),
+                }
+                .with_context(|| format!("disk {}", path.display()))
+                .map_err(Failure::config)?;
+                let mode = if *read_only { "read-only" } else { "read-write" };
+                (
+                    server.export(spec.kind(), Box::new(device)),
+                    format!("disk {} ({mode}, {})", path.display(), speed.speed().name()),
+                )
+            }
+            VirtualSpec::Serial { link } => {
+                let (device, pty) =
+                    usbwire_gadgets::serial(link.as_deref()).context("serial port").map_err(Failure::io)?;
+                let shown: PathBuf = link.clone().unwrap_or_else(|| pty.clone());
+                let detail = match link {
+                    Some(link) => format!("serial port bridged to {} (link {})", pty.display(), link.display()),
+                    None => format!("serial port bridged to {}", shown.display()),
+                };
+                (server.export(spec.kind(), Box::new(device)), detail)
+            }
+            VirtualSpec::Loopback { speed } => {
+                let device = usbwire_gadgets::loopback(speed.speed());
+                (
+                    server.export(spec.kind(), Box::new(device)),
+                    format!("loopback test device ({})", speed.speed().name()),
+                )
+            }
+        };
+        lines.push(format!("{busid:<5} {detail}"));
+    }
+    Ok((server, lines))
+}
+
+/// Lets the control socket type on a virtual keyboard.
+struct Keyboard(KeyboardHandle);
+
+impl TextInput for Keyboard {
+    fn type_text(&self, text: &str) -> Result<usize, String> {
+        self.0.type_text(text).map_err(|error| error.to_string())
+    }
+
+    fn is_attached(&self) -> bool {
+        self.0.is_attached()
+    }
+}
