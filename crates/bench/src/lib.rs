@@ -5,11 +5,14 @@
 //! that does no work ([`ceiling`]). A userspace [`proxy`] adds RTT and jitter
 //! (this kernel has no netem). [`model`] fits time-per-URB = a·size + RTT and
 //! gives the queue depth a periodic stream needs. [`resume_time`] cuts a
-//! resumable connection and times the stall each cut causes.
+//! resumable connection and times the stall each cut causes. `lab` (feature
+//! `lab`) measures the lab registry on etcd with a simulated fleet.
 //!
 //! Benchmarks are not tests: nothing here asserts on timings.
 
 pub mod ceiling;
+#[cfg(feature = "lab")]
+pub mod lab;
 pub mod measure;
 pub mod model;
 pub mod periodic;

@@ -12,7 +12,8 @@
 use std::time::{Duration, SystemTime};
 
 use etcd_client::{
-    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
+    Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
+    WatchOptions,
 };
 use rand::seq::SliceRandom as _;
 use tokio::task::JoinHandle;
@@ -365,6 +366,15 @@ impl Lab {
         Ok(found.unwrap_or_default())
     }
 
+    /// Deletes every key under the registry's prefix (servers, devices,
+    /// reservations, indexes) and returns how many there were: for a prefix
+    /// of its own that a run is done with, such as `usbwire bench
+    /// --registry`'s. Publishers still running there put their keys back.
+    pub async fn delete_all(&mut self) -> Result<i64, LabError> {
+        let deleted = self.client.delete(self.keys.all(), Some(DeleteOptions::new().with_prefix())).await?;
+        Ok(deleted.deleted())
+    }
+
     /// The device `busid` on `server` and its server's entry, if the
     /// reservation `token` proves is still there (not run out, not someone
     /// else's since) and the records name their own keys: one request.
@@ -619,6 +629,30 @@ mod tests {
     /// its own reservations, but cannot plant another server or device, nor
     /// reserve; a client reads everything and writes reservations only.
     /// (Users log in with passwords here; the README's log in by certificate.)
+    /// `delete_all` empties its own prefix and leaves a neighbour's alone,
+    /// even one whose name starts the same.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn delete_all_removes_its_prefix_and_nothing_beside_it() {
+        let Some(cluster) = Cluster::start(1, "delete_all").await else { return };
+        let mut client = cluster.client(0).await;
+        let key = format!("sha256:{}", "cd".repeat(32));
+        let (mine, neighbour) = (Keys::new("run"), Keys::new("run-2"));
+        plant(&mut client, &mine, "a:3240", &server("a:3240", Some(&key)), &device("a:3240", "1-1")).await;
+        plant(&mut client, &neighbour, "b:3240", &server("b:3240", Some(&key)), &device("b:3240", "1-1")).await;
+        let count = |client: &mut Client, prefix: String| {
+            let mut client = client.clone();
+            async move { client.get(prefix, Some(GetOptions::new().with_prefix())).await.unwrap().kvs().len() }
+        };
+        let planted = count(&mut client, mine.all()).await;
+        assert!(planted >= 2, "a server and a device under the prefix");
+        let mut endpoint = cluster.endpoint(&[0]);
+        endpoint.url.prefix = "run".to_owned();
+        let mut lab = Lab::connect(endpoint).await.unwrap();
+        assert_eq!(lab.delete_all().await.unwrap(), planted as i64);
+        assert_eq!(count(&mut client, mine.all()).await, 0);
+        assert_eq!(count(&mut client, neighbour.all()).await, planted, "the neighbour's keys stay");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_readme_roles_let_a_server_write_only_its_keys_and_a_client_only_reservations() {
         use etcd_client::{ConnectOptions, Permission};

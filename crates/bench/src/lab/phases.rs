@@ -1,0 +1,331 @@
+//! The phases of a lab bench run, one function each, in the order they run:
+//! registration, list, connect, reserve, release. Each measures its own
+//! operations and reads etcd's counters around them.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinSet;
+use usbwire_lab::{Endpoint, Hold, Lab, LabError, Reservation, Want};
+
+use super::etcd_metrics::Metrics;
+use super::report::{Phase, Report};
+use super::{LabBenchError, Progress, Scale, SimulatedFleet, LABEL};
+
+const LIST_CALLS: usize = 20;
+/// Longer than any run: a reservation left behind by a failed run still ends by itself.
+const HOLD: Duration = Duration::from_secs(600);
+/// How long the whole fleet may take to show up before the bench gives up.
+const REGISTRATION_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Every phase, with `observer` (one client of its own) to watch and list.
+pub(super) async fn run(
+    endpoint: &Endpoint,
+    metrics: &Metrics,
+    fleet: &mut SimulatedFleet,
+    scale: Scale,
+    progress: &dyn Progress,
+) -> Result<Report, LabBenchError> {
+    let mut observer = Lab::connect(endpoint.clone()).await?;
+    let mut phases = Vec::new();
+    let (registration, matching) = register(&mut observer, endpoint, metrics, fleet, scale, progress).await?;
+    phases.push(registration);
+    phases.push(list(&mut observer, metrics).await?);
+    let (connect, labs) = connect(endpoint, metrics, scale.clients, progress).await?;
+    phases.push(connect);
+    let want: Want = format!("label={LABEL}")
+        .parse()
+        .map_err(|e: usbwire_lab::WantError| LabBenchError::Inconsistent(e.to_string()))?;
+    let (reserve, reserving) = reserve(labs, &want, metrics, progress).await?;
+    phases.push(reserve);
+    check_exclusive(&reserving.held, &mut observer).await?;
+    let reserved = reserving.held.len();
+    phases.push(release(reserving.held, metrics, progress).await?);
+    drop(reserving.labs);
+    Ok(Report {
+        servers: scale.servers,
+        per_server: scale.devices_per_server,
+        clients: scale.clients,
+        prefix: endpoint.url.prefix.clone(),
+        want: want.to_string(),
+        matching,
+        reserved,
+        reserved_ms: reserving.reserved_ms,
+        reserve_seconds: reserving.seconds,
+        none_free: reserving.none_free,
+        failed: reserving.failed,
+        errors: reserving.errors,
+        phases,
+    })
+}
+
+/// Registration: from spawning every publisher at once until a watch has
+/// seen each server and each of its devices (event-driven, so the bench adds
+/// no polling load to what it measures). Also how many devices carry the label.
+async fn register(
+    observer: &mut Lab,
+    endpoint: &Endpoint,
+    metrics: &Metrics,
+    fleet: &mut SimulatedFleet,
+    scale: Scale,
+    progress: &dyn Progress,
+) -> Result<(Phase, usize), LabBenchError> {
+    let Scale { servers, devices_per_server: per_server, .. } = scale;
+    let devices = servers * per_server;
+    let (registrations, matching) = fleet.build(endpoint, servers, per_server);
+    let start_revision = observer.fleet().await?.revision;
+    let mut watch = observer.watch(start_revision).await?;
+    let before = metrics.begin().await;
+    let started = Instant::now();
+    fleet.start(registrations);
+    progress.begin(devices, "devices registered");
+    let mut registered: HashSet<String> = HashSet::new();
+    let mut seen: HashSet<(String, String)> = HashSet::new();
+    let mut per_server_seen: HashMap<String, usize> = HashMap::new();
+    let mut server_done_ms = Vec::with_capacity(servers);
+    while seen.len() < devices || registered.len() < servers {
+        let next = tokio::time::timeout(REGISTRATION_TIMEOUT.saturating_sub(started.elapsed()), watch.next()).await;
+        let Ok(batch) = next else {
+            return Err(LabBenchError::Unavailable(format!(
+                "only {} of {devices} devices and {} of {servers} servers registered within {REGISTRATION_TIMEOUT:?}",
+                seen.len(),
+                registered.len()
+            )));
+        };
+        let Some(batch) = batch? else {
+            return Err(LabBenchError::Unavailable("the lab registry ended the watch during registration".to_owned()));
+        };
+        for change in batch.into_iter().filter(|change| change.entry.is_some()) {
+            match change.what {
+                "server" => {
+                    registered.insert(change.server);
+                }
+                "device" => {
+                    let Some(busid) = change.busid else { continue };
+                    // A server that registers again puts its devices again: count each once.
+                    if !seen.insert((change.server.clone(), busid)) {
+                        continue;
+                    }
+                    progress.advance();
+                    let count = per_server_seen.entry(change.server).or_default();
+                    *count += 1;
+                    if *count == per_server {
+                        server_done_ms.push(millis(started));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    progress.finish();
+    // A publisher sets up its reservation watch after its devices are listed:
+    // count that too (not in the time), one watch each.
+    metrics.settle(before.etcd.as_ref(), "Watch", servers).await;
+    let phase = Phase {
+        name: "registration",
+        unit: "device",
+        ops: devices,
+        seconds,
+        latencies_ms: server_done_ms,
+        cost: metrics.end(before).await,
+    };
+    drop(watch);
+    let listed = observer.fleet().await?;
+    if listed.devices.len() != devices || listed.servers.len() != servers {
+        return Err(LabBenchError::Inconsistent(format!(
+            "the fleet lists {} servers and {} devices, registered were {servers} and {devices}",
+            listed.servers.len(),
+            listed.devices.len()
+        )));
+    }
+    Ok((phase, matching))
+}
+
+/// List latency: one client, one call after another.
+async fn list(observer: &mut Lab, metrics: &Metrics) -> Result<Phase, LabBenchError> {
+    let before = metrics.begin().await;
+    let started = Instant::now();
+    let mut list_ms = Vec::with_capacity(LIST_CALLS);
+    for _ in 0..LIST_CALLS {
+        let call = Instant::now();
+        let listed = observer.fleet().await?;
+        list_ms.push(millis(call));
+        std::hint::black_box(listed);
+    }
+    Ok(Phase {
+        name: "list",
+        unit: "list",
+        ops: LIST_CALLS,
+        seconds: started.elapsed().as_secs_f64(),
+        latencies_ms: list_ms,
+        cost: metrics.end(before).await,
+    })
+}
+
+/// K clients, each with its own connection, as K machines would have.
+async fn connect(
+    endpoint: &Endpoint,
+    metrics: &Metrics,
+    clients: usize,
+    progress: &dyn Progress,
+) -> Result<(Phase, Vec<Lab>), LabBenchError> {
+    let before = metrics.begin().await;
+    let started = Instant::now();
+    progress.begin(clients, "clients connected");
+    let mut connecting = JoinSet::new();
+    for _ in 0..clients {
+        let endpoint = endpoint.clone();
+        connecting.spawn(async move {
+            let call = Instant::now();
+            Lab::connect(endpoint).await.map(|lab| (lab, millis(call)))
+        });
+    }
+    let mut labs = Vec::with_capacity(clients);
+    let mut connect_ms = Vec::with_capacity(clients);
+    while let Some(joined) = connecting.join_next().await {
+        let (lab, ms) = joined??;
+        labs.push(lab);
+        connect_ms.push(ms);
+        progress.advance();
+    }
+    progress.finish();
+    let phase = Phase {
+        name: "connect",
+        unit: "client",
+        ops: clients,
+        seconds: started.elapsed().as_secs_f64(),
+        latencies_ms: connect_ms,
+        cost: metrics.end(before).await,
+    };
+    Ok((phase, labs))
+}
+
+/// What the reserve phase leaves: the reservations held, the clients, and
+/// how the attempts went.
+struct Reserving {
+    held: Vec<Reservation>,
+    labs: Vec<Lab>,
+    /// Milliseconds each successful `reserve` took.
+    reserved_ms: Vec<f64>,
+    seconds: f64,
+    none_free: usize,
+    /// Other failures of `reserve`, and how many failed with each error.
+    failed: usize,
+    errors: BTreeMap<String, usize>,
+}
+
+/// Every client reserves one matching device at once.
+async fn reserve(
+    labs: Vec<Lab>,
+    want: &Want,
+    metrics: &Metrics,
+    progress: &dyn Progress,
+) -> Result<(Phase, Reserving), LabBenchError> {
+    let clients = labs.len();
+    let before = metrics.begin().await;
+    let started = Instant::now();
+    progress.begin(clients, "reservations tried");
+    let mut reserving = JoinSet::new();
+    for mut lab in labs {
+        let want = want.clone();
+        reserving.spawn(async move {
+            let call = Instant::now();
+            let result = lab.reserve(&want, Hold::For(HOLD), "usbwire bench").await;
+            (lab, result, millis(call))
+        });
+    }
+    let mut outcome = Reserving {
+        held: Vec::new(),
+        labs: Vec::with_capacity(clients),
+        reserved_ms: Vec::new(),
+        seconds: 0.0,
+        none_free: 0,
+        failed: 0,
+        errors: BTreeMap::new(),
+    };
+    let mut attempt_ms = Vec::with_capacity(clients);
+    while let Some(joined) = reserving.join_next().await {
+        let (lab, result, ms) = joined?;
+        outcome.labs.push(lab);
+        progress.advance();
+        attempt_ms.push(ms);
+        match result {
+            Ok(reservation) => {
+                outcome.reserved_ms.push(ms);
+                outcome.held.push(reservation);
+            }
+            Err(LabError::NoneFree { .. }) => outcome.none_free += 1,
+            Err(error) => {
+                outcome.failed += 1;
+                *outcome.errors.entry(error.to_string()).or_insert(0) += 1;
+            }
+        }
+    }
+    outcome.seconds = started.elapsed().as_secs_f64();
+    progress.finish();
+    // Per attempt: a client that finds none free has paid its read, lease and transactions too.
+    let phase = Phase {
+        name: "reserve",
+        unit: "attempt",
+        ops: clients,
+        seconds: outcome.seconds,
+        latencies_ms: attempt_ms,
+        cost: metrics.end(before).await,
+    };
+    Ok((phase, outcome))
+}
+
+/// Exclusivity, twice: no device in two successes, and etcd holds as many reservations.
+async fn check_exclusive(held: &[Reservation], observer: &mut Lab) -> Result<(), LabBenchError> {
+    let distinct: HashSet<(&str, &str)> =
+        held.iter().map(|r| (r.device.server.as_str(), r.device.busid.as_str())).collect();
+    if distinct.len() != held.len() {
+        return Err(LabBenchError::Inconsistent(format!(
+            "{} reservations succeeded for only {} distinct devices: a device was reserved twice",
+            held.len(),
+            distinct.len()
+        )));
+    }
+    let shown = observer.fleet().await?.devices.iter().filter(|d| d.reservation.is_some()).count();
+    if shown != held.len() {
+        return Err(LabBenchError::Inconsistent(format!(
+            "{} reservations succeeded but the fleet shows {shown}",
+            held.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The holders let go, all at once.
+async fn release(held: Vec<Reservation>, metrics: &Metrics, progress: &dyn Progress) -> Result<Phase, LabBenchError> {
+    let reserved = held.len();
+    let before = metrics.begin().await;
+    let started = Instant::now();
+    progress.begin(reserved, "reservations released");
+    let mut releasing = JoinSet::new();
+    for reservation in held {
+        releasing.spawn(async move {
+            let call = Instant::now();
+            reservation.release().await.map(|()| millis(call))
+        });
+    }
+    let mut release_ms = Vec::with_capacity(reserved);
+    while let Some(joined) = releasing.join_next().await {
+        release_ms.push(joined??);
+        progress.advance();
+    }
+    progress.finish();
+    Ok(Phase {
+        name: "release",
+        unit: "reservation",
+        ops: reserved,
+        seconds: started.elapsed().as_secs_f64(),
+        latencies_ms: release_ms,
+        cost: metrics.end(before).await,
+    })
+}
+
+fn millis(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}

@@ -1,0 +1,271 @@
+//! What a lab bench run found, per phase: operations, time, latencies and
+//! what etcd and this process spent; as JSON and as the table `usbwire bench
+//! --registry` prints. No I/O.
+
+use std::collections::BTreeMap;
+
+use serde_json::json;
+use usbwire_lab::DEFAULT_TTL;
+
+use super::etcd_metrics::Counters;
+
+/// The etcd methods the table shows, in its order (others still go into `--json`).
+const METHODS: [&str; 8] =
+    ["Range", "Txn", "Put", "DeleteRange", "LeaseGrant", "LeaseRevoke", "LeaseKeepAlive", "Watch"];
+
+/// One phase: how many operations, how long, their latencies, and what etcd saw.
+pub(crate) struct Phase {
+    pub(crate) name: &'static str,
+    /// What one operation is (`device`, `list`, `reservation`, …).
+    pub(crate) unit: &'static str,
+    pub(crate) ops: usize,
+    pub(crate) seconds: f64,
+    /// Milliseconds, one per operation (per server for the registration).
+    pub(crate) latencies_ms: Vec<f64>,
+    pub(crate) cost: Cost,
+}
+
+/// What a phase cost, and how long it waited for etcd to be idle before it began.
+pub(crate) struct Cost {
+    /// etcd's counters over the phase; `None` when they could not be read.
+    pub(crate) etcd: Option<Counters>,
+    /// CPU seconds of this process (the simulated servers and clients).
+    pub(crate) bench_cpu: f64,
+    pub(crate) waited: f64,
+}
+
+impl Phase {
+    fn rate(&self) -> f64 {
+        self.ops as f64 / self.seconds.max(1e-9)
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let per_op = |x: f64| x / self.ops.max(1) as f64;
+        let etcd = self.cost.etcd.as_ref().map(|counters| {
+            let requests_per_op: BTreeMap<&String, f64> =
+                counters.requests.iter().map(|(method, n)| (method, per_op(*n))).collect();
+            json!({
+                "requests": counters.requests,
+                "requests_per_op": requests_per_op,
+                "bytes_sent": counters.sent,
+                "bytes_received": counters.received,
+                "bytes_sent_per_op": per_op(counters.sent),
+                "handling_ms_per_request": counters.handling_ms(),
+                "cpu_seconds": counters.cpu,
+                "cpu_ms_per_op": per_op(counters.cpu * 1e3),
+            })
+        });
+        json!({
+            "unit": self.unit,
+            "ops": self.ops,
+            "seconds": self.seconds,
+            "ops_per_second": self.rate(),
+            "latency_ms": latency_json(&self.latencies_ms),
+            "etcd": etcd,
+            "bench_cpu_seconds": self.cost.bench_cpu,
+            "bench_cpu_ms_per_op": per_op(self.cost.bench_cpu * 1e3),
+            "waited_for_idle_etcd_seconds": self.cost.waited,
+        })
+    }
+}
+
+/// The outcome of a run: its scale, the reservations' result and each phase.
+pub struct Report {
+    pub(crate) servers: usize,
+    pub(crate) per_server: usize,
+    pub(crate) clients: usize,
+    /// The prefix the run registered under (deleted afterwards by the caller).
+    pub prefix: String,
+    pub(crate) want: String,
+    pub(crate) matching: usize,
+    pub(crate) reserved: usize,
+    /// Milliseconds each successful `reserve` took.
+    pub(crate) reserved_ms: Vec<f64>,
+    pub(crate) reserve_seconds: f64,
+    pub(crate) none_free: usize,
+    /// Other failures of `reserve`.
+    pub(crate) failed: usize,
+    /// How many failed with each error.
+    pub(crate) errors: BTreeMap<String, usize>,
+    pub(crate) phases: Vec<Phase>,
+}
+
+impl Report {
+    /// The document `--json` prints (the CLI adds the registry and the keys deleted).
+    pub fn json(&self) -> serde_json::Value {
+        let phases: serde_json::Map<String, serde_json::Value> =
+            self.phases.iter().map(|phase| (phase.name.to_owned(), phase.json())).collect();
+        json!({
+            "prefix": self.prefix,
+            "servers": self.servers,
+            "devices_per_server": self.per_server,
+            "devices": self.servers * self.per_server,
+            "clients": self.clients,
+            "want": self.want,
+            "matching": self.matching,
+            "reserved": self.reserved,
+            "reservations_per_second": self.reserved as f64 / self.reserve_seconds.max(1e-9),
+            "reserved_latency_ms": latency_json(&self.reserved_ms),
+            "none_free": self.none_free,
+            "failed": self.failed,
+            "errors": self.errors,
+            "phases": phases,
+        })
+    }
+
+    /// The table printed without `--json`; `registry` is the URL as given.
+    pub fn table(&self, registry: &str) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        let devices = self.servers * self.per_server;
+        let _ = writeln!(
+            out,
+            "lab registry {registry} (this run under {}/): {} servers x {} devices = {devices}, {} clients reserving {} ({} match)",
+            self.prefix, self.servers, self.per_server, self.clients, self.want, self.matching
+        );
+        let mut reserved_ms = self.reserved_ms.clone();
+        reserved_ms.sort_by(f64::total_cmp);
+        let ms = |q: f64| percentile(&reserved_ms, q).map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
+        let _ = writeln!(
+            out,
+            "reserved {} in {:.2} s = {:.1}/s (p50 {} ms, p99 {} ms, max {} ms), none free {}, failed {}",
+            self.reserved,
+            self.reserve_seconds,
+            self.reserved as f64 / self.reserve_seconds.max(1e-9),
+            ms(0.50),
+            ms(0.99),
+            ms(1.0),
+            self.none_free,
+            self.failed,
+        );
+        for (error, count) in &self.errors {
+            let _ = writeln!(out, "  {count} x {error}");
+        }
+        let _ = writeln!(
+            out,
+            "\n{:<13} {:>7} {:<12} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}",
+            "phase", "ops", "unit", "time s", "ops/s", "p50 ms", "p95 ms", "p99 ms", "max ms"
+        );
+        for phase in &self.phases {
+            let mut latencies = phase.latencies_ms.clone();
+            latencies.sort_by(f64::total_cmp);
+            let ms = |q: f64| percentile(&latencies, q).map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
+            let _ = writeln!(
+                out,
+                "{:<13} {:>7} {:<12} {:>8.2} {:>9.1} {:>8} {:>8} {:>8} {:>8}",
+                phase.name,
+                phase.ops,
+                phase.unit,
+                phase.seconds,
+                phase.rate(),
+                ms(0.50),
+                ms(0.95),
+                ms(0.99),
+                ms(1.0)
+            );
+        }
+        for phase in self.phases.iter().filter(|phase| phase.cost.waited >= 0.5) {
+            let _ = writeln!(
+                out,
+                "(before {}: {:.1} s waiting for etcd to finish requests already abandoned by their clients)",
+                phase.name, phase.cost.waited
+            );
+        }
+        if self.phases.iter().all(|phase| phase.cost.etcd.is_none()) {
+            let _ = writeln!(out, "\netcd request counts not read (its /metrics was not reachable over plain HTTP)");
+            return out;
+        }
+        let _ = writeln!(out, "\netcd requests per operation (gRPC messages received, all members)");
+        let _ = write!(out, "{:<13}", "phase");
+        for method in METHODS {
+            let _ = write!(out, " {:>8}", short(method));
+        }
+        let _ = writeln!(out, " {:>9} {:>9} {:>9}", "KiB out", "etcd CPU", "bench CPU");
+        for phase in &self.phases {
+            let Some(counters) = &phase.cost.etcd else { continue };
+            let per_op = |n: f64| n / phase.ops.max(1) as f64;
+            let _ = write!(out, "{:<13}", phase.name);
+            for method in METHODS {
+                let n = counters.requests.get(method).copied().unwrap_or(0.0);
+                let _ = write!(out, " {:>8}", if n == 0.0 { "-".to_owned() } else { format!("{:.3}", per_op(n)) });
+            }
+            let _ = writeln!(
+                out,
+                " {:>9.1} {:>9.3} {:>9.3}",
+                per_op(counters.sent) / 1024.0,
+                per_op(counters.cpu * 1e3),
+                per_op(phase.cost.bench_cpu * 1e3)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "(KeepAl: lease renewals, about one per server every {:.1} s in the background; KiB out: etcd's gRPC bytes sent; CPU: ms of CPU time)",
+            DEFAULT_TTL.as_secs_f64() / 3.0
+        );
+        let timed = ["Range", "Txn", "Put", "LeaseGrant", "LeaseRevoke"];
+        if self.phases.iter().any(|phase| phase.cost.etcd.as_ref().is_some_and(|c| !c.handling.is_empty())) {
+            let _ = write!(out, "\netcd's time per request, mean ms (server side)\n{:<13}", "phase");
+            for method in timed {
+                let _ = write!(out, " {:>8}", short(method));
+            }
+            let _ = writeln!(out);
+            for phase in &self.phases {
+                let Some(counters) = &phase.cost.etcd else { continue };
+                let handling = counters.handling_ms();
+                let _ = write!(out, "{:<13}", phase.name);
+                for method in timed {
+                    let ms = handling.get(method).map_or_else(|| "-".to_owned(), |ms| format!("{ms:.2}"));
+                    let _ = write!(out, " {ms:>8}");
+                }
+                let _ = writeln!(out);
+            }
+        }
+        out
+    }
+}
+
+fn short(method: &str) -> &str {
+    match method {
+        "DeleteRange" => "DelRange",
+        "LeaseGrant" => "Grant",
+        "LeaseRevoke" => "Revoke",
+        "LeaseKeepAlive" => "KeepAl",
+        other => other,
+    }
+}
+
+fn latency_json(ms: &[f64]) -> serde_json::Value {
+    let mut sorted = ms.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    json!({
+        "n": sorted.len(),
+        "p50": percentile(&sorted, 0.50),
+        "p95": percentile(&sorted, 0.95),
+        "p99": percentile(&sorted, 0.99),
+        "max": sorted.last(),
+    })
+}
+
+/// Nearest rank, of sorted values.
+fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    Some(sorted[rank - 1])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_by_nearest_rank() {
+        let values: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&values, 0.50), Some(50.0));
+        assert_eq!(percentile(&values, 0.99), Some(99.0));
+        assert_eq!(percentile(&values, 1.0), Some(100.0));
+        assert_eq!(percentile(&[7.0], 0.95), Some(7.0));
+        assert_eq!(percentile(&[], 0.5), None);
+    }
+}
