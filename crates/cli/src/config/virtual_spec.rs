@@ -1,0 +1,183 @@
+//! The virtual devices a server serves: `--virtual` specs (`disk:PATH`,
+//! `keyboard`, …) and `[[virtual]]` tables, parsed into [`VirtualSpec`].
+
+use std::path::PathBuf;
+
+use anyhow::bail;
+use serde::Deserialize;
+
+use super::units::{parse_size, size_field};
+
+/// Speeds a virtual device can be offered at.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum SpeedChoice {
+    #[default]
+    High,
+    Super,
+}
+
+impl SpeedChoice {
+    fn parse(text: &str) -> anyhow::Result<Self> {
+        match text {
+            "high" => Ok(Self::High),
+            "super" => Ok(Self::Super),
+            other => bail!("unknown speed {other:?} (use speed=high or speed=super)"),
+        }
+    }
+
+    pub(crate) fn speed(self) -> usbwire_device::Speed {
+        match self {
+            Self::High => usbwire_device::Speed::HIGH,
+            Self::Super => usbwire_device::Speed::SUPER,
+        }
+    }
+}
+
+/// One virtual device to export.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub(crate) enum VirtualSpec {
+    Keyboard,
+    Mouse,
+    Disk {
+        path: PathBuf,
+        #[serde(default, deserialize_with = "size_field")]
+        size: Option<u64>,
+        #[serde(default)]
+        read_only: bool,
+        #[serde(default)]
+        speed: SpeedChoice,
+    },
+    Serial {
+        #[serde(default)]
+        link: Option<PathBuf>,
+    },
+    Loopback {
+        #[serde(default)]
+        speed: SpeedChoice,
+    },
+}
+
+impl VirtualSpec {
+    /// Parses `keyboard`, `mouse`, `disk=PATH[,size=64M][,ro][,speed=super]`,
+    /// `serial[=LINK]`, `loopback[,speed=super]`.
+    pub(crate) fn parse(spec: &str) -> anyhow::Result<Self> {
+        let mut parts = spec.split(',');
+        let head = parts.next().unwrap_or_default();
+        let (kind, value) = match head.split_once('=') {
+            Some((kind, value)) => (kind, Some(value)),
+            None => (head, None),
+        };
+        let options: Vec<&str> = parts.collect();
+        let mut size = None;
+        let mut read_only = false;
+        let mut speed = SpeedChoice::High;
+        for option in &options {
+            match option.split_once('=') {
+                Some(("size", text)) => size = Some(parse_size(text)?),
+                Some(("speed", text)) => speed = SpeedChoice::parse(text)?,
+                None if *option == "ro" => read_only = true,
+                _ => bail!("unknown option {option:?} in --virtual {spec:?}"),
+            }
+        }
+        let allow_only = |allowed: &[&str]| -> anyhow::Result<()> {
+            for option in &options {
+                let name = option.split_once('=').map_or(*option, |(n, _)| n);
+                if !allowed.contains(&name) {
+                    bail!("option {name:?} does not apply to {kind} in --virtual {spec:?}");
+                }
+            }
+            Ok(())
+        };
+        match (kind, value) {
+            ("keyboard", None) => allow_only(&[]).map(|()| Self::Keyboard),
+            ("mouse", None) => allow_only(&[]).map(|()| Self::Mouse),
+            ("disk", Some(path)) if !path.is_empty() => {
+                allow_only(&["size", "ro", "speed"])?;
+                Ok(Self::Disk { path: PathBuf::from(path), size, read_only, speed })
+            }
+            ("disk", _) => bail!("disk needs an image path: --virtual disk=PATH[,size=64M][,ro][,speed=super]"),
+            ("serial", link) => {
+                allow_only(&[])?;
+                Ok(Self::Serial { link: link.filter(|l| !l.is_empty()).map(PathBuf::from) })
+            }
+            ("loopback", None) => allow_only(&["speed"]).map(|()| Self::Loopback { speed }),
+            _ => bail!("unknown virtual device {spec:?} (keyboard, mouse, disk=PATH, serial[=LINK], loopback)"),
+        }
+    }
+
+    /// The short label used in logs and `usbwire state`.
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Self::Keyboard => "keyboard",
+            Self::Mouse => "mouse",
+            Self::Disk { .. } => "disk",
+            Self::Serial { .. } => "serial",
+            Self::Loopback { .. } => "loopback",
+        }
+    }
+}
+
+/// `[[virtual]]`: a virtual device, and the labels the lab registry shows for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct VirtualEntry {
+    pub(crate) spec: VirtualSpec,
+    pub(crate) labels: Vec<String>,
+}
+
+impl<'de> Deserialize<'de> for VirtualEntry {
+    /// The device's own fields ([`VirtualSpec`], unknown ones refused) and `labels`.
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let mut table = toml::Table::deserialize(deserializer)?;
+        let labels = match table.remove("labels") {
+            Some(value) => Vec::<String>::deserialize(value).map_err(D::Error::custom)?,
+            None => Vec::new(),
+        };
+        let spec = VirtualSpec::deserialize(toml::Value::Table(table)).map_err(D::Error::custom)?;
+        Ok(Self { spec, labels })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse() {
+        assert_eq!(VirtualSpec::parse("keyboard").unwrap(), VirtualSpec::Keyboard);
+        assert_eq!(
+            VirtualSpec::parse("disk=/tmp/d.img,size=64M,ro,speed=super").unwrap(),
+            VirtualSpec::Disk {
+                path: "/tmp/d.img".into(),
+                size: Some(64 << 20),
+                read_only: true,
+                speed: SpeedChoice::Super
+            }
+        );
+        assert_eq!(VirtualSpec::parse("serial").unwrap(), VirtualSpec::Serial { link: None });
+        assert_eq!(
+            VirtualSpec::parse("serial=/tmp/tty").unwrap(),
+            VirtualSpec::Serial { link: Some("/tmp/tty".into()) }
+        );
+        assert_eq!(
+            VirtualSpec::parse("loopback,speed=super").unwrap(),
+            VirtualSpec::Loopback { speed: SpeedChoice::Super }
+        );
+    }
+
+    #[test]
+    fn bad_specs_say_what_is_wrong() {
+        for (spec, needle) in [
+            ("disk", "needs an image path"),
+            ("disk=x,size=12Q", "invalid size unit"),
+            ("keyboard,ro", "does not apply"),
+            ("webcam", "unknown virtual device"),
+            ("disk=x,speed=warp", "unknown speed"),
+        ] {
+            let message = VirtualSpec::parse(spec).unwrap_err().to_string();
+            assert!(message.contains(needle), "{spec}: {message}");
+        }
+    }
+}
