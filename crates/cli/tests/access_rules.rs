@@ -3,19 +3,16 @@
 //! asked for by name, `server = "discover"` needs TLS and a pinned key, and a
 //! plain server on a non-loopback address says what it exposes.
 
-use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::thread::JoinHandle;
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use usbwire_testing::process::{start, Running, Started};
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("usbwire-access-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    usbwire_testing::process::scratch("access", name)
 }
 
 fn usbwire(args: &[&str]) -> Output {
@@ -28,24 +25,14 @@ fn stderr_of(out: &Output) -> String {
 
 /// A running `usbwire serve`, killed when dropped.
 struct Served {
-    child: Child,
+    running: Running,
     addr: String,
-    stderr: Option<JoinHandle<String>>,
 }
 
 impl Served {
     /// Stops the server and returns everything it wrote to stderr.
-    fn stop(mut self) -> String {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        self.stderr.take().map(|t| t.join().unwrap()).unwrap_or_default()
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    fn stop(self) -> String {
+        self.running.stop()
     }
 }
 
@@ -54,25 +41,12 @@ impl Drop for Served {
 fn serve(dir: &Path, args: &[&str]) -> Result<Served, (Option<i32>, String)> {
     let mut command = Command::new(BIN);
     command.arg("serve").args(args).arg("--control").arg(dir.join("control.sock"));
-    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let mut stderr = child.stderr.take().unwrap();
-    let stderr = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let serving = lines.by_ref().map_while(Result::ok).find(|l| l.starts_with("usbwire serving on "));
-    match serving {
-        Some(line) => {
-            std::thread::spawn(move || for _ in lines {});
-            let addr = line.trim_start_matches("usbwire serving on ").trim().to_owned();
-            Ok(Served { child, addr, stderr: Some(stderr) })
+    match start(command, "usbwire serving on ") {
+        Started::Ready(running) => {
+            let addr = running.line().trim_start_matches("usbwire serving on ").trim().to_owned();
+            Ok(Served { running, addr })
         }
-        None => {
-            let status = child.wait().unwrap();
-            Err((status.code(), stderr.join().unwrap()))
-        }
+        Started::Exited { code, stderr } => Err((code, stderr)),
     }
 }
 

@@ -15,10 +15,7 @@ use tokio::net::{TcpSocket, TcpStream};
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("usbwire-cli-admission-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    usbwire_testing::process::scratch("cli-admission", name)
 }
 
 /// A running `usbwire serve` with every stderr line kept.

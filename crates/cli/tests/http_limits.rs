@@ -19,10 +19,7 @@ use usbwire_proto::op::{self, BusId, OpRequest};
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("usbwire-cli-http-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    usbwire_testing::process::scratch("cli-http", name)
 }
 
 fn free_addr() -> SocketAddr {

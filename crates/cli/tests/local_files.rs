@@ -4,21 +4,19 @@
 //! demo's disk image. The tests that need a second user run the binary as
 //! uid 65534 (nobody) and need root; without root they say so and skip.
 
-use std::io::{BufRead, BufReader, Read};
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::thread::JoinHandle;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use usbwire_testing::process::{start, Started};
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 const NOBODY: u32 = 65534;
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("usbwire-local-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = usbwire_testing::process::scratch("local", name);
     chmod(&dir, 0o755);
     dir
 }
@@ -43,57 +41,6 @@ macro_rules! require_root {
             return;
         }
     };
-}
-
-/// A started `usbwire` process: either it printed its ready line (and runs
-/// until dropped), or it exited first.
-enum Started {
-    Ready(Running),
-    Exited { code: Option<i32>, stderr: String },
-}
-
-struct Running {
-    child: Child,
-    line: String,
-    stderr: Option<JoinHandle<String>>,
-}
-
-impl Running {
-    /// Stops the process and returns everything it wrote to stderr.
-    fn stop(mut self) -> String {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        self.stderr.take().map(|t| t.join().unwrap()).unwrap_or_default()
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Spawns `command` and reads its stdout until a line starting with `ready`.
-fn start(mut command: Command, ready: &str) -> Started {
-    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let mut stderr = child.stderr.take().unwrap();
-    let stderr = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    match lines.by_ref().map_while(Result::ok).find(|l| l.starts_with(ready)) {
-        Some(line) => {
-            std::thread::spawn(move || for _ in lines {});
-            Started::Ready(Running { child, line, stderr: Some(stderr) })
-        }
-        None => {
-            let status = child.wait().unwrap();
-            Started::Exited { code: status.code(), stderr: stderr.join().unwrap() }
-        }
-    }
 }
 
 /// `usbwire serve` as nobody, with the default control socket path, TMPDIR=`tmp`.
@@ -332,7 +279,7 @@ fn a_demo_directory_another_user_made_is_refused() {
     // Made fresh when absent: 0700 and ours, with the disk image in it.
     std::fs::remove_dir(&planted).unwrap();
     let Started::Ready(running) = demo(&planted, &control, Some(&tmp)) else { panic!("the demo must start") };
-    assert!(running.line.contains("127.0.0.1:"), "{}", running.line);
+    assert!(running.line().contains("127.0.0.1:"), "{}", running.line());
     let meta = std::fs::symlink_metadata(&planted).unwrap();
     assert_eq!((meta.uid(), meta.mode() & 0o7777), (0, 0o700));
     assert!(planted.join("disk.img").is_file());

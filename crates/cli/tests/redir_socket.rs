@@ -19,9 +19,7 @@ use usbwire_redir::{Caps, Codec, Packet};
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("usbwire-redir-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = usbwire_testing::process::scratch("redir", name);
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
     dir
 }

@@ -16,33 +16,14 @@ use tokio::net::UnixStream;
 use usbwire_bench::proxy::{Cut, Proxy};
 use usbwire_client::relay::{self, RelayError, Upstream};
 use usbwire_client::{Security, TransformSpec};
-use usbwire_device::Speed;
 use usbwire_proto::client_session::{ClientSession, Event};
 use usbwire_proto::op::BusId;
 use usbwire_proto::urb::{CmdSubmit, TransferFlags};
 use usbwire_proto::{Budget, Direction, Limits, Status};
-use usbwire_server::{Server, ServerConfig};
+use usbwire_testing::TestServer;
 
 const SET_CONFIGURATION_1: [u8; 8] = [0x00, 0x09, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00];
 const PAYLOAD: usize = 1024;
-
-async fn start_server(resume_grace: Duration) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
-    let config = ServerConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        control_path: None,
-        resume_grace,
-        ..ServerConfig::default()
-    };
-    let mut server = Server::new(config);
-    server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
-    let bound = server.bind().await.unwrap();
-    let addr = bound.local_addr();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(bound.run(async move {
-        let _ = stopped.await;
-    }));
-    (addr, stop)
-}
 
 fn submit(
     seqnum: u32,
@@ -150,7 +131,8 @@ async fn loop_data_survives_repeated_cuts_with_compression_and_the_jitter_buffer
 }
 
 async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
-    let (server, _stop) = start_server(Duration::from_secs(30)).await;
+    let test_server = TestServer::builder().resume_grace(Duration::from_secs(30)).loopback().start().await;
+    let server = test_server.addr();
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
     let busid = BusId::new("1-1").unwrap();
     let imported = usbwire_client::import_resumable(proxy.addr, &busid, &Security::Plain, &transforms).await.unwrap();
@@ -223,7 +205,8 @@ async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
 /// is 30 s), the relay resumes, and every round comes back in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_link_gone_silent_is_noticed_and_resumed_well_within_the_grace_period() {
-    let (server, _stop) = start_server(Duration::from_secs(30)).await;
+    let test_server = TestServer::builder().resume_grace(Duration::from_secs(30)).loopback().start().await;
+    let server = test_server.addr();
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
     let busid = BusId::new("1-1").unwrap();
     let imported = usbwire_client::import_resumable(proxy.addr, &busid, &Security::Plain, &[]).await.unwrap();
@@ -280,7 +263,8 @@ async fn a_link_gone_silent_is_noticed_and_resumed_well_within_the_grace_period(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_resume_a_cut_ends_the_relay_with_what_to_do() {
-    let (server, _stop) = start_server(Duration::ZERO).await;
+    let test_server = TestServer::builder().resume_grace(Duration::ZERO).loopback().start().await;
+    let server = test_server.addr();
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
     let busid = BusId::new("1-1").unwrap();
     let imported = usbwire_client::import_resumable(proxy.addr, &busid, &Security::Plain, &[]).await.unwrap();
@@ -303,7 +287,8 @@ async fn without_resume_a_cut_ends_the_relay_with_what_to_do() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_shuts_down_ends_the_session_and_the_relay_at_once() {
-    let (server, stop) = start_server(Duration::from_secs(30)).await;
+    let mut test_server = TestServer::builder().resume_grace(Duration::from_secs(30)).loopback().start().await;
+    let server = test_server.addr();
     let busid = BusId::new("1-1").unwrap();
     let imported = usbwire_client::import_resumable(server, &busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.resume.is_some());
@@ -318,7 +303,7 @@ async fn a_server_that_shuts_down_ends_the_session_and_the_relay_at_once() {
     };
     let relay = tokio::spawn(relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None));
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let _ = stop.send(());
+    test_server.stop();
     let ended = tokio::time::timeout(Duration::from_secs(3), relay).await.expect("relay ends at once").unwrap();
     match ended {
         Err(RelayError::SessionLost { reason, .. }) => assert!(reason.contains("ended the session"), "{reason}"),
@@ -329,7 +314,8 @@ async fn a_server_that_shuts_down_ends_the_session_and_the_relay_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_session_shows_as_resuming_then_is_released_after_the_grace_period() {
-    let (server, _stop) = start_server(Duration::from_secs(2)).await;
+    let test_server = TestServer::builder().resume_grace(Duration::from_secs(2)).loopback().start().await;
+    let server = test_server.addr();
     let busid = BusId::new("1-1").unwrap();
     let imported = usbwire_client::import_resumable(server, &busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.resume.is_some());
@@ -381,7 +367,8 @@ async fn import_from(source: std::net::IpAddr, server: SocketAddr, busid: &BusId
 async fn the_same_client_importing_afresh_takes_its_parked_device_back() {
     // A client whose relay died (killed, rebooted) attaches again: it must not
     // wait out the 30 s grace period its own old session is parked for.
-    let (server, _stop) = start_server(Duration::from_secs(30)).await;
+    let test_server = TestServer::builder().resume_grace(Duration::from_secs(30)).loopback().start().await;
+    let server = test_server.addr();
     let busid = BusId::new("1-1").unwrap();
     let imported = usbwire_client::import_resumable(server, &busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.resume.is_some());

@@ -6,7 +6,6 @@
 //! server, a cut fails what is pending with `Disconnected`, as before.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -16,6 +15,7 @@ use usbwire_client::{is_ok, Connection, Security, Transfer, TransferError};
 use usbwire_device::Speed;
 use usbwire_proto::op::BusId;
 use usbwire_server::{Server, ServerConfig};
+use usbwire_testing::TestServer;
 
 const SET_CONFIGURATION_1: [u8; 8] = [0x00, 0x09, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00];
 const LOOP_OUT: u8 = 0x03;
@@ -23,24 +23,6 @@ const LOOP_IN: u8 = 0x83;
 const PAYLOAD: usize = 4096;
 /// Rounds (an OUT and its IN) in flight at once.
 const IN_FLIGHT: u32 = 8;
-
-async fn start_server(resume_grace: Duration) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
-    let config = ServerConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        control_path: None,
-        resume_grace,
-        ..ServerConfig::default()
-    };
-    let mut server = Server::new(config);
-    server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
-    let bound = server.bind().await.unwrap();
-    let addr = bound.local_addr();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(bound.run(async move {
-        let _ = stopped.await;
-    }));
-    (addr, stop)
-}
 
 /// Round `n`'s payload: its number, then bytes that differ from every other round's.
 fn payload(round: u32) -> Bytes {
@@ -67,7 +49,8 @@ impl Rng {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn loop_stream_survives_100_random_cuts_without_a_transfer_error() {
-    let (server, _stop) = start_server(Duration::from_secs(30)).await;
+    let test_server = TestServer::builder().resume_grace(Duration::from_secs(30)).loopback().start().await;
+    let server = test_server.addr();
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
     let busid = BusId::new("1-1").unwrap();
     let (connection, _) = Connection::import_resumable(proxy.addr, &busid, &Security::Plain, &[]).await.unwrap();
@@ -141,7 +124,8 @@ async fn loop_stream_survives_100_random_cuts_without_a_transfer_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_resume_a_cut_fails_pending_transfers_as_disconnected() {
-    let (server, _stop) = start_server(Duration::ZERO).await;
+    let test_server = TestServer::builder().resume_grace(Duration::ZERO).loopback().start().await;
+    let server = test_server.addr();
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
     let busid = BusId::new("1-1").unwrap();
     let (connection, _) = Connection::import_resumable(proxy.addr, &busid, &Security::Plain, &[]).await.unwrap();
@@ -161,7 +145,8 @@ async fn without_resume_a_cut_fails_pending_transfers_as_disconnected() {
 async fn a_lost_session_fails_pending_transfers_as_disconnected() {
     // The server restarts on the same port: the new one does not know the
     // session, refuses to resume it, and the relay gives up.
-    let (server, stop) = start_server(Duration::from_secs(30)).await;
+    let mut test_server = TestServer::builder().resume_grace(Duration::from_secs(30)).loopback().start().await;
+    let server = test_server.addr();
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
     let busid = BusId::new("1-1").unwrap();
     let (connection, _) = Connection::import_resumable(proxy.addr, &busid, &Security::Plain, &[]).await.unwrap();
@@ -169,7 +154,7 @@ async fn a_lost_session_fails_pending_transfers_as_disconnected() {
     connection.transfer_checked(Transfer::control_out(SET_CONFIGURATION_1, Bytes::new())).await.unwrap();
     let (_, pending) = connection.submit(Transfer::bulk_in(LOOP_IN, PAYLOAD as u32)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let _ = stop.send(());
+    test_server.stop();
     let mut restarted = None;
     let started = Instant::now();
     while restarted.is_none() && started.elapsed() < Duration::from_secs(5) {

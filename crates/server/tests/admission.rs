@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpSocket;
 use usbwire_client::{Security, TlsClient};
-use usbwire_device::Speed;
 use usbwire_proto::op::BusId;
-use usbwire_server::{PlainPolicy, Security as ServerSecurity, Server, ServerConfig};
+use usbwire_server::{PlainPolicy, Security as ServerSecurity};
+use usbwire_testing::TestServer;
 use usbwire_transport::access::{AccessRules, Admission, Rule};
 use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::{Identity, PeerStream};
@@ -38,18 +38,7 @@ fn busid(text: &str) -> BusId {
 }
 
 async fn serve(security: ServerSecurity) -> SocketAddr {
-    let config = ServerConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        control_path: None,
-        security,
-        ..ServerConfig::default()
-    };
-    let mut server = Server::new(config);
-    server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
-    let bound = server.bind().await.unwrap();
-    let addr = bound.local_addr();
-    tokio::spawn(bound.run(std::future::pending()));
-    addr
+    TestServer::builder().security(security).loopback().start().await.keep_running()
 }
 
 /// A TLS-only server whose rules let `client` use everything, and that client's security.

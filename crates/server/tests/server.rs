@@ -12,7 +12,7 @@ use usbwire_device::Speed;
 use usbwire_proto::op::{BusId, OpStatus};
 use usbwire_proto::urb::{CmdSubmit, CmdUnlink, TransferFlags};
 use usbwire_proto::{Direction, Status};
-use usbwire_server::{Server, ServerConfig};
+use usbwire_testing::TestServer;
 use usbwire_transport::PeerStream;
 
 const GET_DEVICE_DESCRIPTOR: [u8; 8] = [0x80, 0x06, 0x00, 0x01, 0x00, 0x00, 0x12, 0x00];
@@ -20,15 +20,8 @@ const SET_CONFIGURATION_1: [u8; 8] = [0x00, 0x09, 0x01, 0x00, 0x00, 0x00, 0x00, 
 
 /// Starts a server with a loopback device (1-1) and a keyboard (1-2) on an ephemeral port.
 async fn start() -> SocketAddr {
-    let config = ServerConfig { listen: "127.0.0.1:0".parse().unwrap(), control_path: None, ..ServerConfig::default() };
-    let mut server = Server::new(config);
-    server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
     let (keyboard, _handle) = usbwire_gadgets::keyboard();
-    server.export("keyboard", Box::new(keyboard));
-    let bound = server.bind().await.unwrap();
-    let addr = bound.local_addr();
-    tokio::spawn(bound.run(std::future::pending()));
-    addr
+    TestServer::builder().loopback().device("keyboard", Box::new(keyboard)).start().await.keep_running()
 }
 
 fn busid(text: &str) -> BusId {
@@ -136,14 +129,7 @@ async fn device_state_says_who_holds_what_since_when() {
 #[tokio::test]
 async fn device_state_from_a_server_without_the_extension_is_none() {
     // A peer that hangs up on an unknown op code, as usbipd does.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            let mut header = [0u8; 8];
-            let _ = stream.read_exact(&mut header).await;
-        }
-    });
+    let addr = usbwire_testing::stock_peer().await;
     assert_eq!(usbwire_client::device_states(addr, &Security::Plain).await.unwrap(), None);
 }
 
@@ -241,15 +227,8 @@ async fn transfer_queue_delivers_every_completion_once_in_order() {
 
 #[tokio::test]
 async fn transfer_queue_reports_a_lost_connection() {
-    let config = ServerConfig { listen: "127.0.0.1:0".parse().unwrap(), control_path: None, ..ServerConfig::default() };
-    let mut server = Server::new(config);
-    server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
-    let bound = server.bind().await.unwrap();
-    let addr = bound.local_addr();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(bound.run(async move {
-        let _ = stopped.await;
-    }));
+    let mut server = usbwire_testing::TestServer::loopback().await;
+    let addr = server.addr();
     let conn = configured(addr, "1-1").await;
     let mut queue = conn.queue();
     // Loop IN URBs pend until data arrives, which it never will.
@@ -260,7 +239,7 @@ async fn transfer_queue_reports_a_lost_connection() {
         (first, queue.next_complete().await, queue.submit(Transfer::bulk_in(0x81, 8)))
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let _ = stop.send(());
+    server.stop();
     let (first, after, submit) = tokio::time::timeout(Duration::from_secs(5), waiting).await.unwrap().unwrap();
     assert_eq!(first.map(|r| r.map(|ret| ret.seqnum)), Some(Err(usbwire_client::TransferError::Disconnected)));
     assert!(after.is_none(), "every pending URB was reported lost at once");
@@ -376,13 +355,9 @@ async fn disk_sectors_over_the_network_match_the_image() {
     let pattern: Vec<u8> = (0..8192u32).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
     std::fs::write(&image, [&pattern[..], &vec![0u8; (1 << 20) - 8192][..]].concat()).unwrap();
 
-    let config = ServerConfig { listen: "127.0.0.1:0".parse().unwrap(), control_path: None, ..ServerConfig::default() };
-    let mut server = Server::new(config);
-    let busid = server.export("disk", Box::new(disk));
-    assert_eq!(busid.as_str(), "2-1");
-    let bound = server.bind().await.unwrap();
-    let addr = bound.local_addr();
-    tokio::spawn(bound.run(std::future::pending()));
+    let server = TestServer::builder().device("disk", Box::new(disk)).start().await;
+    assert_eq!(server.busids()[0].as_str(), "2-1");
+    let addr = server.keep_running();
     let conn = configured(addr, "2-1").await;
 
     let cbw = |tag: u32, len: u32, data_in: bool, cdb: &[u8]| {
@@ -417,15 +392,13 @@ async fn disk_sectors_over_the_network_match_the_image() {
 #[tokio::test]
 async fn serial_and_mouse_over_the_network() {
     use std::io::{Read, Write};
-    let config = ServerConfig { listen: "127.0.0.1:0".parse().unwrap(), control_path: None, ..ServerConfig::default() };
-    let mut server = Server::new(config);
     let (serial, pty) = usbwire_gadgets::serial(None).unwrap();
     let (mouse, mouse_handle) = usbwire_gadgets::mouse();
-    assert_eq!(server.export("serial", Box::new(serial)).as_str(), "1-1");
-    assert_eq!(server.export("mouse", Box::new(mouse)).as_str(), "1-2");
-    let bound = server.bind().await.unwrap();
-    let addr = bound.local_addr();
-    tokio::spawn(bound.run(std::future::pending()));
+    let server =
+        TestServer::builder().device("serial", Box::new(serial)).device("mouse", Box::new(mouse)).start().await;
+    let busids: Vec<&str> = server.busids().iter().map(|b| b.as_str()).collect();
+    assert_eq!(busids, ["1-1", "1-2"]);
+    let addr = server.keep_running();
 
     // CDC-ACM: SET_LINE_CODING, then bytes both ways between bulk endpoints and the pty.
     let conn = configured(addr, "1-1").await;

@@ -9,10 +9,10 @@ use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use usbwire_client::{ClientError, Connection, Security, TlsClient, Transfer, TransferError, TransformSpec};
-use usbwire_device::Speed;
 use usbwire_proto::op::{BusId, OpStatus};
 use usbwire_proto::Status;
-use usbwire_server::{PlainPolicy, Security as ServerSecurity, Server, ServerConfig};
+use usbwire_server::{PlainPolicy, Security as ServerSecurity};
+use usbwire_testing::TestServer;
 use usbwire_transport::access::{AccessRules, Admission, Rule};
 use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::Identity;
@@ -52,19 +52,7 @@ async fn start_with_rules(plain: PlainPolicy, ca: Option<usbwire_transport::ca::
     };
     rules.rules.extend_from_slice(extra);
     let security = ServerSecurity::tls(&server, plain, Admission { rules, ca }).unwrap();
-    let config = ServerConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        control_path: None,
-        security,
-        ..ServerConfig::default()
-    };
-    let mut s = Server::new(config);
-    s.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
-    s.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
-    s.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
-    let bound = s.bind().await.unwrap();
-    let addr = bound.local_addr();
-    tokio::spawn(bound.run(std::future::pending()));
+    let addr = TestServer::builder().security(security).loopback().loopback().loopback().start().await.keep_running();
     Setup { addr, server, alice }
 }
 
@@ -339,14 +327,7 @@ async fn negotiated_transforms_carry_urbs_over_tls_and_plain() {
 #[tokio::test]
 async fn asking_a_stock_server_for_transforms_is_a_clear_error() {
     // A peer that hangs up on an unknown op code, as usbipd does.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            let mut header = [0u8; 8];
-            let _ = tokio::io::AsyncReadExt::read_exact(&mut stream, &mut header).await;
-        }
-    });
+    let addr = usbwire_testing::stock_peer().await;
     let result =
         usbwire_client::import_with(addr, &BusId::new("1-1").unwrap(), &Security::Plain, &[TransformSpec::Lz4]).await;
     match result {

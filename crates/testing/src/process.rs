@@ -1,0 +1,104 @@
+//! For tests of the real `usbwire` binary: a scratch directory per test, a
+//! free loopback port, and a started process that is killed when dropped
+//! (with everything it wrote to stderr kept for the test to read).
+
+use std::io::{BufRead as _, BufReader, Read as _};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::thread::JoinHandle;
+
+/// An empty directory `usbwire-{suite}-{pid}-{name}` under the temporary
+/// directory (emptied first if an earlier run left one).
+pub fn scratch(suite: &str, name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("usbwire-{suite}-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap_or_else(|error| panic!("scratch directory {}: {error}", dir.display()));
+    dir
+}
+
+/// A loopback address whose port was free a moment ago, for a process that
+/// must be told where to listen.
+pub fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .unwrap_or_else(|error| panic!("no free loopback port: {error}"))
+}
+
+/// A started process: either it printed its ready line (and runs until
+/// stopped or dropped), or it exited first.
+pub enum Started {
+    Ready(Running),
+    Exited { code: Option<i32>, stderr: String },
+}
+
+impl Started {
+    /// The running process; panics with its stderr if it exited instead.
+    pub fn ready(self) -> Running {
+        match self {
+            Self::Ready(running) => running,
+            Self::Exited { code, stderr } => panic!("exited ({code:?}) before it was ready: {stderr}"),
+        }
+    }
+}
+
+/// A process that printed its ready line; killed when dropped.
+pub struct Running {
+    child: Child,
+    line: String,
+    stderr: Option<JoinHandle<String>>,
+}
+
+impl Running {
+    /// The line it printed when ready.
+    pub fn line(&self) -> &str {
+        &self.line
+    }
+
+    pub fn child(&mut self) -> &mut Child {
+        &mut self.child
+    }
+
+    /// Stops the process and returns everything it wrote to stderr.
+    pub fn stop(mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.stderr.take().and_then(|reader| reader.join().ok()).unwrap_or_default()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Spawns `command` and reads its stdout until a line starting with `ready`;
+/// the rest of its stdout is read and dropped, its stderr kept.
+pub fn start(mut command: Command, ready: &str) -> Started {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|error| panic!("{command:?} did not start: {error}"));
+    let (Some(stdout), Some(mut stderr)) = (child.stdout.take(), child.stderr.take()) else {
+        panic!("{command:?} has no stdout or stderr pipe");
+    };
+    let stderr = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let mut lines = BufReader::new(stdout).lines();
+    match lines.by_ref().map_while(Result::ok).find(|l| l.starts_with(ready)) {
+        Some(line) => {
+            std::thread::spawn(move || for _ in lines {});
+            Started::Ready(Running { child, line, stderr: Some(stderr) })
+        }
+        None => {
+            let code = child.wait().ok().and_then(|status| status.code());
+            Started::Exited { code, stderr: stderr.join().unwrap_or_default() }
+        }
+    }
+}
