@@ -116,12 +116,6 @@ impl Selector {
             Self::Class(class) => facts.classes.contains(*class),
         }
     }
-
-    /// [`matches`](Self::matches) for a device as USB/IP lists it, with its
-    /// serial number where known (see [`DeviceFacts::of_record`]).
-    pub fn matches_record(&self, device: &DeviceRecord, serial: Option<&str>) -> bool {
-        self.matches(&DeviceFacts::of_record(device, serial))
-    }
 }
 
 impl FromStr for Selector {

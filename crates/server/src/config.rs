@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_rustls::rustls as rustls_config;
-use usbwire_host::Selector;
+use usbwire_device::{DeviceFacts, Selector};
 use usbwire_proto::{Budget, Limits};
 use usbwire_transport::access::{AccessRules, Admission};
 use usbwire_transport::Identity;
@@ -112,8 +112,8 @@ impl Security {
             (&self.own_bridges, client)
         {
             if *fingerprint == own.identity {
-                let serial = Some(serial).filter(|s| !s.is_empty());
-                return own.devices.iter().any(|selector| selector.matches_record(device, serial));
+                let facts = DeviceFacts::of_record(device, Some(serial).filter(|s| !s.is_empty()));
+                return own.devices.iter().any(|selector| selector.matches(&facts));
             }
         }
         self.visible(client, device.busid.as_str(), kind)
