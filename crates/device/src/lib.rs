@@ -5,7 +5,9 @@
 //! [`Device::submit`] never blocks, [`Device::poll_complete`] yields results
 //! in whatever order the device finishes them, [`Device::cancel`] asks for one
 //! URB to end early, and [`Device::reset`] abandons everything and returns the
-//! device to its unconfigured state. The server drives one device from one
+//! device to its unconfigured state. A device that disconnects and comes back
+//! at the same port as another device (a DFU bootloader) says so by counting
+//! up [`Device::enumeration`]. The server drives one device from one
 //! task, so implementations need no locking on the data path.
 //!
 //! Virtual devices implement the smaller [`Function`] trait and are wrapped in
@@ -94,6 +96,36 @@ pub trait Device: Send + 'static {
     fn is_gone(&self) -> bool {
         false
     }
+
+    /// How many times this device has re-enumerated: disconnected and come
+    /// back at the same port as another device (a DFU device entering its
+    /// bootloader and, after flashing, its new firmware). 0 for a device that
+    /// never does, which is every device that keeps the default.
+    ///
+    /// When the count changes:
+    /// * every URB that was in flight has been abandoned: no completion follows
+    ///   for it (as after [`reset`](Self::reset)); completions already collected
+    ///   through [`poll_complete`](Self::poll_complete) stand, so a reply the
+    ///   server holds (the request that caused the re-enumeration) should still
+    ///   be sent;
+    /// * [`summary`](Self::summary) and [`endpoint_type`](Self::endpoint_type)
+    ///   describe the new device, which is unconfigured and ready for a new
+    ///   importer: the server does not reset it again (a reset could make it
+    ///   re-enumerate once more);
+    /// * the device wakes the task that last polled `poll_complete`, so a server
+    ///   that compares the count after each round of polling sees it without a
+    ///   timer of its own.
+    ///
+    /// A device re-enumerates on its own (after a request, on its own timer,
+    /// driven from `poll_complete`) or inside [`reset`](Self::reset) (a USB
+    /// reset can make a DFU device leave its bootloader); a server that resets a
+    /// device compares the count afterwards too. The server's part: end the
+    /// current import (stock usbip importers see an ordinary disconnect), list
+    /// the new device under the same bus id, and tell importers that understand
+    /// it that this is the same port re-enumerated rather than a removal.
+    fn enumeration(&self) -> u32 {
+        0
+    }
 }
 
 impl<D: Device + ?Sized> Device for Box<D> {
@@ -117,5 +149,8 @@ impl<D: Device + ?Sized> Device for Box<D> {
     }
     fn is_gone(&self) -> bool {
         (**self).is_gone()
+    }
+    fn enumeration(&self) -> u32 {
+        (**self).enumeration()
     }
 }
