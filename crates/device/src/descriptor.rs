@@ -176,6 +176,34 @@ impl ConfigurationBuilder {
         self
     }
 
+    /// Adds alternate setting `alt_setting` (not 0: that is [`interface`](Self::interface))
+    /// of interface `number`, with `endpoints` endpoints to follow. Alternate
+    /// settings do not count in bNumInterfaces.
+    #[allow(clippy::too_many_arguments)] // the descriptor's own fields, in their order
+    pub fn alternate(
+        mut self,
+        number: u8,
+        alt_setting: u8,
+        endpoints: u8,
+        class: u8,
+        subclass: u8,
+        protocol: u8,
+        string_index: u8,
+    ) -> Self {
+        self.bytes.extend_from_slice(&[
+            9,
+            INTERFACE,
+            number,
+            alt_setting,
+            endpoints,
+            class,
+            subclass,
+            protocol,
+            string_index,
+        ]);
+        self
+    }
+
     /// Appends a class-specific descriptor verbatim (HID, CDC functional, …).
     pub fn raw(mut self, descriptor: &[u8]) -> Self {
         self.bytes.extend_from_slice(descriptor);
@@ -360,6 +388,19 @@ mod tests {
         assert_eq!(info.interfaces.len(), 1);
         let eps: Vec<_> = info.active_endpoints(|_| 0).map(|e| (e.address, e.max_packet_size)).collect();
         assert_eq!(eps, vec![(0x81, 1024), (0x02, 1024)]);
+    }
+
+    #[test]
+    fn alternate_settings_do_not_count_as_interfaces() {
+        let config = ConfigurationBuilder::new(Speed::HIGH, 100)
+            .interface(0, 0, 0xfe, 1, 2, 4)
+            .alternate(0, 1, 0, 0xfe, 1, 2, 5)
+            .build();
+        assert_eq!(config[4], 1, "bNumInterfaces");
+        let info = ConfigurationInfo::parse(&config).unwrap();
+        let alts: Vec<_> = info.interfaces.iter().map(|i| (i.number, i.alt_setting, i.string_index)).collect();
+        assert_eq!(alts, vec![(0, 0, 4), (0, 1, 5)]);
+        assert_eq!(info.interface_classes(), vec![(0xfe, 1, 2)]);
     }
 
     #[test]
