@@ -45,6 +45,19 @@ pub const VENDOR_ID: u16 = 0x1209;
 /// The manufacturer string of every gadget.
 const MANUFACTURER: &str = "usbwire";
 
+/// A stable serial number for a backing file's path (so the host recognises
+/// the device across restarts): FNV-1a of the canonical path (the path as given
+/// if it does not exist), as 16 hex digits.
+fn serial_number(path: &std::path::Path) -> String {
+    let canonical = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    let hash = canonical
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    format!("{hash:016X}")
+}
+
 /// Shared by the modules' unit tests: URB builders and ways to drive a device.
 #[cfg(test)]
 mod testing {

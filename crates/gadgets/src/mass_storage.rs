@@ -175,7 +175,7 @@ impl MassStorage {
                 return Err(DiskError::SizeMismatch { path: path.to_path_buf(), len, wanted });
             }
         }
-        let serial = serial_number(path);
+        let serial = crate::serial_number(path);
         let speed = if options.speed.is_superspeed() { Speed::SUPER } else { Speed::HIGH };
         let configuration = ConfigurationBuilder::new(speed, 100)
             .interface(0, 2, 0x08, 0x06, 0x50, 0)
@@ -464,18 +464,6 @@ fn csw(tag: u32, residue: u32, status: u8) -> [u8; 13] {
     w[8..12].copy_from_slice(&residue.to_le_bytes());
     w[12] = status;
     w
-}
-
-/// A stable serial number for an image path (so the host recognises the disk
-/// across restarts): FNV-1a of the canonical path, as 16 hex digits.
-fn serial_number(path: &Path) -> String {
-    let canonical = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
-    let hash = canonical
-        .as_os_str()
-        .as_encoded_bytes()
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
-    format!("{hash:016X}")
 }
 
 /// Reads `len` bytes at `offset` into a fresh buffer.
