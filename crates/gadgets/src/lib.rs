@@ -1,10 +1,11 @@
 //! Virtual USB devices the server can export: a HID keyboard and mouse, a
 //! CDC-ACM serial port bridged to a pseudo-terminal, mass storage backed by a
-//! disk image, and a loopback test device.
+//! disk image, a loopback test device, and a DFU device flashed into a file.
 //!
 //! Each gadget is a [`Function`](usbwire_device::Function) wrapped in a
 //! [`VirtualDevice`](usbwire_device::VirtualDevice), which answers the
-//! chapter-9 requests; the modules here only add class behaviour. All of them
+//! chapter-9 requests; the modules here only add class behaviour (the DFU
+//! device is two of them, one per mode, and re-enumerates between them). All of them
 //! are high speed (the loopback can also be SuperSpeed) with vendor id
 //! `0x1209` and manufacturer "usbwire":
 //!
@@ -15,6 +16,7 @@
 //! | `0x0003` | [`MassStorage::open`] | Bulk-Only + SCSI disk on an image file (high speed or SuperSpeed) |
 //! | `0x0004` | [`serial`] | CDC-ACM bridged to `/dev/pts/N` (needs a tokio runtime) |
 //! | `0x0005` | [`loopback`] | source, sink and loop endpoints for tests and benchmarks |
+//! | `0x0006`, `0x0007` | [`DfuDevice::open`] | DFU 1.1 runtime mode, and the DFU mode it re-enumerates into |
 //!
 //! ```
 //! use usbwire_device::Device;
@@ -29,11 +31,13 @@
 //! This crate is not for sockets or the wire protocol: a gadget sees URBs,
 //! and the server decides who gets to send them.
 
+pub mod dfu;
 pub mod hid;
 pub mod loopback;
 pub mod mass_storage;
 pub mod serial;
 
+pub use dfu::{DfuDevice, DfuError, DfuOptions};
 pub use hid::{keyboard, mouse, Keyboard, KeyboardHandle, Mouse, MouseHandle, TypeError};
 pub use loopback::{loopback, Loopback};
 pub use mass_storage::{DiskError, DiskOptions, MassStorage};
