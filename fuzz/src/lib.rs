@@ -30,12 +30,14 @@ use usbwire_proto::{DecodeError, Direction, Limits};
 use usbwire_transform::{Frame, Pipeline, Side, TransformSpec, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD};
 
 mod client;
+mod dfu;
 mod redir;
 mod redir_host;
 pub mod seeds;
 mod session;
 
 pub use client::client_session;
+pub use dfu::dfu_control;
 pub use redir::redir_packets;
 pub use redir_host::redir_host;
 pub use session::{server_session, CountingAllocator};
@@ -44,7 +46,7 @@ pub use session::{server_session, CountingAllocator};
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 8] = [
+pub const TARGETS: [(&str, Harness); 9] = [
     ("decode_command", decode_command),
     ("decode_return", decode_return),
     ("op_phase", op_phase),
@@ -53,6 +55,7 @@ pub const TARGETS: [(&str, Harness); 8] = [
     ("client_session", client_session),
     ("redir_packets", redir_packets),
     ("redir_host", redir_host),
+    ("dfu_control", dfu_control),
 ];
 
 /// Server side: `[chunking, limits, iso_mode] ++ stream` through `urb::decode_command`.

@@ -113,6 +113,7 @@ pub fn all() -> Vec<Seed> {
     server_session_seeds(&mut add);
     client_session_seeds(&mut add);
     redir_seeds(&mut add);
+    dfu_seeds(&mut add);
     seeds
 }
 
@@ -169,7 +170,13 @@ fn redir_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)) {
             Packet::Iso { endpoint: 0x03, status: Status::SUCCESS, length: 3, data: Bytes::from_static(b"abc") },
             Packet::Iso { endpoint: 0x03, status: Status::SUCCESS, length: 0, data: Bytes::new() },
             Packet::Bulk { endpoint: 0x82, status: Status::SUCCESS, length: 512, stream_id: 0, data: Bytes::new() },
-            Packet::Bulk { endpoint: 0x02, status: Status::SUCCESS, length: 4, stream_id: 0, data: Bytes::from_static(b"data") },
+            Packet::Bulk {
+                endpoint: 0x02,
+                status: Status::SUCCESS,
+                length: 4,
+                stream_id: 0,
+                data: Bytes::from_static(b"data"),
+            },
             Packet::StopIsoStream { endpoint: 0x83 },
             Packet::StopInterruptReceiving { endpoint: 0x81 },
             Packet::GetAltSetting { interface: 2 },
@@ -180,6 +187,88 @@ fn redir_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)) {
         }
         add("redir_host", &format!("{name}_streams"), &[2, caps, 11], stream.to_vec());
     }
+}
+
+/// dfu_control: `[size] ++ ops` (see `src/dfu.rs`): a flash through both
+/// re-enumerations, uploads of both regions, and the error paths.
+fn dfu_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)) {
+    const DETACH: u8 = 0;
+    const DNLOAD: u8 = 1;
+    const UPLOAD: u8 = 2;
+    const GETSTATUS: u8 = 3;
+    const CLRSTATUS: u8 = 4;
+    const ABORT: u8 = 6;
+    let request = |out: bool, request: u8, value: u16, length: u16, data: &[u8]| {
+        let [v0, v1] = value.to_le_bytes();
+        let [l0, l1] = length.to_le_bytes();
+        let mut op = vec![0, if out { 0x21 } else { 0xa1 }, request, v0, v1, 0, 0, l0, l1];
+        op.extend_from_slice(data);
+        op
+    };
+    let status = request(false, GETSTATUS, 0, 6, &[]);
+    let jump = vec![5u8];
+    let into_dfu_mode = [status.clone(), request(true, DETACH, 1000, 0, &[]), jump.clone()].concat();
+    let block = |n: u16, data: &[u8]| request(true, DNLOAD, n, data.len() as u16, data);
+    let flash = [
+        into_dfu_mode.clone(),
+        vec![2, 0],
+        block(0, &[0xa5; 64]),
+        status.clone(),
+        jump.clone(),
+        status.clone(),
+        block(1, &[0x5a; 32]),
+        status.clone(),
+        jump.clone(),
+        status.clone(),
+        block(2, &[]),
+        status.clone(),
+        jump.clone(),
+        status.clone(),
+        jump.clone(),
+        status.clone(),
+    ]
+    .concat();
+    add("dfu_control", "flash", &[3], flash);
+    let upload = request(false, UPLOAD, 0, 32, &[]);
+    let uploads = [
+        into_dfu_mode.clone(),
+        upload.clone(),
+        upload.clone(),
+        upload.clone(),
+        upload.clone(),
+        request(false, 5, 0, 1, &[]),
+        upload.clone(),
+        request(true, ABORT, 0, 0, &[]),
+        vec![2, 1],
+        upload.clone(),
+        vec![2, 0],
+        vec![3],
+    ]
+    .concat();
+    add("dfu_control", "uploads", &[0], uploads);
+    let errors = [
+        into_dfu_mode,
+        block(0, &[]),
+        status.clone(),
+        request(true, CLRSTATUS, 0, 0, &[]),
+        block(0, &[1; 48]),
+        status.clone(),
+        vec![1, 10],
+        status.clone(),
+        block(1, &[2; 48]),
+        status.clone(),
+        request(true, CLRSTATUS, 0, 0, &[]),
+        vec![2, 1],
+        block(0, &[3; 8]),
+        status.clone(),
+        jump,
+        status.clone(),
+        block(1, &[]),
+        status,
+        vec![3],
+    ]
+    .concat();
+    add("dfu_control", "errors", &[0], errors);
 }
 
 /// client_session: `[chunking, cut, claim]`; replies to the harness's outstanding URBs
