@@ -6,10 +6,11 @@
 //! drives a [`UsbHost`] core between the two sockets, and releases the import
 //! when the guest goes, before serving the next one.
 //!
-//! The protocol work is in `usbwire_redir::host` (sans I/O); this module only
-//! moves bytes and URBs: guest bytes into the core, the core's URBs onto a
-//! [`TransferQueue`](crate::TransferQueue), completions back, and the core's
-//! bytes to the guest, all from one task.
+//! The protocol work is in `usbwire_redir::host` and the bridge's decisions
+//! in [`BridgeCore`] (both sans I/O); this module only moves bytes: guest
+//! bytes into the core, completions from the
+//! [`TransferQueue`](crate::TransferQueue) back, and the core's bytes to the
+//! guest, all from one task.
 //!
 //! Nothing here grows with what the guest sends: the bridge reads from the
 //! guest only while the URBs it has in flight, and their bytes, are under the
@@ -22,7 +23,6 @@
 //! gets the device. Making that socket private (a Unix socket only its user,
 //! or QEMU's group, may open) is the caller's job; `usbwire` does it.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -34,12 +34,15 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tracing::{debug, info, warn, Instrument};
 use usbwire_proto::op::{BusId, DeviceRecord};
-use usbwire_proto::urb::{IsoPacketDescriptor, RetSubmit, TransferFlags};
-use usbwire_proto::{Budget, Direction, Status};
-use usbwire_redir::host::{HostError, HostEvent, UrbCommand, UrbRequest, UrbResult};
+use usbwire_proto::Budget;
+use usbwire_redir::host::HostError;
 use usbwire_redir::UsbHost;
 
-use crate::{Backoff, ClientError, Connection, Security, Transfer, TransferError, TransformSpec};
+use crate::{Backoff, ClientError, Connection, Security, TransformSpec};
+
+mod bridge;
+
+pub use bridge::{BridgeCore, Completion};
 
 /// The version text of our hello.
 const HELLO: &str = concat!("usbwire ", env!("CARGO_PKG_VERSION"));
@@ -329,21 +332,14 @@ pub async fn serve_guest(source: &Source, stream: impl Into<GuestStream>) -> Res
     };
     info!(target: "usbwire::redir", resumable = connection.is_resumable(), speed = device.speed.name(),
         vid = format_args!("{:04x}", device.id_vendor), pid = format_args!("{:04x}", device.id_product), "device imported");
-    let mut bridge = Bridge {
-        host: UsbHost::new(HELLO, device.speed),
-        queue: connection.queue(),
-        seqnums: HashMap::new(),
-        urbs: HashMap::new(),
-        in_flight_bytes: 0,
-        budget: Budget::default(),
-    };
-    let outcome = bridge.run(&connection, &stream, &mut inbuf).await;
-    let traffic = bridge.host.traffic();
+    let mut bridge = BridgeCore::new(UsbHost::new(HELLO, device.speed), connection.queue(), Budget::default());
+    let outcome = run_bridge(&mut bridge, &connection, &stream, &mut inbuf).await;
+    let traffic = bridge.traffic();
     info!(target: "usbwire::redir", control = traffic.control, bulk = traffic.bulk,
         interrupt_in = traffic.interrupt_in, interrupt_out = traffic.interrupt_out,
         iso_in_packets = traffic.iso_in_packets, iso_out_packets = traffic.iso_out_packets, "guest traffic");
     // What the core said last (a device_disconnect) reaches the guest before the socket closes.
-    let last = bridge.host.to_guest();
+    let last = bridge.to_guest();
     let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all_and_close(last)).await;
     drop(bridge);
     connection.close().await;
@@ -396,188 +392,60 @@ async fn import_while_guest_waits(
     }
 }
 
-/// The running bridge of one guest: the core and the URB bookkeeping.
-struct Bridge {
-    host: UsbHost,
-    queue: crate::TransferQueue,
-    /// Core tag → USB/IP seqnum, for cancels (until cancelled or completed).
-    seqnums: HashMap<u64, u32>,
-    /// USB/IP seqnum → core tag and `transfer_buffer_length`: the URBs in flight.
-    urbs: HashMap<u32, (u64, u32)>,
-    /// `transfer_buffer_length` summed over `urbs`.
-    in_flight_bytes: usize,
-    budget: Budget,
-}
-
-impl Bridge {
-    async fn run(
-        &mut self,
-        connection: &Connection,
-        guest: &GuestStream,
-        inbuf: &mut BytesMut,
-    ) -> Result<Ended, BridgeError> {
-        // A hello that came while the import was under way.
-        self.host.handle_guest(inbuf)?;
-        let mut tick = tokio::time::interval(LIVENESS_TICK);
-        loop {
-            if let Some(ended) = self.handle_events() {
-                return Ok(ended);
-            }
-            self.issue_commands();
-            // A guest that does not read slows the device down instead of growing us.
-            let to_guest = self.host.to_guest().len();
-            let guest_reads = to_guest < self.budget.queued_reply_bytes;
-            let read_guest = guest_reads && self.has_room();
-            let collect = guest_reads && self.queue.pending() > 0;
-            tokio::select! {
-                ready = guest.ready(Interest::READABLE) => {
-                    if read_guest {
-                        match guest.try_read_buf(inbuf) {
-                            Ok(0) => return Ok(Ended::GuestLeft),
-                            Ok(_) => {
-                                self.host.handle_guest(inbuf)?;
-                                inbuf.reserve(64 * 1024);
-                            }
-                            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
-                            Err(error) => return Err(error.into()),
+/// Runs `core` between the guest's socket and the USB/IP connection until
+/// either side goes or the guest refuses the device.
+async fn run_bridge(
+    core: &mut BridgeCore,
+    connection: &Connection,
+    guest: &GuestStream,
+    inbuf: &mut BytesMut,
+) -> Result<Ended, BridgeError> {
+    // A hello that came while the import was under way.
+    core.handle_guest(inbuf)?;
+    let mut tick = tokio::time::interval(LIVENESS_TICK);
+    loop {
+        if let Some(ended) = core.poll_ended() {
+            return Ok(ended);
+        }
+        core.issue_commands();
+        let to_guest = core.to_guest().len();
+        let read_guest = core.reads_guest();
+        let collect = core.collects_completions();
+        tokio::select! {
+            ready = guest.ready(Interest::READABLE) => {
+                if read_guest {
+                    match guest.try_read_buf(inbuf) {
+                        Ok(0) => return Ok(Ended::GuestLeft),
+                        Ok(_) => {
+                            core.handle_guest(inbuf)?;
+                            inbuf.reserve(64 * 1024);
                         }
-                    } else if ready?.is_read_closed() {
-                        // Gone with bytes we had no room for: no need to read them to know.
-                        return Ok(Ended::GuestLeft);
-                    } else {
-                        // Bytes we have no room for yet: wait for the next change (more
-                        // bytes, or the guest hanging up) rather than spin on these.
-                        guest.clear_ready(Interest::READABLE);
-                    }
-                }
-                writable = guest.writable(), if to_guest > 0 => {
-                    writable?;
-                    match guest.try_write(self.host.to_guest()) {
-                        Ok(wrote) => self.host.to_guest().advance(wrote),
                         Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
                         Err(error) => return Err(error.into()),
                     }
+                } else if ready?.is_read_closed() {
+                    // Gone with bytes we had no room for: no need to read them to know.
+                    return Ok(Ended::GuestLeft);
+                } else {
+                    // Bytes we have no room for yet: wait for the next change (more
+                    // bytes, or the guest hanging up) rather than spin on these.
+                    guest.clear_ready(Interest::READABLE);
                 }
-                completion = self.queue.next_complete(), if collect => {
-                    match completion {
-                        Some(Ok(ret)) => {
-                            self.complete(ret)?;
-                            while let Some(ret) = self.queue.try_next_complete() {
-                                self.complete(ret)?;
-                            }
-                        }
-                        Some(Err(_)) | None => return Err(self.lost()),
-                    }
+            }
+            writable = guest.writable(), if to_guest > 0 => {
+                writable?;
+                match guest.try_write(core.to_guest()) {
+                    Ok(wrote) => core.to_guest().advance(wrote),
+                    Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(error) => return Err(error.into()),
                 }
-                _ = tick.tick() => {
-                    if connection.is_closed() {
-                        return Err(self.lost());
-                    }
+            }
+            completion = core.next_complete(), if collect => core.handle_completion(completion)?,
+            _ = tick.tick() => {
+                if connection.is_closed() {
+                    return Err(core.device_lost());
                 }
             }
         }
-    }
-
-    /// Whether the URBs in flight and their bytes leave room in the budget:
-    /// the guest is read only then (one read may still add a few URBs past it).
-    fn has_room(&self) -> bool {
-        self.urbs.len() < self.budget.in_flight_urbs
-            && (self.in_flight_bytes == 0 || self.in_flight_bytes < self.budget.in_flight_bytes)
-    }
-
-    fn handle_events(&mut self) -> Option<Ended> {
-        while let Some(event) = self.host.poll_event() {
-            match event {
-                HostEvent::GuestHello { version } => info!(target: "usbwire::redir", %version, "guest said hello"),
-                HostEvent::Announced => info!(target: "usbwire::redir", "device announced to the guest"),
-                HostEvent::FilteredOut { rules } => {
-                    return Some(Ended::Refused(format!("its usbredir filter ({rules}) refuses the device")));
-                }
-                HostEvent::GuestRejected => return Some(Ended::Refused("it rejected the device".into())),
-                HostEvent::DisconnectAcknowledged => {
-                    debug!(target: "usbwire::redir", "guest acknowledged the disconnect")
-                }
-                other => debug!(target: "usbwire::redir", ?other, "bridge event"),
-            }
-        }
-        None
-    }
-
-    fn issue_commands(&mut self) {
-        while let Some(command) = self.host.poll_urb() {
-            match command {
-                UrbCommand::Submit { tag, urb } => {
-                    let transfer = transfer_of(urb);
-                    let length = match transfer.direction {
-                        Direction::Out => transfer.data.len() as u32,
-                        Direction::In => transfer.length,
-                    };
-                    match self.queue.submit(transfer) {
-                        Ok(seqnum) => {
-                            self.seqnums.insert(tag, seqnum);
-                            self.urbs.insert(seqnum, (tag, length));
-                            self.in_flight_bytes += length as usize;
-                        }
-                        // The connection is gone; the liveness check ends the session.
-                        Err(TransferError::Disconnected) => {}
-                        Err(error) => debug!(target: "usbwire::redir", %error, "submit failed"),
-                    }
-                }
-                UrbCommand::Cancel { tag } => {
-                    // Once per URB: its completion (cancelled or not) follows.
-                    if let Some(seqnum) = self.seqnums.remove(&tag) {
-                        let _ = self.queue.unlink(seqnum);
-                    }
-                }
-            }
-        }
-    }
-
-    fn complete(&mut self, ret: RetSubmit) -> Result<(), HostError> {
-        let Some((tag, length)) = self.urbs.remove(&ret.seqnum) else { return Ok(()) };
-        self.in_flight_bytes -= length as usize;
-        self.seqnums.remove(&tag);
-        let result = UrbResult {
-            status: ret.status,
-            actual_length: ret.actual_length,
-            data: ret.data,
-            iso_packets: ret.iso_packets,
-        };
-        self.host.handle_urb(tag, result)
-    }
-
-    /// The USB/IP side is gone: the core tells the guest the device went.
-    fn lost(&mut self) -> BridgeError {
-        self.host.device_lost();
-        BridgeError::DeviceLost
-    }
-}
-
-/// The client's [`Transfer`] for a core's URB.
-fn transfer_of(urb: UrbRequest) -> Transfer {
-    let direction = if urb.is_in() { Direction::In } else { Direction::Out };
-    let mut flags = if urb.is_in() { TransferFlags::DIR_IN } else { 0 };
-    let iso_packets = (!urb.iso_packet_lengths.is_empty()).then(|| {
-        flags |= TransferFlags::ISO_ASAP;
-        let mut offset = 0;
-        urb.iso_packet_lengths
-            .iter()
-            .map(|&length| {
-                let descriptor = IsoPacketDescriptor { offset, length, actual_length: 0, status: Status::OK };
-                offset += length;
-                descriptor
-            })
-            .collect()
-    });
-    let interval = if iso_packets.is_some() { 1 } else { 0 };
-    Transfer {
-        endpoint: urb.endpoint & 0x0f,
-        direction,
-        setup: urb.setup,
-        flags,
-        length: urb.length,
-        data: urb.data,
-        interval,
-        iso_packets,
     }
 }
