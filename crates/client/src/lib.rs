@@ -26,7 +26,8 @@
 //! [`relay`] (the task driving the session), `backoff`, `error`; [`vhci`]
 //! attaches to the kernel, [`reattach`] keeps a device imported across drops,
 //! [`redir`] bridges it to a usbredir guest, [`describe`] reads a device's
-//! descriptors. The
+//! descriptors; [`DrivenConnection`] is a connection stepped by its caller
+//! (tests, fuzzing). The
 //! kernel attach path ([`vhci`]) imports the same way and then hands the
 //! socket to vhci-hcd instead of keeping a [`Connection`] — or, when the
 //! session is resumable, encrypted or transformed, one end of a socket pair
@@ -34,6 +35,7 @@
 
 mod backoff;
 pub mod describe;
+mod driven;
 mod queue;
 pub mod reattach;
 pub mod redir;
@@ -54,6 +56,7 @@ mod waiters;
 
 pub use connect::{is_localhost, resolve, Security, TlsClient};
 pub use connection::{Connection, RESUME_GIVE_UP};
+pub use driven::DrivenConnection;
 pub use error::{ClientError, TransferError};
 pub use op_exchange::{
     device_states, import, import_reserved, import_resumable, import_with, list_devices, resume_session, Imported,

@@ -162,6 +162,11 @@ impl Shared {
         self.next_seqnum.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Commands accepted and not answered yet, and their bytes (none once closed).
+    pub(crate) fn accepted(&self) -> (usize, usize) {
+        self.state().as_ref().map_or((0, 0), |state| (state.in_flight, state.in_flight_bytes))
+    }
+
     /// Whether the connection is gone: nothing sent now will be answered.
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Relaxed)
