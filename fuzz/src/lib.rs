@@ -31,7 +31,9 @@ use usbwire_transform::{Frame, Pipeline, Side, TransformSpec, FRAME_HEADER_LEN, 
 
 mod client;
 mod dfu;
+mod model_server;
 mod redir;
+mod redir_bridge;
 mod redir_host;
 pub mod seeds;
 mod session;
@@ -39,6 +41,7 @@ mod session;
 pub use client::client_session;
 pub use dfu::dfu_control;
 pub use redir::redir_packets;
+pub use redir_bridge::redir_bridge;
 pub use redir_host::redir_host;
 pub use session::{server_session, CountingAllocator};
 
@@ -46,7 +49,7 @@ pub use session::{server_session, CountingAllocator};
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 9] = [
+pub const TARGETS: [(&str, Harness); 10] = [
     ("decode_command", decode_command),
     ("decode_return", decode_return),
     ("op_phase", op_phase),
@@ -56,6 +59,7 @@ pub const TARGETS: [(&str, Harness); 9] = [
     ("redir_packets", redir_packets),
     ("redir_host", redir_host),
     ("dfu_control", dfu_control),
+    ("redir_bridge", redir_bridge),
 ];
 
 /// Server side: `[chunking, limits, iso_mode] ++ stream` through `urb::decode_command`.

@@ -95,6 +95,12 @@ unsafe impl GlobalAlloc for CountingAllocator {
     }
 }
 
+/// Live heap bytes now, when a counting allocator is installed (the fuzz
+/// target's or `replay`'s); `None` otherwise.
+pub(crate) fn live_bytes() -> Option<usize> {
+    (COUNTING.load(Ordering::Relaxed) != 0).then(|| LIVE.load(Ordering::Relaxed))
+}
+
 /// Live bytes now, and starts a new peak from here.
 fn reset_peak() -> usize {
     let live = LIVE.load(Ordering::Relaxed);
