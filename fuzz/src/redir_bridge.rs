@@ -384,7 +384,10 @@ impl Session {
             self.over = Some(Over::Ended(ended));
             return true;
         }
-        core.issue_commands();
+        if let Err(error) = core.issue_commands() {
+            self.over = Some(Over::Failed(error.to_string()));
+            return true;
+        }
         let mut moved = false;
         if core.reads_guest() {
             if self.guest_socket.is_empty() && self.guest_hung_up {

@@ -204,6 +204,17 @@ fn redir_bridge_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)) 
     let hang_up = [bulk(80, 0x82, 512), bulk(81, 0x82, 512), vec![7]];
     add("redir_bridge", "guest_hangs_up_while_full", &[0xfe, 0, 2 << 1 | 0x40], hang_up.concat());
 
+    // Regression: a guest's bulk IN of 128 MiB, past what a USB/IP server takes
+    // (16 MiB), once made the server close the connection and the guest lose the
+    // device; the bridge now fails that request alone, and the next one works.
+    let too_long = [set_configuration.clone(), vec![2, 0, 3], vec![1, 1, 90, 0x82, 0xff, 0xff, 11], bulk(91, 0x82, 64)];
+    add(
+        "redir_bridge",
+        "regression_transfer_past_usbip_limit",
+        &[0xfe, 3 | 2 << 2 | 2 << 4, 5 << 1 | 0x60],
+        too_long.concat(),
+    );
+
     // Enumeration by hand (the descriptor reads answered by the ops), then a filter
     // that refuses HID interfaces.
     let manual =

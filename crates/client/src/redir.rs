@@ -407,7 +407,7 @@ async fn run_bridge(
         if let Some(ended) = core.poll_ended() {
             return Ok(ended);
         }
-        core.issue_commands();
+        core.issue_commands()?;
         let to_guest = core.to_guest().len();
         let read_guest = core.reads_guest();
         let collect = core.collects_completions();

@@ -15,10 +15,10 @@
 use std::collections::HashMap;
 use std::task::{Context, Poll};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use tracing::{debug, info};
 use usbwire_proto::urb::{IsoPacketDescriptor, RetSubmit, TransferFlags};
-use usbwire_proto::{Budget, Direction, Status};
+use usbwire_proto::{Budget, Direction, Limits, Status};
 use usbwire_redir::host::{HostError, HostEvent, Traffic, UrbCommand, UrbRequest, UrbResult};
 use usbwire_redir::UsbHost;
 
@@ -76,10 +76,24 @@ impl BridgeCore {
     }
 
     /// Submits and cancels what the core asks for. Submitted URBs go out when
-    /// the queue next waits for a completion.
-    pub fn issue_commands(&mut self) {
+    /// the queue next waits for a completion. A transfer longer than a USB/IP
+    /// server takes fails at once (as `INVAL`) instead; an error is the core's
+    /// (a descriptor read refused that way).
+    pub fn issue_commands(&mut self) -> Result<(), HostError> {
         while let Some(command) = self.host.poll_urb() {
             match command {
+                UrbCommand::Submit { tag, urb } if urb.length > Limits::default().max_transfer_length => {
+                    // A USB/IP server takes a longer command for a broken client and closes the
+                    // connection, which would cost this guest the device: the request fails alone.
+                    debug!(target: "usbwire::redir", length = urb.length, "transfer too long for USB/IP; refused");
+                    let refused = UrbResult {
+                        status: Status::EINVAL,
+                        actual_length: 0,
+                        data: Bytes::new(),
+                        iso_packets: Vec::new(),
+                    };
+                    self.host.handle_urb(tag, refused)?;
+                }
                 UrbCommand::Submit { tag, urb } => {
                     let transfer = transfer_of(urb);
                     let length = match transfer.direction {
@@ -105,6 +119,7 @@ impl BridgeCore {
                 }
             }
         }
+        Ok(())
     }
 
     /// Whether the guest reads what we send: past `queued_reply_bytes`
