@@ -222,8 +222,15 @@ fn budget_from(byte: u8) -> Budget {
 fn memory_bound(budget: &Budget) -> usize {
     2 * (budget.in_flight_bytes.max(crate::model_server::MAX_IN) + budget.queued_reply_bytes)
         + 4 * GUEST_SOCKET
+        + ONE_READ_URBS
         + (2 << 20)
 }
+
+/// What the URBs one read of the guest adds past the budget may hold (not
+/// their data, which waits for room): the model device's two isochronous
+/// endpoints each started with 255 URBs of 255 packets, each packet kept as a
+/// length by the core, a descriptor in the queue's transfer and one on the wire.
+const ONE_READ_URBS: usize = 2 * 255 * 255 * (4 + 2 * 16 + 12);
 
 /// One session between a guest, the bridge and the server.
 struct Session {

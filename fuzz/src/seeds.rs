@@ -215,6 +215,22 @@ fn redir_bridge_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)) 
         too_long.concat(),
     );
 
+    // Both isochronous streams started with 253 URBs of 251 packets each at once: one
+    // read's URBs far past a 1 MiB budget (their data waits; what they hold is bounded).
+    let big_streams = [
+        set_configuration.clone(),
+        vec![1, 11, 7, 2, 1],
+        vec![1, 6, 8, 0x83, 251, 253],
+        vec![1, 6, 9, 0x03, 251, 253],
+        vec![1, 3, 10, 0x03, 0xc0, 0],
+    ];
+    add(
+        "redir_bridge",
+        "iso_streams_past_the_budget",
+        &[0, 3 | 3 << 2 | 2 << 4, 1 | 5 << 1 | 0x60],
+        big_streams.concat(),
+    );
+
     // Enumeration by hand (the descriptor reads answered by the ops), then a filter
     // that refuses HID interfaces.
     let manual =
