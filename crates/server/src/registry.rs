@@ -21,6 +21,7 @@
 //! sessions) is in [`crate::state`].
 
 use std::collections::HashMap;
+use std::future::Future as _;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -439,7 +440,15 @@ pub(crate) struct Holder(Arc<Export>, Arc<Changes>);
 
 impl Holder {
     /// The holder's connection dropped at `since` (`Some`), or it is back (`None`).
+    ///
+    /// A new absence starts clean: a notice that the session should give up
+    /// (see [`Holder::abandoned`]) left from an earlier absence — sent while the
+    /// session was busy resuming, so nobody took it — is dropped first, before
+    /// the slot says "parked", so a notice for this absence is never lost.
     pub(crate) fn set_resuming(&self, since: Option<SystemTime>) {
+        if since.is_some() {
+            drop_stale_notice(&self.0.abandoned);
+        }
         if let Slot::InUse { resuming_since, .. } = &mut *lock(&self.0.slot) {
             *resuming_since = since;
         }
@@ -451,6 +460,15 @@ impl Holder {
     pub(crate) async fn abandoned(&self) {
         self.0.abandoned.notified().await;
     }
+}
+
+/// Takes a permit `notify_one` stored while nobody waited, if there is one.
+fn drop_stale_notice(notify: &Notify) {
+    let notified = std::pin::pin!(notify.notified());
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    // Ready only by consuming a stored permit; Pending registers nothing lasting,
+    // as the future is dropped here.
+    let _ = notified.poll(&mut cx);
 }
 
 /// A device imported by one connection. [`Lease::release`] resets the device

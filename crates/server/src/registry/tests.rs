@@ -306,3 +306,24 @@ async fn a_reservation_ending_while_its_importer_is_away_lets_the_parked_session
     tokio::time::timeout(Duration::from_secs(5), abandoned).await.expect("the parked session is told").unwrap();
     drop(lease);
 }
+
+#[tokio::test]
+async fn a_notice_nobody_took_during_one_absence_does_not_end_the_next() {
+    let registry = Registry::default();
+    let busid = registry.add("loopback", loopback());
+    let token = ReservationToken([1; 32]);
+    registry.set_reservations(HashMap::from([(busid.to_string(), reservation_digest(&token))]));
+    let lease =
+        import(&registry, &busid, Importer { reservation: Some(token), ..importer() }, Duration::ZERO).await.unwrap();
+    let holder = lease.holder();
+    // Away, and the reservation ends while the session is busy resuming (nobody
+    // waits on the notice), then the client is back in time: the session goes on.
+    holder.set_resuming(Some(SystemTime::now()));
+    registry.set_reservations(HashMap::new());
+    holder.set_resuming(None);
+    // The next absence starts clean: nothing tells it to give up.
+    holder.set_resuming(Some(SystemTime::now()));
+    let waited = tokio::time::timeout(Duration::from_millis(300), holder.abandoned()).await;
+    assert!(waited.is_err(), "an old notice ended a new absence");
+    drop(lease);
+}
