@@ -147,33 +147,9 @@ pub(crate) async fn execute(
                 for &size in &plan.sizes {
                     for &depth in &plan.depths {
                         bar.set_message(format!("rtt {rtt_ms} ms {direction:?} {size} B x{depth}"));
-                        // Alternate ours and the ceiling and keep the median of each: on a
-                        // small machine a single run is at the mercy of the scheduler.
-                        let mut ours_runs = Vec::new();
-                        let mut raw_runs = Vec::new();
-                        let before = wire.as_deref().map(counters);
-                        for _ in 0..plan.repeat {
-                            let ours =
-                                measure::measure(&conn, endpoint, direction, (size, plan.payload), depth, duration)
-                                    .await;
-                            ours_runs.push(ours.map_err(|e| {
-                                Failure::unavailable(anyhow!("{busid} {direction:?} {size} B depth {depth}: {e}"))
-                            })?);
-                            let raw = ceiling::measure(ideal_addr, direction, size, depth, duration).await;
-                            raw_runs.push(raw.map_err(|e| Failure::io(e.into()))?);
-                        }
-                        let runs_mib_per_s: Vec<f64> = ours_runs.iter().map(|r| r.mib_per_s).collect();
-                        let raw_tcp_runs_mib_per_s: Vec<f64> = raw_runs.iter().map(|r| r.mib_per_s).collect();
-                        let ours = median(ours_runs);
-                        let raw = median(raw_runs);
-                        let compression_ratio = before.zip(wire.as_deref().map(counters)).map(|(a, b)| {
-                            // [plain sent, wire sent, wire received, plain received]
-                            let delta = |i: usize| (b[i] - a[i]) as f64;
-                            match direction {
-                                Direction::Out => delta(0) / delta(1).max(1.0),
-                                Direction::In => delta(3) / delta(2).max(1.0),
-                            }
-                        });
+                        let point = Point { endpoint, direction, size, depth, duration, rtt_ms };
+                        let (record, ours, raw) =
+                            measure_point(plan, &conn, wire.as_deref(), ideal_addr, busid, &point).await?;
                         if depth == 1 {
                             depth_one.push((size, 1.0 / ours.urbs_per_s.max(1e-9)));
                             if size == smallest {
@@ -186,21 +162,7 @@ pub(crate) async fn execute(
                                 });
                             }
                         }
-                        records.push(Record {
-                            direction,
-                            urb_size: size,
-                            depth,
-                            rtt_ms,
-                            mib_per_s: ours.mib_per_s,
-                            raw_tcp_mib_per_s: raw.mib_per_s,
-                            ratio_to_raw_tcp: if raw.mib_per_s > 0.0 { ours.mib_per_s / raw.mib_per_s } else { 0.0 },
-                            urbs_per_s: ours.urbs_per_s,
-                            latency_us: ours.latency,
-                            raw_tcp_latency_us: raw.latency,
-                            compression_ratio,
-                            runs_mib_per_s,
-                            raw_tcp_runs_mib_per_s,
-                        });
+                        records.push(record);
                         bar.inc(1);
                     }
                 }
@@ -214,6 +176,69 @@ pub(crate) async fn execute(
         Ok(Report { records, latencies, fits })
     };
     usbwire_bench::client_thread("usbwire-bench", matrix).await.map_err(|e| Failure::software(e.into()))?
+}
+
+/// One point of the matrix: where and how much.
+struct Point {
+    endpoint: u8,
+    direction: Direction,
+    size: usize,
+    depth: usize,
+    duration: Duration,
+    rtt_ms: f64,
+}
+
+/// Measures one point `plan.repeat` times, alternating ours and the raw-TCP
+/// ceiling and keeping the median of each: on a small machine a single run is
+/// at the mercy of the scheduler.
+async fn measure_point(
+    plan: &Plan,
+    conn: &Connection,
+    wire: Option<&TransformStats>,
+    ideal_addr: SocketAddr,
+    busid: &BusId,
+    point: &Point,
+) -> Result<(Record, ceiling::Measured, ceiling::Measured), Failure> {
+    let Point { endpoint, direction, size, depth, duration, rtt_ms } = *point;
+    let mut ours_runs = Vec::new();
+    let mut raw_runs = Vec::new();
+    let before = wire.map(counters);
+    for _ in 0..plan.repeat {
+        let ours = measure::measure(conn, endpoint, direction, (size, plan.payload), depth, duration).await;
+        ours_runs.push(
+            ours.map_err(|e| Failure::unavailable(anyhow!("{busid} {direction:?} {size} B depth {depth}: {e}")))?,
+        );
+        let raw = ceiling::measure(ideal_addr, direction, size, depth, duration).await;
+        raw_runs.push(raw.map_err(|e| Failure::io(e.into()))?);
+    }
+    let runs_mib_per_s: Vec<f64> = ours_runs.iter().map(|r| r.mib_per_s).collect();
+    let raw_tcp_runs_mib_per_s: Vec<f64> = raw_runs.iter().map(|r| r.mib_per_s).collect();
+    let ours = median(ours_runs);
+    let raw = median(raw_runs);
+    let compression_ratio = before.zip(wire.map(counters)).map(|(a, b)| {
+        // [plain sent, wire sent, wire received, plain received]
+        let delta = |i: usize| (b[i] - a[i]) as f64;
+        match direction {
+            Direction::Out => delta(0) / delta(1).max(1.0),
+            Direction::In => delta(3) / delta(2).max(1.0),
+        }
+    });
+    let record = Record {
+        direction,
+        urb_size: size,
+        depth,
+        rtt_ms,
+        mib_per_s: ours.mib_per_s,
+        raw_tcp_mib_per_s: raw.mib_per_s,
+        ratio_to_raw_tcp: if raw.mib_per_s > 0.0 { ours.mib_per_s / raw.mib_per_s } else { 0.0 },
+        urbs_per_s: ours.urbs_per_s,
+        latency_us: ours.latency,
+        raw_tcp_latency_us: raw.latency,
+        compression_ratio,
+        runs_mib_per_s,
+        raw_tcp_runs_mib_per_s,
+    };
+    Ok((record, ours, raw))
 }
 
 impl Report {
