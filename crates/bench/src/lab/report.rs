@@ -171,9 +171,17 @@ impl Report {
                 phase.name, phase.cost.waited
             );
         }
+        self.etcd_requests(&mut out);
+        self.etcd_timing(&mut out);
+        out
+    }
+
+    /// etcd's requests per operation, per phase (when its /metrics was readable).
+    fn etcd_requests(&self, out: &mut String) {
+        use std::fmt::Write as _;
         if self.phases.iter().all(|phase| phase.cost.etcd.is_none()) {
             let _ = writeln!(out, "\netcd request counts not read (its /metrics was not reachable over plain HTTP)");
-            return out;
+            return;
         }
         let _ = writeln!(out, "\netcd requests per operation (gRPC messages received, all members)");
         let _ = write!(out, "{:<13}", "phase");
@@ -202,6 +210,11 @@ impl Report {
             "(KeepAl: lease renewals, about one per server every {:.1} s in the background; KiB out: etcd's gRPC bytes sent; CPU: ms of CPU time)",
             DEFAULT_TTL.as_secs_f64() / 3.0
         );
+    }
+
+    /// etcd's own time per request, per phase (when it reported any).
+    fn etcd_timing(&self, out: &mut String) {
+        use std::fmt::Write as _;
         let timed = ["Range", "Txn", "Put", "LeaseGrant", "LeaseRevoke"];
         if self.phases.iter().any(|phase| phase.cost.etcd.as_ref().is_some_and(|c| !c.handling.is_empty())) {
             let _ = write!(out, "\netcd's time per request, mean ms (server side)\n{:<13}", "phase");
@@ -220,7 +233,6 @@ impl Report {
                 let _ = writeln!(out);
             }
         }
-        out
     }
 }
 
@@ -267,5 +279,52 @@ mod tests {
         assert_eq!(percentile(&values, 1.0), Some(100.0));
         assert_eq!(percentile(&[7.0], 0.95), Some(7.0));
         assert_eq!(percentile(&[], 0.5), None);
+    }
+
+    fn report(etcd: Option<Counters>) -> Report {
+        let phase = |name, etcd| Phase {
+            name,
+            unit: "device",
+            ops: 4,
+            seconds: 2.0,
+            latencies_ms: vec![1.0, 2.0, 3.0, 4.0],
+            cost: Cost { etcd, bench_cpu: 0.008, waited: 0.0 },
+        };
+        Report {
+            servers: 2,
+            per_server: 2,
+            clients: 1,
+            prefix: "/bench/1".to_owned(),
+            want: "class=03".to_owned(),
+            matching: 4,
+            reserved: 1,
+            reserved_ms: vec![5.0],
+            reserve_seconds: 0.5,
+            none_free: 0,
+            failed: 0,
+            errors: BTreeMap::new(),
+            phases: vec![phase("register", etcd.clone()), phase("list", etcd)],
+        }
+    }
+
+    #[test]
+    fn the_table_has_a_row_per_phase_and_etcd_sections_only_when_etcd_was_read() {
+        let unread = report(None).table("etcd://127.0.0.1:2379/lab");
+        assert!(unread.starts_with("lab registry etcd://127.0.0.1:2379/lab (this run under /bench/1/): 2 servers x 2 devices = 4, 1 clients reserving class=03 (4 match)\n"));
+        assert!(unread.contains("\nregister            4 device           2.00       2.0"), "{unread}");
+        assert!(unread.contains("\nlist                4 device"), "{unread}");
+        assert!(unread.ends_with("etcd request counts not read (its /metrics was not reachable over plain HTTP)\n"));
+        assert!(!unread.contains("time per request"));
+
+        let mut counters = Counters::default();
+        counters.requests.insert("Range".to_owned(), 8.0);
+        counters.handling.insert("Range".to_owned(), 0.004);
+        counters.sent = 4096.0;
+        let read = report(Some(counters)).table("etcd://127.0.0.1:2379/lab");
+        assert!(read.contains("etcd requests per operation"), "{read}");
+        let row = read.lines().find(|l| l.starts_with("register") && l.contains("2.000")).expect("Range per op row");
+        assert!(row.contains(" 1.0 "), "1 KiB out per op: {row}");
+        assert!(read.contains("etcd's time per request, mean ms (server side)"), "{read}");
+        assert!(read.lines().any(|l| l.starts_with("list") && l.contains(" 0.50 ")), "0.5 ms per Range: {read}");
     }
 }
