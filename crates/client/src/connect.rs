@@ -14,23 +14,75 @@ use usbwire_transport::{Fingerprint, Identity, PeerStream};
 use crate::error::OP_TIMEOUT;
 use crate::ClientError;
 
-/// Resolves `HOST`, `HOST:PORT` or `[V6]:PORT` (default port 3240).
-/// `localhost` is 127.0.0.1 without asking the resolver (RFC 6761), so it
-/// works on a machine without `/etc/hosts` too.
+/// Resolves `HOST`, `HOST:PORT`, `[V6]`, `[V6]:PORT` or a bare IPv6
+/// literal (default port 3240). `localhost` is 127.0.0.1 without asking the
+/// resolver (RFC 6761), so it works on a machine without `/etc/hosts` too.
 pub async fn resolve(target: &str) -> Result<SocketAddr, ClientError> {
-    let with_port = if target.parse::<SocketAddr>().is_ok() || has_port(target) {
-        target.to_owned()
-    } else {
-        format!("{target}:{}", usbwire_proto::DEFAULT_PORT)
-    };
-    if let Some((host, port)) = with_port.rsplit_once(':') {
-        if let (true, Ok(port)) = (is_localhost(host), port.parse::<u16>()) {
-            return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    resolve_with_port(target, None).await
+}
+
+/// [`resolve`], with the port given apart (`usbip --tcp-port`): it applies to
+/// every form of host, IPv6 literals too, and conflicts with a port in
+/// `target` (one of them would be silently ignored).
+pub async fn resolve_with_port(target: &str, port: Option<u16>) -> Result<SocketAddr, ClientError> {
+    let (host, named_port) = split_host_port(target)?;
+    let port = match (named_port, port) {
+        (Some(named), Some(given)) => {
+            return Err(ClientError::BadAddress {
+                text: target.to_owned(),
+                reason: format!("it names port {named} and --tcp-port says {given}: give the port once"),
+            })
         }
+        (Some(port), None) | (None, Some(port)) => port,
+        (None, None) => usbwire_proto::DEFAULT_PORT,
+    };
+    if is_localhost(host) {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        return Ok(SocketAddr::new(ip, port));
     }
     let connect_error = |source| ClientError::Connect { addr: target.to_owned(), source };
-    let mut addrs = tokio::net::lookup_host(&with_port).await.map_err(connect_error)?;
+    let mut addrs = tokio::net::lookup_host((host, port)).await.map_err(connect_error)?;
     addrs.next().ok_or_else(|| connect_error(std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))
+}
+
+/// Splits `HOST`, `HOST:PORT`, `[V6]`, `[V6]:PORT` or a bare IPv6 literal
+/// into the host (without brackets) and the port, if it names one. A port
+/// that is not a number from 1 to 65535 is an error, not part of a host name.
+pub fn split_host_port(target: &str) -> Result<(&str, Option<u16>), ClientError> {
+    let bad = |reason: String| ClientError::BadAddress { text: target.to_owned(), reason };
+    if let Some(rest) = target.strip_prefix('[') {
+        let (host, after) = rest.split_once(']').ok_or_else(|| bad("an IPv6 address in [ ] lacks its ]".into()))?;
+        return match after {
+            "" => Ok((host, None)),
+            _ => match after.strip_prefix(':') {
+                Some(port) => Ok((host, Some(parse_port(port).map_err(bad)?))),
+                None => Err(bad(format!("{after:?} after the ] is not :PORT"))),
+            },
+        };
+    }
+    if target.parse::<std::net::Ipv6Addr>().is_ok() {
+        return Ok((target, None));
+    }
+    let (host, port) = match target.rsplit_once(':') {
+        Some((host, port)) => (host, Some(parse_port(port).map_err(bad)?)),
+        None => (target, None),
+    };
+    if host.is_empty() {
+        return Err(bad("no host".into()));
+    }
+    if host.contains(':') {
+        return Err(bad("an IPv6 address with a port is written [ADDRESS]:PORT".into()));
+    }
+    Ok((host, port))
+}
+
+fn parse_port(text: &str) -> Result<u16, String> {
+    match text.parse::<u32>() {
+        Ok(port @ 1..=65535) => Ok(port as u16),
+        _ => Err(format!("{text:?} is not a port (a number from 1 to 65535)")),
+    }
 }
 
 /// Whether `host` is a localhost name, which always means this machine's
@@ -38,13 +90,6 @@ pub async fn resolve(target: &str) -> Result<SocketAddr, ClientError> {
 pub fn is_localhost(host: &str) -> bool {
     let host = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
     host == "localhost" || host.ends_with(".localhost")
-}
-
-fn has_port(target: &str) -> bool {
-    match target.rsplit_once(':') {
-        Some((host, port)) => !host.contains(':') && port.parse::<u16>().is_ok(),
-        None => false,
-    }
 }
 
 /// How to reach a server: plain USB/IP, or TLS 1.3 with our identity and the
@@ -179,7 +224,33 @@ mod tests {
 
     #[test]
     fn a_port_is_recognised_but_a_bare_v6_address_is_not_one() {
-        assert!(has_port("host:3240") && !has_port("host") && !has_port("::1"));
+        let split = |text| split_host_port(text).map_err(|error| error.to_string());
+        assert_eq!(split("host:3240"), Ok(("host", Some(3240))));
+        assert_eq!(split("host"), Ok(("host", None)));
+        assert_eq!(split("::1"), Ok(("::1", None)));
+        assert_eq!(split("[::1]"), Ok(("::1", None)));
+        assert_eq!(split("[fe80::1]:4000"), Ok(("fe80::1", Some(4000))));
+        assert_eq!(split("10.0.0.5:65535"), Ok(("10.0.0.5", Some(65535))));
+        for bad in ["127.0.0.1:99999", "127.0.0.1:0", "host:http", "[::1]:x", "[::1", "[::1]4000", ":3240", "::1:3240x"]
+        {
+            let error = split(bad).expect_err(bad);
+            assert!(error.starts_with(&format!("{bad:?} is not a server address")), "{error}");
+        }
+        assert!(split("127.0.0.1:99999").unwrap_err().contains("\"99999\" is not a port (a number from 1 to 65535)"));
+    }
+
+    /// `list -r ::1 --tcp-port N` dialled 3240: the port was dropped for any host with a colon.
+    #[tokio::test]
+    async fn the_separate_port_applies_to_ipv6_hosts_and_conflicts_with_a_named_one() {
+        assert_eq!(resolve_with_port("::1", Some(4000)).await.unwrap(), "[::1]:4000".parse().unwrap());
+        assert_eq!(resolve_with_port("[::1]", Some(4000)).await.unwrap(), "[::1]:4000".parse().unwrap());
+        assert_eq!(resolve_with_port("127.0.0.1", Some(4000)).await.unwrap(), "127.0.0.1:4000".parse().unwrap());
+        assert_eq!(resolve("::1").await.unwrap(), "[::1]:3240".parse().unwrap());
+        for named in ["127.0.0.1:3240", "[::1]:3240", "localhost:4000"] {
+            let error = resolve_with_port(named, Some(4000)).await.unwrap_err();
+            assert!(matches!(error, ClientError::BadAddress { .. }), "{named}: {error}");
+            assert!(error.to_string().contains("give the port once"), "{error}");
+        }
     }
 
     #[tokio::test]

@@ -14,6 +14,10 @@ pub(crate) const OP_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
+    /// The server's address is not `HOST`, `HOST:PORT`, `[V6]:PORT` (a port
+    /// out of range, an unclosed bracket), or names its port twice.
+    #[error("{text:?} is not a server address: {reason}")]
+    BadAddress { text: String, reason: String },
     /// Nothing listens there, or the network is in the way.
     #[error("cannot connect to {addr}: {source}")]
     Connect { addr: String, source: std::io::Error },

@@ -54,7 +54,7 @@ mod op_exchange;
 mod transfer;
 mod waiters;
 
-pub use connect::{is_localhost, resolve, Security, TlsClient};
+pub use connect::{is_localhost, resolve, resolve_with_port, split_host_port, Security, TlsClient};
 pub use connection::{Connection, RESUME_GIVE_UP};
 pub use driven::DrivenConnection;
 pub use error::{ClientError, TransferError};

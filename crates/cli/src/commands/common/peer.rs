@@ -49,13 +49,11 @@ pub(crate) fn client_identity(dir: Option<&std::path::Path>) -> Result<(Identity
     Ok((identity, dir))
 }
 
-/// `HOST`, `HOST:PORT`, or `HOST` with `--tcp-port PORT`.
+/// `HOST`, `HOST:PORT`, `[V6]:PORT`, or `HOST` with `--tcp-port PORT` (a
+/// bare IPv6 address too). A bad port, or a port given both ways, is a usage
+/// error (64).
 pub(crate) async fn resolve(remote: &str, tcp_port: Option<u16>) -> Result<std::net::SocketAddr, Failure> {
-    let target = match tcp_port {
-        Some(port) if !remote.contains(':') => format!("{remote}:{port}"),
-        _ => remote.to_owned(),
-    };
-    Ok(usbwire_client::resolve(&target).await?)
+    Ok(usbwire_client::resolve_with_port(remote, tcp_port).await?)
 }
 
 /// The transforms `--compress` and `--jitter-buffer` ask for, in that order.
