@@ -89,7 +89,7 @@ def attach_from_a_vhci_guest(checks):
             line = g.wait_for(f"@@CHECK {name} ", 60)
             checks.check(f"vhci guest: {name}", " PASS" in line, line)
         line = g.wait_for("@@DETACH-UNUSED", 30)
-        checks.check("detaching an unused port is a clear error", "rc=69" in line and "not in use" in line, line)
+        checks.check("detaching an unused port is a clear error (exit 65)", "rc=65" in line and "not in use" in line, line)
         checks.check("vhci guest script exit code", g.finish(60) == 0)
         out = subprocess.run(["debugfs", "-R", "cat /f.txt", image], capture_output=True, text=True)
         checks.check("file written through `usbwire attach` is in the image", out.stdout.strip() == "via-usbwire-attach", out.stdout + out.stderr)

@@ -275,7 +275,7 @@ def main():
         checks.check("list -l text names the busids", rc == 0 and stick["busid"] in out and "usb-storage" in out, out)
 
         rc, out = remote.run("usbwire bind -b 9-9 $C")
-        checks.check("bind of an absent device is a clear error", rc == 69 and "no USB device at 9-9" in out, out)
+        checks.check("bind of an absent device is a clear error (exit 65)", rc == 65 and "no USB device at 9-9" in out, out)
         for d in (stick, serial, audio):
             rc, out = remote.run(f"usbwire bind -b {d['busid']} $C")
             checks.check(f"bind {d['busid']}", rc == 0 and "complete" in out, out)
@@ -481,7 +481,7 @@ def main():
         checks.check("after unbind the drive works locally again (usb-storage, /sys/block/sda)",
                      rc == 0 and '"driver":"usb-storage"' in out and "sda" in out, out)
         rc, out = remote.run(f"usbwire unbind -b {stick['busid']} $C")
-        checks.check("unbinding what is not exported is a clear error", rc == 69 and "not exported" in out, out)
+        checks.check("unbinding what is not exported is a clear error (exit 65)", rc == 65 and "not exported" in out, out)
 
         # SIGHUP reloads the [[bind]] rules: the keyboard rule is replaced by one for the drive.
         rc, out = remote.run("printf '[[bind]]\\ndevice = \"46f4:0001\"\\n' > /etc/usbwire/server.toml && "

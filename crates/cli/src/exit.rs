@@ -1,6 +1,57 @@
-//! Exit codes (sysexits(3) values, so scripts can tell failures apart).
+//! Exit codes: sysexits(3) values, so scripts can tell failures apart. The
+//! one table of what each means is [`EXIT_CODES`]; the README's table and the
+//! man pages' EXIT STATUS section are checked against it.
 
 use std::process::ExitCode;
+
+const USAGE: u8 = 64;
+const DATA: u8 = 65;
+const UNAVAILABLE: u8 = 69;
+const SOFTWARE: u8 = 70;
+const OS: u8 = 71;
+const CANNOT_CREATE: u8 = 73;
+const IO: u8 = 74;
+const TEMPORARY: u8 = 75;
+const PERMISSION: u8 = 77;
+const CONFIG: u8 = 78;
+
+/// Every exit code but 0 (success), its sysexits name and when usbwire exits with it.
+pub(crate) const EXIT_CODES: &[(u8, &str, &str)] = &[
+    (
+        USAGE,
+        "usage",
+        "the command line is wrong: an unknown verb or flag, a malformed bus id, a bad HOST:PORT, a port given both in -r HOST:PORT and --tcp-port",
+    ),
+    (
+        DATA,
+        "data",
+        "what the command was given names nothing or cannot be used: a peer that does not speak USB/IP, text the keyboard cannot type, a bus id with no device to bind or unbind, nothing reserved to release, a vhci port with nothing attached",
+    ),
+    (
+        UNAVAILABLE,
+        "unavailable",
+        "a server or service cannot be reached or refused: nothing listens, the device is in use, reserved or gone, no server on the control socket, the keyboard not attached by any host",
+    ),
+    (SOFTWARE, "internal", "a bug in usbwire: please report it"),
+    (OS, "OS error", "the system lacks or refuses what the command needs: a listen address in use, vhci-hcd not loaded"),
+    (
+        CANNOT_CREATE,
+        "can't create",
+        "a file, directory or socket the command must make: the control socket, a capture directory",
+    ),
+    (IO, "I/O", "reading or writing a file, socket or sysfs attribute failed"),
+    (
+        TEMPORARY,
+        "temporary",
+        "try again later: every matching device in the lab registry is taken, no free vhci-hcd port",
+    ),
+    (
+        PERMISSION,
+        "permission",
+        "not allowed: the server does not admit this client's identity (or its certificate expired), another user's control socket or reservation, vhci-hcd without root",
+    ),
+    (CONFIG, "config", "the configuration is wrong: a config file, a disk image, an identity, a capture directory"),
+];
 
 /// A command's failure and the exit code it maps to.
 pub(crate) struct Failure {
@@ -11,44 +62,77 @@ pub(crate) struct Failure {
 impl Failure {
     /// The exit code of a command line clap refused (as [`Failure::usage`]).
     pub(crate) fn usage_code() -> ExitCode {
-        ExitCode::from(64)
+        ExitCode::from(USAGE)
     }
 
     /// 64: the command line was wrong.
     pub(crate) fn usage(error: anyhow::Error) -> Self {
-        Self { error, code: 64 }
+        Self { error, code: USAGE }
     }
     /// 65: a peer sent data that is not valid USB/IP.
     pub(crate) fn protocol(error: anyhow::Error) -> Self {
-        Self { error, code: 65 }
+        Self { error, code: DATA }
+    }
+    /// 65: what the command was given names nothing, or cannot be used (a
+    /// bus id with no device, a character with no key).
+    pub(crate) fn data(error: anyhow::Error) -> Self {
+        Self { error, code: DATA }
     }
     /// 69: the server (or device) is unreachable or refused.
     pub(crate) fn unavailable(error: anyhow::Error) -> Self {
-        Self { error, code: 69 }
+        Self { error, code: UNAVAILABLE }
+    }
+    /// 71: the system lacks or refuses what the command needs (a listen
+    /// address in use, a kernel module not loaded).
+    pub(crate) fn os(error: anyhow::Error) -> Self {
+        Self { error, code: OS }
+    }
+    /// 73: a file, directory or socket the command must make cannot be made.
+    pub(crate) fn cannot_create(error: anyhow::Error) -> Self {
+        Self { error, code: CANNOT_CREATE }
     }
     /// 75: try again later (every matching device in the lab registry is taken).
     pub(crate) fn temporary(error: anyhow::Error) -> Self {
-        Self { error, code: 75 }
+        Self { error, code: TEMPORARY }
     }
-    /// 77: the server does not admit this client's identity.
+    /// 77: not allowed: the server does not admit this client's identity,
+    /// or the thing is another user's.
     pub(crate) fn not_admitted(error: anyhow::Error) -> Self {
-        Self { error, code: 77 }
+        Self { error, code: PERMISSION }
     }
     /// 70: an internal error.
     pub(crate) fn software(error: anyhow::Error) -> Self {
-        Self { error, code: 70 }
+        Self { error, code: SOFTWARE }
     }
     /// 74: a file or socket operation failed.
     pub(crate) fn io(error: anyhow::Error) -> Self {
-        Self { error, code: 74 }
+        Self { error, code: IO }
     }
     /// 78: the configuration is wrong.
     pub(crate) fn config(error: anyhow::Error) -> Self {
-        Self { error, code: 78 }
+        Self { error, code: CONFIG }
     }
 
     pub(crate) fn code(&self) -> ExitCode {
         ExitCode::from(self.code)
+    }
+}
+
+/// The EXIT STATUS section of a man page, in roff, from [`EXIT_CODES`].
+pub(crate) fn man_section() -> String {
+    let mut roff = String::from(".SH \"EXIT STATUS\"\n.TP\n\\fB0\\fR\nsuccess\n");
+    for (code, name, when) in EXIT_CODES {
+        roff.push_str(&format!(".TP\n\\fB{code}\\fR\n{name}: {}\n", roff_text(when)));
+    }
+    roff
+}
+
+/// Text safe in a roff paragraph: backslashes doubled, no line starting with a control character.
+fn roff_text(text: &str) -> String {
+    let escaped = text.replace('\\', "\\\\");
+    match escaped.chars().next() {
+        Some('.' | '\'') => format!("\\&{escaped}"),
+        _ => escaped,
     }
 }
 
@@ -75,9 +159,25 @@ impl From<usbwire_client::ClientError> for Failure {
     fn from(error: usbwire_client::ClientError) -> Self {
         use usbwire_client::ClientError as E;
         match error {
+            E::BadAddress { .. } => Self::usage(error.into()),
             E::Protocol(_) | E::WrongDevice { .. } => Self::protocol(error.into()),
             E::NotAdmitted { .. } | E::CertificateExpired { .. } => Self::not_admitted(error.into()),
             _ => Self::unavailable(error.into()),
+        }
+    }
+}
+
+impl From<usbwire_server::ServerError> for Failure {
+    fn from(error: usbwire_server::ServerError) -> Self {
+        use usbwire_server::private_dir::PrivateDirError as Dir;
+        use usbwire_server::ServerError as E;
+        match error {
+            E::Listen { .. } | E::Metrics { .. } => Self::os(error.into()),
+            E::Control { .. } | E::ControlDir { reason: Dir::Io { .. }, .. } | E::CaptureDir(Dir::Io { .. }) => {
+                Self::cannot_create(error.into())
+            }
+            // A directory that is not safe to use (another user's, a symlink): the setup is wrong.
+            _ => Self::config(error.into()),
         }
     }
 }
@@ -94,5 +194,29 @@ mod tests {
         assert_eq!(text, "cannot connect to 127.0.0.1:1: Connection refused (os error 111)");
         let layered = anyhow::anyhow!("disk.img: not found").context("cannot open the disk image");
         assert_eq!(describe(&layered), "cannot open the disk image: disk.img: not found");
+    }
+
+    /// The README's exit status table says what [`EXIT_CODES`] says, row for row.
+    #[test]
+    fn the_readme_table_is_the_exit_code_table() {
+        let readme = include_str!("../../../README.md");
+        let rows: Vec<&str> = readme.lines().filter(|line| line.starts_with("| `") && line.contains("` | ")).collect();
+        let table: Vec<String> = std::iter::once("| `0` | success | |".to_owned())
+            .chain(EXIT_CODES.iter().map(|(code, name, when)| format!("| `{code}` | {name} | {when} |")))
+            .collect();
+        for row in &table {
+            assert!(rows.contains(&row.as_str()), "README.md lacks the row\n{row}");
+        }
+        let sysexits = [64, 65, 69, 70, 71, 73, 74, 75, 77, 78];
+        assert_eq!(EXIT_CODES.iter().map(|(code, ..)| *code).collect::<Vec<_>>(), sysexits);
+    }
+
+    #[test]
+    fn the_man_section_lists_every_code() {
+        let roff = man_section();
+        assert!(roff.starts_with(".SH \"EXIT STATUS\""), "{roff}");
+        for (code, name, _) in EXIT_CODES {
+            assert!(roff.contains(&format!(".TP\n\\fB{code}\\fR\n{name}: ")), "{code} missing: {roff}");
+        }
     }
 }

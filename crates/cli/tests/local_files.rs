@@ -62,7 +62,7 @@ fn assert_refused(started: Started, needle: &str) -> String {
             panic!("the server started with an unsafe control directory: {stderr}");
         }
         Started::Exited { code, stderr } => {
-            assert_eq!(code, Some(69), "{stderr}");
+            assert_eq!(code, Some(78), "an unsafe directory is a configuration error: {stderr}");
             assert!(stderr.contains(needle), "expected {needle:?} in: {stderr}");
             stderr
         }

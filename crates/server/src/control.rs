@@ -22,15 +22,27 @@ use usbwire_proto::op::BusId;
 
 use crate::devstate::{self, StateEntry};
 use crate::error::ServerError;
-use crate::host_exports::HostExports;
+use crate::host_exports::{BindError, HostExports};
 use crate::state::ServerState;
 
 /// Something that turns text into key presses on the attached host (a keyboard).
 pub trait TextInput: Send + Sync {
     /// Queues `text`; returns the number of input reports queued, or why not.
-    fn type_text(&self, text: &str) -> Result<usize, String>;
+    /// Text it cannot type is refused whether or not a host is attached.
+    fn type_text(&self, text: &str) -> Result<usize, TypeRefusal>;
     /// Whether a host has the device attached and configured.
     fn is_attached(&self) -> bool;
+}
+
+/// Why [`TextInput::type_text`] typed nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TypeRefusal {
+    /// The text holds a character the device has no key for (the message says which).
+    Untypable(String),
+    /// No host has the device attached, so nobody would receive the keys.
+    NotAttached,
+    /// It cannot take the text now (too much is queued); the message says what to do.
+    Busy(String),
 }
 
 /// A request on the control socket.
@@ -50,20 +62,58 @@ pub enum ControlRequest {
 }
 
 /// The answer to a [`ControlRequest`].
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ControlResponse {
     pub ok: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// What kind of failure `error` is (absent from older servers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_kind: Option<ControlErrorKind>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reports: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub devices: Option<Vec<StateEntry>>,
 }
 
+/// What a refused control request ran into, so the client exits with the
+/// code that says it (`usbwire` maps each to one of its exit codes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum ControlErrorKind {
+    /// The request names nothing there or something unusable: no device at
+    /// that bus id, a virtual device to unbind, a character with no key.
+    Data,
+    /// What it names is there but cannot do it now: the keyboard not
+    /// attached, the device exported already, too much text queued.
+    Unavailable,
+    /// The system refused: the device list unreadable, a device not openable.
+    Os,
+    /// What it asked to be made could not be: the capture directory.
+    CannotCreate,
+    /// The asking user may not use this server's control socket.
+    Permission,
+    /// The server failed, or did not understand the request (another version).
+    Internal,
+}
+
 impl ControlResponse {
-    fn error(message: impl Into<String>) -> Self {
-        Self { ok: false, error: Some(message.into()), reports: None, devices: None }
+    fn done() -> Self {
+        Self { ok: true, ..Self::default() }
+    }
+
+    fn error(kind: ControlErrorKind, message: impl Into<String>) -> Self {
+        Self { ok: false, error: Some(message.into()), error_kind: Some(kind), ..Self::default() }
+    }
+
+    fn bind_error(error: BindError) -> Self {
+        let kind = match &error {
+            BindError::NoDevice(_) => ControlErrorKind::Data,
+            BindError::Exported(_) => ControlErrorKind::Unavailable,
+            BindError::System(_) => ControlErrorKind::Os,
+        };
+        Self::error(kind, error.to_string())
     }
 }
 
@@ -159,7 +209,9 @@ fn check_peer(stream: &UnixStream) -> Result<(), String> {
 /// to 64 KiB, for at most a second) before closing: closing on unread data
 /// would reset the connection and the client would see that, not the reason.
 async fn refuse(mut stream: UnixStream, reason: String) {
-    let Ok(mut text) = serde_json::to_string(&ControlResponse::error(reason)) else { return };
+    let Ok(mut text) = serde_json::to_string(&ControlResponse::error(ControlErrorKind::Permission, reason)) else {
+        return;
+    };
     text.push('\n');
     if stream.write_all(text.as_bytes()).await.is_err() || stream.shutdown().await.is_err() {
         return;
@@ -184,11 +236,11 @@ async fn serve_client(
             // Binding opens a device and unbinding waits for its URBs: keep them off the reactor.
             Ok(request) => {
                 let (state, inputs, hosts) = (state.clone(), inputs.clone(), hosts.clone());
-                tokio::task::spawn_blocking(move || answer(request, &state, &inputs, &hosts))
-                    .await
-                    .unwrap_or_else(|error| ControlResponse::error(format!("request failed: {error}")))
+                tokio::task::spawn_blocking(move || answer(request, &state, &inputs, &hosts)).await.unwrap_or_else(
+                    |error| ControlResponse::error(ControlErrorKind::Internal, format!("request failed: {error}")),
+                )
             }
-            Err(error) => ControlResponse::error(format!("invalid request: {error}")),
+            Err(error) => ControlResponse::error(ControlErrorKind::Internal, format!("invalid request: {error}")),
         };
         let mut text = serde_json::to_string(&response).map_err(io::Error::other)?;
         text.push('\n');
@@ -209,16 +261,16 @@ fn answer(
         ControlRequest::Bind { busid } => match hosts.bind(&busid) {
             Ok(busid) => {
                 info!(%busid, "bound");
-                ControlResponse { ok: true, error: None, reports: None, devices: None }
+                ControlResponse::done()
             }
-            Err(error) => ControlResponse::error(error),
+            Err(error) => ControlResponse::bind_error(error),
         },
         ControlRequest::Unbind { busid } => match hosts.unbind(&busid) {
             Ok(()) => {
                 info!(%busid, "unbound");
-                ControlResponse { ok: true, error: None, reports: None, devices: None }
+                ControlResponse::done()
             }
-            Err(error) => ControlResponse::error(error),
+            Err(error) => ControlResponse::bind_error(error),
         },
         ControlRequest::Capture { dir } => {
             let setting = dir.map(|dir| state.capture.for_dir(dir));
@@ -226,43 +278,55 @@ fn answer(
                 Some(setting) => {
                     // A private directory, or no capture: what it holds is what devices carried.
                     if let Err(error) = setting.prepare() {
-                        return ControlResponse::error(format!("cannot capture: {error}"));
+                        return ControlResponse::error(
+                            ControlErrorKind::CannotCreate,
+                            format!("cannot capture: {error}"),
+                        );
                     }
                     info!(dir = %setting.dir.display(), "capturing imports");
                 }
                 None => info!("capture stopped"),
             }
             state.capture.set(setting);
-            ControlResponse { ok: true, error: None, reports: None, devices: None }
+            ControlResponse::done()
         }
-        ControlRequest::Type { text, busid } => {
-            let target = match &busid {
-                Some(wanted) => inputs.iter().find(|(b, _)| b.as_str() == wanted),
-                None => inputs.first(),
-            };
-            let Some((busid, input)) = target else {
-                return ControlResponse::error(match busid {
-                    Some(b) => format!("no keyboard is exported as {b}"),
-                    None => "this server exports no keyboard (start it with --virtual keyboard)".into(),
-                });
-            };
-            if !input.is_attached() {
-                return ControlResponse::error(format!(
-                    "keyboard {busid} is not attached by any host yet (attach it with `usbip attach -r HOST -b {busid}`)"
-                ));
-            }
-            match input.type_text(&text) {
-                Ok(reports) => {
-                    info!(%busid, chars = text.chars().count(), "typing");
-                    ControlResponse { ok: true, error: None, reports: Some(reports), devices: None }
-                }
-                Err(error) => ControlResponse::error(error),
-            }
-        }
+        ControlRequest::Type { text, busid } => type_text(&text, busid.as_deref(), inputs),
         ControlRequest::State => {
             let devices = devstate::entries(&state.registry, |_, _, _| true);
-            ControlResponse { ok: true, error: None, reports: None, devices: Some(devices) }
+            ControlResponse { devices: Some(devices), ..ControlResponse::done() }
         }
+    }
+}
+
+/// Types `text` on the keyboard `busid` names (the first one without). Text
+/// with a character no key makes is refused before anything else is looked at.
+fn type_text(text: &str, busid: Option<&str>, inputs: &[(BusId, Arc<dyn TextInput>)]) -> ControlResponse {
+    let target = match busid {
+        Some(wanted) => inputs.iter().find(|(b, _)| b.as_str() == wanted),
+        None => inputs.first(),
+    };
+    let Some((busid, input)) = target else {
+        return ControlResponse::error(
+            ControlErrorKind::Data,
+            match busid {
+                Some(b) => format!("no keyboard is exported as {b}"),
+                None => "this server exports no keyboard (start it with --virtual keyboard)".into(),
+            },
+        );
+    };
+    match input.type_text(text) {
+        Ok(reports) => {
+            info!(%busid, chars = text.chars().count(), "typing");
+            ControlResponse { reports: Some(reports), ..ControlResponse::done() }
+        }
+        Err(TypeRefusal::Untypable(message)) => ControlResponse::error(ControlErrorKind::Data, message),
+        Err(TypeRefusal::NotAttached) => ControlResponse::error(
+            ControlErrorKind::Unavailable,
+            format!(
+                "keyboard {busid} is not attached by any host yet (attach it with `usbip attach -r HOST -b {busid}`)"
+            ),
+        ),
+        Err(TypeRefusal::Busy(message)) => ControlResponse::error(ControlErrorKind::Unavailable, message),
     }
 }
 

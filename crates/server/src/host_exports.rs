@@ -25,6 +25,25 @@ use crate::registry::Registry;
 /// Kind label of real devices in listings and access rules.
 pub const HOST_KIND: &str = "host";
 
+/// Why `usbwire bind` or `unbind` did nothing; each carries the message for the user.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum BindError {
+    /// The bus id names no real device this can apply to: nothing plugged in
+    /// there, a virtual device, or (unbind) nothing exported.
+    NoDevice(String),
+    /// Bind: the device is exported already.
+    Exported(String),
+    /// The system refused: the device list unreadable, the device not openable.
+    System(String),
+}
+
+impl std::fmt::Display for BindError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (Self::NoDevice(message) | Self::Exported(message) | Self::System(message)) = self;
+        f.write_str(message)
+    }
+}
+
 /// Bind rules and what they exported. Cheap to clone (shared).
 #[derive(Clone)]
 pub struct HostExports {
@@ -79,28 +98,39 @@ impl HostExports {
     }
 
     /// `usbwire bind -b BUSID`: export the device at `busid` now and whenever it is plugged in again.
-    pub(crate) fn bind(&self, busid: &str) -> Result<String, String> {
-        let selector: Selector = busid.parse().map_err(|e: usbwire_host::SelectorError| e.to_string())?;
-        let devices = usbwire_host::list().map_err(|e| e.to_string())?;
-        let device = devices
-            .iter()
-            .find(|d| selector.matches(d))
-            .ok_or_else(|| format!("no USB device at {busid} on this machine (see `usbwire list -l`)"))?;
+    pub(crate) fn bind(&self, busid: &str) -> Result<String, BindError> {
+        if let Some(kind) = self.virtual_kind(busid) {
+            return Err(BindError::Exported(format!(
+                "{busid} is already exported: it is this server's virtual {kind} (see `usbwire state`)"
+            )));
+        }
+        let selector: Selector =
+            busid.parse().map_err(|e: usbwire_host::SelectorError| BindError::NoDevice(e.to_string()))?;
+        let devices = usbwire_host::list().map_err(|e| BindError::System(e.to_string()))?;
+        let device = devices.iter().find(|d| selector.matches(d)).ok_or_else(|| {
+            BindError::NoDevice(format!("no USB device at {busid} on this machine (see `usbwire list -l`)"))
+        })?;
         {
             let mut inner = lock(&self.inner);
             if inner.exported.contains(&device.busid) {
-                return Err(format!("{busid} is already exported"));
+                return Err(BindError::Exported(format!("{busid} is already exported (see `usbwire state`)")));
             }
             if !inner.bound_by_hand.contains(&selector) {
                 inner.bound_by_hand.push(selector);
                 inner.save();
             }
         }
-        self.export(device)
+        self.export(device).map_err(BindError::System)
     }
 
     /// `usbwire unbind -b BUSID`: stop exporting it (ending any import) and give it back to its kernel drivers.
-    pub(crate) fn unbind(&self, busid: &str) -> Result<(), String> {
+    pub(crate) fn unbind(&self, busid: &str) -> Result<(), BindError> {
+        if let Some(kind) = self.virtual_kind(busid) {
+            return Err(BindError::NoDevice(format!(
+                "{busid} is this server's virtual {kind}, exported for as long as it runs: unbind is for real \
+                 devices (start the server without that --virtual to stop exporting it)"
+            )));
+        }
         let mut inner = lock(&self.inner);
         let before = inner.bound_by_hand.len();
         inner.bound_by_hand.retain(|rule| !matches!(rule, Selector::BusId(b) if b == busid));
@@ -108,11 +138,20 @@ impl HostExports {
             inner.save();
         }
         if !inner.exported.remove(busid) {
-            return Err(format!("{busid} is not exported by this server (see `usbwire state`)"));
+            return Err(BindError::NoDevice(format!("{busid} is not exported by this server (see `usbwire state`)")));
         }
         drop(inner);
         self.registry.remove(busid);
         Ok(())
+    }
+
+    /// The kind of the virtual device exported as `busid`, if one is.
+    fn virtual_kind(&self, busid: &str) -> Option<String> {
+        self.registry
+            .list()
+            .into_iter()
+            .find(|e| e.record.busid.as_str() == busid && e.kind != HOST_KIND)
+            .map(|e| e.kind)
     }
 
     /// Follows hotplug until the server stops.

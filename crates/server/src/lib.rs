@@ -47,7 +47,9 @@ pub use capture::{
     CaptureConfig, DEFAULT_MAX_BYTES as DEFAULT_CAPTURE_MAX_BYTES, DEFAULT_MAX_FILE_BYTES as DEFAULT_CAPTURE_FILE_BYTES,
 };
 pub use config::{default_control_path, OwnBridges, PlainPolicy, Security, ServerConfig, DEFAULT_RESUME_GRACE};
-pub use control::{request as control_request, ControlRequest, ControlResponse, TextInput};
+pub use control::{
+    request as control_request, ControlErrorKind, ControlRequest, ControlResponse, TextInput, TypeRefusal,
+};
 pub use devstate::StateEntry;
 pub use error::ServerError;
 pub use host_exports::{HostExports, HOST_KIND};

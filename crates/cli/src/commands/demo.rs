@@ -32,10 +32,10 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     let (server, exported) =
         super::common::local_server::build(config, &specs, super::common::local_server::DiskLinks::Refuse)?;
     let bound = server.bind().await.map_err(|error| match error {
-        ServerError::Listen { addr, source } if source.kind() == std::io::ErrorKind::AddrInUse => Failure::unavailable(
-            anyhow!("{addr} is taken (is usbipd or another usbwire running?); pass --listen 127.0.0.1:3241"),
-        ),
-        other => Failure::unavailable(other.into()),
+        ServerError::Listen { addr, source } if source.kind() == std::io::ErrorKind::AddrInUse => Failure::os(anyhow!(
+            "{addr} is taken (is usbipd or another usbwire running?); pass --listen 127.0.0.1:3241"
+        )),
+        other => Failure::from(other),
     })?;
     let addr = bound.local_addr();
     super::common::local_server::warn_if_open(addr, bound.security(), false);

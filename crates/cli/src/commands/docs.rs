@@ -41,6 +41,8 @@ fn write_pages(command: &clap::Command, name: &str, dir: &Path) -> anyhow::Resul
     Ok(written)
 }
 
+/// The page clap's definitions give, then the EXIT STATUS section ([`crate::exit::EXIT_CODES`]).
 fn render(command: &clap::Command, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
-    clap_mangen::Man::new(command.clone()).render(out).context("cannot write the man page")
+    clap_mangen::Man::new(command.clone()).render(out).context("cannot write the man page")?;
+    out.write_all(crate::exit::man_section().as_bytes()).context("cannot write the man page")
 }

@@ -23,9 +23,10 @@ use crate::exit::Failure;
 
 fn vhci_failure(error: VhciError) -> Failure {
     match error {
-        VhciError::NotLoaded | VhciError::NoFreePort { .. } | VhciError::PortNotInUse(_) => {
-            Failure::unavailable(error.into())
-        }
+        VhciError::NotLoaded => Failure::os(error.into()),
+        VhciError::NoFreePort { .. } => Failure::temporary(error.into()),
+        VhciError::PortNotInUse(_) => Failure::data(error.into()),
+        VhciError::Permission { .. } => Failure::not_admitted(error.into()),
         _ => Failure::io(error.into()),
     }
 }

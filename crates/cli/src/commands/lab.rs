@@ -118,14 +118,17 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<(), Failure> {
         .filter_map(|d| d.reservation.as_ref())
         .map(|r| format!("{} ({})", escape(&r.holder), escape(&r.client)))
         .collect();
-    Err(Failure::unavailable(if held_by.is_empty() {
-        anyhow!("no reserved device matches {want}")
+    // Nothing to release is the selector's fault (65); someone else's reservations are not ours to end (77).
+    Err(if held_by.is_empty() {
+        Failure::data(anyhow!(
+            "no reserved device matches {want} (`usbwire who --registry {url}` shows what is reserved)"
+        ))
     } else {
-        anyhow!(
+        Failure::not_admitted(anyhow!(
             "none of the reserved devices matching {want} is yours (held by {}); --force releases them anyway",
             held_by.join(", ")
-        )
-    }))
+        ))
+    })
 }
 
 /// `usbwire who --registry URL [--json]`.

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::anyhow;
-use usbwire_server::{control_request, default_control_path, ControlRequest, ControlResponse};
+use usbwire_server::{control_request, default_control_path, ControlErrorKind, ControlRequest, ControlResponse};
 
 use crate::args::{BindArgs, CaptureArgs, ControlArgs, StateArgs, TypeArgs};
 use crate::exit::Failure;
@@ -22,10 +22,18 @@ async fn ask(control: &ControlArgs, request: ControlRequest) -> Result<ControlRe
         ))
     })?;
     if response.ok {
-        Ok(response)
-    } else {
-        Err(Failure::unavailable(anyhow!(response.error.unwrap_or_else(|| "the server refused".into()))))
+        return Ok(response);
     }
+    let error = anyhow!(response.error.unwrap_or_else(|| "the server refused".into()));
+    Err(match response.error_kind {
+        Some(ControlErrorKind::Data) => Failure::data(error),
+        Some(ControlErrorKind::Os) => Failure::os(error),
+        Some(ControlErrorKind::CannotCreate) => Failure::cannot_create(error),
+        Some(ControlErrorKind::Permission) => Failure::not_admitted(error),
+        Some(ControlErrorKind::Internal) => Failure::software(error),
+        // Unavailable, and what an older or newer server does not say.
+        _ => Failure::unavailable(error),
+    })
 }
 
 pub(crate) async fn type_text(args: TypeArgs) -> Result<(), Failure> {

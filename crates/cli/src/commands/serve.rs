@@ -86,10 +86,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
         let _ = stopping.send(());
     };
     let (server, exported) = build(config, &specs, DiskLinks::Follow)?;
-    let bound = server.bind().await.map_err(|e| match e {
-        error @ usbwire_server::ServerError::CaptureDir(_) => Failure::config(error.into()),
-        error => Failure::unavailable(error.into()),
-    })?;
+    let bound = server.bind().await.map_err(Failure::from)?;
     println!("usbwire serving on {}", bound.local_addr());
     for line in &exported {
         println!("  {line}");
@@ -286,10 +283,7 @@ async fn bind_redir_listener(rule: &RedirRule) -> Result<usbwire_client::redir::
         }
         RedirListen::Tcp(addr) => match tokio::net::TcpListener::bind(addr).await {
             Ok(listener) => Ok(listener.into()),
-            Err(e) => Err(Failure::unavailable(anyhow::anyhow!(
-                "[[redir]] for {}: cannot listen on {addr}: {e}",
-                rule.device
-            ))),
+            Err(e) => Err(Failure::os(anyhow::anyhow!("[[redir]] for {}: cannot listen on {addr}: {e}", rule.device))),
         },
     }
 }

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use usbwire_gadgets::{DiskOptions, KeyboardHandle, MassStorage};
-use usbwire_server::{PlainPolicy, Security, Server, ServerConfig, TextInput};
+use usbwire_gadgets::{DiskOptions, KeyboardHandle, MassStorage, TypeError};
+use usbwire_server::{PlainPolicy, Security, Server, ServerConfig, TextInput, TypeRefusal};
 
 use crate::config::VirtualSpec;
 use crate::exit::Failure;
@@ -116,8 +116,12 @@ pub(crate) fn build(
 struct Keyboard(KeyboardHandle);
 
 impl TextInput for Keyboard {
-    fn type_text(&self, text: &str) -> Result<usize, String> {
-        self.0.type_text(text).map_err(|error| error.to_string())
+    fn type_text(&self, text: &str) -> Result<usize, TypeRefusal> {
+        self.0.type_text(text).map_err(|error| match error {
+            TypeError::NotAttached => TypeRefusal::NotAttached,
+            TypeError::Unsupported(_) => TypeRefusal::Untypable(error.to_string()),
+            _ => TypeRefusal::Busy(error.to_string()),
+        })
     }
 
     fn is_attached(&self) -> bool {

@@ -25,6 +25,8 @@ use crate::exit::Failure;
 pub(crate) fn failure(error: LabError) -> Failure {
     match error {
         LabError::NoneFree { .. } => Failure::temporary(error.into()),
+        // The selector names no device of the fleet at all.
+        LabError::NoMatch { .. } => Failure::data(error.into()),
         LabError::Tls(_) => Failure::config(error.into()),
         _ => Failure::unavailable(error.into()),
     }
