@@ -46,6 +46,8 @@ impl Started {
 pub struct Running {
     child: Child,
     line: String,
+    /// Every line of stdout up to the ready line, that one included.
+    printed: Vec<String>,
     stderr: Option<JoinHandle<String>>,
 }
 
@@ -53,6 +55,11 @@ impl Running {
     /// The line it printed when ready.
     pub fn line(&self) -> &str {
         &self.line
+    }
+
+    /// What it printed on stdout up to and with its ready line.
+    pub fn printed(&self) -> &[String] {
+        &self.printed
     }
 
     pub fn child(&mut self) -> &mut Child {
@@ -91,10 +98,15 @@ pub fn start(mut command: Command, ready: &str) -> Started {
         text
     });
     let mut lines = BufReader::new(stdout).lines();
-    match lines.by_ref().map_while(Result::ok).find(|l| l.starts_with(ready)) {
+    let mut printed = Vec::new();
+    let found = lines.by_ref().map_while(Result::ok).find(|l| {
+        printed.push(l.clone());
+        l.starts_with(ready)
+    });
+    match found {
         Some(line) => {
             std::thread::spawn(move || for _ in lines {});
-            Started::Ready(Running { child, line, stderr: Some(stderr) })
+            Started::Ready(Running { child, line, printed, stderr: Some(stderr) })
         }
         None => {
             let code = child.wait().ok().and_then(|status| status.code());

@@ -105,8 +105,13 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     println!("  sudo modprobe vhci-hcd");
     println!("  sudo usbip{port_flag} attach -r {host} -b {}      # the disk appears as /dev/sdX", busid_of("disk"));
     println!("  sudo usbip{port_flag} attach -r {host} -b {}      # the keyboard", busid_of("keyboard"));
+    // A socket named with --control must be named again, or the follow-up commands miss it.
+    let control_flag = match &args.control.control {
+        Some(path) => format!(" --control {}", shell_word(&path.to_string_lossy())),
+        None => String::new(),
+    };
     println!(
-        "  usbwire type 'hello from usbwire'      # types on the attached keyboard (control socket {})",
+        "  usbwire type{control_flag} 'hello from usbwire'      # types on the attached keyboard (control socket {})",
         control.display()
     );
     println!(
@@ -114,14 +119,37 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         busid_of("serial"),
         serial_link.display()
     );
-    println!("  usbwire state                          # who holds which device");
+    println!("  usbwire state{control_flag}                          # who holds which device");
     println!("\nDisk image: {}. Press Ctrl-C to stop.", disk.display());
 
     serving.await.map_err(|error| Failure::software(error.into()))?;
     Ok(())
 }
 
+/// `text` as one shell word: as it is when that is safe, else in single quotes.
+fn shell_word(text: &str) -> String {
+    let plain = !text.is_empty() && text.bytes().all(|b| b.is_ascii_alphanumeric() || b"/._-+:=,@%".contains(&b));
+    if plain {
+        text.to_owned()
+    } else {
+        format!("'{}'", text.replace('\'', r"'\''"))
+    }
+}
+
 fn default_dir() -> PathBuf {
     let uid = usbwire_server::private_dir::effective_uid();
     std::env::temp_dir().join(format!("usbwire-demo-{uid}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_path_becomes_one_shell_word() {
+        assert_eq!(shell_word("/run/user/1000/usbwire.sock"), "/run/user/1000/usbwire.sock");
+        assert_eq!(shell_word("/tmp/my dir/c.sock"), "'/tmp/my dir/c.sock'");
+        assert_eq!(shell_word("/tmp/it's"), r"'/tmp/it'\''s'");
+        assert_eq!(shell_word(""), "''");
+    }
 }
