@@ -61,7 +61,7 @@ for rate in "${rates[@]}"; do
   server=$!
   for _ in $(seq 50); do ip netns exec "$ns" "$bin" list -r 127.0.0.1 -q >/dev/null 2>&1 && break; sleep 0.1; done
   bench() {
-    ip netns exec "$ns" "$bin" bench -r 127.0.0.1 -b 1-1 --sizes 64K,1M --depths 8 \
+    ip netns exec "$ns" "$bin" bench -r 127.0.0.1 -b 0-1 --sizes 64K,1M --depths 8 \
       --seconds "$seconds" --repeat "$repeat" --json -q ${data[@]+"${data[@]}"} "$@"
   }
   bench > "$work/plain.json"

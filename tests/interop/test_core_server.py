@@ -34,7 +34,7 @@ wait_path() { i=0; while [ $i -lt 100 ]; do [ -e "$1" ] && return 0; sleep 0.2; 
 echo "@@LIST-BEGIN"; $U list -r 10.0.2.2; echo "@@LIST-END rc=$?"
 
 # Disk (SuperSpeed): make a filesystem, write, read back, detach.
-$U attach -r 10.0.2.2 -b 2-1; check disk-attach $?
+$U attach -r 10.0.2.2 -b 0-3; check disk-attach $?
 wait_path /sys/block/sda; check disk-block-device $?
 sleep 1
 SIZE=$(cat /sys/block/sda/size); echo "@@DISK-SECTORS $SIZE"
@@ -43,12 +43,12 @@ mount -t ext2 /dev/sda /mnt; check disk-mount $?
 echo "__TEXT__" > /mnt/hello.txt; sync
 [ "$(cat /mnt/hello.txt)" = "__TEXT__" ]; check disk-read-back $?
 umount /mnt; check disk-umount $?
-p=$(port_of 2-1); $U detach -p "$p"; check disk-detach $?
+p=$(port_of 0-3); $U detach -p "$p"; check disk-detach $?
 i=0; while [ -e /sys/block/sda ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); done
 echo "@@DISK-DETACHED"
 
 # Keyboard: find its event device, read raw events while the host types.
-$U attach -r 10.0.2.2 -b 1-1; check keyboard-attach $?
+$U attach -r 10.0.2.2 -b 0-1; check keyboard-attach $?
 i=0; while ! grep -q "usbwire keyboard" /proc/bus/input/devices && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); done
 grep -q "usbwire keyboard" /proc/bus/input/devices; check keyboard-input-device $?
 EV=$(awk '/usbwire keyboard/ {f=1} f && /Handlers=/ {for (i=1;i<=NF;i++) if ($i ~ /^event/) {print $i; exit}}' /proc/bus/input/devices)
@@ -60,17 +60,17 @@ wait
 echo "@@EVENTS-BEGIN"; od -A n -t x1 -v /tmp/events; echo "@@EVENTS-END"
 
 # Mouse: enumerates as an input device.
-$U attach -r 10.0.2.2 -b 1-2; check mouse-attach $?
+$U attach -r 10.0.2.2 -b 0-2; check mouse-attach $?
 i=0; while ! grep -q "usbwire mouse" /proc/bus/input/devices && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); done
 grep -q "usbwire mouse" /proc/bus/input/devices; check mouse-input-device $?
 
 # Serial: bytes both ways between /dev/ttyACM0 and the host's pty.
-$U attach -r 10.0.2.2 -b 1-3; check serial-attach $?
+$U attach -r 10.0.2.2 -b 0-4; check serial-attach $?
 wait_path /dev/ttyACM0; check serial-tty $?
 __SERIAL_PING__
 
 # Loopback: source, sink and loop through usbfs.
-$U attach -r 10.0.2.2 -b 1-4; check loopback-attach $?
+$U attach -r 10.0.2.2 -b 0-5; check loopback-attach $?
 DEV=""; i=0
 while [ -z "$DEV" ] && [ $i -lt 50 ]; do
   for d in /sys/bus/usb/devices/*; do
@@ -84,23 +84,23 @@ wait_path "$DEV"
 usbloop "$DEV"; check loopback-usbloop $?
 
 # Re-attach the disk: the file is still there.
-$U attach -r 10.0.2.2 -b 2-1; check disk-reattach $?
+$U attach -r 10.0.2.2 -b 0-3; check disk-reattach $?
 wait_path /sys/block/sda; sleep 1
 mount -t ext2 /dev/sda /mnt; check disk-remount $?
 [ "$(cat /mnt/hello.txt)" = "__TEXT__" ]; check disk-file-survived $?
 umount /mnt
 
 # Detach everything.
-for b in 2-1 1-1 1-2 1-3 1-4; do p=$(port_of $b); [ -n "$p" ] && $U detach -p "$p" >/dev/null; done
+for b in 0-3 0-1 0-2 0-4 0-5; do p=$(port_of $b); [ -n "$p" ] && $U detach -p "$p" >/dev/null; done
 
 # Attach right after a detach, again and again: the server must never answer "busy"
 # because the previous connection is still being torn down (usbip attach does not retry).
 fails=0; i=0
 while [ $i -lt 25 ]; do
-  $U attach -r 10.0.2.2 -b 1-2 >/tmp/attach.log 2>&1 || { fails=$((fails+1)); echo "@@REATTACH-ERROR $(cat /tmp/attach.log)"; }
+  $U attach -r 10.0.2.2 -b 0-2 >/tmp/attach.log 2>&1 || { fails=$((fails+1)); echo "@@REATTACH-ERROR $(cat /tmp/attach.log)"; }
   # usbip port lists the port only once vhci has it (a moment on a TCG guest): wait for it,
   # so the detach really happens before the next attach.
-  p=""; j=0; while [ -z "$p" ] && [ $j -lt 50 ]; do p=$(port_of 1-2); [ -z "$p" ] && sleep 0.1; j=$((j+1)); done
+  p=""; j=0; while [ -z "$p" ] && [ $j -lt 50 ]; do p=$(port_of 0-2); [ -z "$p" ] && sleep 0.1; j=$((j+1)); done
   [ -n "$p" ] && $U detach -p "$p" >/dev/null 2>&1
   i=$((i+1))
 done
@@ -144,14 +144,14 @@ def check_capture(checks, capture_dir):
     """The server's own capture (--capture): tshark decodes the disk's files
     down to SCSI, with no malformed frame in any file."""
     files = sorted(os.listdir(capture_dir)) if os.path.isdir(capture_dir) else []
-    checks.check("--capture wrote a pcapng file per import", any(f.startswith("usbwire-2-1-") for f in files)
-                 and any(f.startswith("usbwire-1-1-") for f in files), files)
+    checks.check("--capture wrote a pcapng file per import", any(f.startswith("usbwire-0-3-") for f in files)
+                 and any(f.startswith("usbwire-0-1-") for f in files), files)
     malformed, scsi = 0, ""
     for name in files:
         path = os.path.join(capture_dir, name)
         out = subprocess.run(["tshark", "-r", path, "-Y", "_ws.malformed"], capture_output=True, text=True)
         malformed += len(out.stdout.splitlines())
-        if name.startswith("usbwire-2-1-"):
+        if name.startswith("usbwire-0-3-"):
             scsi += subprocess.run(["tshark", "-r", path, "-Y", "scsi"], capture_output=True, text=True).stdout
     checks.check("tshark finds no malformed frame in the captures", malformed == 0, f"{malformed} malformed")
     commands = [c for c in ("Inquiry", "Read(10)", "Write(10)") if c in scsi]
@@ -222,7 +222,7 @@ def main():
 
         listing = g.collect("@@LIST-BEGIN", "@@LIST-END").splitlines()
         text = "\n".join(listing)
-        for busid, ids in [("1-1", "1209:0001"), ("1-2", "1209:0002"), ("2-1", "1209:0003"), ("1-3", "1209:0004"), ("1-4", "1209:0005")]:
+        for busid, ids in [("0-1", "1209:0001"), ("0-2", "1209:0002"), ("0-3", "1209:0003"), ("0-4", "1209:0004"), ("0-5", "1209:0005")]:
             checks.check(f"usbip list -r shows {busid} ({ids})", f"{busid}:" in text and ids in text, text)
         checks.check("usbip list -r shows interface classes", "(03/01/01)" in text and "(08/06/50)" in text and "(ff/00/00)" in text, text)
 

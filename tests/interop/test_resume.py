@@ -5,7 +5,7 @@ under it is cut again and again.
 
 Host: `usbwire serve` with a 128 MiB SuperSpeed disk, and in front of it a
 cutting proxy (cutproxy.py) on host loopback. Guest (Debian's kernel under
-QEMU): `usbwire attach -r 10.0.2.2:PROXY -b 2-1` returns once attached and
+QEMU): `usbwire attach -r 10.0.2.2:PROXY -b 0-1` returns once attached and
 leaves a relay running that resumes the session when its connection drops,
 so the kernel never sees a disconnect. The guest makes an ext4 filesystem on
 the disk and writes a 64 MiB file of random data (from tmpfs, checksummed
@@ -109,7 +109,7 @@ before=" $(ls /sys/block | tr '\n' ' ')"
 
 # attach must return once the device is attached, leaving its relay behind.
 stamp attach
-timeout 60 usbwire attach -r $S -b 2-1 > /tmp/attach.out 2>&1
+timeout 60 usbwire attach -r $S -b 0-1 > /tmp/attach.out 2>&1
 must attach-returns $? "$(cat /tmp/attach.out)"
 echo "@@ATTACH-OUT $(tr '\n' '|' < /tmp/attach.out)"
 PORT=$(sed -n 's/.* port \([0-9][0-9]*\).*/\1/p' /tmp/attach.out | head -n 1)
@@ -792,7 +792,7 @@ def main():
         console.until("@@WRITE-START", 150)
         print(f"write started at {time.time() - g.started:.1f} s (disk {disk})", flush=True)
 
-        took, phases, silent = cut_phase(console, proxy, lambda: len(server_log.resumed("2-1")), seed)
+        took, phases, silent = cut_phase(console, proxy, lambda: len(server_log.resumed("0-1")), seed)
         cut_ok = True
         print(f"{sum(phases.values())} cuts in {took:.1f} s; while the guest was: "
               + ", ".join(f"{p} {n}" for p, n in sorted(phases.items())) + f"; silent ones: {silent}", flush=True)
@@ -862,7 +862,7 @@ def main():
     disk_stats = disk_stats or stats
     # The disk session's life before its detach (after it, the server may hold it for a resume).
     cut_log = ServerLog(log_path, before_detach)
-    resumed = cut_log.resumed("2-1")
+    resumed = cut_log.resumed("0-1")
     print(f"disk: proxy {disk_stats['connections']} connections, {disk_stats['cuts']} cuts; server: "
           f"{len(resumed)} resumed", flush=True)
     serial_from = serial["stats"]["connections"] if serial else len(stats["conns"])

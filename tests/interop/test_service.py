@@ -86,7 +86,7 @@ def main():
         line = g.wait_for("@@CHECK attached-at-boot ", 200)
         checks.check("the attach rule attaches the disk at boot", " PASS" in line, line)
         line = g.wait_for("@@PORT", 30)
-        checks.check("usbwire port shows it with its remote", f'"remote_port":"{port}"' in line and '"remote_busid":"2-1"' in line, line)
+        checks.check("usbwire port shows it with its remote", f'"remote_port":"{port}"' in line and '"remote_busid":"0-2"' in line, line)
         g.wait_for("@@READY-FOR-RESTART", 30)
         server.send_signal(signal.SIGTERM)
         server.wait(20)

@@ -64,14 +64,14 @@ fn busids(out: &Output) -> Vec<String> {
     json["devices"].as_array().unwrap().iter().map(|d| d["busid"].as_str().unwrap().to_owned()).collect()
 }
 
-/// A TLS server (plain accepted from loopback) exporting loopback devices 1-1
-/// and 1-2, where `alice` may use 1-1 and `extra` rules follow.
+/// A TLS server (plain accepted from loopback) exporting loopback devices 0-1
+/// and 0-2, where `alice` may use 0-1 and `extra` rules follow.
 fn tls_server(dir: &Path, alice: &str, extra: &str) -> Served {
     let config = dir.join("server.toml");
     std::fs::write(
         &config,
         format!(
-            "tls = true\nallow_plain = \"loopback\"\nidentity = {:?}\n\n[[allow]]\nclient = \"{alice}\"\ndevices = [\"1-1\"]\n{extra}",
+            "tls = true\nallow_plain = \"loopback\"\nidentity = {:?}\n\n[[allow]]\nclient = \"{alice}\"\ndevices = [\"0-1\"]\n{extra}",
             dir.join("server-identity").to_str().unwrap()
         ),
     )
@@ -88,11 +88,11 @@ fn a_plain_client_on_a_tls_server_sees_and_imports_nothing_unless_a_rule_names_p
     let served = tls_server(&dir, &alice, "");
     // Alice, over TLS, sees exactly her device: the rules are in force.
     let tls = ["--tls", "--trust-new", "--identity", alice_dir.to_str().unwrap()];
-    assert_eq!(busids(&usbwire(&[&["list", "-r", &served.addr, "--json"][..], &tls[..]].concat())), ["1-1"]);
+    assert_eq!(busids(&usbwire(&[&["list", "-r", &served.addr, "--json"][..], &tls[..]].concat())), ["0-1"]);
     // A plain client from 127.0.0.1 is accepted (--allow-plain loopback) but is the identity
     // `plain`, which no rule names: it lists nothing and its import is refused.
     assert!(busids(&usbwire(&["list", "-r", &served.addr, "--json"])).is_empty());
-    for busid in ["1-1", "1-2"] {
+    for busid in ["0-1", "0-2"] {
         let out = usbwire(&["describe", "-r", &served.addr, "-b", busid]);
         assert!(
             !out.status.success(),
@@ -104,12 +104,12 @@ fn a_plain_client_on_a_tls_server_sees_and_imports_nothing_unless_a_rule_names_p
 
     // A rule naming `plain` gives it that device, and only that one.
     let dir = scratch("plain-rule");
-    let served = tls_server(&dir, &alice, "\n[[allow]]\nclient = \"plain\"\ndevices = [\"1-2\"]\n");
-    assert_eq!(busids(&usbwire(&["list", "-r", &served.addr, "--json"])), ["1-2"]);
-    let out = usbwire(&["describe", "-r", &served.addr, "-b", "1-2"]);
-    assert!(out.status.success(), "plain import of 1-2 must work: {}", stderr_of(&out));
-    let out = usbwire(&["describe", "-r", &served.addr, "-b", "1-1"]);
-    assert!(!out.status.success(), "1-1 is Alice's only");
+    let served = tls_server(&dir, &alice, "\n[[allow]]\nclient = \"plain\"\ndevices = [\"0-2\"]\n");
+    assert_eq!(busids(&usbwire(&["list", "-r", &served.addr, "--json"])), ["0-2"]);
+    let out = usbwire(&["describe", "-r", &served.addr, "-b", "0-2"]);
+    assert!(out.status.success(), "plain import of 0-2 must work: {}", stderr_of(&out));
+    let out = usbwire(&["describe", "-r", &served.addr, "-b", "0-1"]);
+    assert!(!out.status.success(), "0-1 is Alice's only");
 }
 
 #[test]
@@ -136,7 +136,7 @@ fn allow_star_is_refused_without_allow_any_client() {
         "--identity",
         stranger.to_str().unwrap(),
     ]);
-    assert_eq!(busids(&out), ["1-1"]);
+    assert_eq!(busids(&out), ["0-1"]);
     drop(served);
 
     // The same rule in the config file needs allow_any_client = true.
@@ -210,7 +210,7 @@ fn a_plain_server_on_a_non_loopback_address_warns_once() {
     let open = format!("0.0.0.0:{port}");
     let served = serve(&dir, &["--listen", &open, "--no-advertise", "--virtual", "loopback"]).expect("plain server");
     let local = format!("127.0.0.1:{port}");
-    assert_eq!(busids(&usbwire(&["list", "-r", &local, "--json"])), ["1-1"]);
+    assert_eq!(busids(&usbwire(&["list", "-r", &local, "--json"])), ["0-1"]);
     let stderr = served.stop();
     assert_eq!(stderr.matches(OPEN_WARNING).count(), 1, "{stderr}");
     assert!(stderr.contains("WARN"), "{stderr}");

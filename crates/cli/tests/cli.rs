@@ -79,9 +79,9 @@ fn list_json_shows_exported_devices() {
     assert_eq!(
         summary,
         vec![
-            ("1-1".into(), "0001".into(), "high".into()),
-            ("2-1".into(), "0003".into(), "super".into()),
-            ("1-2".into(), "0005".into(), "high".into())
+            ("0-1".into(), "0001".into(), "high".into()),
+            ("0-2".into(), "0003".into(), "super".into()),
+            ("0-3".into(), "0005".into(), "high".into())
         ]
     );
     assert_eq!(devices[1]["interfaces"][0]["class"], "08/06/50");
@@ -158,7 +158,7 @@ fn describe_prints_the_descriptor_tree_and_releases_the_device() {
     let dir = scratch("describe");
     let disk = dir.join("disk.img");
     let served = serve(&dir, &[&format!("disk={},size=1M,speed=super", disk.display()), "serial"]);
-    let out = usbwire(&["describe", "-r", &served.addr, "-b", "2-1", "--json"]);
+    let out = usbwire(&["describe", "-r", &served.addr, "-b", "0-1", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let d: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(d["bcd_usb"], "3.20");
@@ -182,7 +182,7 @@ fn describe_prints_the_descriptor_tree_and_releases_the_device() {
     assert_eq!(d["bos"].as_array().unwrap().len(), 2);
 
     // The text form of the CDC-ACM device shows its class-specific descriptors.
-    let out = usbwire(&["describe", "-r", &served.addr, "-b", "1-1"]);
+    let out = usbwire(&["describe", "-r", &served.addr, "-b", "0-2"]);
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("Interface Association") && text.contains("CDC Union") && text.contains("bcdCDC"), "{text}");
 
@@ -442,7 +442,7 @@ fn json_output_speaks_one_vocabulary() {
     let mut import = vec![0x01, 0x11, 0x80, 0x03, 0, 0, 0, 0];
     import.extend_from_slice(&{
         let mut busid = [0u8; 32];
-        busid[..3].copy_from_slice(b"1-2");
+        busid[..3].copy_from_slice(b"0-2");
         busid
     });
     let mut held = std::net::TcpStream::connect(&served.addr).unwrap();
@@ -460,7 +460,7 @@ fn json_output_speaks_one_vocabulary() {
         assert_eq!(document["schema_version"], 1, "{document}");
     }
     let loopback = &state["devices"][1];
-    assert_eq!((loopback["busid"].as_str(), loopback["state"].as_str()), (Some("1-2"), Some("in_use")));
+    assert_eq!((loopback["busid"].as_str(), loopback["state"].as_str()), (Some("0-2"), Some("in_use")));
     let since = loopback["since"].as_u64().expect("the Unix time stays");
     let since_at = loopback["since_at"].as_str().expect("and its RFC 3339 form is beside it");
     let parsed = humantime::parse_rfc3339(since_at).unwrap();

@@ -20,8 +20,8 @@ use usbwire_redir::{Caps, Codec, Packet};
 use usbwire_transform::{Frame, Pipeline, Side, TransformSpec, MAX_FRAME_PAYLOAD};
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
-/// The loopback gadget is the only device, so it is 1-1.
-const LOOPBACK_DEVID: u32 = 0x0001_0001;
+/// The loopback gadget is the only device, so it is 0-1.
+const LOOPBACK_DEVID: u32 = 0x0000_0001;
 /// The loopback gadget's bulk OUT whose data waits for its loop IN (16 MiB queue).
 const LOOP_OUT_EP: u8 = 3;
 /// The loopback gadget's bulk IN that returns the loop OUT's data (waits for it).
@@ -80,7 +80,7 @@ impl Served {
 
     /// Another client is still served: the device list comes back, quickly.
     fn assert_serves_others(&self) {
-        assert!(self.lists_available("1-1"), "the device is missing from the list during the attack");
+        assert!(self.lists_available("0-1"), "the device is missing from the list during the attack");
     }
 
     /// Whether `busid` is in the device list, asked as another client would;
@@ -110,11 +110,11 @@ fn status_kib(child: &Child, field: &str) -> u64 {
 
 fn import_request() -> BytesMut {
     let mut out = BytesMut::new();
-    OpRequest::Import { busid: BusId::new("1-1").unwrap() }.encode(&mut out);
+    OpRequest::Import { busid: BusId::new("0-1").unwrap() }.encode(&mut out);
     out
 }
 
-/// Imports 1-1 over plain USB/IP; the stream is then in the URB phase.
+/// Imports 0-1 over plain USB/IP; the stream is then in the URB phase.
 fn import(stream: &mut TcpStream) {
     stream.write_all(&import_request()).unwrap();
     let mut reply = BytesMut::new();
@@ -323,7 +323,7 @@ fn capturing_a_stream_of_1_mib_urbs_adds_tens_of_mib_not_gigabytes() {
     let idle = served.status_kib("VmRSS:");
 
     let bench = Command::new(BIN)
-        .args(["bench", "-r", &served.addr, "-b", "1-1", "--sizes", "1M", "--depths", "8", "--seconds", "3"])
+        .args(["bench", "-r", &served.addr, "-b", "0-1", "--sizes", "1M", "--depths", "8", "--seconds", "3"])
         .args(["--repeat", "1", "--json"])
         .output()
         .unwrap();
@@ -370,7 +370,7 @@ impl RedirBridge {
         ));
         let socket = dir.join("redir.sock");
         let child = Command::new(BIN)
-            .args(["redir", "-r", &served.addr, "-b", "1-1", "--listen"])
+            .args(["redir", "-r", &served.addr, "-b", "0-1", "--listen"])
             .arg(format!("unix:{}", socket.display()))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -519,7 +519,7 @@ fn flood_the_bridge(name: &str, packets: Packets) {
     // The bridge gives the device back once it notices the guest left (behind the
     // flood it could not read); meanwhile the server answers, with the device in use.
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !served.lists_available("1-1") {
+    while !served.lists_available("0-1") {
         assert!(Instant::now() < deadline, "the bridge never gave the device back after its guest left");
         std::thread::sleep(Duration::from_millis(200));
     }

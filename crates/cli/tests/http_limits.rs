@@ -94,14 +94,14 @@ async fn get(target: SocketAddr, from: Ipv4Addr, path: &str, host: &str) -> (Str
     (head.lines().next().unwrap_or("").to_owned(), body.to_owned())
 }
 
-/// Imports 1-1 (retrying while the last import is being released); how long the answer took.
+/// Imports 0-1 (retrying while the last import is being released); how long the answer took.
 async fn import(addr: SocketAddr) -> Result<Duration, String> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let started = Instant::now();
         let mut stream = TcpStream::connect(addr).await.map_err(|e| format!("connect: {e}"))?;
         let mut request = BytesMut::new();
-        OpRequest::Import { busid: BusId::new("1-1").unwrap() }.encode(&mut request);
+        OpRequest::Import { busid: BusId::new("0-1").unwrap() }.encode(&mut request);
         stream.write_all(&request).await.map_err(|e| format!("write: {e}"))?;
         let mut reply = BytesMut::new();
         let result = loop {

@@ -96,14 +96,14 @@ impl Drop for Served {
 async fn counters_move_by_exactly_what_was_transferred() {
     let served = Served::start("exact");
     let bulk = |direction: &str, what: &str| {
-        format!("usbwire_device_{what}_total{{busid=\"1-1\",kind=\"loopback\",direction=\"{direction}\",transfer=\"bulk\"}}")
+        format!("usbwire_device_{what}_total{{busid=\"0-1\",kind=\"loopback\",direction=\"{direction}\",transfer=\"bulk\"}}")
     };
     assert_eq!(served.sample(&bulk("out", "bytes")), 0);
-    assert_eq!(served.sample("usbwire_device_imports_total{busid=\"1-1\",kind=\"loopback\"}"), 0);
+    assert_eq!(served.sample("usbwire_device_imports_total{busid=\"0-1\",kind=\"loopback\"}"), 0);
 
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let (connection, _) = Connection::import_resumable(served.addr, &busid, &Security::Plain, &[]).await.unwrap();
-    assert_eq!(served.sample("usbwire_device_in_use{busid=\"1-1\",kind=\"loopback\",client=\"127.0.0.1:"), 1);
+    assert_eq!(served.sample("usbwire_device_in_use{busid=\"0-1\",kind=\"loopback\",client=\"127.0.0.1:"), 1);
     // SET_CONFIGURATION 1, as a kernel would: one control OUT, no data.
     connection.transfer_checked(Transfer::control_out([0x00, 0x09, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
     for n in 0..10u8 {
@@ -122,18 +122,18 @@ async fn counters_move_by_exactly_what_was_transferred() {
     assert_eq!(served.sample(&bulk("out", "urbs")), 10);
     assert_eq!(served.sample(&bulk("in", "bytes")), 5 * 512);
     assert_eq!(served.sample(&bulk("in", "urbs")), 6, "five from the source, one refused");
-    let control = "usbwire_device_urbs_total{busid=\"1-1\",kind=\"loopback\",direction=\"out\",transfer=\"control\"}";
+    let control = "usbwire_device_urbs_total{busid=\"0-1\",kind=\"loopback\",direction=\"out\",transfer=\"control\"}";
     assert_eq!(served.sample(control), 1);
-    let errors = "usbwire_device_urb_errors_total{busid=\"1-1\",kind=\"loopback\",status=\"-32\",name=\"EPIPE\"}";
+    let errors = "usbwire_device_urb_errors_total{busid=\"0-1\",kind=\"loopback\",status=\"-32\",name=\"EPIPE\"}";
     assert_eq!(served.sample(errors), 1);
-    assert_eq!(served.sample("usbwire_device_imports_total{busid=\"1-1\",kind=\"loopback\"}"), 1);
+    assert_eq!(served.sample("usbwire_device_imports_total{busid=\"0-1\",kind=\"loopback\"}"), 1);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while served.sample("usbwire_device_in_use{busid=\"1-1\"") != 0 {
+    while served.sample("usbwire_device_in_use{busid=\"0-1\"") != 0 {
         assert!(Instant::now() < deadline, "the device was not released");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(served.sample("usbwire_device_urbs_in_flight{busid=\"1-1\",kind=\"loopback\"}"), 0);
-    let budget = "usbwire_device_budget_refusals_total{busid=\"1-1\",kind=\"loopback\",budget=\"in_flight_urbs\"}";
+    assert_eq!(served.sample("usbwire_device_urbs_in_flight{busid=\"0-1\",kind=\"loopback\"}"), 0);
+    let budget = "usbwire_device_budget_refusals_total{busid=\"0-1\",kind=\"loopback\",budget=\"in_flight_urbs\"}";
     assert_eq!(served.sample(budget), 0, "one URB at a time never fills a budget");
 
     // `state --json` carries the same counters.
@@ -185,7 +185,7 @@ fn packets_in(path: &std::path::Path) -> usize {
 #[tokio::test]
 async fn usbwire_capture_switches_a_running_import_on_and_off() {
     let served = Served::start("capture");
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let (connection, _) = Connection::import_resumable(served.addr, &busid, &Security::Plain, &[]).await.unwrap();
     connection.transfer_checked(Transfer::control_out([0x00, 0x09, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
     let dir = served.control.parent().unwrap().join("capture");
@@ -227,7 +227,7 @@ async fn sixteen_at_once(
 #[tokio::test]
 async fn a_client_outrunning_its_budget_is_counted() {
     let served = Served::start_with("budget", "[limits]\nin_flight_urbs = 2\n");
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     // A resumable client hears what the server's table takes and sends no more:
     // sixteen URBs at once never fill it.
     let (connection, _) = Connection::import_resumable(served.addr, &busid, &Security::Plain, &[]).await.unwrap();
@@ -236,7 +236,7 @@ async fn a_client_outrunning_its_budget_is_counted() {
         done.unwrap();
     }
     connection.close().await;
-    let budget = "usbwire_device_budget_refusals_total{busid=\"1-1\",kind=\"loopback\",budget=\"in_flight_urbs\"}";
+    let budget = "usbwire_device_budget_refusals_total{busid=\"0-1\",kind=\"loopback\",budget=\"in_flight_urbs\"}";
     assert_eq!(served.sample(budget), 0, "a resumable client filled the server's table");
     // A plain client (as the kernel's) does not know the budget: sixteen URBs at
     // once against two in flight, and the server stops reading until the device

@@ -99,7 +99,7 @@ fn stderr(output: &Output) -> String {
 fn a_tcp_redir_listener_without_the_opt_in_is_refused_at_config_load() {
     let dir = scratch("tcp-refused");
     let listen = free_addr();
-    let output = serve_refused(&dir, &["--redir", &format!("{listen}=1-1")]);
+    let output = serve_refused(&dir, &["--redir", &format!("{listen}=0-1")]);
     assert_eq!(output.status.code(), Some(78), "{}", stderr(&output));
     let message = stderr(&output);
     assert!(message.contains("no authentication") && message.contains("unix:PATH"), "{message}");
@@ -107,14 +107,14 @@ fn a_tcp_redir_listener_without_the_opt_in_is_refused_at_config_load() {
 
     // The same rule in the config file.
     let config = dir.join("server.toml");
-    std::fs::write(&config, format!("[[redir]]\ndevice = \"1-1\"\nlisten = \"{listen}\"\n")).unwrap();
+    std::fs::write(&config, format!("[[redir]]\ndevice = \"0-1\"\nlisten = \"{listen}\"\n")).unwrap();
     let output = serve_refused(&dir, &["--config", config.to_str().unwrap()]);
     assert_eq!(output.status.code(), Some(78), "{}", stderr(&output));
     assert!(stderr(&output).contains("allow_unauthenticated = true"), "{}", stderr(&output));
 
     // Never on a server that takes no plain USB/IP, even with the opt-in.
     let tls = tls_only(&dir.join("identity"));
-    let redir = format!("{listen}=1-1");
+    let redir = format!("{listen}=0-1");
     let args: Vec<&str> =
         tls.iter().map(String::as_str).chain(["--redir-tcp-unauthenticated", "--redir", &redir]).collect();
     let output = serve_refused(&dir, &args);
@@ -128,7 +128,7 @@ fn a_tcp_redir_listener_without_the_opt_in_is_refused_at_config_load() {
 fn a_tcp_redir_listener_with_the_opt_in_is_served() {
     let dir = scratch("tcp-opted-in");
     let listen = free_addr();
-    let serving = serve(&dir, &["--redir-tcp-unauthenticated", "--redir", &format!("{listen}=1-1")]);
+    let serving = serve(&dir, &["--redir-tcp-unauthenticated", "--redir", &format!("{listen}=0-1")]);
     assert!(serving.lines.iter().any(|l| l.contains(&listen)), "{:?}", serving.lines);
     let mut stream = TcpStream::connect(&listen).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -141,7 +141,7 @@ fn a_tcp_redir_listener_with_the_opt_in_is_served() {
 fn a_unix_redir_socket_is_0600_and_serves_a_usbredir_guest() {
     let dir = scratch("unix");
     let socket = dir.join("sockets/redir.sock");
-    let serving = serve(&dir, &["--redir", &format!("unix:{}=1-1", socket.display())]);
+    let serving = serve(&dir, &["--redir", &format!("unix:{}=0-1", socket.display())]);
     let meta = std::fs::metadata(&socket).unwrap();
     assert_eq!(meta.mode() & 0o777, 0o600, "the socket is private");
     let parent = std::fs::metadata(socket.parent().unwrap()).unwrap();
@@ -167,7 +167,7 @@ fn a_unix_redir_socket_with_a_group_is_0660_for_that_group() {
     let config = dir.join("server.toml");
     std::fs::write(
         &config,
-        format!("[[redir]]\ndevice = \"1-1\"\nlisten = \"unix:{}\"\ngroup = \"{gid}\"\n", socket.display()),
+        format!("[[redir]]\ndevice = \"0-1\"\nlisten = \"unix:{}\"\ngroup = \"{gid}\"\n", socket.display()),
     )
     .unwrap();
     let serving = serve(&dir, &["--config", config.to_str().unwrap()]);
@@ -191,7 +191,7 @@ fn a_unix_redir_socket_in_another_users_directory_is_refused() {
     std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
     std::os::unix::fs::lchown(&theirs, Some(65534), Some(65534)).unwrap();
     let socket = theirs.join("redir.sock");
-    let output = serve_refused(&dir, &["--redir", &format!("unix:{}=1-1", socket.display())]);
+    let output = serve_refused(&dir, &["--redir", &format!("unix:{}=0-1", socket.display())]);
     assert_eq!(output.status.code(), Some(78), "{}", stderr(&output));
     assert!(stderr(&output).contains("belongs to uid 65534"), "{}", stderr(&output));
     assert!(!socket.exists(), "a socket was made in another user's directory");
@@ -205,7 +205,7 @@ fn the_servers_own_key_gets_only_its_bridges_devices() {
     let identity = dir.join("identity");
     let socket = dir.join("redir.sock");
     let tls = tls_only(&identity);
-    let redir = format!("unix:{}=1-1", socket.display());
+    let redir = format!("unix:{}=0-1", socket.display());
     let args: Vec<&str> = tls.iter().map(String::as_str).chain(["--virtual", "keyboard", "--redir", &redir]).collect();
     let serving = serve(&dir, &args);
     // Whoever holds the server's key (its bridges) sees the bridge's device, not the keyboard.
@@ -214,7 +214,7 @@ fn the_servers_own_key_gets_only_its_bridges_devices() {
     let own = list(&["--tls", "--identity", identity.to_str().unwrap()]);
     let listed = String::from_utf8_lossy(&own.stdout);
     assert!(own.status.success(), "{}", stderr(&own));
-    assert!(listed.contains("\"1-1\"") && !listed.contains("\"1-2\""), "{listed}");
+    assert!(listed.contains("\"0-1\"") && !listed.contains("\"0-2\""), "{listed}");
     assert_eq!(std::fs::metadata(&socket).unwrap().mode() & 0o777, 0o600);
     drop(serving);
     let _ = std::fs::remove_dir_all(&dir);

@@ -112,7 +112,7 @@ async fn restarts_and_cuts(resume_grace: Duration) -> u64 {
     };
     let mut server = start_server(addr, resume_grace).await;
     let proxy = Proxy::start(addr, Duration::ZERO, Duration::ZERO).await.unwrap();
-    let mut device = ReattachingDevice::new(proxy.addr, BusId::new("1-1").unwrap(), Security::Plain);
+    let mut device = ReattachingDevice::new(proxy.addr, BusId::new("0-1").unwrap(), Security::Plain);
     tokio::time::timeout(BACK_WITHIN, use_device(&mut device, 0)).await.expect("first import");
 
     let mut slowest = Duration::ZERO;

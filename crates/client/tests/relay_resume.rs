@@ -134,7 +134,7 @@ async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
     let test_server = TestServer::builder().resume_grace(Duration::from_secs(30)).loopback().start().await;
     let server = test_server.addr();
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let imported = usbwire_client::import_resumable(proxy.addr, &busid, &Security::Plain, &transforms).await.unwrap();
     assert!(imported.resume.is_some(), "a usbwire server grants resume");
     let (kernel_end, relay_end) = UnixStream::pair().unwrap();
@@ -189,7 +189,7 @@ async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
     let mut last = None;
     for _ in 0..40 {
         let states = usbwire_client::device_states(server, &Security::Plain).await.unwrap().unwrap();
-        let state = states.into_iter().find(|s| s.busid == "1-1").unwrap();
+        let state = states.into_iter().find(|s| s.busid == "0-1").unwrap();
         if state.state == "available" {
             return;
         }
@@ -208,7 +208,7 @@ async fn a_link_gone_silent_is_noticed_and_resumed_well_within_the_grace_period(
     let test_server = TestServer::builder().resume_grace(Duration::from_secs(30)).loopback().start().await;
     let server = test_server.addr();
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let imported = usbwire_client::import_resumable(proxy.addr, &busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.resume.is_some_and(|grant| grant.keepalive), "a usbwire server pings");
     let (kernel_end, relay_end) = UnixStream::pair().unwrap();
@@ -266,7 +266,7 @@ async fn without_resume_a_cut_ends_the_relay_with_what_to_do() {
     let test_server = TestServer::builder().resume_grace(Duration::ZERO).loopback().start().await;
     let server = test_server.addr();
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let imported = usbwire_client::import_resumable(proxy.addr, &busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.resume.is_none(), "--resume-grace 0 grants no resume");
     let (kernel_end, relay_end) = UnixStream::pair().unwrap();
@@ -289,7 +289,7 @@ async fn without_resume_a_cut_ends_the_relay_with_what_to_do() {
 async fn a_server_that_shuts_down_ends_the_session_and_the_relay_at_once() {
     let mut test_server = TestServer::builder().resume_grace(Duration::from_secs(30)).loopback().start().await;
     let server = test_server.addr();
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let imported = usbwire_client::import_resumable(server, &busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.resume.is_some());
     let (kernel_end, relay_end) = UnixStream::pair().unwrap();
@@ -316,12 +316,12 @@ async fn a_server_that_shuts_down_ends_the_session_and_the_relay_at_once() {
 async fn a_dropped_session_shows_as_resuming_then_is_released_after_the_grace_period() {
     let test_server = TestServer::builder().resume_grace(Duration::from_secs(2)).loopback().start().await;
     let server = test_server.addr();
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let imported = usbwire_client::import_resumable(server, &busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.resume.is_some());
     drop(imported.stream);
     let state = |states: Vec<usbwire_client::RemoteDeviceState>| {
-        let s = states.into_iter().find(|s| s.busid == "1-1").unwrap();
+        let s = states.into_iter().find(|s| s.busid == "0-1").unwrap();
         (s.state, s.resuming_since.is_some())
     };
     let mut seen_resuming = false;
@@ -369,7 +369,7 @@ async fn the_same_client_importing_afresh_takes_its_parked_device_back() {
     // wait out the 30 s grace period its own old session is parked for.
     let test_server = TestServer::builder().resume_grace(Duration::from_secs(30)).loopback().start().await;
     let server = test_server.addr();
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let imported = usbwire_client::import_resumable(server, &busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.resume.is_some());
     drop(imported.stream);
@@ -377,7 +377,7 @@ async fn the_same_client_importing_afresh_takes_its_parked_device_back() {
     let mut parked = false;
     for _ in 0..40 {
         let states = usbwire_client::device_states(server, &Security::Plain).await.unwrap().unwrap();
-        if states.iter().any(|s| s.busid == "1-1" && s.resuming_since.is_some()) {
+        if states.iter().any(|s| s.busid == "0-1" && s.resuming_since.is_some()) {
             parked = true;
             break;
         }

@@ -52,7 +52,7 @@ async fn loop_stream_survives_100_random_cuts_without_a_transfer_error() {
     let test_server = TestServer::builder().resume_grace(Duration::from_secs(30)).loopback().start().await;
     let server = test_server.addr();
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let (connection, _) = Connection::import_resumable(proxy.addr, &busid, &Security::Plain, &[]).await.unwrap();
     assert!(connection.is_resumable(), "a usbwire server grants resume");
     connection.transfer_checked(Transfer::control_out(SET_CONFIGURATION_1, Bytes::new())).await.unwrap();
@@ -127,7 +127,7 @@ async fn without_resume_a_cut_fails_pending_transfers_as_disconnected() {
     let test_server = TestServer::builder().resume_grace(Duration::ZERO).loopback().start().await;
     let server = test_server.addr();
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let (connection, _) = Connection::import_resumable(proxy.addr, &busid, &Security::Plain, &[]).await.unwrap();
     assert!(!connection.is_resumable(), "--resume-grace 0 grants no resume");
     assert!(connection.relay_states().is_none());
@@ -148,7 +148,7 @@ async fn a_lost_session_fails_pending_transfers_as_disconnected() {
     let mut test_server = TestServer::builder().resume_grace(Duration::from_secs(30)).loopback().start().await;
     let server = test_server.addr();
     let proxy = Proxy::start(server, Duration::ZERO, Duration::ZERO).await.unwrap();
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let (connection, _) = Connection::import_resumable(proxy.addr, &busid, &Security::Plain, &[]).await.unwrap();
     assert!(connection.is_resumable());
     connection.transfer_checked(Transfer::control_out(SET_CONFIGURATION_1, Bytes::new())).await.unwrap();

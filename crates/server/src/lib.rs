@@ -53,7 +53,7 @@ pub use control::{
 pub use devstate::StateEntry;
 pub use error::ServerError;
 pub use host_exports::{HostExports, HOST_KIND};
-pub use registry::{DeviceState, ExportInfo, Registry};
+pub use registry::{DeviceState, ExportInfo, Registry, VIRTUAL_BUS};
 use state::ServerState;
 pub use usbwire_host::{Selector, SelectorError};
 /// The reservation digest a lab registry stores (`usbwire_proto::reservation`), where the lab crate looks for it.
@@ -73,8 +73,8 @@ impl Server {
         Self { config, registry: Registry::default(), text_inputs: Vec::new() }
     }
 
-    /// Exports a device under the next free bus id (bus 2 for SuperSpeed,
-    /// bus 1 otherwise, numbered in order). `kind` is a short label for humans.
+    /// Exports a virtual device under the next free bus id on bus 0 (`0-1`,
+    /// `0-2` …, in order; [`VIRTUAL_BUS`]). `kind` is a short label for humans.
     pub fn export(&mut self, kind: &str, device: Box<dyn Device>) -> BusId {
         self.registry.add(kind, device)
     }

@@ -156,18 +156,14 @@ pub struct Registry {
 }
 
 impl Registry {
-    /// Exports a virtual device under the next free bus id: bus 2 for
-    /// SuperSpeed (vhci puts those on its SS hub), bus 1 otherwise.
+    /// Exports a virtual device under the next free bus id on
+    /// [`VIRTUAL_BUS`] (`0-1`, `0-2` …), a bus no real controller has, so a
+    /// virtual device never takes the bus id of a real one.
     pub(crate) fn add(&self, kind: &str, device: Box<dyn Device>) -> BusId {
-        let busnum: u32 = if device.summary().speed.is_superspeed() { 2 } else { 1 };
         let mut exports = lock(&self.exports);
-        let busid = (1..)
-            .map(|devnum| BusId::new(&format!("{busnum}-{devnum}")).expect("short numeric bus ids are valid"))
-            .find(|busid| exports.iter().all(|e| &e.record.busid != busid))
-            .expect("a free bus id exists");
-        let devnum = busid.as_str()[2..].parse().unwrap_or(0);
+        let (busid, devnum) = virtual_busid(|busid| exports.iter().any(|e| e.record.busid.as_str() == busid));
         let path = format!("/sys/devices/usbwire/{kind}/{busid}");
-        Self::insert(&mut exports, kind, busid.clone(), busnum, devnum, path, device);
+        Self::insert(&mut exports, kind, busid.clone(), VIRTUAL_BUS, devnum, path, device);
         drop(exports);
         self.changes.bump();
         busid
@@ -408,6 +404,27 @@ impl Registry {
                 decider.handle_timeout(Instant::now());
             }
         }
+    }
+}
+
+/// The bus number of virtual devices. Linux numbers its USB buses from 1
+/// (`usb_register_bus`: `idr_alloc(&usb_bus_idr, bus, 1, USB_MAXBUS, …)` in
+/// `drivers/usb/core/hcd.c`), so bus 0 is never a real controller's and no
+/// real device's bus id (`1-1`, `3-2.4`) is ever `0-N`. vhci-hcd takes any
+/// `devid` (`busnum << 16 | devnum`) and `usbip attach` any bus id string.
+pub const VIRTUAL_BUS: u32 = 0;
+
+/// The first free `0-N` bus id (`taken` says which are used) and its `N`.
+/// (The `usbip` tool hands `devnum` to vhci as a `uint8_t`: past 255 virtual
+/// devices the kernel client would see the wrong one.)
+fn virtual_busid(taken: impl Fn(&str) -> bool) -> (BusId, u32) {
+    let mut devnum = 1u32;
+    loop {
+        // Ends: only finitely many bus ids are taken, and `0-N` is always a valid bus id.
+        if let Some(busid) = BusId::new(&format!("{VIRTUAL_BUS}-{devnum}")).filter(|b| !taken(b.as_str())) {
+            return (busid, devnum);
+        }
+        devnum = devnum.saturating_add(1);
     }
 }
 

@@ -122,7 +122,7 @@ async fn half_open(target: SocketAddr) -> std::io::Result<tokio::net::TcpStream>
     socket.connect(target).await
 }
 
-/// Over ~10 s of flood, the client on 127.0.0.1 lists and imports 1-1, each within 2 s, every time.
+/// Over ~10 s of flood, the client on 127.0.0.1 lists and imports 0-1, each within 2 s, every time.
 async fn served_during_flood(addr: SocketAddr, security: &Security) {
     let flood = Flood::start(addr);
     // Let the flood fill whatever it can first.
@@ -146,11 +146,11 @@ async fn served_during_flood(addr: SocketAddr, security: &Security) {
         let listed = at.elapsed();
         let at = Instant::now();
         let (stream, record) =
-            tokio::time::timeout(SERVED_WITHIN, usbwire_client::import(addr, &busid("1-1"), security))
+            tokio::time::timeout(SERVED_WITHIN, usbwire_client::import(addr, &busid("0-1"), security))
                 .await
                 .unwrap_or_else(|_| panic!("round {rounds}: no import within 2 s"))
                 .unwrap_or_else(|error| panic!("round {rounds}: import refused: {error}"));
-        assert_eq!(record.busid.as_str(), "1-1");
+        assert_eq!(record.busid.as_str(), "0-1");
         slowest = slowest.max(listed).max(at.elapsed());
         drop(stream);
         rounds += 1;
@@ -176,7 +176,7 @@ async fn a_half_open_flood_from_one_address_does_not_lock_out_another_tls() {
     served_during_flood(addr, &security).await;
 }
 
-/// Imports 1-1, cuts the connection (a FIN, or a reset every other time) and at
+/// Imports 0-1, cuts the connection (a FIN, or a reset every other time) and at
 /// once imports again from a new connection — the way `usbip detach` then
 /// `usbip attach` does, which does not retry a busy answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -186,7 +186,7 @@ async fn two_thousand_import_and_cut_cycles_are_never_refused() {
     let started = Instant::now();
     let mut refused = Vec::new();
     for cycle in 0..CYCLES {
-        match usbwire_client::import(addr, &busid("1-1"), &Security::Plain).await {
+        match usbwire_client::import(addr, &busid("0-1"), &Security::Plain).await {
             Ok((stream, _)) => {
                 if cycle % 2 == 1 {
                     let PeerStream::Plain(tcp) = &stream else { panic!("a plain import is a TCP stream") };
@@ -214,13 +214,13 @@ async fn two_thousand_import_and_cut_cycles_are_never_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_import_from_the_holders_host_waits_for_its_late_close() {
     let addr = serve(ServerSecurity::default()).await;
-    let (stream, _) = usbwire_client::import(addr, &busid("1-1"), &Security::Plain).await.unwrap();
+    let (stream, _) = usbwire_client::import(addr, &busid("0-1"), &Security::Plain).await.unwrap();
     let closer = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(800)).await;
         drop(stream);
     });
     let started = Instant::now();
-    let again = usbwire_client::import(addr, &busid("1-1"), &Security::Plain).await;
+    let again = usbwire_client::import(addr, &busid("0-1"), &Security::Plain).await;
     assert!(again.is_ok(), "refused although the holder closed after 800 ms: {:?}", again.as_ref().err());
     assert!(started.elapsed() >= Duration::from_millis(700), "it waited for the close");
     closer.await.unwrap();
@@ -232,7 +232,7 @@ async fn an_import_from_the_holders_host_waits_for_its_late_close() {
     let mut tcp = from_elsewhere.connect(addr).await.unwrap();
     let started = Instant::now();
     let mut request = bytes::BytesMut::new();
-    usbwire_proto::op::OpRequest::Import { busid: busid("1-1") }.encode(&mut request);
+    usbwire_proto::op::OpRequest::Import { busid: busid("0-1") }.encode(&mut request);
     tokio::io::AsyncWriteExt::write_all(&mut tcp, &request).await.unwrap();
     let mut reply = [0u8; 8];
     tcp.read_exact(&mut reply).await.unwrap();

@@ -18,7 +18,7 @@ use usbwire_transport::PeerStream;
 const GET_DEVICE_DESCRIPTOR: [u8; 8] = [0x80, 0x06, 0x00, 0x01, 0x00, 0x00, 0x12, 0x00];
 const SET_CONFIGURATION_1: [u8; 8] = [0x00, 0x09, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00];
 
-/// Starts a server with a loopback device (1-1) and a keyboard (1-2) on an ephemeral port.
+/// Starts a server with a loopback device (0-1) and a keyboard (0-2) on an ephemeral port.
 async fn start() -> SocketAddr {
     let (keyboard, _handle) = usbwire_gadgets::keyboard();
     TestServer::builder().loopback().device("keyboard", Box::new(keyboard)).start().await.keep_running()
@@ -86,13 +86,13 @@ async fn devlist_shows_devices_with_interfaces() {
     let devices = usbwire_client::list_devices(addr, &Security::Plain).await.unwrap();
     assert_eq!(devices.len(), 2);
     let loopback = &devices[0];
-    assert_eq!(loopback.busid.as_str(), "1-1");
+    assert_eq!(loopback.busid.as_str(), "0-1");
     assert_eq!((loopback.id_vendor, loopback.id_product), (0x1209, 0x0005));
     assert_eq!(loopback.speed, Speed::HIGH);
-    assert_eq!(loopback.devid(), 0x0001_0001);
+    assert_eq!(loopback.devid(), 0x0000_0001, "bus 0, device 1");
     assert_eq!(loopback.interfaces[0].b_interface_class, 0xff);
     let keyboard = &devices[1];
-    assert_eq!(keyboard.busid.as_str(), "1-2");
+    assert_eq!(keyboard.busid.as_str(), "0-2");
     assert_eq!(
         (
             keyboard.interfaces[0].b_interface_class,
@@ -109,13 +109,13 @@ async fn device_state_says_who_holds_what_since_when() {
     let states = usbwire_client::device_states(addr, &Security::Plain).await.unwrap().expect("a usbwire server");
     assert_eq!(states.len(), 2);
     assert!(states.iter().all(|s| s.state == "available" && s.client.is_none()), "{states:?}");
-    let keyboard = states.iter().find(|s| s.busid == "1-2").unwrap();
+    let keyboard = states.iter().find(|s| s.busid == "0-2").unwrap();
     assert_eq!((keyboard.vendor_id.as_str(), keyboard.product_id.as_str()), ("1209", "0001"));
     assert!(!keyboard.serial.is_empty(), "virtual devices have serial numbers");
 
-    let held = configured(addr, "1-1").await;
+    let held = configured(addr, "0-1").await;
     let states = usbwire_client::device_states(addr, &Security::Plain).await.unwrap().unwrap();
-    let loopback = states.iter().find(|s| s.busid == "1-1").unwrap();
+    let loopback = states.iter().find(|s| s.busid == "0-1").unwrap();
     assert_eq!(loopback.state, "in_use");
     let client = loopback.client.as_deref().unwrap();
     assert!(client.starts_with("127.0.0.1:"), "{client}");
@@ -123,7 +123,7 @@ async fn device_state_says_who_holds_what_since_when() {
     assert!(now.abs_diff(loopback.since.unwrap()) <= 5);
     assert_eq!(loopback.identity, None, "a plain client has no identity");
     drop(held);
-    wait_listed(addr, "1-1").await;
+    wait_listed(addr, "0-1").await;
 }
 
 #[tokio::test]
@@ -136,9 +136,9 @@ async fn device_state_from_a_server_without_the_extension_is_none() {
 #[tokio::test]
 async fn import_is_exclusive_and_released_on_disconnect() {
     let addr = start().await;
-    let first = configured(addr, "1-1").await;
+    let first = configured(addr, "0-1").await;
     // A second importer is refused; the device is not listed while in use.
-    match usbwire_client::import(addr, &busid("1-1"), &Security::Plain).await {
+    match usbwire_client::import(addr, &busid("0-1"), &Security::Plain).await {
         Err(usbwire_client::ClientError::Refused { status, .. }) => assert_eq!(status, OpStatus::DEV_BUSY),
         other => panic!("expected DEV_BUSY, got {:?}", other.map(|(_, r)| r)),
     }
@@ -146,7 +146,7 @@ async fn import_is_exclusive_and_released_on_disconnect() {
         .await
         .unwrap()
         .iter()
-        .all(|d| d.busid.as_str() != "1-1"));
+        .all(|d| d.busid.as_str() != "0-1"));
     // The first importer is unaffected.
     let ret = first.transfer(Transfer::control_in(GET_DEVICE_DESCRIPTOR)).await.unwrap();
     assert_eq!(ret.actual_length, 18);
@@ -156,9 +156,9 @@ async fn import_is_exclusive_and_released_on_disconnect() {
         other => panic!("expected NODEV, got {:?}", other.map(|(_, r)| r)),
     }
     drop(first);
-    wait_listed(addr, "1-1").await;
+    wait_listed(addr, "0-1").await;
     // Importable again, and reset: unconfigured until the new client configures it.
-    let (stream, record) = usbwire_client::import(addr, &busid("1-1"), &Security::Plain).await.unwrap();
+    let (stream, record) = usbwire_client::import(addr, &busid("0-1"), &Security::Plain).await.unwrap();
     let conn = Connection::new(stream, &record);
     let config = conn.transfer(Transfer::control_in([0x80, 0x08, 0, 0, 0, 0, 1, 0])).await.unwrap();
     assert_eq!(&config.data[..], &[0]);
@@ -167,7 +167,7 @@ async fn import_is_exclusive_and_released_on_disconnect() {
 #[tokio::test]
 async fn many_urbs_in_flight_and_no_head_of_line_blocking() {
     let addr = start().await;
-    let conn = configured(addr, "1-1").await;
+    let conn = configured(addr, "0-1").await;
     // An IN on the loop endpoint pends (nothing queued yet)...
     let (_, pending_in) = conn.submit(Transfer::bulk_in(0x83, 4096)).await.unwrap();
     // ...while ep0 and the source endpoint keep working.
@@ -193,7 +193,7 @@ async fn many_urbs_in_flight_and_no_head_of_line_blocking() {
 #[tokio::test]
 async fn transfer_queue_delivers_every_completion_once_in_order() {
     let addr = start().await;
-    let conn = configured(addr, "1-1").await;
+    let conn = configured(addr, "0-1").await;
     let mut queue = conn.queue();
     assert!(queue.next_complete().await.is_none(), "nothing pending");
     // Small and large (uncopied) OUT payloads on the loop pair, then IN on the
@@ -229,7 +229,7 @@ async fn transfer_queue_delivers_every_completion_once_in_order() {
 async fn transfer_queue_reports_a_lost_connection() {
     let mut server = usbwire_testing::TestServer::loopback().await;
     let addr = server.addr();
-    let conn = configured(addr, "1-1").await;
+    let conn = configured(addr, "0-1").await;
     let mut queue = conn.queue();
     // Loop IN URBs pend until data arrives, which it never will.
     queue.submit(Transfer::bulk_in(0x83, 64)).unwrap();
@@ -249,7 +249,7 @@ async fn transfer_queue_reports_a_lost_connection() {
 #[tokio::test]
 async fn unlink_of_pending_urb_answers_like_the_kernel_stub() {
     let addr = start().await;
-    let (mut stream, devid) = raw_import(addr, "1-1").await;
+    let (mut stream, devid) = raw_import(addr, "0-1").await;
     let mut wire = BytesMut::new();
     submit(1, devid, Direction::Out, 0, 0, SET_CONFIGURATION_1, Bytes::new()).encode(&mut wire);
     submit(2, devid, Direction::In, 3, 512, [0; 8], Bytes::new()).encode(&mut wire); // pends
@@ -278,7 +278,7 @@ async fn unlink_of_pending_urb_answers_like_the_kernel_stub() {
 #[tokio::test]
 async fn bad_input_closes_only_that_connection() {
     let addr = start().await;
-    let bystander = configured(addr, "1-2").await;
+    let bystander = configured(addr, "0-2").await;
     fn header(edit: fn(&mut [u8; 48], u32)) -> impl Fn(u32) -> Vec<u8> {
         move |devid| {
             let mut h = submit(1, devid, Direction::In, 1, 64, [0; 8], Bytes::new()).header();
@@ -309,7 +309,7 @@ async fn bad_input_closes_only_that_connection() {
         ),
     ];
     for (name, bytes) in cases {
-        let (mut stream, devid) = raw_import(addr, "1-1").await;
+        let (mut stream, devid) = raw_import(addr, "0-1").await;
         stream.write_all(&bytes(devid)).await.unwrap();
         if name == "truncated header" {
             // The client vanishes mid-header.
@@ -318,12 +318,12 @@ async fn bad_input_closes_only_that_connection() {
             let rest = read_to_end_within(&mut stream).await;
             assert!(rest.is_empty(), "{name}: no reply expected, got {} bytes", rest.len());
         }
-        wait_listed(addr, "1-1").await;
+        wait_listed(addr, "0-1").await;
         let ret = bystander.transfer(Transfer::control_in(GET_DEVICE_DESCRIPTOR)).await.unwrap();
         assert_eq!(ret.actual_length, 18, "{name}: bystander still served");
     }
     // The device works for the next importer.
-    let conn = configured(addr, "1-1").await;
+    let conn = configured(addr, "0-1").await;
     assert_eq!(conn.transfer(Transfer::bulk_in(0x81, 100)).await.unwrap().actual_length, 100);
 }
 
@@ -337,7 +337,7 @@ async fn op_phase_rejects_garbage_and_urbs_to_missing_endpoints_stall() {
         stream.write_all(garbage).await.unwrap();
         assert!(read_to_end_within(&mut stream).await.is_empty());
     }
-    let conn = configured(addr, "1-1").await;
+    let conn = configured(addr, "0-1").await;
     let ret = conn.transfer(Transfer::bulk_in(0x86, 64)).await.unwrap();
     assert_eq!(ret.status, Status::EPIPE);
     assert_eq!(conn.transfer_checked(Transfer::bulk_in(0x86, 64)).await, Err(usbwire_client::TransferError::Stall));
@@ -356,9 +356,9 @@ async fn disk_sectors_over_the_network_match_the_image() {
     std::fs::write(&image, [&pattern[..], &vec![0u8; (1 << 20) - 8192][..]].concat()).unwrap();
 
     let server = TestServer::builder().device("disk", Box::new(disk)).start().await;
-    assert_eq!(server.busids()[0].as_str(), "2-1");
+    assert_eq!(server.busids()[0].as_str(), "0-1");
     let addr = server.keep_running();
-    let conn = configured(addr, "2-1").await;
+    let conn = configured(addr, "0-1").await;
 
     let cbw = |tag: u32, len: u32, data_in: bool, cdb: &[u8]| {
         let mut raw = vec![0u8; 31];
@@ -397,11 +397,11 @@ async fn serial_and_mouse_over_the_network() {
     let server =
         TestServer::builder().device("serial", Box::new(serial)).device("mouse", Box::new(mouse)).start().await;
     let busids: Vec<&str> = server.busids().iter().map(|b| b.as_str()).collect();
-    assert_eq!(busids, ["1-1", "1-2"]);
+    assert_eq!(busids, ["0-1", "0-2"]);
     let addr = server.keep_running();
 
     // CDC-ACM: SET_LINE_CODING, then bytes both ways between bulk endpoints and the pty.
-    let conn = configured(addr, "1-1").await;
+    let conn = configured(addr, "0-1").await;
     let coding = Bytes::from_static(&[0x00, 0xc2, 0x01, 0x00, 0, 0, 8]); // 115200 8N1
     let ret = conn.transfer(Transfer::control_out([0x21, 0x20, 0, 0, 0, 0, 7, 0], coding.clone())).await.unwrap();
     assert_eq!(ret.status, Status::OK);
@@ -418,7 +418,7 @@ async fn serial_and_mouse_over_the_network() {
     assert_eq!(&ret.data[..], b"from-the-pty");
 
     // Mouse: a queued movement completes the pending interrupt IN.
-    let mouse_conn = configured(addr, "1-2").await;
+    let mouse_conn = configured(addr, "0-2").await;
     let (_, report) = mouse_conn.submit(Transfer::bulk_in(0x81, 8)).await.unwrap();
     for _ in 0..100 {
         if mouse_handle.is_attached() {
@@ -451,7 +451,7 @@ async fn resume_from(source: std::net::Ipv4Addr, addr: SocketAddr, token: &usbwi
 #[tokio::test]
 async fn a_sniffed_plain_resume_token_from_another_address_is_refused() {
     let addr = start().await;
-    let imported = usbwire_client::import_resumable(addr, &busid("1-1"), &Security::Plain, &[]).await.unwrap();
+    let imported = usbwire_client::import_resumable(addr, &busid("0-1"), &Security::Plain, &[]).await.unwrap();
     let token = imported.resume.expect("resume granted to a plain client").token;
     let sniffer = std::net::Ipv4Addr::new(127, 0, 0, 2);
     assert!(!resume_from(sniffer, addr, &token).await, "taken over from 127.0.0.2 while the owner is connected");

@@ -30,12 +30,12 @@ fn scratch(name: &str) -> std::path::PathBuf {
     dir
 }
 
-/// A TLS server exporting three devices; Alice may use only 1-1.
+/// A TLS server exporting three devices; Alice may use only 0-1.
 async fn start(plain: PlainPolicy) -> Setup {
     start_with_ca(plain, None).await
 }
 
-/// The same, also trusting `ca` for `ca:bob` on 1-2.
+/// The same, also trusting `ca` for `ca:bob` on 0-2.
 async fn start_with_ca(plain: PlainPolicy, ca: Option<usbwire_transport::ca::TrustedCa>) -> Setup {
     start_with_rules(plain, ca, &[]).await
 }
@@ -46,8 +46,8 @@ async fn start_with_rules(plain: PlainPolicy, ca: Option<usbwire_transport::ca::
     let alice = Identity::generate("alice").unwrap();
     let mut rules = AccessRules {
         rules: vec![
-            Rule { client: alice.fingerprint().to_string(), devices: vec!["1-1".into()] },
-            Rule { client: "ca:bob".into(), devices: vec!["1-2".into()] },
+            Rule { client: alice.fingerprint().to_string(), devices: vec!["0-1".into()] },
+            Rule { client: "ca:bob".into(), devices: vec!["0-2".into()] },
         ],
     };
     rules.rules.extend_from_slice(extra);
@@ -83,12 +83,12 @@ async fn allowed_client_sees_and_imports_only_its_device_over_tls() {
     let setup = start(PlainPolicy::Never).await;
     let alice = tls(&setup.alice, pinned(&setup, setup.addr, "alice-known"), false);
     let devices = usbwire_client::list_devices(setup.addr, &alice).await.unwrap();
-    assert_eq!(devices.iter().map(|d| d.busid.as_str()).collect::<Vec<_>>(), vec!["1-1"]);
-    match usbwire_client::import(setup.addr, &BusId::new("1-2").unwrap(), &alice).await {
+    assert_eq!(devices.iter().map(|d| d.busid.as_str()).collect::<Vec<_>>(), vec!["0-1"]);
+    match usbwire_client::import(setup.addr, &BusId::new("0-2").unwrap(), &alice).await {
         Err(ClientError::Refused { status, .. }) => assert_eq!(status, OpStatus::NODEV),
         other => panic!("expected refusal, got {:?}", other.map(|(_, r)| r)),
     }
-    let (stream, record) = usbwire_client::import(setup.addr, &BusId::new("1-1").unwrap(), &alice).await.unwrap();
+    let (stream, record) = usbwire_client::import(setup.addr, &BusId::new("0-1").unwrap(), &alice).await.unwrap();
     assert!(stream.is_tls());
     let conn = Connection::new(stream, &record);
     let ret = conn.transfer(Transfer::control_out([0, 9, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
@@ -122,11 +122,11 @@ async fn refused_before_any_device_is_listed() {
         other => panic!("expected not-admitted, got {other:?}"),
     };
     not_admitted(usbwire_client::list_devices(setup.addr, &unknown).await.map(drop));
-    not_admitted(usbwire_client::import(setup.addr, &BusId::new("1-1").unwrap(), &unknown).await.map(drop));
+    not_admitted(usbwire_client::import(setup.addr, &BusId::new("0-1").unwrap(), &unknown).await.map(drop));
     not_admitted(usbwire_client::device_states(setup.addr, &unknown).await.map(drop));
     let offer = [TransformSpec::Zstd];
     not_admitted(
-        usbwire_client::import_with(setup.addr, &BusId::new("1-1").unwrap(), &unknown, &offer).await.map(drop),
+        usbwire_client::import_with(setup.addr, &BusId::new("0-1").unwrap(), &unknown, &offer).await.map(drop),
     );
     // A server whose key is not the pinned one (a key for another server).
     let other_server = Identity::generate("other").unwrap();
@@ -277,7 +277,7 @@ async fn bytes_altered_on_the_wire_drop_the_connection() {
     // Flip a byte well after the handshake, inside the OUT payload's TLS records.
     let proxy = tampering_proxy(setup.addr, 60_000).await;
     let alice = tls(&setup.alice, pinned(&setup, proxy, "tamper-known"), false);
-    let (stream, record) = usbwire_client::import(proxy, &BusId::new("1-1").unwrap(), &alice).await.unwrap();
+    let (stream, record) = usbwire_client::import(proxy, &BusId::new("0-1").unwrap(), &alice).await.unwrap();
     let conn = Connection::new(stream, &record);
     conn.transfer(Transfer::control_out([0, 9, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
     let sent = Bytes::from(vec![0x11u8; 200_000]);
@@ -297,13 +297,13 @@ async fn bytes_altered_on_the_wire_drop_the_connection() {
 
 #[tokio::test]
 async fn negotiated_transforms_carry_urbs_over_tls_and_plain() {
-    let plain_rule = Rule { client: "plain".into(), devices: vec!["1-1".into()] };
+    let plain_rule = Rule { client: "plain".into(), devices: vec!["0-1".into()] };
     let setup = start_with_rules(PlainPolicy::Loopback, None, &[plain_rule]).await;
     let alice = tls(&setup.alice, pinned(&setup, setup.addr, "alice-transforms"), false);
     let offer = [TransformSpec::Zstd, TransformSpec::Jitter(std::time::Duration::from_millis(20))];
     for security in [alice, Security::Plain] {
         let (stream, record) =
-            usbwire_client::import_with(setup.addr, &BusId::new("1-1").unwrap(), &security, &offer).await.unwrap();
+            usbwire_client::import_with(setup.addr, &BusId::new("0-1").unwrap(), &security, &offer).await.unwrap();
         assert_eq!(stream.transforms(), ["zstd", "jitter"]);
         let conn = Connection::new(stream, &record);
         conn.transfer(Transfer::control_out([0, 9, 1, 0, 0, 0, 0, 0], Bytes::new())).await.unwrap();
@@ -329,7 +329,7 @@ async fn asking_a_stock_server_for_transforms_is_a_clear_error() {
     // A peer that hangs up on an unknown op code, as usbipd does.
     let addr = usbwire_testing::stock_peer().await;
     let result =
-        usbwire_client::import_with(addr, &BusId::new("1-1").unwrap(), &Security::Plain, &[TransformSpec::Lz4]).await;
+        usbwire_client::import_with(addr, &BusId::new("0-1").unwrap(), &Security::Plain, &[TransformSpec::Lz4]).await;
     match result {
         Err(ClientError::NoTransforms { .. }) => {}
         other => panic!("expected NoTransforms, got {:?}", other.map(|(_, r)| r)),
@@ -346,9 +346,9 @@ async fn a_private_ca_admits_the_names_it_issued_and_nothing_else() {
 
     let bob = ca.issue("bob", 30).unwrap();
     let devices = usbwire_client::list_devices(setup.addr, &client(&bob, "bob-known")).await.unwrap();
-    assert_eq!(devices.iter().map(|d| d.busid.as_str()).collect::<Vec<_>>(), ["1-2"], "bob sees only his device");
+    assert_eq!(devices.iter().map(|d| d.busid.as_str()).collect::<Vec<_>>(), ["0-2"], "bob sees only his device");
     let (_stream, _) =
-        usbwire_client::import(setup.addr, &BusId::new("1-2").unwrap(), &client(&bob, "bob-import")).await.unwrap();
+        usbwire_client::import(setup.addr, &BusId::new("0-2").unwrap(), &client(&bob, "bob-import")).await.unwrap();
     let states = usbwire_client::device_states(setup.addr, &client(&bob, "bob-state")).await.unwrap().unwrap();
     assert!(states[0].identity.as_deref().unwrap().starts_with("ca:bob"), "{states:?}");
 
@@ -377,10 +377,10 @@ async fn a_private_ca_admits_the_names_it_issued_and_nothing_else() {
 #[tokio::test]
 async fn only_the_importing_identity_can_resume_a_session() {
     let eve = Identity::generate("eve").unwrap();
-    let extra = [Rule { client: eve.fingerprint().to_string(), devices: vec!["1-3".into()] }];
+    let extra = [Rule { client: eve.fingerprint().to_string(), devices: vec!["0-3".into()] }];
     let setup = start_with_rules(PlainPolicy::Loopback, None, &extra).await;
     let alice = tls(&setup.alice, pinned(&setup, setup.addr, "resume-alice"), false);
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let imported = usbwire_client::import_resumable(setup.addr, &busid, &alice, &[]).await.unwrap();
     let token = imported.resume.expect("resume granted over TLS").token;
     drop(imported.stream);

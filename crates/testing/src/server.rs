@@ -35,7 +35,7 @@ impl TestServer {
         }
     }
 
-    /// A plain server with one high-speed loopback device (bus id `1-1`).
+    /// A plain server with one high-speed loopback device (bus id `0-1`).
     pub async fn loopback() -> Self {
         Self::builder().loopback().start().await
     }

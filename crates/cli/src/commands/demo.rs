@@ -99,7 +99,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     let port = addr.port();
     let port_flag = if port == usbwire_proto::DEFAULT_PORT { String::new() } else { format!(" --tcp-port {port}") };
     let busid_of = |kind: &str| {
-        exported.iter().find(|l| l.contains(kind)).and_then(|l| l.split_whitespace().next()).unwrap_or("1-1").to_owned()
+        exported.iter().find(|l| l.contains(kind)).and_then(|l| l.split_whitespace().next()).unwrap_or("0-1").to_owned()
     };
     println!("Next steps (on a Linux machine with the usbip tools; root for attach):");
     println!("  sudo modprobe vhci-hcd");

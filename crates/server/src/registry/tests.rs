@@ -17,10 +17,45 @@ fn named_exports_keep_their_bus_id_and_virtual_ones_avoid_it() {
     let busid = BusId::new("1-1").unwrap();
     assert!(registry.add_named("host", busid.clone(), (1, 4), "/sys/devices/x/1-1".into(), loopback()).is_ok());
     assert!(registry.add_named("host", busid, (1, 4), String::new(), loopback()).is_err(), "taken");
-    assert_eq!(registry.add("loopback", loopback()).as_str(), "1-2");
+    assert_eq!(registry.add("loopback", loopback()).as_str(), "0-1");
     let listed = registry.list();
     assert_eq!((listed[0].record.busnum, listed[0].record.devnum), (1, 4));
     assert_eq!(listed[0].record.path, "/sys/devices/x/1-1");
+}
+
+/// Virtual devices took 1-1…1-N (and 2-N for SuperSpeed), the bus ids of
+/// the first real devices: a real device at 1-1 on a server that exported a
+/// virtual one first was refused as taken.
+#[test]
+fn a_real_device_at_1_1_is_exported_beside_virtual_devices() {
+    let registry = Registry::default();
+    let superspeed = Box::new(usbwire_gadgets::loopback(usbwire_device::Speed::SUPER));
+    let virtual_ids: Vec<String> = [
+        registry.add("loopback", loopback()),
+        registry.add("loopback", superspeed),
+        registry.add("loopback", loopback()),
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    assert_eq!(virtual_ids, ["0-1", "0-2", "0-3"], "every virtual device on bus 0, in export order");
+    // Where the kernel puts a real device: bus 1 (or 2), from 1 up.
+    for (busid, numbers) in [("1-1", (1, 2)), ("2-1", (2, 2)), ("1-1.2", (1, 3))] {
+        let real = BusId::new(busid).unwrap();
+        let path = format!("/sys/devices/pci0000:00/usb1/{busid}");
+        assert!(registry.add_named("host", real, numbers, path, loopback()).is_ok(), "{busid} refused");
+    }
+    let listed = registry.list();
+    let records: Vec<(&str, u32, u32)> =
+        listed.iter().map(|e| (e.record.busid.as_str(), e.record.busnum, e.record.devnum)).collect();
+    assert_eq!(
+        records,
+        [("0-1", 0, 1), ("0-2", 0, 2), ("0-3", 0, 3), ("1-1", 1, 2), ("2-1", 2, 2), ("1-1.2", 1, 3)],
+        "the devid a URB header carries is busnum << 16 | devnum: 0x00000001 for 0-1"
+    );
+    // A withdrawn virtual device's bus id is taken by the next one.
+    assert!(registry.remove("0-2"));
+    assert_eq!(registry.add("loopback", loopback()).as_str(), "0-2");
 }
 
 /// An importer with no socket: always counts as present.
