@@ -10,8 +10,12 @@
 //! too (the server sends no `RET_SUBMIT` for a URB it cancelled); a
 //! `RET_UNLINK(0)` follows its target's `RET_SUBMIT`.
 //!
-//! Resumable sessions ([`resumable`]) keep every command until its reply
-//! arrives and acknowledge the replies they received, without a write of
+//! Every session keeps, per outstanding seqnum, only what its reply must be
+//! checked against (a submit's direction, length and iso packet count; an
+//! unlink's target) and the caller's tag: a command's bytes leave with the
+//! outbox. Resumable sessions ([`resumable`]) also keep every command whole
+//! until its reply arrives, to send it again on a new connection, and
+//! acknowledge the replies they received, without a write of
 //! their own where they can: the acknowledgement rides in front of the next
 //! command, goes out once a read's worth ([`ACK_EVERY_BYTES`]) is unacknowledged,
 //! and otherwise when the driver has nothing else to do ([`acknowledge`]).
@@ -82,6 +86,11 @@ pub enum ClientSessionError {
     /// resume on a new connection.
     #[error("nothing heard from the server for {:.1} s", .0.as_secs_f64())]
     Silent(Duration),
+    /// [`ClientSession::resumed`] on a session that was never made
+    /// [resumable](ClientSession::resumable): it kept no commands to send
+    /// again. Import the device anew.
+    #[error("the session is not resumable; import the device again")]
+    NotResumable,
 }
 
 enum Command {
@@ -98,12 +107,38 @@ impl Command {
     }
 }
 
+/// What an outstanding seqnum's reply is checked against, and the caller's tag.
 struct Outstanding<T> {
+    sent: Sent,
+    /// `Some` for a submit.
+    tag: Option<T>,
+}
+
+/// What was sent under a seqnum, as far as its reply is concerned.
+#[derive(Clone, Copy)]
+enum Sent {
+    Submit(SubmittedShape),
+    Unlink { target: u32 },
+}
+
+impl Sent {
+    fn of(command: &Command) -> Self {
+        match command {
+            Command::Submit(submit) => Self::Submit(SubmittedShape {
+                direction: submit.direction,
+                transfer_buffer_length: submit.transfer_buffer_length,
+                iso_packets: (!submit.iso_packets.is_empty()).then_some(submit.number_of_packets),
+            }),
+            Command::Unlink(unlink) => Self::Unlink { target: unlink.unlink_seqnum },
+        }
+    }
+}
+
+/// A command a resumable session keeps whole until its reply, to send again.
+struct Kept {
     /// Position in the order commands were sent (counts submits and unlinks).
     index: u64,
     command: Command,
-    /// `Some` for a submit.
-    tag: Option<T>,
 }
 
 pub struct ClientSession<T> {
@@ -113,6 +148,8 @@ pub struct ClientSession<T> {
     /// Reused once the payloads decoded from it are dropped.
     inbuf: RecvBuffer,
     outstanding: SeqnumMap<Outstanding<T>>,
+    /// Resumable sessions: the commands of `outstanding`, whole, by seqnum.
+    kept: SeqnumMap<Kept>,
     /// `transfer_buffer_length` summed over outstanding submits.
     outstanding_bytes: usize,
     /// Submits among `outstanding`.
@@ -149,6 +186,7 @@ impl<T> ClientSession<T> {
             budget,
             inbuf: RecvBuffer::holding(leftover, READ_CHUNK, crate::recv_buffer::MAX_SPARE_BYTES),
             outstanding: SeqnumMap::default(),
+            kept: SeqnumMap::default(),
             outstanding_bytes: 0,
             outstanding_submits: 0,
             server_in_flight: None,
@@ -242,16 +280,14 @@ impl<T> ClientSession<T> {
     /// Queues a `CMD_SUBMIT`; its reply comes back as [`Event::Completed`] with `tag`.
     pub fn submit(&mut self, command: CmdSubmit, tag: T) -> Result<(), ClientSessionError> {
         self.check_fresh(command.seqnum)?;
-        self.held.push_back((Command::Submit(command), Some(tag)));
-        self.send_held();
+        self.take(Command::Submit(command), Some(tag));
         Ok(())
     }
 
     /// Queues a `CMD_UNLINK`; its answer comes back as [`Event::Unlinked`].
     pub fn unlink(&mut self, command: CmdUnlink) -> Result<(), ClientSessionError> {
         self.check_fresh(command.seqnum)?;
-        self.held.push_back((Command::Unlink(command), None));
-        self.send_held();
+        self.take(Command::Unlink(command), None);
         Ok(())
     }
 
@@ -263,36 +299,56 @@ impl<T> ClientSession<T> {
         Ok(())
     }
 
-    /// Sends the commands held for room in the server's table, in order, while
-    /// it would take them: a submit while its URBs and bytes admit one more
-    /// (as the server counts; our outstanding submits are never fewer than its
-    /// URBs in flight), an unlink always.
-    fn send_held(&mut self) {
-        while let Some((command, _)) = self.held.front() {
-            if let (Command::Submit(submit), Some((urbs, bytes))) = (command, self.server_in_flight) {
-                let length = submit.transfer_buffer_length as usize;
-                let admitted = self.outstanding_submits < urbs
-                    && (self.outstanding_bytes == 0 || self.outstanding_bytes.saturating_add(length) <= bytes);
-                if !admitted {
-                    return;
-                }
-            }
-            let Some((command, tag)) = self.held.pop_front() else { return };
-            if self.connected {
-                self.acknowledge();
-                match &command {
-                    Command::Submit(submit) => self.outbox.push_cmd_submit(submit),
-                    Command::Unlink(unlink) => self.outbox.push_header(&unlink.header()),
-                }
-            }
-            if let Command::Submit(submit) = &command {
-                self.outstanding_bytes += submit.transfer_buffer_length as usize;
-                self.outstanding_submits += 1;
-            }
-            let seqnum = command.seqnum();
-            self.outstanding.insert(seqnum, Outstanding { index: self.commands_sent, command, tag });
-            self.commands_sent += 1;
+    /// Sends `command` at once when none is held before it and the server's
+    /// table takes it; holds it otherwise.
+    fn take(&mut self, command: Command, tag: Option<T>) {
+        if self.held.is_empty() && self.admitted(&command) {
+            self.send(command, tag);
+        } else {
+            self.held.push_back((command, tag));
+            self.send_held();
         }
+    }
+
+    /// Whether the server's table takes `command` now: a submit while its URBs
+    /// and bytes admit one more (as the server counts; our outstanding submits
+    /// are never fewer than its URBs in flight), an unlink always.
+    fn admitted(&self, command: &Command) -> bool {
+        let (Command::Submit(submit), Some((urbs, bytes))) = (command, self.server_in_flight) else { return true };
+        let length = submit.transfer_buffer_length as usize;
+        self.outstanding_submits < urbs
+            && (self.outstanding_bytes == 0 || self.outstanding_bytes.saturating_add(length) <= bytes)
+    }
+
+    /// Sends the commands held for room in the server's table, in order, while it takes them.
+    fn send_held(&mut self) {
+        while self.held.front().is_some_and(|(command, _)| self.admitted(command)) {
+            let Some((command, tag)) = self.held.pop_front() else { return };
+            self.send(command, tag);
+        }
+    }
+
+    /// Queues `command`'s bytes (while connected) and makes it outstanding. Only
+    /// a resumable session keeps the command itself, to send it again.
+    fn send(&mut self, command: Command, tag: Option<T>) {
+        let sent = Sent::of(&command);
+        if self.connected {
+            self.acknowledge();
+            match &command {
+                Command::Submit(submit) => self.outbox.push_cmd_submit(submit),
+                Command::Unlink(unlink) => self.outbox.push_header(&unlink.header()),
+            }
+        }
+        if let Sent::Submit(shape) = &sent {
+            self.outstanding_bytes += shape.transfer_buffer_length as usize;
+            self.outstanding_submits += 1;
+        }
+        let seqnum = command.seqnum();
+        self.outstanding.insert(seqnum, Outstanding { sent, tag });
+        if self.resumable {
+            self.kept.insert(seqnum, Kept { index: self.commands_sent, command });
+        }
+        self.commands_sent += 1;
     }
 
     /// The buffer to read server bytes into, with room for the whole next reply.
@@ -311,16 +367,17 @@ impl<T> ClientSession<T> {
         if urb::Command(word(0)) != urb::Command::RET_SUBMIT {
             return Some(urb::HEADER_LEN);
         }
-        let Some(Outstanding { command: Command::Submit(submit), .. }) = self.outstanding.get(word(4)) else {
+        let Some(Outstanding { sent: Sent::Submit(shape), .. }) = self.outstanding.get(word(4)) else {
             return None;
         };
         let actual = word(0x18);
-        let payload = if submit.direction == crate::Direction::In && actual <= submit.transfer_buffer_length {
+        let payload = if shape.direction == crate::Direction::In && actual <= shape.transfer_buffer_length {
             actual as usize
         } else {
             0
         };
-        Some(urb::HEADER_LEN + payload + submit.iso_packets.len() * urb::ISO_DESCRIPTOR_LEN)
+        let iso_count = shape.iso_packets.map_or(0, |count| count.clamp(0, self.limits.max_iso_packets as i32));
+        Some(urb::HEADER_LEN + payload + iso_count as usize * urb::ISO_DESCRIPTOR_LEN)
     }
 
     /// Decodes every whole reply buffered and queues its [`Event`]. A
@@ -355,11 +412,7 @@ impl<T> ClientSession<T> {
             }
             let outstanding = &self.outstanding;
             let shape = |seqnum: u32| match outstanding.get(seqnum) {
-                Some(Outstanding { command: Command::Submit(submit), .. }) => Some(SubmittedShape {
-                    direction: submit.direction,
-                    transfer_buffer_length: submit.transfer_buffer_length,
-                    iso_packets: (!submit.iso_packets.is_empty()).then_some(submit.number_of_packets),
-                }),
+                Some(Outstanding { sent: Sent::Submit(shape), .. }) => Some(*shape),
                 _ => None,
             };
             let Some(message) = urb::decode_return(&mut self.inbuf, &self.limits, shape)? else { break };
@@ -368,18 +421,18 @@ impl<T> ClientSession<T> {
                 ServerMessage::Submit(reply) => {
                     // decode_return found it outstanding, as a submit.
                     if let Some(done) = self.outstanding.remove(reply.seqnum) {
-                        self.forget(&done);
+                        self.forget(reply.seqnum, done.sent);
                         if let Some(tag) = done.tag {
                             self.events.push_back(Event::Completed { reply, tag });
                         }
                     }
                 }
                 ServerMessage::Unlink(reply) => match self.outstanding.remove(reply.seqnum) {
-                    Some(Outstanding { command: Command::Unlink(unlink), .. }) => {
-                        let target = unlink.unlink_seqnum;
+                    Some(Outstanding { sent: sent @ Sent::Unlink { target }, .. }) => {
+                        self.forget(reply.seqnum, sent);
                         let cancelled = if reply.status == Status::ECONNRESET {
                             self.outstanding.remove(target).and_then(|done| {
-                                self.forget(&done);
+                                self.forget(target, done.sent);
                                 done.tag.map(|tag| (target, tag))
                             })
                         } else {
@@ -442,7 +495,8 @@ impl<T> ClientSession<T> {
 
     /// The connection is gone: partial replies and unwritten commands are
     /// dropped; every command stays outstanding, to be sent again by
-    /// [`resumed`](Self::resumed) if the server never got it.
+    /// [`resumed`](Self::resumed) if the server never got it (a session that
+    /// is not resumable cannot resume: its caller ends it).
     pub fn disconnected(&mut self) {
         self.inbuf.clear();
         self.input_seen = 0;
@@ -457,13 +511,16 @@ impl<T> ClientSession<T> {
 
     /// The server took the session over on a new connection, having received
     /// `commands_received` commands whole; `leftover` is what was read past its
-    /// answer. Queues every later command again, in order.
+    /// answer. Queues every later command again, in order. Only for a
+    /// [resumable](Self::resumable) session ([`ClientSessionError::NotResumable`]).
     pub fn resumed(&mut self, commands_received: u64, leftover: BytesMut) -> Result<usize, ClientSessionError> {
+        if !self.resumable {
+            return Err(ClientSessionError::NotResumable);
+        }
         if commands_received > self.commands_sent {
             return Err(ClientSessionError::BadCommandCount { claimed: commands_received, sent: self.commands_sent });
         }
-        let mut again: Vec<&Outstanding<T>> =
-            self.outstanding.values().filter(|pending| pending.index >= commands_received).collect();
+        let mut again: Vec<&Kept> = self.kept.values().filter(|pending| pending.index >= commands_received).collect();
         again.sort_by_key(|pending| pending.index);
         self.outbox.clear();
         for pending in &again {
@@ -484,10 +541,14 @@ impl<T> ClientSession<T> {
         Ok(again.len())
     }
 
-    fn forget(&mut self, done: &Outstanding<T>) {
-        if let Command::Submit(submit) = &done.command {
-            self.outstanding_bytes -= submit.transfer_buffer_length as usize;
+    /// `seqnum`, which was `sent`, is answered: it no longer counts, and is no longer kept.
+    fn forget(&mut self, seqnum: u32, sent: Sent) {
+        if let Sent::Submit(shape) = sent {
+            self.outstanding_bytes -= shape.transfer_buffer_length as usize;
             self.outstanding_submits -= 1;
+        }
+        if self.resumable {
+            self.kept.remove(seqnum);
         }
     }
 }
@@ -618,6 +679,70 @@ mod tests {
         session.submit(bulk_in(1, 512), 1).unwrap();
         session.input().extend_from_slice(&resume::end_header(DEVID));
         assert!(matches!(session.handle_input(), Err(ClientSessionError::Decode(_))));
+    }
+
+    fn bulk_out(seqnum: u32, data: Bytes) -> CmdSubmit {
+        CmdSubmit {
+            direction: Direction::Out,
+            ep: 2,
+            transfer_buffer_length: data.len() as u32,
+            data,
+            ..bulk_in(seqnum, 0)
+        }
+    }
+
+    #[test]
+    fn a_stock_session_keeps_no_command_once_its_bytes_are_written() {
+        // Above the outbox's copy threshold, so the outbox holds the payload itself until written.
+        let payload = Bytes::from(vec![0xa5; 4096]);
+        let mut session = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default());
+        session.submit(bulk_out(1, payload.clone()), 1).unwrap();
+        session.unlink(CmdUnlink { seqnum: 2, devid: DEVID, unlink_seqnum: 1 }).unwrap();
+        assert!(!payload.is_unique(), "queued for writing");
+        assert_eq!(written(&mut session).len(), 2 * urb::HEADER_LEN + payload.len());
+        assert!(payload.is_unique(), "written: nothing in the session still holds the OUT data");
+        assert_eq!((session.kept.len(), session.outstanding()), (0, 2), "both outstanding, neither kept whole");
+        // The replies are still checked against what was sent: a RET_SUBMIT
+        // claiming more than the 4096 bytes submitted is refused.
+        let mut too_long = reply(1, 0);
+        too_long[0x18..0x1c].copy_from_slice(&4097u32.to_be_bytes());
+        session.input().extend_from_slice(&too_long);
+        assert!(matches!(session.handle_input(), Err(ClientSessionError::Decode(_))));
+    }
+
+    #[test]
+    fn a_resumable_session_keeps_each_command_until_its_reply() {
+        let payload = Bytes::from(vec![0xa5; 4096]);
+        let mut session = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default()).resumable();
+        session.submit(bulk_out(1, payload.clone()), 1).unwrap();
+        written(&mut session);
+        assert!(!payload.is_unique(), "kept to send again after a cut");
+        let mut answer = reply(1, 0);
+        answer[0x18..0x1c].copy_from_slice(&4096u32.to_be_bytes());
+        session.input().extend_from_slice(&answer);
+        session.handle_input().unwrap();
+        assert!(matches!(session.poll_event(), Some(Event::Completed { tag: 1, .. })));
+        assert!(payload.is_unique(), "answered: let go");
+        assert_eq!(session.kept.len(), 0);
+    }
+
+    #[test]
+    fn a_stock_session_keeps_to_its_budget_and_cannot_resume() {
+        let budget = Budget { in_flight_urbs: 2, in_flight_bytes: 1024, ..Budget::default() };
+        let mut session = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), budget);
+        session.submit(bulk_in(1, 512), 1).unwrap();
+        assert!(session.wants_commands());
+        session.submit(bulk_in(2, 512), 2).unwrap();
+        assert!(!session.wants_commands(), "two URBs and 1024 bytes in flight: full");
+        written(&mut session);
+        session.input().extend_from_slice(&reply(1, 512));
+        session.handle_input().unwrap();
+        assert!(session.wants_commands(), "one answered: room again");
+        session.submit(bulk_in(3, 2048), 3).unwrap();
+        assert!(!session.wants_commands(), "bytes over budget");
+        assert!(matches!(session.submit(bulk_in(2, 8), 9), Err(ClientSessionError::DuplicateSeqnum(2))));
+        session.disconnected();
+        assert!(matches!(session.resumed(0, BytesMut::new()), Err(ClientSessionError::NotResumable)));
     }
 
     #[test]
