@@ -192,14 +192,21 @@ impl Shared {
             return Err(TransferError::Disconnected);
         };
         let before = state.requests.len();
-        while let Some(request) = requests.front() {
+        let mut fits = 0;
+        for request in requests.iter() {
             let bytes = request.bytes();
             if !force && !state.has_room(&self.budget, bytes) {
                 break;
             }
             state.in_flight += 1;
             state.in_flight_bytes += bytes;
-            state.requests.extend(requests.pop_front());
+            fits += 1;
+        }
+        if fits == requests.len() && state.requests.is_empty() {
+            // The usual case: the whole batch changes hands without moving a command.
+            std::mem::swap(&mut state.requests, requests);
+        } else {
+            state.requests.extend(requests.drain(..fits));
         }
         if let (false, Some(cx)) = (requests.is_empty(), cx) {
             if !state.room.iter().any(|waker| waker.will_wake(cx.waker())) {
