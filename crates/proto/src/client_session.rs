@@ -121,19 +121,6 @@ enum Sent {
     Unlink { target: u32 },
 }
 
-impl Sent {
-    fn of(command: &Command) -> Self {
-        match command {
-            Command::Submit(submit) => Self::Submit(SubmittedShape {
-                direction: submit.direction,
-                transfer_buffer_length: submit.transfer_buffer_length,
-                iso_packets: (!submit.iso_packets.is_empty()).then_some(submit.number_of_packets),
-            }),
-            Command::Unlink(unlink) => Self::Unlink { target: unlink.unlink_seqnum },
-        }
-    }
-}
-
 /// A command a resumable session keeps whole until its reply, to send again.
 struct Kept {
     /// Position in the order commands were sent (counts submits and unlinks).
@@ -280,44 +267,46 @@ impl<T> ClientSession<T> {
     /// Queues a `CMD_SUBMIT`; its reply comes back as [`Event::Completed`] with `tag`.
     pub fn submit(&mut self, command: CmdSubmit, tag: T) -> Result<(), ClientSessionError> {
         self.check_fresh(command.seqnum)?;
-        self.take(Command::Submit(command), Some(tag));
+        if self.held.is_empty() && self.server_admits(command.transfer_buffer_length) {
+            self.send_submit(command, Some(tag));
+        } else {
+            self.held.push_back((Command::Submit(command), Some(tag)));
+            self.send_held();
+        }
         Ok(())
     }
 
     /// Queues a `CMD_UNLINK`; its answer comes back as [`Event::Unlinked`].
     pub fn unlink(&mut self, command: CmdUnlink) -> Result<(), ClientSessionError> {
         self.check_fresh(command.seqnum)?;
-        self.take(Command::Unlink(command), None);
+        self.held.push_back((Command::Unlink(command), None));
+        self.send_held();
         Ok(())
     }
 
     fn check_fresh(&self, seqnum: u32) -> Result<(), ClientSessionError> {
-        let held = self.held.iter().any(|(command, _)| command.seqnum() == seqnum);
+        let held = !self.held.is_empty() && self.held.iter().any(|(command, _)| command.seqnum() == seqnum);
         if held || self.outstanding.contains_key(seqnum) {
             return Err(ClientSessionError::DuplicateSeqnum(seqnum));
         }
         Ok(())
     }
 
-    /// Sends `command` at once when none is held before it and the server's
-    /// table takes it; holds it otherwise.
-    fn take(&mut self, command: Command, tag: Option<T>) {
-        if self.held.is_empty() && self.admitted(&command) {
-            self.send(command, tag);
-        } else {
-            self.held.push_back((command, tag));
-            self.send_held();
-        }
-    }
-
     /// Whether the server's table takes `command` now: a submit while its URBs
     /// and bytes admit one more (as the server counts; our outstanding submits
     /// are never fewer than its URBs in flight), an unlink always.
     fn admitted(&self, command: &Command) -> bool {
-        let (Command::Submit(submit), Some((urbs, bytes))) = (command, self.server_in_flight) else { return true };
-        let length = submit.transfer_buffer_length as usize;
+        match command {
+            Command::Submit(submit) => self.server_admits(submit.transfer_buffer_length),
+            Command::Unlink(_) => true,
+        }
+    }
+
+    /// Whether the server's table takes one more submit of `length` bytes now.
+    fn server_admits(&self, length: u32) -> bool {
+        let Some((urbs, bytes)) = self.server_in_flight else { return true };
         self.outstanding_submits < urbs
-            && (self.outstanding_bytes == 0 || self.outstanding_bytes.saturating_add(length) <= bytes)
+            && (self.outstanding_bytes == 0 || self.outstanding_bytes.saturating_add(length as usize) <= bytes)
     }
 
     /// Sends the commands held for room in the server's table, in order, while it takes them.
@@ -331,22 +320,40 @@ impl<T> ClientSession<T> {
     /// Queues `command`'s bytes (while connected) and makes it outstanding. Only
     /// a resumable session keeps the command itself, to send it again.
     fn send(&mut self, command: Command, tag: Option<T>) {
-        let sent = Sent::of(&command);
-        if self.connected {
-            self.acknowledge();
-            match &command {
-                Command::Submit(submit) => self.outbox.push_cmd_submit(submit),
-                Command::Unlink(unlink) => self.outbox.push_header(&unlink.header()),
+        match command {
+            Command::Submit(submit) => self.send_submit(submit, tag),
+            Command::Unlink(unlink) => {
+                if self.connected {
+                    self.acknowledge();
+                    self.outbox.push_header(&unlink.header());
+                }
+                let sent = Sent::Unlink { target: unlink.unlink_seqnum };
+                self.outstanding.insert(unlink.seqnum, Outstanding { sent, tag });
+                self.keep(Command::Unlink(unlink));
             }
         }
-        if let Sent::Submit(shape) = &sent {
-            self.outstanding_bytes += shape.transfer_buffer_length as usize;
-            self.outstanding_submits += 1;
+    }
+
+    fn send_submit(&mut self, submit: CmdSubmit, tag: Option<T>) {
+        if self.connected {
+            self.acknowledge();
+            self.outbox.push_cmd_submit(&submit);
         }
-        let seqnum = command.seqnum();
-        self.outstanding.insert(seqnum, Outstanding { sent, tag });
+        let shape = SubmittedShape {
+            direction: submit.direction,
+            transfer_buffer_length: submit.transfer_buffer_length,
+            iso_packets: (!submit.iso_packets.is_empty()).then_some(submit.number_of_packets),
+        };
+        self.outstanding_bytes += submit.transfer_buffer_length as usize;
+        self.outstanding_submits += 1;
+        self.outstanding.insert(submit.seqnum, Outstanding { sent: Sent::Submit(shape), tag });
+        self.keep(Command::Submit(submit));
+    }
+
+    /// Counts a command sent; a resumable session keeps it whole until its reply.
+    fn keep(&mut self, command: Command) {
         if self.resumable {
-            self.kept.insert(seqnum, Kept { index: self.commands_sent, command });
+            self.kept.insert(command.seqnum(), Kept { index: self.commands_sent, command });
         }
         self.commands_sent += 1;
     }
