@@ -382,11 +382,13 @@ impl Deliveries {
 /// as the session wants them, replies go straight to their waiters.
 pub(crate) struct ApiFront {
     shared: Arc<Shared>,
+    /// Reused from read to read, so handing replies over allocates nothing.
+    deliveries: Deliveries,
 }
 
 impl ApiFront {
     pub(crate) fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
+        Self { shared, deliveries: Deliveries::default() }
     }
 }
 
@@ -425,7 +427,7 @@ impl Front for ApiFront {
     }
 
     fn take_replies(&mut self, session: &mut ClientSession<Waiter>) -> bool {
-        let mut deliveries = Deliveries::default();
+        let deliveries = &mut self.deliveries;
         // Reply futures wake their tasks when sent to; a queue only when it was waiting.
         let mut answered_futures = false;
         let room = {
@@ -440,7 +442,7 @@ impl Front for ApiFront {
                 match event {
                     Event::Completed { reply, tag } => {
                         state.release(tag.bytes);
-                        answered_futures |= tag.deliver(reply, &mut deliveries, state);
+                        answered_futures |= tag.deliver(reply, deliveries, state);
                     }
                     Event::Unlinked { reply, cancelled, .. } => {
                         debug!(seqnum = reply.seqnum, status = ?reply.status, "unlink answered");
@@ -449,8 +451,7 @@ impl Front for ApiFront {
                         // RET_UNLINK is the URB's only answer, as vhci treats it.
                         if let Some((target, waiter)) = cancelled {
                             state.release(waiter.bytes);
-                            answered_futures |=
-                                waiter.deliver(empty_reply(target, reply.status), &mut deliveries, state);
+                            answered_futures |= waiter.deliver(empty_reply(target, reply.status), deliveries, state);
                         }
                     }
                 }
