@@ -7,8 +7,8 @@
 //! their waiters (no bytes in between).
 //!
 //! While connected, the front's commands go into the session (which keeps
-//! each until its reply), and the replies the session decodes go back to the
-//! front. When the connection drops, the front is still served: its new URBs
+//! each, whole when resumable, until its reply), and the replies the session
+//! decodes go back to the front. When the connection drops, the front is still served: its new URBs
 //! wait in the session, and the relay reconnects (at once, then backing off)
 //! and resumes; both sides then send what the other is missing, and the
 //! front sees a delay. Without resume, or when the server no longer holds the
