@@ -22,6 +22,11 @@
 //! [[virtual]]
 //! kind = "keyboard"
 //!
+//! [[virtual]]
+//! kind = "dfu"        # a board to flash with dfu-util: DFU 1.1, re-enumerates into its bootloader
+//! path = "/var/lib/usbwire/fw.bin" # the firmware image: written (atomically) by each flash
+//! size = "1M"         # the flash region (the default), at most 64M
+//!
 //! [[bind]]            # a real device of this machine, now and on hotplug
 //! device = "0781:5567" # bus id (1-1.2), VID:PID, serial=TEXT or class=HEX
 //! also = ["0781:df11"] # the same device in another mode

@@ -57,11 +57,18 @@ pub(crate) enum VirtualSpec {
         #[serde(default)]
         speed: SpeedChoice,
     },
+    /// A DFU 1.1 device flashed into `path` (`usbwire_gadgets::dfu`); `size`
+    /// is its flash region, 1 MiB by default.
+    Dfu {
+        path: PathBuf,
+        #[serde(default, deserialize_with = "size_field")]
+        size: Option<u64>,
+    },
 }
 
 impl VirtualSpec {
     /// Parses `keyboard`, `mouse`, `disk=PATH[,size=64M][,ro][,speed=super]`,
-    /// `serial[=LINK]`, `loopback[,speed=super]`.
+    /// `serial[=LINK]`, `loopback[,speed=super]`, `dfu=FILE[,size=1M]`.
     pub(crate) fn parse(spec: &str) -> anyhow::Result<Self> {
         let mut parts = spec.split(',');
         let head = parts.next().unwrap_or_default();
@@ -103,7 +110,14 @@ impl VirtualSpec {
                 Ok(Self::Serial { link: link.filter(|l| !l.is_empty()).map(PathBuf::from) })
             }
             ("loopback", None) => allow_only(&["speed"]).map(|()| Self::Loopback { speed }),
-            _ => bail!("unknown virtual device {spec:?} (keyboard, mouse, disk=PATH, serial[=LINK], loopback)"),
+            ("dfu", Some(path)) if !path.is_empty() => {
+                allow_only(&["size"])?;
+                Ok(Self::Dfu { path: PathBuf::from(path), size })
+            }
+            ("dfu", _) => bail!("dfu needs a firmware file: --virtual dfu=FILE[,size=1M]"),
+            _ => {
+                bail!("unknown virtual device {spec:?} (keyboard, mouse, disk=PATH, serial[=LINK], loopback, dfu=FILE)")
+            }
         }
     }
 
@@ -115,6 +129,7 @@ impl VirtualSpec {
             Self::Disk { .. } => "disk",
             Self::Serial { .. } => "serial",
             Self::Loopback { .. } => "loopback",
+            Self::Dfu { .. } => "dfu",
         }
     }
 }
@@ -165,6 +180,13 @@ mod tests {
             VirtualSpec::parse("loopback,speed=super").unwrap(),
             VirtualSpec::Loopback { speed: SpeedChoice::Super }
         );
+        assert_eq!(
+            VirtualSpec::parse("dfu=/tmp/fw.bin,size=2M").unwrap(),
+            VirtualSpec::Dfu { path: "/tmp/fw.bin".into(), size: Some(2 << 20) }
+        );
+        assert_eq!(VirtualSpec::parse("dfu=fw.bin").unwrap(), VirtualSpec::Dfu { path: "fw.bin".into(), size: None });
+        let table: VirtualEntry = toml::from_str("kind = \"dfu\"\npath = \"/tmp/fw.bin\"\nsize = \"512K\"").unwrap();
+        assert_eq!(table.spec, VirtualSpec::Dfu { path: "/tmp/fw.bin".into(), size: Some(512 << 10) });
     }
 
     #[test]
@@ -175,6 +197,8 @@ mod tests {
             ("keyboard,ro", "does not apply"),
             ("webcam", "unknown virtual device"),
             ("disk=x,speed=warp", "unknown speed"),
+            ("dfu", "needs a firmware file"),
+            ("dfu=fw.bin,ro", "does not apply"),
         ] {
             let message = VirtualSpec::parse(spec).unwrap_err().to_string();
             assert!(message.contains(needle), "{spec}: {message}");

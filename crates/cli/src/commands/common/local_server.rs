@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use usbwire_device::Device as _;
 use usbwire_gadgets::{DiskOptions, KeyboardHandle, MassStorage, TypeError};
 use usbwire_server::{PlainPolicy, Security, Server, ServerConfig, TextInput, TypeRefusal};
 
@@ -106,10 +107,33 @@ pub(crate) fn build(
                     format!("loopback test device ({})", speed.speed().name()),
                 )
             }
+            VirtualSpec::Dfu { path, size } => {
+                let options = dfu_options(*size).map_err(Failure::config)?;
+                let device = usbwire_gadgets::DfuDevice::open(path, &options)
+                    .with_context(|| format!("dfu {}", path.display()))
+                    .map_err(Failure::config)?;
+                let detail = format!(
+                    "DFU device flashed into {} (up to {} bytes; {})",
+                    path.display(),
+                    options.size,
+                    device.summary().product
+                );
+                (server.export(spec.kind(), Box::new(device)), detail)
+            }
         };
         lines.push(format!("{busid:<5} {detail}"));
     }
     Ok((server, lines))
+}
+
+/// The DFU device's options from `size=` (1 MiB when not given).
+fn dfu_options(size: Option<u64>) -> anyhow::Result<usbwire_gadgets::DfuOptions> {
+    let Some(size) = size else { return Ok(usbwire_gadgets::DfuOptions::default()) };
+    let size = usize::try_from(size)
+        .ok()
+        .filter(|size| (1..=usbwire_gadgets::dfu::MAX_SIZE).contains(size))
+        .ok_or_else(|| anyhow::anyhow!("dfu size={size} is not between 1 byte and 64M"))?;
+    Ok(usbwire_gadgets::DfuOptions { size })
 }
 
 /// Lets the control socket type on a virtual keyboard.
