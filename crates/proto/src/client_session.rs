@@ -81,6 +81,11 @@ pub enum ClientSessionError {
     /// nothing to resume; replies before the end were delivered.
     #[error("the server ended the session (it is shutting down)")]
     ServerEnded,
+    /// The server ended a resumable session because the device re-enumerated
+    /// at the same bus id: import that bus id again to follow it. Replies
+    /// before the end were delivered.
+    #[error("the device re-enumerated at the same bus id (import it again to follow it)")]
+    Reenumerated,
     /// Keep-alive: nothing arrived from the server for this long while it
     /// should have pinged. The link is dead though it never said so:
     /// resume on a new connection.
@@ -410,8 +415,11 @@ impl<T> ClientSession<T> {
 
     fn decode_replies(&mut self) -> Result<(), ClientSessionError> {
         loop {
-            if self.resumable && self.inbuf.len() >= urb::HEADER_LEN && self.inbuf[..4] == resume::END.0.to_be_bytes() {
-                return Err(ClientSessionError::ServerEnded);
+            if let Some(reason) = resume::parse_end(&self.inbuf).filter(|_| self.resumable) {
+                return Err(match reason {
+                    resume::EndReason::REENUMERATED => ClientSessionError::Reenumerated,
+                    _ => ClientSessionError::ServerEnded,
+                });
             }
             if self.liveness.is_some() && liveness::is_ping(&self.inbuf) {
                 bytes::Buf::advance(&mut *self.inbuf, urb::HEADER_LEN);
@@ -678,6 +686,20 @@ mod tests {
         assert!(matches!(session.handle_input(), Err(ClientSessionError::ServerEnded)));
         assert!(matches!(session.poll_event(), Some(Event::Completed { tag: 1, .. })));
         assert!(session.poll_event().is_none());
+    }
+
+    #[test]
+    fn an_end_saying_the_device_reenumerated_comes_after_the_replies_before_it() {
+        let mut session = session_with(2, 512);
+        let mut bytes = reply(1, 512);
+        bytes.extend_from_slice(&resume::end_header_for(DEVID, resume::EndReason::REENUMERATED));
+        session.input().extend_from_slice(&bytes);
+        assert!(matches!(session.handle_input(), Err(ClientSessionError::Reenumerated)));
+        assert!(matches!(session.poll_event(), Some(Event::Completed { tag: 1, .. })));
+        // A reason this client does not know is an ordinary end.
+        let mut session = session_with(1, 512);
+        session.input().extend_from_slice(&resume::end_header_for(DEVID, resume::EndReason(7)));
+        assert!(matches!(session.handle_input(), Err(ClientSessionError::ServerEnded)));
     }
 
     #[test]

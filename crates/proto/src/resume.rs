@@ -136,12 +136,43 @@ pub fn ack_header(devid: u32, replies_received: u64) -> [u8; HEADER_LEN] {
     h
 }
 
-/// The end of a resumable session ([`END`]).
+/// The end of a resumable session ([`END`]), for no particular reason
+/// ([`EndReason::DONE`]: the client detached, the server shuts down).
 pub fn end_header(devid: u32) -> [u8; HEADER_LEN] {
+    end_header_for(devid, EndReason::DONE)
+}
+
+/// Why a session ended: the word at 0x14 of an [`END`] header. A peer that
+/// does not know a reason takes it as [`EndReason::DONE`] (older usbwire
+/// clients look at the command word alone), so a new reason never makes an
+/// older peer do worse than give the session up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EndReason(pub u32);
+
+impl EndReason {
+    /// The session is over: the client detached, or the server shuts down.
+    pub const DONE: Self = Self(0);
+    /// From the server: the device re-enumerated at the imported bus id (a
+    /// DFU device entering its bootloader or leaving it, a device replaced at
+    /// a bound port). The port stays exported: import the same bus id again.
+    pub const REENUMERATED: Self = Self(1);
+}
+
+/// The end of a resumable session, saying why.
+pub fn end_header_for(devid: u32, reason: EndReason) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     put_u32(&mut h, 0x00, END.0);
     put_u32(&mut h, 0x08, devid);
+    put_u32(&mut h, 0x14, reason.0);
     h
+}
+
+/// The reason an [`END`] header carries, if `header` is one.
+pub fn parse_end(header: &[u8]) -> Option<EndReason> {
+    if header.len() < HEADER_LEN || be_u32(header, 0) != END.0 {
+        return None;
+    }
+    Some(EndReason(be_u32(header, 0x14)))
 }
 
 /// The count an acknowledgement carries, if `header` is one.
@@ -188,5 +219,19 @@ mod tests {
         assert_eq!(h, expected);
         assert_eq!(parse_ack(&h), Some(0x1_0000_0005));
         assert_eq!(parse_ack(&[0u8; HEADER_LEN]), None);
+    }
+
+    #[test]
+    fn end_golden_bytes_with_and_without_a_reason() {
+        let done = end_header(0x0001_0002);
+        let mut expected = [0u8; HEADER_LEN];
+        expected[..12].copy_from_slice(&[0x80, 0, 0, 2, 0, 0, 0, 0, 0, 1, 0, 2]);
+        assert_eq!(done, expected);
+        assert_eq!(parse_end(&done), Some(EndReason::DONE));
+        let reenumerated = end_header_for(0x0001_0002, EndReason::REENUMERATED);
+        expected[0x14..0x18].copy_from_slice(&[0, 0, 0, 1]);
+        assert_eq!(reenumerated, expected);
+        assert_eq!(parse_end(&reenumerated), Some(EndReason::REENUMERATED));
+        assert_eq!(parse_end(&ack_header(1, 1)), None);
     }
 }

@@ -495,8 +495,15 @@ impl ServerSession {
     /// last message, after every reply queued, tells the client not to try to
     /// resume. Write the outbox out, then close. Stock sessions get nothing.
     pub fn end(&mut self) {
+        self.end_for(resume::EndReason::DONE);
+    }
+
+    /// Ends a resumable session saying why (the device re-enumerated:
+    /// [`resume::EndReason::REENUMERATED`]), after every reply queued. Stock
+    /// sessions get nothing: their client sees the connection close.
+    pub fn end_for(&mut self, reason: resume::EndReason) {
         if self.replay.is_some() && self.connected {
-            self.outbox.push_header(&resume::end_header(self.devid));
+            self.outbox.push_header(&resume::end_header_for(self.devid, reason));
         }
     }
 
@@ -762,6 +769,20 @@ mod tests {
         let mut stock = session_stock();
         stock.end();
         assert!(stock.outbox().is_empty());
+    }
+
+    #[test]
+    fn a_reenumerated_device_ends_a_resumable_session_with_its_reason_after_the_replies() {
+        let mut session = session(Budget::default()).resumable();
+        feed(&mut session, &submit_bytes(1, Direction::In, 8));
+        session.complete(done(1, Status::OK, &[1; 8]));
+        session.end_for(resume::EndReason::REENUMERATED);
+        let wire: Vec<u8> = session.outbox().slices(16).iter().flat_map(|slice| slice.to_vec()).collect();
+        assert_eq!(wire.len(), 2 * urb::HEADER_LEN + 8, "the reply, then the end");
+        assert_eq!(resume::parse_end(&wire[urb::HEADER_LEN + 8..]), Some(resume::EndReason::REENUMERATED));
+        let mut stock = session_stock();
+        stock.end_for(resume::EndReason::REENUMERATED);
+        assert!(stock.outbox().is_empty(), "a stock client sees the connection close, nothing else");
     }
 
     fn session_stock() -> ServerSession {
