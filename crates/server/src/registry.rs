@@ -16,9 +16,15 @@
 //! deadline are the sans-I/O [`ImportWait`] (`usbwire_proto::import_slot`);
 //! [`Registry::import`] only looks at the slot, sleeps and wakes.
 //!
+//! A device that re-enumerates while imported (`Device::enumeration`) ends
+//! its import; its release lists the new device under the same bus id
+//! without resetting it ([`Release`]).
+//!
 //! It holds exports, slots, reservations and the change count, nothing else:
 //! what the rest of a running server shares (counters, capture, parked
 //! sessions) is in [`crate::state`].
+
+mod export;
 
 use std::collections::HashMap;
 use std::future::Future as _;
@@ -27,15 +33,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::{watch, Notify};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::import_slot::{Busy, Claimant, Found, ImportDecision, ImportWait, Presence};
-use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord, OpStatus};
+use usbwire_proto::op::{BusId, DeviceRecord, OpStatus};
 use usbwire_proto::reservation::{digest as reservation_digest, ReservationDigest, ReservationToken};
 use usbwire_proto::sync::lock;
 
 use crate::meter::DeviceMeter;
 use crate::peer::PeerProbe;
+use export::{Described, Export, Slot};
+
+pub use export::DeviceState;
 
 /// Counts changes to the list and to devices' states (export, withdraw,
 /// import, release, resuming): what a lab registry publisher follows.
@@ -53,20 +62,6 @@ impl Changes {
     }
 }
 
-/// Whether a device can be imported.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum DeviceState {
-    Available,
-    /// Imported by `client` since `since`; `identity` is its certificate fingerprint over TLS.
-    InUse {
-        client: SocketAddr,
-        since: SystemTime,
-        identity: Option<String>,
-        /// The client's connection dropped then; its session waits for it to resume.
-        resuming_since: Option<SystemTime>,
-    },
-}
-
 /// A listed device: its record as USB/IP sends it plus what only we know.
 #[derive(Clone, Debug)]
 pub struct ExportInfo {
@@ -75,38 +70,6 @@ pub struct ExportInfo {
     pub summary: DeviceSummary,
     pub state: DeviceState,
     pub(crate) meter: Arc<DeviceMeter>,
-}
-
-struct Export {
-    kind: String,
-    record: DeviceRecord,
-    summary: DeviceSummary,
-    /// Its traffic since the server started, across imports.
-    meter: Arc<DeviceMeter>,
-    slot: Mutex<Slot>,
-    /// Woken when the slot leaves Releasing (or InUse) for Available or Withdrawn.
-    released: Notify,
-    /// Set when the export is withdrawn (unbind, unplug): the importer's
-    /// connection ends and the device is not put back.
-    withdrawn: watch::Sender<bool>,
-    /// Tells a parked session (its client away, resuming) that the same client
-    /// imported the device afresh: it gives the device up instead of holding
-    /// it for a resume that will not come.
-    abandoned: Notify,
-}
-
-enum Slot {
-    Available(Box<dyn Device>),
-    InUse {
-        client: SocketAddr,
-        since: SystemTime,
-        identity: Option<String>,
-        probe: PeerProbe,
-        resuming_since: Option<SystemTime>,
-    },
-    /// The holder's connection has ended; the device is being reset.
-    Releasing,
-    Withdrawn,
 }
 
 /// Who asks for a device: the connection's address, its TLS identity, and a
@@ -161,7 +124,7 @@ impl Registry {
     /// virtual device never takes the bus id of a real one.
     pub(crate) fn add(&self, kind: &str, device: Box<dyn Device>) -> BusId {
         let mut exports = lock(&self.exports);
-        let (busid, devnum) = virtual_busid(|busid| exports.iter().any(|e| e.record.busid.as_str() == busid));
+        let (busid, devnum) = virtual_busid(|busid| exports.iter().any(|e| e.busid.as_str() == busid));
         let path = format!("/sys/devices/usbwire/{kind}/{busid}");
         Self::insert(&mut exports, kind, busid.clone(), VIRTUAL_BUS, devnum, path, device);
         drop(exports);
@@ -180,7 +143,7 @@ impl Registry {
         device: Box<dyn Device>,
     ) -> Result<(), Box<dyn Device>> {
         let mut exports = lock(&self.exports);
-        if exports.iter().any(|e| e.record.busid == busid) {
+        if exports.iter().any(|e| e.busid == busid) {
             return Err(device);
         }
         Self::insert(&mut exports, kind, busid, busnum, devnum, path, device);
@@ -193,7 +156,7 @@ impl Registry {
     /// importer's connection is closed and the device dropped, not put back.
     pub(crate) fn remove(&self, busid: &str) -> bool {
         let mut exports = lock(&self.exports);
-        let Some(at) = exports.iter().position(|e| e.record.busid.as_str() == busid) else {
+        let Some(at) = exports.iter().position(|e| e.busid.as_str() == busid) else {
             return false;
         };
         let export = exports.remove(at);
@@ -210,7 +173,7 @@ impl Registry {
     }
 
     pub(crate) fn contains(&self, busid: &str) -> bool {
-        lock(&self.exports).iter().any(|e| e.record.busid.as_str() == busid)
+        lock(&self.exports).iter().any(|e| e.busid.as_str() == busid)
     }
 
     fn insert(
@@ -222,37 +185,13 @@ impl Registry {
         path: String,
         device: Box<dyn Device>,
     ) {
-        let summary = device.summary();
-        let record = DeviceRecord {
-            path,
-            busid: busid.clone(),
-            busnum,
-            devnum,
-            speed: summary.speed.for_vhci(),
-            id_vendor: summary.vendor_id,
-            id_product: summary.product_id,
-            bcd_device: summary.bcd_device,
-            b_device_class: summary.class,
-            b_device_sub_class: summary.subclass,
-            b_device_protocol: summary.protocol,
-            b_configuration_value: summary.configuration_value,
-            b_num_configurations: summary.num_configurations,
-            b_num_interfaces: summary.interfaces.len().min(255) as u8,
-            interfaces: summary
-                .interfaces
-                .iter()
-                .map(|&(class, subclass, protocol)| InterfaceRecord {
-                    b_interface_class: class,
-                    b_interface_sub_class: subclass,
-                    b_interface_protocol: protocol,
-                })
-                .collect(),
-        };
-        info!(%busid, kind, vid = format_args!("{:04x}", summary.vendor_id), pid = format_args!("{:04x}", summary.product_id), "exported");
+        let described = Described::of(busid.clone(), busnum, devnum, path, device.as_ref());
+        let (vid, pid) = (described.summary.vendor_id, described.summary.product_id);
+        info!(%busid, kind, vid = format_args!("{vid:04x}"), pid = format_args!("{pid:04x}"), "exported");
         exports.push(Arc::new(Export {
             kind: kind.to_owned(),
-            record,
-            summary,
+            busid,
+            described: Mutex::new(described),
             meter: Arc::default(),
             slot: Mutex::new(Slot::Available(device)),
             released: Notify::new(),
@@ -279,7 +218,7 @@ impl Registry {
             ended
         };
         for busid in ended {
-            let export = lock(&self.exports).iter().find(|e| e.record.busid.as_str() == busid).cloned();
+            let export = lock(&self.exports).iter().find(|e| e.busid.as_str() == busid).cloned();
             let Some(export) = export else { continue };
             let parked = matches!(&*lock(&export.slot), Slot::InUse { resuming_since: Some(_), .. });
             if parked {
@@ -312,21 +251,12 @@ impl Registry {
     pub fn list(&self) -> Vec<ExportInfo> {
         lock(&self.exports)
             .iter()
-            .map(|e| ExportInfo {
-                kind: e.kind.clone(),
-                record: e.record.clone(),
-                summary: e.summary.clone(),
-                meter: e.meter.clone(),
-                state: match &*lock(&e.slot) {
-                    // A releasing device is free for the next import, which waits for its reset.
-                    Slot::Available(_) | Slot::Releasing | Slot::Withdrawn => DeviceState::Available,
-                    Slot::InUse { client, since, identity, resuming_since, .. } => DeviceState::InUse {
-                        client: *client,
-                        since: *since,
-                        identity: identity.clone(),
-                        resuming_since: *resuming_since,
-                    },
-                },
+            .map(|e| {
+                let (record, summary) = {
+                    let described = e.described();
+                    (described.record.clone(), described.summary.clone())
+                };
+                ExportInfo { kind: e.kind.clone(), record, summary, meter: e.meter.clone(), state: e.state() }
             })
             .collect()
     }
@@ -353,7 +283,12 @@ impl Registry {
     ) -> Result<Lease, ImportError> {
         let export = lock(&self.exports)
             .iter()
-            .find(|e| &e.record.busid == busid && visible(&e.kind, &e.record, &e.summary.serial))
+            .find(|e| {
+                &e.busid == busid && {
+                    let described = e.described();
+                    visible(&e.kind, &described.record, &described.summary.serial)
+                }
+            })
             .cloned()
             .ok_or(ImportError::NoDevice)?;
         if let Some(reserved) = lock(&self.reservations).get(busid.as_str()) {
@@ -384,7 +319,7 @@ impl Registry {
                         let Slot::Available(device) = taken else { unreachable!("decided Take only on Available") };
                         export.meter.imported();
                         self.changes.bump();
-                        return Ok(Lease { export, device: Some(device), registry: self.clone() });
+                        return Ok(Lease::new(export, device, self.clone()));
                     }
                     ImportDecision::Withdrawn => return Err(ImportError::NoDevice),
                     ImportDecision::Busy(Busy::Held { holder }) => return Err(ImportError::InUse { holder }),
@@ -493,13 +428,22 @@ fn drop_stale_notice(notify: &Notify) {
 /// when the connection task panics or is cancelled.
 pub(crate) struct Lease {
     export: Arc<Export>,
+    /// The record the import was answered with (the device as it was then).
+    record: DeviceRecord,
     device: Option<Box<dyn Device>>,
     registry: Registry,
+    /// When the URB channel saw the device re-enumerate, if it did.
+    reenumerated_at: Option<Instant>,
 }
 
 impl Lease {
+    fn new(export: Arc<Export>, device: Box<dyn Device>, registry: Registry) -> Self {
+        let record = export.described().record.clone();
+        Self { export, record, device: Some(device), registry, reenumerated_at: None }
+    }
+
     pub(crate) fn record(&self) -> &DeviceRecord {
-        &self.export.record
+        &self.record
     }
 
     pub(crate) fn device(&mut self) -> &mut dyn Device {
@@ -520,6 +464,12 @@ impl Lease {
     pub(crate) fn withdrawn(&self) -> watch::Receiver<bool> {
         self.export.withdrawn.subscribe()
     }
+
+    /// The import ended because the device re-enumerated, seen `at`: the
+    /// release lists the new device, and logs how long that took from `at`.
+    pub(crate) fn reenumerated(&mut self, at: Instant) {
+        self.reenumerated_at = Some(at);
+    }
 }
 
 impl Lease {
@@ -532,7 +482,7 @@ impl Lease {
         // Its log lines keep the connection's span.
         let span = tracing::Span::current();
         if let Err(error) = tokio::task::spawn_blocking(move || span.in_scope(|| drop(release))).await {
-            warn!(busid = %self.export.record.busid, %error, "device release failed");
+            warn!(busid = %self.export.busid, %error, "device release failed");
         }
     }
 
@@ -549,7 +499,12 @@ impl Lease {
                 drop(holder);
             }
         }
-        Some(Release { device: Some(device), export: self.export.clone(), registry: self.registry.clone() })
+        Some(Release {
+            device: Some(device),
+            export: self.export.clone(),
+            registry: self.registry.clone(),
+            reenumerated_at: self.reenumerated_at,
+        })
     }
 }
 
@@ -578,12 +533,13 @@ struct Release {
     device: Option<Box<dyn Device>>,
     export: Arc<Export>,
     registry: Registry,
+    reenumerated_at: Option<Instant>,
 }
 
 impl Drop for Release {
     fn drop(&mut self) {
         let Some(mut device) = self.device.take() else { return };
-        let busid = &self.export.record.busid;
+        let busid = &self.export.busid;
         if device.is_gone() {
             // Unplugged: nothing to give back, nothing to list.
             drop(device);
@@ -596,7 +552,17 @@ impl Drop for Release {
             info!(%busid, "device released (no longer exported)");
             return;
         }
-        device.reset();
+        let listed = self.export.described().enumeration;
+        // A device that re-enumerated is new and unconfigured: a reset could
+        // make it re-enumerate again (a DFU bootloader leaving for its firmware).
+        if device.enumeration() == listed {
+            device.reset();
+        }
+        // A reset can re-enumerate a device too (DFU mode left on a USB reset).
+        let reenumerated = device.enumeration() != listed;
+        if reenumerated {
+            self.export.redescribe(device.as_ref());
+        }
         let mut slot = lock(&self.export.slot);
         if matches!(*slot, Slot::Withdrawn) {
             drop(slot);
@@ -608,7 +574,20 @@ impl Drop for Release {
         drop(slot);
         self.export.released.notify_waiters();
         self.registry.changes.bump();
-        info!(%busid, "device reset and available again");
+        if !reenumerated {
+            info!(%busid, "device reset and available again");
+            return;
+        }
+        let record = self.export.described().record.clone();
+        info!(
+            %busid,
+            vid = format_args!("{:04x}", record.id_vendor),
+            pid = format_args!("{:04x}", record.id_product),
+            "device re-enumerated; exported again under the same bus id"
+        );
+        if let Some(at) = self.reenumerated_at {
+            debug!(%busid, reexport_us = at.elapsed().as_micros() as u64, "re-export time since the device switched");
+        }
     }
 }
 

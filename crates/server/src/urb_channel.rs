@@ -29,7 +29,7 @@ use tracing::{debug, info, warn};
 use usbwire_device::{Device, TransferType, Urb};
 use usbwire_proto::op::{self, OpStatus};
 use usbwire_proto::park::{Grace, ParkEvent};
-use usbwire_proto::resume::Token;
+use usbwire_proto::resume::{EndReason, Token};
 use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
 use usbwire_transport::{poll_write_outbox, PeerStream};
 
@@ -54,6 +54,13 @@ pub(crate) enum End {
     DeviceGone,
     /// The export was withdrawn (`usbwire unbind`) while imported.
     Withdrawn,
+    /// The device re-enumerated (`Device::enumeration` changed) at `seen_at`:
+    /// the replies collected before were delivered, a resumable client was
+    /// told why (END, [`EndReason::REENUMERATED`]), and the same bus id is
+    /// exported again as the new device.
+    Reenumerated {
+        seen_at: Instant,
+    },
 }
 
 /// Why a URB channel was closed.
@@ -108,13 +115,14 @@ pub(crate) async fn run(
     let holder = lease.holder();
     let mut meter = UrbMeter::new(lease.meter());
     let device = lease.device();
+    let enumeration = device.enumeration();
     let mut stream = stream;
     let mut unflushed = false;
     // A resumed connection's admission place lives as long as it carries the session.
     let mut _resumed_peer: Option<Peer> = None;
     loop {
         let mut channel =
-            Channel { stream, unflushed, session: &mut session, meter: &mut meter, capture: &mut capture };
+            Channel { stream, unflushed, session: &mut session, meter: &mut meter, capture: &mut capture, enumeration };
         let mut early_arrival = None;
         let keepalive = channel.session.poll_timeout();
         let outcome = tokio::select! {
@@ -135,7 +143,7 @@ pub(crate) async fn run(
             }
             () = crate::shutdown::stopped(&mut stop) => {
                 if resumable.is_some() {
-                    channel.say_goodbye().await;
+                    channel.say_goodbye(EndReason::DONE).await;
                 }
                 return Ok(End::Shutdown);
             }
@@ -152,6 +160,12 @@ pub(crate) async fn run(
                 continue;
             }
         };
+        if let Ok(End::Reenumerated { .. }) = &outcome {
+            // The replies already collected (the request that made the device
+            // switch) reach the client; a resumable one learns why it ends.
+            channel.say_goodbye(EndReason::REENUMERATED).await;
+            return outcome;
+        }
         let (Some(resumable), Some(parking)) = (&resumable, &mut parking) else { return outcome };
         match outcome {
             Ok(End::ClientClosed) => info!("connection lost"),
@@ -160,7 +174,7 @@ pub(crate) async fn run(
         }
         session.disconnected();
         holder.set_resuming(Some(std::time::SystemTime::now()));
-        let taps = Taps { meter: &mut meter, capture: &mut capture };
+        let taps = Taps { meter: &mut meter, capture: &mut capture, enumeration };
         let parked = park(&mut session, device, taps, resumable, parking, early_arrival, &holder, &mut stop).await;
         holder.set_resuming(None);
         match parked {
@@ -251,9 +265,12 @@ async fn park(
                     }
                     continue;
                 }
-                () = std::future::poll_fn(|cx| hold_completions(cx, session, device, &mut taps)) => {
-                    info!("device unplugged while the client was away");
-                    return ParkOutcome::Ended(End::DeviceGone);
+                end = std::future::poll_fn(|cx| hold_completions(cx, session, device, &mut taps)) => {
+                    match end {
+                        End::Reenumerated { .. } => info!("device re-enumerated while the client was away"),
+                        _ => info!("device unplugged while the client was away"),
+                    }
+                    return ParkOutcome::Ended(end);
                 }
                 () = crate::shutdown::stopped(stop) => return ParkOutcome::Ended(End::Shutdown),
                 () = holder.abandoned() => {
@@ -316,13 +333,14 @@ async fn park(
 }
 
 /// Collects completions while the client is away (within the budget).
-/// Ready only when the device is gone and nothing is in flight.
+/// Ready only when the device is gone and nothing is in flight, or when it
+/// re-enumerated (what it had in flight is abandoned).
 fn hold_completions(
     cx: &mut Context<'_>,
     session: &mut ServerSession,
     device: &mut dyn Device,
     taps: &mut Taps<'_>,
-) -> Poll<()> {
+) -> Poll<End> {
     while session.wants_completions() {
         match device.poll_complete(cx) {
             Poll::Ready(done) => {
@@ -332,8 +350,11 @@ fn hold_completions(
             Poll::Pending => break,
         }
     }
+    if device.enumeration() != taps.enumeration {
+        return Poll::Ready(End::Reenumerated { seen_at: Instant::now() });
+    }
     if device.is_gone() && session.is_idle() {
-        return Poll::Ready(());
+        return Poll::Ready(End::DeviceGone);
     }
     Poll::Pending
 }
@@ -345,12 +366,16 @@ struct Channel<'a> {
     session: &'a mut ServerSession,
     meter: &'a mut UrbMeter,
     capture: &'a mut Option<Capture>,
+    /// The device's enumeration when it was imported: another one ends the import.
+    enumeration: u32,
 }
 
-/// What watches the URBs going by: the counters, and the capture if any.
+/// What watches the URBs going by: the counters, and the capture if any
+/// (and, for a parked session, which enumeration of the device it holds).
 struct Taps<'a> {
     meter: &'a mut UrbMeter,
     capture: &'a mut Option<Capture>,
+    enumeration: u32,
 }
 
 impl Taps<'_> {
@@ -371,14 +396,15 @@ impl Taps<'_> {
 
 impl Channel<'_> {
     fn taps(&mut self) -> Taps<'_> {
-        Taps { meter: self.meter, capture: self.capture }
+        Taps { meter: self.meter, capture: self.capture, enumeration: self.enumeration }
     }
 
-    /// The server shuts down: tells a resumable client, after the replies
-    /// already queued, that there will be no session to resume, so it gives
-    /// up at once instead of retrying for its whole give-up time.
-    async fn say_goodbye(&mut self) {
-        self.session.end();
+    /// The session ends on this side (the server shuts down, the device
+    /// re-enumerated): writes the replies already queued, then tells a
+    /// resumable client there is no session to resume and why, so it does
+    /// not retry for its whole give-up time; then closes.
+    async fn say_goodbye(&mut self, reason: EndReason) {
+        self.session.end_for(reason);
         let said = tokio::time::timeout(GOODBYE_TIMEOUT, async {
             while !self.session.outbox().is_empty() {
                 if !std::future::poll_fn(|cx| poll_write_outbox(self.session.outbox(), cx, &mut self.stream)).await? {
@@ -396,6 +422,10 @@ impl Channel<'_> {
     fn poll_drive(&mut self, cx: &mut Context<'_>, device: &mut dyn Device) -> Poll<Result<End, ChannelError>> {
         loop {
             let mut progressed = false;
+            // A device that re-enumerated takes nothing more of this import.
+            if let Some(end) = self.reenumerated(device) {
+                return Poll::Ready(Ok(end));
+            }
 
             // Commands: decode what is buffered, then read more while the session wants it.
             progressed |= self.handle_buffered(device)?;
@@ -432,6 +462,10 @@ impl Channel<'_> {
                 }
             }
 
+            if let Some(end) = self.reenumerated(device) {
+                return Poll::Ready(Ok(end));
+            }
+
             // Replies.
             if !self.session.outbox().is_empty() {
                 match poll_write_outbox(self.session.outbox(), cx, &mut self.stream) {
@@ -460,6 +494,11 @@ impl Channel<'_> {
                 return Poll::Pending;
             }
         }
+    }
+
+    /// [`End::Reenumerated`] once the device is not the one imported any more.
+    fn reenumerated(&self, device: &dyn Device) -> Option<End> {
+        (device.enumeration() != self.enumeration).then(|| End::Reenumerated { seen_at: Instant::now() })
     }
 
     /// Lets the session take buffered commands and carries out what they ask of the device.

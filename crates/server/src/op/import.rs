@@ -87,6 +87,10 @@ async fn urb_phase(
         Ok(End::Shutdown) => info!("closed for server shutdown"),
         Ok(End::DeviceGone) => info!("device unplugged; connection closed"),
         Ok(End::Withdrawn) => info!("device unbound; connection closed"),
+        Ok(End::Reenumerated { seen_at }) => {
+            info!("device re-enumerated; import ended (the bus id is exported again as the new device)");
+            lease.reenumerated(seen_at);
+        }
         Err(error) => warn!(%error, "connection closed"),
     }
 }
