@@ -3,6 +3,11 @@
 //! and hotplug — a device that arrives and matches a rule is exported at
 //! once; one that leaves is withdrawn (its importer sees a clean close).
 //!
+//! A port a bus-id rule names stays exported while its device is away: what
+//! is plugged in there next (the same device re-enumerated as its bootloader,
+//! or a replacement) is exported under the same bus id, and the importer of
+//! the device that left is told it re-enumerated (`Registry::unplugged`).
+//!
 //! `usbwire bind` survives a restart when the server has a bind state file
 //! (beside its config file): the bus ids bound by hand, one per line, written
 //! whole (a temporary file renamed over it) on every bind and unbind.
@@ -82,6 +87,7 @@ impl HostExports {
             None => Vec::new(),
         };
         let bindings = Bindings { rules, bound_by_hand, state_file, ..Bindings::default() };
+        registry.set_followed_ports(bindings.ports());
         Self { registry, inner: Arc::new(Mutex::new(bindings)) }
     }
 
@@ -118,6 +124,7 @@ impl HostExports {
             if !inner.bound_by_hand.contains(&selector) {
                 inner.bound_by_hand.push(selector);
                 inner.save();
+                self.registry.set_followed_ports(inner.ports());
             }
         }
         self.export(device).map_err(BindError::System)
@@ -136,6 +143,7 @@ impl HostExports {
         inner.bound_by_hand.retain(|rule| !matches!(rule, Selector::BusId(b) if b == busid));
         if inner.bound_by_hand.len() != before {
             inner.save();
+            self.registry.set_followed_ports(inner.ports());
         }
         if !inner.exported.remove(busid) {
             return Err(BindError::NoDevice(format!("{busid} is not exported by this server (see `usbwire state`)")));
@@ -177,7 +185,7 @@ impl HostExports {
                 Ok(Hotplug::Removed(busid)) => {
                     if lock(&self.inner).exported.remove(&busid) {
                         info!(%busid, "unplugged");
-                        self.registry.remove(&busid);
+                        self.registry.unplugged(&busid);
                     }
                 }
                 Err(error) => {
@@ -219,6 +227,7 @@ impl HostExports {
         let withdrawn: Vec<String> = {
             let mut inner = lock(&self.inner);
             inner.rules = rules;
+            self.registry.set_followed_ports(inner.ports());
             let unwanted: Vec<String> = inner
                 .exported
                 .iter()
@@ -260,6 +269,17 @@ impl HostExports {
 impl Bindings {
     fn matches(&self, device: &LocalDevice) -> bool {
         self.rules.iter().chain(&self.bound_by_hand).any(|rule| rule.matches(device))
+    }
+
+    /// The ports bus-id rules name: whatever is plugged in there is exported,
+    /// so a device that leaves one (re-enumerating, replaced) comes back
+    /// under the same bus id.
+    fn ports(&self) -> HashSet<String> {
+        let port = |rule: &Selector| match rule {
+            Selector::BusId(busid) => Some(busid.clone()),
+            _ => None,
+        };
+        self.rules.iter().chain(&self.bound_by_hand).filter_map(port).collect()
     }
 
     /// Writes the binds made by hand to the state file, if there is one. A

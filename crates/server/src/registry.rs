@@ -26,7 +26,7 @@
 
 mod export;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future as _;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -116,6 +116,9 @@ pub struct Registry {
     /// Devices reserved in a lab registry (bus id → token digest); imports must carry the token.
     reservations: Arc<Mutex<HashMap<String, ReservationDigest>>>,
     changes: Arc<Changes>,
+    /// Bus ids a bind rule names (real devices): the port stays exported
+    /// when its device leaves, and what comes back there is exported again.
+    followed_ports: Arc<Mutex<HashSet<String>>>,
 }
 
 impl Registry {
@@ -155,12 +158,23 @@ impl Registry {
     /// Withdraws an export: gone from the list at once; if imported, the
     /// importer's connection is closed and the device dropped, not put back.
     pub(crate) fn remove(&self, busid: &str) -> bool {
+        self.withdraw(busid, false)
+    }
+
+    /// [`remove`](Self::remove) for a device unplugged from its port: an
+    /// importer is told it re-enumerated if a bind rule names the port.
+    pub(crate) fn unplugged(&self, busid: &str) -> bool {
+        self.withdraw(busid, true)
+    }
+
+    fn withdraw(&self, busid: &str, unplugged: bool) -> bool {
         let mut exports = lock(&self.exports);
         let Some(at) = exports.iter().position(|e| e.busid.as_str() == busid) else {
             return false;
         };
         let export = exports.remove(at);
         drop(exports);
+        export.unplugged.store(unplugged, std::sync::atomic::Ordering::Relaxed);
         // Mark the slot before telling the importer, so its lease never puts the device back.
         // An available device is dropped here; an imported one when its lease ends.
         let previous = std::mem::replace(&mut *lock(&export.slot), Slot::Withdrawn);
@@ -197,7 +211,17 @@ impl Registry {
             released: Notify::new(),
             withdrawn: watch::Sender::new(false),
             abandoned: Notify::new(),
+            unplugged: std::sync::atomic::AtomicBool::new(false),
         }));
+    }
+
+    /// The bus ids bind rules name now (see [`Holder::port_followed`]).
+    pub(crate) fn set_followed_ports(&self, ports: HashSet<String>) {
+        *lock(&self.followed_ports) = ports;
+    }
+
+    fn follows_port(&self, busid: &str) -> bool {
+        lock(&self.followed_ports).contains(busid)
     }
 
     /// A count that changes whenever a device is exported, withdrawn,
@@ -388,7 +412,7 @@ fn digests_match(a: &ReservationDigest, b: &ReservationDigest) -> bool {
 }
 
 /// What the server shows about a lease's holder.
-pub(crate) struct Holder(Arc<Export>, Arc<Changes>);
+pub(crate) struct Holder(Arc<Export>, Arc<Changes>, Registry);
 
 impl Holder {
     /// The holder's connection dropped at `since` (`Some`), or it is back (`None`).
@@ -411,6 +435,21 @@ impl Holder {
     /// afresh (see [`Registry::import`]).
     pub(crate) async fn abandoned(&self) {
         self.0.abandoned.notified().await;
+    }
+
+    /// Resolves when the export is withdrawn (unbind or unplug).
+    pub(crate) async fn withdrawn(&self) {
+        let mut withdrawn = self.0.withdrawn.subscribe();
+        let _ = withdrawn.wait_for(|withdrawn| *withdrawn).await;
+    }
+
+    /// Whether the device left its port (it is gone, `device_gone`, or its
+    /// export was withdrawn because it was unplugged) and a bind rule names
+    /// that port: what comes back there is exported under the same bus id,
+    /// so its importer is told the device re-enumerated, not that it was removed.
+    pub(crate) fn left_a_followed_port(&self, device_gone: bool) -> bool {
+        let unplugged = device_gone || self.0.unplugged.load(std::sync::atomic::Ordering::Relaxed);
+        unplugged && self.2.follows_port(self.0.busid.as_str())
     }
 }
 
@@ -457,12 +496,7 @@ impl Lease {
 
     /// A handle that marks the holder as away (resuming) or back, for `state`.
     pub(crate) fn holder(&self) -> Holder {
-        Holder(self.export.clone(), self.registry.changes.clone())
-    }
-
-    /// Resolves when the export is withdrawn (unbind or unplug).
-    pub(crate) fn withdrawn(&self) -> watch::Receiver<bool> {
-        self.export.withdrawn.subscribe()
+        Holder(self.export.clone(), self.registry.changes.clone(), self.registry.clone())
     }
 
     /// The import ended because the device re-enumerated, seen `at`: the
@@ -543,7 +577,7 @@ impl Drop for Release {
         if device.is_gone() {
             // Unplugged: nothing to give back, nothing to list.
             drop(device);
-            self.registry.remove(busid.as_str());
+            self.registry.unplugged(busid.as_str());
             return;
         }
         if matches!(*lock(&self.export.slot), Slot::Withdrawn) {

@@ -52,7 +52,7 @@ pub(crate) enum End {
     Shutdown,
     /// The device was unplugged; every URB in flight has been answered.
     DeviceGone,
-    /// The export was withdrawn (`usbwire unbind`) while imported.
+    /// The export was withdrawn (`usbwire unbind`, unplugged) while imported.
     Withdrawn,
     /// The device re-enumerated (`Device::enumeration` changed) at `seen_at`:
     /// the replies collected before were delivered, a resumable client was
@@ -152,6 +152,7 @@ pub(crate) async fn run(
                 early_arrival = Some(arrival);
                 Ok(End::ClientClosed)
             }
+            () = holder.withdrawn() => Ok(End::Withdrawn),
             Ok(()) = capture_setting.changed() => {
                 // Capture switched on or off (`usbwire capture`): the same connection goes on.
                 (stream, unflushed) = (channel.stream, channel.unflushed);
@@ -159,6 +160,17 @@ pub(crate) async fn run(
                 capture = switch_capture(capture, wanted, start_capture);
                 continue;
             }
+        };
+        let outcome = match outcome {
+            // A real device gone from a port a bind rule names: it may come
+            // back there (a bootloader, a replacement), exported again.
+            Ok(End::DeviceGone) if holder.left_a_followed_port(true) => {
+                Ok(End::Reenumerated { seen_at: Instant::now() })
+            }
+            Ok(End::Withdrawn) if holder.left_a_followed_port(false) => {
+                Ok(End::Reenumerated { seen_at: Instant::now() })
+            }
+            other => other,
         };
         if let Ok(End::Reenumerated { .. }) = &outcome {
             // The replies already collected (the request that made the device
@@ -273,6 +285,7 @@ async fn park(
                     return ParkOutcome::Ended(end);
                 }
                 () = crate::shutdown::stopped(stop) => return ParkOutcome::Ended(End::Shutdown),
+                () = holder.withdrawn() => return ParkOutcome::Ended(End::Withdrawn),
                 () = holder.abandoned() => {
                     info!("the client imported the device afresh; releasing its parked session");
                     return ParkOutcome::Ended(End::ClientClosed);

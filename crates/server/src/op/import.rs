@@ -67,7 +67,6 @@ async fn urb_phase(
     let busid = lease.record().busid.clone();
     let span = tracing::info_span!("urb", %busid, devid = format_args!("{:#x}", lease.record().devid()));
     span.in_scope(|| info!("imported"));
-    let mut withdrawn = lease.withdrawn();
     let resumable = resume.map(|Grant { token, keepalive, .. }| Resumable {
         token,
         keepalive,
@@ -77,10 +76,7 @@ async fn urb_phase(
     });
     let (stream, leftover) = stream.into_parts();
     let channel = urb_channel::run(stream, leftover, lease, state, stop, resumable, addr).instrument(span.clone());
-    let outcome = tokio::select! {
-        outcome = channel => outcome,
-        _ = withdrawn.wait_for(|withdrawn| *withdrawn) => Ok(End::Withdrawn),
-    };
+    let outcome = channel.await;
     let _enter = span.enter();
     match outcome {
         Ok(End::ClientClosed | End::ClientEnded) => info!("client disconnected"),
@@ -88,7 +84,7 @@ async fn urb_phase(
         Ok(End::DeviceGone) => info!("device unplugged; connection closed"),
         Ok(End::Withdrawn) => info!("device unbound; connection closed"),
         Ok(End::Reenumerated { seen_at }) => {
-            info!("device re-enumerated; import ended (the bus id is exported again as the new device)");
+            info!("device re-enumerated; import ended (the bus id is exported again when it is back)");
             lease.reenumerated(seen_at);
         }
         Err(error) => warn!(%error, "connection closed"),

@@ -49,6 +49,8 @@ pub(super) struct Export {
     /// imported the device afresh: it gives the device up instead of holding
     /// it for a resume that will not come.
     pub(super) abandoned: Notify,
+    /// Set (before `withdrawn`) when it was withdrawn because the device left its port.
+    pub(super) unplugged: std::sync::atomic::AtomicBool,
 }
 
 /// What an export lists: the record USB/IP sends, the device's own summary,

@@ -280,10 +280,11 @@ async fn withdrawing_an_imported_device_signals_its_importer_and_does_not_put_it
     let registry = Registry::default();
     let busid = registry.add("loopback", loopback());
     let lease = import(&registry, &busid, importer(), Duration::ZERO).await.unwrap();
-    let withdrawn = lease.withdrawn();
-    assert!(!*withdrawn.borrow());
+    let holder = lease.holder();
+    let told = || tokio::time::timeout(Duration::ZERO, holder.withdrawn());
+    assert!(told().await.is_err());
     assert!(registry.remove(busid.as_str()));
-    assert!(*withdrawn.borrow(), "the importer is told");
+    assert!(told().await.is_ok(), "the importer is told");
     assert!(registry.list().is_empty());
     lease.release().await;
     assert!(registry.list().is_empty(), "not put back after the import ends");
@@ -361,4 +362,31 @@ async fn a_notice_nobody_took_during_one_absence_does_not_end_the_next() {
     let waited = tokio::time::timeout(Duration::from_millis(300), holder.abandoned()).await;
     assert!(waited.is_err(), "an old notice ended a new absence");
     drop(lease);
+}
+
+#[tokio::test]
+async fn an_unplug_from_a_port_a_bind_rule_names_is_a_reenumeration_and_an_unbind_is_not() {
+    let registry = Registry::default();
+    let named = BusId::new("3-1").unwrap();
+    let other = BusId::new("3-2").unwrap();
+    for busid in [&named, &other] {
+        registry.add_named("host", busid.clone(), (3, 1), String::new(), loopback()).map_err(|_| ()).unwrap();
+    }
+    registry.set_followed_ports(["3-1".to_owned()].into());
+    let on_named = import(&registry, &named, importer(), Duration::ZERO).await.unwrap().holder();
+    let on_other = import(&registry, &other, importer(), Duration::ZERO).await.unwrap().holder();
+    assert!(on_named.left_a_followed_port(true), "gone from a followed port");
+    assert!(!on_other.left_a_followed_port(true), "no rule names this port");
+    assert!(!on_named.left_a_followed_port(false), "still plugged in");
+    registry.unplugged("3-1");
+    on_named.withdrawn().await;
+    assert!(on_named.left_a_followed_port(false), "withdrawn because it was unplugged");
+
+    let unbound = BusId::new("3-3").unwrap();
+    registry.add_named("host", unbound.clone(), (3, 3), String::new(), loopback()).map_err(|_| ()).unwrap();
+    registry.set_followed_ports(["3-1".to_owned(), "3-3".to_owned()].into());
+    let on_unbound = import(&registry, &unbound, importer(), Duration::ZERO).await.unwrap().holder();
+    registry.remove("3-3");
+    on_unbound.withdrawn().await;
+    assert!(!on_unbound.left_a_followed_port(false), "unbound by hand: withdrawn for good");
 }
