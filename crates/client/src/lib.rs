@@ -24,7 +24,8 @@
 //! caller asks of an endpoint), `connection` and `queue` (the URB channel's
 //! API), `waiters` (commands handed to the relay, replies to their waiters),
 //! [`relay`] (the task driving the session), `backoff`, `error`; [`vhci`]
-//! attaches to the kernel, [`reattach`] keeps a device imported across drops,
+//! attaches to the kernel, [`follow`] keeps a kernel attachment through the
+//! device's re-enumerations, [`reattach`] keeps a device imported across drops,
 //! [`redir`] bridges it to a usbredir guest, [`describe`] reads a device's
 //! descriptors; [`DrivenConnection`] is a connection stepped by its caller
 //! (tests, fuzzing). The
@@ -36,6 +37,7 @@
 mod backoff;
 pub mod describe;
 mod driven;
+pub mod follow;
 mod queue;
 pub mod reattach;
 pub mod redir;

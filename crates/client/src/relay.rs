@@ -75,6 +75,11 @@ pub enum RelayError {
     /// The kernel's side of the socket pair failed or sent garbage.
     #[error("kernel side: {0}")]
     Kernel(String),
+    /// The server ended the session because the device re-enumerated at the
+    /// same bus id (`docs/protocol.md` §5.3, END): the replies before it
+    /// reached the front; import the bus id again to follow the device.
+    #[error("the device on {addr} re-enumerated at the same bus id")]
+    Reenumerated { addr: SocketAddr },
 }
 
 /// How one stretch of the driver loop ended.
@@ -84,6 +89,8 @@ enum Stop {
     LinkLost(io::Error),
     /// The server ended the session (it is shutting down).
     ServerEnded,
+    /// The server ended the session: the device re-enumerated.
+    Reenumerated,
 }
 
 /// What one poll of a [`Front`] did.
@@ -117,6 +124,10 @@ pub(crate) trait Front {
     /// The relay is ending; called before the session (and with it every
     /// pending URB's tag) is dropped.
     fn ended(&mut self) {}
+    /// Whether replies taken are still waiting to be written out to the front.
+    fn unflushed(&self) -> bool {
+        false
+    }
 }
 
 /// Relays between the kernel's socket and the server until the port is
@@ -186,6 +197,11 @@ async fn drive_session<F: Front>(
                     reason: "the server ended the session (it is shutting down)".into(),
                 })
             }
+            Stop::Reenumerated => {
+                // The replies before the end (a DFU_DETACH's) reach the front first.
+                flush_front(front).await;
+                return Err(RelayError::Reenumerated { addr: upstream.addr });
+            }
         };
         let Some(Grant { token, .. }) = upstream.resume else {
             return Err(RelayError::SessionLost { addr: upstream.addr, reason: format!("{lost} (no resume)") });
@@ -204,7 +220,7 @@ async fn drive_session<F: Front>(
                     end_while_away(&upstream, &token, replies_received, session.devid()).await;
                     return Ok(());
                 }
-                Stop::LinkLost(_) | Stop::ServerEnded => unreachable_while_disconnected(),
+                Stop::LinkLost(_) | Stop::ServerEnded | Stop::Reenumerated => unreachable_while_disconnected(),
             },
             resumed = reconnect(&upstream, &token, replies_received) => resumed,
         };
@@ -271,6 +287,7 @@ fn poll_drive<F: Front>(
                         match handled {
                             Ok(()) => {}
                             Err(ClientSessionError::ServerEnded) => return Poll::Ready(Ok(Stop::ServerEnded)),
+                            Err(ClientSessionError::Reenumerated) => return Poll::Ready(Ok(Stop::Reenumerated)),
                             Err(error) => return Poll::Ready(Err(error.into())),
                         }
                     }
@@ -377,6 +394,27 @@ async fn end_while_away(upstream: &Upstream, token: &Token, replies_received: u6
     }
 }
 
+/// Writes what the front still holds for it, for at most [`END_TIMEOUT`].
+async fn flush_front<F: Front>(front: &mut F) {
+    let flushed = tokio::time::timeout(
+        END_TIMEOUT,
+        std::future::poll_fn(|cx| loop {
+            if !front.unflushed() {
+                return Poll::Ready(());
+            }
+            match front.poll_flush(cx) {
+                Step::Progressed => {}
+                Step::Detached => return Poll::Ready(()),
+                Step::Idle => return Poll::Pending,
+            }
+        }),
+    )
+    .await;
+    if flushed.is_err() {
+        tracing::debug!("the last replies did not reach the front in time");
+    }
+}
+
 /// How long a detaching relay tries to deliver its last commands and the end.
 const END_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -458,6 +496,10 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
         }
         // The kernel runs elsewhere: nothing to make room for.
         false
+    }
+
+    fn unflushed(&self) -> bool {
+        !self.kernel_out.is_empty()
     }
 
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Step {

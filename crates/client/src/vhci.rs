@@ -124,12 +124,28 @@ pub fn free_port(ports: &[PortStatus], speed: Speed) -> Option<u32> {
 /// port and records who it came from. Returns the port. The caller may close
 /// its copy of the socket afterwards: the kernel holds its own reference.
 pub fn attach(socket: &impl AsRawFd, devid: u32, speed: Speed, record: &Record) -> Result<u32, VhciError> {
+    attach_preferring(socket, devid, speed, record, None)
+}
+
+/// [`attach`], on `preferred` if it is free and on the hub `speed` needs
+/// (a device followed through re-enumeration goes back where it was).
+pub fn attach_preferring(
+    socket: &impl AsRawFd,
+    devid: u32,
+    speed: Speed,
+    record: &Record,
+    preferred: Option<u32>,
+) -> Result<u32, VhciError> {
     let root = sysfs_root()?;
     let speed = speed.for_vhci();
     let hub = if speed.is_superspeed() { "ss" } else { "hs" };
+    let mut preferred = preferred;
     // Another attach may race us for a port; the kernel answers EBUSY then, so try the next.
     for _ in 0..16 {
-        let port = free_port(&ports()?, speed).ok_or(VhciError::NoFreePort { hub })?;
+        let ports = ports()?;
+        let wanted =
+            preferred.take().filter(|want| ports.iter().any(|p| p.port == *want && p.hub == hub && p.is_free()));
+        let port = wanted.or_else(|| free_port(&ports, speed)).ok_or(VhciError::NoFreePort { hub })?;
         let line = format!("{port} {} {devid} {}", socket.as_raw_fd(), speed.0);
         let path = root.join("attach");
         match fs::OpenOptions::new().write(true).open(&path).and_then(|mut f| f.write_all(line.as_bytes())) {
@@ -145,6 +161,22 @@ pub fn attach(socket: &impl AsRawFd, devid: u32, speed: Speed, record: &Record) 
         }
     }
     Err(VhciError::NoFreePort { hub })
+}
+
+/// Hands the kernel one end of a new socket pair for `device` (on `preferred`
+/// if free) and returns the port and the other end, for a relay to carry.
+pub fn attach_relayed(
+    device: &usbwire_proto::op::DeviceRecord,
+    record: &Record,
+    preferred: Option<u32>,
+) -> Result<(u32, tokio::net::UnixStream), VhciError> {
+    let io = |source| VhciError::Io { path: PathBuf::from("socketpair"), source };
+    let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair().map_err(io)?;
+    let port = attach_preferring(&kernel_end, device.devid(), device.speed, record, preferred)?;
+    drop(kernel_end);
+    our_end.set_nonblocking(true).map_err(io)?;
+    let ours = tokio::net::UnixStream::from_std(our_end).map_err(io)?;
+    Ok((port, ours))
 }
 
 /// Detaches a port (the kernel closes the connection) and removes its record.

@@ -1,0 +1,197 @@
+//! Keeping a kernel attachment through re-enumerations: a device that
+//! disconnects and comes back at the same bus id as another device (a DFU
+//! board entering its bootloader and, after flashing, its new firmware) is
+//! imported again and attached again — on the same vhci port when it is
+//! free — whatever its VID:PID now.
+//!
+//! A usbwire server says when it happens (END with the reason
+//! `REENUMERATED`, `docs/protocol.md` §5.3) and exports the bus id again at
+//! once; the import that follows waits on the server for the device to be
+//! listed, so nothing here polls. A stock server (usbipd) only closes the
+//! connection: then the bus id is imported again with a bounded retry
+//! ([`FALLBACK_WINDOW`]). The kernel sees an unplug and a plug, as with a
+//! real board on a local port. The attachment ends when the kernel lets go
+//! (`usbwire detach`), or when the device is not back in time.
+//!
+//! Not for userspace imports ([`crate::ReattachingDevice`] imports again
+//! after any loss) nor for choosing a device (the caller names the bus id).
+
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tracing::{info, warn};
+use usbwire_proto::op::BusId;
+use usbwire_proto::reservation::ReservationToken;
+
+use crate::relay::{self, RelayError, RelayState, Upstream};
+use crate::vhci::{self, VhciError};
+use crate::{Backoff, ClientError, Imported};
+
+/// How long a device that went away without a word (a stock server, or a
+/// server restart) is looked for at its bus id before the attachment ends.
+pub const FALLBACK_WINDOW: Duration = Duration::from_secs(30);
+/// How long a device the server said re-enumerated is looked for (the
+/// server's own import wait covers most of it).
+pub const NOTICE_WINDOW: Duration = Duration::from_secs(10);
+
+/// What is followed and how it is imported again.
+#[derive(Clone)]
+pub struct Target {
+    /// The server, its security and transforms; `resume` is each import's own.
+    pub upstream: Upstream,
+    pub busid: BusId,
+    /// Ask for resume on each import (`false`: `--no-resume`).
+    pub resumable: bool,
+    /// A lab reservation each import carries: it holds across re-enumerations.
+    pub reservation: Option<ReservationToken>,
+    /// What `usbip port` reads for the port.
+    pub record: vhci::Record,
+}
+
+/// Where the followed device is now, for `usbwire port`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FollowStatus {
+    pub port: u32,
+    /// Times the device was attached again after a re-enumeration.
+    pub reattached: u64,
+    pub vendor_id: u16,
+    pub product_id: u16,
+    pub relay: RelayState,
+}
+
+/// Why following stopped (other than the kernel letting go).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FollowError {
+    /// The relay failed in a way that is not the device going away.
+    #[error(transparent)]
+    Relay(RelayError),
+    /// The device did not come back at its bus id in time.
+    #[error("{busid} did not come back within {} s after {why}: {last}", .window.as_secs())]
+    NotBack { busid: BusId, why: String, window: Duration, last: ClientError },
+    /// The kernel refused the new attachment.
+    #[error("cannot attach {busid} again: {source}")]
+    Vhci { busid: BusId, source: VhciError },
+}
+
+/// Relays `imported` on `port` (the kernel holds the other end of `kernel`),
+/// and after each re-enumeration imports `target.busid` again and attaches
+/// it. `Ok` when the kernel lets go; `status` follows the port and counts.
+pub async fn follow(
+    target: Target,
+    imported: Imported,
+    port: u32,
+    kernel: tokio::net::UnixStream,
+    status: watch::Sender<FollowStatus>,
+) -> Result<(), FollowError> {
+    let (mut imported, mut port, mut kernel) = (imported, port, kernel);
+    let mut reattached = 0u64;
+    loop {
+        let device = imported.device.clone();
+        status.send_replace(FollowStatus {
+            port,
+            reattached,
+            vendor_id: device.id_vendor,
+            product_id: device.id_product,
+            relay: RelayState::Connected,
+        });
+        let upstream = Upstream { resume: imported.resume, ..target.upstream.clone() };
+        let ended = relay_reporting(kernel, imported.stream, device.devid(), upstream, &status).await;
+        let (why, window) = match ended {
+            Ok(()) => return Ok(()),
+            Err(RelayError::Reenumerated { .. }) => ("the server said it re-enumerated".to_owned(), NOTICE_WINDOW),
+            Err(RelayError::SessionLost { reason, .. }) => {
+                (format!("the connection ended ({reason})"), FALLBACK_WINDOW)
+            }
+            Err(other) => return Err(FollowError::Relay(other)),
+        };
+        let noticed = Instant::now();
+        // The kernel sees the device unplugged; its port is taken again below when free.
+        match vhci::detach(port) {
+            Ok(()) | Err(VhciError::PortNotInUse(_)) => {}
+            Err(error) => warn!(port, %error, "cannot detach the port of the device that went away"),
+        }
+        info!(busid = %target.busid, port, why, "device went away; importing its bus id again");
+        imported = import_again(&target, &why, window).await?;
+        port_freed(port).await;
+        let again = vhci::attach_relayed(&imported.device, &target.record, Some(port))
+            .map_err(|source| FollowError::Vhci { busid: target.busid.clone(), source })?;
+        (port, kernel) = again;
+        reattached += 1;
+        info!(
+            busid = %target.busid,
+            port,
+            vid = format_args!("{:04x}", imported.device.id_vendor),
+            pid = format_args!("{:04x}", imported.device.id_product),
+            reattach_ms = noticed.elapsed().as_millis() as u64,
+            reattached,
+            "attached again after re-enumeration"
+        );
+    }
+}
+
+/// How long the kernel may take to let go of a detached port before the
+/// device is attached elsewhere.
+const PORT_RELEASE_WAIT: Duration = Duration::from_millis(500);
+
+/// Waits (briefly) for vhci-hcd to free `port` after its detach, so the
+/// device goes back where it was. vhci frees it on its event thread, which
+/// has no notification; its status file is read every 10 ms.
+async fn port_freed(port: u32) {
+    let started = Instant::now();
+    while started.elapsed() < PORT_RELEASE_WAIT {
+        let free = vhci::ports().map_or(true, |ports| ports.iter().any(|p| p.port == port && p.is_free()));
+        if free {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Runs the relay, mirroring its state into `status`.
+async fn relay_reporting(
+    kernel: tokio::net::UnixStream,
+    stream: usbwire_transport::PeerStream,
+    devid: u32,
+    upstream: Upstream,
+    status: &watch::Sender<FollowStatus>,
+) -> Result<(), RelayError> {
+    let (state_tx, mut states) = watch::channel(RelayState::Connected);
+    let relay = relay::run(kernel, stream, devid, upstream, Some(state_tx));
+    let reporting = async {
+        while states.changed().await.is_ok() {
+            let state = *states.borrow_and_update();
+            status.send_modify(|status| status.relay = state);
+        }
+        // The relay dropped its sender: it has ended, and the other branch has its result.
+        std::future::pending::<std::convert::Infallible>().await
+    };
+    tokio::select! {
+        ended = relay => ended,
+        never = reporting => match never {},
+    }
+}
+
+/// Imports the bus id again: at once, then backing off to 1 s, for `window`.
+async fn import_again(target: &Target, why: &str, window: Duration) -> Result<Imported, FollowError> {
+    let started = Instant::now();
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+    loop {
+        tokio::time::sleep(backoff.next_delay()).await;
+        let Upstream { addr, security, transforms, .. } = &target.upstream;
+        let imported = match (&target.reservation, target.resumable) {
+            (Some(token), _) => crate::import_reserved(*addr, &target.busid, security, transforms, token).await,
+            (None, true) => crate::import_resumable(*addr, &target.busid, security, transforms).await,
+            (None, false) => crate::import_with(*addr, &target.busid, security, transforms)
+                .await
+                .map(|(stream, device)| Imported { stream, device, resume: None }),
+        };
+        match imported {
+            Ok(imported) => return Ok(imported),
+            Err(last) if started.elapsed() >= window => {
+                return Err(FollowError::NotBack { busid: target.busid.clone(), why: why.to_owned(), window, last })
+            }
+            Err(error) => tracing::debug!(busid = %target.busid, %error, "not back yet"),
+        }
+    }
+}
