@@ -463,6 +463,11 @@ pub(crate) struct AttachArgs {
     /// service managers; it ends when the port is detached.
     #[arg(long)]
     pub(crate) foreground: bool,
+    /// Keep the attachment through re-enumerations: when the device comes back at the same bus id
+    /// (a DFU board entering its bootloader, then its new firmware), with any VID:PID, attach it
+    /// again, on the same port if free. Always relayed; `usbwire port` shows the count.
+    #[arg(long)]
+    pub(crate) follow: bool,
 }
 
 #[derive(Args, Debug)]

@@ -49,7 +49,7 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
     vhci::ports().map_err(vhci_failure)?;
     let transforms = super::common::peer::transforms(args.compress.as_deref(), args.jitter_buffer);
     // A reservation lives as long as the process that holds it: the relay.
-    let may_relay = wanted.is_some() || !args.no_resume || args.security.tls || !transforms.is_empty();
+    let may_relay = wanted.is_some() || args.follow || !args.no_resume || args.security.tls || !transforms.is_empty();
     if may_relay && !args.foreground && std::env::var_os(RELAY_LOG_ENV).is_none() {
         return attach_in_background();
     }
@@ -99,8 +99,11 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
     };
     let record =
         vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: busid.to_string() };
-    let needs_relay =
-        taken.is_some() || imported.resume.is_some() || imported.stream.is_tls() || !transforms.is_empty();
+    let needs_relay = args.follow
+        || taken.is_some()
+        || imported.resume.is_some()
+        || imported.stream.is_tls()
+        || !transforms.is_empty();
     if !needs_relay {
         // Plain USB/IP without resume: the kernel takes the socket itself.
         let usbwire_transport::PeerStream::Plain(tcp) = imported.stream else {
@@ -121,7 +124,14 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
         resume: imported.resume,
         give_up_after: RESUME_GIVE_UP,
     };
-    relay_attached(imported, upstream, record, taken).await
+    let follow = args.follow.then(|| usbwire_client::follow::Target {
+        upstream: upstream.clone(),
+        busid: busid.clone(),
+        resumable: !args.no_resume,
+        reservation: taken.as_ref().map(|taken| taken.token),
+        record: record.clone(),
+    });
+    relay_attached(imported, upstream, record, taken, follow).await
 }
 
 /// Where and how to import a device reserved in the lab registry: its
@@ -201,16 +211,13 @@ async fn relay_attached(
     upstream: usbwire_client::relay::Upstream,
     record: vhci::Record,
     taken: Option<super::common::registry::Taken>,
+    follow: Option<usbwire_client::follow::Target>,
 ) -> Result<(), Failure> {
     let shutdown = super::common::process::shutdown_signal();
-    let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair().map_err(|e| Failure::io(e.into()))?;
+    let (port, kernel) = vhci::attach_relayed(&imported.device, &record, None).map_err(vhci_failure)?;
     let device = &imported.device;
-    let port = vhci::attach(&kernel_end, device.devid(), device.speed, &record).map_err(vhci_failure)?;
-    drop(kernel_end);
-    our_end.set_nonblocking(true).map_err(|e| Failure::io(e.into()))?;
-    let kernel = tokio::net::UnixStream::from_std(our_end).map_err(|e| Failure::io(e.into()))?;
     println!(
-        "attached {} from {} to port {port} ({} speed){}{}{}; relaying until `usbwire detach -p {port}`",
+        "attached {} from {} to port {port} ({} speed){}{}{}{}; relaying until `usbwire detach -p {port}`",
         record.busid,
         upstream.addr,
         device.speed.for_vhci().name(),
@@ -221,6 +228,7 @@ async fn relay_attached(
             format!(" with {}", usbwire_client::TransformSpec::list_text(&upstream.transforms))
         },
         if upstream.resume.is_some() { ", resumable" } else { "" },
+        if follow.is_some() { ", following it through re-enumerations" } else { "" },
     );
     if let Some(taken) = &taken {
         match taken.until {
@@ -231,20 +239,27 @@ async fn relay_attached(
             None => println!("reserved in the lab registry; given back on detach"),
         }
     }
-    let status = RelayStatusFile::create(port, &upstream);
+    let first = FollowStatus {
+        port,
+        reattached: 0,
+        vendor_id: device.id_vendor,
+        product_id: device.id_product,
+        relay: usbwire_client::relay::RelayState::Connected,
+    };
+    let followed = follow.as_ref().map(|target| target.busid.to_string());
+    let status = std::cell::RefCell::new(RelayStatusFile::create(first, &upstream, followed));
     if let Some(log) = std::env::var_os(RELAY_LOG_ENV) {
         detach_output(std::path::Path::new(&log));
     }
-    let (state_tx, mut states) = tokio::sync::watch::channel(usbwire_client::relay::RelayState::Connected);
+    let (status_tx, mut statuses) = tokio::sync::watch::channel(first);
     let reporting = async {
-        while states.changed().await.is_ok() {
-            let state = *states.borrow_and_update();
-            status.write(state);
+        while statuses.changed().await.is_ok() {
+            let now = *statuses.borrow_and_update();
+            status.borrow_mut().write(now);
         }
         std::future::pending::<()>().await
     };
-    let devid = device.devid();
-    let relay = usbwire_client::relay::run(kernel, imported.stream, devid, upstream, Some(state_tx));
+    let relay = relay_or_follow(imported, port, kernel, upstream, follow, status_tx);
     let (mut held, until) = match taken {
         Some(taken) => (taken.held, taken.until),
         None => (None, None),
@@ -263,7 +278,7 @@ async fn relay_attached(
         }
     };
     let outcome = tokio::select! {
-        result = relay => Some(result.map_err(anyhow::Error::from)),
+        result = relay => Some(result),
         () = reporting => None,
         () = shutdown => None,
         lost = reservation_lost => Some(Err(anyhow!("{lost}; the device may be someone else's now"))),
@@ -273,6 +288,8 @@ async fn relay_attached(
         }
     };
     drop(status);
+    // A followed device may be on another port by now.
+    let port = statuses.borrow().port;
     let _ = std::fs::remove_file(vhci::record_path(port));
     if let Some(reservation) = held {
         if let Err(error) = reservation.release().await {
@@ -297,6 +314,36 @@ async fn relay_attached(
     }
 }
 
+/// The relay for the attached device, or, with `--follow`, the relay again
+/// after each re-enumeration; `status` says where the device is and what the
+/// relay does.
+async fn relay_or_follow(
+    imported: usbwire_client::Imported,
+    port: u32,
+    kernel: tokio::net::UnixStream,
+    upstream: usbwire_client::relay::Upstream,
+    follow: Option<usbwire_client::follow::Target>,
+    status: tokio::sync::watch::Sender<FollowStatus>,
+) -> anyhow::Result<()> {
+    if let Some(target) = follow {
+        return Ok(usbwire_client::follow::follow(target, imported, port, kernel, status).await?);
+    }
+    let (state_tx, mut states) = tokio::sync::watch::channel(usbwire_client::relay::RelayState::Connected);
+    let devid = imported.device.devid();
+    let relay = usbwire_client::relay::run(kernel, imported.stream, devid, upstream, Some(state_tx));
+    let reporting = async {
+        while states.changed().await.is_ok() {
+            let state = *states.borrow_and_update();
+            status.send_modify(|status| status.relay = state);
+        }
+        std::future::pending::<std::convert::Infallible>().await
+    };
+    tokio::select! {
+        ended = relay => Ok(ended?),
+        never = reporting => match never {},
+    }
+}
+
 /// Points stdout and stderr at the relay log (the `attach` that started us
 /// has read what it needed and stopped listening).
 fn detach_output(log: &std::path::Path) {
@@ -318,21 +365,31 @@ fn detach_output(log: &std::path::Path) {
 }
 
 /// `/var/run/vhci_hcd/usbwire-portN.json`: the relay behind a port and what
-/// it is doing, for `usbwire port`. Removed when the relay ends.
+/// it is doing (and, with `--follow`, the bus id it follows and how often it
+/// attached it again), for `usbwire port`. Moves with a followed device to
+/// its new port; removed when the relay ends.
 struct RelayStatusFile {
     path: std::path::PathBuf,
     server: String,
+    followed: Option<String>,
 }
 
+use usbwire_client::follow::FollowStatus;
+
 impl RelayStatusFile {
-    fn create(port: u32, upstream: &usbwire_client::relay::Upstream) -> Self {
-        let file = Self { path: relay_status_path(port), server: upstream.addr.to_string() };
-        file.write(usbwire_client::relay::RelayState::Connected);
+    fn create(first: FollowStatus, upstream: &usbwire_client::relay::Upstream, followed: Option<String>) -> Self {
+        let mut file = Self { path: relay_status_path(first.port), server: upstream.addr.to_string(), followed };
+        file.write(first);
         file
     }
 
-    fn write(&self, state: usbwire_client::relay::RelayState) {
-        let (name, since) = match state {
+    fn write(&mut self, status: FollowStatus) {
+        let path = relay_status_path(status.port);
+        if path != self.path {
+            let _ = std::fs::remove_file(&self.path);
+            self.path = path;
+        }
+        let (name, since) = match status.relay {
             usbwire_client::relay::RelayState::Connected => ("connected", None),
             usbwire_client::relay::RelayState::Resuming { since } => {
                 let ago = since.elapsed();
@@ -340,7 +397,16 @@ impl RelayStatusFile {
                 ("resuming", at.duration_since(std::time::UNIX_EPOCH).ok().map(|d| d.as_secs()))
             }
         };
-        let body = json!({ "pid": std::process::id(), "server": self.server, "state": name, "resuming_since": since });
+        let mut body =
+            json!({ "pid": std::process::id(), "server": self.server, "state": name, "resuming_since": since });
+        if let Some(busid) = &self.followed {
+            body["follow"] = json!({
+                "busid": busid,
+                "reattached": status.reattached,
+                "vendor_id": format!("{:04x}", status.vendor_id),
+                "product_id": format!("{:04x}", status.product_id),
+            });
+        }
         let temporary = self.path.with_extension("tmp");
         if std::fs::write(&temporary, body.to_string()).is_ok() {
             let _ = std::fs::rename(&temporary, &self.path);
@@ -409,6 +475,11 @@ pub(crate) fn port(args: PortArgs) -> Result<(), Failure> {
             let state = relay.get("state").and_then(|s| s.as_str()).unwrap_or("unknown");
             let pid = relay.get("pid").and_then(serde_json::Value::as_u64).unwrap_or(0);
             println!("       relay (pid {pid}): {state}");
+            if let Some(follow) = relay.get("follow") {
+                let busid = follow.get("busid").and_then(|b| b.as_str()).unwrap_or("?");
+                let times = follow.get("reattached").and_then(serde_json::Value::as_u64).unwrap_or(0);
+                println!("       following {busid} through re-enumerations: attached again {times} time(s)");
+            }
         }
     }
     Ok(())

@@ -202,7 +202,9 @@ struct Attachment {
     busid: String,
     /// Over TLS, or when the server resumes sessions, the service relays
     /// between the kernel's socket and the server (the same relay as `attach`).
-    relay: Option<JoinHandle<Result<(), usbwire_client::relay::RelayError>>>,
+    relay: Option<JoinHandle<()>>,
+    /// Where a followed device is now (`follow`: it may come back on another port).
+    followed: Option<watch::Receiver<usbwire_client::follow::FollowStatus>>,
     /// The lab registry reservation it was taken under (`server = "registry"`).
     reservation: Option<usbwire_lab::Reservation>,
 }
@@ -212,8 +214,10 @@ impl Attachment {
     /// dropped, device gone, detached by hand), the relay ended or the
     /// reservation was lost (then the device is detached: it may be someone else's).
     async fn lost(&mut self) -> &'static str {
+        let Self { port, devid, relay, followed, reservation, .. } = self;
+        let now_on = |followed: &Option<watch::Receiver<_>>| current_port(*port, followed);
         let reservation_lost = async {
-            match &mut self.reservation {
+            match reservation {
                 Some(reservation) => {
                     let error = reservation.lost().await;
                     warn!(%error, "reservation lost");
@@ -222,24 +226,33 @@ impl Attachment {
             }
         };
         tokio::select! {
-            reason = Self::port_lost(self.port, self.devid, self.relay.as_ref()) => reason,
+            reason = Self::port_lost(now_on(followed), *devid, relay.as_ref(), followed.is_some()) => reason,
             () = reservation_lost => {
-                let _ = vhci::detach(self.port);
+                let _ = vhci::detach(now_on(followed));
                 "reservation lost"
             }
         }
     }
 
-    async fn port_lost(
-        port: u32,
-        devid: u32,
-        relay: Option<&JoinHandle<Result<(), usbwire_client::relay::RelayError>>>,
-    ) -> &'static str {
+    /// The port the device is on now (a followed one may have moved).
+    fn current_port(&self) -> u32 {
+        current_port(self.port, &self.followed)
+    }
+
+    /// A followed device's port changes with each re-enumeration: only its
+    /// relay ending (the kernel let go, or the device did not come back) counts.
+    async fn port_lost(port: u32, devid: u32, relay: Option<&JoinHandle<()>>, following: bool) -> &'static str {
         loop {
             tokio::time::sleep(WATCH_INTERVAL).await;
             if relay.is_some_and(JoinHandle::is_finished) {
-                let _ = vhci::detach(port);
+                // A follower that ended has let its port go already.
+                if !following {
+                    let _ = vhci::detach(port);
+                }
                 return "relay ended";
+            }
+            if following {
+                continue;
             }
             match vhci::ports() {
                 Ok(ports) => match ports.iter().find(|p| p.port == port) {
@@ -255,9 +268,10 @@ impl Attachment {
     }
 
     async fn detach(self) {
-        match vhci::detach(self.port) {
-            Ok(()) => info!(port = self.port, busid = %self.busid, "detached"),
-            Err(error) => warn!(port = self.port, %error, "detach failed"),
+        let port = self.current_port();
+        match vhci::detach(port) {
+            Ok(()) => info!(port, busid = %self.busid, "detached"),
+            Err(error) => warn!(port, %error, "detach failed"),
         }
         // The kernel let go of its socket: the relay tells a resuming server to
         // release the device now (instead of holding it for its grace period) and ends.
@@ -272,6 +286,11 @@ impl Attachment {
             }
         }
     }
+}
+
+/// Where a device attached on `port` is now: a followed one may have moved.
+fn current_port(port: u32, followed: &Option<watch::Receiver<usbwire_client::follow::FollowStatus>>) -> u32 {
+    followed.as_ref().map_or(port, |followed| followed.borrow().port)
 }
 
 /// The servers a rule looks at: its named server, or (`server = "discover"`)
@@ -320,7 +339,7 @@ async fn attach_from(addr: SocketAddr, rule: &AttachRule, security: &Security) -
     // relay and the kernel never notices; a server that shuts down ends the
     // session, the relay ends, the port goes, and the rule attaches again.
     let imported = usbwire_client::import_resumable(addr, &device.busid, security, &[]).await?;
-    attach_imported(addr, imported, security, None)
+    attach_imported(addr, imported, security, None, rule.follows())
 }
 
 /// A `server = "registry"` rule: reserve a free matching device in the lab
@@ -341,7 +360,7 @@ async fn attach_reserved(registry: &Registry, rule: &AttachRule) -> anyhow::Resu
     }
     .await;
     match imported {
-        Ok((addr, imported, security)) => attach_imported(addr, imported, &security, Some(reservation)),
+        Ok((addr, imported, security)) => attach_imported(addr, imported, &security, Some(reservation), rule.follows()),
         Err(error) => {
             let _ = reservation.release().await;
             Err(error)
@@ -351,38 +370,68 @@ async fn attach_reserved(registry: &Registry, rule: &AttachRule) -> anyhow::Resu
 
 /// Hands an imported device to vhci-hcd: the socket itself for plain USB/IP
 /// without resume, else through a relay (which a reservation always needs:
-/// it lives as long as this process does).
+/// it lives as long as this process does, and `follow` too: it attaches the
+/// device again after each re-enumeration).
 fn attach_imported(
     addr: SocketAddr,
     imported: usbwire_client::Imported,
     security: &Security,
     reservation: Option<usbwire_lab::Reservation>,
+    follow: bool,
 ) -> anyhow::Result<Attachment> {
     let record = imported.device.clone();
     let busid = record.busid.to_string();
     let vhci_record =
         vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: busid.clone() };
-    match imported.stream {
-        usbwire_transport::PeerStream::Plain(tcp) if imported.resume.is_none() => {
+    let usbwire_client::Imported { stream, resume, .. } = imported;
+    let stream = match stream {
+        usbwire_transport::PeerStream::Plain(tcp) if resume.is_none() && !follow => {
             let socket = tcp.into_std()?;
             let port = vhci::attach(&socket, record.devid(), record.speed, &vhci_record)?;
-            Ok(Attachment { port, devid: record.devid(), busid, relay: None, reservation })
+            return Ok(Attachment { port, devid: record.devid(), busid, relay: None, followed: None, reservation });
         }
-        stream => {
-            let (kernel_end, our_end) = std::os::unix::net::UnixStream::pair()?;
-            let port = vhci::attach(&kernel_end, record.devid(), record.speed, &vhci_record)?;
-            drop(kernel_end);
-            our_end.set_nonblocking(true)?;
-            let kernel = tokio::net::UnixStream::from_std(our_end)?;
-            let upstream = usbwire_client::relay::Upstream {
-                addr,
-                security: security.clone(),
-                transforms: vec![],
-                resume: imported.resume,
-                give_up_after: Duration::from_secs(120),
-            };
-            let relay = tokio::spawn(usbwire_client::relay::run(kernel, stream, record.devid(), upstream, None));
-            Ok(Attachment { port, devid: record.devid(), busid, relay: Some(relay), reservation })
-        }
+        stream => stream,
+    };
+    let (port, kernel) = vhci::attach_relayed(&record, &vhci_record, None)?;
+    let upstream = usbwire_client::relay::Upstream {
+        addr,
+        security: security.clone(),
+        transforms: vec![],
+        resume,
+        give_up_after: Duration::from_secs(120),
+    };
+    let devid = record.devid();
+    let logged =
+        |rule_busid: String| move |error: &dyn std::fmt::Display| warn!(busid = rule_busid, %error, "relay ended");
+    if !follow {
+        let log = logged(busid.clone());
+        let relay = tokio::spawn(async move {
+            if let Err(error) = usbwire_client::relay::run(kernel, stream, devid, upstream, None).await {
+                log(&error);
+            }
+        });
+        return Ok(Attachment { port, devid, busid, relay: Some(relay), followed: None, reservation });
     }
+    let target = usbwire_client::follow::Target {
+        upstream,
+        busid: record.busid.clone(),
+        resumable: true,
+        reservation: reservation.as_ref().map(|reservation| reservation.token),
+        record: vhci_record,
+    };
+    let (status, followed) = watch::channel(usbwire_client::follow::FollowStatus {
+        port,
+        reattached: 0,
+        vendor_id: record.id_vendor,
+        product_id: record.id_product,
+        relay: usbwire_client::relay::RelayState::Connected,
+    });
+    let imported = usbwire_client::Imported { stream, device: record.clone(), resume };
+    let log = logged(busid.clone());
+    let relay = tokio::spawn(async move {
+        if let Err(error) = usbwire_client::follow::follow(target, imported, port, kernel, status).await {
+            log(&error);
+        }
+    });
+    Ok(Attachment { port, devid, busid, relay: Some(relay), followed: Some(followed), reservation })
 }

@@ -19,6 +19,7 @@ use super::units::{selector_field, selector_list};
 /// device = "0483:5740"              # bus id, VID:PID, serial=TEXT or class=HEX
 /// also = ["0483:df11"]              # the same device in another mode (its DFU bootloader)
 /// tls = false
+/// follow = false                    # attach again after a re-enumeration; default: true for a bus id
 ///
 /// [registry]                        # a lab registry on etcd, for server = "registry" rules
 /// endpoints = ["10.0.0.5:2379"]
@@ -61,9 +62,19 @@ pub(crate) struct AttachRule {
     /// With `server = "registry"`: the device must carry these labels too.
     #[serde(default)]
     pub(crate) labels: Vec<String>,
+    /// Keep the attachment through re-enumerations (attach the bus id again
+    /// with whatever VID:PID comes back there). Default: on for a bus-id
+    /// `device`, off otherwise.
+    #[serde(default)]
+    pub(crate) follow: Option<bool>,
 }
 
 impl AttachRule {
+    /// Whether the attachment follows the device through re-enumerations.
+    pub(crate) fn follows(&self) -> bool {
+        self.follow.unwrap_or(matches!(self.device, usbwire_server::Selector::BusId(_)))
+    }
+
     /// Every identity the device may show up under.
     pub(crate) fn selectors(&self) -> impl Iterator<Item = &usbwire_server::Selector> {
         std::iter::once(&self.device).chain(&self.also)
@@ -154,6 +165,10 @@ mod tests {
         assert_eq!(config.attach[0].to_string(), "0483:5740|0483:df11|serial=X on 10.0.2.2:3240");
         assert_eq!(config.attach[0].selectors().count(), 3);
         assert!(config.attach[1].tls && !config.attach[0].tls);
+        assert!(!config.attach[0].follows() && config.attach[1].follows(), "bus-id rules follow by default");
+        let explicit: ClientConfig =
+            toml::from_str("[[attach]]\nserver = \"h:1\"\ndevice = \"1-1\"\nfollow = false").unwrap();
+        assert!(!explicit.attach[0].follows());
         let bad = toml::from_str::<ClientConfig>("[[attach]]\nserver = \"h\"\ndevice = \"1-1\"\nalso = [\"nope\"]");
         assert!(bad.unwrap_err().to_string().contains("not a device selector"));
     }
