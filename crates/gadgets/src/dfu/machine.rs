@@ -14,9 +14,14 @@
 //!   [`DETACH_DELAY`] later (so the request's status stage completes first);
 //! * bitManifestationTolerant is clear: after manifestation the device waits
 //!   in dfuMANIFEST-WAIT-RESET, answers DFU_GETSTATUS there (dfu-util asks,
-//!   then resets), and returns to runtime mode on a USB reset,
-//!   [`RESET_DELAY`] after reporting that state, or at the latest
-//!   [`WAIT_RESET_LIMIT`] after entering it (as a board whose watchdog fires);
+//!   then resets), and returns to runtime mode on a USB reset, or once the
+//!   host has been quiet for [`RESET_DELAY`] after it reported that state, or
+//!   at the latest [`WAIT_RESET_LIMIT`] after entering it (as a board whose
+//!   watchdog fires). Quiet, because a host's USB reset over USB/IP (vhci-hcd
+//!   resets its port itself) reaches the device only as the descriptor reads
+//!   and SET_CONFIGURATION that follow it: leaving while the host checks the
+//!   device after its reset would fail the reset (dfu-util's exit status);
+//!   the device calls [`DfuMachine::host_activity`] for every request;
 //! * a block's outcome (accepted, or errADDRESS past the region's end) is
 //!   reported by the DFU_GETSTATUS that follows it, not by stalling the
 //!   download, so the host sees the status code;
@@ -50,8 +55,10 @@ pub const DETACH_DELAY: Duration = Duration::from_millis(10);
 pub const BLOCK_POLL_TIMEOUT: Duration = Duration::from_millis(5);
 /// bwPollTimeout of dfuMANIFEST.
 pub const MANIFEST_POLL_TIMEOUT: Duration = Duration::from_millis(100);
-/// When, after reporting dfuMANIFEST-WAIT-RESET, the device resets itself.
-pub const RESET_DELAY: Duration = Duration::from_millis(10);
+/// How long the host must have been quiet, after dfuMANIFEST-WAIT-RESET was
+/// reported, before the device resets itself: longer than a USB reset takes
+/// to start (its first descriptor read) through a vhci-hcd port.
+pub const RESET_DELAY: Duration = Duration::from_millis(500);
 /// The longest the device stays in dfuMANIFEST-WAIT-RESET when nobody asks.
 /// dfu-util asks about 1.1 s after entering dfuMANIFEST.
 pub const WAIT_RESET_LIMIT: Duration = Duration::from_secs(3);
@@ -170,6 +177,9 @@ pub struct DfuMachine<M> {
     deadline: Option<Instant>,
     /// The mode the device must re-enumerate as, once asked for.
     reenumerate: Option<Mode>,
+    /// In dfuMANIFEST-WAIT-RESET: the latest self-reset, and whether the
+    /// state was reported (from then on the host's quiet decides).
+    wait_reset: Option<(Instant, bool)>,
 }
 
 impl<M: Memory> DfuMachine<M> {
@@ -186,6 +196,7 @@ impl<M: Memory> DfuMachine<M> {
             upload: None,
             deadline: None,
             reenumerate: None,
+            wait_reset: None,
         }
     }
 
@@ -231,10 +242,20 @@ impl<M: Memory> DfuMachine<M> {
             State::Manifest => {
                 self.state = State::ManifestWaitReset;
                 self.deadline = Some(deadline + WAIT_RESET_LIMIT);
+                self.wait_reset = Some((deadline + WAIT_RESET_LIMIT, false));
             }
             State::AppDetach => self.reenumerate = Some(Mode::Dfu),
             State::ManifestWaitReset => self.reenumerate = Some(Mode::Runtime),
             _ => {}
+        }
+    }
+
+    /// The host sent the device a request (any, standard ones included):
+    /// in dfuMANIFEST-WAIT-RESET, once reported, the self-reset waits for
+    /// [`RESET_DELAY`] of quiet from `now` (never past the limit).
+    pub fn host_activity(&mut self, now: Instant) {
+        if let (State::ManifestWaitReset, Some((limit, true))) = (self.state, self.wait_reset) {
+            self.deadline = Some(limit.min(now + RESET_DELAY));
         }
     }
 
@@ -298,7 +319,9 @@ impl<M: Memory> DfuMachine<M> {
             (State::DnloadSync, request::GETSTATUS) => Some(self.block_status(now)),
             (State::ManifestSync, request::GETSTATUS) => Some(self.manifest(now)),
             (State::ManifestWaitReset, request::GETSTATUS) => {
-                self.deadline = Some(self.deadline.map_or(now + RESET_DELAY, |d| d.min(now + RESET_DELAY)));
+                let limit = self.wait_reset.map_or(now + WAIT_RESET_LIMIT, |(limit, _)| limit);
+                self.wait_reset = Some((limit, true));
+                self.deadline = Some(limit.min(now + RESET_DELAY));
                 Some(self.status_reply(Duration::ZERO))
             }
             (State::Error, request::CLRSTATUS) => {

@@ -287,6 +287,27 @@ fn a_download_polls_through_busy_then_manifests_and_asks_for_runtime() {
 }
 
 #[test]
+fn the_hosts_requests_after_the_report_postpone_the_self_reset_up_to_the_limit() {
+    let (mut machine, now) = machine_in(ManifestWaitReset);
+    let entered = now - Duration::from_micros(1);
+    machine.host_activity(now + Duration::from_millis(100));
+    assert_eq!(machine.poll_timeout(), Some(entered + WAIT_RESET_LIMIT), "nothing reported yet: only the limit");
+    assert_eq!(status_of(&send(&mut machine, now, Req::GetStatus)).2, ManifestWaitReset);
+    // The host resets the port, then reads descriptors: each request restarts the quiet.
+    let reads = now + Duration::from_millis(300);
+    machine.host_activity(reads);
+    machine.handle_timeout(now + RESET_DELAY);
+    assert_eq!(machine.take_reenumeration(), None, "the host was not quiet for long enough");
+    machine.handle_timeout(reads + RESET_DELAY);
+    assert_eq!(machine.take_reenumeration(), Some(Mode::Runtime));
+    // A host that keeps talking cannot hold the device past the limit.
+    let (mut machine, now) = machine_in(ManifestWaitReset);
+    send(&mut machine, now, Req::GetStatus);
+    machine.host_activity(now + WAIT_RESET_LIMIT);
+    assert_eq!(machine.poll_timeout(), Some(now - Duration::from_micros(1) + WAIT_RESET_LIMIT));
+}
+
+#[test]
 fn a_device_nobody_asks_resets_itself_after_the_wait_limit() {
     let (mut machine, now) = machine_in(ManifestWaitReset);
     let entered = now - Duration::from_micros(1);

@@ -226,6 +226,9 @@ impl Device for DfuDevice {
     }
 
     fn submit(&mut self, urb: Urb) {
+        // Waiting for a reset that over USB/IP shows only as the host's requests after it.
+        let now = tokio::time::Instant::now().into_std();
+        self.current.function_mut().machine_mut().host_activity(now);
         self.current.submit(urb);
     }
 
