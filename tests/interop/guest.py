@@ -39,6 +39,11 @@ MODULES = [
 # In the initramfs but loaded only by the scripts that want them (`/modules.extra`, in order):
 # USB audio, which would otherwise claim every guest's audio device.
 EXTRA_MODULES = ["snd-usb-audio"]
+# Debian's programs in the initramfs, with the libraries `ldd` names. dfu-util's libusb
+# learns of devices that appear after it started only from udevd's events, so udevd
+# (`udevadm` run as `systemd-udevd`, unpacked from Debian's `udev` package like the kernel)
+# comes too; a script that needs it starts `/lib/systemd/systemd-udevd --daemon`.
+TOOLS = ["/usr/sbin/usbip", "/usr/sbin/usbipd", "/usr/bin/dfu-util"]
 
 
 def log(msg):
@@ -79,6 +84,26 @@ def fetch_kernel():
         open(done, "w").close()
     version = os.listdir(os.path.join(root, "lib/modules"))[0]
     return root, version
+
+
+def fetch_udev():
+    """Unpacks Debian's udev package (not installed on the host); returns udevadm's path."""
+    root = os.path.join(CACHE, "udev")
+    udevadm = os.path.join(root, "bin", "udevadm")
+    if not os.path.exists(udevadm):
+        dl = os.path.join(CACHE, "dl")
+        os.makedirs(dl, exist_ok=True)
+        debs = glob.glob(os.path.join(dl, "udev_*.deb"))
+        if not debs:
+            log("downloading udev")
+            r = subprocess.run(["apt-get", "download", "udev"], cwd=dl, capture_output=True, text=True)
+            if r.returncode != 0:
+                run(["apt-get", "update", "-qq"])
+                run(["apt-get", "download", "udev"], cwd=dl)
+            debs = glob.glob(os.path.join(dl, "udev_*.deb"))
+        shutil.rmtree(root, ignore_errors=True)
+        run(["dpkg-deb", "-x", debs[0], root])
+    return udevadm
 
 
 def extract_vmlinux(bzimage, out):
@@ -201,7 +226,7 @@ def build():
     kernel = extract_vmlinux(bzimage, os.path.join(CACHE, "vmlinux")) or bzimage
     # The cache key covers everything that goes into the initramfs.
     sources = "".join(open(os.path.join(HERE, c)).read() for c in ("usbloop.c", "pcmplay.c"))
-    key = hashlib.sha256((repr(MODULES) + repr(EXTRA_MODULES) + INIT + sources + version).encode()).hexdigest()[:12]
+    key = hashlib.sha256((repr(MODULES) + repr(EXTRA_MODULES) + repr(TOOLS) + INIT + sources + version).encode()).hexdigest()[:12]
     initrd = os.path.join(CACHE, f"base-{key}.cpio")
     if os.path.exists(initrd):
         return kernel, initrd
@@ -212,8 +237,12 @@ def build():
     for d in ["bin", "sbin", "usr/bin", "usr/sbin", "proc", "sys", "dev", "tmp", "mnt", "etc", "lib/modules"]:
         cpio.dir(d)
     cpio.host_file("/bin/busybox", "bin/busybox", 0o755)
-    cpio.binary_with_libs("/usr/sbin/usbip")
-    cpio.binary_with_libs("/usr/sbin/usbipd")
+    for tool in TOOLS:
+        if not os.path.exists(tool):
+            sys.exit(f"missing {tool}: install the Debian packages scripts/test.sh lists (usbip, dfu-util)")
+        cpio.binary_with_libs(tool)
+    cpio.binary_with_libs(fetch_udev(), "usr/bin/udevadm")
+    cpio.symlink("lib/systemd/systemd-udevd", "/usr/bin/udevadm")
     for ids in ["/usr/share/hwdata/usb.ids", "/usr/share/misc/usb.ids"]:
         if os.path.exists(ids):
             cpio.host_file(ids, "usr/share/hwdata/usb.ids")
