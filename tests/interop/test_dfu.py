@@ -4,7 +4,7 @@ against the virtual DFU device of `usbwire serve --virtual dfu=FILE` on the host
 through `usbwire attach --follow`.
 
 The guest (udevd running, so libusb sees devices come and go):
-1. `usbwire attach --follow -r HOST -b 1-1`, then `dfu-util -l` lists the runtime
+1. `usbwire attach --follow -r HOST -b 0-1`, then `dfu-util -l` lists the runtime
    device (1209:0006);
 2. `dfu-util -a 0 -D fw.bin`, a random 1 MiB image, in one run: DFU_DETACH makes the
    device re-enumerate as its bootloader (1209:0007), the attachment follows it,
@@ -54,7 +54,7 @@ wait_device() { i=0; while [ $i -lt 200 ]; do devices | grep -q "=$1" && return 
 # Every change of the USB device list, as it happens (the host times re-enumerations by it).
 ( last=""; while true; do now="$(devices)"; [ "$now" != "$last" ] && echo "@@DEVICES$now"; last="$now"; sleep 0.02; done ) &
 WATCH=$!
-usbwire attach --follow -r 10.0.2.2:__PORT__ -b 1-1 > /tmp/attach.out 2>&1; check attach $? "$(cat /tmp/attach.out)"
+usbwire attach --follow -r 10.0.2.2:__PORT__ -b 0-1 > /tmp/attach.out 2>&1; check attach $? "$(cat /tmp/attach.out)"
 cat /tmp/attach.out
 wait_device __RUNTIME__; check runtime-appears $?
 dfu-util -l > /tmp/list.out 2>&1
@@ -162,10 +162,10 @@ def main():
         relays = [p.get("relay") or {} for p in json.loads(port_json[0])["ports"]] if port_json else []
         follows = [r.get("follow") for r in relays if r.get("follow")]
         checks.check("usbwire port --json shows the followed bus id and three re-attachments",
-                     len(follows) == 1 and follows[0]["busid"] == "1-1" and follows[0]["reattached"] == 3, port_json)
+                     len(follows) == 1 and follows[0]["busid"] == "0-1" and follows[0]["reattached"] == 3, port_json)
         port_text = [line for _, line in console if "@@PORT-TEXT " in line]
         checks.check("usbwire port says what it follows",
-                     bool(port_text) and "following 1-1" in port_text[0] and "3 time(s)" in port_text[0], port_text)
+                     bool(port_text) and "following 0-1" in port_text[0] and "3 time(s)" in port_text[0], port_text)
         timings = reenumeration_times(console, follower)
         for what, took in timings:
             print(f"re-enumeration into {what}: guest saw the new device {took * 1000:.0f} ms after the server's export")

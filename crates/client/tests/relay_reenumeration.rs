@@ -45,7 +45,7 @@ async fn the_detach_reply_reaches_the_kernel_before_the_relay_ends_as_a_reenumer
     std::fs::create_dir_all(&dir).unwrap();
     let device = DfuDevice::open(&dir.join("fw.bin"), &DfuOptions::default()).unwrap();
     let server = TestServer::builder().device("dfu", Box::new(device)).start().await;
-    let busid = BusId::new("1-1").unwrap();
+    let busid = BusId::new("0-1").unwrap();
     let imported = usbwire_client::import_resumable(server.addr(), &busid, &Security::Plain, &[]).await.unwrap();
     let devid = imported.device.devid();
     let upstream = Upstream {

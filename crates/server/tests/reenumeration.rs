@@ -41,7 +41,7 @@ async fn dfu_server(firmware: &std::path::Path) -> SocketAddr {
 }
 
 fn busid() -> BusId {
-    BusId::new("1-1").unwrap()
+    BusId::new("0-1").unwrap()
 }
 
 /// One end of an import, speaking raw URBs.
@@ -155,14 +155,14 @@ fn dfu_out(request: u8, interface: u8, value: u16, length: u16) -> [u8; 8] {
     [0x21, request, v0, v1, interface, 0, l0, l1]
 }
 
-/// Waits until 1-1 is listed with `product_id`; returns how long that took.
+/// Waits until 0-1 is listed with `product_id`; returns how long that took.
 async fn listed_as(addr: SocketAddr, product_id: u16, since: Instant) -> Duration {
     loop {
         let devices = usbwire_client::list_devices(addr, &Security::Plain).await.unwrap();
         if devices.iter().any(|d| d.busid == busid() && d.id_product == product_id) {
             return since.elapsed();
         }
-        assert!(since.elapsed() < Duration::from_secs(5), "1-1 never came back as {product_id:04x}");
+        assert!(since.elapsed() < Duration::from_secs(5), "0-1 never came back as {product_id:04x}");
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
@@ -222,7 +222,7 @@ async fn detach_and_manifestation_end_the_import_as_a_reenumeration_and_reexport
     let digest: String = sha2::Sha256::digest(&image).iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(std::fs::read(&firmware).unwrap(), image, "FILE holds the image");
     let states = usbwire_client::device_states(addr, &Security::Plain).await.unwrap().unwrap();
-    let product = &states.iter().find(|s| s.busid == "1-1").unwrap().product;
+    let product = &states.iter().find(|s| s.busid == "0-1").unwrap().product;
     assert_eq!(product, &format!("usbwire DFU demo (fw {})", &digest[..8]));
 }
 
