@@ -35,14 +35,13 @@ use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tracing::{debug, info, warn, Instrument};
 use usbwire_proto::op::{BusId, DeviceRecord};
 use usbwire_proto::Budget;
-use usbwire_redir::host::HostError;
 use usbwire_redir::UsbHost;
 
 use crate::{Backoff, ClientError, Connection, Security, TransformSpec};
 
 mod bridge;
 
-pub use bridge::{BridgeCore, Completion};
+pub use bridge::{BridgeCore, BridgeError, Completion, Ended};
 
 /// The version text of our hello.
 const HELLO: &str = concat!("usbwire ", env!("CARGO_PKG_VERSION"));
@@ -107,33 +106,6 @@ impl WantedDevice {
 pub enum GuestSide {
     Listen(SocketAddr),
     Connect(SocketAddr),
-}
-
-/// Why one guest's session ended badly.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum BridgeError {
-    /// The device could not be imported (see [`ClientError`]).
-    #[error("importing the device failed: {0}")]
-    Import(#[from] ClientError),
-    /// The guest broke the protocol, or the device's descriptors could not be read.
-    #[error(transparent)]
-    Host(#[from] HostError),
-    /// The guest's socket failed.
-    #[error("the guest connection failed: {0}")]
-    Guest(#[from] std::io::Error),
-    /// The USB/IP connection ended while the guest used the device.
-    #[error("the USB/IP connection to the device was lost")]
-    DeviceLost,
-}
-
-/// How a guest's session ended without an error.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Ended {
-    /// The guest closed the connection.
-    GuestLeft,
-    /// The guest's filter refuses this device, or it rejected it.
-    Refused(String),
 }
 
 /// Serves guests until the listening socket fails: one at a time, each with

@@ -22,8 +22,34 @@ use usbwire_proto::{Budget, Direction, Limits, Status};
 use usbwire_redir::host::{HostError, HostEvent, Traffic, UrbCommand, UrbRequest, UrbResult};
 use usbwire_redir::UsbHost;
 
-use super::{BridgeError, Ended};
-use crate::{Transfer, TransferError, TransferQueue};
+use crate::{ClientError, Transfer, TransferError, TransferQueue};
+
+/// Why one guest's session ended badly.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BridgeError {
+    /// The device could not be imported (see [`ClientError`]).
+    #[error("importing the device failed: {0}")]
+    Import(#[from] ClientError),
+    /// The guest broke the protocol, or the device's descriptors could not be read.
+    #[error(transparent)]
+    Host(#[from] HostError),
+    /// The guest's socket failed.
+    #[error("the guest connection failed: {0}")]
+    Guest(#[from] std::io::Error),
+    /// The USB/IP connection ended while the guest used the device.
+    #[error("the USB/IP connection to the device was lost")]
+    DeviceLost,
+}
+
+/// How a guest's session ended without an error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// The guest closed the connection.
+    GuestLeft,
+    /// The guest's filter refuses this device, or it rejected it.
+    Refused(String),
+}
 
 /// A completion as the queue hands it over: `None` when nothing is pending,
 /// an error once the connection is gone.
