@@ -457,7 +457,7 @@ fn json_output_speaks_one_vocabulary() {
     let listed: serde_json::Value =
         serde_json::from_slice(&usbwire(&["list", "-r", &served.addr, "--json"]).stdout).unwrap();
     for document in [&state, &listed] {
-        assert_eq!(document["schema_version"], 1, "{document}");
+        assert_eq!(document["schema_version"], 2, "{document}");
     }
     let loopback = &state["devices"][1];
     assert_eq!((loopback["busid"].as_str(), loopback["state"].as_str()), (Some("0-2"), Some("in_use")));
@@ -465,12 +465,15 @@ fn json_output_speaks_one_vocabulary() {
     let since_at = loopback["since_at"].as_str().expect("and its RFC 3339 form is beside it");
     let parsed = humantime::parse_rfc3339(since_at).unwrap();
     assert_eq!(parsed.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs(), since);
-    assert_eq!(loopback["product_string"], loopback["product"], "the device's own string, by its common name");
-    // list -r: `product` stays the usb.ids name there; `product_name` says so in every verb.
+    // `product` is the device's own string in every verb, `product_name` the usb.ids name.
     let keyboard = &listed["devices"][0];
-    assert_eq!(keyboard["product_name"], keyboard["product"]);
-    assert_eq!(keyboard["product_string"], "usbwire keyboard");
-    assert_eq!(listed["in_use"][0]["since_at"], since_at);
+    assert_eq!(keyboard["product"], "usbwire keyboard");
+    assert_eq!(state["devices"][0]["product"], keyboard["product"]);
+    assert_ne!(keyboard["product_name"], keyboard["product"]);
+    // The device in use is among list -r's devices, with the same holder and time as in state.
+    assert_eq!(listed["devices"][1]["busid"], "0-2");
+    assert_eq!(listed["devices"][1]["since_at"], since_at);
+    assert_eq!(listed["devices"][1]["holder"], loopback["holder"]);
     drop(held);
 }
 

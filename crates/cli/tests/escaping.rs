@@ -160,8 +160,11 @@ fn list_json_holds_no_raw_controls_and_decodes_to_what_the_server_sent() {
     assert_terminal_safe(&output.stdout, "list --json output");
     let listing: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     assert_eq!(listing["devices"][0]["path"], PATH);
-    let holder = &listing["in_use"][0];
+    // The device in use is listed among the devices, with its holder (docs/json.md).
+    let devices = listing["devices"].as_array().unwrap();
+    let holder = devices.iter().find(|d| d["state"] == "in_use").unwrap_or_else(|| panic!("{listing}"));
     assert_eq!(holder["product"], PRODUCT);
     assert_eq!(holder["identity"], HOLDER);
     assert_eq!(holder["client"], CLIENT);
+    assert_eq!(holder["holder"], HOLDER);
 }

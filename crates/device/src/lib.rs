@@ -19,12 +19,15 @@
 //! A [`Selector`] (`1-1.2`, `0781:5567`, `serial=…`, `class=…`) picks
 //! devices by their [`DeviceFacts`], wherever the devices come from.
 //!
+//! [`record::DeviceJson`] is how every JSON document shows a device.
+//!
 //! This crate is not for sockets or wire formats: it knows URBs, not bytes
 //! on the network (it borrows only value types from `usbwire-proto`).
 
 pub mod control;
 pub mod descriptor;
 mod queue;
+pub mod record;
 pub mod selector;
 mod urb;
 mod virtual_device;

@@ -38,7 +38,10 @@ mod tests {
             product: None,
             serial: Some(serial.into()),
             speed: Speed::HIGH,
+            bcd_device: 0x0100,
             class: 0,
+            subclass: 0,
+            protocol: 0,
             interfaces: vec![LocalInterface { number: 0, class: 8, subclass: 6, protocol: 0x50, driver: None }],
             sysfs_path: Default::default(),
         }

@@ -19,44 +19,39 @@ use std::io;
 use std::path::PathBuf;
 
 use nusb::MaybeFuture;
-use serde::Serialize;
 use usbwire_device::Speed;
 
 pub use device::HostDevice;
 pub use usbwire_device::{Selector, SelectorError};
 
 /// A USB device plugged into this machine.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 pub struct LocalDevice {
     /// As usbip names it: `BUS-PORT[.PORT...]`, e.g. `1-1.2`.
     pub busid: String,
     pub busnum: u8,
     pub devnum: u8,
-    #[serde(serialize_with = "hex16")]
     pub vendor_id: u16,
-    #[serde(serialize_with = "hex16")]
     pub product_id: u16,
     pub manufacturer: Option<String>,
     pub product: Option<String>,
     pub serial: Option<String>,
-    #[serde(serialize_with = "speed_name")]
     pub speed: Speed,
-    #[serde(serialize_with = "hex8")]
+    /// The device's release number (`bcdDevice`).
+    pub bcd_device: u16,
     pub class: u8,
+    pub subclass: u8,
+    pub protocol: u8,
     pub interfaces: Vec<LocalInterface>,
-    #[serde(skip)]
     pub sysfs_path: PathBuf,
 }
 
 /// One interface of a [`LocalDevice`] and the kernel driver bound to it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 pub struct LocalInterface {
     pub number: u8,
-    #[serde(serialize_with = "hex8")]
     pub class: u8,
-    #[serde(serialize_with = "hex8")]
     pub subclass: u8,
-    #[serde(serialize_with = "hex8")]
     pub protocol: u8,
     /// `None` when no driver is bound; `usbfs` while a usbwire server holds it.
     pub driver: Option<String>,
@@ -104,7 +99,10 @@ impl LocalDevice {
                 Some(nusb::Speed::SuperPlus) => Speed::SUPER_PLUS,
                 _ => Speed::UNKNOWN,
             },
+            bcd_device: info.device_version(),
             class: info.class(),
+            subclass: info.subclass(),
+            protocol: info.protocol(),
             interfaces,
             sysfs_path,
         })
@@ -133,18 +131,6 @@ pub fn list() -> io::Result<Vec<LocalDevice>> {
 /// Numeric order for bus ids, so `1-10` sorts after `1-2`.
 fn busid_order(busid: &str) -> Vec<u32> {
     busid.split(['-', '.']).map(|part| part.parse().unwrap_or(u32::MAX)).collect()
-}
-
-fn hex16<S: serde::Serializer>(value: &u16, serializer: S) -> Result<S::Ok, S::Error> {
-    serializer.serialize_str(&format!("{value:04x}"))
-}
-
-fn hex8<S: serde::Serializer>(value: &u8, serializer: S) -> Result<S::Ok, S::Error> {
-    serializer.serialize_str(&format!("{value:02x}"))
-}
-
-fn speed_name<S: serde::Serializer>(speed: &Speed, serializer: S) -> Result<S::Ok, S::Error> {
-    serializer.serialize_str(speed.name())
 }
 
 #[cfg(test)]

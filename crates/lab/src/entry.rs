@@ -26,9 +26,12 @@ use std::str::FromStr;
 use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
+use usbwire_device::record::DeviceJson;
 use usbwire_device::{AsDeviceFacts, DeviceFacts, Selector};
 
-/// The version of the records' JSON; readers skip records of a newer major version.
+/// The version of the records' JSON; readers skip records of a newer major
+/// version. Their device fields are the device record's (docs/json.md);
+/// fields added since version 1 are optional, so version 1 readers read them.
 pub const SCHEMA_VERSION: u32 = 1;
 
 /// The registry's keys under one prefix.
@@ -89,15 +92,20 @@ impl Keys {
 
     /// Every index key of a device (its labels, VID:PID, classes, serial).
     pub fn index_entries(&self, device: &DeviceEntry) -> Vec<String> {
-        let (server, busid) = (&device.server, &device.busid);
+        let (server, busid) = (&device.server, &device.record.busid);
         let mut keys: Vec<String> =
             device.labels.iter().map(|label| self.index_entry("label", label, server, busid)).collect();
-        keys.push(self.index_entry("id", &format!("{}:{}", device.vendor_id, device.product_id), server, busid));
+        keys.push(self.index_entry(
+            "id",
+            &format!("{}:{}", device.record.vendor_id, device.record.product_id),
+            server,
+            busid,
+        ));
         let mut classes: Vec<&String> = std::iter::once(&device.class).chain(&device.interface_classes).collect();
         classes.sort();
         classes.dedup();
         keys.extend(classes.into_iter().map(|class| self.index_entry("class", class, server, busid)));
-        if let Some(serial) = &device.serial {
+        if let Some(serial) = &device.record.serial {
             keys.push(self.index_entry("serial", serial, server, busid));
         }
         keys
@@ -140,31 +148,31 @@ pub struct ServerEntry {
     pub started_at: String,
 }
 
-/// A device a server exports, with its state now.
+/// A device a server exports, with its state now: its device record
+/// (`usbwire_device::record`, the same fields every `--json` shows), the
+/// classes the index is keyed by, and its labels.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceEntry {
     pub schema_version: u32,
     pub server: String,
-    pub busid: String,
-    /// `disk`, `keyboard`, `host` (a real device), …
-    pub kind: String,
-    /// Four hex digits.
-    pub vendor_id: String,
-    pub product_id: String,
-    pub manufacturer: Option<String>,
-    pub product: Option<String>,
-    pub serial: Option<String>,
+    #[serde(flatten)]
+    pub record: DeviceJson,
     /// The device class and each interface's, two hex digits each (`00`, `08`).
     pub class: String,
     pub interface_classes: Vec<String>,
-    pub speed: String,
-    /// `available`, `in_use` or `resuming` (in use, its client away).
-    pub state: String,
-    /// Who imports it (TLS identity, else address), when in use.
-    pub holder: Option<String>,
-    /// RFC 3339: since when in use.
-    pub since_at: Option<String>,
     pub labels: Vec<String>,
+}
+
+impl DeviceEntry {
+    /// `available`, `in_use` or `resuming`.
+    pub fn state(&self) -> &str {
+        self.record.state.as_deref().unwrap_or_default()
+    }
+
+    /// Its product string, else its kind: what a person calls it in one word.
+    pub fn name(&self) -> &str {
+        self.record.product.as_deref().or(self.record.kind.as_deref()).unwrap_or_default()
+    }
 }
 
 /// A device taken for a client.
@@ -261,7 +269,7 @@ impl From<&ReservationEntry> for ReservationView {
 impl FleetDevice {
     /// Free to reserve: exported, not imported, not reserved, on a registered server.
     pub fn is_free(&self) -> bool {
-        self.reservation.is_none() && self.device.state == "available"
+        self.reservation.is_none() && self.device.state() == "available"
     }
 }
 
@@ -420,12 +428,11 @@ impl AsDeviceFacts for DeviceEntry {
     /// Ids and classes are hex text in the registry; one that does not read
     /// as hex is not known, and matches no selector that asks for it.
     fn device_facts(&self) -> DeviceFacts<'_> {
-        let hex16 = |text: &str| u16::from_str_radix(text, 16).ok();
         DeviceFacts {
-            busid: &self.busid,
-            vendor_id: hex16(&self.vendor_id),
-            product_id: hex16(&self.product_id),
-            serial: self.serial.as_deref(),
+            busid: &self.record.busid,
+            vendor_id: self.record.vendor_number(),
+            product_id: self.record.product_number(),
+            serial: self.record.serial.as_deref(),
             classes: std::iter::once(&self.class)
                 .chain(&self.interface_classes)
                 .filter_map(|class| u8::from_str_radix(class, 16).ok())
@@ -442,19 +449,20 @@ pub(crate) mod tests {
         DeviceEntry {
             schema_version: SCHEMA_VERSION,
             server: server.into(),
-            busid: busid.into(),
-            kind: "disk".into(),
-            vendor_id: "1209".into(),
-            product_id: "0003".into(),
-            manufacturer: Some("usbwire".into()),
-            product: Some("usbwire disk".into()),
-            serial: Some(format!("SN-{busid}")),
+            record: DeviceJson {
+                busid: busid.into(),
+                kind: Some("disk".into()),
+                vendor_id: "1209".into(),
+                product_id: "0003".into(),
+                manufacturer: Some("usbwire".into()),
+                product: Some("usbwire disk".into()),
+                serial: Some(format!("SN-{busid}")),
+                speed: "high".into(),
+                state: Some("available".into()),
+                ..DeviceJson::default()
+            },
             class: "00".into(),
             interface_classes: vec!["08".into()],
-            speed: "high".into(),
-            state: "available".into(),
-            holder: None,
-            since_at: None,
             labels: labels.iter().map(|l| l.to_string()).collect(),
         }
     }
@@ -513,7 +521,8 @@ pub(crate) mod tests {
         let fleet = Fleet::from_pairs(&keys, 42, pairs.iter().map(|(k, v)| (k.as_bytes(), v.as_slice(), 1)));
         assert_eq!(fleet.revision, 42);
         assert_eq!(fleet.servers.len(), 1);
-        let listed: Vec<(&str, bool)> = fleet.devices.iter().map(|d| (d.device.busid.as_str(), d.is_free())).collect();
+        let listed: Vec<(&str, bool)> =
+            fleet.devices.iter().map(|d| (d.device.record.busid.as_str(), d.is_free())).collect();
         assert_eq!(listed, [("1-1", true), ("1-2", false)]);
         assert_eq!(fleet.devices[1].reservation.as_ref().unwrap().holder, "ci@runner");
         let json = serde_json::to_value(&fleet).unwrap();
@@ -547,7 +556,7 @@ pub(crate) mod tests {
     fn a_matching_selector_finds_the_device_under_each_of_its_index_terms() {
         let keys = Keys::new("usbwire");
         let mut disk = device("a:1", "1-1", &["nucleo", "bench/3"]);
-        disk.serial = Some("SN/1%".into());
+        disk.record.serial = Some("SN/1%".into());
         let entries = keys.index_entries(&disk);
         assert!(entries.contains(&"usbwire/index/label/bench%2F3/a:1/1-1".to_owned()), "{entries:?}");
         assert!(entries.contains(&"usbwire/index/serial/SN%2F1%25/a:1/1-1".to_owned()), "{entries:?}");
@@ -556,7 +565,7 @@ pub(crate) mod tests {
         {
             let want: Want = text.parse().unwrap();
             assert!(want.matches(&disk), "{text}");
-            assert!(want.matches_place(&disk.server, &disk.busid), "{text}");
+            assert!(want.matches_place(&disk.server, &disk.record.busid), "{text}");
             for prefix in want.index_prefixes(&keys) {
                 let found: Vec<_> = entries.iter().filter(|e| e.starts_with(&prefix)).collect();
                 assert_eq!(found.len(), 1, "{text}: {prefix} in {entries:?}");
@@ -564,7 +573,7 @@ pub(crate) mod tests {
             }
         }
         let elsewhere: Want = "server=b:1".parse().unwrap();
-        assert!(!elsewhere.matches_place(&disk.server, &disk.busid));
+        assert!(!elsewhere.matches_place(&disk.server, &disk.record.busid));
         assert!(keys.parse(entries[0].as_bytes()).is_none(), "the index is not part of the fleet view");
         assert_eq!(Availability::of("available", true), Availability::RESERVED);
         assert_eq!(Availability::of("available", false), Availability::AVAILABLE);

@@ -104,7 +104,7 @@ struct Candidate {
 /// A client imports from the address and pins the key the records name, so
 /// records that name another server are not taken.
 fn names_its_key(server: &ServerEntry, device: &DeviceEntry, key_server: &str, key_busid: &str) -> bool {
-    server.address == key_server && device.server == key_server && device.busid == key_busid
+    server.address == key_server && device.server == key_server && device.record.busid == key_busid
 }
 
 /// The first key after every key that starts with `prefix`.
@@ -294,14 +294,14 @@ impl Lab {
                 // Records under one server's keys that name another: a client would
                 // import from (and pin the key of) a server other than the one reserved.
                 tracing::warn!(server = %candidate.server, busid = %candidate.busid, named_server = %server.address,
-                    named_device = %format!("{} {}", device.server, device.busid),
+                    named_device = %format!("{} {}", device.server, device.record.busid),
                     "skipped: its registry records name another server or device than their keys");
                 let _ = self.client.delete(self.keys.reservation(&candidate.server, &candidate.busid), None).await;
                 continue;
             }
             let renewing = matches!(hold, Hold::WhileRunning { .. })
                 .then(|| tokio::spawn(keep_alive(self.endpoint.clone(), self.client.clone(), lease, ttl)));
-            tracing::debug!(server = %device.server, busid = %device.busid, lease = format_args!("{lease:x}"), tried, "reserved");
+            tracing::debug!(server = %device.server, busid = %device.record.busid, lease = format_args!("{lease:x}"), tried, "reserved");
             return Ok(Reservation { server, device, entry, token, lease, client: self.client.clone(), renewing });
         }
         // Every free one was taken by someone faster.
@@ -322,16 +322,16 @@ impl Lab {
                 .filter(|d| want.matches(&d.device))
                 .map(|d| {
                     let reserved = d.reservation.is_some();
-                    let availability = Availability::of(&d.device.state, reserved).to_owned();
+                    let availability = Availability::of(d.device.state(), reserved).to_owned();
                     let index_key = self.keys.index_entry(
                         "id",
-                        &format!("{}:{}", d.device.vendor_id, d.device.product_id),
+                        &format!("{}:{}", d.device.record.vendor_id, d.device.record.product_id),
                         &d.device.server,
-                        &d.device.busid,
+                        &d.device.record.busid,
                     );
                     Candidate {
                         server: d.device.server.clone(),
-                        busid: d.device.busid.clone(),
+                        busid: d.device.record.busid.clone(),
                         index_key,
                         availability,
                     }
@@ -451,7 +451,7 @@ impl Reservation {
             task.abort();
         }
         self.client.lease_revoke(self.lease).await?;
-        tracing::debug!(server = %self.device.server, busid = %self.device.busid, "reservation released");
+        tracing::debug!(server = %self.device.server, busid = %self.device.record.busid, "reservation released");
         Ok(())
     }
 
@@ -539,19 +539,18 @@ mod tests {
         DeviceEntry {
             schema_version: SCHEMA_VERSION,
             server: server.into(),
-            busid: busid.into(),
-            kind: "keyboard".into(),
-            vendor_id: "1209".into(),
-            product_id: "0001".into(),
-            manufacturer: None,
-            product: Some("planted keyboard".into()),
-            serial: None,
+            record: usbwire_device::record::DeviceJson {
+                busid: busid.into(),
+                kind: Some("keyboard".into()),
+                vendor_id: "1209".into(),
+                product_id: "0001".into(),
+                product: Some("planted keyboard".into()),
+                speed: "full".into(),
+                state: Some("available".into()),
+                ..Default::default()
+            },
             class: "03".into(),
             interface_classes: vec![],
-            speed: "full".into(),
-            state: "available".into(),
-            holder: None,
-            since_at: None,
             labels: vec!["kbd".into()],
         }
     }
@@ -573,7 +572,7 @@ mod tests {
     /// the registry could.
     async fn plant(client: &mut Client, keys: &Keys, key_server: &str, server: &ServerEntry, device: &DeviceEntry) {
         client.put(keys.server(key_server), json(server), None).await.unwrap();
-        client.put(keys.device(key_server, &device.busid), json(device), None).await.unwrap();
+        client.put(keys.device(key_server, &device.record.busid), json(device), None).await.unwrap();
         let mut indexed = device.clone();
         indexed.server = key_server.into();
         for key in keys.index_entries(&indexed) {
@@ -605,7 +604,10 @@ mod tests {
             Err(LabError::NoneFree { .. }) => {}
             Err(other) => panic!("expected none taken, got {other}"),
             Ok(taken) => {
-                panic!("took {} on {} from records naming another server", taken.device.busid, taken.server.address)
+                panic!(
+                    "took {} on {} from records naming another server",
+                    taken.device.record.busid, taken.server.address
+                )
             }
         }
         let reservations =
@@ -614,10 +616,10 @@ mod tests {
         // Consistent records are taken, with the server's entry (and key) beside the device.
         plant(&mut client, &keys, "d:3240", &server("d:3240", Some(&key)), &device("d:3240", "2-1")).await;
         let taken = lab.reserve(&want, hold, "test").await.unwrap();
-        assert_eq!((taken.server.address.as_str(), taken.device.busid.as_str()), ("d:3240", "2-1"));
+        assert_eq!((taken.server.address.as_str(), taken.device.record.busid.as_str()), ("d:3240", "2-1"));
         assert_eq!(taken.server.tls_fingerprint.as_deref(), Some(key.as_str()));
         let (entry, held) = lab.still_held("d:3240", "2-1", &taken.token).await.unwrap().unwrap();
-        assert_eq!((entry.address.as_str(), held.busid.as_str()), ("d:3240", "2-1"));
+        assert_eq!((entry.address.as_str(), held.record.busid.as_str()), ("d:3240", "2-1"));
         // A server entry rewritten to name another address no longer counts as held there.
         client.put(keys.server("d:3240"), json(&server("b:3240", Some(&key))), None).await.unwrap();
         assert!(lab.still_held("d:3240", "2-1", &taken.token).await.unwrap().is_none());

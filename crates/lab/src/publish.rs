@@ -23,12 +23,11 @@ use std::time::Duration;
 use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
+use usbwire_device::record::DeviceJson;
 use usbwire_device::{DeviceFacts, Selector};
-use usbwire_server::{DeviceState, ExportInfo, Registry, ReservationDigest};
+use usbwire_server::{state_entry, ExportInfo, Registry, ReservationDigest};
 
-use crate::entry::{
-    decode, timestamp, Availability, DeviceEntry, Key, Keys, ReservationEntry, ServerEntry, SCHEMA_VERSION,
-};
+use crate::entry::{decode, Availability, DeviceEntry, Key, Keys, ReservationEntry, ServerEntry, SCHEMA_VERSION};
 use crate::etcd::{keep_alive, Endpoint};
 use crate::LabError;
 
@@ -302,11 +301,14 @@ impl Session {
         let exports = registry.list();
         for export in &exports {
             let entry = device_entry(address, export, &registration.labels);
-            let availability = Availability::of(&entry.state, self.reservations.contains_key(&entry.busid));
+            let availability = Availability::of(entry.state(), self.reservations.contains_key(&entry.record.busid));
             for key in self.keys.index_entries(&entry) {
                 now.insert(key, availability.to_owned());
             }
-            now.insert(self.keys.device(address, &entry.busid), serde_json::to_string(&entry).unwrap_or_default());
+            now.insert(
+                self.keys.device(address, &entry.record.busid),
+                serde_json::to_string(&entry).unwrap_or_default(),
+            );
         }
         // Key → the value to put, or `None` to delete it.
         let mut changes: Vec<(String, Option<String>)> = Vec::new();
@@ -367,19 +369,10 @@ impl Session {
     }
 }
 
-/// What the registry shows of an exported device.
+/// What the registry shows of an exported device: its device record (the
+/// same as `usbwire state` shows), its classes for the index, and its labels.
 pub fn device_entry(server: &str, export: &ExportInfo, labels: &[(Selector, Vec<String>)]) -> DeviceEntry {
     let record = &export.record;
-    let summary = &export.summary;
-    let text = |s: &str| (!s.is_empty()).then(|| s.to_owned());
-    let (state, holder, since) = match &export.state {
-        DeviceState::Available => ("available", None, None),
-        DeviceState::InUse { client, since, identity, resuming_since } => (
-            if resuming_since.is_some() { "resuming" } else { "in_use" },
-            Some(identity.clone().unwrap_or_else(|| client.to_string())),
-            Some(timestamp(*since)),
-        ),
-    };
     let facts = export_facts(export);
     let mut device_labels: Vec<String> = Vec::new();
     for (selector, names) in labels {
@@ -394,19 +387,9 @@ pub fn device_entry(server: &str, export: &ExportInfo, labels: &[(Selector, Vec<
     DeviceEntry {
         schema_version: SCHEMA_VERSION,
         server: server.to_owned(),
-        busid: record.busid.to_string(),
-        kind: export.kind.clone(),
-        vendor_id: format!("{:04x}", record.id_vendor),
-        product_id: format!("{:04x}", record.id_product),
-        manufacturer: text(&summary.manufacturer),
-        product: text(&summary.product),
-        serial: text(&summary.serial),
+        record: DeviceJson::from(&state_entry(export.clone())),
         class: format!("{:02x}", record.b_device_class),
         interface_classes: record.interfaces.iter().map(|i| format!("{:02x}", i.b_interface_class)).collect(),
-        speed: summary.speed.name().to_owned(),
-        state: state.to_owned(),
-        holder,
-        since_at: since,
         labels: device_labels,
     }
 }
@@ -425,6 +408,7 @@ fn digest_from_hex(hex: &str) -> Option<ReservationDigest> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::entry::timestamp;
     use crate::testing::Cluster;
 
     fn registration(endpoint: Endpoint, ttl: Duration) -> Registration {
@@ -546,19 +530,20 @@ mod tests {
         ];
         let entries: Vec<DeviceEntry> =
             server.registry().list().iter().map(|export| device_entry("10.0.0.5:3240", export, &labels)).collect();
-        let by_busid = |busid: &usbwire_proto::op::BusId| entries.iter().find(|e| e.busid == busid.as_str()).unwrap();
+        let by_busid =
+            |busid: &usbwire_proto::op::BusId| entries.iter().find(|e| e.record.busid == busid.as_str()).unwrap();
         let loopback = by_busid(&disk);
         assert_eq!(loopback.labels, ["nucleo", "bench-3"]);
         assert_eq!(
-            (loopback.server.as_str(), loopback.state.as_str(), loopback.holder.as_deref()),
+            (loopback.server.as_str(), loopback.state(), loopback.record.holder.as_deref()),
             ("10.0.0.5:3240", "available", None)
         );
         assert_eq!(loopback.schema_version, SCHEMA_VERSION);
         let hid = by_busid(&keyboard);
         assert_eq!(hid.labels, ["hid", "nucleo"], "each label once, in rule order");
-        assert_eq!((hid.vendor_id.as_str(), hid.product_id.as_str()), ("1209", "0001"));
+        assert_eq!((hid.record.vendor_id.as_str(), hid.record.product_id.as_str()), ("1209", "0001"));
         assert_eq!(hid.interface_classes, ["03"]);
-        assert_eq!(hid.speed, "high");
+        assert_eq!(hid.record.speed, "high");
         let json: serde_json::Value = serde_json::to_value(hid).unwrap();
         assert_eq!(json["product"], "usbwire keyboard");
     }

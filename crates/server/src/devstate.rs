@@ -5,11 +5,12 @@
 //! The document's shape is `usbwire_transport::devstate`'s; this file only
 //! fills it in. Who may see what is the caller's `visible`.
 
-use std::time::UNIX_EPOCH;
+use std::time::{SystemTime, UNIX_EPOCH};
 
+use usbwire_device::record::{bcd, class_triple, hex16};
 use usbwire_proto::op::DeviceRecord;
 
-use crate::registry::{DeviceState, Registry};
+use crate::registry::{DeviceState, ExportInfo, Registry};
 
 /// One device in a `state` answer (the same document `OP_REP_DEVSTATE` carries).
 pub type StateEntry = usbwire_transport::devstate::DeviceStateEntry;
@@ -17,42 +18,47 @@ pub type StateEntry = usbwire_transport::devstate::DeviceStateEntry;
 /// Every exported device this viewer may see, with its state: what `usbwire
 /// state` prints and what `OP_REP_DEVSTATE` carries.
 pub(crate) fn entries(registry: &Registry, visible: impl Fn(&str, &DeviceRecord, &str) -> bool) -> Vec<StateEntry> {
-    registry
-        .list()
-        .into_iter()
-        .filter(|e| visible(&e.kind, &e.record, &e.summary.serial))
-        .map(|e| {
-            let unix = |at: std::time::SystemTime| at.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs());
-            let rfc3339 = |at: Option<u64>| {
-                at.map(|s| {
-                    humantime::format_rfc3339_seconds(UNIX_EPOCH + std::time::Duration::from_secs(s)).to_string()
-                })
-            };
-            let (state, client, since, identity, resuming_since) = match e.state {
-                DeviceState::Available => ("available", None, None, None, None),
-                DeviceState::InUse { client, since, identity, resuming_since } => {
-                    ("in_use", Some(client.to_string()), unix(since), identity, resuming_since.and_then(unix))
-                }
-            };
-            StateEntry {
-                busid: e.record.busid.to_string(),
-                kind: e.kind,
-                vendor_id: format!("{:04x}", e.record.id_vendor),
-                product_id: format!("{:04x}", e.record.id_product),
-                product_string: e.summary.product.clone(),
-                product: e.summary.product,
-                speed: e.summary.speed.name().to_owned(),
-                manufacturer: e.summary.manufacturer,
-                serial: e.summary.serial,
-                state: state.to_owned(),
-                client,
-                identity,
-                since_at: rfc3339(since),
-                resuming_since_at: rfc3339(resuming_since),
-                since,
-                resuming_since,
-                counters: Some(e.meter.snapshot()),
-            }
-        })
-        .collect()
+    registry.list().into_iter().filter(|e| visible(&e.kind, &e.record, &e.summary.serial)).map(state_entry).collect()
+}
+
+/// One exported device's entry: its record, strings, holder and counters.
+/// The lab registry's device records are made from it too.
+pub fn state_entry(export: ExportInfo) -> StateEntry {
+    let unix = |at: SystemTime| at.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs());
+    let rfc3339 = |at: Option<u64>| {
+        at.map(|s| humantime::format_rfc3339_seconds(UNIX_EPOCH + std::time::Duration::from_secs(s)).to_string())
+    };
+    let (state, client, since, identity, resuming_since) = match export.state {
+        DeviceState::Available => ("available", None, None, None, None),
+        DeviceState::InUse { client, since, identity, resuming_since } => {
+            ("in_use", Some(client.to_string()), unix(since), identity, resuming_since.and_then(unix))
+        }
+    };
+    let record = &export.record;
+    StateEntry {
+        busid: record.busid.to_string(),
+        kind: export.kind,
+        vendor_id: hex16(record.id_vendor),
+        product_id: hex16(record.id_product),
+        product_string: export.summary.product.clone(),
+        product: export.summary.product,
+        speed: export.summary.speed.name().to_owned(),
+        bcd_device: Some(bcd(record.bcd_device)),
+        device_class: Some(class_triple(record.b_device_class, record.b_device_sub_class, record.b_device_protocol)),
+        interfaces: record
+            .interfaces
+            .iter()
+            .map(|i| class_triple(i.b_interface_class, i.b_interface_sub_class, i.b_interface_protocol))
+            .collect(),
+        manufacturer: export.summary.manufacturer,
+        serial: export.summary.serial,
+        state: state.to_owned(),
+        client,
+        identity,
+        since_at: rfc3339(since),
+        resuming_since_at: rfc3339(resuming_since),
+        since,
+        resuming_since,
+        counters: Some(export.meter.snapshot()),
+    }
 }

@@ -27,7 +27,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
+use usbwire_device::record::JSON_SCHEMA_VERSION;
 use usbwire_proto::sync::lock;
+use usbwire_transport::devstate::CountedDevice;
 
 use crate::devstate;
 use crate::state::ServerState;
@@ -254,11 +256,22 @@ fn refuse_busy(stream: TcpStream, peer: SocketAddr) {
     let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
 }
 
-/// The devices and their counters, as `/status.json` and each `/events` message carry them.
+/// The devices (their records, docs/json.md) and counters, as `/status.json`
+/// and each `/events` message carry them, with the time they were read
+/// (`time_ms`, for rates between messages; `time_at` for people).
 fn status_json(state: &ServerState) -> String {
-    let time_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-    let devices = devstate::entries(&state.registry, |_, _, _| true);
-    serde_json::json!({ "time_ms": time_ms as u64, "devices": devices }).to_string()
+    let now = std::time::SystemTime::now();
+    let time_ms = now.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let devices: Vec<CountedDevice> =
+        devstate::entries(&state.registry, |_, _, _| true).iter().map(CountedDevice::from).collect();
+    serde_json::json!({
+        "schema_version": JSON_SCHEMA_VERSION,
+        "version": env!("CARGO_PKG_VERSION"),
+        "time_ms": time_ms as u64,
+        "time_at": humantime::format_rfc3339_seconds(now).to_string(),
+        "devices": devices,
+    })
+    .to_string()
 }
 
 /// Writes `bytes`, or fails once [`WRITE_TIMEOUT`] passes (a reader that stopped reading).

@@ -50,7 +50,7 @@ pub use config::{default_control_path, OwnBridges, PlainPolicy, Security, Server
 pub use control::{
     request as control_request, ControlErrorKind, ControlRequest, ControlResponse, TextInput, TypeRefusal,
 };
-pub use devstate::StateEntry;
+pub use devstate::{state_entry, StateEntry};
 pub use error::ServerError;
 pub use host_exports::{HostExports, HOST_KIND};
 pub use registry::{DeviceState, ExportInfo, Registry, VIRTUAL_BUS};

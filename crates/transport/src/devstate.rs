@@ -2,8 +2,14 @@
 //! `state`, `list -r --json`): one entry per exported device, written by the
 //! server and read by the client. Reading is lenient (fields a newer or older
 //! server leaves out take defaults) so either side can be upgraded first.
+//!
+//! What a person or script reads is not this document but the device record
+//! it converts into ([`DeviceJson`], `From<&DeviceStateEntry>`), with the
+//! counters beside it ([`CountedDevice`]): `state --json`, `list -r --json`
+//! and `/status.json`.
 
 use serde::{Deserialize, Serialize};
+use usbwire_device::record::{known, DeviceJson, InterfaceJson};
 
 /// One exported device and who holds it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,6 +28,15 @@ pub struct DeviceStateEntry {
     pub product_string: String,
     #[serde(default)]
     pub speed: String,
+    /// The device's release number (`1.00`); servers before it was sent leave it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bcd_device: Option<String>,
+    /// The device's class triple (`00/00/00`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_class: Option<String>,
+    /// Each interface's class triple, in interface order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub interfaces: Vec<String>,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub manufacturer: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -51,6 +66,63 @@ pub struct DeviceStateEntry {
     /// as its Prometheus metrics).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub counters: Option<DeviceCounters>,
+}
+
+impl From<&DeviceStateEntry> for DeviceJson {
+    /// The record of a device this document describes. In use with its
+    /// connection lost is the state `resuming` (the document says `in_use`
+    /// with `resuming_since`, which older clients read).
+    fn from(entry: &DeviceStateEntry) -> Self {
+        let state = match entry.state.as_str() {
+            "in_use" if entry.resuming_since.is_some() => "resuming",
+            other => other,
+        };
+        Self {
+            busid: entry.busid.clone(),
+            kind: known(&entry.kind),
+            vendor_id: entry.vendor_id.clone(),
+            product_id: entry.product_id.clone(),
+            bcd_device: entry.bcd_device.clone(),
+            device_class: entry.device_class.clone(),
+            speed: entry.speed.clone(),
+            manufacturer: known(&entry.manufacturer),
+            product: known(&entry.product),
+            serial: known(&entry.serial),
+            vendor_name: None,
+            product_name: None,
+            interfaces: entry
+                .interfaces
+                .iter()
+                .zip(0u8..)
+                .map(|(class, number)| InterfaceJson { number, class: class.clone(), ..InterfaceJson::default() })
+                .collect(),
+            state: known(state),
+            holder: entry.identity.clone().or_else(|| entry.client.clone()),
+            client: entry.client.clone(),
+            identity: entry.identity.clone(),
+            since_at: entry.since_at.clone(),
+            since: entry.since,
+            resuming_since_at: entry.resuming_since_at.clone(),
+            resuming_since: entry.resuming_since,
+        }
+    }
+}
+
+/// A device's record and its traffic counters: each device of `state
+/// --json` and `/status.json`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CountedDevice {
+    #[serde(flatten)]
+    pub device: DeviceJson,
+    /// `null` where the source keeps none.
+    #[serde(default)]
+    pub counters: Option<DeviceCounters>,
+}
+
+impl From<&DeviceStateEntry> for CountedDevice {
+    fn from(entry: &DeviceStateEntry) -> Self {
+        Self { device: DeviceJson::from(entry), counters: entry.counters.clone() }
+    }
 }
 
 /// A device's traffic counters since the server started.
@@ -118,5 +190,33 @@ mod tests {
         assert_eq!(again, entry);
         let text = serde_json::to_string(&DeviceStateEntry { resuming_since: Some(5), ..entry }).unwrap();
         assert!(text.contains(r#""resuming_since":5"#) && !text.contains("identity"), "{text}");
+    }
+
+    #[test]
+    fn an_entry_becomes_the_device_record_with_its_holder_and_state() {
+        let entry = DeviceStateEntry {
+            busid: "2-1".into(),
+            kind: "disk".into(),
+            vendor_id: "1209".into(),
+            product_id: "0003".into(),
+            product: "usbwire disk".into(),
+            speed: "super".into(),
+            interfaces: vec!["08/06/50".into()],
+            state: "in_use".into(),
+            client: Some("10.0.0.9:4000".into()),
+            identity: Some("sha256:ab".into()),
+            since: Some(60),
+            resuming_since: Some(120),
+            ..DeviceStateEntry::default()
+        };
+        let device = DeviceJson::from(&entry);
+        assert_eq!(device.state.as_deref(), Some("resuming"));
+        assert_eq!(device.holder.as_deref(), Some("sha256:ab"));
+        assert_eq!(device.product.as_deref(), Some("usbwire disk"));
+        assert_eq!(device.manufacturer, None, "an empty string is not known");
+        assert_eq!(device.interfaces[0].class, "08/06/50");
+        let counted = serde_json::to_value(CountedDevice::from(&entry)).unwrap();
+        assert_eq!(counted["busid"], "2-1");
+        assert!(counted["counters"].is_null() && counted["vendor_name"].is_null(), "{counted}");
     }
 }

@@ -279,7 +279,7 @@ async fn reserve(
 /// Exclusivity, twice: no device in two successes, and etcd holds as many reservations.
 async fn check_exclusive(held: &[Reservation], observer: &mut Lab) -> Result<(), LabBenchError> {
     let distinct: HashSet<(&str, &str)> =
-        held.iter().map(|r| (r.device.server.as_str(), r.device.busid.as_str())).collect();
+        held.iter().map(|r| (r.device.server.as_str(), r.device.record.busid.as_str())).collect();
     if distinct.len() != held.len() {
         return Err(LabBenchError::Inconsistent(format!(
             "{} reservations succeeded for only {} distinct devices: a device was reserved twice",

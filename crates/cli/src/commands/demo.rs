@@ -64,7 +64,8 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         .and_then(BusId::new)
         .ok_or_else(|| Failure::software(anyhow!("the demo disk was not exported")))?;
     println!("The disk's descriptors, read over USB/IP (usbwire describe -r {addr} -b {disk_busid}):\n");
-    let description = super::common::description::fetch(addr, &disk_busid, &usbwire_client::Security::Plain).await?;
+    let (_, description) =
+        super::common::description::fetch(addr, &disk_busid, &usbwire_client::Security::Plain).await?;
     print!(
         "{}",
         super::common::description::format(&disk_busid, &description, &super::common::usb_names::UsbIds::load())

@@ -16,8 +16,10 @@
 use anyhow::anyhow;
 use serde_json::json;
 use usbwire_client::vhci::{self, VhciError};
+use usbwire_device::record::DeviceJson;
 use usbwire_proto::op::BusId;
 
+use super::common::usb_names::UsbIds;
 use crate::args::{AttachArgs, DetachArgs, PortArgs};
 use crate::exit::Failure;
 
@@ -433,28 +435,45 @@ fn relay_status(port: u32) -> Option<serde_json::Value> {
     std::path::Path::new(&format!("/proc/{pid}")).exists().then_some(status)
 }
 
+/// One used port in `port --json`: the port's own fields, and the device
+/// record (docs/json.md) of what is attached there: its bus id on the
+/// server, its ids and strings as this machine enumerated it.
+fn port_json(p: &vhci::PortStatus, here: &[usbwire_host::LocalDevice], names: &UsbIds) -> serde_json::Value {
+    let record = vhci::read_record(p.port);
+    let mut device = match here.iter().find(|d| d.busid == p.local_busid) {
+        Some(local) => super::common::device_json::local(local, names).device,
+        None => DeviceJson::default(),
+    };
+    device.busid = record.as_ref().map(|r| r.busid.clone()).unwrap_or_default();
+    device.speed = p.speed.name().to_owned();
+    let mut value = serde_json::to_value(device).unwrap_or_default();
+    if let Some(fields) = value.as_object_mut() {
+        let port = json!({
+            "port": p.port,
+            "hub": p.hub,
+            "status": p.status,
+            "devid": format!("{:08x}", p.devid),
+            "local_busid": p.local_busid,
+            "server": record.as_ref().map(|r| format!("{}:{}", r.host, r.service)),
+            "remote_host": record.as_ref().map(|r| r.host.clone()),
+            "remote_port": record.as_ref().map(|r| r.service.clone()),
+            "remote_busid": record.as_ref().map(|r| r.busid.clone()),
+            "relay": relay_status(p.port),
+        });
+        if let serde_json::Value::Object(port) = port {
+            fields.extend(port);
+        }
+    }
+    value
+}
+
 pub(crate) fn port(args: PortArgs) -> Result<(), Failure> {
     let ports = vhci::ports().map_err(vhci_failure)?;
     let used: Vec<_> = ports.iter().filter(|p| !p.is_free()).collect();
     if args.json {
-        let list: Vec<_> = used
-            .iter()
-            .map(|p| {
-                let record = vhci::read_record(p.port);
-                json!({
-                    "port": p.port,
-                    "hub": p.hub,
-                    "status": p.status,
-                    "speed": p.speed.name(),
-                    "devid": format!("{:08x}", p.devid),
-                    "local_busid": p.local_busid,
-                    "remote_host": record.as_ref().map(|r| r.host.clone()),
-                    "remote_port": record.as_ref().map(|r| r.service.clone()),
-                    "remote_busid": record.as_ref().map(|r| r.busid.clone()),
-                    "relay": relay_status(p.port),
-                })
-            })
-            .collect();
+        let here = usbwire_host::list().unwrap_or_default();
+        let names = super::common::usb_names::UsbIds::load();
+        let list: Vec<serde_json::Value> = used.iter().map(|p| port_json(p, &here, &names)).collect();
         super::common::output::print_json(&json!({ "ports": list }), false);
         return Ok(());
     }

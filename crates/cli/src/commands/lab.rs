@@ -33,7 +33,7 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<(), Failure> {
         let value = serde_json::json!({
             "registry": url,
             "server": device.server,
-            "busid": device.busid,
+            "busid": device.record.busid,
             "device": device,
             "holder": reservation.entry.holder,
             "since_at": reservation.entry.since_at,
@@ -44,11 +44,11 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<(), Failure> {
     } else {
         println!(
             "reserved {} on {} ({} {}:{}){}",
-            escape(&device.busid),
+            escape(&device.record.busid),
             escape(&device.server),
-            escape(device.product.as_deref().unwrap_or(&device.kind)),
-            escape(&device.vendor_id),
-            escape(&device.product_id),
+            escape(device.name()),
+            escape(&device.record.vendor_id),
+            escape(&device.record.product_id),
             match &reservation.entry.until_at {
                 Some(until) => format!(" until {until}"),
                 None => " until this command stops (Ctrl-C)".to_owned(),
@@ -57,7 +57,7 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<(), Failure> {
         println!(
             "  attach it: usbwire attach --registry {url} --device server={},{}",
             escape(&device.server),
-            escape(&device.busid)
+            escape(&device.record.busid)
         );
     }
     let _ = std::io::stdout().flush();
@@ -93,7 +93,7 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<(), Failure> {
     let mut released = 0;
     let mut others = Vec::new();
     for device in fleet.devices.iter().filter(|d| d.reservation.is_some() && want.matches(&d.device)) {
-        let (server, busid) = (&device.device.server, &device.device.busid);
+        let (server, busid) = (&device.device.server, &device.device.record.busid);
         let token = mine.iter().find(|t| &t.server == server && &t.busid == busid).and_then(|t| t.token());
         if token.is_none() && !args.force {
             others.push(device);
@@ -150,8 +150,8 @@ pub(crate) async fn who(args: WhoArgs) -> Result<(), Failure> {
         println!(
             "{} {:<6} {:<22} {} ({}, pid {}) since {}{}",
             escape(&entry.server),
-            escape(&entry.busid),
-            escape(entry.product.as_deref().unwrap_or(&entry.kind)),
+            escape(&entry.record.busid),
+            escape(entry.name()),
             escape(&reservation.holder),
             escape(&reservation.client),
             reservation.pid,

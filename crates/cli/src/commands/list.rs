@@ -10,10 +10,11 @@ use serde_json::json;
 use usbwire_lab::{Endpoint, Fleet, FleetDevice, Lab};
 use usbwire_proto::display::escape;
 
+use super::common::device_json::{listed, local};
 use super::common::output::print_json;
 use super::common::peer::resolve;
 use super::common::registry::{failure, required};
-use super::common::usb_names::{class_name, devices_json, format_like_usbip, UsbIds};
+use super::common::usb_names::{class_name, format_like_usbip, UsbIds};
 use crate::args::ListArgs;
 use crate::args::RegistryArgs;
 use crate::exit::Failure;
@@ -41,9 +42,8 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     };
     let names = UsbIds::load();
     if args.json {
-        let mut listing = devices_json(remote, &devices, &names);
-        add_states(&mut listing, states.as_deref());
-        super::common::output::print_json(&listing, false);
+        let devices = listed(&devices, states.as_deref(), &names);
+        print_json(&json!({ "host": remote, "devices": devices }), false);
     } else {
         let verbose = super::common::process::verbosity() > 0;
         print!("{}", format_like_usbip(remote, &devices, &names, verbose));
@@ -53,25 +53,6 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
         }
     }
     Ok(())
-}
-
-/// Adds each listed device's state and serial, and an `in_use` list of the
-/// devices a DEVLIST leaves out (null when the server does not report state).
-fn add_states(listing: &mut serde_json::Value, states: Option<&[usbwire_client::RemoteDeviceState]>) {
-    let Some(states) = states else {
-        listing["in_use"] = serde_json::Value::Null;
-        return;
-    };
-    if let Some(devices) = listing["devices"].as_array_mut() {
-        for device in devices {
-            if let Some(state) = states.iter().find(|s| Some(s.busid.as_str()) == device["busid"].as_str()) {
-                device["state"] = json!(state.state);
-                device["serial"] = json!(state.serial);
-                device["product_string"] = json!(state.product);
-            }
-        }
-    }
-    listing["in_use"] = json!(states.iter().filter(|s| s.state == "in_use").collect::<Vec<_>>());
 }
 
 /// The devices in use, with who holds them and since when. Every string here
@@ -141,7 +122,7 @@ async fn discovered(args: &ListArgs) -> Result<(), Failure> {
                 "port": server.port, "txt": server.txt,
             });
             match &listing {
-                Ok(devices) => record["devices"] = devices_json(&host, devices, &names)["devices"].clone(),
+                Ok(devices) => record["devices"] = json!(listed(devices, None, &names)),
                 Err(error) => record["error"] = json!(error),
             }
             records.push(record);
@@ -157,7 +138,7 @@ async fn discovered(args: &ListArgs) -> Result<(), Failure> {
         }
     }
     if args.json {
-        super::common::output::print_json(&json!({ "servers": records }), false);
+        print_json(&json!({ "servers": records }), false);
     } else if servers.is_empty() {
         println!("no USB/IP servers answered within {:.1} s (mDNS, _usbip._tcp)", wait.as_secs_f64());
     }
@@ -175,15 +156,16 @@ fn found_server_line(server: &usbwire_discovery::FoundServer, host: &str) -> Str
 /// plus strings, speed and the driver of each interface.
 fn local_devices(json: bool) -> Result<(), Failure> {
     let devices = usbwire_host::list().map_err(|error| Failure::unavailable(error.into()))?;
+    let names = UsbIds::load();
     if json {
-        super::common::output::print_json(&json!({ "devices": devices }), false);
+        let devices: Vec<_> = devices.iter().map(|d| local(d, &names)).collect();
+        print_json(&json!({ "devices": devices }), false);
         return Ok(());
     }
     if devices.is_empty() {
         println!("no USB devices on this machine");
         return Ok(());
     }
-    let names = UsbIds::load();
     for d in &devices {
         let vendor =
             d.manufacturer.clone().or_else(|| names.vendor(d.vendor_id)).unwrap_or_else(|| "unknown vendor".into());
@@ -307,17 +289,17 @@ fn print_fleet(endpoint: &Endpoint, fleet: &Fleet) {
 
 fn device_line(device: &FleetDevice) -> String {
     let entry = &device.device;
-    let name = entry.product.as_deref().unwrap_or(&entry.kind);
+    let name = entry.name();
     let mut line = format!(
         "{:<6} {}:{}  {:<22} {:<6} {}",
-        escape(&entry.busid),
-        escape(&entry.vendor_id),
-        escape(&entry.product_id),
+        escape(&entry.record.busid),
+        escape(&entry.record.vendor_id),
+        escape(&entry.record.product_id),
         escape(name),
-        escape(&entry.speed),
-        escape(&entry.state).to_string().replace('_', " ")
+        escape(&entry.record.speed),
+        escape(entry.state()).to_string().replace('_', " ")
     );
-    if let Some(holder) = &entry.holder {
+    if let Some(holder) = &entry.record.holder {
         line.push_str(&format!(" by {}", escape(holder)));
     }
     if let Some(reservation) = &device.reservation {
@@ -401,13 +383,5 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("1-1"));
-        let mut listing = json!({ "devices": [{ "busid": "1-1" }] });
-        add_states(&mut listing, Some(&states));
-        assert_eq!(listing["devices"][0]["state"], "available");
-        assert_eq!(listing["devices"][0]["serial"], "S1");
-        assert_eq!(listing["in_use"][0]["busid"], "2-1");
-        let mut unknown = json!({ "devices": [] });
-        add_states(&mut unknown, None);
-        assert!(unknown["in_use"].is_null());
     }
 }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::anyhow;
 use usbwire_server::{control_request, default_control_path, ControlErrorKind, ControlRequest, ControlResponse};
+use usbwire_transport::devstate::CountedDevice;
 
 use crate::args::{BindArgs, CaptureArgs, ControlArgs, StateArgs, TypeArgs};
 use crate::exit::Failure;
@@ -46,7 +47,8 @@ pub(crate) async fn state(args: StateArgs) -> Result<(), Failure> {
     let response = ask(&args.control, ControlRequest::State).await?;
     let devices = response.devices.unwrap_or_default();
     if args.json {
-        super::common::output::print_json(&serde_json::json!({ "devices": devices }), false);
+        let records: Vec<CountedDevice> = devices.iter().map(CountedDevice::from).collect();
+        super::common::output::print_json(&serde_json::json!({ "devices": records }), false);
         return Ok(());
     }
     println!("{:<6} {:<9} {:<10} {:<10} {:<22} since", "busid", "kind", "id", "state", "client");

@@ -353,8 +353,8 @@ async fn attach_reserved(registry: &Registry, rule: &AttachRule) -> anyhow::Resu
     let imported = async {
         let security = registry.trust.security(&reservation.server).map_err(|failure| failure.error)?;
         let addr = usbwire_client::resolve(&reservation.server.address).await?;
-        let busid = usbwire_proto::op::BusId::new(&reservation.device.busid)
-            .ok_or_else(|| anyhow!("the lab registry names an invalid bus id {:?}", reservation.device.busid))?;
+        let busid = usbwire_proto::op::BusId::new(&reservation.device.record.busid)
+            .ok_or_else(|| anyhow!("the lab registry names an invalid bus id {:?}", reservation.device.record.busid))?;
         let imported = usbwire_client::import_reserved(addr, &busid, &security, &[], &reservation.token).await?;
         anyhow::Ok((addr, imported, security))
     }

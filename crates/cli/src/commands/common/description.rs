@@ -10,18 +10,19 @@ use usbwire_proto::op::BusId;
 
 use crate::exit::Failure;
 
-/// Imports `busid`, reads its descriptors and releases it again.
+/// Imports `busid`, reads its descriptors and releases it again: the
+/// import's device record (bus id, speed, ids) and the descriptors.
 pub(crate) async fn fetch(
     addr: std::net::SocketAddr,
     busid: &BusId,
     security: &usbwire_client::Security,
-) -> Result<Description, Failure> {
+) -> Result<(usbwire_proto::op::DeviceRecord, Description), Failure> {
     let (stream, record) = usbwire_client::import(addr, busid, security).await?;
     let connection = Connection::new(stream, &record);
     let description = describe::describe(&connection).await.map_err(|e| Failure::unavailable(e.into()))?;
     // Closing the connection releases the device on the server.
     connection.close().await;
-    Ok(description)
+    Ok((record, description))
 }
 
 /// `cc/ss/pp` with its names from usb.ids, as lsusb prints a class.

@@ -2,21 +2,13 @@
 //! through [`usbwire_proto::display::escape`]; JSON output goes through
 //! [`print_json`] (or [`terminal_safe_json`]).
 //!
-//! The JSON vocabulary, the same in every verb's `--json` (version
-//! [`JSON_SCHEMA_VERSION`], in each document's `schema_version`):
-//! * times are RFC 3339 strings in fields ending `_at` (`since_at`,
-//!   `until_at`); the Unix-second fields older versions printed (`since`,
-//!   `resuming_since` in `state` and `list -r`) are still there, unchanged;
-//! * `product_string` is the device's own product string, `product_name`
-//!   what usb.ids calls it; `product` keeps the meaning it had in each verb
-//!   (the usb.ids name in `list -r`, the device's string elsewhere);
-//! * `busid`, `vendor_id`/`product_id` (four hex digits), `speed` (`high`,
-//!   `super`, …), `state` (`available`, `in_use`, `resuming`) mean the same everywhere.
+//! Every `--json` document carries `schema_version`
+//! ([`JSON_SCHEMA_VERSION`]), and shows a device as one record,
+//! `usbwire_device::record::DeviceJson`; docs/json.md is the reference
+//! (fields, formats, and what each version changed).
 
+use usbwire_device::record::JSON_SCHEMA_VERSION;
 use usbwire_proto::display::needs_escape;
-
-/// The version of the JSON vocabulary above. A field's meaning changes only with it.
-pub(crate) const JSON_SCHEMA_VERSION: u32 = 1;
 
 /// Prints a `--json` document: `schema_version` added at its top, strings
 /// made terminal-safe, on one line (`pretty`: indented).

@@ -135,7 +135,7 @@ pub(crate) async fn take(args: &RegistryArgs, device: &str, hold_for: Option<Dur
         lab.reserve(&want, Hold::WhileRunning { ttl: DEFAULT_TTL, until }, "usbwire attach").await.map_err(failure)?;
     Ok(Taken {
         server: reservation.server.clone(),
-        busid: reservation.device.busid.clone(),
+        busid: reservation.device.record.busid.clone(),
         token: reservation.token,
         held: Some(reservation),
         until,
@@ -200,7 +200,7 @@ impl TokenStore {
         self.write(&SavedToken {
             registry: registry.to_owned(),
             server: device.server.clone(),
-            busid: device.busid.clone(),
+            busid: device.record.busid.clone(),
             token: reservation.token.hex(),
             until: reservation.entry.until_at.clone(),
         })

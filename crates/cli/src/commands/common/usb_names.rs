@@ -1,40 +1,8 @@
 //! Showing a listed device as usbip does: vendor, product and class names
 //! from the system's usb.ids, and `usbip list -r`'s layout byte for byte.
 
-use serde_json::json;
 use usbwire_proto::display::escape;
 use usbwire_proto::op::DeviceRecord;
-
-pub(crate) fn devices_json(host: &str, devices: &[DeviceRecord], names: &UsbIds) -> serde_json::Value {
-    let devices: Vec<_> = devices
-        .iter()
-        .map(|d| {
-            json!({
-                "busid": d.busid.as_str(),
-                "busnum": d.busnum,
-                "devnum": d.devnum,
-                "path": d.path,
-                "speed": d.speed.name(),
-                "vendor_id": format!("{:04x}", d.id_vendor),
-                "product_id": format!("{:04x}", d.id_product),
-                "vendor": names.vendor(d.id_vendor),
-                "product": names.product(d.id_vendor, d.id_product),
-                "product_name": names.product(d.id_vendor, d.id_product),
-                "vendor_name": names.vendor(d.id_vendor),
-                "bcd_device": format!("{:04x}", d.bcd_device),
-                "device_class": format!("{:02x}/{:02x}/{:02x}", d.b_device_class, d.b_device_sub_class, d.b_device_protocol),
-                "configuration_value": d.b_configuration_value,
-                "num_configurations": d.b_num_configurations,
-                "interfaces": d.interfaces.iter().enumerate().map(|(i, f)| json!({
-                    "number": i,
-                    "class": format!("{:02x}/{:02x}/{:02x}", f.b_interface_class, f.b_interface_sub_class, f.b_interface_protocol),
-                    "class_name": class_name(f.b_interface_class),
-                })).collect::<Vec<_>>(),
-            })
-        })
-        .collect();
-    json!({ "host": host, "devices": devices })
-}
 
 /// What `usbip list -r` prints, byte for byte (the host without its port,
 /// names from usb.ids as usbip's `usbip_names_get_*`). `verbose` (`-v`) adds
