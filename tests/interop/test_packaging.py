@@ -41,8 +41,10 @@ def main():
     checks.check("no font or image library linked", not found, linked)
 
     version = run([BIN, "-V"]).stdout.strip()
-    checks.check("-V names the commit", re.fullmatch(r"usbwire \S+ \([0-9a-f]{12}(-dirty)?\)", version) is not None,
+    first = version.splitlines()[0] if version else ""
+    checks.check("-V names the commit", re.fullmatch(r"usbwire \S+ \([0-9a-f]{12}(-dirty)?\)", first) is not None,
                  version)
+    checks.check("-V names the USB/IP protocol version", "USB/IP protocol 1.1.1 (0x0111)" in version, version)
 
     loaded = run(["bash", "-c", f"source <({BIN} completions bash) && complete -p usbwire"])
     checks.check("bash completion loads", loaded.returncode == 0 and "usbwire" in loaded.stdout,

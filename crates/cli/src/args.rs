@@ -59,7 +59,11 @@ mod tests {
 pub(crate) const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("USBWIRE_COMMIT"), ")");
 
 #[derive(Parser, Debug)]
-#[command(name = "usbwire", version = VERSION, about = "Share USB devices over IP (USB/IP compatible)")]
+#[command(
+    name = "usbwire",
+    version = crate::commands::version_text(),
+    about = "Share USB devices over IP (USB/IP compatible)"
+)]
 pub(crate) struct Cli {
     /// More log output (-v debug, -vv trace). RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
@@ -97,10 +101,11 @@ pub(crate) enum Command {
     Client(ClientArgs),
     /// Check this machine's setup (vhci-hcd, usbfs access, local server, a remote server's port and TLS) and say what to fix.
     Doctor(DoctorArgs),
-    /// Export a real USB device of this machine through the running server, like `usbip bind`.
+    /// Export a real USB device of this machine through the running server, like `usbip bind`
+    /// (--device VID:PID: every matching device, kept across restarts, like usbipd-win's --hardware-id).
     Bind(BindArgs),
     /// Stop exporting a real device and give it back to its kernel drivers, like `usbip unbind`.
-    Unbind(BindArgs),
+    Unbind(UnbindArgs),
     /// Start a server with a keyboard, a 64 MiB disk and a serial port on loopback, and show what to do next.
     Demo(DemoArgs),
     /// Offer a remote device to a QEMU/KVM guest through usbredir (QEMU's usb-redir device).
@@ -119,6 +124,15 @@ pub(crate) enum Command {
     Completions(CompletionsArgs),
     /// Write the man pages (usbwire.1 and one per command) into a directory, or print usbwire.1.
     Man(ManArgs),
+    /// Print the version: usbwire's, the USB/IP protocol's (0x0111) and usbwire's own extensions'.
+    Version(VersionArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct VersionArgs {
+    /// Machine-readable output: the versions as one JSON object (docs/json.md).
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -217,8 +231,8 @@ pub(crate) struct ServeArgs {
     /// Wireshark/tshark; TLS sessions too). Files rotate at 64 MiB, keeping the previous as NAME.1.
     #[arg(long, value_name = "DIR")]
     pub(crate) capture: Option<PathBuf>,
-    /// Keep `usbwire bind`s here across restarts [default: beside --config, FILE.binds; without
-    /// --config they end with the server].
+    /// Keep `usbwire bind`s here across restarts [default: beside --config, FILE.binds; else
+    /// /var/lib/usbwire/binds for root, $XDG_STATE_HOME/usbwire/binds (~/.local/state) for others].
     #[arg(long, value_name = "FILE")]
     pub(crate) bind_state: Option<PathBuf>,
     /// Keep an import whose connection dropped this long for a usbwire client to resume it (URBs in
@@ -238,9 +252,10 @@ pub(crate) struct ServeArgs {
 /// Where the lab registry (etcd) is.
 #[derive(Args, Debug, Clone, Default)]
 pub(crate) struct RegistryArgs {
-    /// The lab registry: etcd://HOST:PORT[,HOST:PORT…][/PREFIX] (an etcd cluster; prefix `usbwire` by default).
-    #[arg(long, value_name = "etcd://HOST:PORT[,…][/PREFIX]")]
-    pub(crate) registry: Option<usbwire_lab::RegistryUrl>,
+    /// The lab registry: etcd://HOST:PORT[,HOST:PORT…][/PREFIX] (an etcd cluster; prefix `usbwire` by
+    /// default). Without a value: $USBWIRE_REGISTRY, else [registry] in the user's usbwire.toml.
+    #[arg(long, value_name = "etcd://HOST:PORT[,…][/PREFIX]", num_args = 0..=1)]
+    pub(crate) registry: Option<Option<usbwire_lab::RegistryUrl>>,
     /// TLS towards etcd: the CA certificate (PEM) its members' certificates are issued by.
     #[arg(long, value_name = "FILE", requires = "registry")]
     pub(crate) registry_ca: Option<PathBuf>,
@@ -387,10 +402,34 @@ pub(crate) struct DoctorArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["busid", "device"])))]
 pub(crate) struct BindArgs {
-    /// Bus id of the device, as `usbwire list -l` shows it (e.g. 1-1.2).
+    /// Bus id of the device, as `usbwire list -l` shows it (e.g. 1-1.2): that port, now and when
+    /// plugged in again.
     #[arg(short = 'b', long = "busid")]
-    pub(crate) busid: String,
+    pub(crate) busid: Option<String>,
+    /// Every device this selector matches (VID:PID, serial=TEXT, class=HEX or a bus id), present now
+    /// or plugged in later, wherever it is plugged in, kept across server restarts until `usbwire
+    /// unbind --device` (like usbipd-win's `bind --hardware-id`).
+    #[arg(long, value_name = "SELECTOR")]
+    pub(crate) device: Option<String>,
+    #[command(flatten)]
+    pub(crate) control: ControlArgs,
+}
+
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["busid", "device", "all"])))]
+pub(crate) struct UnbindArgs {
+    /// Bus id of the device, as `usbwire state` shows it.
+    #[arg(short = 'b', long = "busid")]
+    pub(crate) busid: Option<String>,
+    /// A `bind --device` rule to forget; the devices it matches are withdrawn.
+    #[arg(long, value_name = "SELECTOR")]
+    pub(crate) device: Option<String>,
+    /// Every real device: forget every bind made by hand and withdraw them all (devices the
+    /// config's [[bind]] rules name come back when plugged in again or the config is reloaded).
+    #[arg(long)]
+    pub(crate) all: bool,
     #[command(flatten)]
     pub(crate) control: ControlArgs,
 }

@@ -25,7 +25,7 @@ pub(crate) const EXIT_CODES: &[(u8, &str, &str)] = &[
     (
         DATA,
         "data",
-        "what the command was given names nothing or cannot be used: a peer that does not speak USB/IP, text the keyboard cannot type, a bus id with no device to bind or unbind, nothing reserved to release, a vhci port with nothing attached",
+        "what the command was given names nothing or cannot be used: a peer that does not speak USB/IP, text the keyboard cannot type, a bus id with no device to bind or unbind, a --device rule with no bind to unbind, nothing reserved to release, a vhci port with nothing attached",
     ),
     (
         UNAVAILABLE,

@@ -54,6 +54,8 @@ fn data_65() {
     exits(&usbwire(&["unbind", "--control", control, "-b", "9-9"]), 65, "9-9 is not exported by this server");
     // The virtual keyboard is exported, but not bound: unbind says what it is.
     exits(&usbwire(&["unbind", "--control", control, "-b", "0-1"]), 65, "0-1 is this server's virtual keyboard");
+    // A --device rule never bound: nothing to forget.
+    exits(&usbwire(&["unbind", "--control", control, "--device", "0781:5567"]), 65, "no bind matches 0781:5567");
     drop(served);
 
     // A peer that does not speak USB/IP.
@@ -77,6 +79,9 @@ fn unavailable_69() {
     let served = serve(&dir, &free_addr().to_string(), &["--virtual", "keyboard"]);
     let control = dir.join("control.sock");
     exits(&usbwire(&["type", "--control", control.to_str().unwrap(), "hi"]), 69, "not attached by any host");
+    // The virtual keyboard's bus id as a --device rule: it is exported already, and not a real device.
+    let out = usbwire(&["bind", "--control", control.to_str().unwrap(), "--device", "0-1"]);
+    exits(&out, 69, "0-1 is already exported: it is this server's virtual keyboard");
     drop(served);
     exits(&usbwire(&["state", "--control", control.to_str().unwrap()]), 69, "is `usbwire serve` running");
 }

@@ -279,6 +279,16 @@ fn lab_registry_documents_match_their_golden_files() {
     let reserved = json_of(&["reserve", "--registry", &etcd.url, "--device", "1209:0001", "--for", "1m", "--json"]);
     assert_records("reserve", &Value::Array(vec![reserved["device"].clone()]));
     golden("reserve", reserved, &dir);
+    // Taken: the refusal names the command that shows who holds it, with this registry's
+    // URL (here the default registry, from USBWIRE_REGISTRY), not a placeholder.
+    let again = Command::new(BIN)
+        .args(["reserve", "--device", "1209:0001", "--for", "1m"])
+        .env("USBWIRE_REGISTRY", &etcd.url)
+        .output()
+        .expect("usbwire runs");
+    assert_eq!(again.status.code(), Some(75), "{}", String::from_utf8_lossy(&again.stderr));
+    let said = String::from_utf8_lossy(&again.stderr);
+    assert!(said.contains(&format!("`usbwire who --registry {}`", etcd.url)), "{said}");
     let who = json_of(&["who", "--registry", &etcd.url, "--json"]);
     assert_records("who", &who["reservations"]);
     golden("who", who, &dir);

@@ -26,7 +26,7 @@ pub mod publish;
 mod testing;
 pub mod url;
 
-pub use entry::{DeviceEntry, Fleet, FleetDevice, ReservationEntry, ServerEntry, Want, WantError};
+pub use entry::{DeviceEntry, Fleet, FleetDevice, ReservationEntry, ServerEntry, Want, WantError, SCHEMA_VERSION};
 pub use etcd::{Endpoint, EtcdTls, DEFAULT_TTL};
 pub use lab::{Hold, Lab, Reservation};
 pub use url::{RegistryUrl, UrlError};
@@ -46,11 +46,11 @@ pub enum LabError {
     #[error("TLS for the lab registry: {0}")]
     Tls(String),
     /// No registered device matches the selector at all.
-    #[error("no device in the lab registry matches {want} (see `usbwire list --registry URL`)")]
+    #[error("no device in the lab registry matches {want}")]
     NoMatch { want: String },
     /// Devices match, but every one is reserved or in use.
     #[error(
-        "no free device matches {want}: all {matching} matching are taken ({reserved} reserved, {in_use} in use without a reservation); try again later, or see who holds them with `usbwire who --registry URL`"
+        "no free device matches {want}: all {matching} matching are taken ({reserved} reserved, {in_use} in use without a reservation); try again later"
     )]
     NoneFree { want: String, matching: usize, reserved: usize, in_use: usize },
     /// The lease that held a registration or reservation ended (etcd unreachable for its time to live).

@@ -48,6 +48,39 @@ impl OpCode {
     pub const REP_RESUME: Self = Self(0x00f3);
 }
 
+/// One of usbwire's own OP-phase extensions, which only usbwire ends speak
+/// (a stock peer never sends them and closes on them, and usbwire falls back).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extension {
+    pub name: &'static str,
+    pub request: OpCode,
+    /// Its revision: raised when what it carries changes.
+    pub version: u16,
+    pub what: &'static str,
+}
+
+/// usbwire's extensions, as `usbwire version` reports them.
+pub const EXTENSIONS: [Extension; 3] = [
+    Extension {
+        name: "devstate",
+        request: OpCode::REQ_DEVSTATE,
+        version: 1,
+        what: "every device's state and holder, as JSON",
+    },
+    Extension {
+        name: "transforms",
+        request: OpCode::REQ_TRANSFORMS,
+        version: 1,
+        what: "paired stream transforms: zstd, lz4, jitter buffer; reservation tokens",
+    },
+    Extension {
+        name: "resume",
+        request: OpCode::REQ_RESUME,
+        version: 1,
+        what: "taking over an import after a dropped connection",
+    },
+];
+
 /// Body of `OP_REQ_RESUME`: the token and a u64 count.
 pub const RESUME_REQUEST_LEN: usize = 32 + 8;
 

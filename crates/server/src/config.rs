@@ -190,6 +190,21 @@ pub fn default_control_path() -> PathBuf {
     }
 }
 
+/// Where a server keeps what `usbwire bind` bound when neither `--bind-state`
+/// nor `--config` says: root's in `/var/lib/usbwire/binds` (the state
+/// directory of the packaged service), other users' in
+/// `$XDG_STATE_HOME/usbwire/binds` (`~/.local/state/usbwire/binds`).
+pub fn default_bind_state_path() -> PathBuf {
+    if effective_uid() == 0 {
+        return PathBuf::from("/var/lib/usbwire/binds");
+    }
+    let base = match std::env::var_os("XDG_STATE_HOME").filter(|dir| !dir.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(&std::env::var_os("HOME").unwrap_or_else(|| "/".into())).join(".local/state"),
+    };
+    base.join("usbwire/binds")
+}
+
 #[cfg(test)]
 mod tests {
     use usbwire_transport::access::{ClientId, Rule};

@@ -22,7 +22,7 @@ use usbwire_proto::op::BusId;
 
 use crate::devstate::{self, StateEntry};
 use crate::error::ServerError;
-use crate::host_exports::{BindError, HostExports};
+use crate::host_exports::{BindError, BindOutcome, HostExports};
 use crate::state::ServerState;
 
 /// Something that turns text into key presses on the attached host (a keyboard).
@@ -55,8 +55,15 @@ pub enum ControlRequest {
     State,
     /// Export the real device at `busid` (now and when plugged in again).
     Bind { busid: String },
+    /// Export every real device a selector (`VID:PID`, `serial=…`, `class=…`,
+    /// a bus id) matches, now and whenever one is plugged in, across restarts.
+    BindDevice { device: String },
     /// Stop exporting `busid`, ending any import, and give it back to its kernel drivers.
     Unbind { busid: String },
+    /// Forget a `BindDevice` rule and withdraw the devices it matches.
+    UnbindDevice { device: String },
+    /// Forget every bind made by hand and withdraw every real device.
+    UnbindAll,
     /// Capture every import into pcapng files in `dir` (running ones from now on), or stop (`None`).
     Capture { dir: Option<std::path::PathBuf> },
 }
@@ -74,6 +81,12 @@ pub struct ControlResponse {
     pub reports: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub devices: Option<Vec<StateEntry>>,
+    /// The bus ids a bind exported, or an unbind withdrew.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub busids: Option<Vec<String>>,
+    /// Done, but the user should know this (a bind that cannot be kept across a restart).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
 }
 
 /// What a refused control request ran into, so the client exits with the
@@ -114,6 +127,11 @@ impl ControlResponse {
             BindError::System(_) => ControlErrorKind::Os,
         };
         Self::error(kind, error.to_string())
+    }
+
+    /// Done: what a bind exported or an unbind withdrew, and what the user should know.
+    fn bound(outcome: BindOutcome) -> Self {
+        Self { busids: Some(outcome.busids), warning: outcome.warning, ..Self::done() }
     }
 }
 
@@ -259,19 +277,30 @@ fn answer(
 ) -> ControlResponse {
     match request {
         ControlRequest::Bind { busid } => match hosts.bind(&busid) {
-            Ok(busid) => {
+            Ok(outcome) => {
                 info!(%busid, "bound");
-                ControlResponse::done()
+                ControlResponse::bound(outcome)
             }
             Err(error) => ControlResponse::bind_error(error),
         },
+        ControlRequest::BindDevice { device } => {
+            hosts.bind_rule(&device).map_or_else(ControlResponse::bind_error, ControlResponse::bound)
+        }
         ControlRequest::Unbind { busid } => match hosts.unbind(&busid) {
-            Ok(()) => {
+            Ok(warning) => {
                 info!(%busid, "unbound");
-                ControlResponse::done()
+                ControlResponse { busids: Some(vec![busid]), warning, ..ControlResponse::done() }
             }
             Err(error) => ControlResponse::bind_error(error),
         },
+        ControlRequest::UnbindDevice { device } => {
+            hosts.unbind_rule(&device).map_or_else(ControlResponse::bind_error, ControlResponse::bound)
+        }
+        ControlRequest::UnbindAll => {
+            let outcome = hosts.unbind_all();
+            info!(withdrawn = outcome.busids.len(), "unbound everything");
+            ControlResponse::bound(outcome)
+        }
         ControlRequest::Capture { dir } => {
             let setting = dir.map(|dir| state.capture.for_dir(dir));
             match &setting {

@@ -3,17 +3,24 @@
 //! and hotplug — a device that arrives and matches a rule is exported at
 //! once; one that leaves is withdrawn (its importer sees a clean close).
 //!
-//! A port a bus-id rule names stays exported while its device is away: what
-//! is plugged in there next (the same device re-enumerated as its bootloader,
-//! or a replacement) is exported under the same bus id, and the importer of
-//! the device that left is told it re-enumerated (`Registry::unplugged`).
+//! `usbwire bind` survives a restart: the server keeps what was bound by hand
+//! (`-b BUSID`, and `--device VID:PID|serial=…|class=…` rules that export every
+//! matching device, now and whenever one is plugged in, like usbipd-win's
+//! `bind --hardware-id`) in its bind state file, one selector per line (a
+//! file that lists only bus ids, as earlier versions wrote it, reads the
+//! same), rewritten whole on every bind and unbind through
+//! [`crate::private_dir::write_private_file`] (0600, in a directory only the
+//! server's user can change, never through a planted link). A state file in
+//! a directory others could write is not read: its binds would export
+//! whatever they named.
 //!
-//! `usbwire bind` survives a restart when the server has a bind state file
-//! (beside its config file): the bus ids bound by hand, one per line, written
-//! whole (a temporary file renamed over it) on every bind and unbind.
+//! A port a bus-id rule names (in the config, `bind -b`, or `bind --device`
+//! with a bus id) stays exported while its device is away: what is plugged
+//! in there next (the same device re-enumerated as its bootloader, or a
+//! replacement) is exported under the same bus id, and the importer of the
+//! device that left is told it re-enumerated (`Registry::unplugged`).
 
 use std::collections::HashSet;
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -47,6 +54,16 @@ impl std::fmt::Display for BindError {
         let (Self::NoDevice(message) | Self::Exported(message) | Self::System(message)) = self;
         f.write_str(message)
     }
+}
+
+/// What a `bind --device` rule or `unbind --all` did.
+#[derive(Debug, Default)]
+pub(crate) struct BindOutcome {
+    /// Bus ids exported (bind) or withdrawn (unbind), sorted.
+    pub(crate) busids: Vec<String>,
+    /// What the user should know: the bind could not be kept across a
+    /// restart, or a matching device could not be opened.
+    pub(crate) warning: Option<String>,
 }
 
 /// Bind rules and what they exported. Cheap to clone (shared).
@@ -104,7 +121,7 @@ impl HostExports {
     }
 
     /// `usbwire bind -b BUSID`: export the device at `busid` now and whenever it is plugged in again.
-    pub(crate) fn bind(&self, busid: &str) -> Result<String, BindError> {
+    pub(crate) fn bind(&self, busid: &str) -> Result<BindOutcome, BindError> {
         if let Some(kind) = self.virtual_kind(busid) {
             return Err(BindError::Exported(format!(
                 "{busid} is already exported: it is this server's virtual {kind} (see `usbwire state`)"
@@ -116,22 +133,85 @@ impl HostExports {
         let device = devices.iter().find(|d| selector.matches(d)).ok_or_else(|| {
             BindError::NoDevice(format!("no USB device at {busid} on this machine (see `usbwire list -l`)"))
         })?;
-        {
+        let warning = {
             let mut inner = lock(&self.inner);
             if inner.exported.contains(&device.busid) {
                 return Err(BindError::Exported(format!("{busid} is already exported (see `usbwire state`)")));
             }
-            if !inner.bound_by_hand.contains(&selector) {
+            if inner.bound_by_hand.contains(&selector) {
+                None
+            } else {
                 inner.bound_by_hand.push(selector);
-                inner.save();
+                let warning = inner.save().err();
+                self.registry.set_followed_ports(inner.ports());
+                warning
+            }
+        };
+        let exported = self.export(device).map_err(BindError::System)?;
+        Ok(BindOutcome { busids: vec![exported], warning })
+    }
+
+    /// `usbwire bind --device SELECTOR`: a rule kept until `usbwire unbind`
+    /// that exports every device it matches, present now or plugged in later.
+    /// None present is fine (the rule waits); one that cannot be opened is a warning.
+    pub(crate) fn bind_rule(&self, text: &str) -> Result<BindOutcome, BindError> {
+        let selector: Selector =
+            text.parse().map_err(|e: usbwire_host::SelectorError| BindError::NoDevice(e.to_string()))?;
+        if let Some(kind) = self.virtual_kind(text) {
+            return Err(BindError::Exported(format!(
+                "{text} is already exported: it is this server's virtual {kind} (see `usbwire state`)"
+            )));
+        }
+        let devices = usbwire_host::list().map_err(|e| BindError::System(e.to_string()))?;
+        let mut warnings = Vec::new();
+        {
+            let mut inner = lock(&self.inner);
+            if !inner.bound_by_hand.contains(&selector) {
+                inner.bound_by_hand.push(selector.clone());
+                warnings.extend(inner.save().err());
                 self.registry.set_followed_ports(inner.ports());
             }
         }
-        self.export(device).map_err(BindError::System)
+        let mut busids = Vec::new();
+        for device in devices.iter().filter(|d| selector.matches(*d)) {
+            if lock(&self.inner).exported.contains(&device.busid) {
+                busids.push(device.busid.clone());
+                continue;
+            }
+            match self.export(device) {
+                Ok(busid) => busids.push(busid),
+                Err(error) => warnings.push(format!("{}: {error}", device.busid)),
+            }
+        }
+        info!(rule = %selector, exported = busids.len(), "bind rule added");
+        Ok(BindOutcome { busids, warning: (!warnings.is_empty()).then(|| warnings.join("; ")) })
+    }
+
+    /// `usbwire unbind --all`: forgets every bind made by hand and withdraws
+    /// every real device exported (importers are disconnected, kernel drivers
+    /// take the devices back). Devices the config's `[[bind]]` rules name
+    /// come back when plugged in again or the config is reloaded.
+    pub(crate) fn unbind_all(&self) -> BindOutcome {
+        let (mut busids, warning) = {
+            let mut inner = lock(&self.inner);
+            let warning = if inner.bound_by_hand.is_empty() {
+                None
+            } else {
+                inner.bound_by_hand.clear();
+                self.registry.set_followed_ports(inner.ports());
+                inner.save().err()
+            };
+            (inner.exported.drain().collect::<Vec<_>>(), warning)
+        };
+        busids.sort();
+        for busid in &busids {
+            self.registry.remove(busid);
+        }
+        BindOutcome { busids, warning }
     }
 
     /// `usbwire unbind -b BUSID`: stop exporting it (ending any import) and give it back to its kernel drivers.
-    pub(crate) fn unbind(&self, busid: &str) -> Result<(), BindError> {
+    pub(crate) fn unbind(&self, busid: &str) -> Result<Option<String>, BindError> {
         if let Some(kind) = self.virtual_kind(busid) {
             return Err(BindError::NoDevice(format!(
                 "{busid} is this server's virtual {kind}, exported for as long as it runs: unbind is for real \
@@ -141,16 +221,54 @@ impl HostExports {
         let mut inner = lock(&self.inner);
         let before = inner.bound_by_hand.len();
         inner.bound_by_hand.retain(|rule| !matches!(rule, Selector::BusId(b) if b == busid));
-        if inner.bound_by_hand.len() != before {
-            inner.save();
+        let warning = if inner.bound_by_hand.len() == before {
+            None
+        } else {
             self.registry.set_followed_ports(inner.ports());
-        }
+            inner.save().err()
+        };
         if !inner.exported.remove(busid) {
             return Err(BindError::NoDevice(format!("{busid} is not exported by this server (see `usbwire state`)")));
         }
         drop(inner);
         self.registry.remove(busid);
-        Ok(())
+        Ok(warning)
+    }
+
+    /// `usbwire unbind --device SELECTOR`: forgets that rule and withdraws
+    /// the exported devices it matches.
+    pub(crate) fn unbind_rule(&self, text: &str) -> Result<BindOutcome, BindError> {
+        let selector: Selector =
+            text.parse().map_err(|e: usbwire_host::SelectorError| BindError::NoDevice(e.to_string()))?;
+        let devices = usbwire_host::list().unwrap_or_default();
+        let (mut busids, warning) = {
+            let mut inner = lock(&self.inner);
+            let before = inner.bound_by_hand.len();
+            inner.bound_by_hand.retain(|rule| rule != &selector);
+            let forgot = inner.bound_by_hand.len() != before;
+            let matching: Vec<String> = devices
+                .iter()
+                .filter(|d| selector.matches(*d) && inner.exported.contains(&d.busid))
+                .map(|d| d.busid.clone())
+                .collect();
+            if !forgot && matching.is_empty() {
+                return Err(BindError::NoDevice(format!(
+                    "no bind matches {selector} on this server (see `usbwire state`, and `usbwire unbind --all`)"
+                )));
+            }
+            for busid in &matching {
+                inner.exported.remove(busid);
+            }
+            if forgot {
+                self.registry.set_followed_ports(inner.ports());
+            }
+            (matching, if forgot { inner.save().err() } else { None })
+        };
+        busids.sort();
+        for busid in &busids {
+            self.registry.remove(busid);
+        }
+        Ok(BindOutcome { busids, warning })
     }
 
     /// The kind of the virtual device exported as `busid`, if one is.
@@ -282,24 +400,26 @@ impl Bindings {
         self.rules.iter().chain(&self.bound_by_hand).filter_map(port).collect()
     }
 
-    /// Writes the binds made by hand to the state file, if there is one. A
-    /// failure is logged: the bind itself holds until the server stops.
-    fn save(&self) {
-        let Some(path) = &self.state_file else { return };
-        if let Err(error) = save_binds(path, &self.bound_by_hand) {
+    /// Writes the binds made by hand to the state file. A failure is
+    /// logged and returned, for the user: the bind itself holds until the
+    /// server stops, but not across a restart.
+    fn save(&self) -> Result<(), String> {
+        let Some(path) = &self.state_file else {
+            return Err(
+                "this server keeps no bind state file (serve --bind-state FILE): the bind ends with the server".into(),
+            );
+        };
+        save_binds(path, &self.bound_by_hand).map_err(|error| {
             warn!(path = %path.display(), %error, "cannot write the bind state file; this bind ends with the server");
-        }
+            format!("cannot keep the bind in {}: {error}; it ends with the server", path.display())
+        })
     }
 }
 
 /// The binds in a state file: one selector per line; `#` comments and blank
 /// lines skipped. A missing file is no binds.
 fn load_binds(path: &Path) -> std::io::Result<Vec<Selector>> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(error) => return Err(error),
-    };
+    let Some(text) = crate::private_dir::read_private_file(path)? else { return Ok(Vec::new()) };
     let mut binds = Vec::new();
     for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
         match line.parse() {
@@ -310,21 +430,15 @@ fn load_binds(path: &Path) -> std::io::Result<Vec<Selector>> {
     Ok(binds)
 }
 
-/// Replaces the state file with `binds` (written beside it, then renamed).
+/// Replaces the state file with `binds`.
 fn save_binds(path: &Path, binds: &[Selector]) -> std::io::Result<()> {
-    let mut temporary = path.as_os_str().to_owned();
-    temporary.push(".tmp");
-    let temporary = PathBuf::from(temporary);
-    let mut file = std::fs::File::create(&temporary)?;
-    writeln!(
-        file,
-        "# usbwire bind: devices bound by hand, exported again after a restart (usbwire unbind removes them)"
-    )?;
+    let mut text = String::from(
+        "# usbwire bind: devices bound by hand, exported again after a restart (usbwire unbind removes them)\n",
+    );
     for bind in binds {
-        writeln!(file, "{bind}")?;
+        text.push_str(&format!("{bind}\n"));
     }
-    file.sync_all()?;
-    std::fs::rename(&temporary, path)
+    crate::private_dir::write_private_file(path, text.as_bytes())
 }
 
 #[cfg(test)]
@@ -334,7 +448,7 @@ mod tests {
     #[test]
     fn binds_survive_a_save_and_load_and_a_missing_file_is_none() {
         let dir = std::env::temp_dir().join(format!("usbwire-binds-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
         let path = dir.join("server.binds");
         assert!(load_binds(&path).unwrap().is_empty());
         let binds: Vec<Selector> = ["1-1.2", "0781:5567"].iter().map(|s| s.parse().unwrap()).collect();
@@ -342,6 +456,33 @@ mod tests {
         assert_eq!(load_binds(&path).unwrap(), binds);
         std::fs::write(&path, "# comment\n\n1-3\nnot a selector\n").unwrap();
         assert_eq!(load_binds(&path).unwrap(), vec!["1-3".parse().unwrap()]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Earlier versions wrote the file beside the config file (server.toml →
+    /// server.binds) with the process's umask (0644) in a directory like
+    /// /etc/usbwire (0755), one bus id per line: such a file still loads.
+    #[test]
+    fn a_bind_state_file_as_earlier_versions_wrote_it_still_loads() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = std::env::temp_dir().join(format!("usbwire-old-binds-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = dir.join("server.binds");
+        std::fs::write(
+            &path,
+            "# usbwire bind: devices bound by hand, exported again after a restart (usbwire unbind removes them)\n\
+             1-1.2\n3-4\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let wanted: Vec<Selector> = ["1-1.2", "3-4"].iter().map(|s| s.parse().unwrap()).collect();
+        assert_eq!(load_binds(&path).unwrap(), wanted);
+        // The next save replaces it in the same format, 0600.
+        save_binds(&path, &wanted).unwrap();
+        assert_eq!(load_binds(&path).unwrap(), wanted);
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -46,7 +46,10 @@ pub use admission::AdmissionLimits;
 pub use capture::{
     CaptureConfig, DEFAULT_MAX_BYTES as DEFAULT_CAPTURE_MAX_BYTES, DEFAULT_MAX_FILE_BYTES as DEFAULT_CAPTURE_FILE_BYTES,
 };
-pub use config::{default_control_path, OwnBridges, PlainPolicy, Security, ServerConfig, DEFAULT_RESUME_GRACE};
+pub use config::{
+    default_bind_state_path, default_control_path, OwnBridges, PlainPolicy, Security, ServerConfig,
+    DEFAULT_RESUME_GRACE,
+};
 pub use control::{
     request as control_request, ControlErrorKind, ControlRequest, ControlResponse, TextInput, TypeRefusal,
 };

@@ -1,6 +1,7 @@
 //! Directories for local files that only this user may change: the control
-//! socket's, the usbredir sockets', the demo's disk image's; and
-//! [`bind_socket`], which makes a Unix socket in one.
+//! socket's, the usbredir sockets', the demo's disk image's, the bind state
+//! file's; [`bind_socket`], which makes a Unix socket in one, and
+//! [`write_private_file`] / [`read_private_file`] for a small state file in one.
 //!
 //! A directory in a shared place (`/tmp/usbwire-UID`) can be made by another
 //! user before us. If we used it, they could replace our socket with theirs
@@ -136,6 +137,61 @@ fn check_parent(dir: &Path) -> Result<(), PrivateDirError> {
         return Err(PrivateDirError::WritableParent { path: dir.to_path_buf(), parent, mode });
     }
     Ok(())
+}
+
+/// Replaces `path` with `contents`: written to a new 0600 file beside it
+/// (`O_EXCL | O_NOFOLLOW`), synced, then renamed over it, in a directory
+/// [`ensure_private_dir`] accepts (created 0700 if missing). A symlink
+/// planted at `path` is replaced, never followed, and a reader sees the old
+/// file or the new one, never half of one.
+pub fn write_private_file(path: &Path, contents: &[u8]) -> io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    ensure_private_dir(dir).map_err(|error| io::Error::new(io::ErrorKind::PermissionDenied, error.to_string()))?;
+    let mut name = path.file_name().unwrap_or_default().to_owned();
+    name.push(format!(".{}.new", std::process::id()));
+    let new = path.with_file_name(name);
+    let _ = std::fs::remove_file(&new); // one of ours, left by a crash
+    let written = (|| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&new)?;
+        file.write_all(contents)?;
+        file.sync_all()?;
+        std::fs::rename(&new, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&new);
+    }
+    written
+}
+
+/// The text of a state file [`write_private_file`] wrote: `None` if there is
+/// none; refused if its directory is not one only we can change (someone
+/// else could have written it) or it is a symlink.
+pub fn read_private_file(path: &Path) -> io::Result<Option<String>> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let mut file = match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path) {
+        Ok(file) => file,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => return Err(error),
+    };
+    check_private_dir(dir).map_err(|error| io::Error::new(io::ErrorKind::PermissionDenied, error.to_string()))?;
+    let mut text = String::new();
+    file.read_to_string(&mut text)?;
+    Ok(Some(text))
 }
 
 /// Why a private Unix socket could not be made.
@@ -312,6 +368,31 @@ mod tests {
         let file = base.join("file");
         std::fs::write(&file, b"x").unwrap();
         assert!(matches!(ensure_private_dir(&file), Err(PrivateDirError::NotDirectory { .. })));
+    }
+
+    #[test]
+    fn a_state_file_is_written_0600_through_no_planted_link_and_read_back() {
+        let base = scratch("state-file");
+        let dir = base.join("state");
+        let path = dir.join("binds");
+        assert_eq!(read_private_file(&path).unwrap(), None, "no file yet");
+        write_private_file(&path, b"1-1\n").unwrap();
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+        assert_eq!(read_private_file(&path).unwrap().as_deref(), Some("1-1\n"));
+        // A link planted where the file goes is replaced, and its target left alone.
+        let target = base.join("target");
+        std::fs::write(&target, b"theirs").unwrap();
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink(&target, &path).unwrap();
+        assert!(read_private_file(&path).is_err(), "a symlink is not read through");
+        write_private_file(&path, b"0781:5567\n").unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"theirs");
+        assert!(!std::fs::symlink_metadata(&path).unwrap().file_type().is_symlink());
+        // A directory others may write: neither read nor written.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(read_private_file(&path).is_err());
+        assert!(write_private_file(&path, b"x").is_err());
     }
 
     #[test]

@@ -25,8 +25,7 @@ pub(crate) async fn run(args: &BenchArgs) -> Result<(), Failure> {
             "--servers (1..62500), --devices-per-server and --clients must be at least 1"
         )));
     }
-    let mut endpoint = super::common::registry::endpoint(&args.registry)
-        .ok_or_else(|| Failure::usage(anyhow!("--registry etcd://HOST:PORT is required")))?;
+    let mut endpoint = super::common::registry::required(&args.registry)?;
     let base = endpoint.url.to_string();
     endpoint.url.prefix = format!("{}/bench-{}", endpoint.url.prefix, std::process::id());
     let progress = !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr());

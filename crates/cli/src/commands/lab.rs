@@ -9,7 +9,7 @@ use usbwire_lab::{FleetDevice, Hold, Lab, LabError, Reservation, DEFAULT_TTL};
 use usbwire_proto::display::escape;
 
 use super::common::output::print_json;
-use super::common::registry::{failure, required, want, TokenStore};
+use super::common::registry::{failure, required, reserve_failure, want, TokenStore};
 use crate::args::{ReleaseArgs, ReserveArgs, WhoArgs};
 use crate::exit::Failure;
 
@@ -23,7 +23,7 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<(), Failure> {
         Some(duration) => Hold::For(duration),
         None => Hold::WhileRunning { ttl: DEFAULT_TTL, until: None },
     };
-    let reservation = lab.reserve(&want, hold, "usbwire reserve").await.map_err(failure)?;
+    let reservation = lab.reserve(&want, hold, "usbwire reserve").await.map_err(|e| reserve_failure(e, &url))?;
     let store = TokenStore::for_user();
     if args.hold_for.is_some() {
         store.save(&url, &reservation).map_err(|e| Failure::io(e.into()))?;

@@ -1,5 +1,6 @@
 //! Verbs that talk to the server on this machine through its control socket:
-//! `usbwire type`, `usbwire state`, `usbwire bind` and `usbwire unbind`.
+//! `usbwire type`, `usbwire state`, `usbwire bind`, `usbwire unbind` and
+//! `usbwire capture`.
 
 use std::path::PathBuf;
 
@@ -7,7 +8,7 @@ use anyhow::anyhow;
 use usbwire_server::{control_request, default_control_path, ControlErrorKind, ControlRequest, ControlResponse};
 use usbwire_transport::devstate::CountedDevice;
 
-use crate::args::{BindArgs, CaptureArgs, ControlArgs, StateArgs, TypeArgs};
+use crate::args::{BindArgs, CaptureArgs, ControlArgs, StateArgs, TypeArgs, UnbindArgs};
 use crate::exit::Failure;
 
 async fn ask(control: &ControlArgs, request: ControlRequest) -> Result<ControlResponse, Failure> {
@@ -68,9 +69,34 @@ pub(crate) async fn state(args: StateArgs) -> Result<(), Failure> {
 }
 
 pub(crate) async fn bind(args: BindArgs) -> Result<(), Failure> {
-    ask(&args.control, ControlRequest::Bind { busid: args.busid.clone() }).await?;
-    println!("bind device on busid {}: complete", args.busid);
+    let response = match (&args.busid, &args.device) {
+        (Some(busid), _) => {
+            let response = ask(&args.control, ControlRequest::Bind { busid: busid.clone() }).await?;
+            println!("bind device on busid {busid}: complete");
+            response
+        }
+        (None, Some(device)) => {
+            let response = ask(&args.control, ControlRequest::BindDevice { device: device.clone() }).await?;
+            let busids = response.busids.clone().unwrap_or_default();
+            if busids.is_empty() {
+                println!("bind {device}: no such device is plugged in now; it is exported when one is");
+            } else {
+                println!("bind {device}: exported {}", busids.join(", "));
+            }
+            println!("  kept across server restarts until `usbwire unbind --device {device}`");
+            response
+        }
+        (None, None) => return Err(Failure::usage(anyhow!("bind needs -b BUSID or --device SELECTOR"))),
+    };
+    warn_of(&response);
     Ok(())
+}
+
+/// What the server did but wants the user to know (a bind it cannot keep across a restart).
+fn warn_of(response: &ControlResponse) {
+    if let Some(warning) = &response.warning {
+        eprintln!("usbwire: warning: {}", usbwire_proto::display::escape(warning));
+    }
 }
 
 pub(crate) async fn capture(args: CaptureArgs) -> Result<(), Failure> {
@@ -87,8 +113,36 @@ pub(crate) async fn capture(args: CaptureArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-pub(crate) async fn unbind(args: BindArgs) -> Result<(), Failure> {
-    ask(&args.control, ControlRequest::Unbind { busid: args.busid.clone() }).await?;
-    println!("unbind device on busid {}: complete", args.busid);
+pub(crate) async fn unbind(args: UnbindArgs) -> Result<(), Failure> {
+    let response = match (&args.busid, &args.device, args.all) {
+        (Some(busid), _, _) => {
+            let response = ask(&args.control, ControlRequest::Unbind { busid: busid.clone() }).await?;
+            println!("unbind device on busid {busid}: complete");
+            response
+        }
+        (None, Some(device), _) => {
+            let response = ask(&args.control, ControlRequest::UnbindDevice { device: device.clone() }).await?;
+            let busids = response.busids.clone().unwrap_or_default();
+            println!("unbind {device}: {}", withdrawn(&busids));
+            response
+        }
+        (None, None, true) => {
+            let response = ask(&args.control, ControlRequest::UnbindAll).await?;
+            println!("unbind all: {}", withdrawn(&response.busids.clone().unwrap_or_default()));
+            response
+        }
+        (None, None, false) => {
+            return Err(Failure::usage(anyhow!("unbind needs -b BUSID, --device SELECTOR or --all")))
+        }
+    };
+    warn_of(&response);
     Ok(())
+}
+
+fn withdrawn(busids: &[String]) -> String {
+    if busids.is_empty() {
+        "no device was exported by it; the rule is forgotten".to_owned()
+    } else {
+        format!("withdrew {}", busids.join(", "))
+    }
 }

@@ -17,8 +17,10 @@ mod redir;
 mod serve;
 mod service;
 mod udev;
+mod version;
 
 pub(crate) use common::process::set_verbosity;
+pub(crate) use version::version_text;
 
 use crate::args::Command;
 use crate::exit::Failure;
@@ -48,5 +50,6 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
         Command::UdevRules(args) => udev::run(args),
         Command::Completions(args) => docs::completions(args),
         Command::Man(args) => docs::man(args),
+        Command::Version(args) => version::run(&args),
     }
 }

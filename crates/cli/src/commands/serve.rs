@@ -66,9 +66,14 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     config.metrics = args.metrics.or(file.metrics);
     config.http = args.http.or(file.http);
     config.http_hosts = file.http_hosts.clone();
-    // `usbwire bind`s are kept in --bind-state, or beside the config file (server.toml → server.binds).
-    config.bind_state =
-        args.bind_state.clone().or_else(|| args.config.as_ref().map(|path| path.with_extension("binds")));
+    // `usbwire bind`s are kept in --bind-state, or beside the config file (server.toml → server.binds),
+    // or in the user's state directory (/var/lib/usbwire/binds for root).
+    config.bind_state = Some(
+        args.bind_state
+            .clone()
+            .or_else(|| args.config.as_ref().map(|path| path.with_extension("binds")))
+            .unwrap_or_else(usbwire_server::default_bind_state_path),
+    );
     config.capture = args.capture.clone().or(file.capture.clone()).map(|dir| usbwire_server::CaptureConfig {
         max_bytes: file.capture_max_bytes.unwrap_or(usbwire_server::DEFAULT_CAPTURE_MAX_BYTES),
         ..usbwire_server::CaptureConfig::new(dir)
@@ -144,7 +149,7 @@ struct Registering {
 impl Registering {
     fn from(args: &ServeArgs, file: &FileConfig) -> Result<Option<Self>, Failure> {
         let table = file.registry.clone().unwrap_or_default();
-        let endpoint = match super::common::registry::endpoint(&args.registry) {
+        let endpoint = match super::common::registry::endpoint(&args.registry)? {
             Some(endpoint) => endpoint,
             None if file.registry.is_some() => table.endpoint().map_err(Failure::config)?,
             None => return Ok(None),

@@ -32,19 +32,74 @@ pub(crate) fn failure(error: LabError) -> Failure {
     }
 }
 
-/// The registry `--registry` (and the TLS flags beside it) names.
-pub(crate) fn endpoint(args: &RegistryArgs) -> Option<Endpoint> {
-    let url = args.registry.clone()?;
-    let tls = (args.registry_ca.is_some() || args.registry_cert.is_some()).then(|| EtcdTls {
+/// The registry `--registry` (and the TLS flags beside it) names: `None`
+/// when the flag is not given; a bare `--registry` is the user's default
+/// ([`default_endpoint`]).
+pub(crate) fn endpoint(args: &RegistryArgs) -> Result<Option<Endpoint>, Failure> {
+    match &args.registry {
+        None => Ok(None),
+        Some(Some(url)) => Ok(Some(with_tls(url.clone(), args, None))),
+        Some(None) => default_endpoint(args).map(Some),
+    }
+}
+
+/// The registry of a verb that always needs one (`reserve`, `release`,
+/// `who`): `--registry`'s, else the user's default.
+pub(crate) fn required(args: &RegistryArgs) -> Result<Endpoint, Failure> {
+    match endpoint(args)? {
+        Some(endpoint) => Ok(endpoint),
+        None => default_endpoint(args),
+    }
+}
+
+/// The user's default registry: `$USBWIRE_REGISTRY`, else `[registry]` in
+/// the user's `usbwire.toml` (whose `ca`, `cert` and `key` apply unless the
+/// flags say otherwise).
+fn default_endpoint(args: &RegistryArgs) -> Result<Endpoint, Failure> {
+    use crate::config::{user_config_path, UserConfig, REGISTRY_ENV};
+    if let Some(text) = std::env::var_os(REGISTRY_ENV).filter(|value| !value.is_empty()) {
+        let text = text.to_string_lossy();
+        let url = text
+            .parse()
+            .map_err(|error| Failure::config(anyhow!("{REGISTRY_ENV}={text:?} is not a lab registry URL: {error}")))?;
+        return Ok(with_tls(url, args, None));
+    }
+    let path = user_config_path();
+    let table = UserConfig::load(&path).map_err(Failure::config)?.and_then(|config| config.registry);
+    let Some(table) = table else {
+        return Err(Failure::usage(anyhow!(
+            "no lab registry named: pass --registry etcd://HOST:PORT, set {REGISTRY_ENV}=etcd://HOST:PORT, or put \
+             [registry] endpoints = [\"HOST:PORT\"] in {}",
+            path.display()
+        )));
+    };
+    let from_file = table.endpoint().map_err(|error| Failure::config(error.context(path.display().to_string())))?;
+    Ok(with_tls(from_file.url, args, from_file.tls))
+}
+
+/// `url` with TLS as the flags say, else as `fallback` (the config's) says.
+fn with_tls(url: usbwire_lab::RegistryUrl, args: &RegistryArgs, fallback: Option<EtcdTls>) -> Endpoint {
+    let flags = (args.registry_ca.is_some() || args.registry_cert.is_some()).then(|| EtcdTls {
         ca: args.registry_ca.clone(),
         cert: args.registry_cert.clone(),
         key: args.registry_key.clone(),
     });
-    Some(Endpoint { url, tls })
+    Endpoint { url, tls: flags.or(fallback) }
 }
 
-pub(crate) fn required(args: &RegistryArgs) -> Result<Endpoint, Failure> {
-    endpoint(args).ok_or_else(|| Failure::usage(anyhow!("--registry etcd://HOST:PORT is required")))
+/// A reservation that failed, with the command that shows why, naming the
+/// registry it asked (not a placeholder): what it holds when nothing
+/// matched, who holds the matching devices when none is free.
+pub(crate) fn reserve_failure(error: LabError, url: &str) -> Failure {
+    match error {
+        LabError::NoMatch { .. } => {
+            Failure::unavailable(anyhow!("{error}; see what it has: `usbwire list --registry {url}`"))
+        }
+        LabError::NoneFree { .. } => {
+            Failure::temporary(anyhow!("{error}; see who holds them: `usbwire who --registry {url}`"))
+        }
+        other => failure(other),
+    }
 }
 
 pub(crate) fn want(text: &str) -> Result<Want, Failure> {
@@ -131,8 +186,10 @@ pub(crate) async fn take(args: &RegistryArgs, device: &str, hold_for: Option<Dur
         }
     }
     let until = hold_for.map(|d| SystemTime::now() + d);
-    let reservation =
-        lab.reserve(&want, Hold::WhileRunning { ttl: DEFAULT_TTL, until }, "usbwire attach").await.map_err(failure)?;
+    let reservation = lab
+        .reserve(&want, Hold::WhileRunning { ttl: DEFAULT_TTL, until }, "usbwire attach")
+        .await
+        .map_err(|e| reserve_failure(e, &url))?;
     Ok(Taken {
         server: reservation.server.clone(),
         busid: reservation.device.record.busid.clone(),

@@ -1,0 +1,153 @@
+//! Habits from usbip and usbipd-win, with the real binary: `bind --device`
+//! kept across a server restart (usbipd-win's `bind --hardware-id`), `unbind
+//! --all`, `usbwire version` / `-V` with the protocol's version, and the
+//! default lab registry from `USBWIRE_REGISTRY` or the user's usbwire.toml.
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use usbwire_testing::process::{free_addr, scratch, start, Running};
+
+const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
+
+fn usbwire(args: &[&str]) -> Output {
+    // A registry default from the environment running the tests must not leak in.
+    Command::new(BIN).args(args).env_remove("USBWIRE_REGISTRY").output().expect("usbwire runs")
+}
+
+fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// An empty server (real devices only, like usbipd) keeping its binds in `dir/state/binds`.
+fn serve(dir: &Path) -> Running {
+    let mut command = Command::new(BIN);
+    command
+        .args(["serve", "--no-advertise", "--listen", &free_addr().to_string(), "--control"])
+        .arg(dir.join("control.sock"))
+        .arg("--bind-state")
+        .arg(dir.join("state/binds"));
+    start(command, "usbwire serving").ready()
+}
+
+#[test]
+fn a_bind_by_device_is_kept_across_a_restart_until_unbound() {
+    let dir = scratch("habits", "bind");
+    let control = dir.join("control.sock");
+    let control = control.to_str().expect("path");
+    let state = dir.join("state/binds");
+    let server = serve(&dir);
+    // No such device is plugged in (this machine's real devices are not ours to take): the rule waits.
+    let out = usbwire(&["bind", "--device", "0781:5567", "--control", control]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("exported when one is") && text(&out).contains("kept across server restarts"));
+    let kept = std::fs::read_to_string(&state).expect("the bind state file");
+    assert!(kept.lines().any(|line| line == "0781:5567"), "{kept}");
+    assert_eq!(std::fs::metadata(&state).expect("state file").permissions().mode() & 0o777, 0o600);
+    assert_eq!(std::fs::metadata(dir.join("state")).expect("state dir").permissions().mode() & 0o777, 0o700);
+    let stderr = server.stop();
+    assert!(!stderr.contains("cannot write the bind state file"), "{stderr}");
+
+    // A new server reads the rule back: it is there to unbind.
+    let server = serve(&dir);
+    let out = usbwire(&["unbind", "--device", "0781:5567", "--control", control]);
+    assert!(out.status.success(), "the rule came back with the restart: {}", text(&out));
+    assert!(!std::fs::read_to_string(&state).expect("state").contains("0781:5567"), "forgotten for good");
+    let out = usbwire(&["unbind", "--device", "0781:5567", "--control", control]);
+    assert_eq!(out.status.code(), Some(65), "{}", text(&out));
+    assert!(text(&out).contains("no bind matches 0781:5567"), "{}", text(&out));
+
+    // unbind --all forgets every rule, kept or not.
+    for rule in ["serial=NOT-HERE-1", "class=fe"] {
+        let out = usbwire(&["bind", "--device", rule, "--control", control]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    let out = usbwire(&["unbind", "--all", "--control", control]);
+    assert!(out.status.success(), "{}", text(&out));
+    let left = std::fs::read_to_string(&state).expect("state");
+    assert!(left.lines().all(|line| line.starts_with('#')), "{left}");
+    drop(server);
+    let server = serve(&dir);
+    let out = usbwire(&["unbind", "--device", "class=fe", "--control", control]);
+    assert_eq!(out.status.code(), Some(65), "unbind --all was kept too: {}", text(&out));
+    drop(server);
+
+    // Neither flag, or both: a usage error.
+    assert_eq!(usbwire(&["bind", "--control", control]).status.code(), Some(64));
+    assert_eq!(usbwire(&["unbind", "--all", "-b", "1-1", "--control", control]).status.code(), Some(64));
+}
+
+#[test]
+fn a_bind_state_file_others_could_write_is_not_read() {
+    let dir = scratch("habits", "open-state");
+    std::fs::create_dir(dir.join("state")).expect("state dir");
+    std::fs::write(dir.join("state/binds"), "0781:5567\n").expect("planted binds");
+    std::fs::set_permissions(dir.join("state"), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let server = serve(&dir);
+    let control = dir.join("control.sock");
+    let out = usbwire(&["unbind", "--device", "0781:5567", "--control", control.to_str().expect("path")]);
+    assert_eq!(out.status.code(), Some(65), "a planted bind was taken: {}", text(&out));
+    let stderr = server.stop();
+    assert!(stderr.contains("cannot read the bind state file"), "{stderr}");
+}
+
+#[test]
+fn version_names_the_usbip_protocol_and_our_extensions() {
+    for args in [&["version"][..], &["-V"][..]] {
+        let out = usbwire(args);
+        assert!(out.status.success());
+        let said = text(&out);
+        assert!(said.starts_with("usbwire 0."), "{said}");
+        assert!(said.contains("USB/IP protocol 1.1.1 (0x0111)"), "{said}");
+        assert!(said.contains("devstate 1 (OP 0x80f1)") && said.contains("resume 1 (OP 0x80f3)"), "{said}");
+    }
+    let out = usbwire(&["version", "--json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("version --json");
+    assert_eq!(json["usbip_version_code"], "0x0111");
+    assert_eq!(json["extensions"][1]["name"], "transforms");
+}
+
+#[test]
+fn registry_verbs_default_to_usbwire_registry_then_the_users_usbwire_toml() {
+    let dir = scratch("habits", "registry");
+    let config = dir.join("usbwire.toml");
+    let run = |args: &[&str], registry: Option<&str>| {
+        let mut command = Command::new(BIN);
+        command.args(args).env("USBWIRE_CONFIG", &config).env_remove("USBWIRE_REGISTRY");
+        if let Some(url) = registry {
+            command.env("USBWIRE_REGISTRY", url);
+        }
+        command.output().expect("usbwire runs")
+    };
+    // Nothing named: a usage error that says every way to name one.
+    let out = run(&["who"], None);
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out));
+    let said = text(&out);
+    assert!(
+        said.contains("--registry") && said.contains("USBWIRE_REGISTRY") && said.contains("usbwire.toml"),
+        "{said}"
+    );
+    // The environment (nothing listens on port 1: the error names the registry it tried).
+    let out = run(&["who"], Some("etcd://127.0.0.1:1/from-env"));
+    assert_eq!(out.status.code(), Some(69), "{}", text(&out));
+    assert!(text(&out).contains("127.0.0.1:1"), "{}", text(&out));
+    // The user's usbwire.toml, for a bare --registry too.
+    std::fs::write(&config, "[registry]\nendpoints = [\"127.0.0.1:2\"]\nprefix = \"from-file\"\n").expect("config");
+    for args in [&["who"][..], &["list", "--registry"][..], &["release", "--device", "1-1"][..]] {
+        let out = run(args, None);
+        assert_eq!(out.status.code(), Some(69), "{args:?}: {}", text(&out));
+        assert!(text(&out).contains("127.0.0.1:2"), "{args:?}: {}", text(&out));
+    }
+    // The flag wins over both.
+    let out = run(&["who", "--registry", "etcd://127.0.0.1:3"], Some("etcd://127.0.0.1:1"));
+    assert!(text(&out).contains("127.0.0.1:3") && !text(&out).contains("127.0.0.1:1"), "{}", text(&out));
+    // A config with a typo says where.
+    std::fs::write(&config, "[registy]\n").expect("config");
+    let out = run(&["who"], None);
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(text(&out).contains("usbwire.toml"), "{}", text(&out));
+    // `who --help` does not call --registry required.
+    let help = String::from_utf8_lossy(&usbwire(&["who", "--help"]).stdout).to_lowercase();
+    assert!(!help.contains("required") && help.contains("usbwire_registry"), "{help}");
+}
