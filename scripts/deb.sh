@@ -18,7 +18,7 @@ for unit in contrib/systemd/*.service; do
   sed 's|/usr/local/bin/usbwire|/usr/bin/usbwire|g' "$unit" > "$assets/systemd/$(basename "$unit")"
 done
 target/release/usbwire man --dir "$assets/man" >/dev/null
-gzip -9n "$assets"/man/*.1
+gzip -9n "$assets"/man/*.1 "$assets"/man/*.5
 target/release/usbwire completions bash > "$assets/completions/usbwire"
 target/release/usbwire completions zsh > "$assets/completions/_usbwire"
 target/release/usbwire completions fish > "$assets/completions/usbwire.fish"

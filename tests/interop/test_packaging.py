@@ -65,7 +65,10 @@ def main():
                      written.returncode == 0 and "usbwire.1" in pages and "usbwire-serve.1" in pages
                      and "usbwire-redir.1" in pages, f"{pages} {written.stderr}")
         env = dict(os.environ, MANPAGER="cat", PAGER="cat", MANWIDTH="100")
-        for page, wanted in [("usbwire.1", "redir"), ("usbwire-serve.1", "--metrics")]:
+        checks.check("man --dir writes usbwire.toml(5) and no page for a help verb",
+                     "usbwire.toml.5" in pages and "usbwire-help.1" not in pages, pages)
+        for page, wanted in [("usbwire.1", "EXIT STATUS"), ("usbwire.1", "redir"), ("usbwire-serve.1", "--metrics"),
+                             ("usbwire-bind.1", "EXAMPLES"), ("usbwire.toml.5", "capture_max_bytes")]:
             shown = run(["man", "-l", os.path.join(man_dir, page)], env=env)
             text = re.sub(r".\x08", "", shown.stdout)
             checks.check(f"man -l {page} renders", shown.returncode == 0 and wanted in text,
@@ -91,7 +94,8 @@ def check_deb(checks):
     for wanted in ("./usr/bin/usbwire", "./lib/systemd/system/usbwire-server.service",
                    "./lib/systemd/system/usbwire-client.service", "./usr/lib/sysusers.d/usbwire.conf",
                    "./usr/share/man/man1/usbwire.1.gz",
-                   "./usr/share/man/man1/usbwire-serve.1.gz", "./usr/share/bash-completion/completions/usbwire"):
+                   "./usr/share/man/man1/usbwire-serve.1.gz", "./usr/share/man/man5/usbwire.toml.5.gz",
+                   "./usr/share/bash-completion/completions/usbwire"):
         checks.check(f"the package holds {wanted}", wanted in listed, listed[-800:])
     with tempfile.TemporaryDirectory() as unpacked:
         run(["dpkg-deb", "-x", path, unpacked])

@@ -58,6 +58,17 @@ mod tests {
 /// The version and the commit it was built from (`build.rs`; "unknown" outside a git checkout).
 pub(crate) const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("USBWIRE_COMMIT"), ")");
 
+/// The command line with the manual's text (examples; on the program's own
+/// help also exit status, environment, files) after each verb's options.
+pub(crate) fn command() -> clap::Command {
+    use clap::CommandFactory as _;
+    let command = Cli::command().after_long_help(crate::manual::after_help(None));
+    let verbs: Vec<String> = command.get_subcommands().map(|sub| sub.get_name().to_owned()).collect();
+    verbs.iter().fold(command, |command, verb| {
+        command.mut_subcommand(verb, |sub| sub.after_long_help(crate::manual::after_help(Some(verb))))
+    })
+}
+
 #[derive(Parser, Debug)]
 #[command(
     name = "usbwire",
@@ -284,6 +295,7 @@ pub(crate) struct ReserveArgs {
     /// until this command is stopped (Ctrl-C), or dies.
     #[arg(long = "for", value_name = "DURATION", value_parser = duration)]
     pub(crate) hold_for: Option<std::time::Duration>,
+    /// Machine-readable output: one JSON document with `schema_version` (docs/json.md).
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -304,6 +316,7 @@ pub(crate) struct ReleaseArgs {
 pub(crate) struct WhoArgs {
     #[command(flatten)]
     pub(crate) registry: RegistryArgs,
+    /// Machine-readable output: one JSON document with `schema_version` (docs/json.md).
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -397,6 +410,7 @@ pub(crate) struct DoctorArgs {
     /// Local server's control socket to check.
     #[arg(long, value_name = "PATH")]
     pub(crate) control: Option<PathBuf>,
+    /// Machine-readable output: one JSON document with `schema_version` (docs/json.md).
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -436,6 +450,7 @@ pub(crate) struct UnbindArgs {
 
 #[derive(Args, Debug)]
 pub(crate) struct StateArgs {
+    /// Machine-readable output: one JSON document with `schema_version` (docs/json.md).
     #[arg(long)]
     pub(crate) json: bool,
     #[command(flatten)]
@@ -532,6 +547,7 @@ pub(crate) struct RedirArgs {
 
 #[derive(Args, Debug)]
 pub(crate) struct PortArgs {
+    /// Machine-readable output: one JSON document with `schema_version` (docs/json.md).
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -572,6 +588,7 @@ pub(crate) struct IdentityArgs {
     /// Days an issued identity stays valid.
     #[arg(long, default_value_t = 365)]
     pub(crate) days: i64,
+    /// Machine-readable output: one JSON document with `schema_version` (docs/json.md).
     #[arg(long)]
     pub(crate) json: bool,
 }

@@ -6,11 +6,13 @@ mod args;
 mod commands;
 mod config;
 mod exit;
+mod manual;
 
-use clap::Parser as _;
+use clap::FromArgMatches as _;
 
 fn main() -> std::process::ExitCode {
-    let cli = match args::Cli::try_parse() {
+    let parsed = args::command().try_get_matches().and_then(|matches| args::Cli::from_arg_matches(&matches));
+    let cli = match parsed {
         Ok(cli) => cli,
         // --help and -V print and succeed; a bad command line exits 64 (EX_USAGE), as README says.
         Err(error) => {
