@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""The status page (issue 13 item 3), in a real browser: `usbwire serve --http`
-while a client streams through the loopback device. Headless Chromium
-(Debian's `chromium`) renders `/?once`: a row per device, the imported one
-"in_use" with its holder and a URB count; a screenshot of `/` is taken. The
-live updates are checked on the wire: `/events` sends the status every
-second, and the streamed device's byte counters grow between messages.
+"""The status page, in a real browser: `usbwire serve --http` while a client
+streams through the loopback device. Headless Chromium (Debian's `chromium`)
+renders `/?once`: a row per device, the imported one "in_use" with its holder
+and a URB count. The live page, followed for a few seconds through the
+DevTools protocol (cdp.py), draws each device's throughput of the last minute
+as a sparkline: the streamed device's rises, the idle keyboard's stays flat;
+a screenshot of it is taken. The live updates are checked on the wire too:
+`/events` sends the status every second, and the streamed device's byte
+counters grow between messages.
 
     USBWIRE_BIN=target/release/usbwire python3 tests/interop/test_status_page.py
 """
@@ -21,6 +24,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cdp  # noqa: E402
 import guest  # noqa: E402
 
 BIN = guest.BIN
@@ -110,12 +114,28 @@ def main():
         checks.check("the page shows the URBs the device has completed", bool(urbs) and int(urbs[0]) > 0, urbs)
         checks.check("the page links the metrics", 'href="/metrics"' in dom, dom[:300])
 
+        # The live page, followed for a while: a sparkline per device from the events.
         shot = os.path.join(guest.LOGS, "status-page.png")
         if os.path.exists(shot):
             os.remove(shot)
-        subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,500",
-                        f"--screenshot={shot}", f"http://127.0.0.1:{http}/"],
-                       capture_output=True, timeout=120)
+        with cdp.Browser(CHROMIUM) as browser:
+            page = browser.open(f"http://127.0.0.1:{http}/", width=1200, height=500)
+            time.sleep(6)
+            sparks = page.evaluate("""[...document.querySelectorAll('[data-field="spark"]')].map(td => ({
+                busid: td.parentElement.id.slice(4), samples: Number(td.dataset.samples),
+                peak: Number(td.dataset.peak),
+                points: (td.querySelector("polyline")?.getAttribute("points") || "").split(" ").filter(Boolean).length}))""")
+            since = page.evaluate("""document.querySelector('[data-field="since"]').textContent""")
+            page.screenshot(shot)
+        by_busid = {s["busid"]: s for s in sparks or []}
+        streamed, idle = by_busid.get("1-1", {}), by_busid.get("1-2", {})
+        checks.check("each device has a sparkline of the last minute, a point per event",
+                     streamed.get("samples", 0) >= 3 and idle.get("samples", 0) >= 3
+                     and streamed.get("points", 0) == streamed.get("samples"), sparks)
+        checks.check("the streamed device's sparkline shows its throughput", streamed.get("peak", 0) > 0, sparks)
+        checks.check("the idle keyboard's sparkline is flat", idle.get("peak") == 0, sparks)
+        checks.check("since is shown to the second, without milliseconds",
+                     re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", since or "") is not None, since)
         png = open(shot, "rb").read() if os.path.exists(shot) else b""
         checks.check("a screenshot of the live page", png[:8] == b"\x89PNG\r\n\x1a\n"
                      and int.from_bytes(png[16:20], "big") == 1200, f"{len(png)} bytes")
