@@ -530,6 +530,28 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_version_1_device_record_reads_and_a_new_one_keeps_its_version_1_fields() {
+        // As servers before the device record wrote it (and as anyone could plant it).
+        let old = r#"{"schema_version":1,"server":"a:1","busid":"1-1","kind":"keyboard","vendor_id":"1209",
+            "product_id":"0001","manufacturer":null,"product":"planted keyboard","serial":null,"class":"03",
+            "interface_classes":[],"speed":"full","state":"available","holder":null,"since_at":null,"labels":["kbd"]}"#;
+        let entry: DeviceEntry = decode(old.as_bytes()).expect("a version 1 record reads");
+        assert_eq!(
+            (entry.record.busid.as_str(), entry.state(), entry.name()),
+            ("1-1", "available", "planted keyboard")
+        );
+        assert_eq!(entry.record.bcd_device, None);
+        // What a version 1 reader needs is still there, with the same types.
+        let new = serde_json::to_value(device("a:1", "1-2", &["x"])).unwrap();
+        for (field, is_string) in
+            [("busid", true), ("kind", true), ("vendor_id", true), ("speed", true), ("state", true)]
+        {
+            assert_eq!(new[field].is_string(), is_string, "{field} in {new}");
+        }
+        assert!(new["labels"].is_array() && new["interface_classes"].is_array() && new["class"].is_string());
+    }
+
+    #[test]
     fn selectors_match_every_term() {
         let disk = device("a:1", "1-1", &["nucleo", "bench-3"]);
         for (text, expected) in [
