@@ -128,7 +128,7 @@ def main():
             since = page.evaluate("""document.querySelector('[data-field="since"]').textContent""")
             page.screenshot(shot)
         by_busid = {s["busid"]: s for s in sparks or []}
-        streamed, idle = by_busid.get("1-1", {}), by_busid.get("1-2", {})
+        streamed, idle = by_busid.get("0-1", {}), by_busid.get("0-2", {})
         checks.check("each device has a sparkline of the last minute, a point per event",
                      streamed.get("samples", 0) >= 3 and idle.get("samples", 0) >= 3
                      and streamed.get("points", 0) == streamed.get("samples"), sparks)
