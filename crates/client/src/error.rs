@@ -30,9 +30,10 @@ pub enum ClientError {
     /// The server sent something that is not USB/IP v1.1.1.
     #[error("protocol error: {0}")]
     Protocol(#[from] DecodeError),
-    /// The server refused the import.
-    #[error("server refused {busid}: {}", .status.describe())]
-    Refused { busid: String, status: OpStatus },
+    /// The server refused the import; `reason` is what a usbwire server said
+    /// of the device when asked (in use by whom, reserved for whom, withdrawn).
+    #[error("server refused {busid}: {}{}", .status.describe(), .reason.as_deref().map(|why| format!("; {why}")).unwrap_or_default())]
+    Refused { busid: String, status: OpStatus, reason: Option<String> },
     /// TLS: the server's key is not pinned yet and trusting a new one was not allowed.
     #[error("{addr} presented an unknown key {fingerprint}; if that is the server's (`usbwire identity` on it shows it), run again with --trust-new to pin it in {}", .known.display())]
     UnknownServer { addr: String, fingerprint: String, known: std::path::PathBuf },

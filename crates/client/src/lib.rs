@@ -53,6 +53,7 @@ mod connect;
 mod connection;
 mod error;
 mod op_exchange;
+pub mod refusal;
 mod transfer;
 mod waiters;
 
@@ -61,7 +62,7 @@ pub use connection::{Connection, RESUME_GIVE_UP};
 pub use driven::DrivenConnection;
 pub use error::{ClientError, TransferError};
 pub use op_exchange::{
-    device_states, import, import_reserved, import_resumable, import_with, list_devices, resume_session, Imported,
-    RemoteDeviceState,
+    device_states, import, import_reserved, import_resumable, import_with, list_devices, resume_session, server_state,
+    Imported, RemoteDeviceState,
 };
 pub use transfer::{is_ok, Transfer};

@@ -10,6 +10,7 @@ use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest};
 use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::resume::{self, Grant, Token};
 use usbwire_proto::Limits;
+use usbwire_transport::devstate::DeviceStateDocument;
 use usbwire_transport::transform::{Pipeline, Side, TransformedStream};
 use usbwire_transport::PeerStream;
 
@@ -51,6 +52,12 @@ pub async fn device_states(
     addr: SocketAddr,
     security: &Security,
 ) -> Result<Option<Vec<RemoteDeviceState>>, ClientError> {
+    Ok(server_state(addr, security).await?.map(|document| document.devices))
+}
+
+/// [`device_states`] with the rest of the document: the devices the server
+/// withdrew lately. `Ok(None)`: the server does not speak `OP_REQ_DEVSTATE`.
+pub async fn server_state(addr: SocketAddr, security: &Security) -> Result<Option<DeviceStateDocument>, ClientError> {
     let mut stream = connect(addr, security).await?;
     let exchange = async {
         let mut out = BytesMut::new();
@@ -85,17 +92,13 @@ pub async fn device_states(
         .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
         .map_err(|e| closed_early(e, addr, security))?;
     let Some(body) = body else { return Ok(None) };
-    #[derive(serde::Deserialize)]
-    struct Body {
-        devices: Vec<RemoteDeviceState>,
-    }
-    let parsed: Body = serde_json::from_slice(&body).map_err(|error| {
+    let parsed: DeviceStateDocument = serde_json::from_slice(&body).map_err(|error| {
         ClientError::Io(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("bad device state reply: {error}"),
         ))
     })?;
-    Ok(Some(parsed.devices))
+    Ok(Some(parsed))
 }
 
 /// Imports a device (`OP_REQ_IMPORT`); the returned socket is its URB channel.
@@ -198,7 +201,8 @@ pub async fn import_resumable(
     match import_inner(addr, busid, security, transforms, true, None).await {
         Err(ClientError::NoTransforms { .. }) if transforms.is_empty() => {
             tracing::debug!(%addr, "server does not resume sessions; importing without");
-            import_inner(addr, busid, security, transforms, false, None).await
+            // Not a usbwire server: a refusal has no reason to ask for.
+            import_plain(addr, busid, security).await
         }
         other => other,
     }
@@ -266,6 +270,10 @@ pub async fn import_with(
     Ok((imported.stream, imported.device))
 }
 
+/// Imports, and when the server refuses, asks it why (`OP_REQ_DEVSTATE`,
+/// [`crate::refusal`]) and says so in the error. A server that did not
+/// answer an offer first is asked too: a stock one closes that connection,
+/// and the refusal keeps its status alone.
 async fn import_inner(
     addr: SocketAddr,
     busid: &BusId,
@@ -275,7 +283,32 @@ async fn import_inner(
     reservation: Option<&ReservationToken>,
 ) -> Result<Imported, ClientError> {
     let stream = connect(addr, security).await?;
-    let (mut stream, grant) = negotiate(stream, transforms, resume, reservation, addr, security).await?;
+    let (stream, grant) = negotiate(stream, transforms, resume, reservation, addr, security).await?;
+    match import_on(stream, addr, busid, security).await {
+        Ok((stream, device)) => Ok(Imported { stream, device, resume: grant }),
+        Err(ClientError::Refused { busid: refused, status, .. }) => {
+            let reason = crate::refusal::ask_why(addr, busid, security).await;
+            Err(ClientError::Refused { busid: refused, status, reason })
+        }
+        Err(error) => Err(error),
+    }
+}
+
+/// A plain import (no offer) from a server known not to be usbwire: a
+/// refusal is not explained, as that server has nothing to explain it with.
+async fn import_plain(addr: SocketAddr, busid: &BusId, security: &Security) -> Result<Imported, ClientError> {
+    let stream = connect(addr, security).await?;
+    let (stream, device) = import_on(stream, addr, busid, security).await?;
+    Ok(Imported { stream, device, resume: None })
+}
+
+/// `OP_REQ_IMPORT` on a connected (and negotiated) stream.
+async fn import_on(
+    mut stream: PeerStream,
+    addr: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+) -> Result<(PeerStream, DeviceRecord), ClientError> {
     let exchange = async {
         let mut out = BytesMut::new();
         OpRequest::Import { busid: busid.clone() }.encode(&mut out);
@@ -291,7 +324,7 @@ async fn import_inner(
         }
         let mut buf = BytesMut::from(&header[..]);
         if let Some(Err(status)) = op::decode_import_reply(&mut buf)? {
-            return Err(ClientError::Refused { busid: busid.to_string(), status });
+            return Err(ClientError::Refused { busid: busid.to_string(), status, reason: None });
         }
         let mut body = vec![0u8; op::DEVICE_RECORD_LEN];
         stream.read_exact(&mut body).await?;
@@ -301,7 +334,7 @@ async fn import_inner(
             Some(Ok(device)) => {
                 Err(ClientError::WrongDevice { wanted: busid.to_string(), got: device.busid.to_string() })
             }
-            Some(Err(status)) => Err(ClientError::Refused { busid: busid.to_string(), status }),
+            Some(Err(status)) => Err(ClientError::Refused { busid: busid.to_string(), status, reason: None }),
             None => Err(ClientError::Io(std::io::ErrorKind::UnexpectedEof.into())),
         }
     };
@@ -309,5 +342,5 @@ async fn import_inner(
         .await
         .map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
         .map_err(|e| closed_early(e, addr, security))?;
-    Ok(Imported { stream, device, resume: grant })
+    Ok((stream, device))
 }

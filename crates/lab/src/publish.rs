@@ -25,7 +25,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 use usbwire_device::record::DeviceJson;
 use usbwire_device::{DeviceFacts, Selector};
-use usbwire_server::{state_entry, ExportInfo, Registry, ReservationDigest};
+use usbwire_server::{state_entry, ExportInfo, Registry, Reservation, ReservationDigest, ReservedFor};
 
 use crate::entry::{decode, Availability, DeviceEntry, Key, Keys, ReservationEntry, ServerEntry, SCHEMA_VERSION};
 use crate::etcd::{keep_alive, Endpoint};
@@ -180,7 +180,7 @@ struct Session {
     client: Client,
     keys: Keys,
     devices: usize,
-    reservations: HashMap<String, ReservationDigest>,
+    reservations: HashMap<String, Reservation>,
     revision: i64,
 }
 
@@ -350,11 +350,18 @@ impl Session {
 
     fn reservation_changed(&mut self, key: &[u8], value: Option<&[u8]>) {
         let Some(Key::Reservation { busid, .. }) = self.keys.parse(key) else { return };
-        let digest = value.and_then(decode::<ReservationEntry>).and_then(|entry| digest_from_hex(&entry.token_sha256));
-        match digest {
-            Some(digest) => {
-                info!(%busid, "device reserved in the lab registry");
-                self.reservations.insert(busid, digest);
+        let reservation = value.and_then(decode::<ReservationEntry>).and_then(|entry| {
+            let digest = digest_from_hex(&entry.token_sha256)?;
+            let ReservationEntry { holder, client, since_at, until_at, .. } = entry;
+            Some(Reservation {
+                digest,
+                reserved_for: ReservedFor { holder, client, since_at: Some(since_at), until_at },
+            })
+        });
+        match reservation {
+            Some(reservation) => {
+                info!(%busid, holder = %reservation.reserved_for.holder, "device reserved in the lab registry");
+                self.reservations.insert(busid, reservation);
             }
             // Gone; an unreadable one counts as none (and is logged).
             None => {

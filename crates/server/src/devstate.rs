@@ -9,6 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use usbwire_device::record::{bcd, class_triple, hex16};
 use usbwire_proto::op::DeviceRecord;
+use usbwire_transport::devstate::DeviceStateDocument;
 
 use crate::registry::{DeviceState, ExportInfo, Registry};
 
@@ -18,10 +19,34 @@ pub type StateEntry = usbwire_transport::devstate::DeviceStateEntry;
 /// Every exported device this viewer may see, with its state: what `usbwire
 /// state` prints and what `OP_REP_DEVSTATE` carries.
 pub(crate) fn entries(registry: &Registry, visible: impl Fn(&str, &DeviceRecord, &str) -> bool) -> Vec<StateEntry> {
-    registry.list().into_iter().filter(|e| visible(&e.kind, &e.record, &e.summary.serial)).map(state_entry).collect()
+    registry
+        .list()
+        .into_iter()
+        .filter(|e| visible(&e.kind, &e.record, &e.summary.serial))
+        .map(|export| {
+            let reservation = registry.reserved_for(export.record.busid.as_str());
+            StateEntry { reservation, ..state_entry(export) }
+        })
+        .collect()
 }
 
-/// One exported device's entry: its record, strings, holder and counters.
+/// The whole `OP_REP_DEVSTATE` document for this viewer: [`entries`], and
+/// the devices withdrawn lately that it may see (why an import of one fails).
+pub(crate) fn document(
+    registry: &Registry,
+    visible: impl Fn(&str, &DeviceRecord, &str) -> bool,
+) -> DeviceStateDocument {
+    let withdrawn = registry
+        .recently_withdrawn()
+        .into_iter()
+        .filter(|w| visible(&w.shown.kind, &w.record, &w.serial))
+        .map(|w| w.shown)
+        .collect();
+    DeviceStateDocument { devices: entries(registry, &visible), withdrawn }
+}
+
+/// One exported device's entry: its record, strings, holder and counters
+/// (its reservation is the registry's: [`entries`] adds it).
 /// The lab registry's device records are made from it too.
 pub fn state_entry(export: ExportInfo) -> StateEntry {
     let unix = |at: SystemTime| at.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs());
@@ -60,5 +85,6 @@ pub fn state_entry(export: ExportInfo) -> StateEntry {
         since,
         resuming_since,
         counters: Some(export.meter.snapshot()),
+        reservation: None,
     }
 }

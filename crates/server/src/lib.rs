@@ -56,12 +56,13 @@ pub use control::{
 pub use devstate::{state_entry, StateEntry};
 pub use error::ServerError;
 pub use host_exports::{HostExports, HOST_KIND};
-pub use registry::{DeviceState, ExportInfo, Registry, VIRTUAL_BUS};
+pub use registry::{DeviceState, ExportInfo, Registry, Reservation, VIRTUAL_BUS};
 use state::ServerState;
 pub use usbwire_host::{Selector, SelectorError};
 /// The reservation digest a lab registry stores (`usbwire_proto::reservation`), where the lab crate looks for it.
 pub use usbwire_proto::reservation::{digest as reservation_digest, ReservationDigest};
 pub use usbwire_transport::access::{AccessRules, Admission};
+pub use usbwire_transport::devstate::ReservedFor;
 pub use usbwire_transport::Identity;
 
 /// A server being assembled: add devices, then [`bind`](Self::bind).

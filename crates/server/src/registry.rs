@@ -25,6 +25,7 @@
 //! sessions) is in [`crate::state`].
 
 mod export;
+mod refusal_facts;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future as _;
@@ -39,12 +40,16 @@ use usbwire_proto::import_slot::{Busy, Claimant, Found, ImportDecision, ImportWa
 use usbwire_proto::op::{BusId, DeviceRecord, OpStatus};
 use usbwire_proto::reservation::{digest as reservation_digest, ReservationDigest, ReservationToken};
 use usbwire_proto::sync::lock;
+use usbwire_transport::devstate::ReservedFor;
 
 use crate::meter::DeviceMeter;
 use crate::peer::PeerProbe;
 use export::{Described, Export, Slot};
 
 pub use export::DeviceState;
+pub use refusal_facts::Reservation;
+pub(crate) use refusal_facts::Withdrawn;
+use refusal_facts::{RecentlyWithdrawn, Withdrawal};
 
 /// Counts changes to the list and to devices' states (export, withdraw,
 /// import, release, resuming): what a lab registry publisher follows.
@@ -113,8 +118,10 @@ impl ImportError {
 #[derive(Clone, Default)]
 pub struct Registry {
     exports: Arc<Mutex<Vec<Arc<Export>>>>,
-    /// Devices reserved in a lab registry (bus id → token digest); imports must carry the token.
-    reservations: Arc<Mutex<HashMap<String, ReservationDigest>>>,
+    /// Devices reserved in a lab registry (bus id → reservation); imports must carry its token.
+    reservations: Arc<Mutex<HashMap<String, Reservation>>>,
+    /// Devices withdrawn lately, to say why an import of one is refused.
+    withdrawn: Arc<Mutex<RecentlyWithdrawn>>,
     changes: Arc<Changes>,
     /// Bus ids a bind rule names (real devices): the port stays exported
     /// when its device leaves, and what comes back there is exported again.
@@ -131,6 +138,7 @@ impl Registry {
         let path = format!("/sys/devices/usbwire/{kind}/{busid}");
         Self::insert(&mut exports, kind, busid.clone(), VIRTUAL_BUS, devnum, path, device);
         drop(exports);
+        lock(&self.withdrawn).exported_again(busid.as_str());
         self.changes.bump();
         busid
     }
@@ -149,6 +157,7 @@ impl Registry {
         if exports.iter().any(|e| e.busid == busid) {
             return Err(device);
         }
+        lock(&self.withdrawn).exported_again(busid.as_str());
         Self::insert(&mut exports, kind, busid, busnum, devnum, path, device);
         drop(exports);
         self.changes.bump();
@@ -174,6 +183,11 @@ impl Registry {
         };
         let export = exports.remove(at);
         drop(exports);
+        {
+            let described = export.described();
+            let why = if unplugged { Withdrawal::Unplugged } else { Withdrawal::Unbound };
+            lock(&self.withdrawn).note(&export.kind, described.record.clone(), described.summary.serial.clone(), why);
+        }
         export.unplugged.store(unplugged, std::sync::atomic::Ordering::Relaxed);
         // Mark the slot before telling the importer, so its lease never puts the device back.
         // An available device is dropped here; an imported one when its lease ends.
@@ -230,11 +244,11 @@ impl Registry {
         self.changes.0.subscribe()
     }
 
-    /// The devices reserved in a lab registry now (bus id → digest of the
-    /// reservation's token, [`reservation_digest`]): an import of one of them
-    /// must carry that token. A device whose reservation ended while its
-    /// importer is away (its session parked, waiting to resume) is let go.
-    pub fn set_reservations(&self, reservations: HashMap<String, ReservationDigest>) {
+    /// The devices reserved in a lab registry now (bus id → the digest of the
+    /// reservation's token, [`reservation_digest`], and for whom): an import
+    /// of one of them must carry that token. A device whose reservation ended
+    /// while its importer is away (its session parked, waiting to resume) is let go.
+    pub fn set_reservations(&self, reservations: HashMap<String, Reservation>) {
         let ended: Vec<String> = {
             let mut held = lock(&self.reservations);
             let ended = held.keys().filter(|busid| !reservations.contains_key(*busid)).cloned().collect();
@@ -261,6 +275,16 @@ impl Registry {
     /// Whether `busid` is reserved in a lab registry.
     pub fn is_reserved(&self, busid: &str) -> bool {
         lock(&self.reservations).contains_key(busid)
+    }
+
+    /// For whom `busid` is reserved in a lab registry, if it is.
+    pub fn reserved_for(&self, busid: &str) -> Option<ReservedFor> {
+        lock(&self.reservations).get(busid).map(|r| r.reserved_for.clone())
+    }
+
+    /// The devices withdrawn lately and not exported again, newest first.
+    pub(crate) fn recently_withdrawn(&self) -> Vec<Withdrawn> {
+        lock(&self.withdrawn).list()
     }
 
     pub fn len(&self) -> usize {
@@ -317,7 +341,7 @@ impl Registry {
             .ok_or(ImportError::NoDevice)?;
         if let Some(reserved) = lock(&self.reservations).get(busid.as_str()) {
             let carried = importer.reservation.as_ref().map(reservation_digest);
-            if carried.is_none_or(|digest| !digests_match(&digest, reserved)) {
+            if carried.is_none_or(|digest| !digests_match(&digest, &reserved.digest)) {
                 return Err(ImportError::Reserved);
             }
         }

@@ -66,6 +66,53 @@ pub struct DeviceStateEntry {
     /// as its Prometheus metrics).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub counters: Option<DeviceCounters>,
+    /// Reserved in the lab registry: for whom and until when. An import that
+    /// does not carry the reservation is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation: Option<ReservedFor>,
+}
+
+/// A lab registry reservation as a server shows it (never its token).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReservedFor {
+    /// `user@host`.
+    pub holder: String,
+    /// What holds it: `usbwire attach` or `usbwire reserve`.
+    #[serde(default)]
+    pub client: String,
+    /// RFC 3339.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since_at: Option<String>,
+    /// RFC 3339: when it ends by itself, if it does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until_at: Option<String>,
+}
+
+/// A device the server exported and withdrew lately: what an import of its
+/// bus id is refused for (`NODEV`) when it is not exported again.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WithdrawnDevice {
+    pub busid: String,
+    #[serde(default)]
+    pub kind: String,
+    #[serde(default)]
+    pub vendor_id: String,
+    #[serde(default)]
+    pub product_id: String,
+    /// `unbound` (the server stopped exporting it) or `unplugged` (it left its port).
+    pub why: String,
+    /// RFC 3339: when.
+    pub at: String,
+}
+
+/// The whole `OP_REP_DEVSTATE` document.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceStateDocument {
+    pub devices: Vec<DeviceStateEntry>,
+    /// Devices withdrawn lately and not exported again, newest first (servers
+    /// before it was sent leave it out).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub withdrawn: Vec<WithdrawnDevice>,
 }
 
 impl From<&DeviceStateEntry> for DeviceJson {

@@ -33,23 +33,25 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     let security = super::common::peer::client_security(&args.security)?;
     let devices = usbwire_client::list_devices(addr, &security).await?;
     // usbwire servers also say what is in use and by whom; others do not, and that is fine.
-    let states = match usbwire_client::device_states(addr, &security).await {
-        Ok(states) => states,
+    let document = match usbwire_client::server_state(addr, &security).await {
+        Ok(document) => document,
         Err(error) => {
             tracing::debug!(%error, "no device state from this server");
             None
         }
     };
+    let states = document.as_ref().map(|d| d.devices.as_slice());
     let names = UsbIds::load();
     if args.json {
-        let devices = listed(&devices, states.as_deref(), &names);
+        let devices = listed(&devices, states, &names);
         print_json(&json!({ "host": remote, "devices": devices }), false);
     } else {
         let verbose = super::common::process::verbosity() > 0;
         print!("{}", format_like_usbip(remote, &devices, &names, verbose));
         // Who holds what (usbwire servers) is ours, not usbip's: with -v.
-        if let (true, Some(states)) = (verbose, &states) {
+        if let (true, Some(states)) = (verbose, states) {
             print!("{}", format_in_use(states));
+            print!("{}", format_reserved(states));
         }
     }
     Ok(())
@@ -84,6 +86,35 @@ fn format_in_use(states: &[usbwire_client::RemoteDeviceState]) -> String {
             escape(&s.product),
             escape(&s.vendor_id),
             escape(&s.product_id)
+        );
+    }
+    out
+}
+
+/// The devices reserved in the lab registry: for whom and until when.
+fn format_reserved(states: &[usbwire_client::RemoteDeviceState]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let reserved: Vec<_> = states.iter().filter_map(|s| Some((s, s.reservation.as_ref()?))).collect();
+    if reserved.is_empty() {
+        return out;
+    }
+    let _ = writeln!(out, "Reserved in the lab registry\n============================");
+    for (s, reservation) in reserved {
+        let client =
+            if reservation.client.is_empty() { String::new() } else { format!(" ({})", escape(&reservation.client)) };
+        let until = reservation
+            .until_at
+            .as_deref()
+            .map_or_else(|| " until released".to_owned(), |u| format!(" until {}", escape(u)));
+        let _ = writeln!(
+            out,
+            "{:>11}: {} ({}:{}) reserved for {}{client}{until}",
+            escape(&s.busid),
+            escape(&s.product),
+            escape(&s.vendor_id),
+            escape(&s.product_id),
+            escape(&reservation.holder)
         );
     }
     out

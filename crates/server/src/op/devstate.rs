@@ -1,5 +1,6 @@
 //! `OP_REQ_DEVSTATE` (our extension): every device this client may see, with
-//! who holds it and its counters (the document `usbwire state` prints).
+//! who holds it, its reservation and counters (the document `usbwire state`
+//! prints), and the devices withdrawn lately.
 
 use tracing::debug;
 use usbwire_proto::op::{self, DeviceRecord};
@@ -12,8 +13,8 @@ use crate::state::ServerState;
 pub(crate) async fn answer(mut stream: OpStream, client: &ClientId, state: &ServerState) {
     let visible =
         |kind: &str, device: &DeviceRecord, serial: &str| state.config.security.may_use(client, kind, device, serial);
-    let devices = devstate::entries(&state.registry, visible);
-    let body = serde_json::to_vec(&serde_json::json!({ "devices": devices })).unwrap_or_default();
-    debug!(devices = devices.len(), "device state");
+    let document = devstate::document(&state.registry, visible);
+    let body = serde_json::to_vec(&document).unwrap_or_default();
+    debug!(devices = document.devices.len(), withdrawn = document.withdrawn.len(), "device state");
     let _ = stream.reply(|out| op::encode_devstate_reply(&body, out)).await;
 }

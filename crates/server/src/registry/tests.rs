@@ -299,7 +299,7 @@ async fn a_reserved_device_imports_only_with_its_reservation() {
     let busid = registry.add("loopback", loopback());
     let token = ReservationToken([7; 32]);
     let mut changes = registry.changes();
-    registry.set_reservations(HashMap::from([(busid.to_string(), reservation_digest(&token))]));
+    registry.set_reservations(HashMap::from([(busid.to_string(), reserved(&token))]));
     assert!(registry.is_reserved(busid.as_str()));
     let without = import(&registry, &busid, importer(), Duration::ZERO).await;
     assert!(matches!(without, Err(ImportError::Reserved)), "no token");
@@ -323,7 +323,7 @@ async fn a_reservation_ending_while_its_importer_is_away_lets_the_parked_session
     let registry = Registry::default();
     let busid = registry.add("loopback", loopback());
     let token = ReservationToken([1; 32]);
-    registry.set_reservations(HashMap::from([(busid.to_string(), reservation_digest(&token))]));
+    registry.set_reservations(HashMap::from([(busid.to_string(), reserved(&token))]));
     let lease =
         import(&registry, &busid, Importer { reservation: Some(token), ..importer() }, Duration::ZERO).await.unwrap();
     let holder = lease.holder();
@@ -332,10 +332,10 @@ async fn a_reservation_ending_while_its_importer_is_away_lets_the_parked_session
     tokio::task::yield_now().await;
     // Another reservation ending changes nothing for it.
     registry.set_reservations(HashMap::from([
-        (busid.to_string(), reservation_digest(&token)),
-        ("9-9".to_owned(), [0; 32]),
+        (busid.to_string(), reserved(&token)),
+        ("9-9".to_owned(), reserved(&ReservationToken([0; 32]))),
     ]));
-    registry.set_reservations(HashMap::from([(busid.to_string(), reservation_digest(&token))]));
+    registry.set_reservations(HashMap::from([(busid.to_string(), reserved(&token))]));
     tokio::task::yield_now().await;
     assert!(!abandoned.is_finished());
     registry.set_reservations(HashMap::new());
@@ -348,7 +348,7 @@ async fn a_notice_nobody_took_during_one_absence_does_not_end_the_next() {
     let registry = Registry::default();
     let busid = registry.add("loopback", loopback());
     let token = ReservationToken([1; 32]);
-    registry.set_reservations(HashMap::from([(busid.to_string(), reservation_digest(&token))]));
+    registry.set_reservations(HashMap::from([(busid.to_string(), reserved(&token))]));
     let lease =
         import(&registry, &busid, Importer { reservation: Some(token), ..importer() }, Duration::ZERO).await.unwrap();
     let holder = lease.holder();
@@ -389,4 +389,50 @@ async fn an_unplug_from_a_port_a_bind_rule_names_is_a_reenumeration_and_an_unbin
     registry.remove("3-3");
     on_unbound.withdrawn().await;
     assert!(!on_unbound.left_a_followed_port(false), "unbound by hand: withdrawn for good");
+}
+
+/// A reservation of `token` for someone else than the importers here.
+fn reserved(token: &ReservationToken) -> Reservation {
+    let reserved_for = ReservedFor {
+        holder: "ada@lab".into(),
+        client: "usbwire reserve".into(),
+        since_at: Some("2026-11-26T02:00:00Z".into()),
+        until_at: Some("2026-11-26T03:00:00Z".into()),
+    };
+    Reservation { digest: reservation_digest(token), reserved_for }
+}
+
+#[tokio::test]
+async fn a_reservation_says_for_whom_and_until_when() {
+    let registry = Registry::default();
+    let busid = registry.add("loopback", loopback());
+    assert_eq!(registry.reserved_for(busid.as_str()), None);
+    registry.set_reservations(HashMap::from([(busid.to_string(), reserved(&ReservationToken([3; 32])))]));
+    let shown = registry.reserved_for(busid.as_str()).expect("reserved");
+    assert_eq!((shown.holder.as_str(), shown.until_at.as_deref()), ("ada@lab", Some("2026-11-26T03:00:00Z")));
+    let entries = crate::devstate::entries(&registry, |_, _, _| true);
+    assert_eq!(entries[0].reservation.as_ref().map(|r| r.holder.as_str()), Some("ada@lab"));
+}
+
+#[tokio::test]
+async fn withdrawn_devices_are_remembered_newest_first_bounded_until_exported_again() {
+    let registry = Registry::default();
+    let kept = refusal_facts::WITHDRAWN_KEPT;
+    let busids: Vec<BusId> = (0..kept + 3).map(|_| registry.add("loopback", loopback())).collect();
+    for busid in &busids {
+        assert!(registry.remove(busid.as_str()));
+    }
+    let withdrawn = registry.recently_withdrawn();
+    assert_eq!(withdrawn.len(), kept, "bounded");
+    assert_eq!(withdrawn[0].shown.busid, busids[kept + 2].as_str(), "newest first");
+    assert_eq!((withdrawn[0].shown.why.as_str(), withdrawn[0].shown.kind.as_str()), ("unbound", "loopback"));
+    let unplugged = registry.add("loopback", loopback());
+    assert_eq!(unplugged, busids[0], "the first free bus id again");
+    assert!(registry.recently_withdrawn().iter().all(|w| w.shown.busid != unplugged.as_str()), "exported again");
+    assert!(registry.unplugged(unplugged.as_str()));
+    assert_eq!(registry.recently_withdrawn()[0].shown.why, "unplugged");
+    let document = crate::devstate::document(&registry, |_, _, _| true);
+    assert_eq!(document.withdrawn.len(), kept);
+    let hidden = crate::devstate::document(&registry, |_, record, _| record.busid != unplugged);
+    assert!(hidden.withdrawn.iter().all(|w| w.busid != unplugged.as_str()), "the access rules apply");
 }

@@ -1,0 +1,125 @@
+//! Why a usbwire server refused an import: asked once, after the refusal,
+//! from the server's device state (`OP_REQ_DEVSTATE`), and said in words —
+//! in use by whom and since when, reserved in the lab registry for whom and
+//! until when, or withdrawn. The import's status code is the server's answer;
+//! this only explains it (a stock client never asks and sees the code alone).
+
+use std::net::SocketAddr;
+
+use usbwire_proto::display::escape;
+use usbwire_proto::op::BusId;
+use usbwire_transport::devstate::{DeviceStateDocument, DeviceStateEntry};
+
+use crate::Security;
+
+/// What the server says of `busid` now, in words; `None` when it does not
+/// speak `OP_REQ_DEVSTATE`, cannot be asked, or says nothing that explains it.
+pub(crate) async fn ask_why(addr: SocketAddr, busid: &BusId, security: &Security) -> Option<String> {
+    match crate::server_state(addr, security).await {
+        Ok(Some(document)) => explain(busid.as_str(), &document),
+        Ok(None) => None,
+        Err(error) => {
+            tracing::debug!(%addr, %error, "could not ask the server why it refused the import");
+            None
+        }
+    }
+}
+
+/// The reason `document` gives for refusing `busid`. Every string in it is
+/// the server's word, so each is escaped.
+pub fn explain(busid: &str, document: &DeviceStateDocument) -> Option<String> {
+    if let Some(device) = document.devices.iter().find(|d| d.busid == busid) {
+        return held(device);
+    }
+    let withdrawn = document.withdrawn.iter().find(|w| w.busid == busid)?;
+    let what = match withdrawn.why.as_str() {
+        "unplugged" => "unplugged from the server",
+        _ => "no longer exported (unbound on the server)",
+    };
+    Some(format!("{what} at {}", escape(&withdrawn.at)))
+}
+
+/// Reserved for someone, or in use by someone.
+fn held(device: &DeviceStateEntry) -> Option<String> {
+    if let Some(reservation) = &device.reservation {
+        let mut why = format!("reserved in the lab registry for {}", escape(&reservation.holder));
+        if !reservation.client.is_empty() {
+            why.push_str(&format!(" ({})", escape(&reservation.client)));
+        }
+        if let Some(since) = &reservation.since_at {
+            why.push_str(&format!(" since {}", escape(since)));
+        }
+        match &reservation.until_at {
+            Some(until) => why.push_str(&format!(" until {}", escape(until))),
+            None => why.push_str(" until released"),
+        }
+        why.push_str(" (import it through its reservation: `usbwire attach --registry URL --device …`)");
+        return Some(why);
+    }
+    if device.state != "in_use" {
+        return None;
+    }
+    let who = match (&device.identity, &device.client) {
+        (Some(identity), Some(client)) => format!("{} at {}", escape(identity), escape(client)),
+        (None, Some(client)) => escape(client).to_string(),
+        (Some(identity), None) => escape(identity).to_string(),
+        (None, None) => "another client".to_owned(),
+    };
+    let mut why = format!("in use by {who}");
+    if let Some(since) = &device.since_at {
+        why.push_str(&format!(" since {}", escape(since)));
+    }
+    if let Some(lost) = &device.resuming_since_at {
+        why.push_str(&format!(", its connection lost at {}: held for it to resume", escape(lost)));
+    }
+    why.push_str("; detach it there first");
+    Some(why)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use usbwire_transport::devstate::{ReservedFor, WithdrawnDevice};
+
+    fn device(busid: &str, state: &str) -> DeviceStateEntry {
+        DeviceStateEntry { busid: busid.into(), state: state.into(), ..DeviceStateEntry::default() }
+    }
+
+    #[test]
+    fn each_refusal_is_said_in_words_and_escaped() {
+        let mut in_use = device("1-2", "in_use");
+        in_use.client = Some("127.0.0.1:59058".into());
+        in_use.since_at = Some("2026-11-26T02:00:00Z".into());
+        let mut reserved = device("1-3", "available");
+        reserved.reservation = Some(ReservedFor {
+            holder: "ada@lab\x1b[2J".into(),
+            client: "usbwire reserve".into(),
+            since_at: None,
+            until_at: Some("2026-11-26T03:00:00Z".into()),
+        });
+        let withdrawn = WithdrawnDevice {
+            busid: "1-4".into(),
+            why: "unplugged".into(),
+            at: "2026-11-26T02:10:00Z".into(),
+            ..WithdrawnDevice::default()
+        };
+        let document = DeviceStateDocument {
+            devices: vec![in_use, reserved, device("1-5", "available")],
+            withdrawn: vec![withdrawn],
+        };
+        assert_eq!(
+            explain("1-2", &document).as_deref(),
+            Some("in use by 127.0.0.1:59058 since 2026-11-26T02:00:00Z; detach it there first")
+        );
+        let reserved = explain("1-3", &document).unwrap();
+        assert!(
+            reserved.starts_with(
+                r"reserved in the lab registry for ada@lab\x1b[2J (usbwire reserve) until 2026-11-26T03:00:00Z"
+            ),
+            "{reserved}"
+        );
+        assert_eq!(explain("1-4", &document).as_deref(), Some("unplugged from the server at 2026-11-26T02:10:00Z"));
+        assert_eq!(explain("1-5", &document), None, "available: nothing to explain");
+        assert_eq!(explain("9-9", &document), None, "unknown to the server");
+    }
+}
