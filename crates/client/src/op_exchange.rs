@@ -271,7 +271,7 @@ pub async fn import_with(
 }
 
 /// Imports, and when the server refuses, asks it why (`OP_REQ_DEVSTATE`,
-/// [`crate::refusal`]) and says so in the error. A server that did not
+/// [`why_refused`]) and says so in the error. A server that did not
 /// answer an offer first is asked too: a stock one closes that connection,
 /// and the refusal keeps its status alone.
 async fn import_inner(
@@ -287,10 +287,24 @@ async fn import_inner(
     match import_on(stream, addr, busid, security).await {
         Ok((stream, device)) => Ok(Imported { stream, device, resume: grant }),
         Err(ClientError::Refused { busid: refused, status, .. }) => {
-            let reason = crate::refusal::ask_why(addr, busid, security).await;
+            let reason = why_refused(addr, busid, security).await;
             Err(ClientError::Refused { busid: refused, status, reason })
         }
         Err(error) => Err(error),
+    }
+}
+
+/// What the server says of `busid` now, in words ([`crate::refusal::explain`]);
+/// `None` when it does not speak `OP_REQ_DEVSTATE`, cannot be asked, or says
+/// nothing that explains the refusal.
+async fn why_refused(addr: SocketAddr, busid: &BusId, security: &Security) -> Option<String> {
+    match server_state(addr, security).await {
+        Ok(Some(document)) => crate::refusal::explain(busid.as_str(), &document),
+        Ok(None) => None,
+        Err(error) => {
+            tracing::debug!(%addr, %error, "could not ask the server why it refused the import");
+            None
+        }
     }
 }
 

@@ -1,29 +1,11 @@
-//! Why a usbwire server refused an import: asked once, after the refusal,
-//! from the server's device state (`OP_REQ_DEVSTATE`), and said in words —
+//! Why a usbwire server refused an import, from its device state
+//! (`OP_REQ_DEVSTATE`, which the OP phase asks once after a refusal), in words —
 //! in use by whom and since when, reserved in the lab registry for whom and
 //! until when, or withdrawn. The import's status code is the server's answer;
 //! this only explains it (a stock client never asks and sees the code alone).
 
-use std::net::SocketAddr;
-
 use usbwire_proto::display::escape;
-use usbwire_proto::op::BusId;
 use usbwire_transport::devstate::{DeviceStateDocument, DeviceStateEntry};
-
-use crate::Security;
-
-/// What the server says of `busid` now, in words; `None` when it does not
-/// speak `OP_REQ_DEVSTATE`, cannot be asked, or says nothing that explains it.
-pub(crate) async fn ask_why(addr: SocketAddr, busid: &BusId, security: &Security) -> Option<String> {
-    match crate::server_state(addr, security).await {
-        Ok(Some(document)) => explain(busid.as_str(), &document),
-        Ok(None) => None,
-        Err(error) => {
-            tracing::debug!(%addr, %error, "could not ask the server why it refused the import");
-            None
-        }
-    }
-}
 
 /// The reason `document` gives for refusing `busid`. Every string in it is
 /// the server's word, so each is escaped.
