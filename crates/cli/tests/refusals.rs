@@ -1,7 +1,7 @@
 //! A refused import says why, through the real binary against a real
 //! server and a real etcd: a device in use (by whom) and a device reserved
-//! in the lab registry (for whom, until when), in `usbwire describe` and
-//! `usbwire list -r -v`. The client library's side (the import `attach`
+//! in the lab registry (for whom, until when), in `usbwire describe`,
+//! `usbwire list -r -v` and `list -r --json`. The client library's side (the import `attach`
 //! makes, a withdrawn device, a stock client's bytes) is
 //! crates/client/tests/refusals.rs.
 
@@ -114,6 +114,20 @@ async fn describe_and_list_say_who_holds_a_device_and_for_whom_it_is_reserved() 
     assert!(listed.contains("0-1: ") && listed.contains(" in use by 127.0.0.1:"), "{listed}");
     let reserved = listed.lines().find(|l| l.contains("0-2: ") && l.contains(" reserved for ")).unwrap_or_default();
     assert!(reserved.contains("(usbwire reserve) until 20"), "{listed}");
+    let json = tokio::task::spawn_blocking({
+        let addr = addr.clone();
+        move || usbwire(&["list", "-r", &addr, "--json"])
+    })
+    .await
+    .unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&json.stdout).expect("list -r --json");
+    let devices = json["devices"].as_array().expect("devices");
+    let device = |busid: &str| devices.iter().find(|d| d["busid"] == busid).cloned().unwrap_or_default();
+    assert!(device("0-1")["reservation"].is_null(), "{json}");
+    let reservation = &device("0-2")["reservation"];
+    assert_eq!(reservation["client"], "usbwire reserve", "{json}");
+    assert!(reservation["holder"].as_str().is_some_and(|h| h.contains('@')), "{json}");
+    assert!(reservation["until_at"].as_str().is_some_and(|u| u.starts_with("20")), "{json}");
     let stderr = tokio::task::spawn_blocking({
         let addr = addr.clone();
         move || describe_refused(&addr, "0-2")

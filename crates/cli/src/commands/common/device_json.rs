@@ -23,6 +23,31 @@ pub(crate) struct ListedDevice {
     pub(crate) path: Option<String>,
     pub(crate) configuration_value: Option<u8>,
     pub(crate) num_configurations: Option<u8>,
+    /// Reserved in the lab registry (what the server knows of it), else `null`.
+    pub(crate) reservation: Option<ListedReservation>,
+}
+
+/// A reservation as `list -r --json` shows it: the fields of `list
+/// --registry`'s `reservation` that the server knows (not the holder's pid).
+#[derive(Debug, Serialize)]
+pub(crate) struct ListedReservation {
+    pub(crate) holder: String,
+    pub(crate) client: String,
+    pub(crate) since_at: Option<String>,
+    pub(crate) until_at: Option<String>,
+}
+
+impl ListedReservation {
+    /// The reservation a device's state shows, if it is reserved.
+    fn of(state: &DeviceStateEntry) -> Option<Self> {
+        let reservation = state.reservation.as_ref()?;
+        Some(Self {
+            holder: reservation.holder.clone(),
+            client: reservation.client.clone(),
+            since_at: reservation.since_at.clone(),
+            until_at: reservation.until_at.clone(),
+        })
+    }
 }
 
 /// A device plugged into this machine (`list -l`).
@@ -60,7 +85,8 @@ pub(crate) fn listed(
         .iter()
         .map(|record| {
             let mut device = DeviceJson::from_wire(record);
-            if let Some(state) = states.iter().find(|s| s.busid == record.busid.as_str()) {
+            let state = states.iter().find(|s| s.busid == record.busid.as_str());
+            if let Some(state) = state {
                 device = DeviceJson { interfaces: device.interfaces, ..DeviceJson::from(state) };
                 device.bcd_device = Some(bcd(record.bcd_device));
                 device.device_class =
@@ -75,6 +101,7 @@ pub(crate) fn listed(
                 path: Some(record.path.clone()),
                 configuration_value: Some(record.b_configuration_value),
                 num_configurations: Some(record.b_num_configurations),
+                reservation: state.and_then(ListedReservation::of),
             }
         })
         .collect();
@@ -88,6 +115,7 @@ pub(crate) fn listed(
             path: None,
             configuration_value: None,
             num_configurations: None,
+            reservation: ListedReservation::of(state),
         });
     }
     listed
