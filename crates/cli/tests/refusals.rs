@@ -128,6 +128,14 @@ async fn describe_and_list_say_who_holds_a_device_and_for_whom_it_is_reserved() 
     assert_eq!(reservation["client"], "usbwire reserve", "{json}");
     assert!(reservation["holder"].as_str().is_some_and(|h| h.contains('@')), "{json}");
     assert!(reservation["until_at"].as_str().is_some_and(|u| u.starts_with("20")), "{json}");
+    // The server's own view (state --json over the control socket) shows the same reservation.
+    let control = dir.join("control.sock");
+    let state = usbwire(&["state", "--control", control.to_str().unwrap(), "--json"]);
+    let state: serde_json::Value = serde_json::from_slice(&state.stdout).expect("state --json");
+    let states = state["devices"].as_array().expect("devices");
+    let state_of = |busid: &str| states.iter().find(|d| d["busid"] == busid).cloned().unwrap_or_default();
+    assert!(state_of("0-1")["reservation"].is_null(), "{state}");
+    assert_eq!(state_of("0-2")["reservation"], *reservation, "state --json and list -r --json agree: {state}");
     let stderr = tokio::task::spawn_blocking({
         let addr = addr.clone();
         move || describe_refused(&addr, "0-2")

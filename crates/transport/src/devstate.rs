@@ -5,7 +5,7 @@
 //!
 //! What a person or script reads is not this document but the device record
 //! it converts into ([`DeviceJson`], `From<&DeviceStateEntry>`), with the
-//! counters beside it ([`CountedDevice`]): `state --json`, `list -r --json`
+//! counters and reservation beside it ([`CountedDevice`]): `state --json`, `list -r --json`
 //! and `/status.json`.
 
 use serde::{Deserialize, Serialize};
@@ -155,8 +155,8 @@ impl From<&DeviceStateEntry> for DeviceJson {
     }
 }
 
-/// A device's record and its traffic counters: each device of `state
-/// --json` and `/status.json`.
+/// A device's record, its traffic counters and its lab registry reservation:
+/// each device of `state --json` and `/status.json`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CountedDevice {
     #[serde(flatten)]
@@ -164,11 +164,41 @@ pub struct CountedDevice {
     /// `null` where the source keeps none.
     #[serde(default)]
     pub counters: Option<DeviceCounters>,
+    /// Reserved in the lab registry (what the server enforces), else `null`.
+    #[serde(default)]
+    pub reservation: Option<ShownReservation>,
 }
 
 impl From<&DeviceStateEntry> for CountedDevice {
     fn from(entry: &DeviceStateEntry) -> Self {
-        Self { device: DeviceJson::from(entry), counters: entry.counters.clone() }
+        Self {
+            device: DeviceJson::from(entry),
+            counters: entry.counters.clone(),
+            reservation: entry.reservation.as_ref().map(ShownReservation::from),
+        }
+    }
+}
+
+/// A reservation as `list -r --json`, `state --json` and `/status.json` show
+/// it beside a device record: the fields of `list --registry`'s `reservation`
+/// that a server knows (not the holder's pid), every one present (`null` when
+/// not known) so scripts read one shape.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShownReservation {
+    pub holder: String,
+    pub client: String,
+    pub since_at: Option<String>,
+    pub until_at: Option<String>,
+}
+
+impl From<&ReservedFor> for ShownReservation {
+    fn from(reservation: &ReservedFor) -> Self {
+        Self {
+            holder: reservation.holder.clone(),
+            client: reservation.client.clone(),
+            since_at: reservation.since_at.clone(),
+            until_at: reservation.until_at.clone(),
+        }
     }
 }
 
@@ -265,5 +295,28 @@ mod tests {
         let counted = serde_json::to_value(CountedDevice::from(&entry)).unwrap();
         assert_eq!(counted["busid"], "2-1");
         assert!(counted["counters"].is_null() && counted["vendor_name"].is_null(), "{counted}");
+        assert!(counted["reservation"].is_null(), "a device nobody reserved: {counted}");
+    }
+
+    #[test]
+    fn a_reserved_device_shows_its_reservation_with_every_field() {
+        let entry = DeviceStateEntry {
+            busid: "1-1".into(),
+            vendor_id: "1d6b".into(),
+            product_id: "0104".into(),
+            reservation: Some(ReservedFor {
+                holder: "ada@lab".into(),
+                client: "usbwire reserve".into(),
+                since_at: Some("2026-11-26T03:00:00Z".into()),
+                until_at: None,
+            }),
+            ..DeviceStateEntry::default()
+        };
+        let counted = serde_json::to_value(CountedDevice::from(&entry)).unwrap();
+        let reservation = &counted["reservation"];
+        assert_eq!(reservation["holder"], "ada@lab");
+        assert_eq!(reservation["client"], "usbwire reserve");
+        assert_eq!(reservation["since_at"], "2026-11-26T03:00:00Z");
+        assert!(reservation.get("until_at").is_some_and(|v| v.is_null()), "{reservation}");
     }
 }

@@ -7,7 +7,7 @@ use serde::Serialize;
 use usbwire_device::record::{bcd, class_triple, hex16, DeviceJson, InterfaceJson};
 use usbwire_host::LocalDevice;
 use usbwire_proto::op::DeviceRecord;
-use usbwire_transport::devstate::DeviceStateEntry;
+use usbwire_transport::devstate::{DeviceStateEntry, ShownReservation};
 
 use super::usb_names::{class_name, UsbIds};
 
@@ -24,30 +24,7 @@ pub(crate) struct ListedDevice {
     pub(crate) configuration_value: Option<u8>,
     pub(crate) num_configurations: Option<u8>,
     /// Reserved in the lab registry (what the server knows of it), else `null`.
-    pub(crate) reservation: Option<ListedReservation>,
-}
-
-/// A reservation as `list -r --json` shows it: the fields of `list
-/// --registry`'s `reservation` that the server knows (not the holder's pid).
-#[derive(Debug, Serialize)]
-pub(crate) struct ListedReservation {
-    pub(crate) holder: String,
-    pub(crate) client: String,
-    pub(crate) since_at: Option<String>,
-    pub(crate) until_at: Option<String>,
-}
-
-impl ListedReservation {
-    /// The reservation a device's state shows, if it is reserved.
-    fn of(state: &DeviceStateEntry) -> Option<Self> {
-        let reservation = state.reservation.as_ref()?;
-        Some(Self {
-            holder: reservation.holder.clone(),
-            client: reservation.client.clone(),
-            since_at: reservation.since_at.clone(),
-            until_at: reservation.until_at.clone(),
-        })
-    }
+    pub(crate) reservation: Option<ShownReservation>,
 }
 
 /// A device plugged into this machine (`list -l`).
@@ -101,7 +78,7 @@ pub(crate) fn listed(
                 path: Some(record.path.clone()),
                 configuration_value: Some(record.b_configuration_value),
                 num_configurations: Some(record.b_num_configurations),
-                reservation: state.and_then(ListedReservation::of),
+                reservation: state.and_then(|s| s.reservation.as_ref()).map(ShownReservation::from),
             }
         })
         .collect();
@@ -115,7 +92,7 @@ pub(crate) fn listed(
             path: None,
             configuration_value: None,
             num_configurations: None,
-            reservation: ListedReservation::of(state),
+            reservation: state.reservation.as_ref().map(ShownReservation::from),
         });
     }
     listed
