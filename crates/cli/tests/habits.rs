@@ -100,7 +100,7 @@ fn version_names_the_usbip_protocol_and_our_extensions() {
         let said = text(&out);
         assert!(said.starts_with("usbwire 0."), "{said}");
         assert!(said.contains("USB/IP protocol 1.1.1 (0x0111)"), "{said}");
-        assert!(said.contains("devstate 1 (OP 0x80f1)") && said.contains("resume 1 (OP 0x80f3)"), "{said}");
+        assert!(said.contains("devstate 2 (OP 0x80f1)") && said.contains("resume 2 (OP 0x80f3)"), "{said}");
     }
     let out = usbwire(&["version", "--json"]);
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("version --json");

@@ -59,24 +59,25 @@ pub struct Extension {
     pub what: &'static str,
 }
 
-/// usbwire's extensions, as `usbwire version` reports them.
+/// usbwire's extensions, as `usbwire version` reports them. What each
+/// revision added is in docs/protocol.md §5 ("Revisions").
 pub const EXTENSIONS: [Extension; 3] = [
     Extension {
         name: "devstate",
         request: OpCode::REQ_DEVSTATE,
-        version: 1,
+        version: 2,
         what: "every device's state and holder, as JSON",
     },
     Extension {
         name: "transforms",
         request: OpCode::REQ_TRANSFORMS,
-        version: 1,
+        version: 2,
         what: "paired stream transforms: zstd, lz4, jitter buffer; reservation tokens",
     },
     Extension {
         name: "resume",
         request: OpCode::REQ_RESUME,
-        version: 1,
+        version: 2,
         what: "taking over an import after a dropped connection",
     },
 ];

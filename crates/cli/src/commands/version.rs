@@ -62,6 +62,6 @@ mod tests {
         let text = version_text();
         assert!(text.starts_with(VERSION), "{text}");
         assert!(text.contains("USB/IP protocol 1.1.1 (0x0111)"), "{text}");
-        assert!(text.contains("devstate 1 (OP 0x80f1)"), "{text}");
+        assert!(text.contains("devstate 2 (OP 0x80f1)"), "{text}");
     }
 }
