@@ -42,6 +42,8 @@ READ_MIB = 32
 READS = 3
 # usbredirect's port in the exporter guest.
 REDIRECT_PORT = 4000
+# How long the exporter guest may take to enumerate and export both devices.
+EXPORT_WAIT_S = 180
 
 EXPORTER_SCRIPT = r"""
 set -u
@@ -129,14 +131,19 @@ def main():
                        "-audiodev", "none,id=snd0", "-device", "usb-audio,bus=xhci.0,audiodev=snd0,id=audio"])
         remote.g = exporter
         exporter.wait_for("@@SERVER-UP", 180)
+        # Under TCG on a loaded machine the exporter's kernel may take long to
+        # enumerate a device (descriptor reads time out and are retried).
         stick = audio = None
-        for _ in range(60):
+        deadline = time.monotonic() + EXPORT_WAIT_S
+        while time.monotonic() < deadline:
             stick, audio = listed(port), listed(port, AUDIO)
             if stick and audio:
                 break
             time.sleep(1)
         if not (stick and audio):
-            raise RuntimeError(f"the exporter guest's usbwire serve listed flash drive {stick}, audio {audio}")
+            _, seen = remote.run("ls /sys/bus/usb/devices; dmesg | tail -n 30; tail -n 30 /tmp/serve.log")
+            raise RuntimeError(f"after {EXPORT_WAIT_S} s the exporter guest's usbwire serve listed flash drive "
+                               f"{stick}, audio {audio}; the guest's USB devices, kernel log and serve log: {seen}")
         busid = stick["busid"]
         bridge, bridge_log = start_logged("real-bridge", [
             BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", busid, "--listen", f"unix:{bridge_socket}"])
