@@ -12,24 +12,28 @@
 //! §7.3), the host-driven streams (interrupt receiving, isochronous), and
 //! cancels. The guest's requests are answered in the order their URBs
 //! complete; per endpoint that is the order they came.
+//!
+//! This file has the API, the guest's packets mapped to URBs and the URBs'
+//! completions mapped back; [`device`] what is known of the device (its
+//! descriptors, the setting in effect) and the announce; [`streams`] the
+//! host-driven streams.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+mod device;
+mod streams;
+
+use std::collections::{HashMap, VecDeque};
 
 use bytes::{Bytes, BytesMut};
-use usbwire_device::descriptor::{ConfigurationInfo, DeviceDescriptor};
 use usbwire_device::TransferType;
 use usbwire_proto::urb::IsoPacketDescriptor;
 use usbwire_proto::{Speed, Status as UrbStatus};
 
-use crate::{Caps, Codec, EndpointInfo, InterfaceInfo, Packet, RedirError, Side, Status};
+use self::device::{get_descriptor, DeviceModel};
+use self::streams::Stream;
+use crate::{Caps, Codec, Packet, RedirError, Side, Status};
 
 /// Largest packet we accept from the guest: a 128 MiB bulk OUT and its header.
 const MAX_GUEST_PACKET: u32 = crate::MAX_PACKET_LEN;
-/// Interrupt IN URBs kept in flight per receiving endpoint, so a report is
-/// never waiting for the round trip of the previous one.
-const INTERRUPT_URBS: usize = 4;
-/// Configurations read at start (a device announcing more is cut to these).
-const MAX_CONFIGURATIONS: u8 = 8;
 
 /// What we announce in our hello: everything usbredirhost does except bulk
 /// streams and bulk receiving, which a USB/IP server cannot do.
@@ -161,114 +165,6 @@ enum Pending {
     Reset,
 }
 
-/// A host-driven stream on one endpoint (interrupt receiving, or isochronous).
-#[derive(Debug, Default)]
-struct Stream {
-    /// Tags of its URBs in flight.
-    in_flight: HashSet<u64>,
-    /// The id of the next unsolicited packet (restarts at 0 on each start).
-    next_id: u64,
-    /// Isochronous: packets per URB.
-    pkts_per_urb: u8,
-    /// Isochronous OUT: the guest's packets not submitted yet.
-    out_packets: Vec<Bytes>,
-}
-
-/// What the descriptors say and what the guest chose.
-#[derive(Debug, Default)]
-struct DeviceModel {
-    descriptor: Option<DeviceDescriptor>,
-    /// Each configuration descriptor, in index order.
-    configurations: Vec<(Bytes, ConfigurationInfo)>,
-    /// bConfigurationValue in effect (0: unconfigured).
-    configuration: u8,
-    /// Alt setting per interface number.
-    alt: HashMap<u8, u8>,
-}
-
-impl DeviceModel {
-    fn active(&self) -> Option<&ConfigurationInfo> {
-        self.configurations.iter().map(|(_, info)| info).find(|info| info.value == self.configuration)
-    }
-
-    fn alt_of(&self, interface: u8) -> u8 {
-        self.alt.get(&interface).copied().unwrap_or(0)
-    }
-
-    /// ep_info for the configuration and alt settings in effect.
-    fn endpoint_info(&self, speed: Speed) -> EndpointInfo {
-        let mut info = EndpointInfo::default();
-        for index in [0, 16] {
-            info.kind[index] = 0;
-            info.max_packet_size[index] = self.descriptor.as_ref().map_or(64, |d| match d.max_packet_size0 {
-                9 if speed.is_superspeed() => 512,
-                size => u16::from(size),
-            });
-        }
-        let Some(config) = self.active() else { return info };
-        for interface in config.interfaces.iter().filter(|i| i.alt_setting == self.alt_of(i.number)) {
-            for ep in &interface.endpoints {
-                let index = EndpointInfo::index(ep.address);
-                info.kind[index] = match ep.transfer_type {
-                    TransferType::Control => 0,
-                    TransferType::Isochronous => 1,
-                    TransferType::Bulk => 2,
-                    TransferType::Interrupt => 3,
-                };
-                info.interval[index] = ep.interval;
-                info.interface[index] = interface.number;
-                info.max_packet_size[index] = max_packet_bytes(ep.max_packet_size, speed, ep.transfer_type);
-            }
-        }
-        info
-    }
-
-    /// interface_info for the configuration and alt settings in effect.
-    fn interface_info(&self) -> InterfaceInfo {
-        let mut info = InterfaceInfo::default();
-        let Some(config) = self.active() else { return info };
-        for interface in config.interfaces.iter().filter(|i| i.alt_setting == self.alt_of(i.number)).take(32) {
-            info.interface.push(interface.number);
-            info.class.push(interface.class);
-            info.subclass.push(interface.subclass);
-            info.protocol.push(interface.protocol);
-        }
-        info
-    }
-
-    /// The endpoint's transfer type and max packet bytes in the current setting.
-    fn endpoint(&self, address: u8, speed: Speed) -> Option<(TransferType, u32)> {
-        let config = self.active()?;
-        config
-            .active_endpoints(|i| self.alt_of(i))
-            .find(|ep| ep.address == address)
-            .map(|ep| (ep.transfer_type, u32::from(max_packet_bytes(ep.max_packet_size, speed, ep.transfer_type))))
-    }
-
-    /// The interface an endpoint belongs to in the current setting.
-    fn interface_of(&self, address: u8) -> Option<u8> {
-        let config = self.active()?;
-        config
-            .interfaces
-            .iter()
-            .filter(|i| i.alt_setting == self.alt_of(i.number))
-            .find(|i| i.endpoints.iter().any(|ep| ep.address == address))
-            .map(|i| i.number)
-    }
-}
-
-/// Bytes per packet: wMaxPacketSize's size times its high-bandwidth
-/// multiplier, which counts for high-speed periodic endpoints only.
-fn max_packet_bytes(w_max_packet_size: u16, speed: Speed, kind: TransferType) -> u16 {
-    let size = w_max_packet_size & 0x7ff;
-    let periodic = matches!(kind, TransferType::Isochronous | TransferType::Interrupt);
-    if speed == Speed::HIGH && periodic {
-        size * (1 + ((w_max_packet_size >> 11) & 3)).min(3)
-    } else {
-        size
-    }
-}
-
 /// The usbredir speed number of a USB/IP speed.
 pub fn redir_speed(speed: Speed) -> u8 {
     match speed {
@@ -397,49 +293,10 @@ impl UsbHost {
         let Some(pending) = self.pending.remove(&tag) else { return Ok(()) };
         let status = redir_status(result.status);
         match pending {
-            Pending::DeviceDescriptor => {
-                let descriptor = DeviceDescriptor::parse(&result.data)
-                    .filter(|_| result.status == UrbStatus::OK)
-                    .ok_or(HostError::Descriptor { what: "device", status: result.status })?;
-                let count = descriptor.num_configurations.min(MAX_CONFIGURATIONS);
-                self.device.descriptor = Some(descriptor);
-                if count == 0 {
-                    self.read_active_configuration();
-                } else {
-                    self.read_configuration_header(0);
-                }
-            }
-            Pending::ConfigurationHeader { index } => {
-                if result.status != UrbStatus::OK || result.data.len() < 4 {
-                    return Err(HostError::Descriptor { what: "configuration", status: result.status });
-                }
-                let total = u16::from_le_bytes([result.data[2], result.data[3]]);
-                self.submit(
-                    Pending::Configuration { index },
-                    UrbRequest::control(get_descriptor(0x02, index, total), Bytes::new()),
-                );
-            }
-            Pending::Configuration { index } => {
-                let info = ConfigurationInfo::parse(&result.data)
-                    .filter(|_| result.status == UrbStatus::OK)
-                    .ok_or(HostError::Descriptor { what: "configuration", status: result.status })?;
-                self.device.configurations.push((result.data, info));
-                let count = self.device.descriptor.as_ref().map_or(0, |d| d.num_configurations.min(MAX_CONFIGURATIONS));
-                if index + 1 < count {
-                    self.read_configuration_header(index + 1);
-                } else {
-                    self.read_active_configuration();
-                }
-            }
-            Pending::ActiveConfiguration => {
-                self.device.configuration = match (result.status, result.data.first()) {
-                    (UrbStatus::OK, Some(&value)) => value,
-                    // A device that cannot say: assume its first configuration, as the server set it.
-                    _ => self.device.configurations.first().map_or(0, |(_, info)| info.value),
-                };
-                self.ready = true;
-                self.announce();
-            }
+            read @ (Pending::DeviceDescriptor
+            | Pending::ConfigurationHeader { .. }
+            | Pending::Configuration { .. }
+            | Pending::ActiveConfiguration) => self.descriptor_read(read, result)?,
             Pending::SetConfiguration { id, configuration } => {
                 if status == Status::SUCCESS {
                     self.device.configuration = configuration;
@@ -654,198 +511,6 @@ impl UsbHost {
         self.send(id, &reply);
     }
 
-    fn read_configuration_header(&mut self, index: u8) {
-        let urb = UrbRequest::control(get_descriptor(0x02, index, 9), Bytes::new());
-        self.submit(Pending::ConfigurationHeader { index }, urb);
-    }
-
-    fn read_active_configuration(&mut self) {
-        let urb = UrbRequest::control([0x80, 0x08, 0, 0, 0, 0, 1, 0], Bytes::new());
-        self.submit(Pending::ActiveConfiguration, urb);
-    }
-
-    /// Announces the device once both the descriptors and the guest's hello are in.
-    fn announce(&mut self) {
-        if !self.ready || !self.guest_hello || self.announced || self.gone || self.filtered_out {
-            return;
-        }
-        let Some(descriptor) = self.device.descriptor.clone() else { return };
-        if let Some(rules) = self.filter.clone() {
-            let interfaces = self.device.active().map(|c| c.interface_classes()).unwrap_or_default();
-            if !crate::filter::allows(&rules, &descriptor, &interfaces) {
-                self.filtered_out = true;
-                self.events.push_back(HostEvent::FilteredOut { rules });
-                return;
-            }
-        }
-        self.send_device_info();
-        let connect = Packet::DeviceConnect {
-            speed: redir_speed(self.speed),
-            class: descriptor.class,
-            subclass: descriptor.subclass,
-            protocol: descriptor.protocol,
-            vendor_id: descriptor.vendor_id,
-            product_id: descriptor.product_id,
-            device_version_bcd: descriptor.bcd_device,
-        };
-        self.send(0, &connect);
-        self.announced = true;
-        self.events.push_back(HostEvent::Announced);
-    }
-
-    /// ep_info then interface_info, as the protocol orders them.
-    fn send_device_info(&mut self) {
-        let endpoints = self.device.endpoint_info(self.speed);
-        self.send(0, &Packet::EpInfo(Box::new(endpoints)));
-        let interfaces = self.device.interface_info();
-        self.send(0, &Packet::InterfaceInfo(interfaces));
-    }
-
-    fn start_interrupt_receiving(&mut self, endpoint: u8) -> Status {
-        let Some((TransferType::Interrupt, max_packet)) = self.device.endpoint(endpoint, self.speed) else {
-            return Status::INVAL;
-        };
-        if endpoint & 0x80 == 0 {
-            return Status::INVAL;
-        }
-        self.stop_stream(endpoint);
-        self.streams.insert(endpoint, Stream::default());
-        for _ in 0..INTERRUPT_URBS {
-            self.submit_interrupt_in(endpoint, max_packet);
-        }
-        Status::SUCCESS
-    }
-
-    fn submit_interrupt_in(&mut self, endpoint: u8, max_packet: u32) {
-        let urb = UrbRequest::data(endpoint, TransferType::Interrupt, max_packet, Bytes::new());
-        let tag = self.submit(Pending::InterruptIn { endpoint }, urb);
-        if let Some(stream) = self.streams.get_mut(&endpoint) {
-            stream.in_flight.insert(tag);
-        }
-    }
-
-    fn interrupt_in_done(&mut self, tag: u64, endpoint: u8, status: Status, result: UrbResult) {
-        let Some(stream) = self.streams.get_mut(&endpoint) else { return };
-        if !stream.in_flight.remove(&tag) {
-            return; // stopped (and maybe started again) meanwhile
-        }
-        if status != Status::SUCCESS {
-            // The guest sees the error on its next poll and starts receiving again.
-            self.stop_stream(endpoint);
-            self.send(0, &Packet::InterruptReceivingStatus { status, endpoint });
-            return;
-        }
-        let id = stream.next_id;
-        stream.next_id += 1;
-        self.traffic.interrupt_in += 1;
-        let length = result.data.len().min(0xffff) as u16;
-        let data = result.data.slice(..usize::from(length));
-        self.send(id, &Packet::Interrupt { endpoint, status, length, data });
-        if let Some((_, max_packet)) = self.device.endpoint(endpoint, self.speed) {
-            self.submit_interrupt_in(endpoint, max_packet);
-        }
-    }
-
-    fn start_iso(&mut self, endpoint: u8, pkts_per_urb: u8, no_urbs: u8) -> Status {
-        let Some((TransferType::Isochronous, max_packet)) = self.device.endpoint(endpoint, self.speed) else {
-            return Status::INVAL;
-        };
-        if pkts_per_urb == 0 || no_urbs == 0 {
-            return Status::INVAL;
-        }
-        self.stop_stream(endpoint);
-        self.streams.insert(endpoint, Stream { pkts_per_urb, ..Stream::default() });
-        if endpoint & 0x80 != 0 {
-            for _ in 0..no_urbs {
-                self.submit_iso_in(endpoint, max_packet);
-            }
-        }
-        Status::SUCCESS
-    }
-
-    fn submit_iso_in(&mut self, endpoint: u8, max_packet: u32) {
-        let Some(stream) = self.streams.get(&endpoint) else { return };
-        let lengths = vec![max_packet; usize::from(stream.pkts_per_urb)];
-        let mut urb =
-            UrbRequest::data(endpoint, TransferType::Isochronous, max_packet * lengths.len() as u32, Bytes::new());
-        urb.iso_packet_lengths = lengths;
-        let tag = self.submit(Pending::IsoIn { endpoint }, urb);
-        if let Some(stream) = self.streams.get_mut(&endpoint) {
-            stream.in_flight.insert(tag);
-        }
-    }
-
-    fn iso_in_done(&mut self, tag: u64, endpoint: u8, status: Status, result: UrbResult) {
-        let Some(stream) = self.streams.get_mut(&endpoint) else { return };
-        if !stream.in_flight.remove(&tag) {
-            return;
-        }
-        if status != Status::SUCCESS {
-            self.stop_stream(endpoint);
-            self.send(0, &Packet::IsoStreamStatus { status, endpoint });
-            return;
-        }
-        // The IN data is compacted: each packet's actual bytes, one after another.
-        let mut at = 0usize;
-        let mut packets = Vec::with_capacity(result.iso_packets.len());
-        for descriptor in &result.iso_packets {
-            let len = (descriptor.actual_length as usize).min(result.data.len() - at).min(0xffff);
-            let id = stream.next_id;
-            stream.next_id += 1;
-            packets.push((id, redir_status(descriptor.status), result.data.slice(at..at + len)));
-            at += len;
-        }
-        self.traffic.iso_in_packets += packets.len() as u64;
-        for (id, status, data) in packets {
-            self.send(id, &Packet::Iso { endpoint, status, length: data.len() as u16, data });
-        }
-        if let Some((_, max_packet)) = self.device.endpoint(endpoint, self.speed) {
-            self.submit_iso_in(endpoint, max_packet);
-        }
-    }
-
-    fn iso_out_packet(&mut self, endpoint: u8, data: Bytes) {
-        let Some(stream) = self.streams.get_mut(&endpoint) else {
-            tracing::debug!(target: "usbwire::redir", endpoint, "isochronous OUT packet for a stream not started; dropped");
-            return;
-        };
-        stream.out_packets.push(data);
-        if stream.out_packets.len() < usize::from(stream.pkts_per_urb) {
-            return;
-        }
-        let packets = std::mem::take(&mut stream.out_packets);
-        let lengths: Vec<u32> = packets.iter().map(|p| p.len() as u32).collect();
-        let lengths_count = lengths.len() as u32;
-        let mut joined = BytesMut::with_capacity(lengths.iter().sum::<u32>() as usize);
-        packets.iter().for_each(|p| joined.extend_from_slice(p));
-        let mut urb = UrbRequest::data(endpoint, TransferType::Isochronous, 0, joined.freeze());
-        urb.iso_packet_lengths = lengths;
-        let tag = self.submit(Pending::IsoOut { endpoint, packets: lengths_count }, urb);
-        if let Some(stream) = self.streams.get_mut(&endpoint) {
-            stream.in_flight.insert(tag);
-        }
-    }
-
-    /// Stops a stream: its URBs are cancelled and their completions dropped.
-    fn stop_stream(&mut self, endpoint: u8) {
-        if let Some(stream) = self.streams.remove(&endpoint) {
-            for tag in stream.in_flight {
-                self.commands.push_back(UrbCommand::Cancel { tag });
-            }
-        }
-    }
-
-    fn stop_streams_of(&mut self, interface: u8) {
-        let endpoints: Vec<u8> =
-            self.streams.keys().copied().filter(|&ep| self.device.interface_of(ep) == Some(interface)).collect();
-        endpoints.into_iter().for_each(|ep| self.stop_stream(ep));
-    }
-
-    fn stop_all_streams(&mut self) {
-        let endpoints: Vec<u8> = self.streams.keys().copied().collect();
-        endpoints.into_iter().for_each(|ep| self.stop_stream(ep));
-    }
-
     fn submit(&mut self, pending: Pending, urb: UrbRequest) -> u64 {
         let tag = self.next_tag;
         self.next_tag += 1;
@@ -865,15 +530,11 @@ impl UsbHost {
     }
 }
 
-/// A GET_DESCRIPTOR request for descriptor `kind` number `index`.
-fn get_descriptor(kind: u8, index: u8, length: u16) -> [u8; 8] {
-    let [lo, hi] = length.to_le_bytes();
-    [0x80, 0x06, index, kind, 0, 0, lo, hi]
-}
-
 #[cfg(test)]
 mod tests {
+    use super::streams::INTERRUPT_URBS;
     use super::*;
+    use crate::EndpointInfo;
     use crate::PacketType;
 
     /// The one packet the host sent.

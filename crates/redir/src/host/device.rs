@@ -1,0 +1,221 @@
+//! What the bridge knows of the device and tells the guest: the descriptors `UsbHost` reads
+//! through the URB path at start (device, each configuration, the active one), the
+//! configuration and alt settings in effect, and the announce built from them (ep_info,
+//! interface_info, device_connect). Not here: the guest's requests (`host.rs`) and the
+//! host-driven streams (`streams.rs`).
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use usbwire_device::descriptor::{ConfigurationInfo, DeviceDescriptor};
+use usbwire_device::TransferType;
+use usbwire_proto::{Speed, Status as UrbStatus};
+
+use super::{redir_speed, HostError, HostEvent, Pending, UrbRequest, UrbResult, UsbHost};
+use crate::{EndpointInfo, InterfaceInfo, Packet};
+
+/// Configurations read at start (a device announcing more is cut to these).
+const MAX_CONFIGURATIONS: u8 = 8;
+
+/// What the descriptors say and what the guest chose.
+#[derive(Debug, Default)]
+pub(super) struct DeviceModel {
+    pub(super) descriptor: Option<DeviceDescriptor>,
+    /// Each configuration descriptor, in index order.
+    pub(super) configurations: Vec<(Bytes, ConfigurationInfo)>,
+    /// bConfigurationValue in effect (0: unconfigured).
+    pub(super) configuration: u8,
+    /// Alt setting per interface number.
+    pub(super) alt: HashMap<u8, u8>,
+}
+
+impl DeviceModel {
+    pub(super) fn active(&self) -> Option<&ConfigurationInfo> {
+        self.configurations.iter().map(|(_, info)| info).find(|info| info.value == self.configuration)
+    }
+
+    pub(super) fn alt_of(&self, interface: u8) -> u8 {
+        self.alt.get(&interface).copied().unwrap_or(0)
+    }
+
+    /// ep_info for the configuration and alt settings in effect.
+    pub(super) fn endpoint_info(&self, speed: Speed) -> EndpointInfo {
+        let mut info = EndpointInfo::default();
+        for index in [0, 16] {
+            info.kind[index] = 0;
+            info.max_packet_size[index] = self.descriptor.as_ref().map_or(64, |d| match d.max_packet_size0 {
+                9 if speed.is_superspeed() => 512,
+                size => u16::from(size),
+            });
+        }
+        let Some(config) = self.active() else { return info };
+        for interface in config.interfaces.iter().filter(|i| i.alt_setting == self.alt_of(i.number)) {
+            for ep in &interface.endpoints {
+                let index = EndpointInfo::index(ep.address);
+                info.kind[index] = match ep.transfer_type {
+                    TransferType::Control => 0,
+                    TransferType::Isochronous => 1,
+                    TransferType::Bulk => 2,
+                    TransferType::Interrupt => 3,
+                };
+                info.interval[index] = ep.interval;
+                info.interface[index] = interface.number;
+                info.max_packet_size[index] = max_packet_bytes(ep.max_packet_size, speed, ep.transfer_type);
+            }
+        }
+        info
+    }
+
+    /// interface_info for the configuration and alt settings in effect.
+    pub(super) fn interface_info(&self) -> InterfaceInfo {
+        let mut info = InterfaceInfo::default();
+        let Some(config) = self.active() else { return info };
+        for interface in config.interfaces.iter().filter(|i| i.alt_setting == self.alt_of(i.number)).take(32) {
+            info.interface.push(interface.number);
+            info.class.push(interface.class);
+            info.subclass.push(interface.subclass);
+            info.protocol.push(interface.protocol);
+        }
+        info
+    }
+
+    /// The endpoint's transfer type and max packet bytes in the current setting.
+    pub(super) fn endpoint(&self, address: u8, speed: Speed) -> Option<(TransferType, u32)> {
+        let config = self.active()?;
+        config
+            .active_endpoints(|i| self.alt_of(i))
+            .find(|ep| ep.address == address)
+            .map(|ep| (ep.transfer_type, u32::from(max_packet_bytes(ep.max_packet_size, speed, ep.transfer_type))))
+    }
+
+    /// The interface an endpoint belongs to in the current setting.
+    pub(super) fn interface_of(&self, address: u8) -> Option<u8> {
+        let config = self.active()?;
+        config
+            .interfaces
+            .iter()
+            .filter(|i| i.alt_setting == self.alt_of(i.number))
+            .find(|i| i.endpoints.iter().any(|ep| ep.address == address))
+            .map(|i| i.number)
+    }
+}
+
+/// Bytes per packet: wMaxPacketSize's size times its high-bandwidth
+/// multiplier, which counts for high-speed periodic endpoints only.
+fn max_packet_bytes(w_max_packet_size: u16, speed: Speed, kind: TransferType) -> u16 {
+    let size = w_max_packet_size & 0x7ff;
+    let periodic = matches!(kind, TransferType::Isochronous | TransferType::Interrupt);
+    if speed == Speed::HIGH && periodic {
+        size * (1 + ((w_max_packet_size >> 11) & 3)).min(3)
+    } else {
+        size
+    }
+}
+
+impl UsbHost {
+    /// The completion of one of the descriptor reads queued at start; the last one makes the
+    /// device ready to announce.
+    pub(super) fn descriptor_read(&mut self, read: Pending, result: UrbResult) -> Result<(), HostError> {
+        match read {
+            Pending::DeviceDescriptor => {
+                let descriptor = DeviceDescriptor::parse(&result.data)
+                    .filter(|_| result.status == UrbStatus::OK)
+                    .ok_or(HostError::Descriptor { what: "device", status: result.status })?;
+                let count = descriptor.num_configurations.min(MAX_CONFIGURATIONS);
+                self.device.descriptor = Some(descriptor);
+                if count == 0 {
+                    self.read_active_configuration();
+                } else {
+                    self.read_configuration_header(0);
+                }
+            }
+            Pending::ConfigurationHeader { index } => {
+                if result.status != UrbStatus::OK || result.data.len() < 4 {
+                    return Err(HostError::Descriptor { what: "configuration", status: result.status });
+                }
+                let total = u16::from_le_bytes([result.data[2], result.data[3]]);
+                self.submit(
+                    Pending::Configuration { index },
+                    UrbRequest::control(get_descriptor(0x02, index, total), Bytes::new()),
+                );
+            }
+            Pending::Configuration { index } => {
+                let info = ConfigurationInfo::parse(&result.data)
+                    .filter(|_| result.status == UrbStatus::OK)
+                    .ok_or(HostError::Descriptor { what: "configuration", status: result.status })?;
+                self.device.configurations.push((result.data, info));
+                let count = self.device.descriptor.as_ref().map_or(0, |d| d.num_configurations.min(MAX_CONFIGURATIONS));
+                if index + 1 < count {
+                    self.read_configuration_header(index + 1);
+                } else {
+                    self.read_active_configuration();
+                }
+            }
+            Pending::ActiveConfiguration => {
+                self.device.configuration = match (result.status, result.data.first()) {
+                    (UrbStatus::OK, Some(&value)) => value,
+                    // A device that cannot say: assume its first configuration, as the server set it.
+                    _ => self.device.configurations.first().map_or(0, |(_, info)| info.value),
+                };
+                self.ready = true;
+                self.announce();
+            }
+            // `handle_urb` passes the four reads only.
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn read_configuration_header(&mut self, index: u8) {
+        let urb = UrbRequest::control(get_descriptor(0x02, index, 9), Bytes::new());
+        self.submit(Pending::ConfigurationHeader { index }, urb);
+    }
+
+    fn read_active_configuration(&mut self) {
+        let urb = UrbRequest::control([0x80, 0x08, 0, 0, 0, 0, 1, 0], Bytes::new());
+        self.submit(Pending::ActiveConfiguration, urb);
+    }
+
+    /// Announces the device once both the descriptors and the guest's hello are in.
+    pub(super) fn announce(&mut self) {
+        if !self.ready || !self.guest_hello || self.announced || self.gone || self.filtered_out {
+            return;
+        }
+        let Some(descriptor) = self.device.descriptor.clone() else { return };
+        if let Some(rules) = self.filter.clone() {
+            let interfaces = self.device.active().map(|c| c.interface_classes()).unwrap_or_default();
+            if !crate::filter::allows(&rules, &descriptor, &interfaces) {
+                self.filtered_out = true;
+                self.events.push_back(HostEvent::FilteredOut { rules });
+                return;
+            }
+        }
+        self.send_device_info();
+        let connect = Packet::DeviceConnect {
+            speed: redir_speed(self.speed),
+            class: descriptor.class,
+            subclass: descriptor.subclass,
+            protocol: descriptor.protocol,
+            vendor_id: descriptor.vendor_id,
+            product_id: descriptor.product_id,
+            device_version_bcd: descriptor.bcd_device,
+        };
+        self.send(0, &connect);
+        self.announced = true;
+        self.events.push_back(HostEvent::Announced);
+    }
+
+    /// ep_info then interface_info, as the protocol orders them.
+    pub(super) fn send_device_info(&mut self) {
+        let endpoints = self.device.endpoint_info(self.speed);
+        self.send(0, &Packet::EpInfo(Box::new(endpoints)));
+        let interfaces = self.device.interface_info();
+        self.send(0, &Packet::InterfaceInfo(interfaces));
+    }
+}
+
+/// A GET_DESCRIPTOR request for descriptor `kind` number `index`.
+pub(super) fn get_descriptor(kind: u8, index: u8, length: u16) -> [u8; 8] {
+    let [lo, hi] = length.to_le_bytes();
+    [0x80, 0x06, index, kind, 0, 0, lo, hi]
+}
