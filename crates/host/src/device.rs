@@ -13,6 +13,13 @@
 //! the URB's address until a reap returns that address; an unlink, a reset
 //! or an unplug only changes who is told when it comes back (see
 //! `urb_table.rs` for why a seqnum cannot be the key).
+//!
+//! This file opens the device and moves URBs (submit, reap, cancel, drain, reset);
+//! [`requests`] carries out the control requests done here and the interface
+//! claims; [`transfer`] turns one URB into its usbfs form and back.
+
+mod requests;
+mod transfer;
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
@@ -22,16 +29,15 @@ use std::path::{Path, PathBuf};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 use usbwire_device::descriptor::{ConfigurationInfo, DeviceDescriptor};
-use usbwire_device::{Completion, Device, DeviceSummary, Direction, Status, TransferFlags, TransferType, Urb};
-use usbwire_proto::urb::IsoPacketDescriptor;
+use usbwire_device::{Completion, Device, DeviceSummary, Direction, Status, TransferType, Urb};
 
+use self::transfer::InFlight;
 use crate::urb_table::{Reaped, UrbKey, UrbTable};
-use crate::usbfs::{self, IsoPacket, RawUrb};
+use crate::usbfs;
 use crate::LocalDevice;
 
 /// How long a reset or close waits for discarded URBs to come back. Those that
@@ -42,21 +48,6 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 const ESHUTDOWN: Status = Status(-libc::ESHUTDOWN);
 const ENODEV: Status = Status(-libc::ENODEV);
 const EINVAL: Status = Status(-libc::EINVAL);
-
-/// A URB the kernel holds: the usbfs URB (with its iso packet array) and
-/// buffer must not move until it is reaped.
-struct InFlight {
-    /// `RawUrb` followed by `IsoPacket`s, in 8-byte words for alignment.
-    block: Box<[u64]>,
-    buffer: Vec<u8>,
-    urb: Urb,
-}
-
-impl InFlight {
-    fn raw(&mut self) -> *mut RawUrb {
-        self.block.as_mut_ptr().cast()
-    }
-}
 
 /// A real device opened through `/dev/bus/usb/BBB/DDD`.
 pub struct HostDevice {
@@ -143,266 +134,6 @@ impl HostDevice {
 
     fn fd(&self) -> BorrowedFd<'_> {
         self.file.as_fd()
-    }
-
-    fn refresh_endpoints(&mut self) {
-        self.endpoints.clear();
-        if let Some(active) = &self.active {
-            let alt_settings = &self.alt_settings;
-            for endpoint in active.active_endpoints(|interface| alt_settings.get(&interface).copied().unwrap_or(0)) {
-                self.endpoints.insert(endpoint.address, endpoint.transfer_type);
-            }
-        }
-    }
-
-    /// Claims every interface of the active configuration, detaching kernel drivers.
-    fn claim_interfaces(&mut self) {
-        let Some(active) = &self.active else { return };
-        let mut numbers: Vec<u8> = active.interfaces.iter().map(|i| i.number).collect();
-        numbers.dedup();
-        for number in numbers {
-            if self.claimed.contains(&number) {
-                continue;
-            }
-            match usbfs::disconnect_and_claim(self.file.as_fd(), number) {
-                Ok(()) => self.claimed.push(number),
-                Err(error) => warn!(busid = %self.busid, interface = number, %error, "cannot claim interface"),
-            }
-        }
-        if !self.claimed.is_empty() {
-            info!(busid = %self.busid, interfaces = ?self.claimed, "interfaces claimed from their kernel drivers");
-        }
-    }
-
-    /// Releases our claims and lets the kernel's drivers bind again.
-    fn give_back_interfaces(&mut self) {
-        for number in std::mem::take(&mut self.claimed) {
-            if let Err(error) = usbfs::release_interface(self.fd(), number) {
-                debug!(busid = %self.busid, interface = number, %error, "release interface");
-            }
-            if let Err(error) = usbfs::connect_kernel_driver(self.fd(), number) {
-                debug!(busid = %self.busid, interface = number, %error, "reconnect kernel driver");
-            }
-        }
-    }
-
-    /// Carries out the control requests the stub does not forward. `None`
-    /// means: forward this URB to the device.
-    fn handle_special_request(&mut self, urb: &Urb) -> Option<Completion> {
-        let [request_type, request, value_lo, value_hi, index_lo, _, _, _] = urb.setup;
-        let value = u16::from_le_bytes([value_lo, value_hi]);
-        let status = |result: io::Result<()>| match result {
-            Ok(()) => Status::OK,
-            Err(error) => Status(-error.raw_os_error().unwrap_or(libc::EIO)),
-        };
-        match (request_type, request) {
-            // SET_ADDRESS: the device already has its address on this bus.
-            (0x00, 0x05) => Some(urb.complete_with(Status::OK)),
-            // SET_CONFIGURATION.
-            (0x00, 0x09) => {
-                let wanted = value as u8;
-                if self.active.as_ref().map(|c| c.value) == Some(wanted) {
-                    return Some(urb.complete_with(Status::OK));
-                }
-                let had_claims = !self.claimed.is_empty();
-                for number in std::mem::take(&mut self.claimed) {
-                    let _ = usbfs::release_interface(self.fd(), number);
-                }
-                let result = usbfs::set_configuration(self.fd(), wanted);
-                if result.is_ok() {
-                    self.active = self.configurations.iter().find(|c| c.value == wanted).cloned();
-                    self.alt_settings.clear();
-                    self.refresh_endpoints();
-                }
-                if had_claims || result.is_ok() {
-                    self.claim_interfaces();
-                }
-                Some(urb.complete_with(status(result)))
-            }
-            // SET_INTERFACE.
-            (0x01, 0x0b) => {
-                let interface = index_lo;
-                let result = usbfs::set_interface(self.fd(), interface, value as u8);
-                if result.is_ok() {
-                    self.alt_settings.insert(interface, value as u8);
-                    self.refresh_endpoints();
-                }
-                Some(urb.complete_with(status(result)))
-            }
-            // CLEAR_FEATURE(ENDPOINT_HALT).
-            (0x02, 0x01) if value == 0 => Some(urb.complete_with(status(usbfs::clear_halt(self.fd(), index_lo)))),
-            // A hub's SET_FEATURE(PORT_RESET) aimed at the port this device sits on.
-            (0x23, 0x03) if value == 4 => {
-                let result = usbfs::reset(self.fd());
-                info!(busid = %self.busid, ok = result.is_ok(), "port reset");
-                Some(urb.complete_with(status(result)))
-            }
-            _ => None,
-        }
-    }
-
-    /// Builds the usbfs URB and buffer for `urb`, or the status to complete it with.
-    fn prepare(&self, urb: Urb) -> Result<InFlight, (Urb, Status)> {
-        let kind = if urb.endpoint == 0 {
-            TransferType::Control
-        } else {
-            match self.endpoints.get(&urb.endpoint_address()) {
-                Some(&kind) => kind,
-                None => return Err((urb, Status::EPIPE)),
-            }
-        };
-        let length = urb.length as usize;
-        let mut flags = 0;
-        let mut iso_packets = Vec::new();
-        let buffer = match kind {
-            TransferType::Control => {
-                let w_length = usize::from(u16::from_le_bytes([urb.setup[6], urb.setup[7]]));
-                if urb.is_in() && length < w_length || !urb.is_in() && urb.data.len() != w_length {
-                    return Err((urb, EINVAL));
-                }
-                let mut buffer = Vec::with_capacity(8 + w_length);
-                buffer.extend_from_slice(&urb.setup);
-                if urb.is_in() {
-                    buffer.resize(8 + w_length, 0);
-                } else {
-                    buffer.extend_from_slice(&urb.data);
-                }
-                buffer
-            }
-            TransferType::Isochronous => {
-                if urb.iso_packets.is_empty() {
-                    return Err((urb, EINVAL));
-                }
-                let mut buffer = Vec::new();
-                for packet in &urb.iso_packets {
-                    iso_packets.push(IsoPacket { length: packet.length, ..IsoPacket::default() });
-                    if !urb.is_in() {
-                        let start = packet.offset as usize;
-                        let Some(bytes) = urb.data.get(start..start + packet.length as usize) else {
-                            return Err((urb, EINVAL));
-                        };
-                        buffer.extend_from_slice(bytes);
-                    }
-                }
-                if urb.is_in() {
-                    buffer.resize(iso_packets.iter().map(|p| p.length as usize).sum(), 0);
-                }
-                flags |= usbfs::URB_ISO_ASAP;
-                buffer
-            }
-            TransferType::Bulk | TransferType::Interrupt => {
-                if urb.is_in() {
-                    if urb.flags.contains(TransferFlags::SHORT_NOT_OK) {
-                        flags |= usbfs::URB_SHORT_NOT_OK;
-                    }
-                    vec![0; length]
-                } else {
-                    if urb.flags.contains(TransferFlags::ZERO_PACKET) {
-                        flags |= usbfs::URB_ZERO_PACKET;
-                    }
-                    urb.data.to_vec()
-                }
-            }
-        };
-        let words = (std::mem::size_of::<RawUrb>() + iso_packets.len() * std::mem::size_of::<IsoPacket>()).div_ceil(8);
-        let mut in_flight = InFlight { block: vec![0u64; words].into_boxed_slice(), buffer, urb };
-        let raw = in_flight.raw();
-        let buffer_ptr = in_flight.buffer.as_mut_ptr();
-        // SAFETY: `block` is zeroed, 8-byte aligned and large enough for a RawUrb
-        // followed by `iso_packets.len()` IsoPackets.
-        unsafe {
-            let header = &mut *raw;
-            header.kind = match kind {
-                TransferType::Control => usbfs::URB_TYPE_CONTROL,
-                TransferType::Isochronous => usbfs::URB_TYPE_ISO,
-                TransferType::Bulk => usbfs::URB_TYPE_BULK,
-                TransferType::Interrupt => usbfs::URB_TYPE_INTERRUPT,
-            };
-            header.endpoint = in_flight.urb.endpoint_address();
-            header.flags = flags;
-            header.buffer = buffer_ptr.cast();
-            header.buffer_length = in_flight.buffer.len() as i32;
-            header.number_of_packets = iso_packets.len() as i32;
-            // For strace and usbmon readers only: reaps are matched by address.
-            header.user_context = in_flight.urb.seqnum as usize as *mut _;
-            let packets = raw.add(1).cast::<IsoPacket>();
-            for (i, packet) in iso_packets.iter().enumerate() {
-                packets.add(i).write(*packet);
-            }
-        }
-        Ok(in_flight)
-    }
-
-    /// Turns a reaped usbfs URB back into a completion.
-    fn finish(&mut self, mut done: InFlight, cancelled: bool) -> Completion {
-        let raw = done.raw();
-        // SAFETY: the kernel has handed the URB back; nothing else touches it.
-        let header = unsafe { &*raw };
-        let mut status = Status(header.status);
-        if cancelled && (status == Status::ENOENT || status == Status::ECONNRESET) {
-            status = Status::ECONNRESET;
-        }
-        let actual = (header.actual_length.max(0) as usize).min(done.buffer.len());
-        let urb = &done.urb;
-        let mut completion = urb.complete_with(status);
-        completion.start_frame = header.start_frame;
-        completion.error_count = header.error_count;
-        match self.endpoint_kind(urb) {
-            TransferType::Control => {
-                completion.actual_length = actual as u32;
-                if urb.is_in() {
-                    completion.data = Bytes::copy_from_slice(&done.buffer[8..8 + actual.min(done.buffer.len() - 8)]);
-                }
-            }
-            TransferType::Isochronous => {
-                // SAFETY: the packet array follows the header in `block`.
-                let packets =
-                    unsafe { std::slice::from_raw_parts(raw.add(1).cast::<IsoPacket>(), urb.iso_packets.len()) };
-                let mut data = Vec::new();
-                let mut at = 0usize;
-                let mut total = 0u32;
-                completion.iso_packets = urb
-                    .iso_packets
-                    .iter()
-                    .zip(packets)
-                    .map(|(sent, got)| {
-                        let got_len = got.actual_length.min(got.length);
-                        if urb.is_in() {
-                            // usbfs leaves each packet at its place; USB/IP sends them back to back.
-                            data.extend_from_slice(&done.buffer[at..at + got_len as usize]);
-                        }
-                        at += got.length as usize;
-                        total += got_len;
-                        IsoPacketDescriptor {
-                            offset: sent.offset,
-                            length: sent.length,
-                            actual_length: got_len,
-                            status: Status(got.status as i32),
-                        }
-                    })
-                    .collect();
-                completion.actual_length = total;
-                completion.data = data.into();
-            }
-            TransferType::Bulk | TransferType::Interrupt => {
-                completion.actual_length = actual as u32;
-                if urb.is_in() {
-                    done.buffer.truncate(actual);
-                    completion.data = std::mem::take(&mut done.buffer).into();
-                }
-            }
-        }
-        completion
-    }
-
-    fn endpoint_kind(&self, urb: &Urb) -> TransferType {
-        if urb.endpoint == 0 {
-            TransferType::Control
-        } else if !urb.iso_packets.is_empty() {
-            TransferType::Isochronous
-        } else {
-            self.endpoints.get(&urb.endpoint_address()).copied().unwrap_or(TransferType::Bulk)
-        }
     }
 
     /// Reaps every finished URB. Returns whether anything was reaped.
