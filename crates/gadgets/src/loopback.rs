@@ -262,18 +262,19 @@ impl Function for Loopback {
         if let Poll::Ready(done) = self.done.poll_pop(cx) {
             return Poll::Ready(done);
         }
-        if self.waiting_ticks.is_empty() {
+        let Some(urb) = self.waiting_ticks.pop_front() else {
             return Poll::Pending;
-        }
+        };
         let ticker = self.ticker.get_or_insert_with(|| {
             let mut ticker = tokio::time::interval(TICK_INTERVAL);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             ticker
         });
         if ticker.poll_tick(cx).is_pending() {
+            // Not its time yet: it stays first in line.
+            self.waiting_ticks.push_front(urb);
             return Poll::Pending;
         }
-        let urb = self.waiting_ticks.pop_front().expect("checked non-empty");
         self.ticks += 1;
         let mut report = Vec::with_capacity(16);
         report.extend_from_slice(&self.ticks.to_le_bytes());

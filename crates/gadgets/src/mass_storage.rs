@@ -310,7 +310,7 @@ impl MassStorage {
 
     /// Completes waiting bulk IN URBs with data or the CSW, as far as the phase allows.
     fn pump(&mut self) {
-        while let Some(urb) = self.waiting_in.front() {
+        while let Some(urb) = self.waiting_in.pop_front() {
             match &mut self.phase {
                 Phase::DataIn { tag, expected, data, sent, status } => {
                     let take = (urb.length as usize).min(data.len() - *sent);
@@ -320,7 +320,6 @@ impl MassStorage {
                     let finished = *sent == data.len();
                     let residue = *expected - *sent as u32;
                     let (tag, status) = (*tag, *status);
-                    let urb = self.waiting_in.pop_front().expect("front exists");
                     self.done.push(urb.complete_in(chunk));
                     if finished {
                         self.phase = Phase::Status(csw(tag, residue, status));
@@ -328,11 +327,14 @@ impl MassStorage {
                 }
                 Phase::Status(wrapper) => {
                     let wrapper = *wrapper;
-                    let urb = self.waiting_in.pop_front().expect("front exists");
                     self.done.push(urb.complete_in(Bytes::copy_from_slice(&wrapper)));
                     self.phase = Phase::Command;
                 }
-                Phase::Command | Phase::DataOut { .. } | Phase::NeedsReset => return,
+                Phase::Command | Phase::DataOut { .. } | Phase::NeedsReset => {
+                    // No IN phase: it waits, first in line, for the next one.
+                    self.waiting_in.push_front(urb);
+                    return;
+                }
             }
         }
     }
