@@ -32,17 +32,19 @@ fn invalid(error: impl std::fmt::Display) -> io::Error {
 
 /// zstd at level 1: the best ratio per CPU cycle for bulk USB data. The
 /// contexts are made once (making one costs more than compressing 4 KiB).
+///
+/// Making a context fails only when memory is exhausted (level 1 is always valid). A context
+/// that could not be made is tried again when a frame needs it: until then frames are sent
+/// uncompressed (as any frame that would not shrink is), and a compressed frame received ends
+/// the stream with an error that says why.
 pub struct Zstd {
-    compressor: zstd::bulk::Compressor<'static>,
-    decompressor: zstd::bulk::Decompressor<'static>,
+    compressor: Option<zstd::bulk::Compressor<'static>>,
+    decompressor: Option<zstd::bulk::Decompressor<'static>>,
 }
 
 impl Default for Zstd {
     fn default() -> Self {
-        // Making a context fails only when memory is exhausted, and level 1 is always valid.
-        let compressor = zstd::bulk::Compressor::new(1).expect("a zstd compression context");
-        let decompressor = zstd::bulk::Decompressor::new().expect("a zstd decompression context");
-        Self { compressor, decompressor }
+        Self { compressor: zstd::bulk::Compressor::new(1).ok(), decompressor: zstd::bulk::Decompressor::new().ok() }
     }
 }
 
@@ -51,7 +53,11 @@ impl Codec for Zstd {
     const FLAG: u8 = 0x01;
 
     fn compress(&mut self, input: &[u8]) -> Option<Vec<u8>> {
-        self.compressor.compress(input).ok()
+        let compressor = match self.compressor.take() {
+            Some(compressor) => compressor,
+            None => zstd::bulk::Compressor::new(1).ok()?,
+        };
+        self.compressor.insert(compressor).compress(input).ok()
     }
 
     fn decompress(&mut self, input: &[u8], max: usize) -> io::Result<Vec<u8>> {
@@ -62,8 +68,17 @@ impl Codec for Zstd {
         if size > max as u64 {
             return Err(invalid("zstd frame too large"));
         }
+        let decompressor = match self.decompressor.take() {
+            Some(decompressor) => decompressor,
+            None => zstd::bulk::Decompressor::new().map_err(|error| {
+                io::Error::new(
+                    error.kind(),
+                    format!("cannot make a zstd decompression context (out of memory?): {error}"),
+                )
+            })?,
+        };
         let mut plain = Vec::with_capacity(size as usize);
-        self.decompressor.decompress_to_buffer(input, &mut plain)?;
+        self.decompressor.insert(decompressor).decompress_to_buffer(input, &mut plain)?;
         if plain.len() as u64 != size {
             return Err(invalid("zstd frame shorter than it said"));
         }

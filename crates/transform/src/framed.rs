@@ -160,8 +160,9 @@ impl<S: AsyncWrite + Unpin> TransformedStream<S> {
                 Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
                 Poll::Ready(Ok(mut n)) => {
                     self.out_len -= n;
+                    // The writer took at most what was queued: the queue runs out no sooner than `n`.
                     while n > 0 {
-                        let front = self.out.front_mut().expect("written bytes were queued");
+                        let Some(front) = self.out.front_mut() else { break };
                         if front.len() <= n {
                             n -= front.len();
                             self.out.pop_front();
@@ -208,11 +209,12 @@ impl<S: AsyncRead + Unpin> AsyncRead for TransformedStream<S> {
                     Poll::Pending => break,
                 }
             }
-            match this.waiting.front() {
-                Some(&(release, _)) if release <= Instant::now() => {
-                    this.current = this.waiting.pop_front().expect("front exists").1;
-                }
-                Some(&(release, _)) => {
+            match this.waiting.pop_front() {
+                Some((release, decoded)) if release <= Instant::now() => this.current = decoded,
+                Some(held) => {
+                    // Not its time yet: it stays first in line.
+                    let release = held.0;
+                    this.waiting.push_front(held);
                     let timer = this.timer.get_or_insert_with(PreciseTimer::new);
                     if timer.poll_until(cx, release).is_pending() {
                         return Poll::Pending;

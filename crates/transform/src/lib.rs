@@ -55,8 +55,10 @@ impl Frame {
     /// (more bytes are needed; `raw` has reserved room for them); a length beyond
     /// [`MAX_WIRE_PAYLOAD`] is an error before anything is allocated for it.
     pub fn decode(raw: &mut BytesMut) -> io::Result<Option<Self>> {
-        let Some(header) = raw.first_chunk::<FRAME_HEADER_LEN>() else { return Ok(None) };
-        let len = u32::from_be_bytes([header[0], header[1], header[2], header[3]]) as usize;
+        let Some(&[l0, l1, l2, l3, flags, sent_at @ ..]) = raw.first_chunk::<FRAME_HEADER_LEN>() else {
+            return Ok(None);
+        };
+        let len = u32::from_be_bytes([l0, l1, l2, l3]) as usize;
         if len > MAX_WIRE_PAYLOAD {
             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("transform frame of {len} bytes")));
         }
@@ -64,8 +66,7 @@ impl Frame {
             raw.reserve(FRAME_HEADER_LEN + len - raw.len());
             return Ok(None);
         }
-        let flags = header[4];
-        let sent_at_us = u64::from_be_bytes(header[5..].try_into().expect("8 bytes"));
+        let sent_at_us = u64::from_be_bytes(sent_at);
         raw.advance(FRAME_HEADER_LEN);
         Ok(Some(Self { flags, sent_at_us, payload: raw.split_to(len) }))
     }
