@@ -1,0 +1,72 @@
+//! The arguments of the verbs that look at or use a server's devices without the kernel:
+//! `list`, `describe` and `redir`.
+
+use clap::Args;
+
+use super::common::{ClientSecurityArgs, RegistryArgs, RemoteDevice};
+
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["remote", "local", "discover", "registry"])))]
+pub(crate) struct ListArgs {
+    #[command(flatten)]
+    pub(crate) security: ClientSecurityArgs,
+    /// List the devices exported by HOST[:PORT].
+    #[arg(
+        short = 'r',
+        long = "remote",
+        value_name = "HOST[:PORT]",
+        conflicts_with_all = ["local", "discover"]
+    )]
+    pub(crate) remote: Option<String>,
+    /// List the USB devices plugged into this machine, with the kernel driver of each interface.
+    #[arg(short = 'l', long = "local", conflicts_with = "discover")]
+    pub(crate) local: bool,
+    /// Find servers on the local network (mDNS/DNS-SD `_usbip._tcp`) and list their devices.
+    #[arg(long)]
+    pub(crate) discover: bool,
+    /// With --discover: how long to listen for answers, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 3.0)]
+    pub(crate) timeout: f64,
+    /// List every server and device of a lab registry, with state, holder and reservation.
+    #[command(flatten)]
+    pub(crate) registry: RegistryArgs,
+    /// With --registry: then follow the changes live, one line (or JSON object) each.
+    #[arg(long, requires = "registry")]
+    pub(crate) watch: bool,
+    /// Port, as `usbip --tcp-port` (when HOST has none).
+    #[arg(long = "tcp-port", value_name = "PORT")]
+    pub(crate) tcp_port: Option<u16>,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct DescribeArgs {
+    #[command(flatten)]
+    pub(crate) device: RemoteDevice,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("guest").required(true).args(["listen", "connect"])))]
+pub(crate) struct RedirArgs {
+    #[command(flatten)]
+    pub(crate) device: RemoteDevice,
+    /// Wait for QEMU to connect here, one guest at a time: a Unix socket only this user may open
+    /// (`unix:PATH`; QEMU: `-chardev socket,path=PATH`), or ADDR:PORT with --redir-tcp-unauthenticated.
+    #[arg(long, value_name = "unix:PATH")]
+    pub(crate) listen: Option<String>,
+    /// With --listen unix:PATH: let this group (name or number) open the socket too (mode 0660),
+    /// e.g. the group QEMU or libvirt runs as.
+    #[arg(long, value_name = "GROUP", requires = "listen")]
+    pub(crate) group: Option<String>,
+    /// Let --listen be a TCP port: usbredir has no authentication, so anyone who reaches it gets the device.
+    #[arg(long)]
+    pub(crate) redir_tcp_unauthenticated: bool,
+    /// Connect to a QEMU listening here (`-chardev socket,…,server=on,wait=off`), again whenever it goes.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub(crate) connect: Option<String>,
+}
