@@ -26,6 +26,59 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
         specs.push(VirtualSpec::parse(spec).map_err(Failure::usage)?);
     }
     let registration = Registering::from(&args, &file)?;
+    let Configured { config, redir_rules, tls_identity } = configure(&args, &file, specs.is_empty())?;
+    let capture_dir = config.capture.as_ref().map(|c| c.dir.clone());
+    // The first signal both stops the server and makes the registration
+    // leave the lab registry (at once, while connections are still closing).
+    let signal = super::common::process::shutdown_signal();
+    let (stopping, stopped) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        signal.await;
+        let _ = stopping.send(());
+    };
+    let (server, exported) = build(config, &specs, DiskLinks::Follow)?;
+    let bound = server.bind().await.map_err(Failure::from)?;
+    print_serving(&bound, &exported, capture_dir.as_deref());
+    let announce = !args.no_advertise && file.advertise.unwrap_or(true);
+    warn_if_open(bound.local_addr(), bound.security(), announce);
+    let advertising = if announce { advertise(&bound) } else { None };
+    let bridges = start_redir_bridges(&redir_rules, bound.local_addr(), tls_identity.as_deref()).await?;
+    let publishing = match registration {
+        Some(registering) => {
+            let registration = registering.finish(&file, &exported, &bound, tls_identity.as_deref())?;
+            Some(start_publishing(registration, &bound, stopped))
+        }
+        None => None,
+    };
+    super::common::process::notify_ready();
+    let reloading = tokio::spawn(reload_on_hangup(args.config.clone(), args.bind.clone(), file, bound.host_exports()));
+    bound.run(shutdown).await;
+    reloading.abort();
+    bridges.iter().for_each(|bridge| bridge.abort());
+    if let Some(task) = publishing {
+        // Revoking its lease, for at most a couple of seconds.
+        let _ = task.await;
+    }
+    if let Some(task) = advertising {
+        task.abort();
+    }
+    Ok(())
+}
+
+/// What the flags and the config file make of the server, before anything starts.
+struct Configured {
+    config: ServerConfig,
+    /// `[[redir]]` rules and `--redir` flags, checked against the security settings.
+    redir_rules: Vec<RedirRule>,
+    /// With TLS, the server's identity directory (its usbredir bridges and registration use it).
+    tls_identity: Option<PathBuf>,
+}
+
+/// The runtime configuration from the flags (which win) and the config file: what to export,
+/// where to listen, security, limits, the HTTP side, bind state, capture and resume.
+/// `no_virtual_devices` says whether any `--virtual`/`[[virtual]]` device was named, for the
+/// note that nothing is exported yet.
+fn configure(args: &ServeArgs, file: &FileConfig, no_virtual_devices: bool) -> Result<Configured, Failure> {
     let mut config = ServerConfig {
         host_rules: file
             .bind
@@ -38,7 +91,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     for selector in &args.bind {
         config.host_rules.push(selector.parse().map_err(|e: usbwire_server::SelectorError| Failure::usage(e.into()))?);
     }
-    if specs.is_empty() && config.host_rules.is_empty() {
+    if no_virtual_devices && config.host_rules.is_empty() {
         eprintln!(
             "note: nothing exported yet: `usbwire bind -b BUSID` exports a real device (see `usbwire list -l`); \
              --virtual SPEC adds a virtual one"
@@ -55,7 +108,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
         let rule: RedirRule = text.parse().map_err(Failure::usage)?;
         redir_rules.push(RedirRule { allow_unauthenticated: args.redir_tcp_unauthenticated, ..rule });
     }
-    let (security, tls_identity) = security(&args, &file, &redir_rules)?;
+    let (security, tls_identity) = security(args, file, &redir_rules)?;
     let plain_never = security.tls.is_some() && security.plain == PlainPolicy::Never;
     for rule in &redir_rules {
         rule.check(plain_never).map_err(Failure::config)?;
@@ -81,19 +134,13 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     if let Some(secs) = args.resume_grace.or(file.resume_grace) {
         config.resume_grace = std::time::Duration::from_secs(secs);
     }
-    let config_capture = config.capture.as_ref().map(|c| c.dir.clone());
-    // The first signal both stops the server and makes the registration
-    // leave the lab registry (at once, while connections are still closing).
-    let signal = super::common::process::shutdown_signal();
-    let (stopping, stopped) = tokio::sync::oneshot::channel::<()>();
-    let shutdown = async move {
-        signal.await;
-        let _ = stopping.send(());
-    };
-    let (server, exported) = build(config, &specs, DiskLinks::Follow)?;
-    let bound = server.bind().await.map_err(Failure::from)?;
+    Ok(Configured { config, redir_rules, tls_identity })
+}
+
+/// Where the server listens, what it exports and what else it serves, once it is bound.
+fn print_serving(bound: &usbwire_server::BoundServer, exported: &[String], capture_dir: Option<&std::path::Path>) {
     println!("usbwire serving on {}", bound.local_addr());
-    for line in &exported {
+    for line in exported {
         println!("  {line}");
     }
     if let Some(addr) = bound.metrics_addr() {
@@ -102,41 +149,23 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Failure> {
     if let Some(addr) = bound.http_addr() {
         println!("  status page on http://{addr}/");
     }
-    if let Some(capture) = &config_capture {
+    if let Some(capture) = capture_dir {
         println!("  capturing imports into {}", capture.display());
     }
-    let announce = !args.no_advertise && file.advertise.unwrap_or(true);
-    warn_if_open(bound.local_addr(), bound.security(), announce);
-    let advertising = if announce { advertise(&bound) } else { None };
-    let bridges = start_redir_bridges(&redir_rules, bound.local_addr(), tls_identity.as_deref()).await?;
-    let publishing = match registration {
-        Some(registering) => {
-            let registration = registering.finish(&file, &exported, &bound, tls_identity.as_deref())?;
-            println!(
-                "  registering in the lab registry {} as {}",
-                registration.endpoint.url, registration.server.address
-            );
-            // Also stops if the server stops without a signal (the sender dropped).
-            let stop = async move {
-                let _ = stopped.await;
-            };
-            Some(tokio::spawn(usbwire_lab::publish::publish(registration, bound.registry().clone(), stop)))
-        }
-        None => None,
+}
+
+/// Publishes the server and its devices in the lab registry until `stopped` fires (the first
+/// signal) or its sender is dropped (the server stopped without one).
+fn start_publishing(
+    registration: usbwire_lab::publish::Registration,
+    bound: &usbwire_server::BoundServer,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> tokio::task::JoinHandle<()> {
+    println!("  registering in the lab registry {} as {}", registration.endpoint.url, registration.server.address);
+    let stop = async move {
+        let _ = stopped.await;
     };
-    super::common::process::notify_ready();
-    let reloading = tokio::spawn(reload_on_hangup(args.config.clone(), args.bind.clone(), file, bound.host_exports()));
-    bound.run(shutdown).await;
-    reloading.abort();
-    bridges.iter().for_each(|bridge| bridge.abort());
-    if let Some(task) = publishing {
-        // Revoking its lease, for at most a couple of seconds.
-        let _ = task.await;
-    }
-    if let Some(task) = advertising {
-        task.abort();
-    }
-    Ok(())
+    tokio::spawn(usbwire_lab::publish::publish(registration, bound.registry().clone(), stop))
 }
 
 /// `--registry` / `[registry]`, checked before anything starts.
