@@ -2,7 +2,8 @@
 //! 64 MiB disk image and a serial port on loopback, lists them back through
 //! the USB/IP client (a real round trip over TCP), and says what to try next.
 
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context as _};
 use usbwire_proto::op::BusId;
@@ -45,6 +46,22 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     for line in &exported {
         println!("  {line}");
     }
+    show_over_usbip(addr, &exported).await?;
+    quick_bench().await?;
+    let control_flag = match &args.control.control {
+        Some(path) => format!(" --control {}", shell_word(&path.to_string_lossy())),
+        None => String::new(),
+    };
+    print_next_steps(addr, &exported, &control_flag, &control, &serial_link);
+    println!("\nDisk image: {}. Press Ctrl-C to stop.", disk.display());
+
+    serving.await.map_err(|error| Failure::software(error.into()))?;
+    Ok(())
+}
+
+/// What a USB/IP client sees of the demo server: its device list, and the disk's descriptors
+/// read by importing it (real round trips over TCP).
+async fn show_over_usbip(addr: SocketAddr, exported: &[String]) -> Result<(), Failure> {
     println!("\nWhat a USB/IP client sees (usbwire list -r {addr}):\n");
     let devices = usbwire_client::list_devices(addr, &usbwire_client::Security::Plain).await?;
     print!(
@@ -71,7 +88,11 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         super::common::description::format(&disk_busid, &description, &super::common::usb_names::UsbIds::load())
     );
     println!();
+    Ok(())
+}
 
+/// A small benchmark matrix against an in-process loopback device, beside raw TCP.
+async fn quick_bench() -> Result<(), Failure> {
     println!("A short benchmark (usbwire bench --quick for more): a loopback device, our client and server, next to raw TCP:\n");
     let plan = super::common::bench_matrix::Plan {
         sizes: vec![512, 64 << 10],
@@ -95,7 +116,12 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     )
     .await?;
     println!("{}", report.table());
+    Ok(())
+}
 
+/// The commands to try next against the demo server. `control_flag` names the control socket
+/// again when `--control` named one (or the follow-up commands would miss it).
+fn print_next_steps(addr: SocketAddr, exported: &[String], control_flag: &str, control: &Path, serial_link: &Path) {
     let host = addr.ip();
     let port = addr.port();
     let port_flag = if port == usbwire_proto::DEFAULT_PORT { String::new() } else { format!(" --tcp-port {port}") };
@@ -106,11 +132,6 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     println!("  sudo modprobe vhci-hcd");
     println!("  sudo usbip{port_flag} attach -r {host} -b {}      # the disk appears as /dev/sdX", busid_of("disk"));
     println!("  sudo usbip{port_flag} attach -r {host} -b {}      # the keyboard", busid_of("keyboard"));
-    // A socket named with --control must be named again, or the follow-up commands miss it.
-    let control_flag = match &args.control.control {
-        Some(path) => format!(" --control {}", shell_word(&path.to_string_lossy())),
-        None => String::new(),
-    };
     println!(
         "  usbwire type{control_flag} 'hello from usbwire'      # types on the attached keyboard (control socket {})",
         control.display()
@@ -121,10 +142,6 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         serial_link.display()
     );
     println!("  usbwire state{control_flag}                          # who holds which device");
-    println!("\nDisk image: {}. Press Ctrl-C to stop.", disk.display());
-
-    serving.await.map_err(|error| Failure::software(error.into()))?;
-    Ok(())
 }
 
 /// `text` as one shell word: as it is when that is safe, else in single quotes.
