@@ -208,15 +208,17 @@ impl HostDevice {
     }
 
     fn reactor(&mut self) -> io::Result<&AsyncFd<File>> {
-        if self.reactor.is_none() {
-            let duplicate = self.file.try_clone()?;
-            // SAFETY: the AsyncFd owns `duplicate`, so the fd stays open (and is not
-            // reused) for as long as it is registered.
-            let registered = unsafe { AsyncFd::register_with_interest(duplicate, Interest::WRITABLE) }
-                .map_err(|error| error.into_parts().1)?;
-            self.reactor = Some(registered);
-        }
-        Ok(self.reactor.as_ref().expect("just set"))
+        let reactor = match self.reactor.take() {
+            Some(reactor) => reactor,
+            None => {
+                let duplicate = self.file.try_clone()?;
+                // SAFETY: the AsyncFd owns `duplicate`, so the fd stays open (and is not
+                // reused) for as long as it is registered.
+                unsafe { AsyncFd::register_with_interest(duplicate, Interest::WRITABLE) }
+                    .map_err(|error| error.into_parts().1)?
+            }
+        };
+        Ok(self.reactor.insert(reactor))
     }
 
     /// Cancels everything in flight (no completions follow) and waits, at
