@@ -118,6 +118,7 @@ pub fn all() -> Vec<Seed> {
     seeds
 }
 
+// size-exempt: a table of seed inputs, one per scenario.
 /// redir_bridge: `[caps, budget, flags] ++ ops` (see `src/redir_bridge.rs`): a
 /// QEMU-like guest using every transfer type against a server answering all,
 /// and the same guest flooding a tight budget, cancelling, going silent or
@@ -434,6 +435,7 @@ fn client_session_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)
     add("client_session", "keepalive_pings_between_replies", &[2, 5, 0x80], pinging.to_vec());
 }
 
+// size-exempt: a table of seed inputs, one per scenario.
 /// server_session: `[chunking, mode]`; mode 1 reads replies, 2 half-closes at the end.
 /// Devices, in export order: 1-1 keyboard, 1-2 mouse, 1-3 loopback, 2-1 loopback
 /// (SuperSpeed), 1-4 disk.

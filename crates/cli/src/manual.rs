@@ -10,6 +10,7 @@ pub(crate) struct Example {
     pub(crate) what: &'static str,
 }
 
+// size-exempt: a table, one arm of examples per verb.
 /// The examples of `verb` (`None`: the program's own page).
 pub(crate) fn examples(verb: Option<&str>) -> &'static [Example] {
     match verb {
