@@ -55,32 +55,7 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
     if may_relay && !args.foreground && std::env::var_os(RELAY_LOG_ENV).is_none() {
         return attach_in_background();
     }
-    let (addr, busid, security, taken) = match (&wanted, named_busid) {
-        (Some(device), _) => {
-            let mut taken = super::common::registry::take(&args.registry, device, args.hold_for).await?;
-            let trust = super::common::registry::RegistryTrust {
-                identity: args.security.identity.clone(),
-                allow_plain: args.allow_plain,
-            };
-            match reserved_server(&taken, &trust).await {
-                Ok((addr, busid, security)) => (addr, busid, security, Some(taken)),
-                Err(failure) => {
-                    if let Some(held) = taken.held.take() {
-                        let _ = held.release().await;
-                    }
-                    return Err(failure);
-                }
-            }
-        }
-        (None, Some(busid)) => {
-            let security = super::common::peer::client_security(&args.security)?;
-            let remote = args.remote.as_deref().unwrap_or_default();
-            (super::common::peer::resolve(remote, args.tcp_port).await?, busid, security, None)
-        }
-        (None, None) => {
-            return Err(Failure::usage(anyhow!("attach needs -r HOST -b BUSID, or --registry URL --device SELECTOR")))
-        }
-    };
+    let (addr, busid, security, taken) = source(&args, wanted.as_deref(), named_busid).await?;
     let imported = match &taken {
         Some(reserved) => {
             match usbwire_client::import_reserved(addr, &busid, &security, &transforms, &reserved.token).await {
@@ -134,6 +109,42 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
         record: record.clone(),
     });
     relay_attached(imported, upstream, record, taken, follow).await
+}
+
+/// The server and device to import: a free device matching `wanted` taken in the lab
+/// registry (with the reservation, released again if its server cannot be reached), or the
+/// bus id named with -r/-b.
+async fn source(
+    args: &AttachArgs,
+    wanted: Option<&str>,
+    named_busid: Option<BusId>,
+) -> Result<(std::net::SocketAddr, BusId, usbwire_client::Security, Option<super::common::registry::Taken>), Failure> {
+    match (wanted, named_busid) {
+        (Some(device), _) => {
+            let mut taken = super::common::registry::take(&args.registry, device, args.hold_for).await?;
+            let trust = super::common::registry::RegistryTrust {
+                identity: args.security.identity.clone(),
+                allow_plain: args.allow_plain,
+            };
+            match reserved_server(&taken, &trust).await {
+                Ok((addr, busid, security)) => Ok((addr, busid, security, Some(taken))),
+                Err(failure) => {
+                    if let Some(held) = taken.held.take() {
+                        let _ = held.release().await;
+                    }
+                    Err(failure)
+                }
+            }
+        }
+        (None, Some(busid)) => {
+            let security = super::common::peer::client_security(&args.security)?;
+            let remote = args.remote.as_deref().unwrap_or_default();
+            Ok((super::common::peer::resolve(remote, args.tcp_port).await?, busid, security, None))
+        }
+        (None, None) => {
+            Err(Failure::usage(anyhow!("attach needs -r HOST -b BUSID, or --registry URL --device SELECTOR")))
+        }
+    }
 }
 
 /// Where and how to import a device reserved in the lab registry: its
@@ -203,6 +214,42 @@ fn attach_in_background() -> Result<(), Failure> {
     std::process::exit(status.code().unwrap_or(70));
 }
 
+/// What was attached to `port` and how it is relayed (TLS, transforms, resume, follow), and
+/// how long a lab reservation holds it.
+fn print_relayed(
+    port: u32,
+    imported: &usbwire_client::Imported,
+    upstream: &usbwire_client::relay::Upstream,
+    record: &vhci::Record,
+    taken: Option<&super::common::registry::Taken>,
+    following: bool,
+) {
+    let device = &imported.device;
+    println!(
+        "attached {} from {} to port {port} ({} speed){}{}{}{}; relaying until `usbwire detach -p {port}`",
+        record.busid,
+        upstream.addr,
+        device.speed.for_vhci().name(),
+        if imported.stream.is_tls() { " over TLS" } else { "" },
+        if upstream.transforms.is_empty() {
+            String::new()
+        } else {
+            format!(" with {}", usbwire_client::TransformSpec::list_text(&upstream.transforms))
+        },
+        if upstream.resume.is_some() { ", resumable" } else { "" },
+        if following { ", following it through re-enumerations" } else { "" },
+    );
+    if let Some(taken) = taken {
+        match taken.until {
+            Some(until) => println!(
+                "reserved in the lab registry until {}; detached and given back then",
+                humantime::format_rfc3339_seconds(until)
+            ),
+            None => println!("reserved in the lab registry; given back on detach"),
+        }
+    }
+}
+
 /// Hands vhci-hcd one end of a socket pair and relays between the other end
 /// and the server (TLS, transforms, resume). With `--foreground` the relay is
 /// this process; started by [`attach_in_background`], it points its output
@@ -217,30 +264,8 @@ async fn relay_attached(
 ) -> Result<(), Failure> {
     let shutdown = super::common::process::shutdown_signal();
     let (port, kernel) = vhci::attach_relayed(&imported.device, &record, None).map_err(vhci_failure)?;
+    print_relayed(port, &imported, &upstream, &record, taken.as_ref(), follow.is_some());
     let device = &imported.device;
-    println!(
-        "attached {} from {} to port {port} ({} speed){}{}{}{}; relaying until `usbwire detach -p {port}`",
-        record.busid,
-        upstream.addr,
-        device.speed.for_vhci().name(),
-        if imported.stream.is_tls() { " over TLS" } else { "" },
-        if upstream.transforms.is_empty() {
-            String::new()
-        } else {
-            format!(" with {}", usbwire_client::TransformSpec::list_text(&upstream.transforms))
-        },
-        if upstream.resume.is_some() { ", resumable" } else { "" },
-        if follow.is_some() { ", following it through re-enumerations" } else { "" },
-    );
-    if let Some(taken) = &taken {
-        match taken.until {
-            Some(until) => println!(
-                "reserved in the lab registry until {}; detached and given back then",
-                humantime::format_rfc3339_seconds(until)
-            ),
-            None => println!("reserved in the lab registry; given back on detach"),
-        }
-    }
     let first = FollowStatus {
         port,
         reattached: 0,
