@@ -41,7 +41,10 @@ impl ReattachingDevice {
             self.connection = None;
         }
         let fresh = self.connection.is_none();
-        while self.connection.is_none() {
+        let connection = loop {
+            if let Some(connection) = self.connection.take() {
+                break connection;
+            }
             let delay = self.backoff.next_delay();
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
@@ -51,12 +54,12 @@ impl ReattachingDevice {
                     self.imports += 1;
                     self.backoff.reset();
                     info!(addr = %self.addr, busid = %self.busid, imports = self.imports, "imported");
-                    self.connection = Some(connection);
+                    break connection;
                 }
                 Err(error) => warn!(addr = %self.addr, busid = %self.busid, %error, "import failed; retrying"),
             }
-        }
-        (self.connection.as_ref().expect("just imported"), fresh)
+        };
+        (self.connection.insert(connection), fresh)
     }
 
     /// Forgets the current connection (after a transfer reported it lost).
