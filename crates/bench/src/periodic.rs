@@ -37,10 +37,12 @@ pub async fn measure(conn: &Connection, endpoint: u8, count: usize, depth: usize
     let mut stamps: Vec<(Instant, u64)> = Vec::with_capacity(count + WARM_UP);
     while let Some(reply) = in_flight.next().await {
         let ret = reply.map_err(|e| e.to_string())?;
-        if !ret.status.is_ok() || ret.data.len() < 16 {
+        // The device's own time is bytes 8..16 of the report.
+        let device_stamp = ret.data.get(8..).and_then(<[u8]>::first_chunk::<8>).filter(|_| ret.status.is_ok());
+        let Some(&device_stamp) = device_stamp else {
             return Err(format!("interrupt URB ended with {} and {} bytes", ret.status, ret.data.len()));
-        }
-        let device_us = u64::from_le_bytes(ret.data[8..16].try_into().expect("8 bytes"));
+        };
+        let device_us = u64::from_le_bytes(device_stamp);
         stamps.push((Instant::now(), device_us));
         if stamps.len() >= count + WARM_UP {
             break;
