@@ -21,6 +21,7 @@ command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup
 
 step "format and lints"
 cargo fmt --all --check
+python3 scripts/size-lint.py   # no file over 600 lines, no fn over 100, unless marked size-exempt with why
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "unit, property and integration tests"

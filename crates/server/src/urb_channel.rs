@@ -27,7 +27,7 @@ use tokio::sync::watch;
 use tokio_util::io::poll_read_buf;
 use tracing::{debug, info, warn};
 use usbwire_device::{Device, TransferType, Urb};
-use usbwire_proto::op::{self, OpStatus};
+use usbwire_proto::op::{self, DeviceRecord, OpStatus};
 use usbwire_proto::park::{Grace, ParkEvent};
 use usbwire_proto::resume::{EndReason, Token};
 use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
@@ -100,14 +100,7 @@ pub(crate) async fn run(
             .ok()
     };
     let mut capture = capture_setting.borrow_and_update().as_ref().and_then(start_capture);
-    let mut session =
-        ServerSession::new(lease.record().devid(), leftover, state.config.limits.clone(), state.config.budget.clone());
-    if let Some(resumable) = &resumable {
-        session = session.resumable();
-        if resumable.keepalive {
-            session = session.keepalive(Instant::now());
-        }
-    }
+    let mut session = new_session(lease.record(), leftover, state, resumable.as_ref());
     // Registered for the session's whole life: a client may come back on a new
     // connection before this side has seen the old one drop.
     let mut parking =
@@ -161,17 +154,7 @@ pub(crate) async fn run(
                 continue;
             }
         };
-        let outcome = match outcome {
-            // A real device gone from a port a bind rule names: it may come
-            // back there (a bootloader, a replacement), exported again.
-            Ok(End::DeviceGone) if holder.left_a_followed_port(true) => {
-                Ok(End::Reenumerated { seen_at: Instant::now() })
-            }
-            Ok(End::Withdrawn) if holder.left_a_followed_port(false) => {
-                Ok(End::Reenumerated { seen_at: Instant::now() })
-            }
-            other => other,
-        };
+        let outcome = followed(outcome, &holder);
         if let Ok(End::Reenumerated { .. }) = &outcome {
             // The replies already collected (the request that made the device
             // switch) reach the client; a resumable one learns why it ends.
@@ -196,6 +179,35 @@ pub(crate) async fn run(
             }
             ParkOutcome::Ended(end) => return Ok(end),
         }
+    }
+}
+
+/// The session core for one import: resumable (and with keep-alives) when the client asked.
+fn new_session(
+    record: &DeviceRecord,
+    leftover: BytesMut,
+    state: &ServerState,
+    resumable: Option<&Resumable>,
+) -> ServerSession {
+    let mut session =
+        ServerSession::new(record.devid(), leftover, state.config.limits.clone(), state.config.budget.clone());
+    if let Some(resumable) = resumable {
+        session = session.resumable();
+        if resumable.keepalive {
+            session = session.keepalive(Instant::now());
+        }
+    }
+    session
+}
+
+/// A real device gone from a port a bind rule names may come back there (a
+/// bootloader, a replacement) and be exported again: for the importer that
+/// is a re-enumeration, not an end.
+fn followed(outcome: Result<End, ChannelError>, holder: &Holder) -> Result<End, ChannelError> {
+    match outcome {
+        Ok(End::DeviceGone) if holder.left_a_followed_port(true) => Ok(End::Reenumerated { seen_at: Instant::now() }),
+        Ok(End::Withdrawn) if holder.left_a_followed_port(false) => Ok(End::Reenumerated { seen_at: Instant::now() }),
+        other => other,
     }
 }
 
