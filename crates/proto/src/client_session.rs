@@ -126,6 +126,15 @@ enum Sent {
     Unlink { target: u32 },
 }
 
+/// What a submit's reply is checked against.
+fn shape_of(submit: &CmdSubmit) -> SubmittedShape {
+    SubmittedShape {
+        direction: submit.direction,
+        transfer_buffer_length: submit.transfer_buffer_length,
+        iso_packets: (!submit.iso_packets.is_empty()).then_some(submit.number_of_packets),
+    }
+}
+
 /// A command a resumable session keeps whole until its reply, to send again.
 struct Kept {
     /// Position in the order commands were sent (counts submits and unlinks).
@@ -271,10 +280,16 @@ impl<T> ClientSession<T> {
 
     /// Queues a `CMD_SUBMIT`; its reply comes back as [`Event::Completed`] with `tag`.
     pub fn submit(&mut self, command: CmdSubmit, tag: T) -> Result<(), ClientSessionError> {
-        self.check_fresh(command.seqnum)?;
         if self.held.is_empty() && self.server_admits(command.transfer_buffer_length) {
-            self.send_submit(command, Some(tag));
+            // The usual case, straight to the outbox: nothing is held, so a
+            // seqnum the table takes is fresh.
+            let entry = Outstanding { sent: Sent::Submit(shape_of(&command)), tag: Some(tag) };
+            if self.outstanding.insert_new(command.seqnum, entry).is_err() {
+                return Err(ClientSessionError::DuplicateSeqnum(command.seqnum));
+            }
+            self.write_submit(command);
         } else {
+            self.check_fresh(command.seqnum)?;
             self.held.push_back((Command::Submit(command), Some(tag)));
             self.send_held();
         }
@@ -340,19 +355,24 @@ impl<T> ClientSession<T> {
     }
 
     fn send_submit(&mut self, submit: CmdSubmit, tag: Option<T>) {
+        let entry = Outstanding { sent: Sent::Submit(shape_of(&submit)), tag };
+        self.outstanding.insert(submit.seqnum, entry);
+        self.write_submit(submit);
+    }
+
+    /// Queues the bytes of `submit`, already outstanding (while connected), and
+    /// counts it; a resumable session keeps it whole until its reply.
+    fn write_submit(&mut self, submit: CmdSubmit) {
         if self.connected {
             self.acknowledge();
             self.outbox.push_cmd_submit(&submit);
         }
-        let shape = SubmittedShape {
-            direction: submit.direction,
-            transfer_buffer_length: submit.transfer_buffer_length,
-            iso_packets: (!submit.iso_packets.is_empty()).then_some(submit.number_of_packets),
-        };
         self.outstanding_bytes += submit.transfer_buffer_length as usize;
         self.outstanding_submits += 1;
-        self.outstanding.insert(submit.seqnum, Outstanding { sent: Sent::Submit(shape), tag });
-        self.keep(Command::Submit(submit));
+        if self.resumable {
+            self.kept.insert(submit.seqnum, Kept { index: self.commands_sent, command: Command::Submit(submit) });
+        }
+        self.commands_sent += 1;
     }
 
     /// Counts a command sent; a resumable session keeps it whole until its reply.

@@ -84,6 +84,30 @@ impl<V> SeqnumMap<V> {
         old
     }
 
+    /// Adds `value` under `seqnum` unless the seqnum is taken, in which case
+    /// the map is left as it was and `value` comes back.
+    pub fn insert_new(&mut self, seqnum: u32, value: V) -> Result<(), V> {
+        if self.slots.is_empty() {
+            self.slots.resize_with(WINDOW, || None);
+        }
+        let slot = &mut self.slots[slot_of(seqnum)];
+        match slot {
+            // The usual case: a free slot, and nothing in the fallback map that could hold the key.
+            None if self.overflow.is_empty() => {
+                *slot = Some((seqnum, value));
+                self.len += 1;
+                return Ok(());
+            }
+            Some((key, _)) if *key == seqnum => return Err(value),
+            _ => {}
+        }
+        if self.overflow.contains_key(&seqnum) {
+            return Err(value);
+        }
+        self.insert(seqnum, value);
+        Ok(())
+    }
+
     /// Takes the value under `seqnum` out of the map.
     pub fn remove(&mut self, seqnum: u32) -> Option<V> {
         if let Some(slot) = self.slots.get_mut(slot_of(seqnum)) {
@@ -204,6 +228,21 @@ mod tests {
             assert_eq!(map.remove(seqnum), Some(seqnum));
         }
         assert!(map.is_empty());
+    }
+
+    #[test]
+    fn insert_new_refuses_a_taken_seqnum_in_a_slot_or_in_the_fallback_map() {
+        let mut map = SeqnumMap::default();
+        let (a, b) = (9u32, 9 + WINDOW as u32);
+        assert_eq!(map.insert_new(a, 'a'), Ok(()));
+        assert_eq!(map.insert_new(a, 'x'), Err('x'), "taken in its slot");
+        assert_eq!(map.insert_new(b, 'b'), Ok(()), "its slot is taken by another seqnum: the fallback map");
+        assert_eq!(map.insert_new(b, 'y'), Err('y'), "taken in the fallback map");
+        assert_eq!(map.remove(a), Some('a'));
+        assert_eq!(map.insert_new(b, 'z'), Err('z'), "the slot is free, the key still waits in the fallback map");
+        assert_eq!((map.len(), map.get(b)), (1, Some(&'b')));
+        assert_eq!(map.insert_new(a, 'A'), Ok(()));
+        assert_eq!((map.len(), map.get(a)), (2, Some(&'A')));
     }
 
     #[test]
