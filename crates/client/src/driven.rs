@@ -86,9 +86,7 @@ impl DrivenConnection {
     /// replies decoded and handed to their waiters, those before an error too.
     pub fn handle_server(&mut self, bytes: &[u8]) -> Result<(), ClientSessionError> {
         self.session.input().extend_from_slice(bytes);
-        let handled = self.session.handle_input();
-        self.front.take_replies(&mut self.session);
-        handled
+        self.front.take_replies(&mut self.session).handled
     }
 
     /// Queues the acknowledgement of the replies received, as an idle relay

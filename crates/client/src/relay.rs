@@ -102,6 +102,15 @@ pub(crate) enum Step {
     Detached,
 }
 
+/// What [`Front::take_replies`] did.
+pub(crate) struct Replies {
+    /// The session's verdict on the server's bytes.
+    pub(crate) handled: Result<(), ClientSessionError>,
+    /// Whether handing the replies over woke a task of this runtime, which
+    /// then gets to run before the relay reads on.
+    pub(crate) woke: bool,
+}
+
 /// The side of the relay that submits URBs and takes their replies.
 pub(crate) trait Front {
     /// What the session carries with each URB for its reply.
@@ -115,10 +124,10 @@ pub(crate) trait Front {
     ) -> Result<Step, RelayError>;
     /// Whether to read more replies from the server (the front keeps up).
     fn takes_replies(&self) -> bool;
-    /// Hands the replies the session decoded to the front. Returns whether
-    /// that woke a task of this runtime, which then gets to run before the
-    /// relay reads on.
-    fn take_replies(&mut self, session: &mut ClientSession<Self::Tag>) -> bool;
+    /// Has `session` decode what the server sent
+    /// ([`ClientSession::handle_input_with`]) and takes each reply as it is
+    /// decoded, those before an error too.
+    fn take_replies(&mut self, session: &mut ClientSession<Self::Tag>) -> Replies;
     /// Writes replies taken but not yet out to the front.
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Step;
     /// The relay is ending; called before the session (and with it every
@@ -281,10 +290,10 @@ fn poll_drive<F: Front>(
                     Poll::Ready(Ok(0)) => return Poll::Ready(Ok(Stop::LinkLost(io::ErrorKind::UnexpectedEof.into()))),
                     Poll::Ready(Ok(_)) => {
                         progressed = true;
-                        let handled = session.handle_input();
                         // Replies before an error (or the server's end) still reach the front.
-                        woke = front.take_replies(session);
-                        match handled {
+                        let replies = front.take_replies(session);
+                        woke = replies.woke;
+                        match replies.handled {
                             Ok(()) => {}
                             Err(ClientSessionError::ServerEnded) => return Poll::Ready(Ok(Stop::ServerEnded)),
                             Err(ClientSessionError::Reenumerated) => return Poll::Ready(Ok(Stop::Reenumerated)),
@@ -487,15 +496,14 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
         self.kernel_out.queued() < KERNEL_BACKLOG
     }
 
-    fn take_replies(&mut self, session: &mut ClientSession<()>) -> bool {
-        while let Some(event) = session.poll_event() {
-            match event {
-                Event::Completed { reply, .. } => self.kernel_out.push_ret_submit(&reply),
-                Event::Unlinked { reply, .. } => self.kernel_out.push_ret_unlink(&reply),
-            }
-        }
+    fn take_replies(&mut self, session: &mut ClientSession<()>) -> Replies {
+        let kernel_out = &mut self.kernel_out;
+        let handled = session.handle_input_with(|event| match event {
+            Event::Completed { reply, .. } => kernel_out.push_ret_submit(&reply),
+            Event::Unlinked { reply, .. } => kernel_out.push_ret_unlink(&reply),
+        });
         // The kernel runs elsewhere: nothing to make room for.
-        false
+        Replies { handled, woke: false }
     }
 
     fn unflushed(&self) -> bool {

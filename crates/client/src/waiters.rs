@@ -30,7 +30,7 @@ use usbwire_proto::client_session::{ClientSession, Event};
 use usbwire_proto::urb::{CmdSubmit, CmdUnlink, RetSubmit};
 use usbwire_proto::{Budget, Status};
 
-use crate::relay::{Front, RelayError, Step};
+use crate::relay::{Front, RelayError, Replies, Step};
 use crate::TransferError;
 
 /// A command on its way to the session.
@@ -426,18 +426,18 @@ impl Front for ApiFront {
         true
     }
 
-    fn take_replies(&mut self, session: &mut ClientSession<Waiter>) -> bool {
+    fn take_replies(&mut self, session: &mut ClientSession<Waiter>) -> Replies {
         let deliveries = &mut self.deliveries;
         // Reply futures wake their tasks when sent to; a queue only when it was waiting.
         let mut answered_futures = false;
-        let room = {
+        let (handled, room) = {
             let mut guard = self.shared.state();
             let Some(state) = guard.as_mut() else {
-                while session.poll_event().is_some() {}
-                return false;
+                // Closed: nobody waits for the replies any more.
+                return Replies { handled: session.handle_input_with(drop), woke: false };
             };
             let mut released = false;
-            while let Some(event) = session.poll_event() {
+            let handled = session.handle_input_with(|event| {
                 released = true;
                 match event {
                     Event::Completed { reply, tag } => {
@@ -455,18 +455,14 @@ impl Front for ApiFront {
                         }
                     }
                 }
-            }
+            });
             deliveries.hand_over();
-            if released {
-                std::mem::take(&mut state.room)
-            } else {
-                Vec::new()
-            }
+            (handled, if released { std::mem::take(&mut state.room) } else { Vec::new() })
         };
         let woke = !deliveries.wake.is_empty() || !room.is_empty();
         deliveries.wake.drain(..).for_each(Waker::wake);
         room.into_iter().for_each(Waker::wake);
-        woke || answered_futures
+        Replies { handled, woke: woke || answered_futures }
     }
 
     /// Replies went to their waiters as they were taken; what is left is to
@@ -539,15 +535,16 @@ mod tests {
         Request::Submit(submit, waiter)
     }
 
-    /// A session that takes every command and answers them in order, as a server would.
-    fn answer_all(session: &mut ClientSession<Waiter>, seqnums: &[u32]) {
+    /// The server's answers to `seqnums`, in order, read into the session
+    /// and handed over by the front.
+    fn answer_all(front: &mut ApiFront, session: &mut ClientSession<Waiter>, seqnums: &[u32]) {
         let mut bytes = BytesMut::new();
         for &seqnum in seqnums {
             let reply = empty_reply(seqnum, Status::OK);
             reply.encode(&mut bytes);
         }
         session.input().extend_from_slice(&bytes);
-        session.handle_input().unwrap();
+        front.take_replies(session).handled.unwrap();
     }
 
     #[test]
@@ -595,8 +592,7 @@ mod tests {
         assert!(matches!(front.poll_commands(&mut cx, &mut session).unwrap(), Step::Progressed));
         assert_eq!(session.outstanding(), 3);
 
-        answer_all(&mut session, &[1, 2]);
-        front.take_replies(&mut session);
+        answer_all(&mut front, &mut session, &[1, 2]);
         assert_eq!(inbox.state().ready.len(), 2);
         shared.send(&mut requests, None, false).unwrap();
         assert!(requests.is_empty(), "two answered: room again");
@@ -605,8 +601,7 @@ mod tests {
         shared.send(&mut big, None, false).unwrap();
         assert_eq!(big.len(), 1, "1 MiB more would pass the bytes in flight");
         assert!(front.poll_commands(&mut cx, &mut session).is_ok());
-        answer_all(&mut session, &[3, 4]);
-        front.take_replies(&mut session);
+        answer_all(&mut front, &mut session, &[3, 4]);
         shared.send(&mut big, None, false).unwrap();
         assert!(big.is_empty(), "with nothing in flight any URB gets through");
     }

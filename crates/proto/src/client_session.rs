@@ -417,11 +417,23 @@ impl<T> ClientSession<T> {
     /// past [`ACK_EVERY_BYTES`]; a driver with nothing more to write calls
     /// [`acknowledge`](Self::acknowledge).
     pub fn handle_input(&mut self) -> Result<(), ClientSessionError> {
+        let mut events = std::mem::take(&mut self.events);
+        let handled = self.handle_input_with(|event| events.push_back(event));
+        self.events = events;
+        handled
+    }
+
+    /// [`handle_input`](Self::handle_input), handing each [`Event`] to
+    /// `on_event` as its reply is decoded instead of queueing it for
+    /// [`poll_event`](Self::poll_event): for a driver that gives replies
+    /// straight to their waiters. The same checks, in the same order; the
+    /// events before an error are handed over too.
+    pub fn handle_input_with(&mut self, on_event: impl FnMut(Event<T>)) -> Result<(), ClientSessionError> {
         let buffered = self.inbuf.len();
         if let Some(liveness) = self.liveness.as_mut().filter(|_| buffered > self.input_seen) {
             liveness.heard();
         }
-        let decoded = self.decode_replies();
+        let decoded = self.decode_replies(on_event);
         self.input_seen = self.inbuf.len();
         self.send_held();
         if self.resumable {
@@ -433,7 +445,7 @@ impl<T> ClientSession<T> {
         decoded
     }
 
-    fn decode_replies(&mut self) -> Result<(), ClientSessionError> {
+    fn decode_replies(&mut self, mut on_event: impl FnMut(Event<T>)) -> Result<(), ClientSessionError> {
         loop {
             if let Some(reason) = resume::parse_end(&self.inbuf).filter(|_| self.resumable) {
                 return Err(match reason {
@@ -458,7 +470,7 @@ impl<T> ClientSession<T> {
                     if let Some(done) = self.outstanding.remove(reply.seqnum) {
                         self.forget(reply.seqnum, done.sent);
                         if let Some(tag) = done.tag {
-                            self.events.push_back(Event::Completed { reply, tag });
+                            on_event(Event::Completed { reply, tag });
                         }
                     }
                 }
@@ -473,7 +485,7 @@ impl<T> ClientSession<T> {
                         } else {
                             None
                         };
-                        self.events.push_back(Event::Unlinked { reply, target, cancelled });
+                        on_event(Event::Unlinked { reply, target, cancelled });
                     }
                     Some(other) => {
                         // A RET_UNLINK naming a submit: the kernel's vhci logs and ignores it.
