@@ -324,12 +324,18 @@ impl Inbox {
         usbwire_proto::sync::lock(&self.state)
     }
 
-    /// Adds the replies of one read (in order) under one lock; the waiting
-    /// task's waker goes to `wake` (the relay wakes it after the whole read
-    /// is handed over).
-    fn push_all(&self, replies: &mut Vec<RetSubmit>, wake: &mut Vec<Waker>) {
+    /// Adds the replies of one read (in order) under one lock, leaving
+    /// `replies` empty; the waiting task's waker goes to `wake` (the relay
+    /// wakes it after the whole read is handed over).
+    fn push_all(&self, replies: &mut VecDeque<RetSubmit>, wake: &mut Vec<Waker>) {
         let mut state = self.state();
-        state.ready.extend(replies.drain(..));
+        if state.ready.is_empty() {
+            // The usual case (the queue took what came before): the lists
+            // change hands without moving a reply.
+            std::mem::swap(&mut state.ready, replies);
+        } else {
+            state.ready.extend(replies.drain(..));
+        }
         if let Some(waker) = state.waker.take() {
             wake.push(waker);
         }
@@ -355,7 +361,7 @@ struct Deliveries {
     /// The queue the replies in `replies` are for, and its inbox (`None`: the
     /// queue was dropped, and so are its replies).
     queue: Option<(u64, Option<Arc<Inbox>>)>,
-    replies: Vec<RetSubmit>,
+    replies: VecDeque<RetSubmit>,
     /// Wakers of queues that were waiting, to wake once the read is handed over.
     wake: Vec<Waker>,
 }
@@ -366,7 +372,7 @@ impl Deliveries {
             self.hand_over();
             self.queue = Some((id, state.inbox(id).cloned()));
         }
-        self.replies.push(ret);
+        self.replies.push_back(ret);
     }
 
     /// Moves the gathered replies into their inbox.
