@@ -32,7 +32,7 @@ pub struct Outbox {
 
 impl Outbox {
     pub fn push_ret_submit(&mut self, ret: &RetSubmit) {
-        self.push_message(&ret.header(), &ret.data, ret.iso_packets.len());
+        self.push_message(&ret.header(), Some(&ret.data), ret.iso_packets.len());
         ret.iso_trailer(&mut self.scratch);
     }
 
@@ -42,9 +42,10 @@ impl Outbox {
 
     /// A `CMD_SUBMIT` (client side): header, OUT payload, iso descriptors.
     pub fn push_cmd_submit(&mut self, submit: &CmdSubmit) {
-        let none = Bytes::new();
-        let payload = if submit.direction == Direction::Out { &submit.data } else { &none };
-        self.push_message(&submit.header(), payload, submit.iso_packets.len());
+        match submit.direction {
+            Direction::Out => self.push_message(&submit.header(), Some(&submit.data), submit.iso_packets.len()),
+            Direction::In => self.push_message(&submit.header(), None, submit.iso_packets.len()),
+        }
         submit.iso_trailer(&mut self.scratch);
     }
 
@@ -54,16 +55,26 @@ impl Outbox {
         self.queued += HEADER_LEN;
     }
 
-    /// Header and payload; the caller appends `iso_count` descriptors to the scratch buffer.
-    fn push_message(&mut self, header: &[u8; HEADER_LEN], payload: &Bytes, iso_count: usize) {
-        self.scratch.extend_from_slice(header);
-        if payload.len() <= COPY_THRESHOLD {
-            self.scratch.extend_from_slice(payload);
-        } else {
-            self.seal();
-            self.frames.push_back(payload.clone());
+    /// Header and payload (if any); the caller appends `iso_count` descriptors
+    /// to the scratch buffer.
+    fn push_message(&mut self, header: &[u8; HEADER_LEN], payload: Option<&Bytes>, iso_count: usize) {
+        let length = payload.map_or(0, Bytes::len);
+        match payload {
+            Some(large) if length > COPY_THRESHOLD => {
+                self.scratch.extend_from_slice(header);
+                self.seal();
+                self.frames.push_back(large.clone());
+            }
+            small => {
+                // One reservation for the header, the payload and the descriptors.
+                self.scratch.reserve(HEADER_LEN + length + iso_count * 16);
+                self.scratch.extend_from_slice(header);
+                if let Some(payload) = small {
+                    self.scratch.extend_from_slice(payload);
+                }
+            }
         }
-        self.queued += HEADER_LEN + payload.len() + iso_count * 16;
+        self.queued += HEADER_LEN + length + iso_count * 16;
     }
 
     /// Drops everything not yet written (the connection it was for is gone).
