@@ -362,17 +362,24 @@ impl<T> ClientSession<T> {
 
     /// Queues the bytes of `submit`, already outstanding (while connected), and
     /// counts it; a resumable session keeps it whole until its reply.
+    // Inlined, so the caller's command is encoded where it lies instead of
+    // being copied once more for the call (it is dropped here unless kept).
+    #[inline]
     fn write_submit(&mut self, submit: CmdSubmit) {
-        if self.connected {
-            self.acknowledge();
-            self.outbox.push_cmd_submit(&submit);
-        }
-        self.outstanding_bytes += submit.transfer_buffer_length as usize;
-        self.outstanding_submits += 1;
+        self.queue_submit(&submit);
         if self.resumable {
             self.kept.insert(submit.seqnum, Kept { index: self.commands_sent, command: Command::Submit(submit) });
         }
         self.commands_sent += 1;
+    }
+
+    fn queue_submit(&mut self, submit: &CmdSubmit) {
+        if self.connected {
+            self.acknowledge();
+            self.outbox.push_cmd_submit(submit);
+        }
+        self.outstanding_bytes += submit.transfer_buffer_length as usize;
+        self.outstanding_submits += 1;
     }
 
     /// Counts a command sent; a resumable session keeps it whole until its reply.
