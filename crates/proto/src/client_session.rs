@@ -1,7 +1,8 @@
 //! [`ClientSession`]: the client side of one imported device's URB phase,
 //! sans I/O. Given the commands to send ([`submit`], [`unlink`]) and the bytes
 //! the server sent, it queues the commands' bytes ([`outbox`]) and yields
-//! each reply with what the caller attached to its command ([`poll_event`]).
+//! each reply with what the caller attached to its command ([`poll_event`], or
+//! as it is decoded: [`handle_input_with`]).
 //! It owns the outstanding table and the resume state; the caller owns the
 //! socket, the clock and whoever waits for the replies (the kernel behind a
 //! relay, or a userspace application).
@@ -29,6 +30,7 @@
 //! [`unlink`]: ClientSession::unlink
 //! [`outbox`]: ClientSession::outbox
 //! [`poll_event`]: ClientSession::poll_event
+//! [`handle_input_with`]: ClientSession::handle_input_with
 //! [`resumable`]: ClientSession::resumable
 //! [`acknowledge`]: ClientSession::acknowledge
 //! [`disconnected`]: ClientSession::disconnected
