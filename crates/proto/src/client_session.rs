@@ -37,6 +37,8 @@
 //! [`replies_received`]: ClientSession::replies_received
 //! [`resumed`]: ClientSession::resumed
 
+mod outstanding;
+
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -45,8 +47,9 @@ use bytes::BytesMut;
 use crate::liveness::{self, Due, Link, Liveness};
 use crate::outbox::Outbox;
 use crate::resume;
-use crate::urb::{self, CmdSubmit, CmdUnlink, RetSubmit, RetUnlink, ServerMessage, SubmittedShape};
+use crate::urb::{self, CmdSubmit, CmdUnlink, RetSubmit, RetUnlink, ServerMessage};
 use crate::{Budget, DecodeError, Limits, RecvBuffer, SeqnumMap, Status};
+use outstanding::{shape_of, Command, Kept, Outstanding, Sent};
 
 /// What a read buffer grows by, at least.
 const READ_CHUNK: usize = 256 * 1024;
@@ -98,50 +101,6 @@ pub enum ClientSessionError {
     /// again. Import the device anew.
     #[error("the session is not resumable; import the device again")]
     NotResumable,
-}
-
-enum Command {
-    Submit(CmdSubmit),
-    Unlink(CmdUnlink),
-}
-
-impl Command {
-    fn seqnum(&self) -> u32 {
-        match self {
-            Self::Submit(submit) => submit.seqnum,
-            Self::Unlink(unlink) => unlink.seqnum,
-        }
-    }
-}
-
-/// What an outstanding seqnum's reply is checked against, and the caller's tag.
-struct Outstanding<T> {
-    sent: Sent,
-    /// `Some` for a submit.
-    tag: Option<T>,
-}
-
-/// What was sent under a seqnum, as far as its reply is concerned.
-#[derive(Clone, Copy)]
-enum Sent {
-    Submit(SubmittedShape),
-    Unlink { target: u32 },
-}
-
-/// What a submit's reply is checked against.
-fn shape_of(submit: &CmdSubmit) -> SubmittedShape {
-    SubmittedShape {
-        direction: submit.direction,
-        transfer_buffer_length: submit.transfer_buffer_length,
-        iso_packets: (!submit.iso_packets.is_empty()).then_some(submit.number_of_packets),
-    }
-}
-
-/// A command a resumable session keeps whole until its reply, to send again.
-struct Kept {
-    /// Position in the order commands were sent (counts submits and unlinks).
-    index: u64,
-    command: Command,
 }
 
 pub struct ClientSession<T> {
