@@ -98,7 +98,8 @@ fn enumerate(host: &mut UsbHost) {
             _ => &[1],
         };
         let data = Bytes::copy_from_slice(&reply[..wanted.min(reply.len())]);
-        let result = UrbResult { status: UrbStatus::OK, actual_length: data.len() as u32, data, iso_packets: Vec::new() };
+        let result =
+            UrbResult { status: UrbStatus::OK, actual_length: data.len() as u32, data, iso_packets: Vec::new() };
         host.handle_urb(tag, result).expect("the model device's descriptors are valid");
     }
 }

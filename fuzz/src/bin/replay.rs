@@ -62,18 +62,24 @@ fn main() -> ExitCode {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let mut args = std::env::args().skip(1);
     let mut seconds = 10u64;
+    // Runs with the same pool and seed feed the same inputs; a long run split in
+    // several gives each part its own seed (`--seed N`).
+    let mut run_seed = 0u64;
     let mut targets = Vec::new();
     let mut files = Vec::new();
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--seconds" => seconds = args.next().and_then(|s| s.parse().ok()).unwrap_or(seconds),
+            "--seed" => run_seed = args.next().and_then(|s| s.parse().ok()).unwrap_or(run_seed),
             "--write-seeds" => {
                 let dir = PathBuf::from(args.next().unwrap_or_else(|| "seeds".into()));
                 return write_seeds(&dir);
             }
             "--target" => targets.extend(args.next()),
             "-h" | "--help" => {
-                eprintln!("usage: replay [--seconds N] [--write-seeds DIR] [TARGET...] | --target NAME FILE...");
+                eprintln!(
+                    "usage: replay [--seconds N] [--seed N] [--write-seeds DIR] [TARGET...] | --target NAME FILE..."
+                );
                 return ExitCode::SUCCESS;
             }
             _ if TARGETS.iter().any(|(name, _)| *name == arg) => targets.push(arg),
@@ -129,7 +135,7 @@ fn main() -> ExitCode {
         }
         let replayed = pool.len();
         let deadline = Instant::now() + Duration::from_secs(seconds);
-        let mut rng = Rng(0x2545_f491_4f6c_dd1d ^ fnv1a(target.as_bytes()));
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d ^ fnv1a(target.as_bytes()) ^ run_seed.rotate_left(17));
         let mut executions = 0u64;
         while Instant::now() < deadline {
             for _ in 0..64 {
