@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
-use usbwire_host::hotplug::Hotplug;
+use usbwire_host::hotplug::{Hotplug, HotplugWatch};
 use usbwire_host::{HostDevice, LocalDevice, Selector};
 use usbwire_proto::op::BusId;
 use usbwire_proto::sync::lock;
@@ -280,19 +280,33 @@ impl HostExports {
             .map(|e| e.kind)
     }
 
-    /// Follows hotplug until the server stops.
-    pub(crate) async fn watch(self, mut stop: watch::Receiver<bool>) {
-        let mut events = match usbwire_host::hotplug::watch() {
-            Ok(events) => events,
+    /// Listens to the kernel's USB uevents. Called before the first
+    /// [`Self::export_matching`], so that a device plugged in (or still being
+    /// enumerated) while the server starts is seen by one or the other.
+    pub(crate) fn subscribe(&self) -> Option<HotplugWatch> {
+        match usbwire_host::hotplug::watch() {
+            Ok(events) => Some(events),
             Err(error) => {
                 if lock(&self.inner).rules.is_empty() && lock(&self.inner).bound_by_hand.is_empty() {
                     debug!(%error, "USB hotplug unavailable");
                 } else {
                     warn!(%error, "USB hotplug unavailable; devices plugged in later need `usbwire bind`");
                 }
-                return;
+                None
             }
-        };
+        }
+    }
+
+    /// Follows hotplug until the server stops. First, a device the start-up
+    /// scan wanted but could not open yet (its usbfs node may lag its sysfs
+    /// entry) gets the retries a plugged-in device gets.
+    pub(crate) async fn watch(self, events: Option<HotplugWatch>, mut stop: watch::Receiver<bool>) {
+        let Some(mut events) = events else { return };
+        let missed: Vec<String> =
+            usbwire_host::list().unwrap_or_default().into_iter().filter(|d| self.wanted(d)).map(|d| d.busid).collect();
+        for busid in missed {
+            self.arrived(&busid).await;
+        }
         loop {
             let event = tokio::select! {
                 () = crate::shutdown::stopped(&mut stop) => return,

@@ -222,11 +222,13 @@ impl BoundServer {
                 tasks.spawn(http::serve(listener, state, stop, site, responder.clone()));
             }
         }
+        // Subscribed before the scan: a device that appears in between is not missed.
+        let hotplug = self.host_exports.subscribe();
         if !config.host_rules.is_empty() {
             let exported = self.host_exports.export_matching();
             info!(?exported, "real devices exported by bind rules");
         }
-        tasks.spawn(self.host_exports.clone().watch(stop_rx.clone()));
+        tasks.spawn(self.host_exports.clone().watch(hotplug, stop_rx.clone()));
         if let Some(control) = self.control.take() {
             let state = self.state.clone();
             let inputs = self.text_inputs.clone();
