@@ -13,6 +13,13 @@
 //! cancels. The guest's requests are answered in the order their URBs
 //! complete; per endpoint that is the order they came.
 //!
+//! One guest connection can see several devices in turn: when the device
+//! goes ([`UsbHost::device_lost`]) the guest is told `device_disconnect`
+//! and everything held for it is dropped; when another device comes back
+//! at the same port (a re-enumeration, imported again) [`UsbHost::replace_device`]
+//! reads its descriptors and announces it, once the guest has acknowledged
+//! the disconnect (as usbredirhost waits for `device_disconnect_ack`).
+//!
 //! This file has the API, the guest's packets mapped to URBs and the URBs'
 //! completions mapped back; [`device`] what is known of the device (its
 //! descriptors, the setting in effect) and the announce; [`streams`] the
@@ -28,7 +35,7 @@ use usbwire_device::TransferType;
 use usbwire_proto::urb::IsoPacketDescriptor;
 use usbwire_proto::{Speed, Status as UrbStatus};
 
-use self::device::{get_descriptor, DeviceModel};
+use self::device::DeviceModel;
 use self::streams::Stream;
 use crate::{Caps, Codec, Packet, RedirError, Side, Status};
 
@@ -203,6 +210,9 @@ pub struct UsbHost {
     filtered_out: bool,
     /// The device is gone (USB/IP side lost); nothing more is submitted.
     gone: bool,
+    /// We told the guest `device_disconnect` and it announced
+    /// `device_disconnect_ack`: the next device waits for that ack.
+    awaiting_disconnect_ack: bool,
     /// The guest set a configuration since the announce; resets before that are
     /// the guest's enumeration and skipped, as usbredirhost does.
     configured_by_guest: bool,
@@ -232,6 +242,7 @@ impl UsbHost {
             announced: false,
             filtered_out: false,
             gone: false,
+            awaiting_disconnect_ack: false,
             configured_by_guest: false,
             filter: None,
             pending: HashMap::new(),
@@ -245,8 +256,27 @@ impl UsbHost {
         };
         let hello = host.codec.hello(version);
         host.send(0, &hello);
-        host.submit(Pending::DeviceDescriptor, UrbRequest::control(get_descriptor(0x01, 0, 18), Bytes::new()));
+        host.read_device_descriptor();
         host
+    }
+
+    /// The same port holds a new device (it re-enumerated and was imported
+    /// again), of `speed`: the old one is disconnected if it was not yet,
+    /// what the guest chose for it is forgotten, and the new descriptors are
+    /// read (their URBs come from [`poll_urb`](Self::poll_urb)). The new
+    /// device is announced once they are in and the guest has acknowledged
+    /// the disconnect (when it announced `device_disconnect_ack`); requests
+    /// before that are refused, as for a device that is not there.
+    pub fn replace_device(&mut self, speed: Speed) {
+        self.device_lost();
+        self.speed = speed;
+        self.device = DeviceModel::default();
+        self.ready = false;
+        self.announced = false;
+        self.filtered_out = false;
+        self.gone = false;
+        self.configured_by_guest = false;
+        self.read_device_descriptor();
     }
 
     /// Bytes for the guest, to write in order; the driver takes them (`split`).
@@ -361,7 +391,9 @@ impl UsbHost {
     }
 
     /// The USB/IP side is gone: the guest is told the device disconnected,
-    /// and what is pending will never complete.
+    /// and what is pending will never complete. Nothing is answered after
+    /// the disconnect: the guest drops its own pending requests on it
+    /// (QEMU's usb-redir cancels them, as for an unplug).
     pub fn device_lost(&mut self) {
         if self.gone {
             return;
@@ -373,7 +405,14 @@ impl UsbHost {
         self.commands.clear();
         if self.announced {
             self.send(0, &Packet::DeviceDisconnect);
+            self.awaiting_disconnect_ack = self.codec.caps().has(Caps::DEVICE_DISCONNECT_ACK);
         }
+    }
+
+    /// Whether a `device_disconnect` we sent is not acknowledged yet (the
+    /// next device waits for it).
+    pub fn awaits_disconnect_ack(&self) -> bool {
+        self.awaiting_disconnect_ack
     }
 
     // size-exempt: a per-message match, one arm per packet a guest sends.
@@ -391,7 +430,12 @@ impl UsbHost {
             Packet::FilterReject => {
                 self.events.push_back(HostEvent::GuestRejected);
             }
-            Packet::DeviceDisconnectAck => self.events.push_back(HostEvent::DisconnectAcknowledged),
+            Packet::DeviceDisconnectAck => {
+                self.events.push_back(HostEvent::DisconnectAcknowledged);
+                self.awaiting_disconnect_ack = false;
+                // A device that came back meanwhile waited for this.
+                self.announce();
+            }
             _ if self.gone || !self.announced => {
                 // A request for a device that is not (or no longer) there.
                 self.refuse(id, &packet);
@@ -986,6 +1030,119 @@ mod tests {
         );
         rig.guest_sends_with_id(0, Packet::DeviceDisconnectAck);
         assert_eq!(std::iter::from_fn(|| rig.host.poll_event()).last(), Some(HostEvent::DisconnectAcknowledged));
+    }
+
+    /// A bootloader the device re-enumerates as: 1209:0007, one DFU interface, no endpoints.
+    const BOOTLOADER: [u8; 18] = [18, 1, 0x00, 0x02, 0, 0, 0, 64, 0x09, 0x12, 0x07, 0x00, 0x00, 0x02, 1, 2, 3, 1];
+    const BOOTLOADER_CONFIGURATION: [u8; 18] = [
+        9, 2, 18, 0, 1, 1, 0, 0x80, 50, //
+        9, 4, 0, 0, 0, 0xfe, 1, 2, 0,
+    ];
+
+    #[test]
+    fn a_replaced_device_is_announced_anew_after_the_guest_acknowledged_the_disconnect() {
+        let mut rig = Rig::announced();
+        // The old device is busy: interrupt receiving and a control transfer pending.
+        rig.guest_sends(Packet::StartInterruptReceiving { endpoint: 0x81 });
+        let control = rig.guest_sends(Packet::Control {
+            endpoint: 0x80,
+            request: 6,
+            requesttype: 0x80,
+            status: Status::SUCCESS,
+            value: 0x0300,
+            index: 0,
+            length: 255,
+            data: Bytes::new(),
+        });
+        let old = rig.submits();
+        assert_eq!(old.len(), INTERRUPT_URBS + 1);
+        rig.guest_receives();
+
+        rig.host.replace_device(Speed::HIGH);
+        assert_eq!(rig.guest_receives(), [(0, Packet::DeviceDisconnect)], "the old device goes first, alone");
+        assert!(rig.host.awaits_disconnect_ack());
+        let reads = rig.submits();
+        assert_eq!(reads.len(), 1, "only the new device's descriptor read: nothing of the old device's streams");
+        assert_eq!(rig.host.urbs_in_flight(), 1);
+        // Late completions of the old device's URBs are nobody's.
+        for (tag, _) in &old {
+            rig.host.handle_urb(*tag, ok(&[1, 2, 3])).unwrap();
+        }
+        assert!(rig.guest_receives().is_empty(), "nothing answered for the old device after its disconnect");
+        // The new device's descriptors.
+        let mut pending = reads;
+        while let Some((tag, urb)) = pending.pop() {
+            let wanted = usize::from(u16::from_le_bytes([urb.setup[6], urb.setup[7]]));
+            let reply: &[u8] = match (urb.setup[1], urb.setup[3]) {
+                (0x06, 0x01) => &BOOTLOADER,
+                (0x06, 0x02) => &BOOTLOADER_CONFIGURATION,
+                (0x08, _) => &[1],
+                other => panic!("unexpected request {other:?}"),
+            };
+            rig.host.handle_urb(tag, ok(&reply[..wanted.min(reply.len())])).unwrap();
+            pending.extend(rig.submits());
+        }
+        assert!(!rig.host.is_announced(), "announced before the guest acknowledged the disconnect");
+        assert!(rig.guest_receives().is_empty());
+        // A request the guest sent for the old device before it read the disconnect is refused.
+        rig.guest_sends_with_id(control, Packet::GetConfiguration);
+        assert_eq!(
+            rig.guest_receives(),
+            [(control, Packet::ConfigurationStatus { status: Status::IOERROR, configuration: 1 })]
+        );
+        assert!(rig.submits().is_empty());
+
+        rig.guest_sends_with_id(0, Packet::DeviceDisconnectAck);
+        assert!(!rig.host.awaits_disconnect_ack());
+        let packets = rig.guest_receives();
+        let [(0, Packet::EpInfo(endpoints)), (0, Packet::InterfaceInfo(interfaces)), (0, connect)] = packets.as_slice()
+        else {
+            panic!("expected ep_info, interface_info, device_connect: {packets:?}")
+        };
+        assert_eq!(endpoints.kind[EndpointInfo::index(0x81)], 255, "the old device's interrupt endpoint is gone");
+        assert_eq!((interfaces.interface.clone(), interfaces.class.clone()), (vec![0], vec![0xfe]));
+        assert_eq!(
+            connect,
+            &Packet::DeviceConnect {
+                speed: 2,
+                class: 0,
+                subclass: 0,
+                protocol: 0,
+                vendor_id: 0x1209,
+                product_id: 0x0007,
+                device_version_bcd: 0x0200
+            }
+        );
+        // The new device takes requests.
+        rig.guest_sends(Packet::SetConfiguration { configuration: 1 });
+        assert_eq!(rig.submits().len(), 1);
+    }
+
+    #[test]
+    fn a_guest_without_disconnect_acks_gets_the_new_device_at_once() {
+        let caps = Caps(0).with(Caps::IDS_64).with(Caps::EP_INFO_MAX_PACKET_SIZE);
+        let mut rig = Rig {
+            host: UsbHost::new("t", Speed::FULL),
+            guest: Codec::new(Side::Guest, caps, MAX_GUEST_PACKET),
+            next_id: 1,
+        };
+        rig.answer_descriptor_reads();
+        rig.guest_receives();
+        rig.hello();
+        assert_eq!(rig.guest_receives().len(), 3);
+        rig.host.replace_device(Speed::FULL);
+        assert!(!rig.host.awaits_disconnect_ack());
+        rig.answer_descriptor_reads();
+        let kinds: Vec<PacketType> = rig.guest_receives().iter().map(|(_, p)| p.kind()).collect();
+        assert_eq!(
+            kinds,
+            [
+                PacketType::DEVICE_DISCONNECT,
+                PacketType::EP_INFO,
+                PacketType::INTERFACE_INFO,
+                PacketType::DEVICE_CONNECT
+            ]
+        );
     }
 
     #[test]

@@ -166,6 +166,12 @@ impl UsbHost {
         Ok(())
     }
 
+    /// Starts reading the device's descriptors (at start, and for a device
+    /// that replaced the one before).
+    pub(super) fn read_device_descriptor(&mut self) {
+        self.submit(Pending::DeviceDescriptor, UrbRequest::control(get_descriptor(0x01, 0, 18), Bytes::new()));
+    }
+
     fn read_configuration_header(&mut self, index: u8) {
         let urb = UrbRequest::control(get_descriptor(0x02, index, 9), Bytes::new());
         self.submit(Pending::ConfigurationHeader { index }, urb);
@@ -178,7 +184,13 @@ impl UsbHost {
 
     /// Announces the device once both the descriptors and the guest's hello are in.
     pub(super) fn announce(&mut self) {
-        if !self.ready || !self.guest_hello || self.announced || self.gone || self.filtered_out {
+        if !self.ready
+            || !self.guest_hello
+            || self.announced
+            || self.gone
+            || self.filtered_out
+            || self.awaiting_disconnect_ack
+        {
             return;
         }
         let Some(descriptor) = self.device.descriptor.clone() else { return };
