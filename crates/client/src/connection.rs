@@ -9,6 +9,9 @@
 //! pending fails as disconnected. A resumable one
 //! ([`Connection::import_resumable`]) reconnects and resumes instead, so
 //! callers see a delay, not an error, until the relay gives up.
+//! [`Connection::ended`] says how it ended: closed by its users, lost, or
+//! ended by the server because the device re-enumerated (what a usbredir
+//! bridge that follows the device acts on).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -23,12 +26,27 @@ use usbwire_transport::PeerStream;
 use crate::relay::{self, RelayError, RelayState, Upstream};
 use crate::transfer::build_submit;
 use crate::waiters::{ApiFront, Handle, Request, Shared, Waiter};
-use crate::{ClientError, Security, Transfer, TransferError, TransferQueue, TransformSpec};
+use crate::{ClientError, Imported, Security, Transfer, TransferError, TransferQueue, TransformSpec};
 
 /// How long a resumable connection keeps trying to reach its server before
 /// it gives the session up (as `usbwire attach` does). A server that no
 /// longer holds the session refuses at once; this bounds an unreachable one.
 pub const RESUME_GIVE_UP: Duration = Duration::from_secs(120);
+
+/// How a connection's relay ended (see [`Connection::ended`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConnectionEnd {
+    /// Its users closed it (or dropped it and every queue).
+    Closed,
+    /// The server ended the session because the device re-enumerated at the
+    /// same bus id (END `REENUMERATED`, `docs/protocol.md` §5.3): the replies
+    /// before it were delivered; import the bus id again to follow it.
+    Reenumerated,
+    /// The link or the session was lost (a stock server closing on an
+    /// unplug or a re-enumeration looks like this), with the relay's reason.
+    Lost(String),
+}
 
 /// The URB channel of an imported device.
 pub struct Connection {
@@ -42,6 +60,8 @@ pub struct Connection {
     relay: tokio::task::JoinHandle<()>,
     /// The relay's state, when the session is resumable.
     states: Option<watch::Receiver<RelayState>>,
+    /// How the relay ended, once it has.
+    end: watch::Receiver<Option<ConnectionEnd>>,
 }
 
 impl Connection {
@@ -76,9 +96,21 @@ impl Connection {
         transforms: &[TransformSpec],
     ) -> Result<(Self, DeviceRecord), ClientError> {
         let imported = crate::import_resumable(addr, busid, security, transforms).await?;
+        Ok(Self::from_imported(imported, addr, security, transforms))
+    }
+
+    /// The connection of a device imported from `addr` (with `security` and
+    /// `transforms`, which a resumable session reconnects with): resumable
+    /// when the server granted resume, as [`Connection::import_resumable`].
+    pub fn from_imported(
+        imported: Imported,
+        addr: SocketAddr,
+        security: &Security,
+        transforms: &[TransformSpec],
+    ) -> (Self, DeviceRecord) {
         let device = imported.device;
         if imported.resume.is_none() {
-            return Ok((Self::new(imported.stream, &device), device));
+            return (Self::new(imported.stream, &device), device);
         }
         let upstream = Upstream {
             addr,
@@ -87,8 +119,9 @@ impl Connection {
             resume: imported.resume,
             give_up_after: RESUME_GIVE_UP,
         };
+        let busid = &device.busid;
         let span = tracing::info_span!(target: "usbwire::client", "resumable", %addr, %busid, devid = device.devid());
-        Ok((Self::start(imported.stream, device.devid(), upstream, span), device))
+        (Self::start(imported.stream, device.devid(), upstream, span), device)
     }
 
     fn start(stream: PeerStream, devid: u32, upstream: Upstream, span: tracing::Span) -> Self {
@@ -103,21 +136,50 @@ impl Connection {
             false => (None, None),
         };
         let front = ApiFront::new(shared.clone());
+        let (ending, end) = watch::channel(None);
         let relay = tokio::spawn(
             async move {
-                match relay::drive(front, stream, devid, upstream, state, budget).await {
-                    Ok(()) => debug!("connection closed; relay ended"),
-                    // What is pending fails as disconnected (see ApiFront::ended).
-                    Err(error @ RelayError::Server(_)) => {
-                        warn!(%error, "the server sent a malformed reply; connection closed")
+                let ended = match relay::drive(front, stream, devid, upstream, state, budget).await {
+                    Ok(()) => {
+                        debug!("connection closed; relay ended");
+                        ConnectionEnd::Closed
                     }
-                    Err(error) if resumable => warn!(%error, "relay ended"),
-                    Err(error) => debug!(%error, "urb channel closed"),
-                }
+                    // What is pending fails as disconnected (see ApiFront::ended).
+                    Err(RelayError::Reenumerated { addr }) => {
+                        debug!(%addr, "the device re-enumerated; the server ended the session");
+                        ConnectionEnd::Reenumerated
+                    }
+                    Err(error @ RelayError::Server(_)) => {
+                        warn!(%error, "the server sent a malformed reply; connection closed");
+                        ConnectionEnd::Lost(error.to_string())
+                    }
+                    Err(error) if resumable => {
+                        warn!(%error, "relay ended");
+                        ConnectionEnd::Lost(error.to_string())
+                    }
+                    Err(error) => {
+                        debug!(%error, "urb channel closed");
+                        ConnectionEnd::Lost(error.to_string())
+                    }
+                };
+                ending.send_replace(Some(ended));
             }
             .instrument(span),
         );
-        Self { devid, handle, shared, relay, states }
+        Self { devid, handle, shared, relay, states, end }
+    }
+
+    /// Resolves once the relay has ended, with how (at once if it has). The
+    /// future holds nothing of the connection, so it can outlive it.
+    pub fn ended(&self) -> impl std::future::Future<Output = ConnectionEnd> + Send + 'static {
+        let mut end = self.end.clone();
+        async move {
+            match end.wait_for(Option::is_some).await {
+                Ok(ended) => ended.clone().unwrap_or(ConnectionEnd::Closed),
+                // The relay task went without a word (the runtime is shutting down).
+                Err(_) => ConnectionEnd::Lost("the connection's relay task stopped".into()),
+            }
+        }
     }
 
     /// Whether the server granted resume (see [`Connection::import_resumable`]).

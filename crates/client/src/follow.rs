@@ -13,9 +13,14 @@
 //! real board on a local port. The attachment ends when the kernel lets go
 //! (`usbwire detach`), or when the device is not back in time.
 //!
+//! How a bus id is imported again ([`Reimport`], [`WentAway`]) is shared
+//! with the usbredir bridge, which follows a device for its guest the same
+//! way with `device_disconnect` / `device_connect` instead of vhci.
+//!
 //! Not for userspace imports ([`crate::ReattachingDevice`] imports again
 //! after any loss) nor for choosing a device (the caller names the bus id).
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
@@ -25,7 +30,7 @@ use usbwire_proto::reservation::ReservationToken;
 
 use crate::relay::{self, RelayError, RelayState, Upstream};
 use crate::vhci::{self, VhciError};
-use crate::{Backoff, ClientError, Imported};
+use crate::{Backoff, ClientError, ConnectionEnd, Imported, Security, TransformSpec};
 
 /// How long a device that went away without a word (a stock server, or a
 /// server restart) is looked for at its bus id before the attachment ends.
@@ -97,14 +102,13 @@ pub async fn follow(
         });
         let upstream = Upstream { resume: imported.resume, ..target.upstream.clone() };
         let ended = relay_reporting(kernel, imported.stream, device.devid(), upstream, &status).await;
-        let (why, window) = match ended {
+        let went = match ended {
             Ok(()) => return Ok(()),
-            Err(RelayError::Reenumerated { .. }) => ("the server said it re-enumerated".to_owned(), NOTICE_WINDOW),
-            Err(RelayError::SessionLost { reason, .. }) => {
-                (format!("the connection ended ({reason})"), FALLBACK_WINDOW)
-            }
+            Err(RelayError::Reenumerated { .. }) => WentAway::Reenumerated,
+            Err(RelayError::SessionLost { reason, .. }) => WentAway::ConnectionEnded(reason),
             Err(other) => return Err(FollowError::Relay(other)),
         };
+        let why = went.to_string();
         let noticed = Instant::now();
         // The kernel sees the device unplugged; its port is taken again below when free.
         match vhci::detach(port) {
@@ -112,7 +116,7 @@ pub async fn follow(
             Err(error) => warn!(port, %error, "cannot detach the port of the device that went away"),
         }
         info!(busid = %target.busid, port, why, "device went away; importing its bus id again");
-        imported = import_again(&target, &why, window).await?;
+        imported = target.reimport().after(&went).await?;
         port_freed(port).await;
         let again = vhci::attach_relayed(&imported.device, &target.record, Some(port))
             .map_err(|source| FollowError::Vhci { busid: target.busid.clone(), source })?;
@@ -172,26 +176,97 @@ async fn relay_reporting(
     }
 }
 
-/// Imports the bus id again: at once, then backing off to 1 s, for `window`.
-async fn import_again(target: &Target, why: &str, window: Duration) -> Result<Imported, FollowError> {
-    let started = Instant::now();
-    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-    loop {
-        tokio::time::sleep(backoff.next_delay()).await;
-        let Upstream { addr, security, transforms, .. } = &target.upstream;
-        let imported = match (&target.reservation, target.resumable) {
-            (Some(token), _) => crate::import_reserved(*addr, &target.busid, security, transforms, token).await,
-            (None, true) => crate::import_resumable(*addr, &target.busid, security, transforms).await,
-            (None, false) => crate::import_with(*addr, &target.busid, security, transforms)
-                .await
-                .map(|(stream, device)| Imported { stream, device, resume: None }),
-        };
-        match imported {
-            Ok(imported) => return Ok(imported),
-            Err(last) if started.elapsed() >= window => {
-                return Err(FollowError::NotBack { busid: target.busid.clone(), why: why.to_owned(), window, last })
+/// Why a followed device is looked for again, which says for how long.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WentAway {
+    /// The server said the device re-enumerated (END `REENUMERATED`): it
+    /// exports the bus id again at once ([`NOTICE_WINDOW`]).
+    Reenumerated,
+    /// The connection ended without a word, with the relay's reason (a stock
+    /// server's unplug or re-enumeration, a server restart): [`FALLBACK_WINDOW`].
+    ConnectionEnded(String),
+}
+
+impl WentAway {
+    /// How long the bus id is tried before the device counts as gone.
+    pub fn window(&self) -> Duration {
+        match self {
+            Self::Reenumerated => NOTICE_WINDOW,
+            Self::ConnectionEnded(_) => FALLBACK_WINDOW,
+        }
+    }
+
+    /// Why a userspace connection ended, as this says it; `None` when its
+    /// users closed it (nothing went away).
+    pub fn of(end: &ConnectionEnd) -> Option<Self> {
+        match end {
+            ConnectionEnd::Closed => None,
+            ConnectionEnd::Reenumerated => Some(Self::Reenumerated),
+            ConnectionEnd::Lost(reason) => Some(Self::ConnectionEnded(reason.clone())),
+        }
+    }
+}
+
+impl std::fmt::Display for WentAway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Reenumerated => f.write_str("the server said it re-enumerated"),
+            Self::ConnectionEnded(reason) => write!(f, "the connection ended ({reason})"),
+        }
+    }
+}
+
+/// How a followed bus id is imported again: the server, its security and
+/// transforms, whether to ask for resume, and the lab reservation each
+/// import carries (so it holds across re-enumerations).
+#[derive(Clone)]
+pub struct Reimport {
+    pub addr: SocketAddr,
+    pub security: Security,
+    pub transforms: Vec<TransformSpec>,
+    pub busid: BusId,
+    pub resumable: bool,
+    pub reservation: Option<ReservationToken>,
+}
+
+impl Target {
+    fn reimport(&self) -> Reimport {
+        let Upstream { addr, security, transforms, .. } = &self.upstream;
+        Reimport {
+            addr: *addr,
+            security: security.clone(),
+            transforms: transforms.clone(),
+            busid: self.busid.clone(),
+            resumable: self.resumable,
+            reservation: self.reservation,
+        }
+    }
+}
+
+impl Reimport {
+    /// Imports the bus id again after the device `went` away: at once, then
+    /// backing off to 1 s, for the window that calls for. A usbwire server's
+    /// import waits on its side while the device is still being released.
+    pub async fn after(&self, went: &WentAway) -> Result<Imported, FollowError> {
+        let (started, window) = (Instant::now(), went.window());
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+        loop {
+            tokio::time::sleep(backoff.next_delay()).await;
+            let Self { addr, security, transforms, busid, .. } = self;
+            let imported = match (&self.reservation, self.resumable) {
+                (Some(token), _) => crate::import_reserved(*addr, busid, security, transforms, token).await,
+                (None, true) => crate::import_resumable(*addr, busid, security, transforms).await,
+                (None, false) => crate::import_with(*addr, busid, security, transforms)
+                    .await
+                    .map(|(stream, device)| Imported { stream, device, resume: None }),
+            };
+            match imported {
+                Ok(imported) => return Ok(imported),
+                Err(last) if started.elapsed() >= window => {
+                    return Err(FollowError::NotBack { busid: busid.clone(), why: went.to_string(), window, last })
+                }
+                Err(error) => tracing::debug!(%busid, %error, "not back yet"),
             }
-            Err(error) => tracing::debug!(busid = %target.busid, %error, "not back yet"),
         }
     }
 }

@@ -58,7 +58,7 @@ mod transfer;
 mod waiters;
 
 pub use connect::{is_localhost, resolve, resolve_with_port, split_host_port, Security, TlsClient};
-pub use connection::{Connection, RESUME_GIVE_UP};
+pub use connection::{Connection, ConnectionEnd, RESUME_GIVE_UP};
 pub use driven::DrivenConnection;
 pub use error::{ClientError, TransferError};
 pub use op_exchange::{

@@ -94,7 +94,8 @@ impl TransferQueue {
     }
 
     /// Sends what was submitted, then waits for the next completion. `None`
-    /// when nothing is pending. After the connection is lost it returns
+    /// when nothing is pending. After the connection is lost it hands out
+    /// the replies that arrived before, then returns
     /// [`TransferError::Disconnected`] once for all URBs still pending.
     pub async fn next_complete(&mut self) -> Option<Result<RetSubmit, TransferError>> {
         poll_fn(|cx| self.poll_next_complete(cx)).await
@@ -114,6 +115,11 @@ impl TransferQueue {
     /// The poll form of [`next_complete`](Self::next_complete).
     pub fn poll_next_complete(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<RetSubmit, TransferError>>> {
         if self.handle.shared().send(&mut self.unsent, Some(cx), false).is_err() {
+            // Replies that arrived before the end (a DFU_DETACH's, before the
+            // device re-enumerated) are still handed out, then the loss.
+            if let Some(ret) = self.try_next_complete() {
+                return Poll::Ready(Some(Ok(ret)));
+            }
             return Poll::Ready(self.lose_pending());
         }
         if self.pending == 0 {
