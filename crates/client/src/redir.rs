@@ -12,6 +12,15 @@
 //! [`TransferQueue`](crate::TransferQueue) back, and the core's bytes to the
 //! guest, all from one task.
 //!
+//! A bridge that follows its device ([`Source::follow`]) keeps the guest
+//! through re-enumerations: when the import ends because the device
+//! re-enumerated (END `REENUMERATED` from a usbwire server, or, from a
+//! stock one, the connection just ending), the guest is told
+//! `device_disconnect`, the same bus id is imported again as
+//! `usbwire attach --follow` does it ([`crate::follow::Reimport`]), and the
+//! guest gets `device_connect` with the new device's descriptors, so it sees
+//! an unplug and a plug, as with a board on a local port.
+//!
 //! Nothing here grows with what the guest sends: the bridge reads from the
 //! guest only while the URBs it has in flight, and their bytes, are under the
 //! connection's [`Budget`] (the server's default, which the client connection
@@ -24,9 +33,11 @@
 //! or QEMU's group, may open) is the caller's job; `usbwire` does it.
 
 use std::fmt;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
 use tokio::io::Ready;
@@ -37,7 +48,8 @@ use usbwire_proto::op::{BusId, DeviceRecord};
 use usbwire_proto::Budget;
 use usbwire_redir::UsbHost;
 
-use crate::{Backoff, ClientError, Connection, Security, TransformSpec};
+use crate::follow::{FollowError, Reimport, WentAway};
+use crate::{Backoff, ClientError, Connection, ConnectionEnd, Imported, Security, TransformSpec};
 
 mod bridge;
 
@@ -45,8 +57,6 @@ pub use bridge::{BridgeCore, BridgeError, Completion, Ended};
 
 /// The version text of our hello.
 const HELLO: &str = concat!("usbwire ", env!("CARGO_PKG_VERSION"));
-/// How often an idle bridge checks that its USB/IP side is still there.
-const LIVENESS_TICK: Duration = Duration::from_secs(1);
 
 /// The device side: which device on which server, and how to reach it.
 #[derive(Clone)]
@@ -55,6 +65,11 @@ pub struct Source {
     pub device: WantedDevice,
     pub security: Security,
     pub transforms: Vec<TransformSpec>,
+    /// Follow the device through re-enumerations: when it goes away and
+    /// comes back at the bus id it was imported from (with any VID:PID), the
+    /// guest sees it unplugged and plugged in again instead of losing it.
+    /// `usbwire redir` (by bus id) follows; `[[redir]]` rules as `[[attach]]`'s.
+    pub follow: bool,
 }
 
 /// Whether a listed device (and its serial, when the server reports one) is the one.
@@ -292,7 +307,8 @@ async fn serve_logged(source: &Source, stream: GuestStream, peer: &str) {
     .await
 }
 
-/// One guest: imports the device, bridges until either side goes, releases it.
+/// One guest: imports the device, bridges until either side goes (a device
+/// that is followed may go and come back meanwhile), releases it.
 pub async fn serve_guest(source: &Source, stream: impl Into<GuestStream>) -> Result<Ended, BridgeError> {
     let mut stream = stream.into();
     if let GuestStream::Tcp(tcp) = &stream {
@@ -305,17 +321,103 @@ pub async fn serve_guest(source: &Source, stream: impl Into<GuestStream>) -> Res
     info!(target: "usbwire::redir", resumable = connection.is_resumable(), speed = device.speed.name(),
         vid = format_args!("{:04x}", device.id_vendor), pid = format_args!("{:04x}", device.id_product), "device imported");
     let mut bridge = BridgeCore::new(UsbHost::new(HELLO, device.speed), connection.queue(), Budget::default());
-    let outcome = run_bridge(&mut bridge, &connection, &stream, &mut inbuf).await;
+    let mut side = DeviceSide::new(source, device.busid.clone(), connection);
+    let outcome = run_bridge(&mut bridge, &mut side, &stream, &mut inbuf).await;
     let traffic = bridge.traffic();
     info!(target: "usbwire::redir", control = traffic.control, bulk = traffic.bulk,
         interrupt_in = traffic.interrupt_in, interrupt_out = traffic.interrupt_out,
-        iso_in_packets = traffic.iso_in_packets, iso_out_packets = traffic.iso_out_packets, "guest traffic");
+        iso_in_packets = traffic.iso_in_packets, iso_out_packets = traffic.iso_out_packets,
+        reenumerations = side.followed, "guest traffic");
     // What the core said last (a device_disconnect) reaches the guest before the socket closes.
     let last = bridge.to_guest();
     let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all_and_close(last)).await;
     drop(bridge);
-    connection.close().await;
+    side.close().await;
     outcome
+}
+
+/// What a followed device's way back resolves to.
+type Return = Pin<Box<dyn Future<Output = Result<Imported, FollowError>> + Send>>;
+
+/// The device behind a guest's bridge: imported, or, when it went away and
+/// is followed, being imported again at its bus id.
+struct DeviceSide<'a> {
+    source: &'a Source,
+    busid: BusId,
+    /// The current import (`None` while the device is away).
+    connection: Option<Connection>,
+    /// Resolves when the current import's connection ends.
+    ended: Pin<Box<dyn Future<Output = ConnectionEnd> + Send>>,
+    /// Following: since when the device is away, and its import again.
+    returning: Option<(Instant, Return)>,
+    /// Times the device came back.
+    followed: u64,
+}
+
+impl<'a> DeviceSide<'a> {
+    fn new(source: &'a Source, busid: BusId, connection: Connection) -> Self {
+        let ended = Box::pin(connection.ended());
+        Self { source, busid, connection: Some(connection), ended, returning: None, followed: 0 }
+    }
+
+    /// The device went away (its connection ended, or a completion said
+    /// so): the core tells the guest; unless the device is followed, that
+    /// ends the guest's session. A followed device is imported again, once
+    /// the connection's end says why it went (which decides how long to try).
+    fn went_away(&mut self, core: &mut BridgeCore) -> Result<(), BridgeError> {
+        let lost = core.device_lost();
+        if !self.source.follow {
+            return Err(lost);
+        }
+        if self.returning.is_some() {
+            return Ok(());
+        }
+        let ended = std::mem::replace(&mut self.ended, Box::pin(std::future::pending()));
+        // Its relay has ended or is ending; nothing more goes over it.
+        self.connection = None;
+        let Source { addr, security, transforms, .. } = self.source;
+        let reimport = Reimport {
+            addr: *addr,
+            security: security.clone(),
+            transforms: transforms.clone(),
+            busid: self.busid.clone(),
+            resumable: true,
+            reservation: None,
+        };
+        let back = async move {
+            let went = WentAway::of(&ended.await)
+                .unwrap_or_else(|| WentAway::ConnectionEnded("the connection was closed".into()));
+            info!(target: "usbwire::redir", busid = %reimport.busid, why = %went,
+                "the device went away; the guest was told, importing its bus id again");
+            reimport.after(&went).await
+        };
+        self.returning = Some((Instant::now(), Box::pin(back)));
+        Ok(())
+    }
+
+    /// The followed device is back: the core moves onto the new import and
+    /// announces the new device to the guest.
+    fn came_back(&mut self, core: &mut BridgeCore, imported: Imported) {
+        let since = self.returning.take().map(|(since, _)| since);
+        let Source { addr, security, transforms, .. } = self.source;
+        let (connection, device) = Connection::from_imported(imported, *addr, security, transforms);
+        self.followed += 1;
+        info!(target: "usbwire::redir", busid = %self.busid, resumable = connection.is_resumable(),
+            vid = format_args!("{:04x}", device.id_vendor), pid = format_args!("{:04x}", device.id_product),
+            back_ms = since.map_or(0, |since| since.elapsed().as_millis() as u64), times = self.followed,
+            "the device is back at its bus id; announcing it to the guest");
+        core.replace_device(device.speed, connection.queue());
+        self.ended = Box::pin(connection.ended());
+        self.connection = Some(connection);
+    }
+
+    /// The import, if any, ends (the server is told, and releases the device).
+    async fn close(&mut self) {
+        self.returning = None;
+        if let Some(connection) = self.connection.take() {
+            connection.close().await;
+        }
+    }
 }
 
 /// Imports the device, retrying (backing off) while the guest stays; the
@@ -365,16 +467,16 @@ async fn import_while_guest_waits(
 }
 
 /// Runs `core` between the guest's socket and the USB/IP connection until
-/// either side goes or the guest refuses the device.
+/// either side goes or the guest refuses the device; a followed device that
+/// goes away is imported again meanwhile (the guest is served throughout).
 async fn run_bridge(
     core: &mut BridgeCore,
-    connection: &Connection,
+    device: &mut DeviceSide<'_>,
     guest: &GuestStream,
     inbuf: &mut BytesMut,
 ) -> Result<Ended, BridgeError> {
     // A hello that came while the import was under way.
     core.handle_guest(inbuf)?;
-    let mut tick = tokio::time::interval(LIVENESS_TICK);
     loop {
         if let Some(ended) = core.poll_ended() {
             return Ok(ended);
@@ -382,7 +484,9 @@ async fn run_bridge(
         core.issue_commands()?;
         let to_guest = core.to_guest().len();
         let read_guest = core.reads_guest();
-        let collect = core.collects_completions();
+        let returning = device.returning.is_some();
+        let collect = !returning && core.collects_completions();
+        let (ended, back) = (&mut device.ended, device.returning.as_mut().map(|(_, back)| back));
         tokio::select! {
             ready = guest.ready(Interest::READABLE) => {
                 if read_guest {
@@ -412,12 +516,14 @@ async fn run_bridge(
                     Err(error) => return Err(error.into()),
                 }
             }
-            completion = core.next_complete(), if collect => core.handle_completion(completion)?,
-            _ = tick.tick() => {
-                if connection.is_closed() {
-                    return Err(core.device_lost());
-                }
-            }
+            completion = core.next_complete(), if collect => match core.handle_completion(completion) {
+                Ok(()) => {}
+                Err(BridgeError::DeviceLost) => device.went_away(core)?,
+                Err(error) => return Err(error),
+            },
+            _ = ended, if !returning => device.went_away(core)?,
+            imported = async { match back { Some(back) => back.await, None => std::future::pending().await } },
+                if returning => device.came_back(core, imported.map_err(|e| BridgeError::NotBack(Box::new(e)))?),
         }
     }
 }

@@ -69,4 +69,9 @@ pub(crate) struct RedirArgs {
     /// Connect to a QEMU listening here (`-chardev socket,…,server=on,wait=off`), again whenever it goes.
     #[arg(long, value_name = "ADDR:PORT")]
     pub(crate) connect: Option<String>,
+    /// Do not follow the device through re-enumerations. By default, when it disconnects and comes
+    /// back at the same bus id (a DFU board entering its bootloader, then its new firmware), with
+    /// any VID:PID, the guest sees it unplugged and plugged in again (as `attach --follow`).
+    #[arg(long)]
+    pub(crate) no_follow: bool,
 }

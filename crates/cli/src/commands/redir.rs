@@ -14,7 +14,9 @@ pub(crate) async fn run(args: RedirArgs) -> Result<(), Failure> {
         .ok_or_else(|| Failure::usage(anyhow!("invalid bus id {:?}", args.device.busid)))?;
     let addr = super::common::peer::resolve(&args.device.remote, args.device.tcp_port).await?;
     let security = super::common::peer::client_security(&args.device.security)?;
-    let source = Source { addr, device: WantedDevice::BusId(busid), security, transforms: Vec::new() };
+    // A bus id names a port: the bridge follows whatever comes back there (a DFU board's bootloader).
+    let source =
+        Source { addr, device: WantedDevice::BusId(busid), security, transforms: Vec::new(), follow: !args.no_follow };
     let bridge = match (&args.listen, &args.connect) {
         (Some(listen), _) => match listen.parse::<RedirListen>().map_err(Failure::usage)? {
             RedirListen::Unix(path) => {

@@ -294,7 +294,8 @@ async fn start_redir_bridges(
             rule: rule.device.to_string(),
             matches: Arc::new(move |record, serial| selector.matches(&DeviceFacts::of_record(record, serial))),
         };
-        let source = Source { addr, device, security: security.clone(), transforms: Vec::new() };
+        let source =
+            Source { addr, device, security: security.clone(), transforms: Vec::new(), follow: rule.follows() };
         bridges.push(tokio::spawn(async move {
             if let Err(error) = usbwire_client::redir::serve_listener(source, listener).await {
                 tracing::error!(%error, "a usbredir bridge stopped");

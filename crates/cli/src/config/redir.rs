@@ -26,6 +26,12 @@ pub(crate) struct RedirRule {
     /// the port gets the device. Only when this says so.
     #[serde(default)]
     pub(crate) allow_unauthenticated: bool,
+    /// Keep the guest's device through re-enumerations (the guest sees an
+    /// unplug and a plug of whatever comes back at the bus id, with any
+    /// VID:PID), as `[[attach]] follow`. Default: on for a bus-id `device`,
+    /// off otherwise.
+    #[serde(default)]
+    pub(crate) follow: Option<bool>,
 }
 
 impl std::str::FromStr for RedirRule {
@@ -39,11 +45,16 @@ impl std::str::FromStr for RedirRule {
         };
         let listen = listen.parse().with_context(|| format!("--redir {text:?}"))?;
         let device = device.parse().with_context(|| format!("--redir {text:?}: bad device selector"))?;
-        Ok(Self { device, listen, group: None, allow_unauthenticated: false })
+        Ok(Self { device, listen, group: None, allow_unauthenticated: false, follow: None })
     }
 }
 
 impl RedirRule {
+    /// Whether the bridge follows its device through re-enumerations.
+    pub(crate) fn follows(&self) -> bool {
+        self.follow.unwrap_or(matches!(self.device, usbwire_server::Selector::BusId(_)))
+    }
+
     /// Refuses a TCP listener unless the rule opts in to an unauthenticated
     /// port, and always on a server that takes no plain USB/IP
     /// (`plain_never`): its bridge would be a plain door to the device.
@@ -155,6 +166,20 @@ mod tests {
         assert!("127.0.0.1:4000".parse::<RedirRule>().unwrap_err().to_string().contains("unix:PATH=SELECTOR"));
         assert!("localhost=2-1".parse::<RedirRule>().is_err());
         assert!("unix:=2-1".parse::<RedirRule>().is_err());
+    }
+
+    #[test]
+    fn bus_id_redir_rules_follow_their_device_by_default() {
+        let config: FileConfig = toml::from_str(
+            "[[redir]]\ndevice = \"1209:0006\"\nlisten = \"unix:/a.sock\"\n\
+             [[redir]]\ndevice = \"0-1\"\nlisten = \"unix:/b.sock\"\n\
+             [[redir]]\ndevice = \"0-1\"\nlisten = \"unix:/c.sock\"\nfollow = false\n\
+             [[redir]]\ndevice = \"class=fe\"\nlisten = \"unix:/d.sock\"\nfollow = true",
+        )
+        .unwrap();
+        let follows: Vec<bool> = config.redir.iter().map(RedirRule::follows).collect();
+        assert_eq!(follows, [false, true, false, true]);
+        assert!("unix:/e.sock=0-2".parse::<RedirRule>().unwrap().follows(), "--redir by bus id follows too");
     }
 
     #[test]

@@ -9,8 +9,14 @@
 //! harness drives it the same way with bytes of its own (over a
 //! [`DrivenConnection`](crate::DrivenConnection)), so both run this code.
 //!
+//! When the device re-enumerates and the shell imports the same bus id
+//! again, [`BridgeCore::replace_device`] moves the bridge onto the new
+//! import: the guest is told `device_disconnect`, everything held for the
+//! old device (its URBs, streams, their share of the budget) is released,
+//! and the new device is announced once the guest acknowledged.
+//!
 //! Not for: reading or writing sockets, importing the device, or noticing a
-//! USB/IP connection that went quiet (the shell's liveness tick does).
+//! USB/IP connection that ended (the shell waits for that).
 
 use std::collections::HashMap;
 use std::task::{Context, Poll};
@@ -18,10 +24,11 @@ use std::task::{Context, Poll};
 use bytes::{Bytes, BytesMut};
 use tracing::{debug, info};
 use usbwire_proto::urb::{IsoPacketDescriptor, RetSubmit, TransferFlags};
-use usbwire_proto::{Budget, Direction, Limits, Status};
+use usbwire_proto::{Budget, Direction, Limits, Speed, Status};
 use usbwire_redir::host::{HostError, HostEvent, Traffic, UrbCommand, UrbRequest, UrbResult};
 use usbwire_redir::UsbHost;
 
+use crate::follow::FollowError;
 use crate::{ClientError, Transfer, TransferError, TransferQueue};
 
 /// Why one guest's session ended badly.
@@ -40,6 +47,10 @@ pub enum BridgeError {
     /// The USB/IP connection ended while the guest used the device.
     #[error("the USB/IP connection to the device was lost")]
     DeviceLost,
+    /// The bridge follows the device, and it did not come back at its bus
+    /// id in time after it went (see [`FollowError::NotBack`]).
+    #[error(transparent)]
+    NotBack(Box<FollowError>),
 }
 
 /// How a guest's session ended without an error.
@@ -216,10 +227,32 @@ impl BridgeCore {
         self.host.handle_urb(tag, result)
     }
 
-    /// The USB/IP side is gone: the core tells the guest the device went.
+    /// The USB/IP side is gone: the core tells the guest the device went,
+    /// and what was in flight on it holds nothing of the budget any more.
     pub fn device_lost(&mut self) -> BridgeError {
         self.host.device_lost();
+        self.release_urbs();
         BridgeError::DeviceLost
+    }
+
+    /// The device came back at its port (it re-enumerated) and was imported
+    /// again, at `speed`, with URBs to go on `queue` (the new connection's):
+    /// the guest is told the old device disconnected, if it was not yet,
+    /// everything held for it is released (its URBs in flight, streams and
+    /// their budget; its queue is dropped), and the new device's descriptors
+    /// are read, to announce it once the guest acknowledged the disconnect.
+    pub fn replace_device(&mut self, speed: Speed, queue: TransferQueue) {
+        self.host.replace_device(speed);
+        self.release_urbs();
+        self.queue = queue;
+    }
+
+    /// Forgets the URBs in flight: their device is gone, and whatever
+    /// completes for them later is nobody's.
+    fn release_urbs(&mut self) {
+        self.seqnums.clear();
+        self.urbs.clear();
+        self.in_flight_bytes = 0;
     }
 
     /// What the guest has moved so far.
@@ -280,5 +313,226 @@ fn transfer_of(urb: UrbRequest) -> Transfer {
         data: urb.data,
         interval,
         iso_packets,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::Waker;
+    use std::time::Instant;
+
+    use usbwire_proto::urb::{self, ClientMessage};
+    use usbwire_proto::{liveness, resume};
+    use usbwire_redir::{Caps, Codec, Packet, Side, Status as RedirStatus};
+
+    use super::*;
+    use crate::DrivenConnection;
+
+    const DEVID: u32 = 0x0001_0002;
+    /// The board in its runtime mode: 1209:0006, a vendor interface with interrupt IN 0x81.
+    const RUNTIME: [u8; 18] = [18, 1, 0x00, 0x02, 0, 0, 0, 64, 0x09, 0x12, 0x06, 0x00, 0x00, 0x01, 1, 2, 3, 1];
+    const RUNTIME_CONFIGURATION: [u8; 25] = [
+        9, 2, 25, 0, 1, 1, 0, 0x80, 50, //
+        9, 4, 0, 0, 1, 0xff, 0, 0, 0, //
+        7, 5, 0x81, 3, 8, 0, 10,
+    ];
+    /// Its bootloader: 1209:0007, one DFU interface, no endpoints.
+    const BOOTLOADER: [u8; 18] = [18, 1, 0x00, 0x02, 0, 0, 0, 64, 0x09, 0x12, 0x07, 0x00, 0x00, 0x02, 1, 2, 3, 1];
+    const BOOTLOADER_CONFIGURATION: [u8; 18] = [9, 2, 18, 0, 1, 1, 0, 0x80, 50, 9, 4, 0, 0, 0, 0xfe, 1, 2, 0];
+
+    /// A guest (QEMU's caps), the bridge, and the connection of the current import.
+    struct Rig {
+        guest: Codec,
+        core: BridgeCore,
+        connection: DrivenConnection,
+        /// Commands the "server" received and has not answered.
+        held: Vec<urb::CmdSubmit>,
+        next_id: u64,
+    }
+
+    fn budget() -> Budget {
+        Budget { in_flight_urbs: 8, in_flight_bytes: 4096, ..Budget::default() }
+    }
+
+    impl Rig {
+        fn new() -> Self {
+            let connection = DrivenConnection::new(DEVID, budget()).resumable_with_keepalive(Instant::now());
+            let core = BridgeCore::new(UsbHost::new("usbwire test", Speed::FULL), connection.queue(), budget());
+            let caps = [Caps::CONNECT_DEVICE_VERSION, Caps::FILTER, Caps::DEVICE_DISCONNECT_ACK, Caps::IDS_64]
+                .into_iter()
+                .fold(Caps(0), Caps::with);
+            let guest = Codec::new(Side::Guest, caps, usbwire_redir::MAX_PACKET_LEN);
+            let mut rig = Self { guest, core, connection, held: Vec::new(), next_id: 1 };
+            let hello = rig.guest.hello("qemu test");
+            rig.guest_sends_with_id(0, &hello);
+            rig
+        }
+
+        fn guest_sends_with_id(&mut self, id: u64, packet: &Packet) {
+            let mut wire = BytesMut::new();
+            self.guest.encode(id, packet, &mut wire).unwrap();
+            self.core.handle_guest(&mut wire).unwrap();
+        }
+
+        fn guest_sends(&mut self, packet: &Packet) -> u64 {
+            let id = self.next_id;
+            self.next_id += 1;
+            self.guest_sends_with_id(id, packet);
+            id
+        }
+
+        fn guest_receives(&mut self) -> Vec<Packet> {
+            let mut wire = self.core.to_guest().split();
+            std::iter::from_fn(|| self.guest.decode(&mut wire).unwrap()).map(|(_, packet)| packet).collect()
+        }
+
+        /// Moves URBs and replies until nothing moves; the server answers
+        /// control transfers with `device`'s descriptors and holds the rest.
+        fn pump(&mut self, device: &[u8], configuration: &[u8]) {
+            for _ in 0..100 {
+                self.core.issue_commands().unwrap();
+                let mut moved = false;
+                if self.core.collects_completions() {
+                    let mut cx = Context::from_waker(Waker::noop());
+                    if let Poll::Ready(completion) = self.core.poll_next_complete(&mut cx) {
+                        self.core.handle_completion(completion).unwrap();
+                        moved = true;
+                    }
+                }
+                if !self.connection.is_closed() {
+                    moved |= self.connection.take_commands().unwrap();
+                    let replies = self.serve(device, configuration);
+                    if !replies.is_empty() {
+                        self.connection.handle_server(&replies).unwrap();
+                        moved = true;
+                    }
+                }
+                if !moved {
+                    return;
+                }
+            }
+            panic!("the bridge never settles");
+        }
+
+        /// What the server makes of the client's bytes: control transfers answered, the rest held.
+        fn serve(&mut self, device: &[u8], configuration: &[u8]) -> BytesMut {
+            let outbox = self.connection.to_server();
+            let mut wire = BytesMut::new();
+            while !outbox.is_empty() {
+                let bytes: Vec<u8> = outbox.slices(64).iter().flat_map(|slice| slice.iter().copied()).collect();
+                outbox.advance(bytes.len());
+                wire.extend_from_slice(&bytes);
+            }
+            let mut replies = BytesMut::new();
+            while wire.len() >= urb::HEADER_LEN {
+                if liveness::is_ping(&wire) || resume::parse_ack(&wire).is_some() {
+                    let _ = wire.split_to(urb::HEADER_LEN);
+                    continue;
+                }
+                let Some(ClientMessage::Submit(submit)) =
+                    urb::decode_command(&mut wire, &Limits::default(), |_, _| false).unwrap()
+                else {
+                    panic!("only submits expected")
+                };
+                if submit.ep != 0 {
+                    self.held.push(submit);
+                    continue;
+                }
+                let wanted = submit.transfer_buffer_length as usize;
+                let data: &[u8] = match (submit.setup[1], submit.setup[3]) {
+                    (0x06, 0x01) => device,
+                    (0x06, 0x02) => configuration,
+                    (0x08, _) => &[1],
+                    _ => &[],
+                };
+                let data = Bytes::copy_from_slice(&data[..wanted.min(data.len())]);
+                let ret = RetSubmit {
+                    seqnum: submit.seqnum,
+                    status: Status::OK,
+                    actual_length: data.len() as u32,
+                    start_frame: 0,
+                    number_of_packets: 0,
+                    error_count: 0,
+                    data,
+                    iso_packets: Vec::new(),
+                };
+                ret.encode(&mut replies);
+            }
+            replies
+        }
+    }
+
+    #[test]
+    fn a_reenumerated_device_is_disconnected_then_connected_with_its_new_descriptors() {
+        let mut rig = Rig::new();
+        rig.pump(&RUNTIME, &RUNTIME_CONFIGURATION);
+        assert!(rig.core.host().is_announced());
+        let connect = rig.guest_receives().into_iter().find(|p| matches!(p, Packet::DeviceConnect { .. }));
+        assert!(matches!(connect, Some(Packet::DeviceConnect { vendor_id: 0x1209, product_id: 0x0006, .. })));
+
+        // The guest keeps the old device busy: interrupt receiving, and a control transfer the server holds.
+        rig.guest_sends(&Packet::StartInterruptReceiving { endpoint: 0x81 });
+        rig.pump(&RUNTIME, &RUNTIME_CONFIGURATION);
+        let (urbs, bytes) = rig.core.in_flight();
+        assert_eq!((urbs, bytes), (4, 32), "four interrupt URBs of 8 bytes in flight");
+        assert_eq!(rig.connection.accepted(), (4, 32));
+
+        // The server ends the session: the device re-enumerated.
+        let end = resume::end_header_for(DEVID, resume::EndReason::REENUMERATED);
+        assert!(rig.connection.handle_server(&end).is_err(), "the session ends on END(REENUMERATED)");
+        rig.connection.end();
+        let mut cx = Context::from_waker(Waker::noop());
+        let Poll::Ready(completion) = rig.core.poll_next_complete(&mut cx) else { panic!("the loss is pending") };
+        assert!(matches!(rig.core.handle_completion(completion), Err(BridgeError::DeviceLost)));
+        let packets = rig.guest_receives();
+        assert_eq!(
+            packets.iter().filter(|p| matches!(p, Packet::DeviceDisconnect)).count(),
+            1,
+            "the guest is told the device went: {packets:?}"
+        );
+        assert_eq!(rig.core.in_flight(), (0, 0), "nothing of the old device holds the budget");
+        assert_eq!(rig.core.host().urbs_in_flight(), 0);
+        assert_eq!(rig.connection.accepted(), (0, 0), "the old connection holds nothing");
+
+        // The same bus id, imported again: the bootloader.
+        let old = std::mem::replace(
+            &mut rig.connection,
+            DrivenConnection::new(DEVID, budget()).resumable_with_keepalive(Instant::now()),
+        );
+        rig.held.clear();
+        rig.core.replace_device(Speed::HIGH, rig.connection.queue());
+        assert_eq!((rig.core.pending(), rig.core.in_flight()), (0, (0, 0)), "the new import starts empty");
+        assert!(rig.guest_receives().is_empty(), "one disconnect only");
+        rig.pump(&BOOTLOADER, &BOOTLOADER_CONFIGURATION);
+        assert!(!rig.core.host().is_announced(), "announced before the guest acknowledged the disconnect");
+        assert!(rig.guest_receives().is_empty());
+        rig.guest_sends_with_id(0, &Packet::DeviceDisconnectAck);
+        let packets = rig.guest_receives();
+        let kinds: Vec<_> = packets.iter().map(Packet::kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                usbwire_redir::PacketType::EP_INFO,
+                usbwire_redir::PacketType::INTERFACE_INFO,
+                usbwire_redir::PacketType::DEVICE_CONNECT
+            ]
+        );
+        assert!(
+            matches!(packets[2], Packet::DeviceConnect { speed: 2, vendor_id: 0x1209, product_id: 0x0007, .. }),
+            "{packets:?}"
+        );
+        let Packet::InterfaceInfo(interfaces) = &packets[1] else { panic!() };
+        assert_eq!(interfaces.class, vec![0xfe], "the bootloader's DFU interface");
+        assert_eq!(rig.core.in_flight(), (0, 0), "the descriptor reads are done");
+
+        // The new device works, and the old one's stream did not come along.
+        rig.guest_sends(&Packet::GetConfiguration);
+        assert_eq!(
+            rig.guest_receives(),
+            [Packet::ConfigurationStatus { status: RedirStatus::SUCCESS, configuration: 1 }]
+        );
+        rig.pump(&BOOTLOADER, &BOOTLOADER_CONFIGURATION);
+        assert!(rig.held.is_empty(), "no interrupt URB for the old device's endpoint went to the new import");
+        assert_eq!(old.accepted(), (0, 0));
     }
 }
