@@ -360,11 +360,12 @@ impl<'a> DeviceSide<'a> {
         Self { source, busid, connection: Some(connection), ended, returning: None, followed: 0 }
     }
 
-    /// The device went away (its connection ended, or a completion said
-    /// so): the core tells the guest; unless the device is followed, that
-    /// ends the guest's session. A followed device is imported again, once
-    /// the connection's end says why it went (which decides how long to try).
-    fn went_away(&mut self, core: &mut BridgeCore) -> Result<(), BridgeError> {
+    /// The device went away (its connection `end`ed, or a completion said
+    /// so and the end is still to come): the core tells the guest; unless
+    /// the device is followed, that ends the guest's session. A followed
+    /// device is imported again, once the connection's end says why it went
+    /// (which decides how long to try).
+    fn went_away(&mut self, core: &mut BridgeCore, end: Option<ConnectionEnd>) -> Result<(), BridgeError> {
         let lost = core.device_lost();
         if !self.source.follow {
             return Err(lost);
@@ -385,8 +386,12 @@ impl<'a> DeviceSide<'a> {
             reservation: None,
         };
         let back = async move {
-            let went = WentAway::of(&ended.await)
-                .unwrap_or_else(|| WentAway::ConnectionEnded("the connection was closed".into()));
+            let end = match end {
+                Some(end) => end,
+                None => ended.await,
+            };
+            let went =
+                WentAway::of(&end).unwrap_or_else(|| WentAway::ConnectionEnded("the connection was closed".into()));
             info!(target: "usbwire::redir", busid = %reimport.busid, why = %went,
                 "the device went away; the guest was told, importing its bus id again");
             reimport.after(&went).await
@@ -518,10 +523,10 @@ async fn run_bridge(
             }
             completion = core.next_complete(), if collect => match core.handle_completion(completion) {
                 Ok(()) => {}
-                Err(BridgeError::DeviceLost) => device.went_away(core)?,
+                Err(BridgeError::DeviceLost) => device.went_away(core, None)?,
                 Err(error) => return Err(error),
             },
-            _ = ended, if !returning => device.went_away(core)?,
+            end = ended, if !returning => device.went_away(core, Some(end))?,
             imported = async { match back { Some(back) => back.await, None => std::future::pending().await } },
                 if returning => device.came_back(core, imported.map_err(|e| BridgeError::NotBack(Box::new(e)))?),
         }
