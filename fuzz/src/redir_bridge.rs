@@ -20,11 +20,15 @@
 //! `flags`: bit 0 a resumable session with keep-alive, bits 1–3 the read
 //! size, bit 4 no automatic enumeration (the input answers the descriptor
 //! reads itself), bit 5 a guest that reads everything after each op, bit 6
-//! a server that answers everything in order after each op. Then ops (see
+//! a server that answers everything in order after each op, bit 7 a bridge
+//! that follows its device through re-enumerations. Then ops (see
 //! [`Op`]): guest bytes (raw, or a packet built from a few input bytes),
 //! server answers (of the command it picks, as it picks) or raw bytes, the
 //! guest reading, time passing, either side going away, the server
-//! stopping or resuming reading.
+//! stopping or resuming reading; with bit 7 also the device re-enumerating
+//! (END `REENUMERATED` from a resumable server, the connection just ending
+//! from a stock one) and coming back (the shell's new import of the bus id,
+//! which [`BridgeCore::replace_device`] moves the bridge onto).
 //!
 //! Invariants, after every step: no panic; a bridge past its budget (URBs or
 //! bytes in flight, bytes waiting for the guest) reports it reads no more and
@@ -35,16 +39,18 @@
 //! bridge's URBs in flight, which equal the core's); the heap held stays
 //! under a bound derived from the budget; everything sent to the guest
 //! decodes as usbredir, everything sent to the server as USB/IP with fresh
-//! seqnums. At the end: once the session is over and the connection gone,
-//! nothing is held.
+//! seqnums. When the device comes back: nothing of the old import is held
+//! (its connection accepted nothing more, the bridge has no URB in flight
+//! and its new queue none pending). At the end: once the session is over
+//! and the connection gone, nothing is held.
 
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use usbwire_client::redir::{BridgeCore, Ended};
+use usbwire_client::redir::{BridgeCore, BridgeError, Ended};
 use usbwire_client::DrivenConnection;
-use usbwire_proto::{Budget, Limits, Speed};
+use usbwire_proto::{resume, Budget, Limits, Speed};
 use usbwire_redir::{Caps, Codec, Packet, Side, Status, UsbHost, MAX_PACKET_LEN};
 
 use crate::model_server::ModelServer;
@@ -84,6 +90,10 @@ enum Op {
     ServerGone,
     GuestHangsUp,
     ServerReading(bool),
+    /// The device re-enumerates (bridges that follow only).
+    Reenumerates,
+    /// The device is back and imported again (bridges that follow only).
+    ImportedAgain,
 }
 
 /// How a session ended.
@@ -114,8 +124,10 @@ impl Input<'_> {
         taken.to_vec()
     }
 
-    fn op(&mut self) -> Option<Op> {
-        Some(match self.byte()? % 9 {
+    /// The next op; `follows` adds the re-enumeration ops (9, 10).
+    fn op(&mut self, follows: bool) -> Option<Op> {
+        let kinds = if follows { 11 } else { 9 };
+        Some(match self.byte()? % kinds {
             0 => {
                 let n = self.byte()?;
                 Op::GuestRaw(self.bytes(usize::from(n)))
@@ -133,7 +145,9 @@ impl Input<'_> {
             5 => Op::TimePasses(Duration::from_millis(u64::from(self.byte()?) * 50)),
             6 => Op::ServerGone,
             7 => Op::GuestHangsUp,
-            _ => Op::ServerReading(self.byte()? % 2 == 0),
+            8 => Op::ServerReading(self.byte()? % 2 == 0),
+            9 => Op::Reenumerates,
+            _ => Op::ImportedAgain,
         })
     }
 
@@ -253,14 +267,22 @@ struct Session {
     /// The most URBs one read of the guest added to those in flight.
     most_per_read: usize,
     heap_before: Option<usize>,
+    /// The bridge follows its device (flags bit 7), and the session is resumable (bit 0).
+    follows: bool,
+    resumable: bool,
+    /// Following: the device went away and is not imported again yet.
+    away: bool,
 }
+
+/// The imported device's devid (the same port after a re-enumeration).
+const DEVID: u32 = 0x0001_0002;
 
 pub fn redir_bridge(data: &[u8]) {
     let Some((&[caps, budget, flags], ops)) = crate::split_control::<3>(data) else { return };
     let budget = budget_from(budget);
     let heap_before = crate::session::live_bytes();
     let start = Instant::now();
-    let mut connection = DrivenConnection::new(0x0001_0002, budget.clone());
+    let mut connection = DrivenConnection::new(DEVID, budget.clone());
     if flags & 1 != 0 {
         connection = connection.resumable_with_keepalive(start);
     }
@@ -282,6 +304,9 @@ pub fn redir_bridge(data: &[u8]) {
         over: None,
         most_per_read: 0,
         heap_before,
+        follows: flags & 0x80 != 0,
+        resumable: flags & 1 != 0,
+        away: false,
     };
     let hello = session.guest.hello("fuzz");
     session.guest_writes(0, &hello);
@@ -290,7 +315,7 @@ pub fn redir_bridge(data: &[u8]) {
     }
     let mut input = Input(ops);
     while session.over.is_none() {
-        let Some(op) = input.op() else { break };
+        let Some(op) = input.op(session.follows) else { break };
         session.step(op);
         if flags & 0x20 != 0 {
             session.step(Op::GuestReads(0));
@@ -339,8 +364,47 @@ impl Session {
             Op::ServerGone => self.connection.end(),
             Op::GuestHangsUp => self.guest_hung_up = true,
             Op::ServerReading(reads) => self.server_reads = reads,
+            Op::Reenumerates => self.reenumerates(),
+            Op::ImportedAgain => self.imported_again(),
         }
         self.turn();
+    }
+
+    /// The device re-enumerates: a resumable session's server says so (END
+    /// `REENUMERATED`, after what it already sent), a stock one just closes.
+    fn reenumerates(&mut self) {
+        if self.connection.is_closed() {
+            return;
+        }
+        if self.resumable {
+            let end = resume::end_header_for(DEVID, resume::EndReason::REENUMERATED);
+            self.server.to_client.extend_from_slice(&end);
+        } else {
+            self.connection.end();
+        }
+    }
+
+    /// The shell's new import of the same bus id, once the bridge noticed
+    /// the device went: a new connection (and server), the bridge moved onto
+    /// it, the new device enumerated as far as the ops let it.
+    fn imported_again(&mut self) {
+        if !self.away || self.over.is_some() {
+            return;
+        }
+        let Some(core) = self.core.as_mut() else { return };
+        assert_eq!(self.connection.accepted(), (0, 0), "the old connection still holds commands");
+        let budget = self.connection.budget().clone();
+        let mut connection = DrivenConnection::new(DEVID, budget);
+        if self.resumable {
+            connection = connection.resumable_with_keepalive(self.now);
+        }
+        core.replace_device(Speed::FULL, connection.queue());
+        assert_eq!(core.in_flight(), (0, 0), "URBs of the old device carried over");
+        assert_eq!(core.pending(), 0, "the new queue starts with the old device's URBs");
+        self.connection = connection;
+        self.server = ModelServer::default();
+        self.away = false;
+        self.enumerate();
     }
 
     /// A guest packet onto the guest's socket (one a guest cannot encode is not sent).
@@ -387,6 +451,12 @@ impl Session {
     /// whether anything moved.
     fn bridge_pass(&mut self) -> bool {
         let Some(core) = self.core.as_mut().filter(|_| self.over.is_none()) else { return false };
+        if self.follows && !self.away && self.connection.is_closed() {
+            // The shell waits for the connection's end: noticed at once, the guest told.
+            core.device_lost();
+            self.away = true;
+            return true;
+        }
         if let Some(ended) = core.poll_ended() {
             self.over = Some(Over::Ended(ended));
             return true;
@@ -421,11 +491,13 @@ impl Session {
             self.over = Some(Over::Ended(Ended::GuestLeft));
             return true;
         }
-        if core.collects_completions() {
+        if core.collects_completions() && !self.away {
             let mut cx = Context::from_waker(Waker::noop());
             if let Poll::Ready(completion) = core.poll_next_complete(&mut cx) {
-                if let Err(error) = core.handle_completion(completion) {
-                    self.over = Some(Over::Failed(error.to_string()));
+                match core.handle_completion(completion) {
+                    Ok(()) => {}
+                    Err(BridgeError::DeviceLost) if self.follows => self.away = true,
+                    Err(error) => self.over = Some(Over::Failed(error.to_string())),
                 }
                 moved = true;
             }
@@ -485,7 +557,7 @@ impl Session {
                 self.connection.end();
             }
         }
-        if ticked && self.connection.is_closed() {
+        if ticked && self.connection.is_closed() && !self.follows {
             if let Some(core) = self.core.as_mut().filter(|_| self.over.is_none()) {
                 self.over = Some(Over::Failed(core.device_lost().to_string()));
             }
@@ -544,7 +616,7 @@ impl Session {
     fn tear_down(&mut self) {
         let Some(mut core) = self.core.take() else { return };
         let lost = matches!(&self.over, Some(Over::Failed(why)) if why.contains("lost"));
-        if lost {
+        if lost || self.away {
             assert_eq!(core.host().urbs_in_flight(), 0, "URBs in flight on a lost device");
         }
         if std::env::var_os("USBWIRE_FUZZ_LOG").is_some() {

@@ -237,6 +237,38 @@ fn redir_bridge_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)) 
     let manual =
         [vec![2, 0, 3], vec![2, 0, 3], vec![2, 0, 3], vec![2, 0, 3], vec![4, 0], vec![1, 14, 0, 1], vec![4, 0]];
     add("redir_bridge", "manual_enumeration_filtered", &[0xfe, 3 | 3 << 2 | 3 << 4, 0x10 | 5 << 1], manual.concat());
+
+    // A bridge that follows (flags bit 7; ops [9] the device re-enumerates, [10] it is
+    // imported again): interrupt receiving and a bulk IN in flight when the device goes,
+    // the guest's ack of the disconnect, the new device used, then gone and back again
+    // before the guest acknowledged. A resumable server says END(REENUMERATED), a stock
+    // one closes.
+    let ack = vec![1, 16, 0, 0];
+    let follow = [
+        set_configuration.clone(),
+        vec![2, 0, 3],
+        vec![1, 4, 6, 0x81],
+        bulk(3, 0x82, 512),
+        vec![2, 0, 0],
+        vec![9],
+        vec![4, 0],
+        ack.clone(),
+        vec![10],
+        vec![4, 0],
+        set_configuration.clone(),
+        vec![2, 0, 3],
+        bulk(4, 0x02, 64),
+        vec![9],
+        vec![10],
+        ack,
+        vec![4, 0],
+        bulk(5, 0x82, 64),
+        vec![2, 0, 0],
+        vec![4, 0],
+    ];
+    let budget = 2 | 2 << 2 | 2 << 4;
+    add("redir_bridge", "follows_reenumerations_resumable", &[0xfe, budget, 0x80 | 1 | 3 << 1], follow.concat());
+    add("redir_bridge", "follows_reenumerations_stock", &[0xfe, budget, 0x80 | 3 << 1], follow.concat());
 }
 
 /// redir_packets: `[chunking, caps]`; what QEMU's usb-redir sends after its hello:
