@@ -390,16 +390,23 @@ impl UsbHost {
         Ok(())
     }
 
-    /// The USB/IP side is gone: the guest is told the device disconnected,
-    /// and what is pending will never complete. Nothing is answered after
-    /// the disconnect: the guest drops its own pending requests on it
-    /// (QEMU's usb-redir cancels them, as for an unplug).
+    /// The USB/IP side is gone: the guest's requests still pending are
+    /// answered with an I/O error (in the order they came), then the guest
+    /// is told the device disconnected, as usbredirhost does when libusb
+    /// fails a device's transfers before it notices the unplug. (QEMU drops
+    /// its bookkeeping of a device on `device_disconnect`: a request left
+    /// without an answer before it would leave the guest's transfer hanging,
+    /// as a guest resetting a board that re-enumerates on the reset found.)
     pub fn device_lost(&mut self) {
         if self.gone {
             return;
         }
         self.gone = true;
-        self.pending.clear();
+        let mut pending: Vec<(u64, Pending)> = self.pending.drain().collect();
+        pending.sort_unstable_by_key(|(tag, _)| *tag);
+        for (_, pending) in pending {
+            self.answer_gone(pending);
+        }
         self.by_guest_id.clear();
         self.streams.clear();
         self.commands.clear();
@@ -407,6 +414,32 @@ impl UsbHost {
             self.send(0, &Packet::DeviceDisconnect);
             self.awaiting_disconnect_ack = self.codec.caps().has(Caps::DEVICE_DISCONNECT_ACK);
         }
+    }
+
+    /// The I/O error a guest's request gets when its device went (host-driven
+    /// streams and our own descriptor reads have no request to answer).
+    fn answer_gone(&mut self, pending: Pending) {
+        let status = Status::IOERROR;
+        let (id, reply) = match pending {
+            Pending::Control { id, endpoint, request, requesttype, value, index } => {
+                let data = Bytes::new();
+                (id, Packet::Control { endpoint, request, requesttype, status, value, index, length: 0, data })
+            }
+            Pending::Bulk { id, endpoint, stream_id } => {
+                (id, Packet::Bulk { endpoint, status, length: 0, stream_id, data: Bytes::new() })
+            }
+            Pending::InterruptOut { id, endpoint } => {
+                (id, Packet::Interrupt { endpoint, status, length: 0, data: Bytes::new() })
+            }
+            Pending::SetConfiguration { id, .. } => {
+                (id, Packet::ConfigurationStatus { status, configuration: self.device.configuration })
+            }
+            Pending::SetAltSetting { id, interface, .. } => {
+                (id, Packet::AltSettingStatus { status, interface, alt: self.device.alt_of(interface) })
+            }
+            _ => return,
+        };
+        self.send(id, &reply);
     }
 
     /// Whether a `device_disconnect` we sent is not acknowledged yet (the
@@ -1011,7 +1044,23 @@ mod tests {
         });
         assert_eq!(rig.submits().len(), 1);
         rig.host.device_lost();
-        assert_eq!(rig.guest_receives(), [(0, Packet::DeviceDisconnect)]);
+        assert_eq!(
+            rig.guest_receives(),
+            [
+                (
+                    1,
+                    Packet::Bulk {
+                        endpoint: 0x02,
+                        status: Status::IOERROR,
+                        length: 0,
+                        stream_id: 0,
+                        data: Bytes::new()
+                    }
+                ),
+                (0, Packet::DeviceDisconnect)
+            ],
+            "the pending request answered, then the disconnect"
+        );
         assert_eq!(rig.host.urbs_in_flight(), 0);
         let id = rig.guest_sends(Packet::Bulk {
             endpoint: 0x82,
@@ -1059,7 +1108,21 @@ mod tests {
         rig.guest_receives();
 
         rig.host.replace_device(Speed::HIGH);
-        assert_eq!(rig.guest_receives(), [(0, Packet::DeviceDisconnect)], "the old device goes first, alone");
+        let gone = Packet::Control {
+            endpoint: 0x80,
+            request: 6,
+            requesttype: 0x80,
+            status: Status::IOERROR,
+            value: 0x0300,
+            index: 0,
+            length: 0,
+            data: Bytes::new(),
+        };
+        assert_eq!(
+            rig.guest_receives(),
+            [(control, gone), (0, Packet::DeviceDisconnect)],
+            "the old device's pending request is answered, then it goes; its streams are not answered"
+        );
         assert!(rig.host.awaits_disconnect_ack());
         let reads = rig.submits();
         assert_eq!(reads.len(), 1, "only the new device's descriptor read: nothing of the old device's streams");
