@@ -311,6 +311,7 @@ pub(crate) const CONFIG: &[ConfigTable] = &[
             ("listen", "\"unix:PATH\"|\"ADDR:PORT\"", "where guests connect (TCP only with allow_unauthenticated)"),
             ("group", "\"GROUP\"", "the socket 0660 for QEMU's group"),
             ("allow_unauthenticated", "true|false", "let listen be a TCP port (usbredir has no authentication)"),
+            ("follow", "true|false", "keep the guest's device through re-enumerations (default: true for a bus id)"),
         ],
     },
     ConfigTable {
