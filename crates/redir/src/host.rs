@@ -260,25 +260,6 @@ impl UsbHost {
         host
     }
 
-    /// The same port holds a new device (it re-enumerated and was imported
-    /// again), of `speed`: the old one is disconnected if it was not yet,
-    /// what the guest chose for it is forgotten, and the new descriptors are
-    /// read (their URBs come from [`poll_urb`](Self::poll_urb)). The new
-    /// device is announced once they are in and the guest has acknowledged
-    /// the disconnect (when it announced `device_disconnect_ack`); requests
-    /// before that are refused, as for a device that is not there.
-    pub fn replace_device(&mut self, speed: Speed) {
-        self.device_lost();
-        self.speed = speed;
-        self.device = DeviceModel::default();
-        self.ready = false;
-        self.announced = false;
-        self.filtered_out = false;
-        self.gone = false;
-        self.configured_by_guest = false;
-        self.read_device_descriptor();
-    }
-
     /// Bytes for the guest, to write in order; the driver takes them (`split`).
     pub fn to_guest(&mut self) -> &mut BytesMut {
         &mut self.out
@@ -388,64 +369,6 @@ impl UsbHost {
             }
         }
         Ok(())
-    }
-
-    /// The USB/IP side is gone: the guest's requests still pending are
-    /// answered with an I/O error (in the order they came), then the guest
-    /// is told the device disconnected, as usbredirhost does when libusb
-    /// fails a device's transfers before it notices the unplug. (QEMU drops
-    /// its bookkeeping of a device on `device_disconnect`: a request left
-    /// without an answer before it would leave the guest's transfer hanging,
-    /// as a guest resetting a board that re-enumerates on the reset found.)
-    pub fn device_lost(&mut self) {
-        if self.gone {
-            return;
-        }
-        self.gone = true;
-        let mut pending: Vec<(u64, Pending)> = self.pending.drain().collect();
-        pending.sort_unstable_by_key(|(tag, _)| *tag);
-        for (_, pending) in pending {
-            self.answer_gone(pending);
-        }
-        self.by_guest_id.clear();
-        self.streams.clear();
-        self.commands.clear();
-        if self.announced {
-            self.send(0, &Packet::DeviceDisconnect);
-            self.awaiting_disconnect_ack = self.codec.caps().has(Caps::DEVICE_DISCONNECT_ACK);
-        }
-    }
-
-    /// The I/O error a guest's request gets when its device went (host-driven
-    /// streams and our own descriptor reads have no request to answer).
-    fn answer_gone(&mut self, pending: Pending) {
-        let status = Status::IOERROR;
-        let (id, reply) = match pending {
-            Pending::Control { id, endpoint, request, requesttype, value, index } => {
-                let data = Bytes::new();
-                (id, Packet::Control { endpoint, request, requesttype, status, value, index, length: 0, data })
-            }
-            Pending::Bulk { id, endpoint, stream_id } => {
-                (id, Packet::Bulk { endpoint, status, length: 0, stream_id, data: Bytes::new() })
-            }
-            Pending::InterruptOut { id, endpoint } => {
-                (id, Packet::Interrupt { endpoint, status, length: 0, data: Bytes::new() })
-            }
-            Pending::SetConfiguration { id, .. } => {
-                (id, Packet::ConfigurationStatus { status, configuration: self.device.configuration })
-            }
-            Pending::SetAltSetting { id, interface, .. } => {
-                (id, Packet::AltSettingStatus { status, interface, alt: self.device.alt_of(interface) })
-            }
-            _ => return,
-        };
-        self.send(id, &reply);
-    }
-
-    /// Whether a `device_disconnect` we sent is not acknowledged yet (the
-    /// next device waits for it).
-    pub fn awaits_disconnect_ack(&self) -> bool {
-        self.awaiting_disconnect_ack
     }
 
     // size-exempt: a per-message match, one arm per packet a guest sends.
