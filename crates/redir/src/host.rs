@@ -35,7 +35,7 @@ use usbwire_device::TransferType;
 use usbwire_proto::urb::IsoPacketDescriptor;
 use usbwire_proto::{Speed, Status as UrbStatus};
 
-use self::device::DeviceModel;
+use self::device::{DeviceModel, Held};
 use self::streams::Stream;
 use crate::{Caps, Codec, Packet, RedirError, Side, Status};
 
@@ -125,6 +125,10 @@ pub enum HostEvent {
     GuestRejected,
     /// The guest acknowledged our device_disconnect.
     DisconnectAcknowledged,
+    /// The device re-enumerated on the guest's reset and the new one took
+    /// its place without an unplug: its ep_info and interface_info were
+    /// sent, and the `held` requests the guest made meanwhile went to it.
+    ReplacedOnReset { held: usize },
 }
 
 /// What one guest moved through the core: transfers completed on the device
@@ -216,6 +220,12 @@ pub struct UsbHost {
     /// The guest set a configuration since the announce; resets before that are
     /// the guest's enumeration and skipped, as usbredirhost does.
     configured_by_guest: bool,
+    /// The guest's reset went to the device and nothing it did since showed
+    /// it is the same device: if it goes now, it re-enumerates on that reset.
+    since_reset: bool,
+    /// The device re-enumerates on the guest's reset: the guest still sees
+    /// it, and its requests wait here for the new device.
+    held: Option<Held>,
     filter: Option<String>,
     pending: HashMap<u64, Pending>,
     /// Guest data-packet id → tag of its URB (for cancel).
@@ -244,6 +254,8 @@ impl UsbHost {
             gone: false,
             awaiting_disconnect_ack: false,
             configured_by_guest: false,
+            since_reset: false,
+            held: None,
             filter: None,
             pending: HashMap::new(),
             by_guest_id: HashMap::new(),
@@ -303,6 +315,10 @@ impl UsbHost {
     pub fn handle_urb(&mut self, tag: u64, result: UrbResult) -> Result<(), HostError> {
         let Some(pending) = self.pending.remove(&tag) else { return Ok(()) };
         let status = redir_status(result.status);
+        if status == Status::SUCCESS && !matches!(pending, Pending::Reset) {
+            // The device answered after the reset: it is the same one.
+            self.since_reset = false;
+        }
         match pending {
             read @ (Pending::DeviceDescriptor
             | Pending::ConfigurationHeader { .. }
@@ -392,6 +408,7 @@ impl UsbHost {
                 // A device that came back meanwhile waited for this.
                 self.announce();
             }
+            _ if self.held.is_some() => self.hold(id, packet),
             _ if self.gone || !self.announced => {
                 // A request for a device that is not (or no longer) there.
                 self.refuse(id, &packet);
@@ -399,6 +416,7 @@ impl UsbHost {
             Packet::Reset => {
                 if self.configured_by_guest {
                     self.stop_all_streams();
+                    self.since_reset = true;
                     self.submit(Pending::Reset, UrbRequest::control([0x23, 0x03, 0x04, 0, 0, 0, 0, 0], Bytes::new()));
                 }
             }
@@ -1129,6 +1147,122 @@ mod tests {
                 PacketType::DEVICE_CONNECT
             ]
         );
+    }
+
+    /// Answers the descriptor reads the host submitted with the bootloader's descriptors.
+    fn answer_bootloader_reads(rig: &mut Rig) {
+        let mut pending = rig.submits();
+        while let Some((tag, urb)) = pending.pop() {
+            let wanted = usize::from(u16::from_le_bytes([urb.setup[6], urb.setup[7]]));
+            let reply: &[u8] = match (urb.setup[1], urb.setup[3]) {
+                (0x06, 0x01) => &BOOTLOADER,
+                (0x06, 0x02) => &BOOTLOADER_CONFIGURATION,
+                (0x08, _) => &[1],
+                other => panic!("unexpected request {other:?}"),
+            };
+            rig.host.handle_urb(tag, ok(&reply[..wanted.min(reply.len())])).unwrap();
+            pending.extend(rig.submits());
+        }
+    }
+
+    /// A configured device, and the guest's reset of it on the way to the device.
+    fn reset_by_the_guest() -> Rig {
+        let mut rig = Rig::announced();
+        rig.guest_sends(Packet::SetConfiguration { configuration: 1 });
+        let [(tag, _)] = rig.submits().try_into().unwrap();
+        rig.host.handle_urb(tag, ok(&[])).unwrap();
+        rig.guest_receives();
+        rig.guest_sends(Packet::Reset);
+        let [(_, reset)] = rig.submits().try_into().unwrap();
+        assert_eq!(reset.setup, [0x23, 0x03, 0x04, 0, 0, 0, 0, 0]);
+        rig
+    }
+
+    fn get_device_descriptor(length: u16) -> Packet {
+        Packet::Control {
+            endpoint: 0x80,
+            request: 6,
+            requesttype: 0x80,
+            status: Status::SUCCESS,
+            value: 0x0100,
+            index: 0,
+            length,
+            data: Bytes::new(),
+        }
+    }
+
+    #[test]
+    fn a_device_that_reenumerates_on_the_guests_reset_answers_the_guest_as_the_new_device() {
+        let mut rig = reset_by_the_guest();
+        // The device re-enumerates on the reset: the guest, inside its reset, is not told.
+        rig.host.device_lost();
+        assert!(rig.guest_receives().is_empty(), "the guest was told the device went during its reset");
+        // Its kernel checks the device after the reset: held until the new device is there.
+        let read = rig.guest_sends(get_device_descriptor(64));
+        assert!(rig.guest_receives().is_empty() && rig.submits().is_empty());
+        rig.host.replace_device(Speed::FULL);
+        // The new device's descriptors; the held read reaches it once they are in.
+        answer_bootloader_reads(&mut rig);
+        let packets = rig.guest_receives();
+        let [(0, Packet::EpInfo(endpoints)), (0, Packet::InterfaceInfo(interfaces)), (id, Packet::Control { status, data, .. })] =
+            packets.as_slice()
+        else {
+            panic!("expected ep_info, interface_info and the read's answer, no unplug and no plug: {packets:?}")
+        };
+        assert_eq!(endpoints.kind[EndpointInfo::index(0x81)], 255);
+        assert_eq!(interfaces.class, vec![0xfe]);
+        assert_eq!((*id, *status, data.as_ref()), (read, Status::SUCCESS, &BOOTLOADER[..]));
+        assert!(rig.host.is_announced());
+        assert_eq!(std::iter::from_fn(|| rig.host.poll_event()).last(), Some(HostEvent::ReplacedOnReset { held: 1 }));
+        // The new device is unconfigured: the kernel's reset of it as it enumerates is skipped.
+        rig.guest_sends(Packet::Reset);
+        assert!(rig.submits().is_empty());
+    }
+
+    #[test]
+    fn a_device_that_answered_after_the_reset_goes_with_a_disconnect() {
+        let mut rig = reset_by_the_guest();
+        let read = rig.guest_sends(get_device_descriptor(18));
+        let [(tag, _)] = rig.submits().try_into().unwrap();
+        rig.host.handle_urb(tag, ok(&DEVICE)).unwrap();
+        rig.guest_receives();
+        rig.host.device_lost();
+        assert_eq!(rig.guest_receives(), [(0, Packet::DeviceDisconnect)]);
+        assert_ne!(read, 0);
+    }
+
+    #[test]
+    fn a_device_back_at_another_speed_after_the_reset_is_unplugged_and_plugged() {
+        let mut rig = reset_by_the_guest();
+        rig.host.device_lost();
+        let read = rig.guest_sends(get_device_descriptor(64));
+        rig.host.replace_device(Speed::HIGH);
+        let packets = rig.guest_receives();
+        let [(id, Packet::Control { status: Status::IOERROR, .. }), (0, Packet::DeviceDisconnect)] = packets.as_slice()
+        else {
+            panic!("expected the held read refused, then device_disconnect: {packets:?}")
+        };
+        assert_eq!(*id, read);
+        answer_bootloader_reads(&mut rig);
+        assert!(rig.guest_receives().is_empty(), "announced before the guest acknowledged the disconnect");
+        rig.guest_sends_with_id(0, Packet::DeviceDisconnectAck);
+        let kinds: Vec<PacketType> = rig.guest_receives().iter().map(|(_, p)| p.kind()).collect();
+        assert_eq!(kinds, [PacketType::EP_INFO, PacketType::INTERFACE_INFO, PacketType::DEVICE_CONNECT]);
+    }
+
+    #[test]
+    fn requests_held_past_the_bound_are_refused() {
+        let mut rig = reset_by_the_guest();
+        rig.host.device_lost();
+        let ids: Vec<u64> = (0..40).map(|_| rig.guest_sends(get_device_descriptor(18))).collect();
+        let refused: Vec<u64> = rig.guest_receives().iter().map(|(id, _)| *id).collect();
+        assert_eq!(refused, ids[32..], "the first 32 are held, the rest refused");
+        // Gone again before its descriptors are in: the held ones are refused, then the disconnect.
+        rig.host.replace_device(Speed::FULL);
+        rig.host.device_lost();
+        let packets = rig.guest_receives();
+        assert_eq!(packets.len(), 33);
+        assert_eq!(packets.last(), Some(&(0, Packet::DeviceDisconnect)));
     }
 
     #[test]

@@ -153,4 +153,24 @@ pub(super) fn redir_bridge_seeds(add: &mut impl FnMut(&'static str, &str, &[u8],
     let budget = 2 | 2 << 2 | 2 << 4;
     add("redir_bridge", "follows_reenumerations_resumable", &[0xfe, budget, 0x80 | 1 | 3 << 1], follow.concat());
     add("redir_bridge", "follows_reenumerations_stock", &[0xfe, budget, 0x80 | 3 << 1], follow.concat());
+
+    // The device re-enumerates on the guest's reset ([1, 13] a reset once configured):
+    // the guest's descriptor read after it waits for the new device, which answers it.
+    let reset = [
+        set_configuration.clone(),
+        vec![2, 0, 3],
+        vec![4, 0],
+        vec![1, 13, 0, 0],
+        vec![9],
+        control_in(7, 6, 0x0100, 64),
+        vec![4, 0],
+        vec![10],
+        vec![2, 0, 3],
+        vec![2, 0, 3],
+        vec![2, 0, 3],
+        vec![2, 0, 3],
+        vec![2, 0, 3],
+        vec![4, 0],
+    ];
+    add("redir_bridge", "reenumerates_on_the_guests_reset", &[0xfe, budget, 0x80 | 1 | 3 << 1], reset.concat());
 }

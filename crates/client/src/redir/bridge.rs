@@ -103,6 +103,8 @@ impl BridgeCore {
                     return Some(Ended::Refused(format!("its usbredir filter ({rules}) refuses the device")));
                 }
                 HostEvent::GuestRejected => return Some(Ended::Refused("it rejected the device".into())),
+                HostEvent::ReplacedOnReset { held } => info!(target: "usbwire::redir", held,
+                    "the device re-enumerated on the guest's reset; the guest's requests since go to the new one"),
                 HostEvent::DisconnectAcknowledged => {
                     debug!(target: "usbwire::redir", "guest acknowledged the disconnect")
                 }

@@ -6,7 +6,7 @@
 //! device's descriptors read and announced). Not here: the guest's requests (`host.rs`) and
 //! the host-driven streams (`streams.rs`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use bytes::Bytes;
 use usbwire_device::descriptor::{ConfigurationInfo, DeviceDescriptor};
@@ -18,6 +18,19 @@ use crate::{Caps, EndpointInfo, InterfaceInfo, Packet, Status};
 
 /// Configurations read at start (a device announcing more is cut to these).
 const MAX_CONFIGURATIONS: u8 = 8;
+/// Guest requests held while a device re-enumerates on the guest's reset: a
+/// kernel's descriptor reads after its reset are a few; past these (or past
+/// [`MAX_HELD_BYTES`] of data) requests are refused as for a device not there.
+const MAX_HELD: usize = 32;
+const MAX_HELD_BYTES: usize = 16 * 1024;
+
+/// The guest's requests waiting for the device that re-enumerates on its reset.
+#[derive(Debug, Default)]
+pub(super) struct Held {
+    packets: VecDeque<(u64, Packet)>,
+    /// Data the packets carry.
+    bytes: usize,
+}
 
 /// What the descriptors say and what the guest chose.
 #[derive(Debug, Default)]
@@ -200,11 +213,25 @@ impl UsbHost {
             let interfaces = self.device.active().map(|c| c.interface_classes()).unwrap_or_default();
             if !crate::filter::allows(&rules, &descriptor, &interfaces) {
                 self.filtered_out = true;
+                // A guest that still sees the device before (its reset) is told it went.
+                self.disconnect_guest();
                 self.events.push_back(HostEvent::FilteredOut { rules });
                 return;
             }
         }
         self.send_device_info();
+        if let Some(held) = self.held.take() {
+            // The device re-enumerated on the guest's reset: as for a real one, the
+            // guest's requests after its reset reach the new device (its kernel then
+            // sees other descriptors, and re-enumerates the port itself). QEMU keeps
+            // the device attached; the new endpoints and interfaces are all it needs.
+            self.announced = true;
+            self.events.push_back(HostEvent::ReplacedOnReset { held: held.packets.len() });
+            for (id, packet) in held.packets {
+                self.handle_packet(id, packet);
+            }
+            return;
+        }
         let connect = Packet::DeviceConnect {
             speed: redir_speed(self.speed),
             class: descriptor.class,
@@ -243,8 +270,17 @@ impl UsbHost {
     /// device is announced once they are in and the guest has acknowledged
     /// the disconnect (when it announced `device_disconnect_ack`); requests
     /// before that are refused, as for a device that is not there.
+    ///
+    /// A device that re-enumerated on the guest's reset is not disconnected
+    /// (unless its speed changed): the guest's requests since the reset wait
+    /// for the new descriptors, then go to the new device, after its ep_info
+    /// and interface_info, as a real device answers a kernel checking it
+    /// after a reset (see [`device_lost`](Self::device_lost)).
     pub fn replace_device(&mut self, speed: Speed) {
         self.device_lost();
+        if self.held.is_some() && speed != self.speed {
+            self.disconnect_guest();
+        }
         self.speed = speed;
         self.device = DeviceModel::default();
         self.ready = false;
@@ -252,6 +288,7 @@ impl UsbHost {
         self.filtered_out = false;
         self.gone = false;
         self.configured_by_guest = false;
+        self.since_reset = false;
         self.read_device_descriptor();
     }
 
@@ -262,6 +299,13 @@ impl UsbHost {
     /// its bookkeeping of a device on `device_disconnect`: a request left
     /// without an answer before it would leave the guest's transfer hanging,
     /// as a guest resetting a board that re-enumerates on the reset found.)
+    ///
+    /// Except when the device goes on the reset the guest asked for (nothing
+    /// answered since): a real device that re-enumerates on a bus reset is
+    /// still at the port after it, so the guest is not told; its requests
+    /// are held until the device is back ([`replace_device`](Self::replace_device)).
+    /// A guest told `device_disconnect` then would wait seconds per descriptor
+    /// read of the old device's reset it is still inside (its kernel does).
     pub fn device_lost(&mut self) {
         if self.gone {
             return;
@@ -275,9 +319,44 @@ impl UsbHost {
         self.by_guest_id.clear();
         self.streams.clear();
         self.commands.clear();
-        if self.announced {
+        if self.announced && self.since_reset && self.held.is_none() {
+            self.held = Some(Held::default());
+            return;
+        }
+        self.disconnect_guest();
+    }
+
+    /// Tells the guest the device it sees went: requests held for a device
+    /// re-enumerating on a reset are refused first, then `device_disconnect`.
+    fn disconnect_guest(&mut self) {
+        let held = self.held.take();
+        let sees_device = self.announced || held.is_some();
+        for (id, packet) in held.into_iter().flat_map(|held| held.packets) {
+            self.refuse(id, &packet);
+        }
+        if sees_device {
             self.send(0, &Packet::DeviceDisconnect);
             self.awaiting_disconnect_ack = self.codec.caps().has(Caps::DEVICE_DISCONNECT_ACK);
+        }
+    }
+
+    /// Holds a guest's request for the device re-enumerating on its reset
+    /// (refused past the bounds, as for a device that is not there).
+    pub(super) fn hold(&mut self, id: u64, packet: Packet) {
+        let bytes = match &packet {
+            Packet::Control { data, .. }
+            | Packet::Bulk { data, .. }
+            | Packet::Iso { data, .. }
+            | Packet::Interrupt { data, .. }
+            | Packet::BufferedBulk { data, .. } => data.len(),
+            _ => 0,
+        };
+        match self.held.as_mut() {
+            Some(held) if held.packets.len() < MAX_HELD && held.bytes + bytes <= MAX_HELD_BYTES => {
+                held.bytes += bytes;
+                held.packets.push_back((id, packet));
+            }
+            _ => self.refuse(id, &packet),
         }
     }
 
