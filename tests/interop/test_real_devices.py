@@ -264,6 +264,10 @@ def real_beside_virtual(remote, addr, checks):
                  state)
     rc, out = remote.run("usbwire unbind -b 1-1 $C")
     checks.check("unbind -b 1-1 withdraws the real device", rc == 0 and "complete" in out, out)
+    refused = subprocess.run([BIN, "describe", "-r", addr, "-b", "1-1"], capture_output=True, text=True)
+    checks.check("an import of 1-1 is then refused with the reason: unbound on the server",
+                 refused.returncode != 0 and "no longer exported (unbound on the server) at 20" in refused.stderr,
+                 refused.stderr[-400:])
     checks.check("after unbind -b 1-1 the virtual 0-1 stays, in list -r and in state",
                  sorted(exported(addr)) == ["0-1"] and sorted(server_state(remote)) == ["0-1"], out)
     rc, out = remote.run("usbwire bind -b 1-1 $C")
@@ -581,6 +585,9 @@ def main():
         after = sorted(d["busid"] for d in json.loads(out.stdout)["devices"]) if out.returncode == 0 else None
         checks.check("the server stays healthy and no longer lists the unplugged keyboard",
                      after == sorted(d["busid"] for d in (stick, serial, audio)), out.stdout + out.stderr)
+        out = subprocess.run([BIN, "describe", "-r", addr, "-b", kbd["busid"]], capture_output=True, text=True)
+        checks.check("an import of the unplugged keyboard is refused with the reason: unplugged, and when",
+                     out.returncode != 0 and "unplugged from the server at 20" in out.stderr, out.stderr[-400:])
 
         # Hotplug: a keyboard plugged in later matches the serve --bind 0627:0001 rule.
         reply = qemu_monitor(monitor, "device_add usb-kbd,bus=xhci.0,port=1,id=kbd2")
