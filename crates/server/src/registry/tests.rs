@@ -1,7 +1,13 @@
 //! The registry's import rules, waits and releases, with real loopback sockets
 //! for the peer probes and a device whose reset takes time.
 
+use std::net::SocketAddr;
+
+use usbwire_proto::op::OpStatus;
+use usbwire_proto::reservation::ReservationToken;
+
 use super::*;
+use crate::peer::PeerProbe;
 
 fn peer() -> SocketAddr {
     "127.0.0.1:5000".parse().unwrap()
