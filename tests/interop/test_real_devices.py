@@ -300,9 +300,10 @@ REPLACEMENTS = [
 ]
 REPLACEMENT_ROUNDS = 20
 # The target for a replacement is 2 s from plug to the client's driver bound (FOLLOW_TARGET_S).
-# Here both machines are QEMU guests under TCG, and each enumerates the new device (about
-# 0.5-1 s apiece on 2 loaded cores: 1.40-2.87 s end to end, 8 of 20 within 2 s, 2026-11-26);
-# the check allows that, and the test prints every time and how many met the target.
+# Here both machines are QEMU guests under TCG, and each enumerates the new device: on 2
+# cores, 1.70-1.92 s end to end in a CI run (20 of 20 within 2 s), 1.40-2.87 s with other
+# builds beside it at a load average of 8-10 (8 of 20), 2026-11-26 at 96571e7 and 95ad1b9.
+# The check allows that; the test prints every time and how many met the target.
 FOLLOW_TARGET_S = 2.0
 FOLLOW_BOUND_S = 5.0
 
