@@ -8,6 +8,7 @@ Everything is built from Debian packages into tests/interop/.cache, which CI
 starts without: `build()` runs automatically from the tests.
 """
 
+import atexit
 import glob
 import hashlib
 import lzma
@@ -19,6 +20,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -391,6 +393,17 @@ def require(*paths):
         if not os.path.exists(path):
             sys.exit(f"missing {path}: run `cargo build --release -p usbwire-cli -p usbwire-client --examples` "
                      "or set USBWIRE_BIN")
+
+
+def scratch(prefix):
+    """A private work directory for one test, removed when the test process exits
+    (kept, and named on stderr, when USBWIRE_KEEP_WORK is set)."""
+    work = tempfile.mkdtemp(prefix=prefix)
+    if os.environ.get("USBWIRE_KEEP_WORK"):
+        atexit.register(lambda: print(f"work directory kept: {work}", file=sys.stderr))
+    else:
+        atexit.register(shutil.rmtree, work, ignore_errors=True)
+    return work
 
 
 def free_port():

@@ -16,7 +16,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -66,7 +65,7 @@ exit 0
 
 
 def attach_from_a_vhci_guest(checks):
-    work = tempfile.mkdtemp(prefix="usbwire-attach-")
+    work = guest.scratch("usbwire-attach-")
     image = os.path.join(work, "disk.img")
     port = guest.free_port()
     log = open(os.path.join(guest.LOGS, "client-attach.server.log"), "w")
@@ -104,7 +103,7 @@ def attach_from_a_vhci_guest(checks):
 
 
 def userspace_client_against_kernel_stub(checks):
-    work = tempfile.mkdtemp(prefix="usbwire-stub-")
+    work = guest.scratch("usbwire-stub-")
     image = os.path.join(work, "stick.img")
     with open(image, "wb") as f:
         f.write(os.urandom(8 << 20))

@@ -13,7 +13,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -183,7 +182,7 @@ def main():
     guest.require(BIN)
     guest.build()
     checks = guest.Checks()
-    work = tempfile.mkdtemp(prefix="usbwire-interop-")
+    work = guest.scratch("usbwire-interop-")
     image = os.path.join(work, "disk.img")
     link = os.path.join(work, "ttyUSBWIRE")
     control = os.path.join(work, "control.sock")

@@ -26,7 +26,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -115,7 +114,7 @@ def main():
     guest.require(BIN)
     guest.build()
     checks = guest.Checks()
-    work = tempfile.mkdtemp(prefix="usbwire-dfu-")
+    work = guest.scratch("usbwire-dfu-")
     firmware = os.path.join(work, "fw.bin")
     image = os.path.join(work, "image.bin")
     data = os.urandom(1 << 20)

@@ -51,7 +51,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -470,7 +469,7 @@ def main():
     guest.require(BIN, ETCD, shutil.which("openssl") or "/usr/bin/openssl")
     checks = guest.Checks()
     os.makedirs(guest.LOGS, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="usbwire-lab-")
+    work = guest.scratch("usbwire-lab-")
     env = dict(os.environ, XDG_STATE_HOME=os.path.join(work, "state"))
     cluster = Cluster(work)
     disk_image = os.path.join(work, "guest.img")

@@ -29,7 +29,6 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -350,7 +349,7 @@ def main():
     guest.require(BIN, READ_SECTORS)
     guest.build()
     checks = guest.Checks()
-    work = tempfile.mkdtemp(prefix="usbwire-real-")
+    work = guest.scratch("usbwire-real-")
     image = os.path.join(work, "stick.img")
     files = os.path.join(work, "files")
     os.makedirs(files)

@@ -27,7 +27,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
@@ -222,7 +221,7 @@ def main():
     guest.require(BIN, "/usr/bin/qemu-system-x86_64", MKE2FS)
     checks = guest.Checks()
     os.makedirs(guest.LOGS, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="usbwire-redir-")
+    work = guest.scratch("usbwire-redir-")
     image = os.path.join(work, "disk.img")
     link = os.path.join(work, "ttyUSBWIRE")
     control = os.path.join(work, "control.sock")

@@ -25,7 +25,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +106,7 @@ def main():
     guest.require(BIN, USBREDIRECT)
     guest.build()
     checks = guest.Checks()
-    work = tempfile.mkdtemp(prefix="usbwire-redir-real-")
+    work = guest.scratch("usbwire-redir-real-")
     image = os.path.join(work, "stick.img")
     files = os.path.join(work, "files")
     os.makedirs(files)

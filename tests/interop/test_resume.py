@@ -49,7 +49,6 @@ import select
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import tty
@@ -738,7 +737,7 @@ def main():
     if checks.failed:
         checks.exit()
 
-    work = tempfile.mkdtemp(prefix="usbwire-resume-")
+    work = guest.scratch("usbwire-resume-")
     image = os.path.join(work, "disk.img")
     link = os.path.join(work, "ttyUSBWIRE")
     port = guest.free_port()

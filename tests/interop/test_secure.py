@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import guest  # noqa: E402
@@ -52,7 +51,7 @@ def main():
             failed.append(name)
 
     guest.build()
-    work = tempfile.mkdtemp(prefix="usbwire-secure-")
+    work = guest.scratch("usbwire-secure-")
     server_dir, client_dir = os.path.join(work, "server"), os.path.join(work, "client")
     fingerprint = {}
     for name, d in [("server", server_dir), ("client", client_dir)]:

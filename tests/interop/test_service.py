@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +73,7 @@ def main():
     guest.require(BIN)
     guest.build()
     checks = guest.Checks()
-    work = tempfile.mkdtemp(prefix="usbwire-service-")
+    work = guest.scratch("usbwire-service-")
     image = os.path.join(work, "disk.img")
     port = guest.free_port()
     log = open(os.path.join(guest.LOGS, "service.server.log"), "w")

@@ -19,7 +19,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
@@ -66,7 +65,7 @@ def events(http, seconds):
 def main():
     guest.require(BIN, CHROMIUM)
     checks = guest.Checks()
-    work = tempfile.mkdtemp(prefix="usbwire-status-")
+    work = guest.scratch("usbwire-status-")
     os.makedirs(guest.LOGS, exist_ok=True)
     port, http = guest.free_port(), guest.free_port()
     log = open(os.path.join(guest.LOGS, "status-page.server.log"), "w")

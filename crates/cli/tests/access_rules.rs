@@ -3,15 +3,16 @@
 //! asked for by name, `server = "discover"` needs TLS and a pinned key, and a
 //! plain server on a non-loopback address says what it exposes.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use usbwire_testing::process::Scratch;
 
 use usbwire_testing::process::{start, Running, Started};
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> Scratch {
     usbwire_testing::process::scratch("access", name)
 }
 

@@ -3,18 +3,19 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use usbwire_testing::process::Scratch;
 
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpSocket, TcpStream};
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> Scratch {
     usbwire_testing::process::scratch("cli-admission", name)
 }
 

@@ -5,10 +5,11 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use usbwire_testing::process::Scratch;
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> Scratch {
     usbwire_testing::process::scratch("cli", name)
 }
 

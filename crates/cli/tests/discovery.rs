@@ -114,8 +114,7 @@ fn a_client_in_another_namespace_finds_the_server_and_its_devices_unless_it_stay
         eprintln!("SKIPPED: discovery test needs root to create network namespaces");
         return;
     };
-    let dir = std::env::temp_dir().join(format!("usbwire-discovery-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = usbwire_testing::process::scratch("discovery", "advertised");
 
     let server = serve(&namespaces, &dir.join("advertised.sock"), &[]);
     let found = discover(&namespaces);

@@ -7,6 +7,7 @@ use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
+use usbwire_testing::etcd::Etcd;
 use usbwire_testing::process::{free_addr, scratch, start, Running};
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
@@ -202,38 +203,6 @@ fn the_tcp_port_applies_to_ipv6_hosts() {
     }
 }
 
-/// One etcd member on free loopback ports, killed when dropped; `None`
-/// (the test says it skipped) without an etcd binary.
-struct Etcd(std::process::Child, std::path::PathBuf);
-
-impl Etcd {
-    fn start(dir: &Path) -> Option<(Self, String)> {
-        let binary = std::env::var_os("USBWIRE_ETCD").unwrap_or_else(|| "etcd".into());
-        let (client, peer) = (free_addr(), free_addr());
-        let child = Command::new(&binary)
-            .args(["--name", "exit-codes", "--data-dir"])
-            .arg(dir.join("etcd"))
-            .args(["--listen-client-urls", &format!("http://{client}")])
-            .args(["--advertise-client-urls", &format!("http://{client}")])
-            .args(["--listen-peer-urls", &format!("http://{peer}")])
-            .args(["--initial-advertise-peer-urls", &format!("http://{peer}")])
-            .args(["--initial-cluster", &format!("exit-codes=http://{peer}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok()?;
-        Some((Self(child, dir.to_owned()), format!("etcd://{client}")))
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-        let _ = std::fs::remove_dir_all(self.1.join("etcd"));
-    }
-}
-
 /// Polls `list --registry` until the fleet has `devices` devices.
 fn registered(registry: &str, devices: usize) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -254,10 +223,8 @@ fn registered(registry: &str, devices: usize) {
 #[test]
 fn temporary_75_and_releasing_what_is_not_there_or_not_yours() {
     let dir = scratch("exit_codes", "lab");
-    let Some((_etcd, registry)) = Etcd::start(&dir) else {
-        eprintln!("temporary_75…: skipped, no etcd binary (install etcd-server or set USBWIRE_ETCD)");
-        return;
-    };
+    let Some(etcd) = Etcd::start(&dir, "exit-codes") else { return };
+    let registry = etcd.url().to_owned();
     let _served = serve(&dir, &free_addr().to_string(), &["--virtual", "keyboard", "--registry", &registry]);
     registered(&registry, 1);
     let mut holder = Command::new(BIN);

@@ -35,6 +35,8 @@ const RSS_GROWTH_BOUND_KIB: u64 = 200 * 1024;
 struct Served {
     child: Child,
     addr: String,
+    /// Holds the control socket; removed after the server is killed.
+    _dir: usbwire_testing::process::Scratch,
 }
 
 impl Drop for Served {
@@ -52,11 +54,8 @@ impl Served {
     /// The server with `extra` arguments after the usual ones.
     fn start_with(extra: &[&std::ffi::OsStr]) -> Self {
         let addr = format!("127.0.0.1:{}", TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
-        let control = std::env::temp_dir().join(format!(
-            "usbwire-hostile-{}-{}.sock",
-            std::process::id(),
-            addr.replace(':', "-")
-        ));
+        let dir = usbwire_testing::process::scratch("hostile", &addr.replace(':', "-"));
+        let control = dir.join("control.sock");
         let mut child = Command::new(BIN)
             .args(["serve", "--listen", &addr, "--virtual", "loopback", "--control"])
             .arg(&control)
@@ -70,7 +69,7 @@ impl Served {
             lines.by_ref().map(|l| l.unwrap()).find(|l| l.starts_with("usbwire serving")).expect("server output");
         assert!(first.contains(&addr), "unexpected line: {first}");
         std::thread::spawn(move || for _ in lines {});
-        Self { child, addr }
+        Self { child, addr, _dir: dir }
     }
 
     /// A field of the server's `/proc/PID/status` in KiB (`VmRSS`, `VmHWM`).
@@ -315,9 +314,7 @@ const CAPTURE_GROWTH_BOUND_KIB: u64 = 64 * 1024;
 
 #[test]
 fn capturing_a_stream_of_1_mib_urbs_adds_tens_of_mib_not_gigabytes() {
-    let base = std::env::temp_dir().join(format!("usbwire-capture-rss-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    std::fs::create_dir_all(&base).unwrap();
+    let base = usbwire_testing::process::scratch("capture-rss", "base");
     let dir = base.join("capture");
     let served = Served::start_with(&["--capture".as_ref(), dir.as_os_str()]);
     let idle = served.status_kib("VmRSS:");

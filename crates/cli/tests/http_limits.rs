@@ -6,10 +6,11 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use usbwire_testing::process::Scratch;
 
 use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -18,7 +19,7 @@ use usbwire_proto::op::{self, BusId, OpRequest};
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> Scratch {
     usbwire_testing::process::scratch("cli-http", name)
 }
 

@@ -13,11 +13,12 @@
 
 use std::io::{Read as _, Write as _};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use usbwire_device::record::{DeviceJson, JSON_SCHEMA_VERSION};
+use usbwire_testing::etcd::Etcd;
 use usbwire_testing::process::{free_addr, scratch, start, Running};
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
@@ -213,44 +214,6 @@ fn local_devices_and_ports_are_device_records() {
     }
 }
 
-/// One etcd member on free loopback ports, killed when dropped.
-struct Etcd {
-    process: std::process::Child,
-    url: String,
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
-    }
-}
-
-fn etcd(dir: &Path) -> Option<Etcd> {
-    let binary = std::env::var_os("USBWIRE_ETCD").map(PathBuf::from).or_else(|| {
-        std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join("etcd")).find(|p| p.exists())
-    });
-    let Some(binary) = binary else {
-        eprintln!("skipped: no etcd binary (install etcd-server or set USBWIRE_ETCD)");
-        return None;
-    };
-    let (client, peer) = (free_addr(), free_addr());
-    let process = Command::new(binary)
-        .args(["--name", "m0", "--data-dir"])
-        .arg(dir.join("etcd"))
-        .args(["--listen-client-urls", &format!("http://{client}")])
-        .args(["--advertise-client-urls", &format!("http://{client}")])
-        .args(["--listen-peer-urls", &format!("http://{peer}")])
-        .args(["--initial-advertise-peer-urls", &format!("http://{peer}")])
-        .args(["--initial-cluster", &format!("m0=http://{peer}")])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("etcd starts");
-    Some(Etcd { process, url: format!("etcd://{client}/golden") })
-}
-
 /// Retries `args` until its JSON satisfies `done` (the registry catches up), for at most 20 s.
 fn json_when(args: &[&str], done: impl Fn(&Value) -> bool) -> Value {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -269,29 +232,30 @@ fn json_when(args: &[&str], done: impl Fn(&Value) -> bool) -> Value {
 #[test]
 fn lab_registry_documents_match_their_golden_files() {
     let dir = scratch("golden", "lab");
-    let Some(etcd) = etcd(&dir) else { return };
-    let (_server, _addr, _http) = serve(&dir, &["--registry", &etcd.url]);
-    let fleet = json_when(&["list", "--registry", &etcd.url, "--json"], |fleet| {
+    let Some(etcd) = Etcd::start(&dir, "golden") else { return };
+    let url = format!("{}/golden", etcd.url());
+    let (_server, _addr, _http) = serve(&dir, &["--registry", &url]);
+    let fleet = json_when(&["list", "--registry", &url, "--json"], |fleet| {
         fleet["devices"].as_array().is_some_and(|devices| devices.len() == 2)
     });
     assert_records("list --registry", &fleet["devices"]);
     golden("list_registry", fleet, &dir);
-    let reserved = json_of(&["reserve", "--registry", &etcd.url, "--device", "1209:0001", "--for", "1m", "--json"]);
+    let reserved = json_of(&["reserve", "--registry", &url, "--device", "1209:0001", "--for", "1m", "--json"]);
     assert_records("reserve", &Value::Array(vec![reserved["device"].clone()]));
     golden("reserve", reserved, &dir);
     // Taken: the refusal names the command that shows who holds it, with this registry's
     // URL (here the default registry, from USBWIRE_REGISTRY), not a placeholder.
     let again = Command::new(BIN)
         .args(["reserve", "--device", "1209:0001", "--for", "1m"])
-        .env("USBWIRE_REGISTRY", &etcd.url)
+        .env("USBWIRE_REGISTRY", &url)
         .output()
         .expect("usbwire runs");
     assert_eq!(again.status.code(), Some(75), "{}", String::from_utf8_lossy(&again.stderr));
     let said = String::from_utf8_lossy(&again.stderr);
-    assert!(said.contains(&format!("`usbwire who --registry {}`", etcd.url)), "{said}");
-    let who = json_of(&["who", "--registry", &etcd.url, "--json"]);
+    assert!(said.contains(&format!("`usbwire who --registry {url}`")), "{said}");
+    let who = json_of(&["who", "--registry", &url, "--json"]);
     assert_records("who", &who["reservations"]);
     golden("who", who, &dir);
-    let out = usbwire(&["release", "--registry", &etcd.url, "--device", "1209:0001"]);
+    let out = usbwire(&["release", "--registry", &url, "--device", "1209:0001"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -6,16 +6,17 @@
 
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::os::unix::process::CommandExt as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use usbwire_testing::process::Scratch;
 
 use usbwire_testing::process::{start, Started};
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 const NOBODY: u32 = 65534;
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> Scratch {
     let dir = usbwire_testing::process::scratch("local", name);
     chmod(&dir, 0o755);
     dir

@@ -25,6 +25,8 @@ struct Served {
     addr: SocketAddr,
     metrics: SocketAddr,
     control: PathBuf,
+    /// Holds the control socket and config; removed after the server is killed.
+    _dir: usbwire_testing::process::Scratch,
 }
 
 impl Served {
@@ -34,9 +36,7 @@ impl Served {
 
     /// With `config` as the server's configuration file.
     fn start_with(name: &str, config: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("usbwire-cli-metrics-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = usbwire_testing::process::scratch("cli-metrics", name);
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let control = dir.join("control.sock");
@@ -62,7 +62,7 @@ impl Served {
             }
         }
         assert!(said.iter().any(|l| l.contains(&format!("http://{metrics}/metrics"))), "{said:?}");
-        Self { child, addr, metrics, control }
+        Self { child, addr, metrics, control, _dir: dir }
     }
 
     fn get(&self, path: &str) -> (String, String) {

@@ -9,16 +9,17 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use usbwire_testing::process::Scratch;
 
 use bytes::BytesMut;
 use usbwire_redir::{Caps, Codec, Packet};
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> Scratch {
     let dir = usbwire_testing::process::scratch("redir", name);
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
     dir

@@ -5,50 +5,18 @@
 //! makes, a withdrawn device, a stock client's bytes) is
 //! crates/client/tests/refusals.rs.
 
-use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use usbwire_client::Security;
 use usbwire_proto::op::BusId;
+use usbwire_testing::etcd::Etcd;
 use usbwire_testing::process::{free_addr, scratch, start, Running};
 
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 
 fn usbwire(args: &[&str]) -> Output {
     Command::new(BIN).args(args).output().unwrap()
-}
-
-/// One etcd member on free loopback ports, killed when dropped; `None`
-/// (the test says it skipped) without an etcd binary.
-struct Etcd(std::process::Child, std::path::PathBuf);
-
-impl Etcd {
-    fn start(dir: &Path) -> Option<(Self, String)> {
-        let binary = std::env::var_os("USBWIRE_ETCD").unwrap_or_else(|| "etcd".into());
-        let (client, peer) = (free_addr(), free_addr());
-        let child = Command::new(&binary)
-            .args(["--name", "refusals", "--data-dir"])
-            .arg(dir.join("etcd"))
-            .args(["--listen-client-urls", &format!("http://{client}")])
-            .args(["--advertise-client-urls", &format!("http://{client}")])
-            .args(["--listen-peer-urls", &format!("http://{peer}")])
-            .args(["--initial-advertise-peer-urls", &format!("http://{peer}")])
-            .args(["--initial-cluster", &format!("refusals=http://{peer}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok()?;
-        Some((Self(child, dir.to_owned()), format!("etcd://{client}")))
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-        let _ = std::fs::remove_dir_all(self.1.join("etcd"));
-    }
 }
 
 /// Runs `args` until its stdout contains `needle` (what the server or the
@@ -77,10 +45,8 @@ fn describe_refused(addr: &str, busid: &str) -> String {
 #[tokio::test(flavor = "multi_thread")]
 async fn describe_and_list_say_who_holds_a_device_and_for_whom_it_is_reserved() {
     let dir = scratch("refusals", "lab");
-    let Some((_etcd, registry)) = Etcd::start(&dir) else {
-        eprintln!("refusals: skipped, no etcd binary (install etcd-server or set USBWIRE_ETCD)");
-        return;
-    };
+    let Some(etcd) = Etcd::start(&dir, "refusals") else { return };
+    let registry = etcd.url().to_owned();
     let addr = free_addr().to_string();
     let mut command = Command::new(BIN);
     command.args(["serve", "--no-advertise", "--listen", &addr, "--control"]).arg(dir.join("control.sock"));

@@ -41,8 +41,7 @@ fn control_out(seqnum: u32, devid: u32, setup: [u8; 8]) -> BytesMut {
 
 #[tokio::test]
 async fn the_detach_reply_reaches_the_kernel_before_the_relay_ends_as_a_reenumeration() {
-    let dir = std::env::temp_dir().join(format!("usbwire-relay-dfu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = usbwire_testing::process::scratch("relay", "dfu");
     let device = DfuDevice::open(&dir.join("fw.bin"), &DfuOptions::default()).unwrap();
     let server = TestServer::builder().device("dfu", Box::new(device)).start().await;
     let busid = BusId::new("0-1").unwrap();

@@ -583,7 +583,6 @@ impl Drop for Link {
 mod tests {
     use super::*;
     use crate::testing::{configure, control, data_in, data_out, next, next_within, request};
-    use std::sync::atomic::{AtomicU32, Ordering};
     use std::time::Duration;
     use usbwire_device::descriptor::ConfigurationInfo;
     use usbwire_device::Device;
@@ -598,15 +597,9 @@ mod tests {
         OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOCTTY).open(path).unwrap()
     }
 
-    fn scratch_dir() -> PathBuf {
-        static COUNTER: AtomicU32 = AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "usbwire-serial-{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        ));
-        fs::create_dir_all(&dir).unwrap();
-        dir
+    /// An empty directory for one test, removed when the guard is dropped.
+    fn scratch_dir() -> tempfile::TempDir {
+        tempfile::Builder::new().prefix("usbwire-serial-").tempdir().unwrap()
     }
 
     #[tokio::test]
@@ -748,24 +741,24 @@ mod tests {
     #[tokio::test]
     async fn link_is_created_replaced_and_removed() {
         let dir = scratch_dir();
+        let dir = dir.path();
         let link = dir.join("ttyUSBWIRE");
         std::os::unix::fs::symlink("/nonexistent", &link).unwrap();
         let (dev, path) = serial(Some(&link)).unwrap();
         assert_eq!(fs::read_link(&link).unwrap(), path, "an old symlink is replaced");
         drop(dev);
         assert!(fs::symlink_metadata(&link).is_err(), "removed with the device");
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test]
     async fn link_refuses_to_replace_a_regular_file() {
         let dir = scratch_dir();
+        let dir = dir.path();
         let file = dir.join("precious");
         fs::write(&file, b"keep me").unwrap();
         let error = serial(Some(&file)).err().unwrap();
         assert!(matches!(error, SerialError::LinkOccupied(ref p) if p == &file), "{error}");
         assert_eq!(fs::read(&file).unwrap(), b"keep me");
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

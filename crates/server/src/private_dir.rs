@@ -305,17 +305,17 @@ mod tests {
 
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("usbwire-private-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    /// An empty directory (mode 0755) for one test, removed when the guard is dropped.
+    fn scratch(name: &str) -> tempfile::TempDir {
+        let dir = tempfile::Builder::new().prefix(&format!("usbwire-private-{name}-")).tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         dir
     }
 
     #[test]
     fn a_socket_may_go_in_a_sticky_shared_directory_but_not_a_plain_writable_one() {
         let base = scratch("socket-dir");
+        let base = base.path();
         let sticky = base.join("tmp");
         std::fs::create_dir(&sticky).unwrap();
         std::fs::set_permissions(&sticky, std::fs::Permissions::from_mode(0o1777)).unwrap();
@@ -333,6 +333,7 @@ mod tests {
     #[test]
     fn a_missing_directory_is_created_0700() {
         let base = scratch("create");
+        let base = base.path();
         let dir = base.join("usbwire");
         ensure_private_dir(&dir).unwrap();
         let meta = std::fs::symlink_metadata(&dir).unwrap();
@@ -345,6 +346,7 @@ mod tests {
     #[test]
     fn a_directory_others_may_write_is_refused_and_left_alone() {
         let base = scratch("writable");
+        let base = base.path();
         let dir = base.join("usbwire");
         std::fs::create_dir(&dir).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
@@ -359,6 +361,7 @@ mod tests {
     #[test]
     fn a_symlink_is_refused_even_to_a_private_directory() {
         let base = scratch("symlink");
+        let base = base.path();
         let real = base.join("real");
         ensure_private_dir(&real).unwrap();
         let link = base.join("usbwire");
@@ -373,6 +376,7 @@ mod tests {
     #[test]
     fn a_state_file_is_written_0600_through_no_planted_link_and_read_back() {
         let base = scratch("state-file");
+        let base = base.path();
         let dir = base.join("state");
         let path = dir.join("binds");
         assert_eq!(read_private_file(&path).unwrap(), None, "no file yet");
@@ -398,6 +402,7 @@ mod tests {
     #[test]
     fn a_parent_anyone_may_write_without_the_sticky_bit_is_refused() {
         let base = scratch("parent");
+        let base = base.path();
         let open = base.join("open");
         std::fs::create_dir(&open).unwrap();
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
@@ -411,12 +416,13 @@ mod tests {
     #[test]
     fn the_cli_trusts_sockets_of_its_own_user_in_private_or_sticky_directories() {
         let base = scratch("socket");
+        let base = base.path();
         let socket = base.join("control.sock");
         let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
         check_socket_owner(&socket).unwrap();
-        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o777)).unwrap();
+        std::fs::set_permissions(base, std::fs::Permissions::from_mode(0o777)).unwrap();
         assert!(matches!(check_socket_owner(&socket), Err(SocketOwnerError::Writable { .. })));
-        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        std::fs::set_permissions(base, std::fs::Permissions::from_mode(0o1777)).unwrap();
         check_socket_owner(&socket).unwrap();
     }
 
@@ -427,11 +433,12 @@ mod tests {
             return;
         }
         let base = scratch("system-user");
+        let base = base.path();
         let socket = base.join("control.sock");
         let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
         // The packaged server's user is a system account (< 1000), like this one.
         std::os::unix::fs::lchown(&socket, Some(999), None).unwrap();
-        std::os::unix::fs::lchown(&base, Some(999), None).unwrap();
+        std::os::unix::fs::lchown(base, Some(999), None).unwrap();
         check_socket_owner(&socket).unwrap();
         std::os::unix::fs::lchown(&socket, Some(65534), None).unwrap();
         assert!(matches!(check_socket_owner(&socket), Err(SocketOwnerError::NotOwned { owner: 65534, .. })));

@@ -10,6 +10,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use usbwire_testing::process::Scratch;
 
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpSocket;
@@ -26,11 +27,8 @@ const FLOOD: usize = 400;
 /// What the issue asks of the client on another address: list and import within this.
 const SERVED_WITHIN: Duration = Duration::from_secs(2);
 
-fn scratch(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("usbwire-admission-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(name: &str) -> Scratch {
+    usbwire_testing::process::scratch("admission", name)
 }
 
 fn busid(text: &str) -> BusId {
@@ -42,16 +40,17 @@ async fn serve(security: ServerSecurity) -> SocketAddr {
 }
 
 /// A TLS-only server whose rules let `client` use everything, and that client's security.
-async fn serve_tls() -> (SocketAddr, Security) {
+async fn serve_tls() -> (SocketAddr, Security, Scratch) {
     let server = Identity::generate("server").unwrap();
     let client = Identity::generate("client").unwrap();
     let rules =
         AccessRules { rules: vec![Rule { client: client.fingerprint().to_string(), devices: vec!["*".into()] }] };
     let security = ServerSecurity::tls(&server, PlainPolicy::Never, Admission { rules, ca: None }).unwrap();
     let addr = serve(security).await;
-    let known = KnownServers::in_dir(&scratch("known"));
+    let dir = scratch("known");
+    let known = KnownServers::in_dir(&dir);
     known.add(&addr.to_string(), server.fingerprint()).unwrap();
-    (addr, Security::Tls(Arc::new(TlsClient { identity: client, known, trust_new: false, pinned: None })))
+    (addr, Security::Tls(Arc::new(TlsClient { identity: client, known, trust_new: false, pinned: None })), dir)
 }
 
 /// Connections from 127.0.0.2 that send nothing, each re-opened as soon as the
@@ -172,7 +171,7 @@ async fn a_half_open_flood_from_one_address_does_not_lock_out_another_plain() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_half_open_flood_from_one_address_does_not_lock_out_another_tls() {
-    let (addr, security) = serve_tls().await;
+    let (addr, security, _dir) = serve_tls().await;
     served_during_flood(addr, &security).await;
 }
 

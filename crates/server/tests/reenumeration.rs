@@ -5,8 +5,8 @@
 //! exported again as the new device, without a reset, within 100 ms.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
+use usbwire_testing::process::Scratch;
 
 use bytes::{Bytes, BytesMut};
 use sha2::Digest as _;
@@ -28,11 +28,8 @@ const REEXPORT_WITHIN: Duration = Duration::from_millis(100);
 
 const SET_CONFIGURATION_1: [u8; 8] = [0x00, 0x09, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00];
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("usbwire-reenumeration-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join("fw.bin")
+fn scratch(name: &str) -> Scratch {
+    usbwire_testing::process::scratch("reenumeration", name)
 }
 
 async fn dfu_server(firmware: &std::path::Path) -> SocketAddr {
@@ -179,7 +176,8 @@ async fn detach(import: &mut Import) -> Instant {
 
 #[tokio::test]
 async fn detach_and_manifestation_end_the_import_as_a_reenumeration_and_reexport_the_bus_id() {
-    let firmware = scratch("flash");
+    let dir = scratch("flash");
+    let firmware = dir.join("fw.bin");
     let addr = dfu_server(&firmware).await;
 
     let mut runtime = Import::resumable(addr).await;
@@ -228,7 +226,8 @@ async fn detach_and_manifestation_end_the_import_as_a_reenumeration_and_reexport
 
 #[tokio::test]
 async fn a_stock_importer_gets_the_detach_reply_then_an_ordinary_close() {
-    let firmware = scratch("stock");
+    let dir = scratch("stock");
+    let firmware = dir.join("fw.bin");
     let addr = dfu_server(&firmware).await;
     let mut stock = Import::stock(addr).await;
     stock.ok(SET_CONFIGURATION_1, &[]).await;

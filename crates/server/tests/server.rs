@@ -348,8 +348,8 @@ async fn op_phase_rejects_garbage_and_urbs_to_missing_endpoints_stall() {
 /// Bulk-Only + SCSI over TCP, and the bytes match the image file.
 #[tokio::test]
 async fn disk_sectors_over_the_network_match_the_image() {
-    let image = std::env::temp_dir().join(format!("usbwire-server-disk-{}.img", std::process::id()));
-    let _ = std::fs::remove_file(&image);
+    let dir = usbwire_testing::process::scratch("server", "disk");
+    let image = dir.join("disk.img");
     let options = usbwire_gadgets::DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::SUPER };
     let disk = usbwire_gadgets::MassStorage::open(&image, &options).unwrap();
     let pattern: Vec<u8> = (0..8192u32).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();

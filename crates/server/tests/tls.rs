@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use usbwire_testing::process::Scratch;
 
 use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -21,13 +22,21 @@ struct Setup {
     addr: SocketAddr,
     server: Identity,
     alice: Identity,
+    /// Where this test's known_servers files go; removed with the setup.
+    dir: Scratch,
 }
 
-fn scratch(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("usbwire-tls-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+impl Setup {
+    /// An empty known_servers file of its own under the setup's directory.
+    fn known(&self, name: &str) -> KnownServers {
+        let dir = self.dir.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        KnownServers::in_dir(&dir)
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
+    usbwire_testing::process::scratch("tls", name)
 }
 
 /// A TLS server exporting three devices; Alice may use only 0-1.
@@ -53,7 +62,9 @@ async fn start_with_rules(plain: PlainPolicy, ca: Option<usbwire_transport::ca::
     rules.rules.extend_from_slice(extra);
     let security = ServerSecurity::tls(&server, plain, Admission { rules, ca }).unwrap();
     let addr = TestServer::builder().security(security).loopback().loopback().loopback().start().await.keep_running();
-    Setup { addr, server, alice }
+    static SETUPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = scratch(&format!("setup-{}", SETUPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+    Setup { addr, server, alice, dir }
 }
 
 fn tls(identity: &Identity, known: KnownServers, trust_new: bool) -> Security {
@@ -73,7 +84,7 @@ fn registry_pinned(identity: &Identity, known: KnownServers, fingerprint: usbwir
 }
 
 fn pinned(setup: &Setup, addr: SocketAddr, name: &str) -> KnownServers {
-    let known = KnownServers::in_dir(&scratch(name));
+    let known = setup.known(name);
     known.add(&addr.to_string(), setup.server.fingerprint()).unwrap();
     known
 }
@@ -130,7 +141,7 @@ async fn refused_before_any_device_is_listed() {
     );
     // A server whose key is not the pinned one (a key for another server).
     let other_server = Identity::generate("other").unwrap();
-    let known = KnownServers::in_dir(&scratch("wrong-pin"));
+    let known = setup.known("wrong-pin");
     known.add(&setup.addr.to_string(), other_server.fingerprint()).unwrap();
     let result = usbwire_client::list_devices(setup.addr, &tls(&setup.alice, known, false)).await;
     assert!(matches!(result, Err(ClientError::ServerKeyChanged { .. })), "{result:?}");
@@ -146,17 +157,17 @@ async fn refused_before_any_device_is_listed() {
         }
         other => panic!("expected a refused registry key, got {other:?}"),
     }
-    let wrong = KnownServers::in_dir(&scratch("registry-wrong-known"));
+    let wrong = setup.known("registry-wrong-known");
     wrong.add(&setup.addr.to_string(), other_server.fingerprint()).unwrap();
     let registered = registry_pinned(&setup.alice, wrong.clone(), setup.server.fingerprint());
     usbwire_client::list_devices(setup.addr, &registered).await.expect("the registered key is accepted");
     assert_eq!(wrong.lookup(&setup.addr.to_string()), Some(other_server.fingerprint()), "known_servers untouched");
-    let unpinned = KnownServers::in_dir(&scratch("registry-unpinned"));
+    let unpinned = setup.known("registry-unpinned");
     let registered = registry_pinned(&setup.alice, unpinned.clone(), setup.server.fingerprint());
     usbwire_client::list_devices(setup.addr, &registered).await.expect("no pin needed beside the registry's");
     assert!(unpinned.is_empty(), "the registry's key is not written to known_servers");
     // An unknown server without --trust-new: refused, and the error shows the key to check.
-    let known = KnownServers::in_dir(&scratch("unpinned"));
+    let known = setup.known("unpinned");
     match usbwire_client::list_devices(setup.addr, &tls(&setup.alice, known.clone(), false)).await {
         Err(ClientError::UnknownServer { fingerprint, .. }) => {
             assert_eq!(fingerprint, setup.server.fingerprint().to_string())
@@ -360,7 +371,8 @@ async fn a_private_ca_admits_the_names_it_issued_and_nothing_else() {
     let result = usbwire_client::list_devices(setup.addr, &client(&eve, "eve-known")).await;
     assert!(refused(&result), "{result:?}");
     // Named bob, but by another CA.
-    let other = CertificateAuthority::create(&scratch("other-ca"), "other").unwrap();
+    let other_dir = scratch("other-ca");
+    let other = CertificateAuthority::create(&other_dir, "other").unwrap();
     let fake_bob = other.issue("bob", 30).unwrap();
     let result = usbwire_client::list_devices(setup.addr, &client(&fake_bob, "fake-known")).await;
     assert!(refused(&result), "{result:?}");

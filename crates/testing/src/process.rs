@@ -4,17 +4,71 @@
 
 use std::io::{BufRead as _, BufReader, Read as _};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::thread::JoinHandle;
 
 /// An empty directory `usbwire-{suite}-{pid}-{name}` under the temporary
-/// directory (emptied first if an earlier run left one).
-pub fn scratch(suite: &str, name: &str) -> PathBuf {
+/// directory (emptied first if an earlier run left one), removed with
+/// everything in it when dropped: keep it alive as long as the test uses it.
+pub fn scratch(suite: &str, name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("usbwire-{suite}-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap_or_else(|error| panic!("scratch directory {}: {error}", dir.display()));
-    dir
+    Scratch { dir }
+}
+
+/// A test's scratch directory ([`scratch`]); derefs to its path and is
+/// removed when dropped, so test runs leave nothing behind in `/tmp`.
+#[derive(Debug)]
+pub struct Scratch {
+    dir: PathBuf,
+}
+
+impl Scratch {
+    /// The directory's path.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        // A test may have taken permissions away to provoke an error; give
+        // them back so the directory can go.
+        restore_permissions(&self.dir);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Makes every directory under `dir` (and `dir` itself) writable by its
+/// owner again, without following symbolic links.
+fn restore_permissions(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let Ok(meta) = std::fs::symlink_metadata(dir) else { return };
+    if !meta.is_dir() {
+        return;
+    }
+    let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(meta.permissions().mode() | 0o700));
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            restore_permissions(&entry.path());
+        }
+    }
 }
 
 /// A loopback address whose port was free a moment ago, for a process that

@@ -173,13 +173,14 @@ impl TrustedCa {
 mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
-        crate::scratch_dir(&format!("ca-{name}"))
+    fn scratch(name: &str) -> crate::ScratchDir {
+        crate::ScratchDir::new(&format!("ca-{name}"))
     }
 
     #[test]
     fn issued_identities_are_vouched_for_by_name_validity_and_issuer() {
         let dir = scratch("fleet");
+        let dir = dir.path();
         let ca = CertificateAuthority::create(&dir, "fleet").unwrap();
         let trusted = TrustedCa::load(&dir).unwrap();
         let bob = ca.issue("bob", 30).unwrap();
@@ -190,7 +191,8 @@ mod tests {
         assert_eq!(trusted.check(expired.certificate(), "bob"), Err(CertificateError::Expired));
         let early = ca.issue_valid("bob", now + time::Duration::days(1), now + time::Duration::days(10)).unwrap();
         assert_eq!(trusted.check(early.certificate(), "bob"), Err(CertificateError::NotValidYet));
-        let other = CertificateAuthority::create(&scratch("other"), "other").unwrap();
+        let other_dir = scratch("other");
+        let other = CertificateAuthority::create(&other_dir.path(), "other").unwrap();
         let foreign = other.issue("bob", 30).unwrap();
         assert_eq!(trusted.check(foreign.certificate(), "bob"), Err(CertificateError::UnknownIssuer), "another CA");
         // A reloaded CA still issues what the stored certificate vouches for.
@@ -205,6 +207,7 @@ mod tests {
     #[test]
     fn an_open_ca_key_is_refused() {
         let dir = scratch("open");
+        let dir = dir.path();
         CertificateAuthority::create(&dir, "open").unwrap();
         fs::set_permissions(dir.join(CA_KEY_FILE), fs::Permissions::from_mode(0o644)).unwrap();
         assert!(matches!(CertificateAuthority::load(&dir), Err(CaError::KeyTooOpen { .. })));

@@ -237,13 +237,14 @@ pub fn default_dir() -> PathBuf {
 mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
-        crate::scratch_dir(&format!("identity-{name}"))
+    fn scratch(name: &str) -> crate::ScratchDir {
+        crate::ScratchDir::new(&format!("identity-{name}"))
     }
 
     #[test]
     fn save_and_load_keep_the_fingerprint_and_the_key_private() {
         let dir = scratch("roundtrip");
+        let dir = dir.path();
         let (created, was_new) = Identity::load_or_create(&dir, "test").unwrap();
         assert!(was_new);
         let mode = fs::metadata(dir.join(KEY_FILE)).unwrap().permissions().mode() & 0o777;
@@ -257,6 +258,7 @@ mod tests {
     #[test]
     fn a_readable_key_is_refused() {
         let dir = scratch("open");
+        let dir = dir.path();
         Identity::generate("x").unwrap().save(&dir).unwrap();
         fs::set_permissions(dir.join(KEY_FILE), fs::Permissions::from_mode(0o644)).unwrap();
         let error = Identity::load(&dir).unwrap_err();
@@ -266,8 +268,10 @@ mod tests {
     #[test]
     fn a_key_from_another_identity_is_refused() {
         let dir = scratch("mismatch");
+        let dir = dir.path();
         Identity::generate("x").unwrap().save(&dir).unwrap();
         let other = scratch("mismatch-other");
+        let other = other.path();
         Identity::generate("y").unwrap().save(&other).unwrap();
         fs::copy(other.join(KEY_FILE), dir.join(KEY_FILE)).unwrap();
         let Err(error) = Identity::load(&dir) else { panic!("a mismatched pair was loaded") };

@@ -35,10 +35,19 @@ pub use stream::{poll_write_outbox, tls_socket, write_all_parts, PeerStream, Tls
 /// request starts with its version's high byte, 0x01.
 pub const TLS_HANDSHAKE_BYTE: u8 = 0x16;
 
-/// A fresh, empty directory for one unit test (removed first if a previous run left it).
+/// A directory for one unit test that does not exist yet (the code under
+/// test creates it), inside a private one removed when this is dropped.
 #[cfg(test)]
-pub(crate) fn scratch_dir(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("usbwire-transport-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+pub(crate) struct ScratchDir(tempfile::TempDir);
+
+#[cfg(test)]
+impl ScratchDir {
+    pub(crate) fn new(name: &str) -> Self {
+        Self(tempfile::Builder::new().prefix(&format!("usbwire-transport-{name}-")).tempdir().unwrap())
+    }
+
+    /// The directory's path (not created).
+    pub(crate) fn path(&self) -> std::path::PathBuf {
+        self.0.path().join("dir")
+    }
 }

@@ -232,29 +232,29 @@ mod tests {
 
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("usbwire-dfu-memory-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+    /// An empty directory for one test, removed when the guard is dropped.
+    fn scratch(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new().prefix(&format!("usbwire-dfu-memory-{name}-")).tempdir().unwrap()
     }
 
     #[test]
     fn programming_replaces_the_file_privately_and_leaves_no_temporary() {
         let dir = scratch("replace");
+        let dir = dir.path();
         let path = dir.join("fw.bin");
         std::fs::write(&path, b"old").unwrap();
         let mut memory = FileMemory::new(path.clone(), 1024);
         memory.program(FLASH_ALT, b"new image").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"new image");
         assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "only FILE is left");
+        assert_eq!(std::fs::read_dir(dir).unwrap().count(), 1, "only FILE is left");
         assert_eq!(memory.read(FLASH_ALT).unwrap(), b"new image");
     }
 
     #[test]
     fn a_link_planted_at_file_is_replaced_not_followed() {
         let dir = scratch("link");
+        let dir = dir.path();
         let victim = dir.join("victim");
         std::fs::write(&victim, b"keep me").unwrap();
         let path = dir.join("fw.bin");
@@ -275,16 +275,18 @@ mod tests {
     #[test]
     fn a_missing_file_is_empty_firmware_and_an_oversized_one_is_an_error() {
         let dir = scratch("sizes");
+        let dir = dir.path();
         let path = dir.join("fw.bin");
         assert_eq!(read_image(&path, 8).unwrap(), Vec::<u8>::new());
         std::fs::write(&path, [0u8; 9]).unwrap();
         assert!(read_image(&path, 8).unwrap_err().to_string().contains("more than the 8"));
-        assert!(read_image(&dir, 8).is_err(), "a directory is not an image");
+        assert!(read_image(dir, 8).is_err(), "a directory is not an image");
     }
 
     #[test]
     fn a_failed_write_is_err_write_and_leaves_what_was_there() {
         let dir = scratch("write-fails");
+        let dir = dir.path();
         // A directory where FILE goes: the rename fails, even for root.
         let path = dir.join("fw.bin");
         std::fs::create_dir(&path).unwrap();
@@ -292,12 +294,13 @@ mod tests {
         let mut memory = FileMemory::new(path.clone(), 1024);
         assert_eq!(memory.program(FLASH_ALT, b"new"), Err(DfuStatus::ERR_WRITE));
         assert_eq!(std::fs::read(path.join("inside")).unwrap(), b"old");
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "the temporary file is removed");
+        assert_eq!(std::fs::read_dir(dir).unwrap().count(), 1, "the temporary file is removed");
     }
 
     #[test]
     fn a_suffix_naming_another_device_is_err_target() {
         let dir = scratch("suffix");
+        let dir = dir.path();
         let mut memory = FileMemory::new(dir.join("fw.bin"), 1024);
         let with_suffix = |vendor: u16, product: u16| {
             let mut image = b"firmware".to_vec();

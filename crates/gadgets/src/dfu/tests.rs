@@ -3,7 +3,6 @@
 //! manifestation → runtime with the new hash → upload; resets; errors.
 
 use std::future::poll_fn;
-use std::path::PathBuf;
 use std::task::Poll;
 use std::time::Duration;
 
@@ -14,11 +13,9 @@ use super::machine::request;
 use super::*;
 use crate::testing::{configure, control, next, request as ok_request};
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("usbwire-dfu-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// An empty directory for one test, removed when the guard is dropped.
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("usbwire-dfu-{name}-")).tempdir().unwrap()
 }
 
 fn dfu_out(request: u8, interface: u8, value: u16) -> [u8; 8] {
@@ -134,6 +131,7 @@ fn upload(dev: &mut impl Device, alt: u8) -> Vec<u8> {
 #[tokio::test(start_paused = true)]
 async fn a_one_mib_image_goes_through_both_re_enumerations_into_file_and_back() {
     let dir = scratch("flash");
+    let dir = dir.path();
     let path = dir.join("fw.bin");
     let mut dev: Box<dyn Device> = Box::new(DfuDevice::open(&path, &DfuOptions::default()).unwrap());
 
@@ -190,6 +188,7 @@ async fn a_one_mib_image_goes_through_both_re_enumerations_into_file_and_back() 
 #[tokio::test(start_paused = true)]
 async fn a_usb_reset_in_dfu_mode_returns_to_runtime_at_once() {
     let dir = scratch("reset");
+    let dir = dir.path();
     let path = dir.join("fw.bin");
     std::fs::write(&path, b"running").unwrap();
     let mut dev: Box<dyn Device> = Box::new(DfuDevice::open(&path, &DfuOptions::default()).unwrap());
@@ -217,6 +216,7 @@ async fn a_usb_reset_in_dfu_mode_returns_to_runtime_at_once() {
 #[tokio::test(start_paused = true)]
 async fn a_reset_right_after_detach_enters_dfu_mode() {
     let dir = scratch("detach-reset");
+    let dir = dir.path();
     let mut dev: Box<dyn Device> = Box::new(DfuDevice::open(&dir.join("fw.bin"), &DfuOptions::default()).unwrap());
     configure(&mut dev);
     ok_request(&mut dev, dfu_out(request::DETACH, RUNTIME_DFU_INTERFACE, 1000), &[]);
@@ -227,6 +227,7 @@ async fn a_reset_right_after_detach_enters_dfu_mode() {
 #[tokio::test(start_paused = true)]
 async fn an_image_over_size_is_err_address_and_file_is_untouched() {
     let dir = scratch("too-large");
+    let dir = dir.path();
     let path = dir.join("fw.bin");
     std::fs::write(&path, b"old").unwrap();
     let mut dev: Box<dyn Device> = Box::new(DfuDevice::open(&path, &DfuOptions { size: 8192 }).unwrap());
@@ -244,6 +245,7 @@ async fn an_image_over_size_is_err_address_and_file_is_untouched() {
 #[tokio::test(start_paused = true)]
 async fn wrong_state_wrong_alternate_and_short_option_bytes_are_refused() {
     let dir = scratch("refused");
+    let dir = dir.path();
     std::fs::write(dir.join("fw.bin"), b"firmware").unwrap();
     let mut dev: Box<dyn Device> = Box::new(DfuDevice::open(&dir.join("fw.bin"), &DfuOptions::default()).unwrap());
     // Runtime mode: no DNLOAD.
@@ -274,11 +276,12 @@ async fn wrong_state_wrong_alternate_and_short_option_bytes_are_refused() {
 #[test]
 fn files_that_cannot_be_firmware_are_refused_with_what_to_do() {
     let dir = scratch("open");
+    let dir = dir.path();
     let options = DfuOptions::default();
     let link = dir.join("link");
     std::os::unix::fs::symlink(dir.join("elsewhere"), &link).unwrap();
     assert!(matches!(DfuDevice::open(&link, &options), Err(DfuError::Symlink(_))));
-    assert!(matches!(DfuDevice::open(&dir, &options), Err(DfuError::NotAFile(_))));
+    assert!(matches!(DfuDevice::open(dir, &options), Err(DfuError::NotAFile(_))));
     let big = dir.join("big.bin");
     std::fs::write(&big, [0u8; 10]).unwrap();
     let error = DfuDevice::open(&big, &DfuOptions { size: 8 }).err().unwrap();
@@ -291,6 +294,6 @@ fn files_that_cannot_be_firmware_are_refused_with_what_to_do() {
     // Nothing is left behind by the directory check.
     let fine = dir.join("fw.bin");
     DfuDevice::open(&fine, &options).unwrap();
-    let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let names: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names.len(), 2, "{names:?}");
 }

@@ -55,11 +55,9 @@ fn a_control_submit_is_a_usbmon_record_with_its_setup() {
     assert_eq!(&record[96..], b"abc");
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("usbwire-capture-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// An empty directory for one test, removed when the guard is dropped.
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("usbwire-capture-{name}-")).tempdir().unwrap()
 }
 
 /// A writer driven by hand, and its file `name` in `dir` with these bounds.
@@ -98,7 +96,8 @@ fn blocks_are_padded_and_files_rotate_past_their_bound() {
     assert_eq!(&packet[96..], &100u32.to_le_bytes());
 
     let dir = scratch("rotate");
-    let mut writer = writer_with(&dir, "rotating.pcapng", 1000, u64::MAX);
+    let dir = dir.path();
+    let mut writer = writer_with(dir, "rotating.pcapng", 1000, u64::MAX);
     for _ in 0..10 {
         writer.handle(Message::Record { id: 1, record: vec![0u8; 200] });
     }
@@ -108,12 +107,13 @@ fn blocks_are_padded_and_files_rotate_past_their_bound() {
     let previous = std::fs::metadata(append_extension(&path, "1")).unwrap().len();
     assert!(current <= 1000 + 300 && previous <= 1000 + 300, "{current} {previous}");
     assert_eq!(&std::fs::read(&path).unwrap()[..4], &0x0A0D_0D0Au32.to_le_bytes(), "a new file starts a section");
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]
 fn all_files_together_stay_under_max_bytes_the_oldest_deleted_first() {
     let dir = scratch("budget");
+    let dir = dir.path();
     // An earlier run's file, older than anything this run writes.
     let old = dir.join("usbwire-1-1-100-old.pcapng");
     std::fs::write(&old, vec![0u8; 3000]).unwrap();
@@ -122,38 +122,39 @@ fn all_files_together_stay_under_max_bytes_the_oldest_deleted_first() {
     let unrelated = dir.join("notes.txt");
     std::fs::write(&unrelated, vec![0u8; 3000]).unwrap();
     let max_bytes = 10_000;
-    let mut writer = writer_with(&dir, "usbwire-a.pcapng", 4000, max_bytes);
+    let mut writer = writer_with(dir, "usbwire-a.pcapng", 4000, max_bytes);
     for _ in 0..30 {
         writer.handle(Message::Record { id: 1, record: vec![0u8; 300] });
     }
     assert!(!old.exists(), "the earlier run's file went first");
     assert!(unrelated.exists(), "files that are not captures are left alone");
     writer.handle(Message::Close { id: 1 });
-    open(&mut writer, 2, &dir, "usbwire-b.pcapng", 4000, max_bytes);
+    open(&mut writer, 2, dir, "usbwire-b.pcapng", 4000, max_bytes);
     for _ in 0..40 {
         writer.handle(Message::Record { id: 2, record: vec![0u8; 300] });
         let total: u64 =
-            sizes(&dir).iter().filter(|(name, _)| name.starts_with("usbwire-")).map(|(_, bytes)| bytes).sum();
-        assert!(total <= max_bytes, "{total} bytes on disk: {:?}", sizes(&dir));
+            sizes(dir).iter().filter(|(name, _)| name.starts_with("usbwire-")).map(|(_, bytes)| bytes).sum();
+        assert!(total <= max_bytes, "{total} bytes on disk: {:?}", sizes(dir));
     }
-    let names: Vec<String> = sizes(&dir).into_iter().map(|(name, _)| name).collect();
+    let names: Vec<String> = sizes(dir).into_iter().map(|(name, _)| name).collect();
     assert!(!names.iter().any(|n| n.starts_with("usbwire-a")), "the closed, older import's files went: {names:?}");
     assert!(names.contains(&"usbwire-b.pcapng".to_string()), "{names:?}");
 
     // One file alone larger than the budget: rotated and its old part deleted.
-    let mut writer = writer_with(&dir, "usbwire-c.pcapng", u64::MAX, 2000);
+    let mut writer = writer_with(dir, "usbwire-c.pcapng", u64::MAX, 2000);
     for _ in 0..20 {
         writer.handle(Message::Record { id: 1, record: vec![0u8; 300] });
     }
     let size = std::fs::metadata(dir.join("usbwire-c.pcapng")).unwrap().len();
     assert!(size <= 2000, "{size}");
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]
 fn the_directory_is_made_0700_and_files_0600() {
     let base = scratch("modes");
-    std::fs::set_permissions(&base, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let base = base.path();
+    std::fs::set_permissions(base, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let config = CaptureConfig::new(base.join("capture"));
     let peer: SocketAddr = "127.0.0.1:4000".parse().unwrap();
     let capture = Capture::start(&config, "1-1", (1, 2), peer).unwrap();
@@ -165,12 +166,13 @@ fn the_directory_is_made_0700_and_files_0600() {
     // The same name again (same second, same peer): a new file beside it, not the old one reused.
     let again = Capture::start(&config, "1-1", (1, 2), peer).unwrap();
     assert_ne!(again.path, path);
-    let _ = std::fs::remove_dir_all(&base);
+    let _ = std::fs::remove_dir_all(base);
 }
 
 #[test]
 fn a_planted_symlink_is_not_followed_for_the_directory_or_a_file() {
     let base = scratch("symlink");
+    let base = base.path();
     let victim = base.join("victim");
     std::fs::write(&victim, b"precious").unwrap();
     let elsewhere = base.join("elsewhere");
@@ -190,7 +192,7 @@ fn a_planted_symlink_is_not_followed_for_the_directory_or_a_file() {
     assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
     let error = create_private(&dir.join("usbwire-1-1.pcapng")).err().unwrap();
     assert_eq!(error.kind(), io::ErrorKind::AlreadyExists);
-    let _ = std::fs::remove_dir_all(&base);
+    let _ = std::fs::remove_dir_all(base);
 }
 
 #[test]

@@ -341,11 +341,10 @@ mod tests {
 
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("usbwire-tokens-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    /// An empty directory (mode 0755) for one test, removed when the guard is dropped.
+    fn scratch(name: &str) -> tempfile::TempDir {
+        let dir = tempfile::Builder::new().prefix(&format!("usbwire-tokens-{name}-")).tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         dir
     }
 
@@ -374,6 +373,7 @@ mod tests {
     #[test]
     fn a_plain_server_entry_is_refused_unless_plain_is_allowed() {
         let dir = scratch("trust-plain");
+        let dir = dir.path();
         let trust = RegistryTrust { identity: Some(dir.join("identity")), allow_plain: false };
         let Err(failure) = trust.security(&entry(None)) else { panic!("a plain entry is refused") };
         assert_eq!(failure.code(), std::process::ExitCode::from(69));
@@ -383,12 +383,13 @@ mod tests {
         assert!(!dir.join("identity").exists(), "no identity made for a refused server");
         let allowed = RegistryTrust { allow_plain: true, ..trust };
         assert!(matches!(allowed.security(&entry(None)), Ok(Security::Plain)));
-        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]
     fn a_tls_server_entry_is_reached_over_tls_pinned_to_its_key_even_where_plain_is_allowed() {
         let dir = scratch("trust-tls");
+        let dir = dir.path();
         let key = format!("sha256:{}", "ab".repeat(32));
         for allow_plain in [false, true] {
             let trust = RegistryTrust { identity: Some(dir.join("identity")), allow_plain };
@@ -400,7 +401,7 @@ mod tests {
         let Err(failure) = trust.security(&entry(Some("sha256:nonsense"))) else { panic!("an invalid key is refused") };
         assert_eq!(failure.code(), std::process::ExitCode::from(65));
         assert!(failure.error.to_string().contains("invalid TLS key"), "{}", failure.error);
-        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]
@@ -417,6 +418,7 @@ mod tests {
     #[test]
     fn a_planted_symlink_is_replaced_not_followed() {
         let base = scratch("symlink");
+        let base = base.path();
         let store = TokenStore { dir: base.join("reservations") };
         store.write(&saved("aa")).unwrap();
         let victim = base.join("victim");
@@ -436,12 +438,13 @@ mod tests {
         assert_eq!(loaded[0].token, "bb");
         let leftovers: Vec<_> = std::fs::read_dir(&store.dir).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(leftovers.len(), 1, "no temporary file left: {leftovers:?}");
-        let _ = std::fs::remove_dir_all(&base);
+        let _ = std::fs::remove_dir_all(base);
     }
 
     #[test]
     fn a_token_directory_that_is_a_symlink_or_open_to_others_is_refused() {
         let base = scratch("dir");
+        let base = base.path();
         let elsewhere = base.join("elsewhere");
         std::fs::create_dir(&elsewhere).unwrap();
         std::fs::set_permissions(&elsewhere, std::fs::Permissions::from_mode(0o700)).unwrap();
@@ -455,6 +458,6 @@ mod tests {
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
         let error = TokenStore { dir: open }.write(&saved("aa")).unwrap_err();
         assert!(error.to_string().contains("writable by other users"), "{error}");
-        let _ = std::fs::remove_dir_all(&base);
+        let _ = std::fs::remove_dir_all(base);
     }
 }
