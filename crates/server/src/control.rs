@@ -176,7 +176,7 @@ impl ControlSocket {
                 () = crate::shutdown::stopped(&mut stop) => return,
                 accepted = self.listener.accept() => match accepted {
                     Ok((stream, _)) => {
-                        if let Err(refusal) = check_peer(&stream) {
+                        if let Err(refusal) = crate::private_dir::check_peer(&stream, "control") {
                             tokio::spawn(refuse(stream, refusal));
                             continue;
                         }
@@ -195,30 +195,6 @@ impl ControlSocket {
                     }
                 }
             }
-        }
-    }
-}
-
-/// Same uid as the server, or root: anyone else is refused (and logged).
-fn check_peer(stream: &UnixStream) -> Result<(), String> {
-    let us = crate::private_dir::effective_uid();
-    match stream.peer_cred() {
-        Ok(peer) if peer.uid() == us || peer.uid() == 0 => Ok(()),
-        Ok(peer) => {
-            warn!(
-                peer_uid = peer.uid(),
-                peer_pid = peer.pid(),
-                "control connection refused: only uid {us} (this server's user) and root may use it"
-            );
-            Err(format!(
-                "refused: this server's control socket answers only uid {us} and root, not uid {}; \
-                 run the command as that user",
-                peer.uid()
-            ))
-        }
-        Err(error) => {
-            warn!(%error, "control connection refused: cannot tell who is asking (SO_PEERCRED)");
-            Err(format!("refused: the server could not check who is asking ({error})"))
         }
     }
 }

@@ -25,6 +25,10 @@ pub enum ServerError {
     /// writable by others, a symlink); the message says what to do.
     #[error("capture directory: {0}")]
     CaptureDir(PrivateDirError),
+    /// A device process socket (`--virtual external=unix:PATH`) could not be
+    /// made: its directory is not one only we can change, or a server uses it.
+    #[error("device process socket {}: {reason}", .path.display())]
+    External { path: PathBuf, reason: crate::private_dir::SocketError },
     /// The metrics or status page address is taken or not ours; pick another with `--metrics` / `--http`.
     #[error("cannot serve HTTP (metrics or status page) on {addr}: {source}")]
     Metrics { addr: SocketAddr, source: std::io::Error },

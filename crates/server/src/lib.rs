@@ -20,6 +20,7 @@ mod connection;
 mod control;
 mod devstate;
 mod error;
+mod external;
 mod host_exports;
 mod http;
 mod meter;
@@ -55,9 +56,11 @@ pub use control::{
 };
 pub use devstate::{state_entry, StateEntry};
 pub use error::ServerError;
+pub use external::EXTERNAL_KIND;
 pub use host_exports::{HostExports, HOST_KIND};
 pub use registry::{DeviceState, ExportInfo, Registry, Reservation, VIRTUAL_BUS};
 use state::ServerState;
+pub use usbwire_external::Options as ExternalOptions;
 pub use usbwire_host::{Selector, SelectorError};
 /// The reservation digest a lab registry stores (`usbwire_proto::reservation`), where the lab crate looks for it.
 pub use usbwire_proto::reservation::{digest as reservation_digest, ReservationDigest};
@@ -70,11 +73,21 @@ pub struct Server {
     config: ServerConfig,
     registry: Registry,
     text_inputs: Vec<(BusId, Arc<dyn TextInput>)>,
+    externals: Vec<external::ExternalExport>,
 }
 
 impl Server {
     pub fn new(config: ServerConfig) -> Self {
-        Self { config, registry: Registry::default(), text_inputs: Vec::new() }
+        Self { config, registry: Registry::default(), text_inputs: Vec::new(), externals: Vec::new() }
+    }
+
+    /// Exports the device a device process serves on the Unix socket `path`
+    /// (made when the server binds), under a bus id set aside now: listed while
+    /// a device process is connected, withdrawn while none is.
+    pub fn export_external(&mut self, path: std::path::PathBuf, options: ExternalOptions) -> BusId {
+        let (busid, devnum) = self.registry.reserve();
+        self.externals.push(external::ExternalExport { path, busid: busid.clone(), devnum, options });
+        busid
     }
 
     /// Exports a virtual device under the next free bus id on bus 0 (`0-1`,
@@ -103,6 +116,8 @@ impl Server {
             Some(path) => Some(control::ControlSocket::bind(path)?),
             None => None,
         };
+        let externals =
+            self.externals.into_iter().map(external::ExternalSocket::bind).collect::<Result<Vec<_>, _>>()?;
         let metrics = match self.config.metrics {
             Some(addr) => Some(listen(addr).map_err(|source| ServerError::Metrics { addr, source })?),
             None => None,
@@ -114,6 +129,7 @@ impl Server {
         Ok(BoundServer {
             listener,
             control,
+            externals,
             metrics,
             http,
             host_exports: host_exports::HostExports::new(
@@ -167,6 +183,7 @@ impl InProcessServer {
 pub struct BoundServer {
     listener: TcpListener,
     control: Option<control::ControlSocket>,
+    externals: Vec<external::ExternalSocket>,
     metrics: Option<TcpListener>,
     http: Option<TcpListener>,
     state: Arc<ServerState>,
@@ -229,6 +246,9 @@ impl BoundServer {
             info!(?exported, "real devices exported by bind rules");
         }
         tasks.spawn(self.host_exports.clone().watch(hotplug, stop_rx.clone()));
+        for socket in std::mem::take(&mut self.externals) {
+            tasks.spawn(socket.serve(self.state.registry.clone(), stop_rx.clone()));
+        }
         if let Some(control) = self.control.take() {
             let state = self.state.clone();
             let inputs = self.text_inputs.clone();

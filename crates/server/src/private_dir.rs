@@ -244,6 +244,32 @@ pub fn bind_socket(path: &Path, group: Option<u32>) -> Result<std::os::unix::net
     Ok(listener)
 }
 
+/// Whether the peer of a local socket (`what`: control, external device) is
+/// the server's own user or root; anyone else is refused (and logged), with a
+/// reason to send back.
+pub(crate) fn check_peer(stream: &tokio::net::UnixStream, what: &str) -> Result<(), String> {
+    let us = crate::private_dir::effective_uid();
+    match stream.peer_cred() {
+        Ok(peer) if peer.uid() == us || peer.uid() == 0 => Ok(()),
+        Ok(peer) => {
+            tracing::warn!(
+                peer_uid = peer.uid(),
+                peer_pid = peer.pid(),
+                "{what} connection refused: only uid {us} (this server's user) and root may use it"
+            );
+            Err(format!(
+                "refused: this server's {what} socket answers only uid {us} and root, not uid {}; \
+                 run the command as that user",
+                peer.uid()
+            ))
+        }
+        Err(error) => {
+            tracing::warn!(%error, "{what} connection refused: cannot tell who is asking (SO_PEERCRED)");
+            Err(format!("refused: the server could not check who is asking ({error})"))
+        }
+    }
+}
+
 /// Why the CLI will not talk to a control socket.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -24,6 +24,7 @@
 //! what the rest of a running server shares (counters, capture, parked
 //! sessions) is in [`crate::state`].
 
+mod busid;
 mod changes;
 mod export;
 mod importer;
@@ -46,6 +47,8 @@ use usbwire_transport::devstate::ReservedFor;
 use crate::meter::DeviceMeter;
 use export::{Described, Export, Slot};
 
+pub use busid::VIRTUAL_BUS;
+use busid::{virtual_busid, Reserved};
 use changes::Changes;
 pub use export::DeviceState;
 use importer::digests_match;
@@ -76,6 +79,7 @@ pub struct Registry {
     /// Bus ids a bind rule names (real devices): the port stays exported
     /// when its device leaves, and what comes back there is exported again.
     followed_ports: Arc<Mutex<HashSet<String>>>,
+    reserved: Arc<Mutex<Reserved>>,
 }
 
 impl Registry {
@@ -84,13 +88,27 @@ impl Registry {
     /// virtual device never takes the bus id of a real one.
     pub(crate) fn add(&self, kind: &str, device: Box<dyn Device>) -> BusId {
         let mut exports = lock(&self.exports);
-        let (busid, devnum) = virtual_busid(|busid| exports.iter().any(|e| e.busid.as_str() == busid));
+        let (busid, devnum) = self.free_virtual_busid(&exports);
         let path = format!("/sys/devices/usbwire/{kind}/{busid}");
         Self::insert(&mut exports, kind, busid.clone(), VIRTUAL_BUS, devnum, path, device);
         drop(exports);
         lock(&self.withdrawn).exported_again(busid.as_str());
         self.changes.bump();
         busid
+    }
+
+    /// Sets aside the next free virtual bus id (and its devnum) for a device
+    /// that is exported later, and again whenever it comes back ([`add_named`](Self::add_named)).
+    pub(crate) fn reserve(&self) -> (BusId, u32) {
+        let exports = lock(&self.exports);
+        let (busid, devnum) = self.free_virtual_busid(&exports);
+        lock(&self.reserved).0.insert(busid.as_str().to_owned());
+        (busid, devnum)
+    }
+
+    fn free_virtual_busid(&self, exports: &[Arc<Export>]) -> (BusId, u32) {
+        let reserved = lock(&self.reserved);
+        virtual_busid(|busid| exports.iter().any(|e| e.busid.as_str() == busid) || reserved.0.contains(busid))
     }
 
     /// Exports a device under a bus id it already has (a real device keeps
@@ -117,20 +135,24 @@ impl Registry {
     /// Withdraws an export: gone from the list at once; if imported, the
     /// importer's connection is closed and the device dropped, not put back.
     pub(crate) fn remove(&self, busid: &str) -> bool {
-        self.withdraw(busid, false)
+        self.withdraw(|e| e.busid.as_str() == busid, false)
     }
 
     /// [`remove`](Self::remove) for a device unplugged from its port: an
     /// importer is told it re-enumerated if a bind rule names the port.
     pub(crate) fn unplugged(&self, busid: &str) -> bool {
-        self.withdraw(busid, true)
+        self.withdraw(|e| e.busid.as_str() == busid, true)
     }
 
-    fn withdraw(&self, busid: &str, unplugged: bool) -> bool {
+    /// Withdraws the export `which` picks (by bus id, or one export itself: a
+    /// lease's release must not withdraw a newer export under the same bus id).
+    fn withdraw(&self, which: impl Fn(&Export) -> bool, unplugged: bool) -> bool {
         let mut exports = lock(&self.exports);
-        let Some(at) = exports.iter().position(|e| e.busid.as_str() == busid) else {
+        let Some(at) = exports.iter().position(|e| which(e)) else {
             return false;
         };
+        let busid = exports[at].busid.as_str().to_owned();
+        let busid = busid.as_str();
         let export = exports.remove(at);
         drop(exports);
         {
@@ -340,27 +362,6 @@ impl Registry {
     }
 }
 
-/// The bus number of virtual devices. Linux numbers its USB buses from 1
-/// (`usb_register_bus`: `idr_alloc(&usb_bus_idr, bus, 1, USB_MAXBUS, …)` in
-/// `drivers/usb/core/hcd.c`), so bus 0 is never a real controller's and no
-/// real device's bus id (`1-1`, `3-2.4`) is ever `0-N`. vhci-hcd takes any
-/// `devid` (`busnum << 16 | devnum`) and `usbip attach` any bus id string.
-pub const VIRTUAL_BUS: u32 = 0;
-
-/// The first free `0-N` bus id (`taken` says which are used) and its `N`.
-/// (The `usbip` tool hands `devnum` to vhci as a `uint8_t`: past 255 virtual
-/// devices the kernel client would see the wrong one.)
-fn virtual_busid(taken: impl Fn(&str) -> bool) -> (BusId, u32) {
-    let mut devnum = 1u32;
-    loop {
-        // Ends: only finitely many bus ids are taken, and `0-N` is always a valid bus id.
-        if let Some(busid) = BusId::new(&format!("{VIRTUAL_BUS}-{devnum}")).filter(|b| !taken(b.as_str())) {
-            return (busid, devnum);
-        }
-        devnum = devnum.saturating_add(1);
-    }
-}
-
 /// What an import finds in `slot`, for [`ImportWait::decide`].
 fn look(slot: &Slot) -> Found<'_> {
     match slot {
@@ -546,7 +547,7 @@ impl Drop for Release {
         if device.is_gone() {
             // Unplugged: nothing to give back, nothing to list.
             drop(device);
-            self.registry.unplugged(busid.as_str());
+            self.registry.withdraw(|e| std::ptr::eq(e, &*self.export), true);
             return;
         }
         if matches!(*lock(&self.export.slot), Slot::Withdrawn) {

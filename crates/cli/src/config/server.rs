@@ -27,6 +27,10 @@
 //! path = "/var/lib/usbwire/fw.bin" # the firmware image: written (atomically) by each flash
 //! size = "1M"         # the flash region (the default), at most 64M
 //!
+//! [[virtual]]
+//! kind = "external"   # a device a process serves (Python's usbwire.device, a Facedancer script)
+//! socket = "/run/usbwire/device.sock" # where it connects: made 0600, listed while one is connected
+//!
 //! [[bind]]            # a real device of this machine, now and on hotplug
 //! device = "0781:5567" # bus id (1-1.2), VID:PID, serial=TEXT or class=HEX
 //! also = ["0781:df11"] # the same device in another mode

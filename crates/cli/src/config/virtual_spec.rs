@@ -64,11 +64,16 @@ pub(crate) enum VirtualSpec {
         #[serde(default, deserialize_with = "size_field")]
         size: Option<u64>,
     },
+    /// A device served by another process connected to the Unix socket at
+    /// `socket` (`usbwire_external`; Python's `usbwire.device`, Facedancer).
+    External {
+        socket: PathBuf,
+    },
 }
 
 impl VirtualSpec {
     /// Parses `keyboard`, `mouse`, `disk=PATH[,size=64M][,ro][,speed=super]`,
-    /// `serial[=LINK]`, `loopback[,speed=super]`, `dfu=FILE[,size=1M]`.
+    /// `serial[=LINK]`, `loopback[,speed=super]`, `dfu=FILE[,size=1M]`, `external=unix:PATH`.
     pub(crate) fn parse(spec: &str) -> anyhow::Result<Self> {
         let mut parts = spec.split(',');
         let head = parts.next().unwrap_or_default();
@@ -115,9 +120,18 @@ impl VirtualSpec {
                 Ok(Self::Dfu { path: PathBuf::from(path), size })
             }
             ("dfu", _) => bail!("dfu needs a firmware file: --virtual dfu=FILE[,size=1M]"),
-            _ => {
-                bail!("unknown virtual device {spec:?} (keyboard, mouse, disk=PATH, serial[=LINK], loopback, dfu=FILE)")
+            ("external", Some(address)) => {
+                allow_only(&[])?;
+                match address.strip_prefix("unix:") {
+                    Some(path) if !path.is_empty() => Ok(Self::External { socket: PathBuf::from(path) }),
+                    _ => bail!("external needs a Unix socket path: --virtual external=unix:PATH"),
+                }
             }
+            ("external", None) => bail!("external needs a Unix socket path: --virtual external=unix:PATH"),
+            _ => bail!(
+                "unknown virtual device {spec:?} (keyboard, mouse, disk=PATH, serial[=LINK], loopback, dfu=FILE, \
+                 external=unix:PATH)"
+            ),
         }
     }
 
@@ -130,6 +144,7 @@ impl VirtualSpec {
             Self::Serial { .. } => "serial",
             Self::Loopback { .. } => "loopback",
             Self::Dfu { .. } => "dfu",
+            Self::External { .. } => "external",
         }
     }
 }
@@ -185,6 +200,12 @@ mod tests {
             VirtualSpec::Dfu { path: "/tmp/fw.bin".into(), size: Some(2 << 20) }
         );
         assert_eq!(VirtualSpec::parse("dfu=fw.bin").unwrap(), VirtualSpec::Dfu { path: "fw.bin".into(), size: None });
+        assert_eq!(
+            VirtualSpec::parse("external=unix:/run/usbwire/dev.sock").unwrap(),
+            VirtualSpec::External { socket: "/run/usbwire/dev.sock".into() }
+        );
+        let table: VirtualEntry = toml::from_str("kind = \"external\"\nsocket = \"/run/d.sock\"").unwrap();
+        assert_eq!(table.spec, VirtualSpec::External { socket: "/run/d.sock".into() });
         let table: VirtualEntry = toml::from_str("kind = \"dfu\"\npath = \"/tmp/fw.bin\"\nsize = \"512K\"").unwrap();
         assert_eq!(table.spec, VirtualSpec::Dfu { path: "/tmp/fw.bin".into(), size: Some(512 << 10) });
     }
@@ -198,6 +219,9 @@ mod tests {
             ("webcam", "unknown virtual device"),
             ("disk=x,speed=warp", "unknown speed"),
             ("dfu", "needs a firmware file"),
+            ("external", "needs a Unix socket path"),
+            ("external=/run/x.sock", "needs a Unix socket path"),
+            ("external=unix:/run/x.sock,size=1M", "does not apply"),
             ("dfu=fw.bin,ro", "does not apply"),
         ] {
             let message = VirtualSpec::parse(spec).unwrap_err().to_string();

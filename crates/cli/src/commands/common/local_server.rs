@@ -120,6 +120,10 @@ pub(crate) fn build(
                 );
                 (server.export(spec.kind(), Box::new(device)), detail)
             }
+            VirtualSpec::External { socket } => {
+                let busid = server.export_external(socket.clone(), usbwire_server::ExternalOptions::default());
+                (busid, format!("device served by the process connected to {} (listed while one is)", socket.display()))
+            }
         };
         lines.push(format!("{busid:<5} {detail}"));
     }
