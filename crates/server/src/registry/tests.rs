@@ -442,3 +442,45 @@ async fn withdrawn_devices_are_remembered_newest_first_bounded_until_exported_ag
     let hidden = crate::devstate::document(&registry, |_, record, _| record.busid != unplugged);
     assert!(hidden.withdrawn.iter().all(|w| w.busid != unplugged.as_str()), "the access rules apply");
 }
+
+/// A device that has gone away (its process disconnected, or it was unplugged).
+struct Unplugged(Box<dyn Device>);
+
+impl Device for Unplugged {
+    fn summary(&self) -> DeviceSummary {
+        self.0.summary()
+    }
+    fn endpoint_type(&self, direction: usbwire_proto::Direction, number: u8) -> Option<usbwire_device::TransferType> {
+        self.0.endpoint_type(direction, number)
+    }
+    fn submit(&mut self, urb: usbwire_device::Urb) {
+        self.0.submit(urb);
+    }
+    fn poll_complete(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<usbwire_device::Completion> {
+        self.0.poll_complete(cx)
+    }
+    fn cancel(&mut self, seqnum: u32) {
+        self.0.cancel(seqnum);
+    }
+    fn reset(&mut self) {}
+    fn is_gone(&self) -> bool {
+        true
+    }
+}
+
+#[tokio::test]
+async fn the_release_of_a_gone_device_does_not_withdraw_what_came_back_under_its_bus_id() {
+    let registry = Registry::default();
+    let (busid, devnum) = registry.reserve();
+    let path = || "/sys/devices/usbwire/external/0-1".to_owned();
+    assert!(registry
+        .add_named("external", busid.clone(), (VIRTUAL_BUS, devnum), path(), Box::new(Unplugged(loopback())))
+        .is_ok());
+    let lease = import(&registry, &busid, importer(), Duration::ZERO).await.unwrap();
+    // Its process left and came back before the old import let go of the device.
+    assert!(registry.unplugged(busid.as_str()));
+    assert!(registry.add_named("external", busid.clone(), (VIRTUAL_BUS, devnum), path(), loopback()).is_ok());
+    lease.release().await;
+    assert_eq!(registry.list().len(), 1, "the device that came back stays exported");
+    assert_eq!(registry.add("loopback", loopback()).as_str(), "0-2", "a reserved bus id is not handed out");
+}
