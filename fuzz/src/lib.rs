@@ -31,6 +31,7 @@ use usbwire_transform::{Frame, Pipeline, Side, TransformSpec, FRAME_HEADER_LEN, 
 
 mod client;
 mod dfu;
+mod external;
 mod model_server;
 mod redir;
 mod redir_bridge;
@@ -40,6 +41,7 @@ mod session;
 
 pub use client::client_session;
 pub use dfu::dfu_control;
+pub use external::external_frames;
 pub use redir::redir_packets;
 pub use redir_bridge::redir_bridge;
 pub use redir_host::redir_host;
@@ -49,7 +51,7 @@ pub use session::{server_session, CountingAllocator};
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 10] = [
+pub const TARGETS: [(&str, Harness); 11] = [
     ("decode_command", decode_command),
     ("decode_return", decode_return),
     ("op_phase", op_phase),
@@ -60,6 +62,7 @@ pub const TARGETS: [(&str, Harness); 10] = [
     ("redir_host", redir_host),
     ("dfu_control", dfu_control),
     ("redir_bridge", redir_bridge),
+    ("external_frames", external_frames),
 ];
 
 /// Server side: `[chunking, limits, iso_mode] ++ stream` through `urb::decode_command`.

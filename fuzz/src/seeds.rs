@@ -119,6 +119,7 @@ pub fn all() -> Vec<Seed> {
     redir_seeds(&mut add);
     dfu_seeds(&mut add);
     redir_bridge_seeds(&mut add);
+    external_seeds(&mut add);
     seeds
 }
 
@@ -449,4 +450,29 @@ pub fn parse_hex(text: &str) -> Vec<u8> {
         }
     }
     out
+}
+
+/// external_frames: `[chunking] ++ stream`: what a device process sends
+/// (hello, then answers of every kind), and a stream cut by an oversized frame.
+fn external_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)) {
+    use bytes::Bytes;
+    use usbwire_external::codec::Message;
+    let answers = [
+        Message::Hello { version: 1, speed: usbwire_proto::Speed::HIGH, ep0_max_packet: 64 },
+        Message::Ack { id: 1 },
+        Message::Nak { id: 2 },
+        Message::Data { id: 2, data: Bytes::from_static(&[18, 1, 0, 2, 0, 0, 0, 64]) },
+        Message::Nak { id: 3 },
+        Message::Data { id: 3, data: Bytes::from_static(b"echo") },
+        Message::Stall { id: 4 },
+        Message::Data { id: 9, data: Bytes::new() },
+    ];
+    let mut stream = BytesMut::new();
+    for answer in &answers {
+        answer.encode(&mut stream);
+    }
+    add("external_frames", "answers", &[3], stream.to_vec());
+    let mut cut = stream.to_vec();
+    cut.extend_from_slice(&[0xff, 0xff, 0xff, 0x0f, 0x11]);
+    add("external_frames", "oversized", &[0], cut);
 }

@@ -274,21 +274,25 @@ impl Core {
             }
             return Ok(());
         }
+        if matches!(message, Message::Data { .. }) && !self.pending[at].urb.is_in() {
+            // Checked before it leaves the table, so closing still completes its URB.
+            return Err(ProtocolError::DataForOut(id));
+        }
         let queue = self.pending[at].queue();
         if let Some(oldest) = self.pending.iter().find(|p| p.queue() == queue).filter(|p| p.id != id) {
             return Err(ProtocolError::OutOfOrder { id, oldest: oldest.id });
         }
         let Some(pending) = self.pending.remove(at) else { return Ok(()) };
-        let completion = self.finish(pending, message)?;
+        let completion = self.finish(pending, message);
         self.ready.push(completion);
         Ok(())
     }
 
-    fn finish(&mut self, pending: Pending, message: Message) -> Result<Completion, ProtocolError> {
+    /// The completion a final answer makes (a DATA for an OUT request is refused before).
+    fn finish(&mut self, pending: Pending, message: Message) -> Completion {
         let urb = &pending.urb;
-        Ok(match (message, pending.kind) {
+        match (message, pending.kind) {
             (Message::Stall { .. }, _) => urb.complete_with(Status::EPIPE),
-            (Message::Data { id, .. }, _) if !urb.is_in() => return Err(ProtocolError::DataForOut(id)),
             (Message::Data { data, .. }, Kind::In) if data.len() > urb.length as usize => {
                 // Babble: more than the buffer holds, as a host controller reports it.
                 let mut done = urb.complete_in(data);
@@ -306,7 +310,7 @@ impl Core {
             }
             (_, Kind::In) => urb.complete_in(Bytes::new()),
             (_, Kind::Out) => urb.complete_out(),
-        })
+        }
     }
 
     /// When the oldest unanswered request's answer is due, if one is.

@@ -150,7 +150,11 @@ fn more_in_data_than_asked_for_is_babble() {
     let done = completions(&mut core);
     assert_eq!((done[0].status, done[0].actual_length), (Status::EOVERFLOW, 2));
     core.submit(urb(3, 2, Direction::Out, [0; 8], 1, b"x"), now);
-    assert_eq!(core.handle(Message::Data { id: 3, data: Bytes::new() }), Err(ProtocolError::DataForOut(3)));
+    let error = core.handle(Message::Data { id: 3, data: Bytes::new() }).unwrap_err();
+    assert_eq!(error, ProtocolError::DataForOut(3));
+    core.close(Gone::Protocol(error));
+    let done = completions(&mut core);
+    assert_eq!((done[0].seqnum, done[0].status), (3, Status::ESHUTDOWN), "regression: its URB still completes");
 }
 
 #[test]
