@@ -26,6 +26,8 @@ struct Running {
     socket: PathBuf,
     busid: BusId,
     _stop: tokio::sync::oneshot::Sender<()>,
+    /// Holds the socket; removed when the test ends.
+    _dir: usbwire_testing::process::Scratch,
 }
 
 async fn server(name: &str) -> Running {
@@ -42,7 +44,7 @@ async fn server(name: &str) -> Running {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (addr, registry) = (bound.local_addr(), bound.registry().clone());
     tokio::spawn(bound.run(async move { drop(stopped.await) }));
-    Running { addr, registry, socket, busid, _stop: stop }
+    Running { addr, registry, socket, busid, _stop: stop, _dir: dir }
 }
 
 async fn listed(registry: &Registry, busid: &BusId, wanted: bool) {
