@@ -6,7 +6,8 @@
    the guest uses the disk and the keyboard.
 2. Our userspace client against the kernel's own server (usbip-host + usbipd in
    a guest with QEMU-emulated USB devices): `usbwire list -r`, `usbwire describe`,
-   and sectors of the emulated disk read through Bulk-Only/SCSI match the image.
+   and sectors of the emulated disk read through Bulk-Only/SCSI match the image;
+   in that guest `usbwire list -p -l` prints what `usbip list -p -l` does, byte for byte.
 
 Run: python3 tests/interop/test_client.py   (USBWIRE_BIN=path/to/usbwire)
 """
@@ -53,6 +54,10 @@ STUB_SCRIPT = r"""
 set -u
 usbipd -D
 sleep 1
+# `usbwire list -p -l` is `usbip list -p -l`, byte for byte (before the binds below change the drivers).
+usbip list -p -l > /tmp/usbip-p.out 2>/dev/null; usbwire list -p -l > /tmp/usbwire-p.out
+if cmp -s /tmp/usbip-p.out /tmp/usbwire-p.out; then echo "@@LIST-P SAME $(tr '\n' ' ' < /tmp/usbip-p.out)"
+else echo "@@LIST-P DIFFER usbip: $(tr '\n' ' ' < /tmp/usbip-p.out) usbwire: $(tr '\n' ' ' < /tmp/usbwire-p.out)"; fi
 for b in $(usbip list -l | sed -n 's/.*busid \([0-9.-]*\).*/\1/p'); do usbip bind -b $b; done
 usbip list -l
 echo "@@STUB-READY"
@@ -117,9 +122,12 @@ def userspace_client_against_kernel_stub(checks):
             "-chardev", f"file,id=ser,path={serial_out}",
             "-device", "usb-serial,bus=xhci.0,chardev=ser"]
     script = STUB_SCRIPT.replace("__DONE__", str(done_port))
-    g = guest.Guest("client-stub", script, hostfwd={3240: port}, timeout=300, qemu_args=qemu)
+    g = guest.Guest("client-stub", script, hostfwd={3240: port}, timeout=300, qemu_args=qemu, files={BIN: "/usr/bin/usbwire"})
     done = socket.socket()
     try:
+        line = g.wait_for("@@LIST-P", 150)
+        checks.check("`usbwire list -p -l` prints what `usbip list -p -l` prints, byte for byte",
+                     "@@LIST-P SAME busid=" in line and line.count("#usbid=") == 3, line)
         g.wait_for("@@STUB-READY", 150)
         addr = f"127.0.0.1:{port}"
         out = subprocess.run([BIN, "list", "-r", addr, "--json"], capture_output=True, text=True)

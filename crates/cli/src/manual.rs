@@ -66,6 +66,10 @@ pub(crate) fn examples(verb: Option<&str>) -> &'static [Example] {
             },
             Example { command: "usbwire list -l", what: "this machine's devices, with each interface's driver" },
             Example {
+                command: "usbwire list -p -l",
+                what: "one line per device, byte for byte as `usbip list -p -l`: busid=1-1#usbid=046d:c52b#",
+            },
+            Example {
                 command: "usbwire list --discover",
                 what: "servers on the local network (mDNS) and their devices",
             },

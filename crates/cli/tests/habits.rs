@@ -1,7 +1,8 @@
 //! Habits from usbip and usbipd-win, with the real binary: `bind --device`
 //! kept across a server restart (usbipd-win's `bind --hardware-id`), `unbind
-//! --all`, `usbwire version` / `-V` with the protocol's version, and the
-//! default lab registry from `USBWIRE_REGISTRY` or the user's usbwire.toml.
+//! --all`, `usbwire version` / `-V` with the protocol's version, the default
+//! lab registry from `USBWIRE_REGISTRY` or the user's usbwire.toml, and `list
+//! -p` (usbip's parsable lines).
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
@@ -150,4 +151,51 @@ fn registry_verbs_default_to_usbwire_registry_then_the_users_usbwire_toml() {
     // `who --help` does not call --registry required.
     let help = String::from_utf8_lossy(&usbwire(&["who", "--help"]).stdout).to_lowercase();
     assert!(!help.contains("required") && help.contains("usbwire_registry"), "{help}");
+}
+
+#[test]
+fn list_p_prints_usbips_parsable_lines() {
+    let addr = free_addr().to_string();
+    let mut command = Command::new(BIN);
+    command.args(["serve", "--no-advertise", "--listen", &addr]);
+    for device in ["keyboard", "mouse", "loopback", "serial"] {
+        command.args(["--virtual", device]);
+    }
+    let _server = start(command, "usbwire serving").ready();
+    // Golden: `usbip list -p`'s "busid=%s#usbid=%.4s:%.4s#\n" for each device, nothing else.
+    let golden = "busid=0-1#usbid=1209:0001#\n\
+                  busid=0-2#usbid=1209:0002#\n\
+                  busid=0-3#usbid=1209:0005#\n\
+                  busid=0-4#usbid=1209:0004#\n";
+    for args in [&["list", "-p", "-r", &addr][..], &["list", "-r", &addr, "--parsable"][..]] {
+        let out = usbwire(args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out));
+        assert_eq!(String::from_utf8_lossy(&out.stdout), golden, "{args:?}");
+        assert!(out.stderr.is_empty(), "{}", text(&out));
+    }
+    // A device in use is not exportable, so not listed (as usbipd lists it).
+    let held = std::net::TcpStream::connect(&addr).expect("connect");
+    import(&held, "0-2");
+    let out = usbwire(&["list", "-p", "-r", &addr]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), golden.replace("busid=0-2#usbid=1209:0002#\n", ""));
+    // This machine: exactly usbip's lines for what it has plugged in (here: whatever that is, one per line).
+    let out = usbwire(&["list", "-p", "-l"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let local = String::from_utf8_lossy(&out.stdout);
+    assert!(local.lines().all(|line| line.starts_with("busid=") && line.contains("#usbid=")), "{local}");
+    // -p is a format of its own: not with --json.
+    assert_eq!(usbwire(&["list", "-p", "--json", "-r", &addr]).status.code(), Some(64));
+}
+
+/// Imports `busid` on `stream` (OP_REQ_IMPORT) and checks the server agreed.
+fn import(mut stream: &std::net::TcpStream, busid: &str) {
+    use std::io::{Read as _, Write as _};
+    let mut request = vec![0x01, 0x11, 0x80, 0x03, 0, 0, 0, 0];
+    let mut name = [0u8; 32];
+    name[..busid.len()].copy_from_slice(busid.as_bytes());
+    request.extend_from_slice(&name);
+    stream.write_all(&request).expect("import request");
+    let mut reply = [0u8; 8];
+    stream.read_exact(&mut reply).expect("import reply");
+    assert_eq!(&reply[4..], &[0, 0, 0, 0], "import of {busid} refused");
 }

@@ -39,6 +39,11 @@ pub(crate) struct ListArgs {
     /// Machine-readable output.
     #[arg(long)]
     pub(crate) json: bool,
+    /// One line per device, as `usbip list -p`: `busid=1-1#usbid=046d:c52b#`. With -l byte for byte
+    /// what `usbip list -p -l` prints (hubs and devices attached through vhci-hcd left out); with -r
+    /// the same lines for the server's devices (where `usbip list -r` ignores -p).
+    #[arg(short = 'p', long = "parsable", conflicts_with_all = ["json", "discover", "registry"])]
+    pub(crate) parsable: bool,
 }
 
 #[derive(Args, Debug)]

@@ -27,11 +27,17 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
         return discovered(&args).await;
     }
     let Some(remote) = &args.remote else {
-        return local_devices(args.json);
+        return local_devices(args.json, args.parsable);
     };
     let addr = resolve(remote, args.tcp_port).await?;
     let security = super::common::peer::client_security(&args.security)?;
     let devices = usbwire_client::list_devices(addr, &security).await?;
+    if args.parsable {
+        for d in &devices {
+            print!("{}", parsable_line(d.busid.as_str(), d.id_vendor, d.id_product));
+        }
+        return Ok(());
+    }
     // usbwire servers also say what is in use and by whom; others do not, and that is fine.
     let document = match usbwire_client::server_state(addr, &security).await {
         Ok(document) => document,
@@ -183,10 +189,40 @@ fn found_server_line(server: &usbwire_discovery::FoundServer, host: &str) -> Str
     format!("{} at {host} ({})", escape(&server.name), txt.join(" "))
 }
 
+/// One device as `usbip list -p` prints it: `busid=1-1#usbid=046d:c52b#`, a line each.
+fn parsable_line(busid: &str, vendor_id: u16, product_id: u16) -> String {
+    format!("busid={busid}#usbid={vendor_id:04x}:{product_id:04x}#\n")
+}
+
+/// The devices `usbip list -l` shows, in its order: by sysfs path (udev's
+/// enumeration order), leaving out hubs (device class 09) and devices attached
+/// through vhci-hcd (imported from elsewhere, not this machine's).
+fn as_usbip_lists(devices: &[usbwire_host::LocalDevice]) -> Vec<&usbwire_host::LocalDevice> {
+    let mut listed: Vec<(String, &usbwire_host::LocalDevice)> = devices
+        .iter()
+        .filter(|d| d.class != 0x09)
+        .map(|d| {
+            let link = std::path::Path::new("/sys/bus/usb/devices").join(&d.busid);
+            let real = std::fs::canonicalize(&link).unwrap_or(link);
+            (real.to_string_lossy().into_owned(), d)
+        })
+        .filter(|(path, _)| !path.contains("vhci_hcd"))
+        .collect();
+    listed.sort_by(|a, b| a.0.cmp(&b.0));
+    listed.into_iter().map(|(_, d)| d).collect()
+}
+
 /// `usbwire list -l`: what is plugged into this machine, like `usbip list -l`
-/// plus strings, speed and the driver of each interface.
-fn local_devices(json: bool) -> Result<(), Failure> {
+/// plus strings, speed and the driver of each interface; `-p`, byte for byte
+/// what `usbip list -p -l` prints.
+fn local_devices(json: bool, parsable: bool) -> Result<(), Failure> {
     let devices = usbwire_host::list().map_err(|error| Failure::unavailable(error.into()))?;
+    if parsable {
+        for d in as_usbip_lists(&devices) {
+            print!("{}", parsable_line(&d.busid, d.vendor_id, d.product_id));
+        }
+        return Ok(());
+    }
     let names = UsbIds::load();
     if json {
         let devices: Vec<_> = devices.iter().map(|d| local(d, &names)).collect();
@@ -374,6 +410,13 @@ mod tests {
             counters: None,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn parsable_lines_are_usbips() {
+        // usbip's format: "busid=%s#usbid=%.4s:%.4s#" and a newline, the ids as sysfs has them.
+        assert_eq!(parsable_line("1-1", 0x046d, 0xc52b), "busid=1-1#usbid=046d:c52b#\n");
+        assert_eq!(parsable_line("3-2.10", 0x0a5c, 0x0001), "busid=3-2.10#usbid=0a5c:0001#\n");
     }
 
     #[test]
