@@ -3,7 +3,10 @@
 
 1. `usbwire attach / port / detach` run inside a vhci-hcd guest (our binary
    hands the imported socket to the kernel) against `usbwire serve` on the host;
-   the guest uses the disk and the keyboard.
+   the guest uses the disk and the keyboard. Then `usbwire attach --auto-attach`
+   keeps the keyboard attached while the host's server stops for 12 s and
+   starts again: the keyboard goes and comes back by itself, the wait is logged
+   once, `usbwire port` says auto-attach, SIGTERM detaches it and exits 0.
 2. Our userspace client against the kernel's own server (usbip-host + usbipd in
    a guest with QEMU-emulated USB devices): `usbwire list -r`, `usbwire describe`,
    and sectors of the emulated disk read through Bulk-Only/SCSI match the image;
@@ -14,6 +17,7 @@ Run: python3 tests/interop/test_client.py   (USBWIRE_BIN=path/to/usbwire)
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +51,18 @@ check detach $?
 i=0; while [ -e /sys/block/sda ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); done
 [ ! -e /sys/block/sda ]; check disk-gone $?
 usbwire detach -p 3 > /tmp/detach.out 2>&1; echo "@@DETACH-UNUSED rc=$? $(cat /tmp/detach.out)"
+kbd() { grep -q "usbwire keyboard" /proc/bus/input/devices; }
+wait_for() { i=0; while [ $i -lt $2 ]; do eval "$1" && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
+usbwire attach --auto-attach -r $S -b 0-1 > /tmp/auto.log 2>&1 &
+AUTO=$!
+wait_for kbd 300; check auto-attached $?
+usbwire port > /tmp/port.out 2>&1; grep -q "auto-attach" /tmp/port.out; check port-shows-auto-attach $? "$(cat /tmp/port.out)"
+echo "@@READY-FOR-RESTART"
+wait_for '! kbd' 600; check auto-gone-when-server-stopped $?
+wait_for kbd 900; check auto-attached-again $?
+kill -TERM $AUTO; wait $AUTO; check auto-exits-0-on-sigterm $?
+n=$(usbwire port --json | grep -o '"port"' | wc -l); [ "$n" = 0 ]; check auto-detached-on-sigterm $? "$n ports left"
+echo "@@AUTO-LOG-BEGIN"; cat /tmp/auto.log; echo "@@AUTO-LOG-END"
 exit 0
 """
 
@@ -74,12 +90,12 @@ def attach_from_a_vhci_guest(checks):
     image = os.path.join(work, "disk.img")
     port = guest.free_port()
     log = open(os.path.join(guest.LOGS, "client-attach.server.log"), "w")
-    server = subprocess.Popen([BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--control", os.path.join(work, "c.sock"),
-                               "--virtual", "keyboard", "--virtual", f"disk={image},size=32M,speed=super"],
-                              stdout=log, stderr=subprocess.STDOUT)
+    command = [BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--control", os.path.join(work, "c.sock"),
+               "--virtual", "keyboard", "--virtual", f"disk={image},size=32M,speed=super"]
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     g = None
     try:
-        g = guest.Guest("client-attach", ATTACH_SCRIPT.replace("__PORT__", str(port)), files={BIN: "/usr/bin/usbwire"}, timeout=300)
+        g = guest.Guest("client-attach", ATTACH_SCRIPT.replace("__PORT__", str(port)), files={BIN: "/usr/bin/usbwire"}, timeout=420)
         for name in ["attach-disk", "disk-appears", "disk-used", "attach-keyboard", "keyboard-appears"]:
             line = g.wait_for(f"@@CHECK {name} ", 150)
             checks.check(f"vhci guest: {name}", " PASS" in line, line)
@@ -94,9 +110,10 @@ def attach_from_a_vhci_guest(checks):
             checks.check(f"vhci guest: {name}", " PASS" in line, line)
         line = g.wait_for("@@DETACH-UNUSED", 30)
         checks.check("detaching an unused port is a clear error (exit 65)", "rc=65" in line and "not in use" in line, line)
-        checks.check("vhci guest script exit code", g.finish(60) == 0)
         out = subprocess.run(["debugfs", "-R", "cat /f.txt", image], capture_output=True, text=True)
         checks.check("file written through `usbwire attach` is in the image", out.stdout.strip() == "via-usbwire-attach", out.stdout + out.stderr)
+        server = auto_attach_through_a_server_restart(checks, g, server, command, log)
+        checks.check("vhci guest script exit code", g.finish(60) == 0)
     except Exception as error:
         checks.check("attach test ran to the end", False, error)
     finally:
@@ -105,6 +122,35 @@ def attach_from_a_vhci_guest(checks):
         server.terminate()
         server.wait(10)
         log.close()
+
+
+def auto_attach_through_a_server_restart(checks, g, server, command, log):
+    """The guest's `attach --auto-attach` while the server stops for 12 s and starts again; returns the new server."""
+    for name in ["auto-attached", "port-shows-auto-attach"]:
+        line = g.wait_for(f"@@CHECK {name} ", 150)
+        checks.check(f"vhci guest: {name}", " PASS" in line, line)
+    g.wait_for("@@READY-FOR-RESTART", 30)
+    server.send_signal(signal.SIGTERM)
+    server.wait(20)
+    line = g.wait_for("@@CHECK auto-gone-when-server-stopped ", 90)
+    checks.check("the keyboard goes when the server stops", " PASS" in line, line)
+    time.sleep(12)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    back = time.time()
+    line = g.wait_for("@@CHECK auto-attached-again ", 120)
+    took = time.time() - back
+    checks.check("auto-attach: the keyboard comes back by itself after the server restarts", " PASS" in line, line)
+    print(f"auto-attach: keyboard back {took:.1f} s after the server was started again (guest under TCG)")
+    checks.check("back within the 5 s backoff cap plus 10 s (TCG guest)", took < 15, f"{took:.1f} s")
+    for name in ["auto-exits-0-on-sigterm", "auto-detached-on-sigterm"]:
+        line = g.wait_for(f"@@CHECK {name} ", 60)
+        checks.check(f"vhci guest: {name}", " PASS" in line, line)
+    text = g.collect("@@AUTO-LOG-BEGIN", "@@AUTO-LOG-END", 30)
+    waits = [l for l in text.splitlines() if "waiting for" in l]
+    checks.check("the 12 s wait is logged once, not per attempt", len(waits) == 1, text[-2000:])
+    checks.check("it logs going away and coming back once each",
+                 text.count("device went away") == 1 and text.count("attached again") == 1, text[-2000:])
+    return server
 
 
 def userspace_client_against_kernel_stub(checks):

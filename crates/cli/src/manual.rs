@@ -96,6 +96,10 @@ pub(crate) fn examples(verb: Option<&str>) -> &'static [Example] {
             },
             Example { command: "sudo usbwire attach -r server -b 1-1 --tls", what: "over TLS, through a local relay" },
             Example {
+                command: "sudo usbwire attach --auto-attach -r 192.168.1.5 -b 1-2",
+                what: "keep it attached (usbipd-win's --auto-attach): again after every loss, until Ctrl-C",
+            },
+            Example {
                 command: "sudo usbwire attach --registry --device label=nucleo --for 2h",
                 what: "a free one from the default lab registry, wherever it is",
             },

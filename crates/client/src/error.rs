@@ -79,6 +79,25 @@ pub enum ClientError {
     NoMatchingDevice { addr: SocketAddr, rule: String },
 }
 
+impl ClientError {
+    /// Whether trying again cannot help until someone changes something: the
+    /// address is malformed, the server's key is not the one trusted, the server
+    /// does not admit this client, or it does not speak what was asked of it. A
+    /// client that retries until a server is back stops on these and says why.
+    pub fn is_lasting(&self) -> bool {
+        matches!(
+            self,
+            Self::BadAddress { .. }
+                | Self::UnknownServer { .. }
+                | Self::ServerKeyChanged { .. }
+                | Self::NotTheRegisteredKey { .. }
+                | Self::NotAdmitted { .. }
+                | Self::CertificateExpired { .. }
+                | Self::NoTransforms { .. }
+        )
+    }
+}
+
 /// Why a URB did not complete.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

@@ -13,9 +13,19 @@
 //! real board on a local port. The attachment ends when the kernel lets go
 //! (`usbwire detach`), or when the device is not back in time.
 //!
+//! With [`Persistence::Forever`] (`usbwire attach --auto-attach`, as
+//! usbipd-win's) there is no window: whatever ended the attachment (a server
+//! restart, a network outage, the device unplugged or withdrawn on the
+//! server), the bus id is imported again until it is back, backing off to
+//! [`AUTO_ATTACH_MAX_INTERVAL`], and only a refusal that waiting cannot fix
+//! ([`ClientError::is_lasting`]) ends it. Each change is logged once: the
+//! device went away, waiting for the server (again only if the reason
+//! changes), attached again; each attempt is a trace event, not a line.
+//!
 //! How a bus id is imported again ([`Reimport`], [`WentAway`]) is shared
 //! with the usbredir bridge, which follows a device for its guest the same
-//! way with `device_disconnect` / `device_connect` instead of vhci.
+//! way with `device_disconnect` / `device_connect` instead of vhci. Where
+//! the device is attached is a [`Ports`]: vhci-hcd ([`Vhci`]) for the kernel.
 //!
 //! Not for userspace imports ([`crate::ReattachingDevice`] imports again
 //! after any loss) nor for choosing a device (the caller names the bus id).
@@ -24,8 +34,9 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{info, trace, warn};
 use usbwire_proto::op::BusId;
+use usbwire_proto::op::DeviceRecord;
 use usbwire_proto::reservation::ReservationToken;
 
 use crate::relay::{self, RelayError, RelayState, Upstream};
@@ -39,6 +50,20 @@ pub const FALLBACK_WINDOW: Duration = Duration::from_secs(30);
 /// server's own import wait covers most of it).
 pub const NOTICE_WINDOW: Duration = Duration::from_secs(10);
 
+/// The longest wait between two attempts of an auto-attach (after it
+/// doubled up from 50 ms): a server that comes back is attached within this.
+pub const AUTO_ATTACH_MAX_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How long a device that went away is looked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Persistence {
+    /// `--follow`: for [`WentAway::window`], then the attachment ends.
+    Bounded,
+    /// `--auto-attach`: until it is back, however long it takes, whatever
+    /// ended the attachment; only a lasting refusal ends it.
+    Forever,
+}
+
 /// What is followed and how it is imported again.
 #[derive(Clone)]
 pub struct Target {
@@ -51,12 +76,54 @@ pub struct Target {
     pub reservation: Option<ReservationToken>,
     /// What `usbip port` reads for the port.
     pub record: vhci::Record,
+    pub persistence: Persistence,
+}
+
+/// Where a followed device is attached, and attached again: vhci-hcd
+/// ([`Vhci`]), or, in tests, a userspace stand-in for it.
+pub trait Ports {
+    /// Attaches `device` (on `preferred` if free) and returns its port and the
+    /// end of the socket the relay carries.
+    fn attach(
+        &mut self,
+        device: &DeviceRecord,
+        record: &vhci::Record,
+        preferred: Option<u32>,
+    ) -> Result<(u32, tokio::net::UnixStream), VhciError>;
+    /// Detaches `port`: its device is unplugged for the kernel.
+    fn detach(&mut self, port: u32) -> Result<(), VhciError>;
+    /// Resolves once a detached `port` is free again (or after a short wait).
+    fn freed(&mut self, port: u32) -> impl std::future::Future<Output = ()> + Send;
+}
+
+/// This kernel's vhci-hcd.
+pub struct Vhci;
+
+impl Ports for Vhci {
+    fn attach(
+        &mut self,
+        device: &DeviceRecord,
+        record: &vhci::Record,
+        preferred: Option<u32>,
+    ) -> Result<(u32, tokio::net::UnixStream), VhciError> {
+        vhci::attach_relayed(device, record, preferred)
+    }
+
+    fn detach(&mut self, port: u32) -> Result<(), VhciError> {
+        vhci::detach(port)
+    }
+
+    fn freed(&mut self, port: u32) -> impl std::future::Future<Output = ()> + Send {
+        port_freed(port)
+    }
 }
 
 /// Where the followed device is now, for `usbwire port`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FollowStatus {
     pub port: u32,
+    /// False while the device is away (its port detached, maybe someone else's by now).
+    pub attached: bool,
     /// Times the device was attached again after a re-enumeration.
     pub reattached: u64,
     pub vendor_id: u16,
@@ -77,6 +144,10 @@ pub enum FollowError {
     /// The kernel refused the new attachment.
     #[error("cannot attach {busid} again: {source}")]
     Vhci { busid: BusId, source: VhciError },
+    /// An auto-attach met a refusal that waiting cannot fix
+    /// ([`ClientError::is_lasting`]); its message says what to change.
+    #[error("stopped trying to attach {busid}: {source}")]
+    Refused { busid: BusId, source: ClientError },
 }
 
 /// Relays `imported` on `port` (the kernel holds the other end of `kernel`),
@@ -89,12 +160,26 @@ pub async fn follow(
     kernel: tokio::net::UnixStream,
     status: watch::Sender<FollowStatus>,
 ) -> Result<(), FollowError> {
+    follow_on(&mut Vhci, target, imported, port, kernel, status).await
+}
+
+/// [`follow`], attaching through `ports`.
+pub async fn follow_on<P: Ports>(
+    ports: &mut P,
+    target: Target,
+    imported: Imported,
+    port: u32,
+    kernel: tokio::net::UnixStream,
+    status: watch::Sender<FollowStatus>,
+) -> Result<(), FollowError> {
     let (mut imported, mut port, mut kernel) = (imported, port, kernel);
+    let forever = target.persistence == Persistence::Forever;
     let mut reattached = 0u64;
     loop {
         let device = imported.device.clone();
         status.send_replace(FollowStatus {
             port,
+            attached: true,
             reattached,
             vendor_id: device.id_vendor,
             product_id: device.id_product,
@@ -106,19 +191,23 @@ pub async fn follow(
             Ok(()) => return Ok(()),
             Err(RelayError::Reenumerated { .. }) => WentAway::Reenumerated,
             Err(RelayError::SessionLost { reason, .. }) => WentAway::ConnectionEnded(reason),
+            // Auto-attach: a server that broke the protocol is lost like any other.
+            Err(RelayError::Server(error)) if forever => WentAway::ConnectionEnded(error.to_string()),
             Err(other) => return Err(FollowError::Relay(other)),
         };
         let why = went.to_string();
         let noticed = Instant::now();
         // The kernel sees the device unplugged; its port is taken again below when free.
-        match vhci::detach(port) {
+        match ports.detach(port) {
             Ok(()) | Err(VhciError::PortNotInUse(_)) => {}
             Err(error) => warn!(port, %error, "cannot detach the port of the device that went away"),
         }
+        status.send_modify(|status| status.attached = false);
         info!(busid = %target.busid, port, why, "device went away; importing its bus id again");
         imported = target.reimport().after(&went).await?;
-        port_freed(port).await;
-        let again = vhci::attach_relayed(&imported.device, &target.record, Some(port))
+        ports.freed(port).await;
+        let again = ports
+            .attach(&imported.device, &target.record, Some(port))
             .map_err(|source| FollowError::Vhci { busid: target.busid.clone(), source })?;
         (port, kernel) = again;
         reattached += 1;
@@ -129,7 +218,8 @@ pub async fn follow(
             pid = format_args!("{:04x}", imported.device.id_product),
             reattach_ms = noticed.elapsed().as_millis() as u64,
             reattached,
-            "attached again after re-enumeration"
+            why,
+            "attached again"
         );
     }
 }
@@ -227,6 +317,7 @@ pub struct Reimport {
     pub busid: BusId,
     pub resumable: bool,
     pub reservation: Option<ReservationToken>,
+    pub persistence: Persistence,
 }
 
 impl Target {
@@ -239,34 +330,71 @@ impl Target {
             busid: self.busid.clone(),
             resumable: self.resumable,
             reservation: self.reservation,
+            persistence: self.persistence,
         }
     }
 }
 
 impl Reimport {
     /// Imports the bus id again after the device `went` away: at once, then
-    /// backing off to 1 s, for the window that calls for. A usbwire server's
-    /// import waits on its side while the device is still being released.
+    /// backing off to 1 s, for the window that calls for ([`Persistence::Bounded`]);
+    /// or backing off to [`AUTO_ATTACH_MAX_INTERVAL`] until it is back
+    /// ([`Persistence::Forever`]). A usbwire server's import waits on its side
+    /// while the device is still being released.
     pub async fn after(&self, went: &WentAway) -> Result<Imported, FollowError> {
-        let (started, window) = (Instant::now(), went.window());
-        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+        self.retrying(Some(went)).await
+    }
+
+    /// The first import of an auto-attach: at once, and with
+    /// [`Persistence::Forever`] on until the server and the device are there,
+    /// as after a loss; a single attempt otherwise.
+    pub async fn first(&self) -> Result<Imported, FollowError> {
+        self.retrying(None).await
+    }
+
+    async fn retrying(&self, went: Option<&WentAway>) -> Result<Imported, FollowError> {
+        let forever = self.persistence == Persistence::Forever;
+        let why = went.map_or_else(|| "the first attempt failed".to_owned(), ToString::to_string);
+        let window = match went {
+            Some(went) => went.window(),
+            None => Duration::ZERO,
+        };
+        let cap = if forever { AUTO_ATTACH_MAX_INTERVAL } else { Duration::from_secs(1) };
+        let (started, mut backoff) = (Instant::now(), Backoff::new(Duration::from_millis(50), cap));
+        // What the server last said, so a long wait is logged once (and again only when that changes).
+        let mut waiting_on = None;
         loop {
             tokio::time::sleep(backoff.next_delay()).await;
-            let Self { addr, security, transforms, busid, .. } = self;
-            let imported = match (&self.reservation, self.resumable) {
-                (Some(token), _) => crate::import_reserved(*addr, busid, security, transforms, token).await,
-                (None, true) => crate::import_resumable(*addr, busid, security, transforms).await,
-                (None, false) => crate::import_with(*addr, busid, security, transforms)
-                    .await
-                    .map(|(stream, device)| Imported { stream, device, resume: None }),
-            };
-            match imported {
+            let busid = &self.busid;
+            let last = match self.import_once().await {
                 Ok(imported) => return Ok(imported),
-                Err(last) if started.elapsed() >= window => {
-                    return Err(FollowError::NotBack { busid: busid.clone(), why: went.to_string(), window, last })
-                }
-                Err(error) => tracing::debug!(%busid, %error, "not back yet"),
+                Err(last) => last,
+            };
+            if forever && last.is_lasting() {
+                return Err(FollowError::Refused { busid: busid.clone(), source: last });
             }
+            if !forever && started.elapsed() >= window {
+                return Err(FollowError::NotBack { busid: busid.clone(), why, window, last });
+            }
+            let kind = std::mem::discriminant(&last);
+            if forever && waiting_on != Some(kind) {
+                waiting_on = Some(kind);
+                info!(%busid, error = %last, retry_max_s = cap.as_secs(),
+                    "waiting for {} to offer {busid} again; trying on until it does", self.addr);
+            } else {
+                trace!(%busid, error = %last, "not back yet");
+            }
+        }
+    }
+
+    async fn import_once(&self) -> Result<Imported, ClientError> {
+        let Self { addr, security, transforms, busid, .. } = self;
+        match (&self.reservation, self.resumable) {
+            (Some(token), _) => crate::import_reserved(*addr, busid, security, transforms, token).await,
+            (None, true) => crate::import_resumable(*addr, busid, security, transforms).await,
+            (None, false) => crate::import_with(*addr, busid, security, transforms)
+                .await
+                .map(|(stream, device)| Imported { stream, device, resume: None }),
         }
     }
 }

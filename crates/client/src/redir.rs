@@ -384,6 +384,7 @@ impl<'a> DeviceSide<'a> {
             busid: self.busid.clone(),
             resumable: true,
             reservation: None,
+            persistence: crate::follow::Persistence::Bounded,
         };
         let back = async move {
             let end = match end {

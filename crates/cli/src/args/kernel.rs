@@ -60,6 +60,13 @@ pub(crate) struct AttachArgs {
     /// again, on the same port if free. Always relayed; `usbwire port` shows the count.
     #[arg(long)]
     pub(crate) follow: bool,
+    /// Keep the device attached until stopped, as usbipd-win's `attach --auto-attach`: whenever the
+    /// attachment is lost (the server restarts, the network goes, the device is unplugged or unbound
+    /// on the server) attach it again once it is back, trying at most every 5 s, forever; a server
+    /// that is not there yet is waited for too. Implies --follow (re-enumerations) and --foreground:
+    /// Ctrl-C, SIGTERM or `usbwire detach -p PORT` detaches it and exits 0.
+    #[arg(long, conflicts_with = "registry")]
+    pub(crate) auto_attach: bool,
 }
 
 #[derive(Args, Debug)]

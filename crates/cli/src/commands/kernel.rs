@@ -51,12 +51,32 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
     vhci::ports().map_err(vhci_failure)?;
     let transforms = super::common::peer::transforms(args.compress.as_deref(), args.jitter_buffer);
     // A reservation lives as long as the process that holds it: the relay.
-    let may_relay = wanted.is_some() || args.follow || !args.no_resume || args.security.tls || !transforms.is_empty();
-    if may_relay && !args.foreground && std::env::var_os(RELAY_LOG_ENV).is_none() {
+    let following = args.follow || args.auto_attach;
+    let may_relay = wanted.is_some() || following || !args.no_resume || args.security.tls || !transforms.is_empty();
+    // An auto-attach runs until stopped, in the foreground (as usbipd-win's).
+    let foreground = args.foreground || args.auto_attach;
+    if may_relay && !foreground && std::env::var_os(RELAY_LOG_ENV).is_none() {
         return attach_in_background();
     }
     let (addr, busid, security, taken) = source(&args, wanted.as_deref(), named_busid).await?;
+    let persistence = match args.auto_attach {
+        true => usbwire_client::follow::Persistence::Forever,
+        false => usbwire_client::follow::Persistence::Bounded,
+    };
+    let reimport = usbwire_client::follow::Reimport {
+        addr,
+        security: security.clone(),
+        transforms: transforms.clone(),
+        busid: busid.clone(),
+        resumable: !args.no_resume,
+        reservation: None,
+        persistence,
+    };
     let imported = match &taken {
+        None if args.auto_attach => match super::auto_attach::first_import(&reimport).await? {
+            Some(imported) => imported,
+            None => return Ok(()),
+        },
         Some(reserved) => {
             match usbwire_client::import_reserved(addr, &busid, &security, &transforms, &reserved.token).await {
                 Ok(imported) => imported,
@@ -76,11 +96,8 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
     };
     let record =
         vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: busid.to_string() };
-    let needs_relay = args.follow
-        || taken.is_some()
-        || imported.resume.is_some()
-        || imported.stream.is_tls()
-        || !transforms.is_empty();
+    let needs_relay =
+        following || taken.is_some() || imported.resume.is_some() || imported.stream.is_tls() || !transforms.is_empty();
     if !needs_relay {
         // Plain USB/IP without resume: the kernel takes the socket itself.
         let usbwire_transport::PeerStream::Plain(tcp) = imported.stream else {
@@ -101,12 +118,13 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
         resume: imported.resume,
         give_up_after: RESUME_GIVE_UP,
     };
-    let follow = args.follow.then(|| usbwire_client::follow::Target {
+    let follow = following.then(|| usbwire_client::follow::Target {
         upstream: upstream.clone(),
         busid: busid.clone(),
         resumable: !args.no_resume,
         reservation: taken.as_ref().map(|taken| taken.token),
         record: record.clone(),
+        persistence,
     });
     relay_attached(imported, upstream, record, taken, follow).await
 }
@@ -222,9 +240,10 @@ fn print_relayed(
     upstream: &usbwire_client::relay::Upstream,
     record: &vhci::Record,
     taken: Option<&super::common::registry::Taken>,
-    following: bool,
+    follow: Option<&usbwire_client::follow::Target>,
 ) {
     let device = &imported.device;
+    let following = follow.map(|target| target.persistence);
     println!(
         "attached {} from {} to port {port} ({} speed){}{}{}{}; relaying until `usbwire detach -p {port}`",
         record.busid,
@@ -237,7 +256,13 @@ fn print_relayed(
             format!(" with {}", usbwire_client::TransformSpec::list_text(&upstream.transforms))
         },
         if upstream.resume.is_some() { ", resumable" } else { "" },
-        if following { ", following it through re-enumerations" } else { "" },
+        match following {
+            Some(usbwire_client::follow::Persistence::Forever) => {
+                ", kept attached: imported anew after every loss until Ctrl-C (auto-attach)"
+            }
+            Some(usbwire_client::follow::Persistence::Bounded) => ", following it through re-enumerations",
+            None => "",
+        },
     );
     if let Some(taken) = taken {
         match taken.until {
@@ -264,17 +289,17 @@ async fn relay_attached(
 ) -> Result<(), Failure> {
     let shutdown = super::common::process::shutdown_signal();
     let (port, kernel) = vhci::attach_relayed(&imported.device, &record, None).map_err(vhci_failure)?;
-    print_relayed(port, &imported, &upstream, &record, taken.as_ref(), follow.is_some());
+    print_relayed(port, &imported, &upstream, &record, taken.as_ref(), follow.as_ref());
     let device = &imported.device;
     let first = FollowStatus {
         port,
+        attached: true,
         reattached: 0,
         vendor_id: device.id_vendor,
         product_id: device.id_product,
         relay: usbwire_client::relay::RelayState::Connected,
     };
-    let followed = follow.as_ref().map(|target| target.busid.to_string());
-    let status = std::cell::RefCell::new(RelayStatusFile::create(first, &upstream, followed));
+    let status = std::cell::RefCell::new(RelayStatusFile::create(first, &upstream, follow.as_ref()));
     if let Some(log) = std::env::var_os(RELAY_LOG_ENV) {
         detach_output(std::path::Path::new(&log));
     }
@@ -315,9 +340,11 @@ async fn relay_attached(
         }
     };
     drop(status);
-    // A followed device may be on another port by now.
-    let port = statuses.borrow().port;
-    let _ = std::fs::remove_file(vhci::record_path(port));
+    // A followed device may be on another port by now, or away (its port someone else's by now).
+    let FollowStatus { port, attached, .. } = *statuses.borrow();
+    if attached {
+        let _ = std::fs::remove_file(vhci::record_path(port));
+    }
     if let Some(reservation) = held {
         if let Err(error) = reservation.release().await {
             tracing::warn!(%error, "reservation not released; it ends when its lease runs out");
@@ -329,13 +356,19 @@ async fn relay_attached(
             Ok(())
         }
         Some(Err(error)) => {
-            let _ = vhci::detach(port);
+            if attached {
+                let _ = vhci::detach(port);
+            }
             tracing::error!(port, %error, "relay ended; port detached");
             Err(Failure::unavailable(anyhow!("relay for port {port} ended: {error}")))
         }
-        None => {
+        None if attached => {
             let _ = vhci::detach(port);
             tracing::info!(port, "port detached on signal");
+            Ok(())
+        }
+        None => {
+            tracing::info!("stopped while the device was away");
             Ok(())
         }
     }
@@ -399,22 +432,36 @@ struct RelayStatusFile {
     path: std::path::PathBuf,
     server: String,
     followed: Option<String>,
+    auto_attach: bool,
 }
 
 use usbwire_client::follow::FollowStatus;
 
 impl RelayStatusFile {
-    fn create(first: FollowStatus, upstream: &usbwire_client::relay::Upstream, followed: Option<String>) -> Self {
-        let mut file = Self { path: relay_status_path(first.port), server: upstream.addr.to_string(), followed };
+    fn create(
+        first: FollowStatus,
+        upstream: &usbwire_client::relay::Upstream,
+        follow: Option<&usbwire_client::follow::Target>,
+    ) -> Self {
+        let mut file = Self {
+            path: relay_status_path(first.port),
+            server: upstream.addr.to_string(),
+            followed: follow.map(|target| target.busid.to_string()),
+            auto_attach: follow.is_some_and(|t| t.persistence == usbwire_client::follow::Persistence::Forever),
+        };
         file.write(first);
         file
     }
 
     fn write(&mut self, status: FollowStatus) {
         let path = relay_status_path(status.port);
-        if path != self.path {
+        // Away, the port may be someone else's soon: nothing to say about it until attached again.
+        if path != self.path || !status.attached {
             let _ = std::fs::remove_file(&self.path);
             self.path = path;
+        }
+        if !status.attached {
+            return;
         }
         let (name, since) = match status.relay {
             usbwire_client::relay::RelayState::Connected => ("connected", None),
@@ -433,6 +480,9 @@ impl RelayStatusFile {
                 "vendor_id": format!("{:04x}", status.vendor_id),
                 "product_id": format!("{:04x}", status.product_id),
             });
+        }
+        if self.auto_attach {
+            body["auto_attach"] = json!(true);
         }
         let temporary = self.path.with_extension("tmp");
         if std::fs::write(&temporary, body.to_string()).is_ok() {
@@ -523,6 +573,9 @@ pub(crate) fn port(args: PortArgs) -> Result<(), Failure> {
                 let busid = follow.get("busid").and_then(|b| b.as_str()).unwrap_or("?");
                 let times = follow.get("reattached").and_then(serde_json::Value::as_u64).unwrap_or(0);
                 println!("       following {busid} through re-enumerations: attached again {times} time(s)");
+            }
+            if relay.get("auto_attach").and_then(serde_json::Value::as_bool) == Some(true) {
+                println!("       auto-attach: imported anew after every loss, until pid {pid} is stopped");
             }
         }
     }

@@ -1,6 +1,7 @@
 //! One module per verb; each takes its parsed arguments and does the work.
 //! What several verbs share is in [`common`]; a verb never uses another verb's module.
 
+mod auto_attach;
 mod bench;
 mod bench_lab;
 mod common;

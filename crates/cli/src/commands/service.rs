@@ -418,9 +418,11 @@ fn attach_imported(
         resumable: true,
         reservation: reservation.as_ref().map(|reservation| reservation.token),
         record: vhci_record,
+        persistence: usbwire_client::follow::Persistence::Bounded,
     };
     let (status, followed) = watch::channel(usbwire_client::follow::FollowStatus {
         port,
+        attached: true,
         reattached: 0,
         vendor_id: record.id_vendor,
         product_id: record.id_product,
