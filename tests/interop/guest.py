@@ -379,6 +379,17 @@ class Checks:
         if not ok:
             self.failed.append(name)
 
+    def back_within(self, g, marker, name, limit, timeout=120):
+        """After something came back on the host (now): the guest's check MARKER passes, within LIMIT s.
+        Prints and returns how long it took."""
+        started = time.time()
+        line = g.wait_for(f"@@CHECK {marker} ", timeout)
+        took = time.time() - started
+        self.check(name, " PASS" in line, line)
+        print(f"{name}: {took:.1f} s (guest under TCG)")
+        self.check(f"{name}, within {limit} s (TCG guest)", took < limit, f"{took:.1f} s")
+        return took
+
     def exit(self):
         """Ends the test run: exit status 1 naming the failures, or 0."""
         if self.failed:
