@@ -57,6 +57,10 @@ exit 0
 """
 
 
+# How long the server stays stopped before it restarts.
+OUTAGE_S = 13.0
+
+
 def start_server(port, work, log, *devices):
     specs = [arg for device in devices for arg in ("--virtual", device)]
     return subprocess.Popen([BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--control", os.path.join(work, "c.sock"),
@@ -92,7 +96,9 @@ def main():
         stopped = time.time()
         line = g.wait_for("@@CHECK detached-when-server-stopped ", 90)
         checks.check("the disk goes away when the server stops", " PASS" in line, line)
-        time.sleep(max(0.0, 1.0 - (time.time() - stopped)))
+        # Down long enough for the service to retry several times (its backoff
+        # reaches 4 s): each failure reason is logged once, not at every retry.
+        time.sleep(max(0.0, OUTAGE_S - (time.time() - stopped)))
         server = start_server(port, work, log, "keyboard", disk)
         checks.back_within(g, "attached-again-after-restart", "attached again by itself after the server restarts", 10, 90)
         line = g.wait_for("@@CHECK usable-after-reattach ", 120)
@@ -108,6 +114,9 @@ def main():
         text = g.collect("@@CLIENT-LOG-BEGIN", "@@CLIENT-LOG-END", 30)
         checks.check("the service logs each step", "attached" in text and "attachment lost" in text and "reloading rules" in text,
                      text[-1500:])
+        failures = [line for line in text.splitlines() if "attach failed" in line]
+        checks.check(f"a {OUTAGE_S:.0f} s outage is logged once per reason, not at every retry", len(failures) <= 2,
+                     "\n".join(failures))
         checks.check("guest script exit code", g.finish(60) == 0)
         server.send_signal(signal.SIGTERM)
         server.wait(20)

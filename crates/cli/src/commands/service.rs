@@ -18,7 +18,7 @@ use std::time::Duration;
 use anyhow::anyhow;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tracing::{info, warn};
+use tracing::{info, trace, warn};
 use usbwire_client::vhci::{self, VhciError};
 use usbwire_client::{Backoff, Security};
 use usbwire_device::DeviceFacts;
@@ -158,6 +158,8 @@ async fn keep_attached(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(4));
+    // The last failure logged: a server that stays away is said once, not every 4 s.
+    let mut last_failure: Option<String> = None;
     loop {
         let delay = backoff.next_delay();
         if !delay.is_zero() {
@@ -173,6 +175,7 @@ async fn keep_attached(
         match attached {
             Ok(mut attachment) => {
                 info!(rule = %rule, port = attachment.port, busid = %attachment.busid, "attached");
+                last_failure = None;
                 backoff.reset();
                 let stopped = tokio::select! {
                     reason = attachment.lost() => {
@@ -186,7 +189,15 @@ async fn keep_attached(
                     return;
                 }
             }
-            Err(error) => warn!(rule = %rule, %error, retry_in_ms = backoff_preview(&backoff), "attach failed"),
+            Err(error) => {
+                let reason = error.to_string();
+                if last_failure.as_deref() == Some(reason.as_str()) {
+                    trace!(rule = %rule, %error, retry_in_ms = backoff_preview(&backoff), "attach failed again");
+                } else {
+                    warn!(rule = %rule, %error, "attach failed; retrying until it works (said again if the reason changes)");
+                    last_failure = Some(reason);
+                }
+            }
         }
     }
 }
