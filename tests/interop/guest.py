@@ -417,6 +417,17 @@ def scratch(prefix):
     return work
 
 
+def stop(processes):
+    """Ends the host processes a test started, last started first: SIGTERM, then SIGKILL
+    after 10 s."""
+    for proc in reversed(processes):
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

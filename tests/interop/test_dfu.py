@@ -39,7 +39,10 @@ RUNTIME, BOOTLOADER = "1209:0006", "1209:0007"
 # (0.5-0.9 s under TCG, see ../shared/INTEROP-NOTES.md).
 REENUMERATION_BOUND = 3.0
 
-SCRIPT = r"""
+# What a DFU guest starts with: helpers, udevd (libusb learns of new devices from its
+# events), and a watcher printing every change of the USB device list, which the host
+# timestamps to time re-enumerations.
+PRELUDE = r"""
 set -u
 check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
 devices() {
@@ -48,20 +51,23 @@ devices() {
     [ -e $d/idProduct ] && printf ' %s=%s:%s' "$(basename $d)" "$(cat $d/idVendor)" "$(cat $d/idProduct)"
   done
 }
-wait_device() { i=0; while [ $i -lt 200 ]; do devices | grep -q "=$1" && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
+wait_device() { i=0; while [ $i -lt 300 ]; do devices | grep -q "=$1" && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
 /lib/systemd/systemd-udevd --daemon > /tmp/udevd.out 2>&1; check udevd $? "$(cat /tmp/udevd.out)"
 # Every change of the USB device list, as it happens (the host times re-enumerations by it).
 ( last=""; while true; do now="$(devices)"; [ "$now" != "$last" ] && echo "@@DEVICES$now"; last="$now"; sleep 0.02; done ) &
 WATCH=$!
-usbwire attach --follow -r 10.0.2.2:__PORT__ -b 0-1 > /tmp/attach.out 2>&1; check attach $? "$(cat /tmp/attach.out)"
-cat /tmp/attach.out
+"""
+
+# dfu-util in the guest: list the runtime device, download /fw.bin through both
+# re-enumerations (its exit status as @@DOWNLOAD-RC), read the new product string, upload.
+FLASH = r"""
 wait_device __RUNTIME__; check runtime-appears $?
 dfu-util -l > /tmp/list.out 2>&1
 echo "@@LIST-BEGIN"; cat /tmp/list.out; echo "@@LIST-END"
 grep -q 'Found Runtime: \[__RUNTIME__\]' /tmp/list.out; check list-runtime $?
 dfu-util -a 0 -D /fw.bin > /tmp/download.out 2>&1; rc=$?
 echo "@@DOWNLOAD-BEGIN"; cat /tmp/download.out; echo "@@DOWNLOAD-END"
-check download $rc
+echo "@@DOWNLOAD-RC $rc"
 wait_device __RUNTIME__; check runtime-back $?
 for d in /sys/bus/usb/devices/*; do
   [ "$(cat $d/idProduct 2>/dev/null)" = "__RUNTIME_PID__" ] && echo "@@PRODUCT $(cat $d/product)"
@@ -71,6 +77,12 @@ echo "@@UPLOAD-BEGIN"; cat /tmp/upload.out; echo "@@UPLOAD-END"
 check upload $rc
 cmp /fw.bin /tmp/back.bin; check upload-same $?
 echo "@@BACK $(sha256sum /tmp/back.bin)"
+"""
+
+SCRIPT = PRELUDE + r"""
+usbwire attach --follow -r 10.0.2.2:__PORT__ -b 0-1 > /tmp/attach.out 2>&1; check attach $? "$(cat /tmp/attach.out)"
+cat /tmp/attach.out
+""" + FLASH + r"""
 echo "@@PORT-JSON $(usbwire port --json)"
 usbwire port > /tmp/port.out 2>&1; echo "@@PORT-TEXT $(tr '\n' '|' < /tmp/port.out)"
 for p in $(usbwire port --json | tr ',{}' '\n\n\n' | sed -n 's/.*"port":\([0-9]*\).*/\1/p'); do usbwire detach -p $p; done
@@ -81,6 +93,34 @@ echo "@@RELAY-BEGIN"; tail -40 /var/run/vhci_hcd/usbwire-relay.log 2>/dev/null; 
 echo "@@DONE"
 exit 0
 """
+
+
+def check_flash(checks, console, first, firmware, digest, download):
+    """Checks what FLASH printed (after the guest checks named in `first`) and FILE on the
+    host; `download(rc, output)` says whether dfu-util -D succeeded, and why. Returns the
+    console's sections by name (`@@NAME-BEGIN` … `@@NAME-END`)."""
+    text = "\n".join(line for _, line in console)
+    for name in first + ["runtime-appears", "list-runtime", "runtime-back", "upload", "upload-same"]:
+        found = [line for _, line in console if f"@@CHECK {name} " in line]
+        checks.check(f"guest: {name}", bool(found) and " PASS" in found[0], found[0] if found else "not reached")
+    section = lambda name: text.split(f"@@{name}-BEGIN", 1)[-1].split(f"@@{name}-END", 1)[0]
+    print("dfu-util -l:" + section("LIST"))
+    print("dfu-util -D (tail):\n" + "\n".join(section("DOWNLOAD").strip().splitlines()[-8:]))
+    rcs = [int(line.split("@@DOWNLOAD-RC ", 1)[1].split()[0]) for _, line in console if "@@DOWNLOAD-RC " in line]
+    ok, said = download(rcs[0] if rcs else None, section("DOWNLOAD"))
+    checks.check("guest: download", ok, said)
+    print(f"dfu-util -D: {said}")
+    checks.check("the download ran through both re-enumerations in one dfu-util run",
+                 "Device will detach and reattach" in section("DOWNLOAD") and "Lost device" not in section("DOWNLOAD"),
+                 section("DOWNLOAD")[-600:])
+    products = [line.split("@@PRODUCT ", 1)[1] for _, line in console if "@@PRODUCT " in line]
+    checks.check("the runtime device's product string reports the image's SHA-256",
+                 products == [f"usbwire DFU demo (fw {digest[:8]})"], products)
+    checks.check("FILE on the host has the image's SHA-256",
+                 os.path.exists(firmware) and hashlib.sha256(open(firmware, "rb").read()).hexdigest() == digest)
+    backs = [line for _, line in console if "@@BACK " in line]
+    checks.check("dfu-util -U returns the same bytes", bool(backs) and digest in backs[0], backs)
+    return section
 
 
 class LogFollower:
@@ -139,24 +179,8 @@ def main():
             console.append((time.time(), line))
             if "@@DONE" in line:
                 break
-        text = "\n".join(line for _, line in console)
-        for name in ["udevd", "attach", "runtime-appears", "list-runtime", "download", "runtime-back", "upload",
-                     "upload-same"]:
-            found = [line for _, line in console if f"@@CHECK {name} " in line]
-            checks.check(f"guest: {name}", bool(found) and " PASS" in found[0], found[0] if found else "not reached")
-        section = lambda name: text.split(f"@@{name}-BEGIN", 1)[-1].split(f"@@{name}-END", 1)[0]
-        print("dfu-util -l:" + section("LIST"))
-        print("dfu-util -D (tail):\n" + "\n".join(section("DOWNLOAD").strip().splitlines()[-8:]))
-        checks.check("the download ran through both re-enumerations in one dfu-util run",
-                     "Device will detach and reattach" in section("DOWNLOAD") and "Lost device" not in section("DOWNLOAD"),
-                     section("DOWNLOAD")[-600:])
-        products = [line.split("@@PRODUCT ", 1)[1] for _, line in console if "@@PRODUCT " in line]
-        checks.check("the runtime device's product string reports the image's SHA-256",
-                     products == [f"usbwire DFU demo (fw {digest[:8]})"], products)
-        checks.check("FILE on the host has the image's SHA-256",
-                     os.path.exists(firmware) and hashlib.sha256(open(firmware, "rb").read()).hexdigest() == digest)
-        backs = [line for _, line in console if "@@BACK " in line]
-        checks.check("dfu-util -U returns the same bytes", bool(backs) and digest in backs[0], backs)
+        section = check_flash(checks, console, ["udevd", "attach"], firmware, digest,
+                              lambda rc, _: (rc == 0, f"exit {rc}"))
         port_json = [line.split("@@PORT-JSON ", 1)[1] for _, line in console if "@@PORT-JSON " in line]
         relays = [p.get("relay") or {} for p in json.loads(port_json[0])["ports"]] if port_json else []
         follows = [r.get("follow") for r in relays if r.get("follow")]

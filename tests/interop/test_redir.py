@@ -350,12 +350,7 @@ def main():
     finally:
         if g:
             g.kill()
-        for proc in reversed(processes):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        guest.stop(processes)
         print(f"logs: {guest.LOGS}/redir.*", flush=True)
     checks.exit()
 
