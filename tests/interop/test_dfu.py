@@ -54,7 +54,9 @@ devices() {
 wait_device() { i=0; while [ $i -lt 300 ]; do devices | grep -q "=$1" && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
 /lib/systemd/systemd-udevd --daemon > /tmp/udevd.out 2>&1; check udevd $? "$(cat /tmp/udevd.out)"
 # Every change of the USB device list, as it happens (the host times re-enumerations by it).
-( last=""; while true; do now="$(devices)"; [ "$now" != "$last" ] && echo "@@DEVICES$now"; last="$now"; sleep 0.02; done ) &
+# A device that goes while it is read makes cat complain: not on the console, where it would
+# land inside another step's output.
+( last=""; while true; do now="$(devices)"; [ "$now" != "$last" ] && echo "@@DEVICES$now"; last="$now"; sleep 0.02; done ) 2>/dev/null &
 WATCH=$!
 """
 
