@@ -32,7 +32,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +58,7 @@ def main():
     guest.require(BIN, "/usr/bin/qemu-system-x86_64")
     guest.build()
     checks = guest.Checks()
-    work = tempfile.mkdtemp(prefix="usbwire-dfu-redir-")
+    work = guest.scratch("usbwire-dfu-redir-")
     os.chmod(work, 0o700)
     firmware = os.path.join(work, "fw.bin")
     image = os.path.join(work, "image.bin")
