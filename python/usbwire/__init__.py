@@ -1,0 +1,4 @@
+"""usbwire in Python: USB devices served by ``usbwire serve --virtual external=unix:PATH``.
+
+* :mod:`usbwire.device`: a device from descriptors and handlers (standard library only).
+"""
