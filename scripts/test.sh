@@ -10,7 +10,7 @@ step() { printf '\n==> %s\n' "$*"; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 step "Debian packages"
-packages=(qemu-system-x86 usbip dfu-util busybox-static kmod cpio e2fsprogs python3 gcc libc6-dev hwdata tshark iproute2 usbredirect prometheus man-db systemd chromium protobuf-compiler libprotobuf-dev etcd-server openssl git dpkg-dev)
+packages=(qemu-system-x86 usbip dfu-util busybox-static kmod cpio e2fsprogs python3 gcc libc6-dev hwdata tshark iproute2 usbredirect prometheus man-db systemd chromium protobuf-compiler libprotobuf-dev etcd-server openssl git dpkg-dev python3-pytest python3-venv)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -30,6 +30,12 @@ cargo test --workspace --locked
 step "release build"
 cargo build --release --locked -p usbwire-cli
 cargo build --release --locked -p usbwire-client --examples
+
+step "Python device library (pytest, against the release binary)"
+# Debian's python3, whose site packages hold python3-pytest (a python3 earlier on PATH may not see them).
+/usr/bin/python3 -m venv --system-site-packages target/pyenv
+target/pyenv/bin/pip install --quiet --force-reinstall --no-deps ./python
+USBWIRE_BIN="$PWD/target/release/usbwire" target/pyenv/bin/python -m pytest -q python/tests
 
 if [ -x fuzz/run.sh ]; then
   step "fuzzing (short)"
