@@ -31,9 +31,10 @@ step "release build"
 cargo build --release --locked -p usbwire-cli
 cargo build --release --locked -p usbwire-client --examples
 
-step "Python device library (pytest, against the release binary)"
+step "Python device library and Facedancer backend (pytest, against the release binary)"
 # Debian's python3, whose site packages hold python3-pytest (a python3 earlier on PATH may not see them).
 /usr/bin/python3 -m venv --system-site-packages target/pyenv
+target/pyenv/bin/pip install --quiet 'facedancer>=3.1,<4'
 target/pyenv/bin/pip install --quiet --force-reinstall --no-deps ./python
 USBWIRE_BIN="$PWD/target/release/usbwire" target/pyenv/bin/python -m pytest -q python/tests
 
