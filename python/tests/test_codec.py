@@ -44,7 +44,8 @@ def test_golden_bytes_decode_and_encode(name):
     wire = vectors()[name]
     assert codec.encode(MESSAGES[name]) == wire
     buffer = bytearray(wire)
-    assert codec.decode(buffer) == MESSAGES[name]
+    decoded = codec.decode(buffer)
+    assert decoded == MESSAGES[name] and type(decoded) is type(MESSAGES[name])
     assert buffer == b"", "consumed whole"
 
 

@@ -52,24 +52,22 @@ class Data:
 
 
 @dataclass(frozen=True)
-class Ack:
+class _IdOnly:
+    """The messages that carry a request id alone."""
+
+    id: int
+
+
+class Ack(_IdOnly):
     """Device -> server: request ``id`` is done."""
 
-    id: int
 
-
-@dataclass(frozen=True)
-class Nak:
+class Nak(_IdOnly):
     """Device -> server: request ``id`` is taken but not ready; its answer follows."""
 
-    id: int
 
-
-@dataclass(frozen=True)
-class Stall:
+class Stall(_IdOnly):
     """Device -> server: request ``id`` is refused (the endpoint stalls)."""
-
-    id: int
 
 
 @dataclass(frozen=True)
@@ -114,11 +112,8 @@ class In:
     length: int
 
 
-@dataclass(frozen=True)
-class Cancel:
+class Cancel(_IdOnly):
     """Server -> device: request ``id`` was unlinked; send nothing for it."""
-
-    id: int
 
 
 @dataclass(frozen=True)
