@@ -87,6 +87,7 @@ async fn a_follower_stays_with_a_board_through_both_reenumerations_of_a_flash_ov
         busid: busid.clone(),
         resumable: true,
         reservation: None,
+        persistence: usbwire_client::follow::Persistence::Bounded,
     };
     let plain = usbwire_client::import_resumable(server.addr(), &busid, &Security::Plain, &[]).await;
     assert!(plain.is_err(), "the server takes TLS only");
@@ -144,6 +145,7 @@ async fn unplugged_from_stock_usbipd() -> (StockUsbipd, Reimport, WentAway) {
         busid: busid.clone(),
         resumable: true,
         reservation: None,
+        persistence: usbwire_client::follow::Persistence::Bounded,
     };
     let imported = usbwire_client::import_resumable(usbipd.addr(), &busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.resume.is_none(), "a stock server grants no resume");
