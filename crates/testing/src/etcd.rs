@@ -36,11 +36,25 @@ impl Etcd {
             .stderr(Stdio::null())
             .spawn();
         match spawned {
-            Ok(child) => Some(Self { child, data, url: format!("etcd://{client}") }),
+            Ok(child) => {
+                let etcd = Self { child, data, url: format!("etcd://{client}") };
+                etcd.wait_listening(client);
+                Some(etcd)
+            }
             Err(error) => {
                 eprintln!("{name}: skipped, no etcd binary ({error}; install etcd-server or set USBWIRE_ETCD)");
                 None
             }
+        }
+    }
+
+    /// Waits (up to 30 s) until the member takes connections on its client
+    /// port, so a test's first request does not race its start.
+    fn wait_listening(&self, client: std::net::SocketAddr) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while std::net::TcpStream::connect(client).is_err() {
+            assert!(std::time::Instant::now() < deadline, "etcd does not listen on {client} after 30 s");
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
     }
 
