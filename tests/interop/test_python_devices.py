@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Python devices in a real kernel: Facedancer's shipped keyboard and mass-storage device,
+"""Python devices in a real kernel: Facedancer's shipped keyboard, mass-storage and FTDI device,
 run with BACKEND=usbwire against `usbwire serve --virtual external=unix:…` on the host, and
 attached by the kernel's own client (usbip + vhci-hcd, Debian's kernel under QEMU). The guest
 sees the keyboard's key presses as input events, mounts the disk, reads the file the host put
-in its image and writes one that the host then finds in the image; dmesg stays clean.
+in its image and writes one that the host then finds in the image, and reads back from
+/dev/ttyUSB0 (ftdi_sio) what it wrote to the FTDI device; dmesg stays clean.
 
 Run: python3 tests/interop/test_python_devices.py
      (USBWIRE_BIN=path/to/usbwire; USBWIRE_PYTHON=a python with `pip install './python[facedancer]'`,
@@ -52,6 +53,19 @@ configure_default_logging(level=30)
 USBMassStorageDevice(RawDiskImage(sys.argv[1], 512)).emulate()
 """
 
+# Facedancer's FTDI device (its class, unmodified), sending back what the host writes: its
+# documented way to take serial data is handle_serial_data_received.
+FTDI_SCRIPT = r"""
+from facedancer.devices.ftdi import FTDIDevice
+from facedancer.logging import configure_default_logging
+
+configure_default_logging(level=30)
+device = FTDIDevice()
+device.handle_serial_data_received = lambda data: device.transmit(bytes(data), adjust_endings=False)
+device.emulate()
+"""
+SERIAL_TEXT = "through-a-python-ftdi"
+
 GUEST_SCRIPT = r"""
 set -u
 U="usbip --tcp-port __PORT__"
@@ -77,6 +91,15 @@ mount -t ext2 /dev/sda /mnt; check disk-mount $?
 echo "@@HOST-FILE $(cat /mnt/host.txt)"
 echo "__GUEST_TEXT__" > /mnt/guest.txt && sync; check disk-write $?
 umount /mnt; check disk-umount $?
+
+$U attach -r 10.0.2.2 -b 0-3; check ftdi-attach $?
+wait_path /dev/ttyUSB0; check ftdi-tty $?
+stty -F /dev/ttyUSB0 raw -echo 115200
+(timeout 10 cat /dev/ttyUSB0 > /tmp/serial) &
+sleep 1
+printf '__SERIAL_TEXT__' > /dev/ttyUSB0
+wait
+echo "@@SERIAL [$(cat /tmp/serial)]"
 echo "@@DMESG-BEGIN"; dmesg | grep -iE "usb|vhci|given back|report|error|sd " ; echo "@@DMESG-END"
 exit 0
 """
@@ -104,31 +127,34 @@ def main():
         f.write(HOST_TEXT + "\n")
     image = os.path.join(work, "disk.img")
     subprocess.run(["mke2fs", "-q", "-t", "ext2", "-d", files, image, "4096"], check=True)
-    for name, text in (("keyboard.py", KEYBOARD_SCRIPT), ("disk.py", DISK_SCRIPT)):
+    for name, text in (("keyboard.py", KEYBOARD_SCRIPT), ("disk.py", DISK_SCRIPT), ("ftdi.py", FTDI_SCRIPT)):
         with open(os.path.join(work, name), "w") as f:
             f.write(text)
     trigger = os.path.join(work, "type-now")
     port = guest.free_port()
-    logs = {name: open(os.path.join(guest.LOGS, f"python-devices.{name}.log"), "w") for name in ("server", "keyboard", "disk")}
+    logs = {name: open(os.path.join(guest.LOGS, f"python-devices.{name}.log"), "w") for name in ("server", "keyboard", "disk", "ftdi")}
     server = subprocess.Popen(
         [BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--no-advertise", "--control", os.path.join(work, "c.sock"),
          "--bind-state", os.path.join(work, "binds"),
-         "--virtual", f"external=unix:{work}/keyboard.sock", "--virtual", f"external=unix:{work}/disk.sock"],
+         "--virtual", f"external=unix:{work}/keyboard.sock", "--virtual", f"external=unix:{work}/disk.sock",
+         "--virtual", f"external=unix:{work}/ftdi.sock"],
         stdout=logs["server"], stderr=subprocess.STDOUT)
     devices = []
     g = None
     try:
         for _ in range(100):
-            if os.path.exists(f"{work}/disk.sock"):
+            if os.path.exists(f"{work}/ftdi.sock"):
                 break
             time.sleep(0.1)
-        for name, arguments in (("keyboard", [trigger]), ("disk", [image])):
+        for name, arguments in (("keyboard", [trigger]), ("disk", [image]), ("ftdi", [])):
             env = {**os.environ, "BACKEND": "usbwire", "USBWIRE_DEVICE_SOCKET": f"{work}/{name}.sock"}
             devices.append(subprocess.Popen([PYTHON, os.path.join(work, f"{name}.py"), *arguments], env=env,
                                             stdout=logs[name], stderr=subprocess.STDOUT))
-        listing = wait_listed(port, ["0-1", "(610b:4653)", "0-2", "(8107:5051)"])
-        checks.check("both Facedancer devices listed on the host", "(610b:4653)" in listing and "(8107:5051)" in listing, listing)
-        g = guest.Guest("python-devices", GUEST_SCRIPT.replace("__PORT__", str(port)).replace("__GUEST_TEXT__", GUEST_TEXT),
+        listing = wait_listed(port, ["0-1", "(610b:4653)", "0-2", "(8107:5051)", "0-3", "(0403:6001)"])
+        checks.check("the three Facedancer devices listed on the host",
+                     all(ids in listing for ids in ("(610b:4653)", "(8107:5051)", "(0403:6001)")), listing)
+        g = guest.Guest("python-devices", GUEST_SCRIPT.replace("__PORT__", str(port)).replace("__GUEST_TEXT__", GUEST_TEXT)
+                        .replace("__SERIAL_TEXT__", SERIAL_TEXT),
                         timeout=600)
         text = g.collect("@@LIST-BEGIN", "@@LIST-END", 120)
         checks.check("the guest's usbip list -r shows both, with their classes",
@@ -151,8 +177,11 @@ def main():
             guest_check(name)
         line = g.wait_for("@@HOST-FILE", 180)
         checks.check("the guest reads the host's file from the Facedancer disk", line.endswith(HOST_TEXT), line)
-        for name in ["disk-write", "disk-umount"]:
+        for name in ["disk-write", "disk-umount", "ftdi-attach", "ftdi-tty"]:
             guest_check(name)
+        line = g.wait_for("@@SERIAL", 60)
+        checks.check("what the guest writes to /dev/ttyUSB0 comes back from Facedancer's FTDI device",
+                     line.endswith(f"[{SERIAL_TEXT}]"), line)
         dmesg = g.collect("@@DMESG-BEGIN", "@@DMESG-END", 60)
         for bad in ("given back", "was too short", "I/O error", "reset full-speed"):
             checks.check(f"no '{bad}' in dmesg", bad not in dmesg, dmesg)
