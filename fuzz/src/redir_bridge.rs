@@ -5,7 +5,8 @@
 //!
 //! The path is the product's: guest bytes → [`BridgeCore`] (the bridge's
 //! sans-I/O core, with its `UsbHost`) → `TransferQueue` → the connection's
-//! budgeted hand-over → `ClientSession` → USB/IP bytes, and back, over a
+//! `ClientSession` (encoded into under its lock, within its budget) → USB/IP
+//! bytes, and back, over a
 //! [`DrivenConnection`] (the relay's parts, stepped here instead of by a
 //! task). Each turn does what one pass of the shell's loop
 //! (`usbwire_client::redir`) does, with the same decisions from the core:

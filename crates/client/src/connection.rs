@@ -1,10 +1,12 @@
 //! [`Connection`]: an imported device's URB channel in userspace.
 //!
 //! Every connection is a [`relay`] task driving the device's
-//! [`ClientSession`](usbwire_proto::client_session::ClientSession) with the
-//! connection's [`Budget`]: callers hand their commands, each with its waiter,
-//! to the relay through [`waiters`](crate::waiters) (bounded by the same
-//! budget), and the relay gives each reply straight to its waiter. A plain
+//! [`ClientSession`](usbwire_proto::client_session::ClientSession), which
+//! keeps to the connection's [`Budget`]. Callers put their commands, each with
+//! its waiter, straight into the session, under the lock they share with the
+//! relay (`waiters`), while the budget has room, and wait for room past it;
+//! the relay writes what they encoded, reads the replies and gives each
+//! straight to its waiter. A plain
 //! connection is a relay without a resume token: when its link drops, what is
 //! pending fails as disconnected. A resumable one
 //! ([`Connection::import_resumable`]) reconnects and resumes instead, so
@@ -125,8 +127,7 @@ impl Connection {
     }
 
     fn start(stream: PeerStream, devid: u32, upstream: Upstream, span: tracing::Span) -> Self {
-        let budget = Budget::default();
-        let (shared, handle) = Shared::new(budget.clone());
+        let (shared, handle) = Shared::new(relay::new_session(devid, &upstream, Budget::default()));
         let resumable = upstream.resume.is_some();
         let (state, states) = match resumable {
             true => {
@@ -139,7 +140,7 @@ impl Connection {
         let (ending, end) = watch::channel(None);
         let relay = tokio::spawn(
             async move {
-                let ended = match relay::drive(front, stream, devid, upstream, state, budget).await {
+                let ended = match relay::drive(front, stream, upstream, state).await {
                     Ok(()) => {
                         debug!("connection closed; relay ended");
                         ConnectionEnd::Closed
@@ -218,8 +219,7 @@ impl Connection {
         let seqnum = self.shared.next_seqnum();
         let submit = build_submit(self.devid, seqnum, transfer);
         let (tx, rx) = oneshot::channel();
-        let waiter = Waiter::future(tx, &submit);
-        self.shared.send_one(Request::Submit(submit, waiter)).await?;
+        self.shared.send_one(Request::Submit(submit, Waiter::Future(tx))).await?;
         Ok((seqnum, async move { rx.await.map_err(|_| TransferError::Disconnected) }))
     }
 

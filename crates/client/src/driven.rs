@@ -3,13 +3,14 @@
 //! caller (no socket, no clock).
 //!
 //! It is the same machinery a [`Connection`](crate::Connection) runs: its
-//! [`TransferQueue`]s hand commands to the same budgeted hand-over, the
-//! relay's [`ApiFront`] moves them into the same [`ClientSession`] and gives
-//! each reply to its waiter. Only the relay's loop (`relay::poll_drive`:
-//! reading, writing, timers, reconnecting) is the caller's, one step per
-//! call. For deterministic tests and fuzzing of what runs on a connection
-//! (the usbredir bridge's [`BridgeCore`](crate::redir::BridgeCore)); not for
-//! moving URBs to a real server, which [`Connection`](crate::Connection) does.
+//! [`TransferQueue`]s encode their commands into the same [`ClientSession`],
+//! shared behind the same lock and held to the same budget, and the relay's
+//! [`ApiFront`] takes the session's bytes for the server and gives each reply
+//! to its waiter. Only the relay's loop (`relay::poll_drive`: reading,
+//! writing, timers, reconnecting) is the caller's, one step per call. For
+//! deterministic tests and fuzzing of what runs on a connection (the usbredir
+//! bridge's [`BridgeCore`](crate::redir::BridgeCore)); not for moving URBs to
+//! a real server, which [`Connection`](crate::Connection) does.
 
 use std::sync::Arc;
 use std::task::{Context, Waker};
@@ -19,37 +20,41 @@ use bytes::BytesMut;
 use usbwire_proto::client_session::{ClientSession, ClientSessionError};
 use usbwire_proto::{Budget, Limits, Outbox};
 
-use crate::relay::{Front, RelayError, Step};
+use crate::relay::{Front, Held, RelayError, Step};
 use crate::waiters::{ApiFront, Handle, Shared, Waiter};
 use crate::TransferQueue;
 
-/// A connection's queues, hand-over and session, stepped by the caller.
+/// A connection's queues, session and hand-over, stepped by the caller.
 pub struct DrivenConnection {
     devid: u32,
     /// Held until [`end`](Self::end): the relay side ends once every handle is gone.
     handle: Option<Handle>,
     shared: Arc<Shared>,
     front: ApiFront,
-    session: ClientSession<Waiter>,
     budget: Budget,
+    /// The session's bytes taken for the server, as the relay takes them to write.
+    wire: Outbox,
 }
 
 impl DrivenConnection {
     /// A connection to the imported device `devid`, keeping to `budget` as a
     /// [`Connection`](crate::Connection) keeps to its own.
     pub fn new(devid: u32, budget: Budget) -> Self {
-        let (shared, handle) = Shared::new(budget.clone());
+        Self::with_session(devid, budget.clone(), ClientSession::new(devid, BytesMut::new(), Limits::default(), budget))
+    }
+
+    fn with_session(devid: u32, budget: Budget, session: ClientSession<Waiter>) -> Self {
+        let (shared, handle) = Shared::new(session);
         let front = ApiFront::new(shared.clone());
-        let session = ClientSession::new(devid, BytesMut::new(), Limits::default(), budget.clone());
-        Self { devid, handle: Some(handle), shared, front, session, budget }
+        Self { devid, handle: Some(handle), shared, front, budget, wire: Outbox::default() }
     }
 
     /// As a server that granted resume with keep-alive: acknowledgements and
     /// pings go out, and silence is declared after `usbwire_proto::liveness`'s
-    /// bounds, counted from `now`.
-    pub fn resumable_with_keepalive(mut self, now: Instant) -> Self {
-        self.session = self.session.resumable().keepalive(now);
-        self
+    /// bounds, counted from `now`. (A new connection: make its queues after.)
+    pub fn resumable_with_keepalive(self, now: Instant) -> Self {
+        let session = ClientSession::new(self.devid, BytesMut::new(), Limits::default(), self.budget.clone());
+        Self::with_session(self.devid, self.budget.clone(), session.resumable().keepalive(now))
     }
 
     /// A queue for URBs, as [`Connection::queue`](crate::Connection::queue).
@@ -58,53 +63,72 @@ impl DrivenConnection {
             Some(handle) => TransferQueue::new(self.devid, handle.clone()),
             None => {
                 // Ended: a queue that fails every submit, as one of a closed connection does.
-                let (shared, handle) = Shared::new(self.budget.clone());
+                let session = ClientSession::new(self.devid, BytesMut::new(), Limits::default(), self.budget.clone());
+                let (shared, handle) = Shared::new(session);
                 shared.close();
                 TransferQueue::new(self.devid, handle)
             }
         }
     }
 
-    /// Moves the callers' commands into the session while it wants them (the
-    /// relay's "front -> session" step). Returns whether any moved; an error
-    /// ends the connection as it ends a relay (call [`end`](Self::end)).
+    /// Takes the commands the callers gave the session since the last step
+    /// (their bytes, for [`to_server`](Self::to_server)): the relay's
+    /// "session -> server" step. Returns whether any moved; an error (a
+    /// command the session refused) ends the connection as it ends a relay
+    /// (call [`end`](Self::end)).
     pub fn take_commands(&mut self) -> Result<bool, RelayError> {
-        if !self.session.wants_commands() {
+        if self.is_closed() {
             return Ok(false);
         }
-        let mut cx = Context::from_waker(Waker::noop());
-        Ok(matches!(self.front.poll_commands(&mut cx, &mut self.session)?, Step::Progressed))
+        let mut session = self.front.hold();
+        let moved = session.outbox().hand_over(&mut self.wire);
+        match session.watch(&mut Context::from_waker(Waker::noop()))? {
+            Step::Progressed | Step::Idle | Step::Detached => Ok(moved),
+        }
     }
 
-    /// The bytes for the server: take them from the front
+    /// The bytes for the server, those the callers gave the session since
+    /// the last step included: take them from the front
     /// ([`Outbox::slices`], [`Outbox::advance`]).
     pub fn to_server(&mut self) -> &mut Outbox {
-        self.session.outbox()
+        if let Some(mut session) = self.shared.session() {
+            session.outbox().hand_over(&mut self.wire);
+        }
+        &mut self.wire
     }
 
     /// The server's bytes in (the relay's "server -> session -> front" step):
     /// replies decoded and handed to their waiters, those before an error too.
+    /// Nothing once the connection ended.
     pub fn handle_server(&mut self, bytes: &[u8]) -> Result<(), ClientSessionError> {
-        self.session.input().extend_from_slice(bytes);
-        self.front.take_replies(&mut self.session).handled
+        if self.is_closed() {
+            return Ok(());
+        }
+        let mut session = self.front.hold();
+        session.input().extend_from_slice(bytes);
+        session.take_replies().handled
     }
 
     /// Queues the acknowledgement of the replies received, as an idle relay
     /// does (resumable sessions). Returns whether it queued one.
     pub fn acknowledge(&mut self) -> bool {
-        self.session.acknowledge()
+        self.shared.session().is_some_and(|mut session| session.acknowledge())
     }
 
-    /// When to call [`handle_timeout`](Self::handle_timeout) next, if ever.
+    /// When to call [`handle_timeout`](Self::handle_timeout) next, if ever
+    /// (never once the connection ended).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.session.poll_timeout()
+        self.shared.session().and_then(|session| session.poll_timeout())
     }
 
     /// Runs the keep-alive timer at `now` (see [`ClientSession::handle_timeout`];
     /// the caller always listens). `Silent` means the link is dead: call
     /// [`end`](Self::end).
     pub fn handle_timeout(&mut self, now: Instant) -> Result<(), ClientSessionError> {
-        self.session.handle_timeout(now, true)
+        match self.shared.session() {
+            Some(mut session) => session.handle_timeout(now, true),
+            None => Ok(()),
+        }
     }
 
     /// The link is gone and the session with it, as when a relay ends: the
@@ -112,6 +136,7 @@ impl DrivenConnection {
     pub fn end(&mut self) {
         self.handle = None;
         self.front.ended();
+        self.wire.clear();
     }
 
     /// Whether the connection is gone.
@@ -127,7 +152,7 @@ impl DrivenConnection {
 
     /// Seqnums outstanding in the session (sent, or waiting to be).
     pub fn outstanding(&self) -> usize {
-        self.session.outstanding()
+        self.shared.session().map_or(0, |session| session.outstanding())
     }
 
     /// The budget it keeps to.

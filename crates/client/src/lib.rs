@@ -9,9 +9,10 @@
 //! one task, a [`TransferQueue`] ([`Connection::queue`]) delivers completions
 //! in batches instead of one future per URB.
 //!
-//! Every connection hands its commands to a [`relay`] task, which drives the
-//! session within a budget of URBs and bytes in flight (callers wait for room
-//! past it), the same path the kernel attach and the usbredir bridge take.
+//! Every connection's session is driven by a [`relay`] task: callers encode
+//! their commands into it, within a budget of URBs and bytes in flight
+//! (waiting for room past it), and the relay writes them and hands the
+//! replies back, the same path the kernel attach and the usbredir bridge take.
 //! [`Connection::import_resumable`] imports and, when the server (usbwire)
 //! grants resume, keeps the session through network drops: the relay
 //! reconnects and resumes, so an outage shorter than the server's grace
@@ -22,7 +23,8 @@
 //! Modules by concept: `connect` (resolution, TCP, TLS and pinning),
 //! `op_exchange` (device list, states, transforms, import), `transfer` (what a
 //! caller asks of an endpoint), `connection` and `queue` (the URB channel's
-//! API), `waiters` (commands handed to the relay, replies to their waiters),
+//! API), `waiters` (the session the callers and the relay share, replies to
+//! their waiters),
 //! [`relay`] (the task driving the session), `backoff`, `error`; [`vhci`]
 //! attaches to the kernel, [`follow`] keeps a kernel attachment through the
 //! device's re-enumerations, [`reattach`] keeps a device imported across drops,

@@ -3,10 +3,11 @@
 //!
 //! Why it exists beside [`Connection::submit`](crate::Connection::submit):
 //! a future per URB costs a oneshot channel, a wake-up per reply and, on a
-//! multi-threaded runtime, often a cross-thread wake. A queue hands
-//! everything submitted since it last waited to the relay at once, and the
-//! relay appends replies to the queue's inbox and wakes it once per socket
-//! read, however many replies that read held.
+//! multi-threaded runtime, often a cross-thread wake. A queue encodes
+//! everything submitted since it last waited into the session at once (one
+//! lock, one wake of the relay), and the relay appends replies to the queue's
+//! inbox and wakes it once per socket read, however many replies that read
+//! held.
 
 use std::collections::VecDeque;
 use std::future::poll_fn;
@@ -68,8 +69,7 @@ impl TransferQueue {
         }
         let seqnum = shared.next_seqnum();
         let submit = build_submit(self.devid, seqnum, transfer);
-        let waiter = Waiter::queue(self.id, &submit);
-        self.unsent.push_back(Request::Submit(submit, waiter));
+        self.unsent.push_back(Request::Submit(submit, Waiter::Queue(self.id)));
         self.pending += 1;
         Ok(seqnum)
     }
@@ -158,8 +158,9 @@ impl TransferQueue {
 
 impl Drop for TransferQueue {
     /// Submitted URBs still go out, past the budget if they must (they were
-    /// accepted; the session still keeps to its budget); their completions are
-    /// dropped on arrival.
+    /// accepted; what the session has no room for waits in the connection
+    /// until replies make room, so the session still keeps to its budget);
+    /// their completions are dropped on arrival.
     fn drop(&mut self) {
         let shared = self.handle.shared();
         let _ = shared.send(&mut self.unsent, None, true);

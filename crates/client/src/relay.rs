@@ -3,12 +3,17 @@
 //! encrypted, transformed and — when the server granted resume — outlive its
 //! connection. Two fronts: vhci-hcd speaking plain USB/IP on one end of a
 //! socket pair ([`run`]), and every userspace [`Connection`](crate::Connection)
-//! (the library, the usbredir bridge, the bench), handing over commands with
-//! their waiters (no bytes in between).
+//! (the library, the usbredir bridge, the bench), whose callers encode their
+//! commands into the session themselves, under the lock they share with the
+//! relay (`waiters`).
 //!
-//! While connected, the front's commands go into the session (which keeps
-//! each, whole when resumable, until its reply), and the replies the session
-//! decodes go back to the front. When the connection drops, the front is still served: its new URBs
+//! Each turn the relay holds the session once (`Front::hold`): the bytes it
+//! read are decoded and each reply handed to the front, and the bytes the
+//! session queued (the kernel's commands it took, or the callers') move to the
+//! relay's own outbox. It reads and writes the server without holding it, so
+//! a caller never waits on the relay's I/O. While connected, the session keeps
+//! each command (whole when resumable) until its reply. When the connection
+//! drops, the front is still served: its new URBs
 //! wait in the session, and the relay reconnects (at once, then backing off)
 //! and resumes; both sides then send what the other is missing, and the
 //! front sees a delay. Without resume, or when the server no longer holds the
@@ -18,6 +23,7 @@
 use std::future::Future as _;
 use std::io;
 use std::net::SocketAddr;
+use std::ops::DerefMut;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -102,7 +108,7 @@ pub(crate) enum Step {
     Detached,
 }
 
-/// What [`Front::take_replies`] did.
+/// What [`Held::take_replies`] did.
 pub(crate) struct Replies {
     /// The session's verdict on the server's bytes.
     pub(crate) handled: Result<(), ClientSessionError>,
@@ -115,21 +121,25 @@ pub(crate) struct Replies {
 pub(crate) trait Front {
     /// What the session carries with each URB for its reply.
     type Tag;
-    /// Moves the front's next commands into `session` while it
-    /// [wants them](ClientSession::wants_commands).
-    fn poll_commands(
-        &mut self,
-        cx: &mut Context<'_>,
-        session: &mut ClientSession<Self::Tag>,
-    ) -> Result<Step, RelayError>;
+    /// The session, held for one step of the relay.
+    type Held<'a>: Held<Self::Tag>
+    where
+        Self: 'a;
+    /// Holds the session (a userspace front's is behind the lock its callers
+    /// submit under; the relay does no I/O while it holds it).
+    fn hold(&mut self) -> Self::Held<'_>;
+    /// The front's own I/O for commands: the kernel's are read and given to
+    /// the session while it [wants them](ClientSession::wants_commands). A
+    /// userspace front's callers give theirs to the session themselves.
+    fn poll_commands(&mut self, _cx: &mut Context<'_>) -> Result<Step, RelayError> {
+        Ok(Step::Idle)
+    }
     /// Whether to read more replies from the server (the front keeps up).
     fn takes_replies(&self) -> bool;
-    /// Has `session` decode what the server sent
-    /// ([`ClientSession::handle_input_with`]) and takes each reply as it is
-    /// decoded, those before an error too.
-    fn take_replies(&mut self, session: &mut ClientSession<Self::Tag>) -> Replies;
     /// Writes replies taken but not yet out to the front.
-    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Step;
+    fn poll_flush(&mut self, _cx: &mut Context<'_>) -> Step {
+        Step::Idle
+    }
     /// The relay is ending; called before the session (and with it every
     /// pending URB's tag) is dropped.
     fn ended(&mut self) {}
@@ -137,6 +147,37 @@ pub(crate) trait Front {
     fn unflushed(&self) -> bool {
         false
     }
+}
+
+/// A [`Front`]'s session, held, with the front's side of the replies.
+pub(crate) trait Held<T>: DerefMut<Target = ClientSession<T>> {
+    /// Has the session decode what the server sent
+    /// ([`ClientSession::handle_input_with`]) and takes each reply as it is
+    /// decoded, those before an error too.
+    fn take_replies(&mut self) -> Replies;
+    /// Whether the front let go (end the session), or a command it gave the
+    /// session was refused; otherwise `cx` is woken when the session has new
+    /// commands to write.
+    fn watch(&mut self, _cx: &mut Context<'_>) -> Result<Step, RelayError> {
+        Ok(Step::Idle)
+    }
+}
+
+/// A new session for the device `devid` of `upstream`, resumable (with
+/// keep-alive, and the server's table's size) as the server granted,
+/// keeping to `budget`.
+pub(crate) fn new_session<T>(devid: u32, upstream: &Upstream, budget: Budget) -> ClientSession<T> {
+    let mut session = ClientSession::new(devid, BytesMut::new(), Limits::default(), budget);
+    if let Some(grant) = &upstream.resume {
+        session = session.resumable();
+        if grant.keepalive {
+            session = session.keepalive(Instant::now());
+        }
+        if let Some((urbs, bytes)) = grant.in_flight {
+            session = session.server_takes(urbs, bytes);
+        }
+    }
+    session
 }
 
 /// Relays between the kernel's socket and the server until the port is
@@ -152,39 +193,27 @@ pub async fn run<K>(
 where
     K: AsyncRead + AsyncWrite + Unpin,
 {
-    let front = KernelFront { kernel, kernel_in: BytesMut::with_capacity(64 * 1024), kernel_out: Outbox::default() };
-    drive(front, stream, devid, upstream, state, Budget::default()).await
+    let session = new_session(devid, &upstream, Budget::default());
+    let front =
+        KernelFront { kernel, kernel_in: BytesMut::with_capacity(64 * 1024), kernel_out: Outbox::default(), session };
+    drive(front, stream, upstream, state).await
 }
 
 /// Drives `front`'s session with the server until the front lets go (`Ok`)
-/// or the session is lost; the session keeps to `budget`.
+/// or the session is lost.
 pub(crate) async fn drive<F: Front>(
     mut front: F,
     stream: PeerStream,
-    devid: u32,
     upstream: Upstream,
     state: Option<watch::Sender<RelayState>>,
-    budget: Budget,
 ) -> Result<(), RelayError> {
-    let mut session = ClientSession::new(devid, BytesMut::new(), Limits::default(), budget);
-    if let Some(grant) = upstream.resume {
-        session = session.resumable();
-        if grant.keepalive {
-            session = session.keepalive(Instant::now());
-        }
-        if let Some((urbs, bytes)) = grant.in_flight {
-            session = session.server_takes(urbs, bytes);
-        }
-    }
-    let result = drive_session(&mut front, &mut session, stream, upstream, state).await;
+    let result = drive_session(&mut front, stream, upstream, state).await;
     front.ended();
-    drop(session);
     result
 }
 
 async fn drive_session<F: Front>(
     front: &mut F,
-    session: &mut ClientSession<F::Tag>,
     stream: PeerStream,
     upstream: Upstream,
     state: Option<watch::Sender<RelayState>>,
@@ -192,11 +221,12 @@ async fn drive_session<F: Front>(
     let mut server = stream;
     // Keep-alive's clock (sessions that negotiated it): reset to each deadline the session names.
     let mut timer = Box::pin(tokio::time::sleep(Duration::ZERO));
+    let mut wire = Wire::default();
     loop {
-        let mut link = Link { stream: &mut server, timer: &mut timer };
-        let lost = match std::future::poll_fn(|cx| poll_drive(front, cx, Some(&mut link), session)).await? {
+        let mut link = Link { stream: &mut server, timer: &mut timer, acknowledges: upstream.resume.is_some() };
+        let lost = match std::future::poll_fn(|cx| poll_drive(front, cx, Some(&mut link), &mut wire)).await? {
             Stop::Detached => {
-                end_session(&mut server, session).await;
+                end_session(&mut server, front, &mut wire).await;
                 return Ok(());
             }
             Stop::LinkLost(error) => error,
@@ -215,18 +245,23 @@ async fn drive_session<F: Front>(
         let Some(Grant { token, .. }) = upstream.resume else {
             return Err(RelayError::SessionLost { addr: upstream.addr, reason: format!("{lost} (no resume)") });
         };
-        session.disconnected();
+        // What was read and not decoded, or taken and not written, goes with the connection.
+        wire = Wire::default();
+        let (outstanding, replies_received, devid) = {
+            let mut session = front.hold();
+            session.disconnected();
+            (session.outstanding(), session.replies_received(), session.devid())
+        };
         let since = Instant::now();
-        warn!(addr = %upstream.addr, error = %lost, outstanding = session.outstanding(), "connection lost; resuming");
+        warn!(addr = %upstream.addr, error = %lost, outstanding, "connection lost; resuming");
         if let Some(state) = &state {
             let _ = state.send(RelayState::Resuming { since });
         }
-        let replies_received = session.replies_received();
         // The front is served (its commands wait in the session) while reconnecting.
         let resumed = tokio::select! {
-            stop = std::future::poll_fn(|cx| poll_drive(front, cx, None, session)) => match stop? {
+            stop = std::future::poll_fn(|cx| poll_drive(front, cx, None, &mut wire)) => match stop? {
                 Stop::Detached => {
-                    end_while_away(&upstream, &token, replies_received, session.devid()).await;
+                    end_while_away(&upstream, &token, replies_received, devid).await;
                     return Ok(());
                 }
                 Stop::LinkLost(_) | Stop::ServerEnded | Stop::Reenumerated => unreachable_while_disconnected(),
@@ -234,7 +269,7 @@ async fn drive_session<F: Front>(
             resumed = reconnect(&upstream, &token, replies_received) => resumed,
         };
         let (stream, commands_received) = resumed?;
-        let resent = session.resumed(commands_received, BytesMut::new())?;
+        let resent = front.hold().resumed(commands_received, BytesMut::new())?;
         info!(
             addr = %upstream.addr,
             outage_ms = since.elapsed().as_millis() as u64,
@@ -248,94 +283,184 @@ async fn drive_session<F: Front>(
     }
 }
 
+/// What the relay holds of the session's bytes outside it: what it writes to
+/// the server, and the buffer it reads into.
+struct Wire {
+    /// Taken from the session's outbox, being written.
+    out: Outbox,
+    /// Everything written was flushed (TLS and transforms buffer until then).
+    flushed: bool,
+    /// The session's read buffer, lent out while the relay reads.
+    input: Option<BytesMut>,
+    /// Bytes were read into `input` and not decoded yet.
+    fresh: bool,
+}
+
+impl Default for Wire {
+    fn default() -> Self {
+        Self { out: Outbox::default(), flushed: true, input: None, fresh: false }
+    }
+}
+
 /// The connection to the server while there is one, with the keep-alive timer.
 struct Link<'a> {
     stream: &'a mut PeerStream,
     timer: &'a mut Pin<Box<tokio::time::Sleep>>,
+    /// The session acknowledges what it received (it is resumable).
+    acknowledges: bool,
 }
 
-/// One turn of the relay: front -> session -> server and server -> session
-/// -> front, until nothing moves. `link` is `None` while reconnecting.
+/// One turn of the relay, until nothing is left to do at once: the front's
+/// commands into the session; the server read into the buffer the session
+/// lent; then, holding the session once, what was read decoded and handed to
+/// the front, and what the session queued taken to write; then, not holding
+/// it, the server written, and the front's replies written out. Reads and
+/// writes go on until they would block (so they wake the task when they can
+/// go on); another turn follows at once only for bytes read, or what the
+/// front moved. `link` is `None` while reconnecting.
 fn poll_drive<F: Front>(
     front: &mut F,
     cx: &mut Context<'_>,
     mut link: Option<&mut Link<'_>>,
-    session: &mut ClientSession<F::Tag>,
+    wire: &mut Wire,
 ) -> Poll<Result<Stop, RelayError>> {
     loop {
-        // Keep-alive: a ping when quiet, and a link gone silent is lost.
-        if let Some(link) = link.as_deref_mut() {
-            if let Some(silent) = poll_keepalive(cx, link, session, front.takes_replies())? {
-                let reason = format!("nothing heard from the server for {:.1} s", silent.as_secs_f64());
-                return Poll::Ready(Ok(Stop::LinkLost(io::Error::new(io::ErrorKind::TimedOut, reason))));
-            }
-        }
-        let server = link.as_deref_mut().map(|link| &mut *link.stream);
-        let mut progressed = false;
+        let mut again = false;
         let mut woke = false;
 
-        // Front -> session.
-        if session.wants_commands() {
-            match front.poll_commands(cx, session)? {
-                Step::Progressed => progressed = true,
-                Step::Idle => {}
-                Step::Detached => return Poll::Ready(Ok(Stop::Detached)),
+        // Front -> session (the kernel's commands).
+        match front.poll_commands(cx)? {
+            Step::Progressed => again = true,
+            Step::Idle => {}
+            Step::Detached => return Poll::Ready(Ok(Stop::Detached)),
+        }
+
+        // Server -> the buffer the session lent (the last turn).
+        let mut read_again = wire.input.is_none();
+        if let (Some(link), false) = (link.as_deref_mut(), read_again) {
+            if let Some(stop) = poll_read_wire(wire, cx, link.stream) {
+                return Poll::Ready(Ok(stop));
             }
         }
 
-        if let Some(stream) = server {
-            // Server -> session -> front.
-            if front.takes_replies() {
-                match poll_read_buf(Pin::new(&mut *stream), cx, session.input()) {
-                    Poll::Ready(Ok(0)) => return Poll::Ready(Ok(Stop::LinkLost(io::ErrorKind::UnexpectedEof.into()))),
-                    Poll::Ready(Ok(_)) => {
-                        progressed = true;
-                        // Replies before an error (or the server's end) still reach the front.
-                        let replies = front.take_replies(session);
-                        woke = replies.woke;
-                        match replies.handled {
-                            Ok(()) => {}
-                            Err(ClientSessionError::ServerEnded) => return Poll::Ready(Ok(Stop::ServerEnded)),
-                            Err(ClientSessionError::Reenumerated) => return Poll::Ready(Ok(Stop::Reenumerated)),
-                            Err(error) => return Poll::Ready(Err(error.into())),
-                        }
-                    }
-                    Poll::Ready(Err(error)) => return Poll::Ready(Ok(Stop::LinkLost(error))),
-                    Poll::Pending => {}
+        let listening = front.takes_replies();
+        {
+            let mut session = front.hold();
+            // Keep-alive: a ping when quiet, and a link gone silent is lost.
+            if let Some(link) = link.as_deref_mut() {
+                if let Some(silent) = poll_keepalive(cx, link, &mut *session, listening)? {
+                    let reason = format!("nothing heard from the server for {:.1} s", silent.as_secs_f64());
+                    return Poll::Ready(Ok(Stop::LinkLost(io::Error::new(io::ErrorKind::TimedOut, reason))));
                 }
             }
-            // Session -> server.
-            match poll_write_all(session.outbox(), cx, &mut *stream) {
-                Poll::Ready(Ok(wrote)) => progressed |= wrote,
-                Poll::Ready(Err(error)) => return Poll::Ready(Ok(Stop::LinkLost(error))),
-                Poll::Pending => {}
+            // Session -> front: what was read, decoded.
+            if let Some(input) = wire.input.take() {
+                session.return_input(input);
+            }
+            if std::mem::take(&mut wire.fresh) {
+                // There may be more.
+                read_again = true;
+                // Replies before an error (or the server's end) still reach the front.
+                let replies = session.take_replies();
+                woke = replies.woke;
+                match replies.handled {
+                    Ok(()) => {}
+                    Err(ClientSessionError::ServerEnded) => return Poll::Ready(Ok(Stop::ServerEnded)),
+                    Err(ClientSessionError::Reenumerated) => return Poll::Ready(Ok(Stop::Reenumerated)),
+                    Err(error) => return Poll::Ready(Err(error.into())),
+                }
+            }
+            if link.is_some() {
+                // Session -> wire: what it queued since, once the last of it is written.
+                if wire.out.is_empty() && session.outbox().hand_over(&mut wire.out) {
+                    wire.flushed = false;
+                }
+                if listening {
+                    wire.input = Some(session.lend_input());
+                }
+            }
+            match session.watch(cx)? {
+                Step::Detached => return Poll::Ready(Ok(Stop::Detached)),
+                Step::Progressed | Step::Idle => {}
+            }
+        }
+
+        if let Some(link) = link.as_deref_mut() {
+            // Server -> the buffer just lent, when it was not lent before or the
+            // last read brought bytes: until the socket would block.
+            if read_again && wire.input.is_some() {
+                if let Some(stop) = poll_read_wire(wire, cx, &mut *link.stream) {
+                    return Poll::Ready(Ok(stop));
+                }
+                again |= wire.fresh;
+            }
+            // Wire -> server.
+            if let Err(error) = poll_write_wire(wire, cx, link.stream) {
+                return Poll::Ready(Ok(Stop::LinkLost(error)));
             }
         }
 
         // Replies -> front.
         match front.poll_flush(cx) {
-            Step::Progressed => progressed = true,
+            Step::Progressed => again = true,
             Step::Idle => {}
             Step::Detached => return Poll::Ready(Ok(Stop::Detached)),
         }
 
-        // Let the tasks the replies woke run (on a single-threaded runtime they
-        // could not submit more URBs to keep the server busy while replies keep
-        // coming), then carry on: the same as a yield, without its extra poll
-        // of the I/O driver.
-        if woke {
-            cx.waker().wake_by_ref();
-            return Poll::Pending;
+        if again {
+            // Let the tasks the replies woke run first (on a single-threaded
+            // runtime they could not submit more URBs to keep the server busy
+            // while replies keep coming), then carry on: the same as a yield,
+            // without its extra poll of the I/O driver. With nothing more to
+            // do at once, returning lets them run anyway: what they submit
+            // wakes the relay, as the server's bytes do.
+            if woke {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            continue;
         }
         // Idle: acknowledge what the server sent (busy, the acknowledgement
         // rides with the next command instead of costing a write of its own).
-        if progressed {
-            continue;
-        }
-        if link.is_none() || !session.acknowledge() {
+        if !link.as_ref().is_some_and(|link| link.acknowledges) || !front.hold().acknowledge() {
             return Poll::Pending;
         }
     }
+}
+
+/// Reads the server into the buffer the session lent (`wire.fresh` when
+/// bytes came); the link's end, if it ended.
+fn poll_read_wire(wire: &mut Wire, cx: &mut Context<'_>, stream: &mut PeerStream) -> Option<Stop> {
+    let input = wire.input.as_mut()?;
+    match poll_read_buf(Pin::new(stream), cx, input) {
+        Poll::Ready(Ok(0)) => Some(Stop::LinkLost(io::ErrorKind::UnexpectedEof.into())),
+        Poll::Ready(Ok(_)) => {
+            wire.fresh = true;
+            None
+        }
+        Poll::Ready(Err(error)) => Some(Stop::LinkLost(error)),
+        Poll::Pending => None,
+    }
+}
+
+/// Writes the wire's bytes to the server until they are out or the socket
+/// would block, and flushes once they are all out (TLS and transforms buffer
+/// until then). Nothing to write and nothing to flush costs nothing.
+fn poll_write_wire(wire: &mut Wire, cx: &mut Context<'_>, stream: &mut PeerStream) -> io::Result<()> {
+    if wire.out.is_empty() && wire.flushed {
+        return Ok(());
+    }
+    if let Poll::Ready(Err(error)) = poll_write_outbox(&mut wire.out, cx, &mut *stream) {
+        return Err(error);
+    }
+    if wire.out.is_empty() {
+        match Pin::new(&mut *stream).poll_flush(cx) {
+            Poll::Ready(Ok(())) => wire.flushed = true,
+            Poll::Ready(Err(error)) => return Err(error),
+            Poll::Pending => {}
+        }
+    }
+    Ok(())
 }
 
 /// Runs the session's keep-alive timer: queues a ping when one is due, and
@@ -364,14 +489,19 @@ fn poll_keepalive<T>(
     Ok(None)
 }
 
-/// The kernel let go: tell a resumable server it may release the device now
+/// The front let go: tell a resumable server it may release the device now
 /// (after whatever commands are still queued), rather than hold it for a resume.
-async fn end_session<T>(server: &mut PeerStream, session: &mut ClientSession<T>) {
-    session.end();
+async fn end_session<F: Front>(server: &mut PeerStream, front: &mut F, wire: &mut Wire) {
+    {
+        let mut session = front.hold();
+        session.end();
+        session.outbox().hand_over(&mut wire.out);
+    }
+    let out = &mut wire.out;
     let flushed = tokio::time::timeout(END_TIMEOUT, async {
         std::future::poll_fn(|cx| loop {
-            match poll_write_all(session.outbox(), cx, &mut *server) {
-                Poll::Ready(Ok(_)) if session.outbox().is_empty() => return Poll::Ready(Ok(())),
+            match poll_write_all(out, cx, &mut *server) {
+                Poll::Ready(Ok(_)) if out.is_empty() => return Poll::Ready(Ok(())),
                 Poll::Ready(Ok(_)) => {}
                 Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
                 Poll::Pending => return Poll::Pending,
@@ -465,24 +595,69 @@ struct KernelFront<K> {
     kernel_in: BytesMut,
     /// Replies for the kernel.
     kernel_out: Outbox,
+    /// The kernel's session: the relay's alone.
+    session: ClientSession<()>,
+}
+
+/// The kernel's session, held, beside the replies for the kernel.
+struct KernelHeld<'a> {
+    session: &'a mut ClientSession<()>,
+    kernel_out: &'a mut Outbox,
+}
+
+impl std::ops::Deref for KernelHeld<'_> {
+    type Target = ClientSession<()>;
+
+    fn deref(&self) -> &ClientSession<()> {
+        self.session
+    }
+}
+
+impl DerefMut for KernelHeld<'_> {
+    fn deref_mut(&mut self) -> &mut ClientSession<()> {
+        self.session
+    }
+}
+
+impl Held<()> for KernelHeld<'_> {
+    fn take_replies(&mut self) -> Replies {
+        let kernel_out = &mut *self.kernel_out;
+        let handled = self.session.handle_input_with(|event| match event {
+            Event::Completed { reply, .. } => kernel_out.push_ret_submit(&reply),
+            Event::Unlinked { reply, .. } => kernel_out.push_ret_unlink(&reply),
+        });
+        // The kernel runs elsewhere: nothing to make room for.
+        Replies { handled, woke: false }
+    }
 }
 
 impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
     type Tag = ();
+    type Held<'a>
+        = KernelHeld<'a>
+    where
+        K: 'a;
 
-    fn poll_commands(&mut self, cx: &mut Context<'_>, session: &mut ClientSession<()>) -> Result<Step, RelayError> {
+    fn hold(&mut self) -> KernelHeld<'_> {
+        KernelHeld { session: &mut self.session, kernel_out: &mut self.kernel_out }
+    }
+
+    fn poll_commands(&mut self, cx: &mut Context<'_>) -> Result<Step, RelayError> {
+        if !self.session.wants_commands() {
+            return Ok(Step::Idle);
+        }
         // Whole commands left over from a read the session's budget cut short come first.
-        let before = session.outstanding();
-        self.take_commands(session)?;
-        let took = session.outstanding() != before;
-        if !session.wants_commands() {
+        let before = self.session.outstanding();
+        self.take_commands()?;
+        let took = self.session.outstanding() != before;
+        if !self.session.wants_commands() {
             return Ok(if took { Step::Progressed } else { Step::Idle });
         }
         self.kernel_in.reserve(64 * 1024);
         match poll_read_buf(Pin::new(&mut self.kernel), cx, &mut self.kernel_in) {
             Poll::Ready(Ok(0)) => Ok(Step::Detached),
             Poll::Ready(Ok(_)) => {
-                self.take_commands(session)?;
+                self.take_commands()?;
                 Ok(Step::Progressed)
             }
             // The kernel resets its socket on detach.
@@ -494,16 +669,6 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
 
     fn takes_replies(&self) -> bool {
         self.kernel_out.queued() < KERNEL_BACKLOG
-    }
-
-    fn take_replies(&mut self, session: &mut ClientSession<()>) -> Replies {
-        let kernel_out = &mut self.kernel_out;
-        let handled = session.handle_input_with(|event| match event {
-            Event::Completed { reply, .. } => kernel_out.push_ret_submit(&reply),
-            Event::Unlinked { reply, .. } => kernel_out.push_ret_unlink(&reply),
-        });
-        // The kernel runs elsewhere: nothing to make room for.
-        Replies { handled, woke: false }
     }
 
     fn unflushed(&self) -> bool {
@@ -521,8 +686,9 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
 
 impl<K> KernelFront<K> {
     /// Decodes the kernel's whole commands into the session.
-    fn take_commands(&mut self, session: &mut ClientSession<()>) -> Result<(), RelayError> {
+    fn take_commands(&mut self) -> Result<(), RelayError> {
         let limits = Limits::default();
+        let session = &mut self.session;
         while session.wants_commands() {
             // vhci sends isochronous descriptors exactly when the URB has packets
             // (number_of_packets is 0 otherwise); the kernel is trusted here.

@@ -1,24 +1,31 @@
-//! What a userspace connection's callers wait on, and the bounded hand-over of
-//! their commands to the relay that drives the session.
+//! The session a userspace connection's callers and its relay share, and
+//! what the callers wait on.
 //!
 //! [`Shared`] is where a [`Connection`](crate::Connection), its
-//! [`TransferQueue`](crate::TransferQueue)s and the relay task meet. Callers
-//! hand commands in ([`Shared::send`]; each submit with its [`Waiter`]); the
-//! relay, through [`ApiFront`], takes them into its
-//! [`ClientSession`] as the session wants them and gives each reply to its
-//! waiter: a reply future, or a queue's [`Inbox`] (a read's replies for one
-//! queue go over together, see [`Deliveries`]).
+//! [`TransferQueue`](crate::TransferQueue)s and the relay task meet: it holds
+//! the connection's [`ClientSession`] behind the one lock they all take. A
+//! caller's command goes straight into the session under that lock
+//! ([`Shared::send`]; each submit with its [`Waiter`]): the session makes it
+//! outstanding and encodes it into its outbox, and the relay is woken to
+//! write the new bytes. The relay, through [`ApiFront`], takes the lock only
+//! between its reads and writes: it takes the outbox's bytes to write them
+//! without the lock, and has the session decode what it read, each reply going
+//! to its waiter as it is decoded: a reply future, or a queue's [`Inbox`] (a
+//! read's replies for one queue go over together, see [`Deliveries`]).
 //!
-//! Everything here is bounded by the connection's [`Budget`], the one the
-//! session and the server use: a command is accepted while the URBs (submits
-//! and unlinks) and the bytes (`transfer_buffer_length`) accepted and not yet
-//! answered are under its in-flight limits; past them, callers wait for room
-//! (a [`TransferQueue`](crate::TransferQueue) keeps what it could not hand
-//! over). So the commands waiting here, the session's table and its outbox
-//! stay within the budget however fast callers submit and however slowly the
-//! server reads.
+//! Everything here is bounded by the connection's [`Budget`], the session's:
+//! a command goes in while the session has room for it
+//! ([`ClientSession::has_room`]: URBs (submits and unlinks) and bytes
+//! (`transfer_buffer_length`) outstanding under its in-flight limits, its
+//! outbox under its queued bytes); past that, callers wait for replies to make
+//! room (a [`TransferQueue`](crate::TransferQueue) keeps what it could not
+//! hand over). So the session's table and its outbox stay within the budget
+//! however fast callers submit and however slowly the server reads. Only a
+//! dropped queue's commands are accepted past it: they wait here
+//! ([`State::overflow`]) and go into the session as replies make room.
 
 use std::collections::VecDeque;
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
@@ -26,11 +33,11 @@ use std::task::{Context, Poll, Waker};
 use bytes::Bytes;
 use tokio::sync::oneshot;
 use tracing::debug;
-use usbwire_proto::client_session::{ClientSession, Event};
+use usbwire_proto::client_session::{ClientSession, ClientSessionError, Event};
 use usbwire_proto::urb::{CmdSubmit, CmdUnlink, RetSubmit};
-use usbwire_proto::{Budget, Status};
+use usbwire_proto::Status;
 
-use crate::relay::{Front, RelayError, Replies, Step};
+use crate::relay::{Front, Held, RelayError, Replies, Step};
 use crate::TransferError;
 
 /// A command on its way to the session.
@@ -49,14 +56,8 @@ impl Request {
     }
 }
 
-/// Who gets a URB's reply, and what the URB holds of the budget until then.
-pub(crate) struct Waiter {
-    to: ReplyTo,
-    /// The URB's `transfer_buffer_length`.
-    bytes: u32,
-}
-
-enum ReplyTo {
+/// Who gets a URB's reply.
+pub(crate) enum Waiter {
     /// The future [`Connection::submit`](crate::Connection::submit) returned.
     Future(oneshot::Sender<RetSubmit>),
     /// A [`TransferQueue`](crate::TransferQueue), by id: the reply joins its
@@ -65,28 +66,27 @@ enum ReplyTo {
 }
 
 impl Waiter {
-    pub(crate) fn future(reply: oneshot::Sender<RetSubmit>, submit: &CmdSubmit) -> Self {
-        Self { to: ReplyTo::Future(reply), bytes: submit.transfer_buffer_length }
-    }
-
-    pub(crate) fn queue(id: u64, submit: &CmdSubmit) -> Self {
-        Self { to: ReplyTo::Queue(id), bytes: submit.transfer_buffer_length }
-    }
-
     /// Hands the reply over; a queue's replies gather in `batch`. Returns
     /// whether a reply future was answered (which wakes its task).
-    fn deliver(self, ret: RetSubmit, batch: &mut Deliveries, state: &State) -> bool {
-        match self.to {
-            ReplyTo::Future(tx) => {
-                let _ = tx.send(ret);
+    #[inline]
+    fn deliver(self, ret: RetSubmit, batch: &mut Deliveries, queues: &[(u64, Arc<Inbox>)]) -> bool {
+        match self {
+            Self::Future(tx) => {
+                answer(tx, ret);
                 true
             }
-            ReplyTo::Queue(id) => {
-                batch.add(id, ret, state);
+            Self::Queue(id) => {
+                batch.add(id, ret, queues);
                 false
             }
         }
     }
+}
+
+/// Answers a reply future (out of line: a queue's replies, the many, take the short path).
+#[inline(never)]
+fn answer(tx: oneshot::Sender<RetSubmit>, ret: RetSubmit) {
+    let _ = tx.send(ret);
 }
 
 /// The connection's side of the hand-over, shared by its handles and the relay.
@@ -96,15 +96,18 @@ pub(crate) struct Shared {
     next_seqnum: AtomicU32,
     /// Set with `state` becoming `None`, readable without the lock.
     closed: AtomicBool,
-    budget: Budget,
 }
 
 struct State {
-    /// Accepted, not yet taken by the relay, in the order they go on the wire.
-    requests: VecDeque<Request>,
-    /// Commands accepted and not answered yet, and their bytes.
-    in_flight: usize,
-    in_flight_bytes: usize,
+    /// The protocol state: outstanding seqnums with their waiters, the
+    /// budget, resume's bookkeeping, and the outbox the relay writes from.
+    session: ClientSession<Waiter>,
+    /// Commands of dropped queues that did not fit the budget: they go into
+    /// the session, in order and before any other, as replies make room.
+    overflow: VecDeque<Request>,
+    /// A command the session refused (its seqnum is outstanding): the relay
+    /// ends the connection with it.
+    failed: Option<ClientSessionError>,
     /// The relay, when it waits for commands.
     relay: Option<Waker>,
     /// Callers waiting for room in the budget.
@@ -112,33 +115,41 @@ struct State {
     /// The inboxes of live queues, by queue id.
     queues: Vec<(u64, Arc<Inbox>)>,
     next_queue: u64,
-    /// Live [`Handle`]s: at none, the relay ends the session once it took every command.
+    /// Live [`Handle`]s: at none, the relay ends the session.
     handles: usize,
 }
 
 impl State {
-    fn inbox(&self, id: u64) -> Option<&Arc<Inbox>> {
-        self.queues.iter().find(|(queue, _)| *queue == id).map(|(_, inbox)| inbox)
+    /// Gives `request` to the session (outstanding, and encoded into its
+    /// outbox while connected); a refusal ends the connection.
+    #[inline(always)]
+    fn submit(&mut self, request: Request) {
+        let submitted = match request {
+            Request::Submit(submit, waiter) => self.session.submit(submit, waiter),
+            Request::Unlink(unlink) => self.session.unlink(unlink),
+        };
+        if let Err(error) = submitted {
+            self.failed.get_or_insert(error);
+        }
     }
 
-    fn has_room(&self, budget: &Budget, bytes: usize) -> bool {
-        self.in_flight < budget.in_flight_urbs && budget.admits(self.in_flight_bytes, bytes)
-    }
-
-    /// An accepted command was answered.
-    fn release(&mut self, bytes: u32) {
-        self.in_flight -= 1;
-        self.in_flight_bytes -= bytes as usize;
+    /// Moves what waits in `overflow` into the session while it has room.
+    fn admit_overflow(&mut self) {
+        while self.overflow.front().is_some_and(|request| self.session.has_room(request.bytes())) {
+            let Some(request) = self.overflow.pop_front() else { return };
+            self.submit(request);
+        }
     }
 }
 
 impl Shared {
-    /// A connection whose commands are held to `budget`, with its first handle.
-    pub(crate) fn new(budget: Budget) -> (Arc<Self>, Handle) {
+    /// A connection whose commands go into `session` (which keeps them to
+    /// its budget), with its first handle.
+    pub(crate) fn new(session: ClientSession<Waiter>) -> (Arc<Self>, Handle) {
         let state = State {
-            requests: VecDeque::new(),
-            in_flight: 0,
-            in_flight_bytes: 0,
+            session,
+            overflow: VecDeque::new(),
+            failed: None,
             relay: None,
             room: Vec::new(),
             queues: Vec::new(),
@@ -149,7 +160,6 @@ impl Shared {
             state: Mutex::new(Some(state)),
             next_seqnum: AtomicU32::new(1),
             closed: AtomicBool::new(false),
-            budget,
         });
         (shared.clone(), Handle(shared))
     }
@@ -158,13 +168,23 @@ impl Shared {
         usbwire_proto::sync::lock(&self.state)
     }
 
+    /// The session, held; `None` once the connection is gone.
+    pub(crate) fn session(&self) -> Option<SessionGuard<'_>> {
+        let guard = self.state();
+        guard.is_some().then_some(SessionGuard(guard))
+    }
+
     pub(crate) fn next_seqnum(&self) -> u32 {
         self.next_seqnum.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Commands accepted and not answered yet, and their bytes (none once closed).
     pub(crate) fn accepted(&self) -> (usize, usize) {
-        self.state().as_ref().map_or((0, 0), |state| (state.in_flight, state.in_flight_bytes))
+        self.state().as_ref().map_or((0, 0), |state| {
+            let (urbs, bytes) = state.session.in_flight();
+            let waiting: usize = state.overflow.iter().map(Request::bytes).sum();
+            (urbs + state.overflow.len(), bytes + waiting)
+        })
     }
 
     /// Whether the connection is gone: nothing sent now will be answered.
@@ -172,11 +192,13 @@ impl Shared {
         self.closed.load(Ordering::Relaxed)
     }
 
-    /// Hands `requests` to the relay, in order, while the budget has room;
-    /// what does not fit stays in `requests`, and `cx` (if any) is woken when
-    /// there is room. `force` takes them all regardless (a queue being
-    /// dropped: what it accepted goes out). Fails when the connection is gone;
-    /// the requests are dropped then, so their waiters fail as disconnected.
+    /// Gives `requests` to the session, in order, while it has room: each is
+    /// encoded into its outbox, and the relay woken to write them. What does
+    /// not fit stays in `requests`, and `cx` (if any) is woken when there is
+    /// room. `force` accepts them all regardless (a queue being dropped: what
+    /// it accepted goes out), the rest to go in as replies make room. Fails
+    /// when the connection is gone; the requests are dropped then, so their
+    /// waiters fail as disconnected.
     pub(crate) fn send(
         &self,
         requests: &mut VecDeque<Request>,
@@ -191,29 +213,26 @@ impl Shared {
             requests.clear();
             return Err(TransferError::Disconnected);
         };
-        let before = state.requests.len();
-        let mut fits = 0;
-        for request in requests.iter() {
-            let bytes = request.bytes();
-            if !force && !state.has_room(&self.budget, bytes) {
-                break;
+        let mut took = false;
+        if state.overflow.is_empty() {
+            while let Some(request) = requests.pop_front() {
+                if !state.session.has_room(request.bytes()) {
+                    requests.push_front(request);
+                    break;
+                }
+                state.submit(request);
+                took = true;
             }
-            state.in_flight += 1;
-            state.in_flight_bytes += bytes;
-            fits += 1;
         }
-        if fits == requests.len() && state.requests.is_empty() {
-            // The usual case: the whole batch changes hands without moving a command.
-            std::mem::swap(&mut state.requests, requests);
-        } else {
-            state.requests.extend(requests.drain(..fits));
+        if force {
+            state.overflow.append(requests);
         }
         if let (false, Some(cx)) = (requests.is_empty(), cx) {
             if !state.room.iter().any(|waker| waker.will_wake(cx.waker())) {
                 state.room.push(cx.waker().clone());
             }
         }
-        let relay = (state.requests.len() != before).then(|| state.relay.take()).flatten();
+        let relay = (took || state.failed.is_some()).then(|| state.relay.take()).flatten();
         drop(guard);
         if let Some(relay) = relay {
             relay.wake();
@@ -252,9 +271,9 @@ impl Shared {
         }
     }
 
-    /// The connection is gone: every URB still waiting fails as disconnected
-    /// (dropped reply senders; queues are told), and callers waiting for room
-    /// are woken to find out.
+    /// The connection is gone: the session goes, and with it every URB still
+    /// waiting, which fails as disconnected (dropped reply senders; queues are
+    /// told); callers waiting for room are woken to find out.
     pub(crate) fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
         let Some(state) = self.state().take() else { return };
@@ -265,9 +284,38 @@ impl Shared {
     }
 }
 
+/// The session of an open connection, held (its lock taken).
+pub(crate) struct SessionGuard<'a>(MutexGuard<'a, Option<State>>);
+
+impl SessionGuard<'_> {
+    fn state(&mut self) -> &mut State {
+        match self.0.as_mut() {
+            Some(state) => state,
+            None => unreachable!("a guard is made only while the connection is open, and closing takes the lock"),
+        }
+    }
+}
+
+impl Deref for SessionGuard<'_> {
+    type Target = ClientSession<Waiter>;
+
+    fn deref(&self) -> &Self::Target {
+        match self.0.as_ref() {
+            Some(state) => &state.session,
+            None => unreachable!("a guard is made only while the connection is open, and closing takes the lock"),
+        }
+    }
+}
+
+impl DerefMut for SessionGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.state().session
+    }
+}
+
 /// A caller's hold on a connection (the [`Connection`](crate::Connection)
 /// and each of its queues): the relay ends the session once every handle is
-/// dropped and it has taken what they sent.
+/// dropped.
 pub(crate) struct Handle(Arc<Shared>);
 
 impl Handle {
@@ -357,7 +405,7 @@ impl Inbox {
 /// replies for the same queue are handed over under one lock, and each queue
 /// is woken once, after the read is handed over.
 #[derive(Default)]
-struct Deliveries {
+pub(crate) struct Deliveries {
     /// The queue the replies in `replies` are for, and its inbox (`None`: the
     /// queue was dropped, and so are its replies).
     queue: Option<(u64, Option<Arc<Inbox>>)>,
@@ -367,12 +415,20 @@ struct Deliveries {
 }
 
 impl Deliveries {
-    fn add(&mut self, id: u64, ret: RetSubmit, state: &State) {
-        if self.queue.as_ref().map(|(current, _)| *current) != Some(id) {
-            self.hand_over();
-            self.queue = Some((id, state.inbox(id).cloned()));
+    #[inline(always)]
+    fn add(&mut self, id: u64, ret: RetSubmit, queues: &[(u64, Arc<Inbox>)]) {
+        if !matches!(self.queue, Some((current, _)) if current == id) {
+            self.switch_to(id, queues);
         }
         self.replies.push_back(ret);
+    }
+
+    /// Hands the replies gathered over and gathers for queue `id` next.
+    #[inline(never)]
+    fn switch_to(&mut self, id: u64, queues: &[(u64, Arc<Inbox>)]) {
+        self.hand_over();
+        let inbox = queues.iter().find(|(queue, _)| *queue == id).map(|(_, inbox)| inbox.clone());
+        self.queue = Some((id, inbox));
     }
 
     /// Moves the gathered replies into their inbox.
@@ -384,8 +440,9 @@ impl Deliveries {
     }
 }
 
-/// The relay's view of a userspace connection: commands come from [`Shared`]
-/// as the session wants them, replies go straight to their waiters.
+/// The relay's view of a userspace connection: callers put their commands
+/// into the session themselves; the relay holds it ([`ApiHeld`]) to take the
+/// bytes to write and to hand replies straight to their waiters.
 pub(crate) struct ApiFront {
     shared: Arc<Shared>,
     /// Reused from read to read, so handing replies over allocates nothing.
@@ -400,99 +457,136 @@ impl ApiFront {
 
 impl Front for ApiFront {
     type Tag = Waiter;
+    type Held<'a> = ApiHeld<'a>;
 
-    fn poll_commands(&mut self, cx: &mut Context<'_>, session: &mut ClientSession<Waiter>) -> Result<Step, RelayError> {
-        let mut guard = self.shared.state();
-        // Closed: only the relay closes, as it ends.
-        let Some(state) = guard.as_mut() else { return Ok(Step::Detached) };
-        let mut took = false;
-        while session.wants_commands() {
-            let Some(request) = state.requests.pop_front() else { break };
-            match request {
-                Request::Submit(submit, waiter) => session.submit(submit, waiter)?,
-                Request::Unlink(unlink) => session.unlink(unlink)?,
-            }
-            took = true;
+    fn hold(&mut self) -> ApiHeld<'_> {
+        match self.shared.session() {
+            Some(session) => ApiHeld { session: Some(session), deliveries: &mut self.deliveries },
+            None => unreachable!("only the relay closes the connection, as it ends"),
         }
-        if state.requests.is_empty() {
-            // Every handle is gone (the connection and its queues): end, now that
-            // nothing is left to hand over.
-            if state.handles == 0 {
-                return Ok(Step::Detached);
-            }
-            match &mut state.relay {
-                Some(waker) if waker.will_wake(cx.waker()) => {}
-                slot => *slot = Some(cx.waker().clone()),
-            }
-        }
-        Ok(if took { Step::Progressed } else { Step::Idle })
     }
 
     fn takes_replies(&self) -> bool {
         true
     }
 
-    fn take_replies(&mut self, session: &mut ClientSession<Waiter>) -> Replies {
-        let deliveries = &mut self.deliveries;
+    /// Marks the connection closed before its pending transfers fail, so
+    /// they never see it open.
+    fn ended(&mut self) {
+        self.shared.close();
+    }
+}
+
+/// A userspace connection's session as the relay holds it: under the lock
+/// its callers submit under, with the relay's hand-over of replies. The
+/// tasks the replies woke are woken once the lock is released.
+pub(crate) struct ApiHeld<'a> {
+    /// `None` only as it is dropped.
+    session: Option<SessionGuard<'a>>,
+    deliveries: &'a mut Deliveries,
+}
+
+impl<'a> ApiHeld<'a> {
+    fn guard(&mut self) -> &mut SessionGuard<'a> {
+        match &mut self.session {
+            Some(session) => session,
+            None => unreachable!("released only as it is dropped"),
+        }
+    }
+}
+
+impl Deref for ApiHeld<'_> {
+    type Target = ClientSession<Waiter>;
+
+    fn deref(&self) -> &Self::Target {
+        match &self.session {
+            Some(session) => session,
+            None => unreachable!("released only as it is dropped"),
+        }
+    }
+}
+
+impl DerefMut for ApiHeld<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.guard()
+    }
+}
+
+impl Drop for ApiHeld<'_> {
+    /// Releases the lock, then wakes the tasks the replies were for (and
+    /// callers waiting for room), so they do not wake into a held lock.
+    fn drop(&mut self) {
+        self.session = None;
+        if !self.deliveries.wake.is_empty() {
+            self.deliveries.wake.drain(..).for_each(Waker::wake);
+        }
+    }
+}
+
+impl Held<Waiter> for ApiHeld<'_> {
+    fn take_replies(&mut self) -> Replies {
+        let deliveries = &mut *self.deliveries;
+        let state = match &mut self.session {
+            Some(session) => session.state(),
+            None => unreachable!("released only as it is dropped"),
+        };
+        let State { session, queues, .. } = &mut *state;
         // Reply futures wake their tasks when sent to; a queue only when it was waiting.
         let mut answered_futures = false;
-        let (handled, room) = {
-            let mut guard = self.shared.state();
-            let Some(state) = guard.as_mut() else {
-                // Closed: nobody waits for the replies any more.
-                return Replies { handled: session.handle_input_with(drop), woke: false };
-            };
-            let mut released = false;
-            let handled = session.handle_input_with(|event| {
-                released = true;
-                match event {
-                    Event::Completed { reply, tag } => {
-                        state.release(tag.bytes);
-                        answered_futures |= tag.deliver(reply, deliveries, state);
-                    }
-                    Event::Unlinked { reply, cancelled, .. } => {
-                        debug!(seqnum = reply.seqnum, status = ?reply.status, "unlink answered");
-                        state.release(0);
-                        // Cancelled without a RET_SUBMIT (the kernel stub's way): the
-                        // RET_UNLINK is the URB's only answer, as vhci treats it.
-                        if let Some((target, waiter)) = cancelled {
-                            state.release(waiter.bytes);
-                            answered_futures |= waiter.deliver(empty_reply(target, reply.status), deliveries, state);
-                        }
-                    }
-                }
-            });
-            deliveries.hand_over();
-            (handled, if released { std::mem::take(&mut state.room) } else { Vec::new() })
-        };
-        let woke = !deliveries.wake.is_empty() || !room.is_empty();
-        deliveries.wake.drain(..).for_each(Waker::wake);
-        room.into_iter().for_each(Waker::wake);
-        Replies { handled, woke: woke || answered_futures }
+        let mut answered = false;
+        let handled = session.handle_input_with(|event| {
+            answered = true;
+            match event {
+                // The many: a queue's reply joins the others of this read (kept short, so inlined).
+                Event::Completed { reply, tag: Waiter::Queue(id) } => deliveries.add(id, reply, queues),
+                other => answered_futures |= deliver_other(other, deliveries, queues),
+            }
+        });
+        deliveries.hand_over();
+        if answered {
+            // Room again: what a dropped queue left goes in first, then the callers waiting are told.
+            state.admit_overflow();
+            deliveries.wake.append(&mut state.room);
+        }
+        // Woken as the lock is released (see Drop).
+        Replies { handled, woke: !deliveries.wake.is_empty() || answered_futures }
     }
 
-    /// Replies went to their waiters as they were taken; what is left is to
-    /// see whether the callers let go. Every handle gone, the session ends
-    /// even when it is too full to take the last commands handed over (a
-    /// server that answers nothing more must not keep the relay): those are
-    /// dropped, and their waiters, if anyone still holds one, fail.
-    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Step {
-        let mut guard = self.shared.state();
-        let Some(state) = guard.as_mut() else { return Step::Detached };
+    /// A command the session refused ends the connection; once every handle
+    /// is gone (the connection and its queues) the session ends, even when
+    /// it is too full to take the last commands a dropped queue handed over
+    /// (a server that answers nothing more must not keep the relay): those
+    /// are dropped, and their waiters, if anyone still holds one, fail.
+    fn watch(&mut self, cx: &mut Context<'_>) -> Result<Step, RelayError> {
+        let state = self.guard().state();
+        if let Some(error) = state.failed.take() {
+            return Err(error.into());
+        }
         if state.handles == 0 {
-            return Step::Detached;
+            return Ok(Step::Detached);
         }
         match &mut state.relay {
             Some(waker) if waker.will_wake(cx.waker()) => {}
             slot => *slot = Some(cx.waker().clone()),
         }
-        Step::Idle
+        Ok(Step::Idle)
     }
+}
 
-    /// Marks the connection closed before its pending transfers fail, so
-    /// they never see it open.
-    fn ended(&mut self) {
-        self.shared.close();
+/// Hands over a reply other than a queue's: a reply future's, or an unlink's answer.
+#[inline(never)]
+fn deliver_other(event: Event<Waiter>, deliveries: &mut Deliveries, queues: &[(u64, Arc<Inbox>)]) -> bool {
+    match event {
+        Event::Completed { reply, tag } => tag.deliver(reply, deliveries, queues),
+        Event::Unlinked { reply, cancelled, .. } => {
+            debug!(seqnum = reply.seqnum, status = ?reply.status, "unlink answered");
+            // Cancelled without a RET_SUBMIT (the kernel stub's way): the
+            // RET_UNLINK is the URB's only answer, as vhci treats it.
+            match cancelled {
+                Some((target, waiter)) => waiter.deliver(empty_reply(target, reply.status), deliveries, queues),
+                None => false,
+            }
+        }
     }
 }
 
@@ -512,9 +606,12 @@ fn empty_reply(seqnum: u32, status: Status) -> RetSubmit {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicUsize;
+    use std::task::Wake;
+
     use bytes::BytesMut;
     use usbwire_proto::urb::TransferFlags;
-    use usbwire_proto::{Direction, Limits};
+    use usbwire_proto::{Budget, Direction, Limits};
 
     use super::*;
 
@@ -536,95 +633,150 @@ mod tests {
     }
 
     fn queued(shared: &Shared, id: u64, length: usize) -> Request {
-        let submit = bulk_out(shared, length);
-        let waiter = Waiter::queue(id, &submit);
-        Request::Submit(submit, waiter)
+        Request::Submit(bulk_out(shared, length), Waiter::Queue(id))
+    }
+
+    fn connection(budget: Budget) -> (Arc<Shared>, Handle, ApiFront) {
+        let (shared, handle) = Shared::new(ClientSession::new(1, BytesMut::new(), Limits::default(), budget));
+        let front = ApiFront::new(shared.clone());
+        (shared, handle, front)
     }
 
     /// The server's answers to `seqnums`, in order, read into the session
     /// and handed over by the front.
-    fn answer_all(front: &mut ApiFront, session: &mut ClientSession<Waiter>, seqnums: &[u32]) {
+    fn answer_all(front: &mut ApiFront, seqnums: &[u32]) {
         let mut bytes = BytesMut::new();
         for &seqnum in seqnums {
             let reply = empty_reply(seqnum, Status::OK);
             reply.encode(&mut bytes);
         }
+        let mut session = front.hold();
         session.input().extend_from_slice(&bytes);
-        front.take_replies(session).handled.unwrap();
+        session.take_replies().handled.unwrap();
+    }
+
+    /// Counts its wake-ups.
+    #[derive(Default)]
+    struct Counter(AtomicUsize);
+
+    impl Wake for Counter {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     #[test]
     fn replies_reach_registered_queues_in_order_and_dropped_queues_lose_theirs() {
-        let (shared, _handle) = Shared::new(Budget::default());
+        let (shared, _handle, _front) = connection(Budget::default());
         let (a, b) = (Arc::<Inbox>::default(), Arc::<Inbox>::default());
         let (id_a, id_b) = (shared.register_queue(a.clone()).unwrap(), shared.register_queue(b.clone()).unwrap());
         assert_ne!(id_a, id_b);
-        let guard = shared.state();
-        let state = guard.as_ref().unwrap();
+        let queues = vec![(id_a, a.clone()), (id_b, b.clone())];
         let mut deliveries = Deliveries::default();
         for (id, seqnum) in [(id_a, 1), (id_a, 2), (id_b, 3), (id_a, 4)] {
-            deliveries.add(id, empty_reply(seqnum, Status::OK), state);
+            deliveries.add(id, empty_reply(seqnum, Status::OK), &queues);
         }
         deliveries.hand_over();
         let seqnums = |inbox: &Inbox| inbox.state().ready.iter().map(|ret| ret.seqnum).collect::<Vec<_>>();
         assert_eq!(seqnums(&a), vec![1, 2, 4]);
         assert_eq!(seqnums(&b), vec![3]);
-        drop(guard);
 
+        // Through the connection: a dropped queue gets nothing more.
         shared.unregister_queue(id_b);
-        let guard = shared.state();
-        let state = guard.as_ref().unwrap();
-        assert!(state.inbox(id_b).is_none() && state.inbox(id_a).is_some());
-        deliveries.add(id_b, empty_reply(5, Status::OK), state);
-        deliveries.hand_over();
+        let mut front = ApiFront::new(shared.clone());
+        let mut requests: VecDeque<Request> = [queued(&shared, id_b, 8), queued(&shared, id_a, 8)].into();
+        shared.send(&mut requests, None, false).unwrap();
+        // Seqnums 1 (for b) and 2 (for a).
+        answer_all(&mut front, &[1, 2]);
         assert_eq!(seqnums(&b), vec![3], "a dropped queue gets nothing more");
-        assert!(deliveries.replies.is_empty());
+        assert_eq!(seqnums(&a), vec![1, 2, 4, 2]);
+        assert!(front.deliveries.replies.is_empty());
+    }
+
+    #[test]
+    fn a_callers_commands_are_encoded_at_once_and_wake_the_relay() {
+        let (shared, _handle, mut front) = connection(Budget::default());
+        let relay = Arc::new(Counter::default());
+        let waker = Waker::from(relay.clone());
+        assert!(matches!(front.hold().watch(&mut Context::from_waker(&waker)).unwrap(), Step::Idle));
+        let mut requests: VecDeque<Request> = [queued(&shared, 0, 512), queued(&shared, 0, 0)].into();
+        shared.send(&mut requests, None, false).unwrap();
+        assert!(requests.is_empty());
+        assert_eq!(relay.0.load(Ordering::Relaxed), 1, "one wake for the batch");
+        let mut session = front.hold();
+        assert_eq!(session.outbox().queued(), 2 * 48 + 512, "both encoded, the OUT data behind its header");
+        assert_eq!(session.outstanding(), 2);
+        drop(session);
+        assert_eq!(shared.accepted(), (2, 512));
     }
 
     #[test]
     fn commands_past_the_budget_wait_until_replies_make_room() {
         let budget = Budget { in_flight_urbs: 3, in_flight_bytes: 1 << 20, ..Budget::default() };
-        let (shared, _handle) = Shared::new(budget.clone());
+        let (shared, _handle, mut front) = connection(budget);
         let inbox = Arc::<Inbox>::default();
         let id = shared.register_queue(inbox.clone()).unwrap();
         // Three small URBs fit the URB count; then 1 MiB more does not fit the bytes.
         let mut requests: VecDeque<Request> = [512, 512, 512, 512].iter().map(|&n| queued(&shared, id, n)).collect();
-        shared.send(&mut requests, None, false).unwrap();
+        let caller = Arc::new(Counter::default());
+        let waker = Waker::from(caller.clone());
+        shared.send(&mut requests, Some(&Context::from_waker(&waker)), false).unwrap();
         assert_eq!(requests.len(), 1, "three accepted, one waits");
+        assert_eq!(shared.session().unwrap().outstanding(), 3);
 
-        let mut session = ClientSession::new(1, BytesMut::new(), Limits::default(), budget.clone());
-        let mut front = ApiFront::new(shared.clone());
-        let mut cx = Context::from_waker(Waker::noop());
-        assert!(matches!(front.poll_commands(&mut cx, &mut session).unwrap(), Step::Progressed));
-        assert_eq!(session.outstanding(), 3);
-
-        answer_all(&mut front, &mut session, &[1, 2]);
+        answer_all(&mut front, &[1, 2]);
         assert_eq!(inbox.state().ready.len(), 2);
+        assert_eq!(caller.0.load(Ordering::Relaxed), 1, "the caller waiting for room is woken");
         shared.send(&mut requests, None, false).unwrap();
         assert!(requests.is_empty(), "two answered: room again");
 
         let mut big: VecDeque<Request> = [queued(&shared, id, 1 << 20)].into();
         shared.send(&mut big, None, false).unwrap();
         assert_eq!(big.len(), 1, "1 MiB more would pass the bytes in flight");
-        assert!(front.poll_commands(&mut cx, &mut session).is_ok());
-        answer_all(&mut front, &mut session, &[3, 4]);
+        answer_all(&mut front, &[3, 4]);
         shared.send(&mut big, None, false).unwrap();
         assert!(big.is_empty(), "with nothing in flight any URB gets through");
     }
 
     #[test]
-    fn the_relay_lets_go_once_every_handle_is_gone_and_their_commands_are_taken() {
-        let (shared, handle) = Shared::new(Budget::default());
+    fn a_dropped_queues_commands_past_the_budget_go_in_as_replies_make_room() {
+        let budget = Budget { in_flight_urbs: 1, ..Budget::default() };
+        let (shared, _handle, mut front) = connection(budget);
+        let mut requests: VecDeque<Request> = [queued(&shared, 0, 8), queued(&shared, 0, 8)].into();
+        shared.send(&mut requests, None, true).unwrap();
+        assert!(requests.is_empty(), "all accepted");
+        assert_eq!(shared.accepted(), (2, 16));
+        assert_eq!(shared.session().unwrap().outstanding(), 1, "the session keeps to its budget");
+        // Another caller's command waits behind them, not accepted.
+        let mut later: VecDeque<Request> = [queued(&shared, 0, 8)].into();
+        answer_all(&mut front, &[1]);
+        assert_eq!(shared.session().unwrap().outstanding(), 1, "the second went in");
+        shared.send(&mut later, None, false).unwrap();
+        assert_eq!(later.len(), 1, "no room yet");
+        answer_all(&mut front, &[2]);
+        shared.send(&mut later, None, false).unwrap();
+        assert!(later.is_empty());
+        let mut session = front.hold();
+        let written: Vec<u8> = session.outbox().slices(64).iter().flat_map(|slice| slice.to_vec()).collect();
+        let seqnums: Vec<u32> =
+            written.chunks(48 + 8).map(|command| u32::from_be_bytes(command[4..8].try_into().unwrap())).collect();
+        assert_eq!(seqnums, [1, 2, 3], "in order");
+    }
+
+    #[test]
+    fn the_relay_lets_go_once_every_handle_is_gone() {
+        let (shared, handle, mut front) = connection(Budget::default());
         let second = handle.clone();
         let mut requests: VecDeque<Request> = [queued(&shared, 0, 8)].into();
         shared.send(&mut requests, None, false).unwrap();
-        drop(handle);
-        drop(second);
-        let mut session = ClientSession::new(1, BytesMut::new(), Limits::default(), Budget::default());
-        let mut front = ApiFront::new(shared.clone());
         let mut cx = Context::from_waker(Waker::noop());
-        assert!(matches!(front.poll_commands(&mut cx, &mut session).unwrap(), Step::Detached));
-        assert_eq!(session.outstanding(), 1, "what was sent before the handles went is taken first");
+        drop(handle);
+        assert!(matches!(front.hold().watch(&mut cx).unwrap(), Step::Idle), "a queue still holds it");
+        drop(second);
+        let mut session = front.hold();
+        assert!(matches!(session.watch(&mut cx).unwrap(), Step::Detached));
+        assert_eq!(session.outstanding(), 1, "what was sent before the handles went is in the session");
+        drop(session);
         front.ended();
         assert!(shared.is_closed());
         let mut late: VecDeque<Request> = [queued(&shared, 0, 8)].into();
@@ -634,19 +786,16 @@ mod tests {
     #[test]
     fn the_relay_lets_go_of_a_full_session_once_every_handle_is_gone() {
         let budget = Budget { in_flight_urbs: 1, ..Budget::default() };
-        let (shared, handle) = Shared::new(budget.clone());
-        let mut session = ClientSession::new(1, BytesMut::new(), Limits::default(), budget);
-        let mut front = ApiFront::new(shared.clone());
+        let (shared, handle, mut front) = connection(budget);
         let mut cx = Context::from_waker(Waker::noop());
         // A dropped queue hands over what it holds past the budget.
         let mut requests: VecDeque<Request> = [queued(&shared, 0, 8), queued(&shared, 0, 8)].into();
         shared.send(&mut requests, None, true).unwrap();
-        assert!(matches!(front.poll_commands(&mut cx, &mut session).unwrap(), Step::Progressed));
-        assert!(!session.wants_commands(), "the session is full; the second command waits");
-        assert!(matches!(front.poll_flush(&mut cx), Step::Idle), "held: keep serving");
+        assert!(!front.hold().has_room(8), "the session is full; the second command waits");
+        assert!(matches!(front.hold().watch(&mut cx).unwrap(), Step::Idle), "held: keep serving");
         drop(handle);
         assert!(
-            matches!(front.poll_flush(&mut cx), Step::Detached),
+            matches!(front.hold().watch(&mut cx).unwrap(), Step::Detached),
             "nobody holds the connection: a server that never answers does not keep the relay"
         );
     }

@@ -7,6 +7,12 @@
 //! socket, the clock and whoever waits for the replies (the kernel behind a
 //! relay, or a userspace application).
 //!
+//! A session can be shared behind a lock between the callers that submit
+//! and a driver that does the I/O: a caller checks [`has_room`] (the
+//! budget) and submits straight into it; the driver reads into the buffer
+//! [`lend_input`] lends, takes the outbox's bytes to write them
+//! ([`Outbox::hand_over`]), and holds the lock only to decode and to take.
+//!
 //! Replies may come in any order. A `RET_UNLINK(-ECONNRESET)` ends its target
 //! too (the server sends no `RET_SUBMIT` for a URB it cancelled); a
 //! `RET_UNLINK(0)` follows its target's `RET_SUBMIT`.
@@ -36,6 +42,8 @@
 //! [`disconnected`]: ClientSession::disconnected
 //! [`replies_received`]: ClientSession::replies_received
 //! [`resumed`]: ClientSession::resumed
+//! [`has_room`]: ClientSession::has_room
+//! [`lend_input`]: ClientSession::lend_input
 
 mod outstanding;
 
@@ -239,7 +247,28 @@ impl<T> ClientSession<T> {
             && self.outbox.queued() < self.budget.queued_reply_bytes
     }
 
+    /// Whether a command of `length` bytes (`transfer_buffer_length`; 0 for
+    /// an unlink) fits the budget now: outstanding URBs and bytes leave room
+    /// for it ([`Budget::admits`]: a submit of any size when no bytes are
+    /// outstanding), the outbox is under the budget's queued bytes, and no
+    /// command waits for room in the server's table. A caller that submits
+    /// straight into a session shared with its driver checks this first and,
+    /// when it fails, waits for replies to make room; so the session, its
+    /// outbox and the server's table stay within the budget however fast
+    /// callers submit.
+    #[inline]
+    pub fn has_room(&self, length: usize) -> bool {
+        self.held.is_empty()
+            && self.outstanding.len() < self.budget.in_flight_urbs
+            && self.budget.admits(self.outstanding_bytes, length)
+            && self.outbox.queued() < self.budget.queued_reply_bytes
+    }
+
     /// Queues a `CMD_SUBMIT`; its reply comes back as [`Event::Completed`] with `tag`.
+    /// The command's bytes go into the [`outbox`](Self::outbox) at once when
+    /// nothing is held before it and the server's table takes it.
+    // Inlined, so a caller's command is encoded where it lies.
+    #[inline(always)]
     pub fn submit(&mut self, command: CmdSubmit, tag: T) -> Result<(), ClientSessionError> {
         if self.held.is_empty() && self.server_admits(command.transfer_buffer_length) {
             // The usual case, straight to the outbox: nothing is held, so a
@@ -248,7 +277,12 @@ impl<T> ClientSession<T> {
             if self.outstanding.insert_new(command.seqnum, entry).is_err() {
                 return Err(ClientSessionError::DuplicateSeqnum(command.seqnum));
             }
-            self.write_submit(command);
+            // Encoded where it lies; only a resumable session moves it on.
+            self.queue_submit(&command);
+            if self.resumable {
+                self.keep_submit(command);
+            }
+            self.commands_sent += 1;
         } else {
             self.check_fresh(command.seqnum)?;
             self.held.push_back((Command::Submit(command), Some(tag)));
@@ -325,15 +359,24 @@ impl<T> ClientSession<T> {
     /// counts it; a resumable session keeps it whole until its reply.
     // Inlined, so the caller's command is encoded where it lies instead of
     // being copied once more for the call (it is dropped here unless kept).
-    #[inline]
+    #[inline(always)]
     fn write_submit(&mut self, submit: CmdSubmit) {
         self.queue_submit(&submit);
         if self.resumable {
-            self.kept.insert(submit.seqnum, Kept { index: self.commands_sent, command: Command::Submit(submit) });
+            self.keep_submit(submit);
         }
         self.commands_sent += 1;
     }
 
+    /// Keeps `submit` whole until its reply (a resumable session), as the
+    /// command just counted. Out of line, so a stock session's submit moves
+    /// no command.
+    #[inline(never)]
+    fn keep_submit(&mut self, submit: CmdSubmit) {
+        self.kept.insert(submit.seqnum, Kept { index: self.commands_sent, command: Command::Submit(submit) });
+    }
+
+    #[inline(always)]
     fn queue_submit(&mut self, submit: &CmdSubmit) {
         if self.connected {
             self.acknowledge();
@@ -356,6 +399,24 @@ impl<T> ClientSession<T> {
         let rest = self.next_reply_len().unwrap_or(urb::HEADER_LEN).saturating_sub(self.inbuf.len());
         self.inbuf.reserve_for_next(rest);
         &mut self.inbuf
+    }
+
+    /// The read buffer, lent out with room for the whole next reply (as
+    /// [`input`](Self::input)): for a driver that reads the server without
+    /// holding the session (one whose callers submit into it under a lock).
+    /// Give it back with [`return_input`](Self::return_input), with what was
+    /// read appended, before [`handle_input`](Self::handle_input); meanwhile
+    /// the session holds no input.
+    pub fn lend_input(&mut self) -> BytesMut {
+        self.input();
+        std::mem::take(&mut *self.inbuf)
+    }
+
+    /// Takes back the buffer [`lend_input`](Self::lend_input) lent, with what
+    /// was read into it (the same buffer: the session keeps track of its
+    /// allocation for reuse).
+    pub fn return_input(&mut self, input: BytesMut) {
+        *self.inbuf = input;
     }
 
     /// The length of the reply at the front of the input, once its header is
@@ -415,7 +476,7 @@ impl<T> ClientSession<T> {
 
     fn decode_replies(&mut self, mut on_event: impl FnMut(Event<T>)) -> Result<(), ClientSessionError> {
         loop {
-            if let Some(reason) = resume::parse_end(&self.inbuf).filter(|_| self.resumable) {
+            if let Some(reason) = self.resumable.then(|| resume::parse_end(&self.inbuf)).flatten() {
                 return Err(match reason {
                     resume::EndReason::REENUMERATED => ClientSessionError::Reenumerated,
                     _ => ClientSessionError::ServerEnded,
@@ -432,39 +493,53 @@ impl<T> ClientSession<T> {
             };
             let Some(message) = urb::decode_return(&mut self.inbuf, &self.limits, shape)? else { break };
             self.replies_received += 1;
-            match message {
+            // One call of `on_event` (so the caller's handler is inlined here).
+            let event = match message {
                 ServerMessage::Submit(reply) => {
                     // decode_return found it outstanding, as a submit.
-                    if let Some(done) = self.outstanding.remove(reply.seqnum) {
-                        self.forget(reply.seqnum, done.sent);
-                        if let Some(tag) = done.tag {
-                            on_event(Event::Completed { reply, tag });
-                        }
-                    }
+                    let Some(done) = self.outstanding.remove(reply.seqnum) else { continue };
+                    self.forget(reply.seqnum, done.sent);
+                    let Some(tag) = done.tag else { continue };
+                    Event::Completed { reply, tag }
                 }
-                ServerMessage::Unlink(reply) => match self.outstanding.remove(reply.seqnum) {
-                    Some(Outstanding { sent: sent @ Sent::Unlink { target }, .. }) => {
-                        self.forget(reply.seqnum, sent);
-                        let cancelled = if reply.status == Status::ECONNRESET {
-                            self.outstanding.remove(target).and_then(|done| {
-                                self.forget(target, done.sent);
-                                done.tag.map(|tag| (target, tag))
-                            })
-                        } else {
-                            None
-                        };
-                        on_event(Event::Unlinked { reply, target, cancelled });
-                    }
-                    Some(other) => {
-                        // A RET_UNLINK naming a submit: the kernel's vhci logs and ignores it.
-                        tracing::debug!(seqnum = reply.seqnum, "RET_UNLINK for a submit; ignored");
-                        self.outstanding.insert(reply.seqnum, other);
-                    }
-                    None => tracing::debug!(seqnum = reply.seqnum, "RET_UNLINK for nothing outstanding; ignored"),
+                ServerMessage::Unlink(reply) => match self.unlink_answered(reply) {
+                    Some(event) => event,
+                    None => continue,
                 },
-            }
+            };
+            on_event(event);
         }
         Ok(())
+    }
+
+    /// The event of a `RET_UNLINK`, if it answers an unlink outstanding
+    /// (its target ends too when the server cancelled it).
+    #[inline(never)]
+    fn unlink_answered(&mut self, reply: RetUnlink) -> Option<Event<T>> {
+        match self.outstanding.remove(reply.seqnum) {
+            Some(Outstanding { sent: sent @ Sent::Unlink { target }, .. }) => {
+                self.forget(reply.seqnum, sent);
+                let cancelled = if reply.status == Status::ECONNRESET {
+                    self.outstanding.remove(target).and_then(|done| {
+                        self.forget(target, done.sent);
+                        done.tag.map(|tag| (target, tag))
+                    })
+                } else {
+                    None
+                };
+                Some(Event::Unlinked { reply, target, cancelled })
+            }
+            Some(other) => {
+                // A RET_UNLINK naming a submit: the kernel's vhci logs and ignores it.
+                tracing::debug!(seqnum = reply.seqnum, "RET_UNLINK for a submit; ignored");
+                self.outstanding.insert(reply.seqnum, other);
+                None
+            }
+            None => {
+                tracing::debug!(seqnum = reply.seqnum, "RET_UNLINK for nothing outstanding; ignored");
+                None
+            }
+        }
     }
 
     /// Queues the acknowledgement of every reply received, if one is due
@@ -502,6 +577,21 @@ impl<T> ClientSession<T> {
     /// those still waiting for room in the server's table.
     pub fn outstanding(&self) -> usize {
         self.outstanding.len() + self.held.len()
+    }
+
+    /// Seqnums outstanding (as [`outstanding`](Self::outstanding)) and the
+    /// `transfer_buffer_length` of their submits: what they hold of the
+    /// budget's in-flight limits.
+    pub fn in_flight(&self) -> (usize, usize) {
+        let held: usize = self
+            .held
+            .iter()
+            .map(|(command, _)| match command {
+                Command::Submit(submit) => submit.transfer_buffer_length as usize,
+                Command::Unlink(_) => 0,
+            })
+            .sum();
+        (self.outstanding(), self.outstanding_bytes + held)
     }
 
     pub fn is_connected(&self) -> bool {
@@ -557,6 +647,7 @@ impl<T> ClientSession<T> {
     }
 
     /// `seqnum`, which was `sent`, is answered: it no longer counts, and is no longer kept.
+    #[inline]
     fn forget(&mut self, seqnum: u32, sent: Sent) {
         if let Sent::Submit(shape) = sent {
             self.outstanding_bytes -= shape.transfer_buffer_length as usize;

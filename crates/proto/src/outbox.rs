@@ -21,6 +21,10 @@ use crate::Direction;
 /// Payloads up to this size are copied next to their header (cheaper than an iovec).
 const COPY_THRESHOLD: usize = 2048;
 
+/// Room the scratch buffer takes at a time: many messages' worth, so making
+/// room (which moves what is queued and not yet sealed, or allocates) is rare.
+const SCRATCH_CHUNK: usize = 64 * 1024;
+
 #[derive(Default)]
 pub struct Outbox {
     frames: VecDeque<Bytes>,
@@ -41,12 +45,15 @@ impl Outbox {
     }
 
     /// A `CMD_SUBMIT` (client side): header, OUT payload, iso descriptors.
+    #[inline(always)]
     pub fn push_cmd_submit(&mut self, submit: &CmdSubmit) {
         match submit.direction {
             Direction::Out => self.push_message(&submit.header(), Some(&submit.data), submit.iso_packets.len()),
             Direction::In => self.push_message(&submit.header(), None, submit.iso_packets.len()),
         }
-        submit.iso_trailer(&mut self.scratch);
+        if !submit.iso_packets.is_empty() {
+            submit.iso_trailer(&mut self.scratch);
+        }
     }
 
     /// A message that is only a header (`CMD_UNLINK`, `RET_UNLINK`, a resume ack).
@@ -57,6 +64,7 @@ impl Outbox {
 
     /// Header and payload (if any); the caller appends `iso_count` descriptors
     /// to the scratch buffer.
+    #[inline(always)]
     fn push_message(&mut self, header: &[u8; HEADER_LEN], payload: Option<&Bytes>, iso_count: usize) {
         let length = payload.map_or(0, Bytes::len);
         match payload {
@@ -67,7 +75,10 @@ impl Outbox {
             }
             small => {
                 // One reservation for the header, the payload and the descriptors.
-                self.scratch.reserve(HEADER_LEN + length + iso_count * 16);
+                let needed = HEADER_LEN + length + iso_count * 16;
+                if self.scratch.capacity() - self.scratch.len() < needed {
+                    self.scratch.reserve(needed.max(SCRATCH_CHUNK));
+                }
                 self.scratch.extend_from_slice(header);
                 if let Some(payload) = small {
                     self.scratch.extend_from_slice(payload);
@@ -75,6 +86,27 @@ impl Outbox {
             }
         }
         self.queued += HEADER_LEN + length + iso_count * 16;
+    }
+
+    /// Moves everything queued to the end of `to`, counting it as written
+    /// here: for a writer that writes from an outbox of its own, so the one
+    /// messages are queued in (a session's, shared behind a lock) is not held
+    /// while it writes. Returns whether anything moved.
+    pub fn hand_over(&mut self, to: &mut Self) -> bool {
+        if self.queued == 0 {
+            return false;
+        }
+        self.seal();
+        to.seal();
+        if to.frames.is_empty() {
+            std::mem::swap(&mut self.frames, &mut to.frames);
+        } else {
+            to.frames.append(&mut self.frames);
+        }
+        to.queued += self.queued;
+        self.written += self.queued as u64;
+        self.queued = 0;
+        true
     }
 
     /// Drops everything not yet written (the connection it was for is gone).
@@ -173,5 +205,24 @@ mod tests {
             }
             assert_eq!(out, expected.to_vec(), "writes of {write_size}");
         }
+    }
+
+    #[test]
+    fn a_hand_over_keeps_the_order_and_counts_as_written() {
+        let header = |n: u8| [n; HEADER_LEN];
+        let mut session = Outbox::default();
+        let mut wire = Outbox::default();
+        assert!(!session.hand_over(&mut wire), "nothing queued");
+        session.push_header(&header(1));
+        assert!(session.hand_over(&mut wire));
+        assert!(session.is_empty() && session.written() == HEADER_LEN as u64);
+        // Queued behind what the writer still holds, its own unsealed bytes included.
+        wire.push_header(&header(2));
+        session.push_header(&header(3));
+        session.hand_over(&mut wire);
+        assert_eq!(wire.queued(), 3 * HEADER_LEN);
+        let bytes: Vec<u8> = wire.slices(64).iter().flat_map(|slice| slice.to_vec()).collect();
+        let firsts: Vec<u8> = bytes.chunks(HEADER_LEN).map(|chunk| chunk[0]).collect();
+        assert_eq!(firsts, [1, 2, 3]);
     }
 }

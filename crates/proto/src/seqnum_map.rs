@@ -47,6 +47,7 @@ impl<V: std::fmt::Debug> std::fmt::Debug for SeqnumMap<V> {
     }
 }
 
+#[inline]
 fn slot_of(seqnum: u32) -> usize {
     seqnum as usize & (WINDOW - 1)
 }
@@ -86,18 +87,27 @@ impl<V> SeqnumMap<V> {
 
     /// Adds `value` under `seqnum` unless the seqnum is taken, in which case
     /// the map is left as it was and `value` comes back.
+    #[inline]
     pub fn insert_new(&mut self, seqnum: u32, value: V) -> Result<(), V> {
-        if self.slots.is_empty() {
-            self.slots.resize_with(WINDOW, || None);
-        }
-        let slot = &mut self.slots[slot_of(seqnum)];
-        match slot {
+        if let Some(slot @ None) = self.slots.get_mut(slot_of(seqnum)) {
             // The usual case: a free slot, and nothing in the fallback map that could hold the key.
-            None if self.overflow.is_empty() => {
+            if self.overflow.is_empty() {
                 *slot = Some((seqnum, value));
                 self.len += 1;
                 return Ok(());
             }
+        }
+        self.insert_new_slowly(seqnum, value)
+    }
+
+    /// [`insert_new`](Self::insert_new) past its usual case (out of line, so that stays short).
+    #[cold]
+    #[inline(never)]
+    fn insert_new_slowly(&mut self, seqnum: u32, value: V) -> Result<(), V> {
+        if self.slots.is_empty() {
+            self.slots.resize_with(WINDOW, || None);
+        }
+        match &self.slots[slot_of(seqnum)] {
             Some((key, _)) if *key == seqnum => return Err(value),
             _ => {}
         }
@@ -109,6 +119,7 @@ impl<V> SeqnumMap<V> {
     }
 
     /// Takes the value under `seqnum` out of the map.
+    #[inline]
     pub fn remove(&mut self, seqnum: u32) -> Option<V> {
         if let Some(slot) = self.slots.get_mut(slot_of(seqnum)) {
             if matches!(slot, Some((key, _)) if *key == seqnum) {
@@ -119,11 +130,19 @@ impl<V> SeqnumMap<V> {
         if self.overflow.is_empty() {
             return None;
         }
+        self.remove_from_overflow(seqnum)
+    }
+
+    /// [`remove`](Self::remove) from the fallback map (out of line, so the usual case stays short).
+    #[cold]
+    #[inline(never)]
+    fn remove_from_overflow(&mut self, seqnum: u32) -> Option<V> {
         let value = self.overflow.remove(&seqnum)?;
         self.len -= 1;
         Some(value)
     }
 
+    #[inline]
     pub fn get(&self, seqnum: u32) -> Option<&V> {
         match self.slots.get(slot_of(seqnum)) {
             Some(Some((key, value))) if *key == seqnum => Some(value),

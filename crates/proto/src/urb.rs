@@ -417,6 +417,7 @@ fn take_header(buf: &mut BytesMut) -> [u8; HEADER_LEN] {
 }
 
 /// The next `len` bytes as a zero-copy `Bytes`; no reference taken when empty.
+#[inline]
 fn take_payload(buf: &mut BytesMut, len: usize) -> Bytes {
     if len == 0 {
         Bytes::new()
