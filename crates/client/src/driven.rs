@@ -81,7 +81,7 @@ impl DrivenConnection {
             return Ok(false);
         }
         let mut session = self.front.hold();
-        let moved = session.outbox().hand_over(&mut self.wire);
+        let moved = session.take_outbox(&mut self.wire);
         match session.watch(&mut Context::from_waker(Waker::noop()))? {
             Step::Progressed | Step::Idle | Step::Detached => Ok(moved),
         }
@@ -91,8 +91,8 @@ impl DrivenConnection {
     /// the last step included: take them from the front
     /// ([`Outbox::slices`], [`Outbox::advance`]).
     pub fn to_server(&mut self) -> &mut Outbox {
-        if let Some(mut session) = self.shared.session() {
-            session.outbox().hand_over(&mut self.wire);
+        if !self.is_closed() {
+            self.front.hold().take_outbox(&mut self.wire);
         }
         &mut self.wire
     }

@@ -155,6 +155,11 @@ pub(crate) trait Held<T>: DerefMut<Target = ClientSession<T>> {
     /// ([`ClientSession::handle_input_with`]) and takes each reply as it is
     /// decoded, those before an error too.
     fn take_replies(&mut self) -> Replies;
+    /// Moves what the session queued to the end of `wire`, the relay's own
+    /// outbox ([`Outbox::hand_over`]); returns whether anything moved.
+    fn take_outbox(&mut self, wire: &mut Outbox) -> bool {
+        self.outbox().hand_over(wire)
+    }
     /// Whether the front let go (end the session), or a command it gave the
     /// session was refused; otherwise `cx` is woken when the session has new
     /// commands to write.
@@ -344,6 +349,8 @@ fn poll_drive<F: Front>(
         }
 
         let listening = front.takes_replies();
+        // The wire still held bytes, so what the session queued since was left there.
+        let mut left_queued = false;
         {
             let mut session = front.hold();
             // Keep-alive: a ping when quiet, and a link gone silent is lost.
@@ -372,7 +379,9 @@ fn poll_drive<F: Front>(
             }
             if link.is_some() {
                 // Session -> wire: what it queued since, once the last of it is written.
-                if wire.out.is_empty() && session.outbox().hand_over(&mut wire.out) {
+                if !wire.out.is_empty() {
+                    left_queued = true;
+                } else if session.take_outbox(&mut wire.out) {
                     wire.flushed = false;
                 }
                 if listening {
@@ -398,6 +407,9 @@ fn poll_drive<F: Front>(
             if let Err(error) = poll_write_wire(wire, cx, link.stream) {
                 return Poll::Ready(Ok(Stop::LinkLost(error)));
             }
+            // Written out now: take what the session queued meanwhile (its
+            // callers' wake-up was this turn).
+            again |= left_queued && wire.out.is_empty();
         }
 
         // Replies -> front.

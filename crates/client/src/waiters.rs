@@ -35,7 +35,7 @@ use tokio::sync::oneshot;
 use tracing::debug;
 use usbwire_proto::client_session::{ClientSession, ClientSessionError, Event};
 use usbwire_proto::urb::{CmdSubmit, CmdUnlink, RetSubmit};
-use usbwire_proto::Status;
+use usbwire_proto::{Outbox, Status};
 
 use crate::relay::{Front, Held, RelayError, Replies, Step};
 use crate::TransferError;
@@ -550,6 +550,22 @@ impl Held<Waiter> for ApiHeld<'_> {
         }
         // Woken as the lock is released (see Drop).
         Replies { handled, woke: !deliveries.wake.is_empty() || answered_futures }
+    }
+
+    /// Callers that wait for room because the outbox was full are told once
+    /// its bytes are taken.
+    fn take_outbox(&mut self, wire: &mut Outbox) -> bool {
+        let deliveries = &mut *self.deliveries;
+        let state = match &mut self.session {
+            Some(session) => session.state(),
+            None => unreachable!("released only as it is dropped"),
+        };
+        let moved = state.session.outbox().hand_over(wire);
+        if moved && !state.room.is_empty() {
+            // Woken as the lock is released (see Drop).
+            deliveries.wake.append(&mut state.room);
+        }
+        moved
     }
 
     /// A command the session refused ends the connection; once every handle

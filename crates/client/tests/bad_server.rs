@@ -180,3 +180,52 @@ async fn a_reply_for_a_urb_never_submitted_drops_the_connection() {
     let addr = urb_server(|seqnum| ret_submit(seqnum.wrapping_add(1000), 64, &[0x11; 64]), Then::KeepOpen).await;
     assert_eq!(read_64(addr).await, Err(TransferError::Disconnected));
 }
+
+/// A server that reads nothing until told, then reads every command and
+/// answers only the last: the client's writes block on a full socket
+/// meanwhile. The command submitted while they are blocked (its caller first
+/// waiting for room: the outbox was over its budget) still goes out once the
+/// socket drains, though no reply comes to wake the relay.
+#[tokio::test]
+async fn a_command_submitted_while_the_socket_is_full_goes_out_once_it_drains() {
+    const LARGE: usize = 12 << 20;
+    let (go, went) = tokio::sync::oneshot::channel::<()>();
+    let addr = server(move |mut socket| async move {
+        let mut request = [0u8; 8 + 32];
+        socket.read_exact(&mut request).await.unwrap();
+        let mut out = BytesMut::new();
+        op::encode_import_reply(Ok(&record()), &mut out);
+        socket.write_all(&out).await.unwrap();
+        let _ = went.await;
+        // An IN the device never completes, the large OUT, and the last IN.
+        let mut header = [0u8; 48];
+        socket.read_exact(&mut header).await.unwrap();
+        socket.read_exact(&mut header).await.unwrap();
+        let mut payload = vec![0u8; LARGE];
+        socket.read_exact(&mut payload).await.unwrap();
+        socket.read_exact(&mut header).await.unwrap();
+        let seqnum = u32::from_be_bytes(header[4..8].try_into().unwrap());
+        socket.write_all(&ret_submit(seqnum, 4, &[1, 2, 3, 4])).await.unwrap();
+        let mut sink = Vec::new();
+        let _ = socket.read_to_end(&mut sink).await;
+    })
+    .await;
+    let (stream, device) =
+        usbwire_client::import(addr, &BusId::new("1-1").unwrap(), &Security::Plain).await.expect("import");
+    let connection = Connection::new(stream, &device);
+    let (_, _never) = connection.submit(Transfer::bulk_in(0x81, 64)).await.unwrap();
+    let large = Transfer::bulk_out(0x02, bytes::Bytes::from(vec![0xa5; LARGE]));
+    let (_, _unanswered) = connection.submit(large).await.unwrap();
+    let asked = std::time::Instant::now();
+    let (_, last) = tokio::time::timeout(PATIENCE, connection.submit(Transfer::bulk_in(0x81, 4)))
+        .await
+        .expect("room once the relay took the outbox's bytes")
+        .unwrap();
+    // Told as soon as there was room, not found out later.
+    assert!(asked.elapsed() < Duration::from_secs(5), "waited {:?} for room", asked.elapsed());
+    // The relay was woken for it while its write was blocked.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    go.send(()).unwrap();
+    let ret = tokio::time::timeout(PATIENCE, last).await.expect("the last command went out").unwrap();
+    assert_eq!(&ret.data[..], [1, 2, 3, 4]);
+}
