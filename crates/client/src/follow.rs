@@ -39,7 +39,8 @@ use usbwire_proto::op::BusId;
 use usbwire_proto::op::DeviceRecord;
 use usbwire_proto::reservation::ReservationToken;
 
-use crate::relay::{self, RelayError, RelayState, Upstream};
+use crate::kernel_relay;
+use crate::relay::{RelayError, RelayState, Upstream};
 use crate::vhci::{self, VhciError};
 use crate::{Backoff, ClientError, ConnectionEnd, Imported, Security, TransformSpec};
 
@@ -251,7 +252,7 @@ async fn relay_reporting(
     status: &watch::Sender<FollowStatus>,
 ) -> Result<(), RelayError> {
     let (state_tx, mut states) = watch::channel(RelayState::Connected);
-    let relay = relay::run(kernel, stream, devid, upstream, Some(state_tx));
+    let relay = kernel_relay::run(kernel, stream, devid, upstream, Some(state_tx));
     let reporting = async {
         while states.changed().await.is_ok() {
             let state = *states.borrow_and_update();

@@ -40,10 +40,13 @@ mod backoff;
 pub mod describe;
 mod driven;
 pub mod follow;
+mod inbox;
+pub mod kernel_relay;
 mod queue;
 pub mod reattach;
 pub mod redir;
 pub mod relay;
+mod relay_wire;
 pub mod vhci;
 
 pub use backoff::Backoff;

@@ -16,8 +16,9 @@ use std::task::{Context, Poll};
 
 use usbwire_proto::urb::{CmdUnlink, RetSubmit};
 
+use crate::inbox::Inbox;
 use crate::transfer::build_submit;
-use crate::waiters::{Handle, Inbox, Request, Waiter};
+use crate::waiters::{Handle, Request, Waiter};
 use crate::{Transfer, TransferError};
 
 /// URBs submitted and collected by one task ([`Connection::queue`](crate::Connection::queue)).

@@ -2,7 +2,7 @@
 //! submits URBs (its [`Front`]) and the server, so the URB channel can be
 //! encrypted, transformed and — when the server granted resume — outlive its
 //! connection. Two fronts: vhci-hcd speaking plain USB/IP on one end of a
-//! socket pair ([`run`]), and every userspace [`Connection`](crate::Connection)
+//! socket pair (`kernel_relay`), and every userspace [`Connection`](crate::Connection)
 //! (the library, the usbredir bridge, the bench), whose callers encode their
 //! commands into the session themselves, under the lock they share with the
 //! relay (`waiters`).
@@ -23,26 +23,21 @@
 use std::future::Future as _;
 use std::io;
 use std::net::SocketAddr;
-use std::ops::DerefMut;
+use std::ops::{ControlFlow, DerefMut};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
-use tokio_util::io::poll_read_buf;
 use tracing::{info, warn};
-use usbwire_proto::client_session::{ClientSession, ClientSessionError, Event};
+use usbwire_proto::client_session::{ClientSession, ClientSessionError};
 use usbwire_proto::resume::{Grant, Token};
-use usbwire_proto::urb::{self, ClientMessage};
 use usbwire_proto::{Budget, Limits, Outbox};
-use usbwire_transport::{poll_write_outbox, PeerStream};
+use usbwire_transport::PeerStream;
 
+use crate::relay_wire::{poll_read_wire, poll_write_all, poll_write_wire, Wire};
 use crate::{resume_session, Backoff, ClientError, Security, TransformSpec};
-
-/// Replies waiting for the kernel to read them before the relay stops reading the server.
-const KERNEL_BACKLOG: usize = 8 * 1024 * 1024;
 
 /// Where the session lives and how to take it over again.
 #[derive(Clone)]
@@ -185,25 +180,6 @@ pub(crate) fn new_session<T>(devid: u32, upstream: &Upstream, budget: Budget) ->
     session
 }
 
-/// Relays between the kernel's socket and the server until the port is
-/// detached (`Ok`) or the session is lost. `stream` is the imported
-/// device's URB channel.
-pub async fn run<K>(
-    kernel: K,
-    stream: PeerStream,
-    devid: u32,
-    upstream: Upstream,
-    state: Option<watch::Sender<RelayState>>,
-) -> Result<(), RelayError>
-where
-    K: AsyncRead + AsyncWrite + Unpin,
-{
-    let session = new_session(devid, &upstream, Budget::default());
-    let front =
-        KernelFront { kernel, kernel_in: BytesMut::with_capacity(64 * 1024), kernel_out: Outbox::default(), session };
-    drive(front, stream, upstream, state).await
-}
-
 /// Drives `front`'s session with the server until the front lets go (`Ok`)
 /// or the session is lost.
 pub(crate) async fn drive<F: Front>(
@@ -288,25 +264,6 @@ async fn drive_session<F: Front>(
     }
 }
 
-/// What the relay holds of the session's bytes outside it: what it writes to
-/// the server, and the buffer it reads into.
-struct Wire {
-    /// Taken from the session's outbox, being written.
-    out: Outbox,
-    /// Everything written was flushed (TLS and transforms buffer until then).
-    flushed: bool,
-    /// The session's read buffer, lent out while the relay reads.
-    input: Option<BytesMut>,
-    /// Bytes were read into `input` and not decoded yet.
-    fresh: bool,
-}
-
-impl Default for Wire {
-    fn default() -> Self {
-        Self { out: Outbox::default(), flushed: true, input: None, fresh: false }
-    }
-}
-
 /// The connection to the server while there is one, with the keep-alive timer.
 struct Link<'a> {
     stream: &'a mut PeerStream,
@@ -331,7 +288,6 @@ fn poll_drive<F: Front>(
 ) -> Poll<Result<Stop, RelayError>> {
     loop {
         let mut again = false;
-        let mut woke = false;
 
         // Front -> session (the kernel's commands).
         match front.poll_commands(cx)? {
@@ -343,63 +299,26 @@ fn poll_drive<F: Front>(
         // Server -> the buffer the session lent (the last turn).
         let mut read_again = wire.input.is_none();
         if let (Some(link), false) = (link.as_deref_mut(), read_again) {
-            if let Some(stop) = poll_read_wire(wire, cx, link.stream) {
-                return Poll::Ready(Ok(stop));
+            if let Some(lost) = poll_read_wire(wire, cx, link.stream) {
+                return Poll::Ready(Ok(Stop::LinkLost(lost)));
             }
         }
 
         let listening = front.takes_replies();
-        // The wire still held bytes, so what the session queued since was left there.
-        let mut left_queued = false;
-        {
-            let mut session = front.hold();
-            // Keep-alive: a ping when quiet, and a link gone silent is lost.
-            if let Some(link) = link.as_deref_mut() {
-                if let Some(silent) = poll_keepalive(cx, link, &mut *session, listening)? {
-                    let reason = format!("nothing heard from the server for {:.1} s", silent.as_secs_f64());
-                    return Poll::Ready(Ok(Stop::LinkLost(io::Error::new(io::ErrorKind::TimedOut, reason))));
-                }
-            }
-            // Session -> front: what was read, decoded.
-            if let Some(input) = wire.input.take() {
-                session.return_input(input);
-            }
-            if std::mem::take(&mut wire.fresh) {
-                // There may be more.
-                read_again = true;
-                // Replies before an error (or the server's end) still reach the front.
-                let replies = session.take_replies();
-                woke = replies.woke;
-                match replies.handled {
-                    Ok(()) => {}
-                    Err(ClientSessionError::ServerEnded) => return Poll::Ready(Ok(Stop::ServerEnded)),
-                    Err(ClientSessionError::Reenumerated) => return Poll::Ready(Ok(Stop::Reenumerated)),
-                    Err(error) => return Poll::Ready(Err(error.into())),
-                }
-            }
-            if link.is_some() {
-                // Session -> wire: what it queued since, once the last of it is written.
-                if !wire.out.is_empty() {
-                    left_queued = true;
-                } else if session.take_outbox(&mut wire.out) {
-                    wire.flushed = false;
-                }
-                if listening {
-                    wire.input = Some(session.lend_input());
-                }
-            }
-            match session.watch(cx)? {
-                Step::Detached => return Poll::Ready(Ok(Stop::Detached)),
-                Step::Progressed | Step::Idle => {}
-            }
-        }
+        let held = match hold_once(front, cx, link.as_deref_mut(), wire, listening)? {
+            ControlFlow::Continue(held) => held,
+            ControlFlow::Break(stop) => return Poll::Ready(Ok(stop)),
+        };
+        read_again |= held.read_again;
+        let woke = held.woke;
+        let left_queued = held.left_queued;
 
         if let Some(link) = link.as_deref_mut() {
             // Server -> the buffer just lent, when it was not lent before or the
             // last read brought bytes: until the socket would block.
             if read_again && wire.input.is_some() {
-                if let Some(stop) = poll_read_wire(wire, cx, &mut *link.stream) {
-                    return Poll::Ready(Ok(stop));
+                if let Some(lost) = poll_read_wire(wire, cx, &mut *link.stream) {
+                    return Poll::Ready(Ok(Stop::LinkLost(lost)));
                 }
                 again |= wire.fresh;
             }
@@ -440,39 +359,67 @@ fn poll_drive<F: Front>(
     }
 }
 
-/// Reads the server into the buffer the session lent (`wire.fresh` when
-/// bytes came); the link's end, if it ended.
-fn poll_read_wire(wire: &mut Wire, cx: &mut Context<'_>, stream: &mut PeerStream) -> Option<Stop> {
-    let input = wire.input.as_mut()?;
-    match poll_read_buf(Pin::new(stream), cx, input) {
-        Poll::Ready(Ok(0)) => Some(Stop::LinkLost(io::ErrorKind::UnexpectedEof.into())),
-        Poll::Ready(Ok(_)) => {
-            wire.fresh = true;
-            None
-        }
-        Poll::Ready(Err(error)) => Some(Stop::LinkLost(error)),
-        Poll::Pending => None,
-    }
+/// What holding the session once in [`poll_drive`] did.
+struct HeldTurn {
+    /// Bytes read were decoded: there may be more to read.
+    read_again: bool,
+    /// Handing the replies over woke a task of this runtime.
+    woke: bool,
+    /// The wire still held bytes, so what the session queued since was left there.
+    left_queued: bool,
 }
 
-/// Writes the wire's bytes to the server until they are out or the socket
-/// would block, and flushes once they are all out (TLS and transforms buffer
-/// until then). Nothing to write and nothing to flush costs nothing.
-fn poll_write_wire(wire: &mut Wire, cx: &mut Context<'_>, stream: &mut PeerStream) -> io::Result<()> {
-    if wire.out.is_empty() && wire.flushed {
-        return Ok(());
-    }
-    if let Poll::Ready(Err(error)) = poll_write_outbox(&mut wire.out, cx, &mut *stream) {
-        return Err(error);
-    }
-    if wire.out.is_empty() {
-        match Pin::new(&mut *stream).poll_flush(cx) {
-            Poll::Ready(Ok(())) => wire.flushed = true,
-            Poll::Ready(Err(error)) => return Err(error),
-            Poll::Pending => {}
+/// The part of a turn that holds the session (once): keep-alive, what was
+/// read decoded and handed to the front, what the session queued taken to
+/// the wire, the read buffer lent again, and the front watched.
+fn hold_once<F: Front>(
+    front: &mut F,
+    cx: &mut Context<'_>,
+    mut link: Option<&mut Link<'_>>,
+    wire: &mut Wire,
+    listening: bool,
+) -> Result<ControlFlow<Stop, HeldTurn>, RelayError> {
+    let mut turn = HeldTurn { read_again: false, woke: false, left_queued: false };
+    let mut session = front.hold();
+    // Keep-alive: a ping when quiet, and a link gone silent is lost.
+    if let Some(link) = link.as_deref_mut() {
+        if let Some(silent) = poll_keepalive(cx, link, &mut *session, listening)? {
+            let reason = format!("nothing heard from the server for {:.1} s", silent.as_secs_f64());
+            return Ok(ControlFlow::Break(Stop::LinkLost(io::Error::new(io::ErrorKind::TimedOut, reason))));
         }
     }
-    Ok(())
+    // Session -> front: what was read, decoded.
+    if let Some(input) = wire.input.take() {
+        session.return_input(input);
+    }
+    if std::mem::take(&mut wire.fresh) {
+        // There may be more.
+        turn.read_again = true;
+        // Replies before an error (or the server's end) still reach the front.
+        let replies = session.take_replies();
+        turn.woke = replies.woke;
+        match replies.handled {
+            Ok(()) => {}
+            Err(ClientSessionError::ServerEnded) => return Ok(ControlFlow::Break(Stop::ServerEnded)),
+            Err(ClientSessionError::Reenumerated) => return Ok(ControlFlow::Break(Stop::Reenumerated)),
+            Err(error) => return Err(error.into()),
+        }
+    }
+    if link.is_some() {
+        // Session -> wire: what it queued since, once the last of it is written.
+        if !wire.out.is_empty() {
+            turn.left_queued = true;
+        } else if session.take_outbox(&mut wire.out) {
+            wire.flushed = false;
+        }
+        if listening {
+            wire.input = Some(session.lend_input());
+        }
+    }
+    match session.watch(cx)? {
+        Step::Detached => Ok(ControlFlow::Break(Stop::Detached)),
+        Step::Progressed | Step::Idle => Ok(ControlFlow::Continue(turn)),
+    }
 }
 
 /// Runs the session's keep-alive timer: queues a ping when one is due, and
@@ -597,153 +544,5 @@ async fn reconnect(upstream: &Upstream, token: &Token, replies_received: u64) ->
             }
             Err(error) => tracing::debug!(%error, "resume attempt failed; retrying"),
         }
-    }
-}
-
-/// vhci-hcd's end of the socket pair: commands as bytes in, replies as bytes out.
-struct KernelFront<K> {
-    kernel: K,
-    /// Commands from the kernel not decoded yet.
-    kernel_in: BytesMut,
-    /// Replies for the kernel.
-    kernel_out: Outbox,
-    /// The kernel's session: the relay's alone.
-    session: ClientSession<()>,
-}
-
-/// The kernel's session, held, beside the replies for the kernel.
-struct KernelHeld<'a> {
-    session: &'a mut ClientSession<()>,
-    kernel_out: &'a mut Outbox,
-}
-
-impl std::ops::Deref for KernelHeld<'_> {
-    type Target = ClientSession<()>;
-
-    fn deref(&self) -> &ClientSession<()> {
-        self.session
-    }
-}
-
-impl DerefMut for KernelHeld<'_> {
-    fn deref_mut(&mut self) -> &mut ClientSession<()> {
-        self.session
-    }
-}
-
-impl Held<()> for KernelHeld<'_> {
-    fn take_replies(&mut self) -> Replies {
-        let kernel_out = &mut *self.kernel_out;
-        let handled = self.session.handle_input_with(|event| match event {
-            Event::Completed { reply, .. } => kernel_out.push_ret_submit(&reply),
-            Event::Unlinked { reply, .. } => kernel_out.push_ret_unlink(&reply),
-        });
-        // The kernel runs elsewhere: nothing to make room for.
-        Replies { handled, woke: false }
-    }
-}
-
-impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
-    type Tag = ();
-    type Held<'a>
-        = KernelHeld<'a>
-    where
-        K: 'a;
-
-    fn hold(&mut self) -> KernelHeld<'_> {
-        KernelHeld { session: &mut self.session, kernel_out: &mut self.kernel_out }
-    }
-
-    fn poll_commands(&mut self, cx: &mut Context<'_>) -> Result<Step, RelayError> {
-        if !self.session.wants_commands() {
-            return Ok(Step::Idle);
-        }
-        // Whole commands left over from a read the session's budget cut short come first.
-        let before = self.session.outstanding();
-        self.take_commands()?;
-        let took = self.session.outstanding() != before;
-        if !self.session.wants_commands() {
-            return Ok(if took { Step::Progressed } else { Step::Idle });
-        }
-        self.kernel_in.reserve(64 * 1024);
-        match poll_read_buf(Pin::new(&mut self.kernel), cx, &mut self.kernel_in) {
-            Poll::Ready(Ok(0)) => Ok(Step::Detached),
-            Poll::Ready(Ok(_)) => {
-                self.take_commands()?;
-                Ok(Step::Progressed)
-            }
-            // The kernel resets its socket on detach.
-            Poll::Ready(Err(_)) => Ok(Step::Detached),
-            Poll::Pending if took => Ok(Step::Progressed),
-            Poll::Pending => Ok(Step::Idle),
-        }
-    }
-
-    fn takes_replies(&self) -> bool {
-        self.kernel_out.queued() < KERNEL_BACKLOG
-    }
-
-    fn unflushed(&self) -> bool {
-        !self.kernel_out.is_empty()
-    }
-
-    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Step {
-        match poll_write_all(&mut self.kernel_out, cx, &mut self.kernel) {
-            Poll::Ready(Ok(true)) => Step::Progressed,
-            Poll::Ready(Ok(false)) | Poll::Pending => Step::Idle,
-            Poll::Ready(Err(_)) => Step::Detached,
-        }
-    }
-}
-
-impl<K> KernelFront<K> {
-    /// Decodes the kernel's whole commands into the session.
-    fn take_commands(&mut self) -> Result<(), RelayError> {
-        let limits = Limits::default();
-        let session = &mut self.session;
-        while session.wants_commands() {
-            // vhci sends isochronous descriptors exactly when the URB has packets
-            // (number_of_packets is 0 otherwise); the kernel is trusted here.
-            let iso = self.kernel_in.len() >= urb::HEADER_LEN
-                && i32::from_be_bytes([
-                    self.kernel_in[0x20],
-                    self.kernel_in[0x21],
-                    self.kernel_in[0x22],
-                    self.kernel_in[0x23],
-                ]) > 0;
-            let message = urb::decode_command(&mut self.kernel_in, &limits, |_, _| iso)
-                .map_err(|error| RelayError::Kernel(error.to_string()))?;
-            let Some(message) = message else { return Ok(()) };
-            match message {
-                ClientMessage::Submit(submit) => session.submit(submit, ())?,
-                ClientMessage::Unlink(unlink) => session.unlink(unlink)?,
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Writes `outbox` until it is empty or the writer would block, then flushes
-/// (TLS and transforms buffer until flushed). `Ready(Ok(wrote))`: whether any
-/// byte went out; `Pending` only when none could.
-fn poll_write_all<W: AsyncWrite + Unpin>(
-    outbox: &mut Outbox,
-    cx: &mut Context<'_>,
-    writer: &mut W,
-) -> Poll<io::Result<bool>> {
-    let wrote = match poll_write_outbox(outbox, cx, &mut *writer) {
-        Poll::Ready(Ok(wrote)) => wrote,
-        Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
-        Poll::Pending => return Poll::Pending,
-    };
-    if !outbox.is_empty() {
-        return Poll::Ready(Ok(wrote));
-    }
-    // Nothing left to write: push out what the stream buffers (a no-op for plain TCP).
-    match Pin::new(&mut *writer).poll_flush(cx) {
-        Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
-        Poll::Ready(Ok(())) => Poll::Ready(Ok(wrote)),
-        Poll::Pending if wrote => Poll::Ready(Ok(true)),
-        Poll::Pending => Poll::Pending,
     }
 }

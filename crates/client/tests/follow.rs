@@ -19,7 +19,8 @@ use sha2::Digest as _;
 use tokio::net::UnixStream;
 use tokio::task::JoinHandle;
 use usbwire_client::follow::{FollowError, Reimport, WentAway, FALLBACK_WINDOW};
-use usbwire_client::relay::{self, RelayError, Upstream};
+use usbwire_client::kernel_relay;
+use usbwire_client::relay::{RelayError, Upstream};
 use usbwire_client::{ClientError, Imported, Security, TlsClient};
 use usbwire_gadgets::dfu::{DfuDevice, DfuOptions, Firmware, DFU_PRODUCT_ID, RUNTIME_PRODUCT_ID, TRANSFER_SIZE};
 use usbwire_proto::op::{BusId, OpStatus};
@@ -48,7 +49,7 @@ fn relayed(imported: Imported, reimport: &Reimport) -> (UrbHost<UnixStream>, Joi
         give_up_after: Duration::from_secs(10),
     };
     let (kernel, relay_end) = UnixStream::pair().unwrap();
-    let relay = tokio::spawn(relay::run(relay_end, imported.stream, devid, upstream, None));
+    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, None));
     (UrbHost::new(kernel, devid), relay)
 }
 

@@ -9,7 +9,8 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
-use usbwire_client::relay::{self, RelayError, Upstream};
+use usbwire_client::kernel_relay;
+use usbwire_client::relay::{RelayError, Upstream};
 use usbwire_client::Security;
 use usbwire_gadgets::dfu::{machine::request, DfuDevice, DfuOptions, DFU_PRODUCT_ID, RUNTIME_DFU_INTERFACE};
 use usbwire_proto::op::BusId;
@@ -55,7 +56,7 @@ async fn the_detach_reply_reaches_the_kernel_before_the_relay_ends_as_a_reenumer
         give_up_after: Duration::from_secs(10),
     };
     let (mut kernel, relay_end) = UnixStream::pair().unwrap();
-    let relay = tokio::spawn(relay::run(relay_end, imported.stream, devid, upstream, None));
+    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, None));
 
     kernel.write_all(&control_out(1, devid, SET_CONFIGURATION_1)).await.unwrap();
     let detach = [0x21, request::DETACH, 0xe8, 0x03, RUNTIME_DFU_INTERFACE, 0, 0, 0];

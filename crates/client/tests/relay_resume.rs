@@ -14,6 +14,7 @@ use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use usbwire_bench::proxy::{Cut, Proxy};
+use usbwire_client::kernel_relay;
 use usbwire_client::relay::{self, RelayError, Upstream};
 use usbwire_client::{Security, TransformSpec};
 use usbwire_proto::client_session::{ClientSession, Event};
@@ -147,7 +148,7 @@ async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
         give_up_after: Duration::from_secs(20),
     };
     let (state, mut states) = tokio::sync::watch::channel(relay::RelayState::Connected);
-    let relay = tokio::spawn(relay::run(relay_end, imported.stream, devid, upstream, Some(state)));
+    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, Some(state)));
     let resumes = tokio::spawn(async move {
         let mut resumes = 0;
         while states.changed().await.is_ok() {
@@ -221,7 +222,7 @@ async fn a_link_gone_silent_is_noticed_and_resumed_well_within_the_grace_period(
         give_up_after: Duration::from_secs(20),
     };
     let (state, mut states) = tokio::sync::watch::channel(relay::RelayState::Connected);
-    let relay = tokio::spawn(relay::run(relay_end, imported.stream, devid, upstream, Some(state)));
+    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, Some(state)));
     let rounds = 100_000;
     let progress = Arc::new(AtomicU32::new(0));
     let kernel = tokio::spawn(kernel(kernel_end, devid, rounds, progress.clone()));
@@ -277,7 +278,7 @@ async fn without_resume_a_cut_ends_the_relay_with_what_to_do() {
         resume: None,
         give_up_after: Duration::from_secs(5),
     };
-    let relay = tokio::spawn(relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None));
+    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None));
     tokio::time::sleep(Duration::from_millis(100)).await;
     proxy.cut_all();
     let ended = tokio::time::timeout(Duration::from_secs(5), relay).await.expect("relay ends").unwrap();
@@ -301,7 +302,7 @@ async fn a_server_that_shuts_down_ends_the_session_and_the_relay_at_once() {
         // Without the server's end the relay would retry this long.
         give_up_after: Duration::from_secs(60),
     };
-    let relay = tokio::spawn(relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None));
+    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None));
     tokio::time::sleep(Duration::from_millis(100)).await;
     test_server.stop();
     let ended = tokio::time::timeout(Duration::from_secs(3), relay).await.expect("relay ends at once").unwrap();

@@ -390,7 +390,7 @@ async fn relay_or_follow(
     }
     let (state_tx, mut states) = tokio::sync::watch::channel(usbwire_client::relay::RelayState::Connected);
     let devid = imported.device.devid();
-    let relay = usbwire_client::relay::run(kernel, imported.stream, devid, upstream, Some(state_tx));
+    let relay = usbwire_client::kernel_relay::run(kernel, imported.stream, devid, upstream, Some(state_tx));
     let reporting = async {
         while states.changed().await.is_ok() {
             let state = *states.borrow_and_update();

@@ -417,7 +417,7 @@ fn attach_imported(
     if !follow {
         let log = logged(busid.clone());
         let relay = tokio::spawn(async move {
-            if let Err(error) = usbwire_client::relay::run(kernel, stream, devid, upstream, None).await {
+            if let Err(error) = usbwire_client::kernel_relay::run(kernel, stream, devid, upstream, None).await {
                 log(&error);
             }
         });
