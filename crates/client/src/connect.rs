@@ -128,10 +128,9 @@ pub(crate) async fn connect(addr: SocketAddr, security: &Security) -> Result<Pee
     };
     let (config, seen) = usbwire_transport::tls::client_config(&tls.identity, trust)
         .map_err(|e| ClientError::Tls { addr: key.clone(), reason: e.to_string() })?;
-    let connector = tokio_rustls::TlsConnector::from(config);
     let handshake = tokio::time::timeout(
         OP_TIMEOUT,
-        connector.connect(usbwire_transport::tls::server_name(), usbwire_transport::tls_socket(tcp)),
+        usbwire_transport::handshake::connect(tcp, config, usbwire_transport::tls::server_name()),
     );
     let stream = match handshake.await {
         Err(_) => return Err(ClientError::Timeout { addr: key }),
@@ -162,7 +161,7 @@ pub(crate) async fn connect(addr: SocketAddr, security: &Security) -> Result<Pee
             pin(&tls.known, &key, fingerprint)?;
         }
     }
-    Ok(PeerStream::ClientTls(Box::new(stream)))
+    Ok(PeerStream::Tls(Box::new(stream)))
 }
 
 fn pin(known: &KnownServers, key: &str, fingerprint: Fingerprint) -> Result<(), ClientError> {

@@ -90,11 +90,11 @@ async fn secure(
         ticket.dropped(Dropped::Failed);
         return None;
     };
-    let acceptor = tokio_rustls::TlsAcceptor::from(tls.clone());
-    let stream =
-        match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(usbwire_transport::tls_socket(tcp))).await
+    let (stream, leaf) =
+        match tokio::time::timeout(limits.handshake_timeout, usbwire_transport::handshake::accept(tcp, tls.clone()))
+            .await
         {
-            Ok(Ok(stream)) => stream,
+            Ok(Ok(accepted)) => accepted,
             Ok(Err(error)) => {
                 // A refused identity was logged, with its fingerprint, when it was refused.
                 let refused =
@@ -123,10 +123,9 @@ async fn secure(
             }
         };
     // The handshake admitted it (tls::server_config); this names it.
-    let leaf = stream.get_ref().1.peer_certificates().and_then(|certs| certs.first())?;
-    let client = security.admission.identify(leaf).ok()?;
+    let client = security.admission.identify(&leaf?).ok()?;
     info!(%client, "TLS client authenticated");
-    Some((PeerStream::ServerTls(Box::new(stream)), client))
+    Some((PeerStream::Tls(Box::new(stream)), client))
 }
 
 /// TCP_NODELAY (48-byte headers must not wait for Nagle) and keepalive

@@ -12,6 +12,8 @@
 //!   device it may see and import.
 //! * [`PeerStream`]: one type for a plain or a TLS connection, so the server
 //!   and client code above it does not care which it has.
+//! * [`handshake`]: the TLS handshake (rustls's unbuffered API), ending in a
+//!   [`TlsStream`], our own record layer with the negotiated keys.
 //! * [`devstate`]: the device state document both ends exchange (one schema
 //!   for the server that writes it and the client that reads it).
 //!
@@ -21,15 +23,20 @@
 pub mod access;
 pub mod ca;
 pub mod devstate;
+pub mod handshake;
 pub mod identity;
 pub mod known_servers;
+mod record;
 mod stream;
 pub mod tls;
+mod tls_stream;
 /// Stream transforms live in their own crate (no TLS needed to fuzz or reuse them).
 pub use usbwire_transform as transform;
 
 pub use identity::{Fingerprint, Identity, IdentityError};
-pub use stream::{poll_write_outbox, tls_socket, write_all_parts, PeerStream, TlsSocket};
+pub use record::{cipher_speed, CipherSpeed, RecordError};
+pub use stream::{poll_write_outbox, write_all_parts, PeerStream};
+pub use tls_stream::TlsStream;
 
 /// The first byte of a TLS handshake record (content type 22). A plain USB/IP
 /// request starts with its version's high byte, 0x01.

@@ -4,29 +4,17 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncWrite, BufReader, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-/// What TLS runs over: the TCP socket behind a read buffer. rustls asks its socket for at
-/// most 4 KiB per read (and shrinks its own buffer each time it empties), so a 1 MiB
-/// transfer read straight from the socket costs some 260 system calls; through this
-/// buffer it costs a handful, and rustls's reads become copies from a warm buffer.
-pub type TlsSocket = BufReader<TcpStream>;
-
-/// Bytes the TLS read buffer takes from the socket at once.
-const TLS_READ_BUFFER: usize = 256 * 1024;
-
-/// Puts the read buffer in front of a socket about to carry TLS.
-pub fn tls_socket(tcp: TcpStream) -> TlsSocket {
-    BufReader::with_capacity(TLS_READ_BUFFER, tcp)
-}
+use crate::tls_stream::TlsStream;
 
 /// A connection to a peer, plain or inside TLS.
 #[derive(Debug)]
 pub enum PeerStream {
     Plain(TcpStream),
-    ServerTls(Box<tokio_rustls::server::TlsStream<TlsSocket>>),
-    ClientTls(Box<tokio_rustls::client::TlsStream<TlsSocket>>),
+    /// TLS 1.3, either side (see [`crate::handshake`]).
+    Tls(Box<TlsStream>),
     /// Any of the others carrying negotiated transforms (compression, jitter buffer).
     Transformed(Box<crate::transform::TransformedStream<Self>>),
     /// A connection inside this process (no socket): the fuzz harness and tests drive a
@@ -48,8 +36,7 @@ impl PeerStream {
     pub fn peer_addr(&self) -> io::Result<std::net::SocketAddr> {
         match self {
             Self::Plain(tcp) => tcp.peer_addr(),
-            Self::ServerTls(tls) => tls.get_ref().0.get_ref().peer_addr(),
-            Self::ClientTls(tls) => tls.get_ref().0.get_ref().peer_addr(),
+            Self::Tls(tls) => tls.get_ref().peer_addr(),
             Self::Transformed(s) => s.get_ref().peer_addr(),
             Self::InProcess(_) => Err(io::ErrorKind::NotConnected.into()),
         }
@@ -76,8 +63,7 @@ impl AsyncRead for PeerStream {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Self::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Self::ServerTls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-            Self::ClientTls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
             Self::Transformed(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
             Self::InProcess(s) => Pin::new(s).poll_read(cx, buf),
         }
@@ -88,8 +74,7 @@ impl AsyncWrite for PeerStream {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             Self::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            Self::ServerTls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-            Self::ClientTls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
             Self::Transformed(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
             Self::InProcess(s) => Pin::new(s).poll_write(cx, buf),
         }
@@ -102,8 +87,7 @@ impl AsyncWrite for PeerStream {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             Self::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Self::ServerTls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
-            Self::ClientTls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
             Self::Transformed(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
             Self::InProcess(s) => Pin::new(s).poll_write_vectored(cx, bufs),
         }
@@ -112,8 +96,7 @@ impl AsyncWrite for PeerStream {
     fn is_write_vectored(&self) -> bool {
         match self {
             Self::Plain(s) => s.is_write_vectored(),
-            Self::ServerTls(s) => s.is_write_vectored(),
-            Self::ClientTls(s) => s.is_write_vectored(),
+            Self::Tls(s) => s.is_write_vectored(),
             Self::Transformed(s) => s.is_write_vectored(),
             Self::InProcess(s) => s.is_write_vectored(),
         }
@@ -122,8 +105,7 @@ impl AsyncWrite for PeerStream {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Self::Plain(s) => Pin::new(s).poll_flush(cx),
-            Self::ServerTls(s) => Pin::new(s.as_mut()).poll_flush(cx),
-            Self::ClientTls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
             Self::Transformed(s) => Pin::new(s.as_mut()).poll_flush(cx),
             Self::InProcess(s) => Pin::new(s).poll_flush(cx),
         }
@@ -132,8 +114,7 @@ impl AsyncWrite for PeerStream {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Self::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Self::ServerTls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
-            Self::ClientTls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
             Self::Transformed(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
             Self::InProcess(s) => Pin::new(s).poll_shutdown(cx),
         }

@@ -1,0 +1,149 @@
+//! The record layer end to end over loopback TCP: our two sides, and ours against a
+//! stock rustls peer (tokio-rustls), through key updates and closes.
+
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::TlsStream;
+use crate::access::{AccessRules, Admission, Rule};
+use crate::tls::{client_config, server_config, server_name, ServerTrust};
+use crate::{handshake, Identity};
+
+struct Pair {
+    client_config: Arc<rustls::ClientConfig>,
+    server_config: Arc<rustls::ServerConfig>,
+    listener: TcpListener,
+}
+
+async fn pair() -> Pair {
+    let (server, client) = (Identity::generate("server").unwrap(), Identity::generate("client").unwrap());
+    let rules =
+        AccessRules { rules: vec![Rule { client: client.fingerprint().to_string(), devices: vec!["*".into()] }] };
+    let server_config = server_config(&server, Admission { rules, ca: None }).unwrap();
+    let (client_config, _) = client_config(&client, ServerTrust::Pinned(server.fingerprint())).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    Pair { client_config, server_config, listener }
+}
+
+/// Both sides ours, connected.
+async fn connected(pair: &Pair) -> (TlsStream, TlsStream) {
+    let addr = pair.listener.local_addr().unwrap();
+    let connect = async {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        handshake::connect(tcp, pair.client_config.clone(), server_name()).await.unwrap()
+    };
+    let accept = async {
+        let (tcp, _) = pair.listener.accept().await.unwrap();
+        handshake::accept(tcp, pair.server_config.clone()).await.unwrap()
+    };
+    let (client, (server, leaf)) = tokio::join!(connect, accept);
+    assert!(leaf.is_some(), "the server sees the client's certificate");
+    (client, server)
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+#[tokio::test]
+async fn bytes_written_in_many_slices_arrive_whole_both_ways() {
+    let pair = pair().await;
+    let (mut client, mut server) = connected(&pair).await;
+    let parts: Vec<Vec<u8>> = vec![pattern(48, 1), pattern(3 << 20, 2), vec![], pattern(16385, 3), pattern(7, 4)];
+    let expected = parts.concat();
+    let writer = async {
+        crate::write_all_parts(&mut client, &parts).await.unwrap();
+        client.flush().await.unwrap();
+        client
+    };
+    let reader = async {
+        let mut got = vec![0; expected.len()];
+        server.read_exact(&mut got).await.unwrap();
+        assert!(got == expected, "the server read what the client wrote");
+        server.write_all(&got[..1 << 20]).await.unwrap();
+        server.flush().await.unwrap();
+        server
+    };
+    let (mut client, _server) = tokio::join!(writer, reader);
+    let mut back = vec![0; 1 << 20];
+    client.read_exact(&mut back).await.unwrap();
+    assert!(back == expected[..1 << 20]);
+}
+
+#[tokio::test]
+async fn a_key_update_either_way_keeps_the_stream_going() {
+    let pair = pair().await;
+    let (mut client, mut server) = connected(&pair).await;
+    for round in 0..3u8 {
+        client.key_update_due = true;
+        // A short slice (gathered, sealed in place), then a long one (sealed from where it lies).
+        let parts = [pattern(100, round), pattern(40_000, round)];
+        crate::write_all_parts(&mut client, &parts).await.unwrap();
+        client.flush().await.unwrap();
+        assert_eq!(client.tx.sequence(), 4, "four records under a key that starts at 0");
+        let mut got = vec![0; 40_100];
+        server.read_exact(&mut got).await.unwrap();
+        assert!(got == parts.concat());
+        server.key_update_due = true;
+        server.write_all(b"reply").await.unwrap();
+        server.flush().await.unwrap();
+        let mut reply = [0; 5];
+        client.read_exact(&mut reply).await.unwrap();
+        assert_eq!(&reply, b"reply");
+    }
+}
+
+#[tokio::test]
+async fn close_notify_is_an_end_and_a_bare_hang_up_an_error() {
+    let pair = pair().await;
+    let (mut client, mut server) = connected(&pair).await;
+    client.write_all(b"last words").await.unwrap();
+    client.shutdown().await.unwrap();
+    let mut got = Vec::new();
+    server.read_to_end(&mut got).await.unwrap();
+    assert_eq!(got, b"last words");
+    assert!(client.write_all(b"more").await.is_err(), "nothing may follow close_notify");
+
+    let (mut client, mut server) = connected(&pair).await;
+    // Read past the session tickets first: a socket closed with unread bytes resets.
+    server.write_all(b"x").await.unwrap();
+    server.flush().await.unwrap();
+    client.read_exact(&mut [0]).await.unwrap();
+    drop(client);
+    let error = server.read_to_end(&mut Vec::new()).await.unwrap_err();
+    assert_eq!(error.kind(), std::io::ErrorKind::UnexpectedEof);
+}
+
+/// Our server with a stock rustls client: data both ways, and the client's key update
+/// with a request for ours, which rustls must then accept.
+#[tokio::test]
+async fn a_stock_rustls_peer_understands_our_records_and_key_updates() {
+    let pair = pair().await;
+    let addr = pair.listener.local_addr().unwrap();
+    let connect = async {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        tokio_rustls::TlsConnector::from(pair.client_config.clone()).connect(server_name(), tcp).await.unwrap()
+    };
+    let accept = async {
+        let (tcp, _) = pair.listener.accept().await.unwrap();
+        handshake::accept(tcp, pair.server_config.clone()).await.unwrap().0
+    };
+    let (mut client, mut server) = tokio::join!(connect, accept);
+    for round in 0..2u8 {
+        client.get_mut().1.refresh_traffic_keys().unwrap();
+        client.write_all(&pattern(100_000, round)).await.unwrap();
+        client.flush().await.unwrap();
+        let mut got = vec![0; 100_000];
+        server.read_exact(&mut got).await.unwrap();
+        assert!(got == pattern(100_000, round));
+        server.write_all(&pattern(70_000, round)).await.unwrap();
+        server.flush().await.unwrap();
+        let mut back = vec![0; 70_000];
+        client.read_exact(&mut back).await.unwrap();
+        assert!(back == pattern(70_000, round));
+    }
+    server.shutdown().await.unwrap();
+    assert_eq!(client.read(&mut [0; 8]).await.unwrap(), 0, "our close_notify is a clean end to rustls");
+}
