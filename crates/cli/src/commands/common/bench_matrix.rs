@@ -85,7 +85,12 @@ pub(crate) struct Report {
     pub(crate) records: Vec<Record>,
     pub(crate) latencies: Vec<plot::LatencySamples>,
     fits: Vec<(f64, Direction, model::Fit)>,
+    /// Over TLS: one core's AES-GCM in the same run, to put each rate in proportion.
+    cipher: Option<usbwire_transport::CipherSpeed>,
 }
+
+/// How long the cipher's own speed is measured for (`Report::cipher`).
+const CIPHER_SECONDS: f64 = 0.3;
 
 /// Runs the matrix from a client thread of its own (see [`usbwire_bench::client_thread`]).
 pub(crate) async fn execute(
@@ -100,6 +105,13 @@ pub(crate) async fn execute(
     let matrix = move || async move {
         let (plan, busid, security) = (&plan, &busid, &security);
         let ideal = ceiling::start_server().map_err(|e| Failure::io(e.into()))?;
+        let cipher = match security {
+            Security::Tls(_) => Some(
+                usbwire_transport::cipher_speed(Duration::from_secs_f64(CIPHER_SECONDS))
+                    .map_err(|e| Failure::software(e.into()))?,
+            ),
+            Security::Plain => None,
+        };
         let points = plan.rtts_ms.len() * 2 * plan.sizes.len() * plan.depths.len();
         let bar = if progress {
             let bar = indicatif::ProgressBar::new(points as u64);
@@ -173,7 +185,7 @@ pub(crate) async fn execute(
             conn.close().await;
         }
         bar.finish_and_clear();
-        Ok(Report { records, latencies, fits })
+        Ok(Report { records, latencies, fits, cipher })
     };
     usbwire_bench::client_thread("usbwire-bench", matrix).await.map_err(|e| Failure::software(e.into()))?
 }
@@ -272,17 +284,27 @@ impl Report {
                 if let (Some(problem), Some(object)) = (r.measurement_problem(), value.as_object_mut()) {
                     object.insert("measurement_problem".into(), problem.into());
                 }
+                if let (Some(cipher), Some(object)) = (self.cipher, value.as_object_mut()) {
+                    object.insert("ratio_to_cipher".into(), (r.mib_per_s / cipher.mib_per_s).into());
+                }
                 value
             })
             .collect();
-        json!({ "records": records, "model": fits })
+        json!({ "records": records, "model": fits, "cipher_one_core": self.cipher })
     }
 
     pub(crate) fn table(&self) -> String {
         let mut out = String::new();
+        if let Some(cipher) = self.cipher {
+            let _ = writeln!(
+                out,
+                "one core {}, 16 KiB records: {:.0} MiB/s (the `cipher` column: MiB/s over it)",
+                cipher.cipher, cipher.mib_per_s
+            );
+        }
         let _ = writeln!(
             out,
-            "{:>6} {:>4} {:>9} {:>5} {:>10} {:>13} {:>10} {:>6} {:>9} {:>9} {:>9}",
+            "{:>6} {:>4} {:>9} {:>5} {:>10} {:>13} {:>10} {:>6} {:>9} {:>9} {:>9} {:>6}",
             "rtt_ms",
             "dir",
             "urb_size",
@@ -293,7 +315,8 @@ impl Report {
             "ratio",
             "p50 us",
             "raw p50",
-            "compress"
+            "compress",
+            if self.cipher.is_some() { "cipher" } else { "" }
         );
         let mut problems = Vec::new();
         for r in &self.records {
@@ -301,7 +324,7 @@ impl Report {
             let ratio = format!("{:.2}{}", r.ratio_to_raw_tcp, if problem.is_some() { "!" } else { "" });
             let _ = writeln!(
                 out,
-                "{:>6} {:>4} {:>9} {:>5} {:>10.1} {:>13} {:>10.1} {:>6} {:>9.0} {:>9.0} {:>9}",
+                "{:>6} {:>4} {:>9} {:>5} {:>10.1} {:>13} {:>10.1} {:>6} {:>9.0} {:>9.0} {:>9} {:>6}",
                 r.rtt_ms,
                 format!("{:?}", r.direction).to_lowercase(),
                 r.urb_size,
@@ -312,7 +335,8 @@ impl Report {
                 ratio,
                 r.latency_us.p50,
                 r.raw_tcp_latency_us.p50,
-                r.compression_ratio.map_or("-".to_owned(), |c| format!("{c:.1}x"))
+                r.compression_ratio.map_or("-".to_owned(), |c| format!("{c:.1}x")),
+                self.cipher.map_or(String::new(), |c| format!("{:.2}", r.mib_per_s / c.mib_per_s))
             );
             problems.extend(problem);
         }
