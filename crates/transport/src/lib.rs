@@ -27,6 +27,7 @@ pub mod handshake;
 pub mod identity;
 pub mod known_servers;
 mod record;
+mod record_reader;
 mod stream;
 pub mod tls;
 mod tls_stream;
@@ -37,6 +38,14 @@ pub use identity::{Fingerprint, Identity, IdentityError};
 pub use record::{cipher_speed, CipherSpeed, RecordError};
 pub use stream::{poll_write_outbox, write_all_parts, PeerStream};
 pub use tls_stream::TlsStream;
+
+/// The record layer's receive side with keys of the caller's choosing, for the fuzz
+/// harness (`fuzz/src/tls_records.rs`). Not an API: connections come from [`handshake`].
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::record::{content, wire_len, Sealer, MAX_PLAINTEXT};
+    pub use crate::record_reader::{PeerSession, Reader};
+}
 
 /// The first byte of a TLS handshake record (content type 22). A plain USB/IP
 /// request starts with its version's high byte, 0x01.

@@ -17,7 +17,7 @@ pub(crate) const HEADER: usize = 5;
 /// Bytes of an AEAD tag (AES-GCM and ChaCha20-Poly1305 alike).
 pub(crate) const TAG: usize = 16;
 /// Plaintext bytes per record at most (2^14, TLS's limit).
-pub(crate) const MAX_PLAINTEXT: usize = 16 * 1024;
+pub const MAX_PLAINTEXT: usize = 16 * 1024;
 /// The largest record body a peer may send: 2^14 + 256 (RFC 8446 §5.2).
 const MAX_BODY: usize = MAX_PLAINTEXT + 256;
 /// The largest whole record a peer may send.
@@ -26,30 +26,70 @@ pub(crate) const MAX_RECORD: usize = HEADER + MAX_BODY;
 const OUTER_TYPE: u8 = 23;
 
 /// The content types a TLS 1.3 record carries inside its protection.
-pub(crate) mod content {
-    pub(crate) const ALERT: u8 = 21;
-    pub(crate) const HANDSHAKE: u8 = 22;
-    pub(crate) const APPLICATION_DATA: u8 = 23;
+pub mod content {
+    pub const ALERT: u8 = 21;
+    pub const HANDSHAKE: u8 = 22;
+    pub const APPLICATION_DATA: u8 = 23;
 }
 
-/// Why a record could not be sealed or opened. Each ends the connection.
-#[derive(Debug, thiserror::Error)]
+/// Why a record could not be sealed or opened, or why the peer's records end the
+/// connection. Each ends the connection; [`RecordError::alert`] says what we tell the peer.
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum RecordError {
     #[error("the TLS peer negotiated a cipher suite this record layer does not implement (AES-GCM and ChaCha20-Poly1305 only)")]
     UnsupportedSuite,
     #[error("a TLS record failed authentication: the connection was altered in transit; reconnect")]
     Authentication,
+    #[error("the TLS peer sent a record over the size limit ({0}); reconnect, and report it if it persists")]
+    Overflow(&'static str),
+    #[error("the TLS peer sent an unexpected message ({0}); reconnect, and report it if it persists")]
+    Unexpected(&'static str),
     #[error("the TLS peer sent a malformed record ({0}); reconnect, and report it if it persists")]
     Malformed(&'static str),
+    #[error("the TLS peer sent an illegal value ({0}); reconnect, and report it if it persists")]
+    IllegalParameter(&'static str),
+    #[error("the TLS session refused a post-handshake message: {0}")]
+    Session(rustls::Error),
+    #[error("the TLS peer ended the connection with the alert {0:?}")]
+    AlertReceived(rustls::AlertDescription),
+    #[error("{0}")]
+    Truncated(&'static str),
     #[error("the TLS record sequence is exhausted; reconnect")]
     Exhausted,
     #[error("the cipher refused to seal a TLS record; reconnect")]
     Seal,
 }
 
+impl RecordError {
+    /// The fatal alert we send the peer before closing, if any (RFC 8446 §6.2: none after
+    /// the peer's own alert, nor after a bare hang-up).
+    pub fn alert(&self) -> Option<rustls::AlertDescription> {
+        use rustls::AlertDescription as A;
+        match self {
+            // RFC 8446 §5.2: an AEAD failure is bad_record_mac.
+            Self::Authentication => Some(A::BadRecordMac),
+            // RFC 8446 §5.2, §5.4: over 2^14 + 256 bytes of ciphertext, or 2^14 + 1 of inner plaintext.
+            Self::Overflow(_) => Some(A::RecordOverflow),
+            Self::Unexpected(_) => Some(A::UnexpectedMessage),
+            Self::Malformed(_) => Some(A::DecodeError),
+            Self::IllegalParameter(_) => Some(A::IllegalParameter),
+            Self::Session(rustls::Error::InvalidMessage(_)) => Some(A::DecodeError),
+            Self::Session(_) | Self::Exhausted => Some(A::InternalError),
+            Self::UnsupportedSuite | Self::AlertReceived(_) | Self::Truncated(_) | Self::Seal => None,
+        }
+    }
+}
+
 impl From<RecordError> for std::io::Error {
     fn from(error: RecordError) -> Self {
-        Self::new(std::io::ErrorKind::InvalidData, error)
+        match error {
+            // As rustls reported it, so callers that look for the peer's alert still find it.
+            RecordError::AlertReceived(alert) => {
+                Self::new(std::io::ErrorKind::InvalidData, rustls::Error::AlertReceived(alert))
+            }
+            RecordError::Truncated(_) => Self::new(std::io::ErrorKind::UnexpectedEof, error),
+            _ => Self::new(std::io::ErrorKind::InvalidData, error),
+        }
     }
 }
 
@@ -73,8 +113,9 @@ impl Keys {
         Ok(Self { key: aead::LessSafeKey::new(key), iv, sequence })
     }
 
-    /// The per-record nonce: the IV XOR the sequence number (RFC 8446 §5.3), then the
-    /// sequence moves on.
+    /// The per-record nonce: the IV XOR the sequence number left-padded to the IV's length
+    /// (RFC 8446 §5.3), then the sequence moves on. It never wraps: the record that would
+    /// take sequence number 2^64 - 1 is refused, which ends the connection (§5.3).
     fn next_nonce(&mut self) -> Result<aead::Nonce, RecordError> {
         let mut nonce = self.iv;
         for (byte, seq) in nonce[aead::NONCE_LEN - 8..].iter_mut().zip(self.sequence.to_be_bytes()) {
@@ -86,10 +127,10 @@ impl Keys {
 }
 
 /// Protects records we send.
-pub(crate) struct Sealer(Keys);
+pub struct Sealer(Keys);
 
 impl Sealer {
-    pub(crate) fn new(sequence: u64, secrets: ConnectionTrafficSecrets) -> Result<Self, RecordError> {
+    pub fn new(sequence: u64, secrets: ConnectionTrafficSecrets) -> Result<Self, RecordError> {
         Keys::new(sequence, secrets).map(Self)
     }
 
@@ -101,7 +142,7 @@ impl Sealer {
     /// Seals `plaintext` (at most [`MAX_PLAINTEXT`] bytes) as one record of type `kind`
     /// at the front of `out` (at least [`wire_len`] bytes), encrypting it out of place: the
     /// plaintext is read once, by the cipher. Returns the record's length.
-    pub(crate) fn seal_from(&mut self, kind: u8, plaintext: &[u8], out: &mut [u8]) -> Result<usize, RecordError> {
+    pub fn seal_from(&mut self, kind: u8, plaintext: &[u8], out: &mut [u8]) -> Result<usize, RecordError> {
         let len = wire_len(plaintext.len());
         let header = header(len)?;
         let (head, rest) = out.get_mut(..len).ok_or(RecordError::Seal)?.split_at_mut(HEADER);
@@ -137,7 +178,7 @@ impl Sealer {
 }
 
 /// The bytes on the wire of a record holding `plaintext` bytes.
-pub(crate) const fn wire_len(plaintext: usize) -> usize {
+pub const fn wire_len(plaintext: usize) -> usize {
     HEADER + plaintext + 1 + TAG
 }
 
@@ -161,36 +202,42 @@ impl Opener {
         let (header, body) = record.split_at_mut(HEADER);
         let header: [u8; HEADER] = [header[0], header[1], header[2], header[3], header[4]];
         let nonce = self.0.next_nonce()?;
+        // RFC 8446 §5.2: a record that fails authentication is bad_record_mac.
         let inner =
             self.0.key.open_in_place(nonce, aead::Aad::from(header), body).map_err(|_| RecordError::Authentication)?;
-        // The inner plaintext is content, content type, then zero padding.
-        let end = inner.iter().rposition(|&b| b != 0).ok_or(RecordError::Malformed("no content type"))?;
-        if end > MAX_PLAINTEXT {
-            return Err(RecordError::Malformed("record overflow"));
-        }
-        Ok((inner[end], HEADER..HEADER + end))
+        let (kind, len) = unpad(inner)?;
+        Ok((kind, HEADER..HEADER + len))
     }
-}
 
-impl Opener {
     /// Decrypts the record `record` (a whole one) into `out`, which must hold at least
     /// [`plaintext_room`] bytes, leaving `record` as it was. Returns its content type and
     /// the length of its plaintext at the front of `out`.
     pub(crate) fn open_into(&mut self, record: &[u8], out: &mut [u8]) -> Result<(u8, usize), RecordError> {
-        let header = &record[..HEADER];
-        let (ciphertext, tag) = record[HEADER..].split_at(record.len() - HEADER - TAG);
+        let header = record.get(..HEADER).ok_or(RecordError::Authentication)?;
+        let body = &record[HEADER..];
+        let (ciphertext, tag) = body.split_at(body.len().checked_sub(TAG).ok_or(RecordError::Authentication)?);
         let inner = out.get_mut(..ciphertext.len()).ok_or(RecordError::Malformed("no room"))?;
         let nonce = self.0.next_nonce()?;
-        self.0
-            .key
-            .open_separate_gather(nonce, aead::Aad::from(header), ciphertext, tag, inner)
-            .map_err(|_| RecordError::Authentication)?;
-        let end = inner.iter().rposition(|&b| b != 0).ok_or(RecordError::Malformed("no content type"))?;
-        if end > MAX_PLAINTEXT {
-            return Err(RecordError::Malformed("record overflow"));
+        if self.0.key.open_separate_gather(nonce, aead::Aad::from(header), ciphertext, tag, inner).is_err() {
+            // Leave no unauthenticated plaintext in the caller's buffer.
+            inner.fill(0);
+            return Err(RecordError::Authentication);
         }
-        Ok((inner[end], end))
+        unpad(inner)
     }
+}
+
+/// The content type and content length of a decrypted TLSInnerPlaintext: content, type,
+/// then zeros (RFC 8446 §5.4).
+fn unpad(inner: &[u8]) -> Result<(u8, usize), RecordError> {
+    // RFC 8446 §5.4: the inner plaintext, padding included, is at most 2^14 + 1 bytes;
+    // past that is record_overflow (§5.2).
+    if inner.len() > MAX_PLAINTEXT + 1 {
+        return Err(RecordError::Overflow("inner plaintext over 2^14 + 1 bytes"));
+    }
+    // RFC 8446 §5.4: the type is the last non-zero byte; none at all is unexpected_message.
+    let end = inner.iter().rposition(|&b| b != 0).ok_or(RecordError::Unexpected("a record of padding only"))?;
+    Ok((inner[end], end))
 }
 
 /// The room [`Opener::open_into`] needs for a record `len` bytes long (header included).
@@ -236,12 +283,23 @@ pub fn cipher_speed(duration: std::time::Duration) -> Result<CipherSpeed, Record
 /// `Ok(None)` until then.
 pub(crate) fn record_len(buf: &[u8]) -> Result<Option<usize>, RecordError> {
     let [kind, major, _, high, low, ..] = *buf else { return Ok(None) };
-    if kind != OUTER_TYPE || major != 3 {
-        return Err(RecordError::Malformed("not a protected TLS 1.3 record"));
+    // RFC 8446 §5: after the handshake every record is protected (outer type
+    // application_data); anything else, a change_cipher_spec included (§5), is
+    // unexpected_message.
+    if kind != OUTER_TYPE {
+        return Err(RecordError::Unexpected("a record that is not protected"));
+    }
+    if major != 3 {
+        return Err(RecordError::Malformed("not a TLS record"));
     }
     let body = usize::from(u16::from_be_bytes([high, low]));
-    if !(TAG + 1..=MAX_BODY).contains(&body) {
-        return Err(RecordError::Malformed("bad record length"));
+    // RFC 8446 §5.2: at most 2^14 + 256 bytes of ciphertext, else record_overflow.
+    if body > MAX_BODY {
+        return Err(RecordError::Overflow("ciphertext over 2^14 + 256 bytes"));
+    }
+    // Shorter than a tag: it cannot authenticate (RFC 8446 §5.2, bad_record_mac).
+    if body < TAG {
+        return Err(RecordError::Authentication);
     }
     Ok(Some(HEADER + body))
 }
@@ -311,5 +369,28 @@ mod tests {
         assert!(record_len(&[23, 3, 3, 0, 3]).is_err());
         assert!(record_len(&[23, 3, 3, 0x41, 0x01]).is_err());
         assert_eq!(record_len(&[23, 3, 3, 0x41, 0x00]).unwrap(), Some(HEADER + MAX_BODY));
+    }
+
+    #[test]
+    fn rfc8446_5_3_the_sequence_number_never_wraps() {
+        let mut sealer = Sealer::new(u64::MAX - 1, secrets(1)).unwrap();
+        let mut out = vec![0; wire_len(1)];
+        assert!(sealer.seal_from(content::APPLICATION_DATA, b"x", &mut out).is_ok());
+        assert!(matches!(sealer.seal_from(content::APPLICATION_DATA, b"x", &mut out), Err(RecordError::Exhausted)));
+        let mut opener = Opener::new(u64::MAX, secrets(1)).unwrap();
+        assert!(matches!(opener.open(&mut out), Err(RecordError::Exhausted)));
+    }
+
+    #[test]
+    fn a_record_that_fails_authentication_leaves_no_plaintext_in_the_callers_buffer() {
+        let mut sealer = Sealer::new(0, secrets(1)).unwrap();
+        let mut record = sealed(&mut sealer, &[0x5a; 100], false);
+        record[HEADER + 50] ^= 1;
+        let mut out = vec![0xff; plaintext_room(record.len())];
+        assert!(matches!(
+            Opener::new(0, secrets(1)).unwrap().open_into(&record, &mut out),
+            Err(RecordError::Authentication)
+        ));
+        assert!(out.iter().all(|&b| b == 0), "no unauthenticated byte left behind");
     }
 }

@@ -3,44 +3,45 @@
 //! rustls runs the handshake (`handshake`) and then hands over the traffic keys and a
 //! `KernelConnection` (the API it offers kernel TLS), which keeps what only it can do: new
 //! traffic secrets on a key update, session tickets. [`TlsStream`] owns everything else:
-//! * **reads**: one 256 KiB buffer filled by the socket; each record is decrypted straight
-//!   into the caller's buffer when it fits there (else in place, then copied). Through
-//!   rustls's buffered API a byte was copied three times besides: into its deframer, into
-//!   its plaintext queue, out of it.
+//! * **reads**: `record_reader` (no I/O of its own) opens records from one 256 KiB buffer
+//!   filled by the socket, straight into the caller's buffer when a record fits there.
+//!   Through rustls's buffered API a byte was copied three times besides: into its
+//!   deframer, into its plaintext queue, out of it. A record that breaks the rules ends
+//!   the connection with the alert RFC 8446 names, sent here.
 //! * **writes**: the caller's slices are encrypted straight into one send buffer, up to
 //!   16 KiB a record (small slices are gathered there first and sealed in place), and go to
 //!   the socket with one write per up to 256 KiB. Through rustls each byte was copied
 //!   into a record allocated for it, then encrypted.
-//! * post-handshake messages (key updates both ways, tickets for the client), alerts and
-//!   close_notify, and a key update of our own before AES-GCM's record limit.
+//! * key updates we send (answering the peer's request, or before AES-GCM's record
+//!   limit), close_notify, fatal alerts.
 
 use std::io;
-use std::ops::Range;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use rustls::client::ClientConnectionData;
 use rustls::kernel::KernelConnection;
 use rustls::server::ServerConnectionData;
-use rustls::{ConnectionTrafficSecrets, SupportedCipherSuite};
+use rustls::{AlertDescription, ConnectionTrafficSecrets, SupportedCipherSuite};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-use crate::record::{self, content, wire_len, Opener, Sealer, MAX_PLAINTEXT, MAX_RECORD};
+use crate::record::{self, content, wire_len, RecordError, Sealer, MAX_PLAINTEXT};
+use crate::record_reader::{PeerSession, Reader};
 
-/// Ciphertext read from the socket at once, at most.
-const READ_BUFFER: usize = 256 * 1024;
-/// Sealed bytes waiting for the socket, at most.
+/// Sealed bytes waiting for the socket, at most (records of data; a fatal alert has
+/// room of its own after them).
 const WRITE_BUFFER: usize = 256 * 1024;
 /// The largest record we seal.
 const MAX_SEALED: usize = wire_len(MAX_PLAINTEXT);
 /// Room a record needs in the send buffer: its own and a key update's before it.
 const ROOM: usize = 2 * MAX_SEALED;
+/// An alert record's room, kept free at the end of the send buffer.
+const ALERT_ROOM: usize = wire_len(2);
 /// Slices at least this long are sealed from where they lie; shorter ones are gathered.
 const SEAL_DIRECT: usize = 2048;
-/// Handshake message types after the handshake (RFC 8446 §4).
-const NEW_SESSION_TICKET: u8 = 4;
-const KEY_UPDATE: u8 = 24;
+/// A KeyUpdate, update_not_requested (RFC 8446 §4.6.3).
+const KEY_UPDATE_NOT_REQUESTED: [u8; 5] = [24, 0, 0, 1, 0];
 
 /// What rustls keeps of the connection once we hold the keys.
 pub(crate) enum Session {
@@ -62,11 +63,22 @@ impl Session {
             Self::Client(s) => s.update_tx_secret(),
         }
     }
+}
 
-    fn update_rx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), rustls::Error> {
+impl PeerSession for Session {
+    fn update_rx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), RecordError> {
         match self {
             Self::Server(s) => s.update_rx_secret(),
             Self::Client(s) => s.update_rx_secret(),
+        }
+        .map_err(RecordError::Session)
+    }
+
+    fn new_session_ticket(&mut self, body: &[u8]) -> Result<(), RecordError> {
+        match self {
+            Self::Client(client) => client.handle_new_session_ticket(body).map_err(RecordError::Session),
+            // RFC 8446 §4.6.1: only servers send tickets.
+            Self::Server(_) => Err(RecordError::Unexpected("a NewSessionTicket sent to a server")),
         }
     }
 }
@@ -87,24 +99,18 @@ pub struct TlsStream {
     tcp: TcpStream,
     session: Session,
     tx: Sealer,
-    rx: Opener,
+    rx: Reader,
     /// Records to seal under one key before updating it (the suite's confidentiality limit, with room).
     tx_limit: u64,
-    /// The peer asked for a key update: send ours before the next record.
+    /// The peer asked for a key update (or we want one): send ours before the next record.
     key_update_due: bool,
-    /// Received bytes: `plain` (decrypted, not yet handed out) lies before `start..end`
-    /// (records not yet opened).
-    incoming: Vec<u8>,
-    plain: Range<usize>,
-    start: usize,
-    end: usize,
-    /// The peer's close_notify arrived, or the socket reached EOF.
-    read_closed: bool,
     /// Sealed records in `outgoing[sent..filled]`, waiting for the socket.
     outgoing: Vec<u8>,
     sent: usize,
     filled: usize,
     close_notify_sent: bool,
+    /// A fatal alert went either way (RFC 8446 §6.2): nothing more is sent.
+    fatal: bool,
 }
 
 impl std::fmt::Debug for TlsStream {
@@ -122,29 +128,19 @@ impl TlsStream {
                 return Err(io::Error::other("TLS 1.2 negotiated; usbwire speaks TLS 1.3 only"))
             }
         };
-        let mut incoming = vec![0; READ_BUFFER + MAX_RECORD];
-        let held = plaintext.len() + ciphertext.len();
-        if held > incoming.len() {
-            return Err(io::Error::other("more than 256 KiB arrived with the TLS handshake"));
-        }
-        incoming[..plaintext.len()].copy_from_slice(&plaintext);
-        incoming[plaintext.len()..held].copy_from_slice(&ciphertext);
         Ok(Self {
             tcp,
             session,
             tx: Sealer::new(tx.0, tx.1)?,
-            rx: Opener::new(rx.0, rx.1)?,
+            rx: Reader::new(rx, &plaintext, &ciphertext)?,
+            // RFC 8446 §5.5: a new key well before the suite's limit (2^24.5 records for AES-GCM).
             tx_limit: limit - limit / 16,
             key_update_due: false,
-            incoming,
-            plain: 0..plaintext.len(),
-            start: plaintext.len(),
-            end: held,
-            read_closed: false,
-            outgoing: vec![0; WRITE_BUFFER],
+            outgoing: vec![0; WRITE_BUFFER + ALERT_ROOM],
             sent: 0,
             filled: 0,
             close_notify_sent: false,
+            fatal: false,
         })
     }
 
@@ -153,132 +149,50 @@ impl TlsStream {
         &self.tcp
     }
 
-    /// The length of the next record if the buffer holds all of it.
-    fn next_record(&self) -> io::Result<Option<usize>> {
-        let buffered = &self.incoming[self.start..self.end];
-        Ok(record::record_len(buffered)?.filter(|&len| len <= buffered.len()))
-    }
-
-    /// Opens the next record into `buf` if it is whole and fits there; `Ok(false)` if not.
-    fn open_into(&mut self, buf: &mut ReadBuf<'_>) -> io::Result<bool> {
-        let Some(len) = self.next_record()? else { return Ok(false) };
-        let room = record::plaintext_room(len);
-        if room > buf.remaining() {
-            return Ok(false);
-        }
-        let at = self.start;
-        let (kind, plaintext) = self.rx.open_into(&self.incoming[at..at + len], buf.initialize_unfilled_to(room))?;
-        self.start += len;
-        if kind == content::APPLICATION_DATA {
-            buf.advance(plaintext);
-        } else {
-            let message = buf.initialize_unfilled_to(plaintext)[..plaintext].to_vec();
-            self.control(kind, &message)?;
-        }
-        Ok(true)
-    }
-
-    /// Opens the next record in place, if it is whole; `Ok(false)` if not.
-    fn open_in_place(&mut self) -> io::Result<bool> {
-        let Some(len) = self.next_record()? else { return Ok(false) };
-        let at = self.start;
-        let (kind, range) = self.rx.open(&mut self.incoming[at..at + len])?;
-        self.start += len;
-        let plaintext = at + range.start..at + range.end;
-        if kind == content::APPLICATION_DATA {
-            self.plain = plaintext;
-        } else {
-            let message = self.incoming[plaintext].to_vec();
-            self.control(kind, &message)?;
-        }
-        Ok(true)
-    }
-
-    /// A record that is not application data: an alert or post-handshake messages.
-    fn control(&mut self, kind: u8, message: &[u8]) -> io::Result<()> {
-        match kind {
-            content::ALERT => self.alert(message),
-            content::HANDSHAKE => self.post_handshake(message),
-            _ => Err(record::RecordError::Malformed("unexpected content type").into()),
-        }
-    }
-
-    fn alert(&mut self, message: &[u8]) -> io::Result<()> {
-        let &[_level, description] = message else {
-            return Err(record::RecordError::Malformed("alert of the wrong size").into());
-        };
-        let description = rustls::AlertDescription::from(description);
-        if description == rustls::AlertDescription::CloseNotify {
-            tracing::trace!("TLS close_notify received");
-            self.read_closed = true;
-            return Ok(());
-        }
-        Err(io::Error::new(io::ErrorKind::InvalidData, rustls::Error::AlertReceived(description)))
-    }
-
-    /// Key updates and (for clients) session tickets; each message whole in its record.
-    fn post_handshake(&mut self, mut message: &[u8]) -> io::Result<()> {
-        while let [kind, a, b, c, rest @ ..] = message {
-            let len = u32::from_be_bytes([0, *a, *b, *c]) as usize;
-            let Some((body, rest)) = rest.split_at_checked(len) else {
-                return Err(record::RecordError::Malformed("handshake message split across records").into());
-            };
-            match (*kind, &mut self.session) {
-                (KEY_UPDATE, _) => {
-                    let (&[request], []) = (body, rest) else {
-                        return Err(
-                            record::RecordError::Malformed("key update of the wrong size, or data after it").into()
-                        );
-                    };
-                    let (sequence, secrets) = self.session.update_rx().map_err(io::Error::other)?;
-                    self.rx = Opener::new(sequence, secrets)?;
-                    self.key_update_due |= request == 1;
-                    tracing::debug!(requested = request == 1, "TLS key update received");
-                }
-                (NEW_SESSION_TICKET, Session::Client(client)) => {
-                    client.handle_new_session_ticket(body).map_err(io::Error::other)?;
-                }
-                _ => return Err(record::RecordError::Malformed("unexpected handshake message").into()),
-            }
-            message = rest;
-        }
-        if !message.is_empty() {
-            return Err(record::RecordError::Malformed("handshake message split across records").into());
-        }
-        Ok(())
-    }
-
-    /// Reads more ciphertext from the socket (moving a partial record to the front first).
+    /// Reads more ciphertext from the socket.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self.plain.is_empty() && self.incoming.len() - self.end < MAX_RECORD {
-            self.incoming.copy_within(self.start..self.end, 0);
-            (self.end, self.start, self.plain) = (self.end - self.start, 0, 0..0);
-        }
-        let mut buf = ReadBuf::new(&mut self.incoming[self.end..]);
+        let mut buf = ReadBuf::new(self.rx.space());
         ready!(Pin::new(&mut self.tcp).poll_read(cx, &mut buf))?;
         let read = buf.filled().len();
-        self.end += read;
-        if read == 0 {
-            self.read_closed = true;
-            if self.start != self.end {
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "the TLS peer closed mid-record",
-                )));
-            }
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "peer closed connection without sending TLS close_notify",
-            )));
+        Poll::Ready(self.rx.received(read).map_err(io::Error::from))
+    }
+
+    /// The peer's records broke the connection: tell it why (RFC 8446 §6.2; best effort,
+    /// without waiting for the socket) and stop sending.
+    fn fail(&mut self, error: RecordError) -> io::Error {
+        if let Some(alert) = error.alert() {
+            self.send_fatal_alert(alert);
         }
-        Poll::Ready(Ok(()))
+        if !matches!(error, RecordError::Truncated(_)) {
+            self.fatal = true;
+        }
+        error.into()
+    }
+
+    fn send_fatal_alert(&mut self, alert: AlertDescription) {
+        if self.fatal || self.close_notify_sent {
+            return;
+        }
+        let at = self.filled;
+        // The room past WRITE_BUFFER is kept for this record.
+        match self.tx.seal_from(content::ALERT, &[2, u8::from(alert)], &mut self.outgoing[at..]) {
+            Ok(len) => self.filled += len,
+            Err(_) => return,
+        }
+        tracing::debug!(?alert, "TLS alert sent");
+        while self.sent < self.filled {
+            match self.tcp.try_write(&self.outgoing[self.sent..self.filled]) {
+                Ok(n) if n > 0 => self.sent += n,
+                _ => break,
+            }
+        }
     }
 
     /// Seals as much of `bufs` as the send buffer has room for; returns how much.
     fn seal_slices(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
         // Make room by moving what is still unsent to the front, once that moves at most
         // as much as it frees.
-        if self.outgoing.len() - self.filled < ROOM && self.sent >= self.outgoing.len() / 2 {
+        if WRITE_BUFFER - self.filled < ROOM && self.sent >= WRITE_BUFFER / 2 {
             self.outgoing.copy_within(self.sent..self.filled, 0);
             (self.filled, self.sent) = (self.filled - self.sent, 0);
         }
@@ -288,7 +202,7 @@ impl TlsStream {
         'slices: for slice in bufs {
             let mut piece: &[u8] = slice;
             while !piece.is_empty() {
-                if self.outgoing.len() - self.filled < ROOM {
+                if WRITE_BUFFER - self.filled < ROOM {
                     break 'slices;
                 }
                 if gathered == 0 && piece.len() >= SEAL_DIRECT {
@@ -330,11 +244,14 @@ impl TlsStream {
     }
 
     /// A key update of ours first if the peer asked for one or the key is near its limit.
+    /// RFC 8446 §4.6.3: a requested update is answered before our next application data,
+    /// once however many requests came; §5.5: a new key before AES-GCM's record limit.
     fn before_record(&mut self) -> io::Result<()> {
+        self.key_update_due |= self.rx.take_key_update_due();
         if !self.key_update_due && self.tx.sequence() < self.tx_limit {
             return Ok(());
         }
-        let message = [KEY_UPDATE, 0, 0, 1, 0];
+        let message = KEY_UPDATE_NOT_REQUESTED;
         self.filled += self.tx.seal_from(content::HANDSHAKE, &message, &mut self.outgoing[self.filled..])?;
         let (sequence, secrets) = self.session.update_tx().map_err(io::Error::other)?;
         self.tx = Sealer::new(sequence, secrets)?;
@@ -360,24 +277,11 @@ impl TlsStream {
 impl AsyncRead for TlsStream {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        let before = buf.filled().len();
         loop {
-            if !this.plain.is_empty() {
-                let n = this.plain.len().min(buf.remaining());
-                buf.put_slice(&this.incoming[this.plain.start..this.plain.start + n]);
-                this.plain.start += n;
-                if buf.remaining() == 0 {
-                    return Poll::Ready(Ok(()));
-                }
-            }
-            if this.read_closed {
-                return Poll::Ready(Ok(()));
-            }
-            if this.open_into(buf)? || this.open_in_place()? {
-                continue;
-            }
-            if buf.filled().len() > before {
-                return Poll::Ready(Ok(()));
+            match this.rx.read(&mut this.session, buf) {
+                Ok(false) => return Poll::Ready(Ok(())),
+                Ok(true) => {}
+                Err(error) => return Poll::Ready(Err(this.fail(error))),
             }
             ready!(this.poll_fill(cx))?;
         }
@@ -395,7 +299,7 @@ impl AsyncWrite for TlsStream {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.close_notify_sent {
+        if this.close_notify_sent || this.fatal {
             return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "TLS connection already closed")));
         }
         let total: usize = bufs.iter().map(|b| b.len()).sum();
@@ -426,8 +330,9 @@ impl AsyncWrite for TlsStream {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if !this.close_notify_sent {
-            if this.outgoing.len() - this.filled < MAX_RECORD {
+        // RFC 8446 §6.1: close_notify before closing our side, unless a fatal alert went.
+        if !this.close_notify_sent && !this.fatal {
+            if WRITE_BUFFER - this.filled < ALERT_ROOM {
                 ready!(this.poll_send(cx))?;
             }
             this.filled += this.tx.seal_from(content::ALERT, &[1, 0], &mut this.outgoing[this.filled..])?;

@@ -147,3 +147,34 @@ async fn a_stock_rustls_peer_understands_our_records_and_key_updates() {
     server.shutdown().await.unwrap();
     assert_eq!(client.read(&mut [0; 8]).await.unwrap(), 0, "our close_notify is a clean end to rustls");
 }
+
+/// The rustls alert an error carries, if it is one.
+fn received_alert(error: &std::io::Error) -> Option<rustls::AlertDescription> {
+    match error.get_ref()?.downcast_ref::<rustls::Error>()? {
+        rustls::Error::AlertReceived(alert) => Some(*alert),
+        _ => None,
+    }
+}
+
+/// RFC 8446 §5.2, §6.2: a record that fails authentication is answered with bad_record_mac
+/// before the connection closes, and nothing more is written after it.
+#[tokio::test]
+async fn rfc8446_5_2_a_tampered_record_is_answered_with_bad_record_mac() {
+    let pair = pair().await;
+    let (mut client, mut server) = connected(&pair).await;
+    // Past the server's session tickets, so the alert is the next record the client reads.
+    server.write_all(b"x").await.unwrap();
+    server.flush().await.unwrap();
+    client.read_exact(&mut [0]).await.unwrap();
+    client
+        .tcp
+        .write_all(&[23, 3, 3, 0, 20, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20])
+        .await
+        .unwrap();
+    let error = server.read(&mut [0; 64]).await.unwrap_err();
+    assert_eq!(error.kind(), std::io::ErrorKind::InvalidData);
+    assert!(server.read(&mut [0; 64]).await.is_err(), "the failure stays");
+    assert!(server.write_all(b"more").await.is_err(), "nothing is sent after a fatal alert");
+    let error = client.read(&mut [0; 64]).await.unwrap_err();
+    assert_eq!(received_alert(&error), Some(rustls::AlertDescription::BadRecordMac));
+}
