@@ -178,3 +178,39 @@ async fn rfc8446_5_2_a_tampered_record_is_answered_with_bad_record_mac() {
     let error = client.read(&mut [0; 64]).await.unwrap_err();
     assert_eq!(received_alert(&error), Some(rustls::AlertDescription::BadRecordMac));
 }
+
+/// Our client with a stock rustls server: data both ways, the server's key update with a
+/// request for ours, ours with theirs, tickets, and an alert rustls understands.
+#[tokio::test]
+async fn our_client_and_a_stock_rustls_server_understand_each_other() {
+    let pair = pair().await;
+    let addr = pair.listener.local_addr().unwrap();
+    let connect = async {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        handshake::connect(tcp, pair.client_config.clone(), server_name()).await.unwrap()
+    };
+    let accept = async {
+        let (tcp, _) = pair.listener.accept().await.unwrap();
+        tokio_rustls::TlsAcceptor::from(pair.server_config.clone()).accept(tcp).await.unwrap()
+    };
+    let (mut client, mut server) = tokio::join!(connect, accept);
+    for round in 0..3u8 {
+        server.get_mut().1.refresh_traffic_keys().unwrap();
+        server.write_all(&pattern(90_000, round)).await.unwrap();
+        server.flush().await.unwrap();
+        let mut got = vec![0; 90_000];
+        client.read_exact(&mut got).await.unwrap();
+        assert!(got == pattern(90_000, round));
+        client.key_update_due = round == 1;
+        client.write_all(&pattern(120_000, round)).await.unwrap();
+        client.flush().await.unwrap();
+        let mut back = vec![0; 120_000];
+        server.read_exact(&mut back).await.unwrap();
+        assert!(back == pattern(120_000, round));
+    }
+    // A tampered record: rustls answers bad_record_mac, and we read it as such.
+    client.tcp.write_all(&[23, 3, 3, 0, 17, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]).await.unwrap();
+    assert!(server.read(&mut [0; 64]).await.is_err());
+    let error = client.read(&mut [0; 64]).await.unwrap_err();
+    assert_eq!(received_alert(&error), Some(rustls::AlertDescription::BadRecordMac));
+}
