@@ -120,6 +120,7 @@ pub fn all() -> Vec<Seed> {
     dfu_seeds(&mut add);
     redir_bridge_seeds(&mut add);
     external_seeds(&mut add);
+    crate::tls_records::tls_records_seeds(&mut add);
     seeds
 }
 

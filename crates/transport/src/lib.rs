@@ -45,6 +45,8 @@ pub use tls_stream::TlsStream;
 pub mod fuzzing {
     pub use crate::record::{content, wire_len, Sealer, MAX_PLAINTEXT};
     pub use crate::record_reader::{PeerSession, Reader};
+    pub use rustls::crypto::cipher::{AeadKey, Iv};
+    pub use rustls::ConnectionTrafficSecrets;
 }
 
 /// The first byte of a TLS handshake record (content type 22). A plain USB/IP
