@@ -1,6 +1,7 @@
 //! The record layer end to end over loopback TCP: our two sides, and ours against a
 //! stock rustls peer (tokio-rustls), through key updates and closes.
 
+use std::future::Future;
 use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -27,24 +28,40 @@ async fn pair() -> Pair {
     Pair { client_config, server_config, listener }
 }
 
+/// A client and a server, made by `connect` and `accept` from the two ends of one TCP
+/// connection.
+async fn joined<C: Future, S: Future>(
+    pair: &Pair,
+    connect: impl FnOnce(TcpStream) -> C,
+    accept: impl FnOnce(TcpStream) -> S,
+) -> (C::Output, S::Output) {
+    let addr = pair.listener.local_addr().unwrap();
+    let client = async { connect(TcpStream::connect(addr).await.unwrap()).await };
+    let server = async { accept(pair.listener.accept().await.unwrap().0).await };
+    tokio::join!(client, server)
+}
+
 /// Both sides ours, connected.
 async fn connected(pair: &Pair) -> (TlsStream, TlsStream) {
-    let addr = pair.listener.local_addr().unwrap();
-    let connect = async {
-        let tcp = TcpStream::connect(addr).await.unwrap();
-        handshake::connect(tcp, pair.client_config.clone(), server_name()).await.unwrap()
-    };
-    let accept = async {
-        let (tcp, _) = pair.listener.accept().await.unwrap();
-        handshake::accept(tcp, pair.server_config.clone()).await.unwrap()
-    };
-    let (client, (server, leaf)) = tokio::join!(connect, accept);
+    let connect = |tcp| handshake::connect(tcp, pair.client_config.clone(), server_name());
+    let accept = |tcp| handshake::accept(tcp, pair.server_config.clone());
+    let (client, accepted) = joined(pair, connect, accept).await;
+    let (client, (server, leaf)) = (client.unwrap(), accepted.unwrap());
     assert!(leaf.is_some(), "the server sees the client's certificate");
     (client, server)
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+/// `len` bytes of `pattern(len, seed)` written by `from`, flushed, and read whole by `to`.
+async fn transfer(from: &mut (impl AsyncWriteExt + Unpin), to: &mut (impl AsyncReadExt + Unpin), len: usize, seed: u8) {
+    from.write_all(&pattern(len, seed)).await.unwrap();
+    from.flush().await.unwrap();
+    let mut got = vec![0; len];
+    to.read_exact(&mut got).await.unwrap();
+    assert!(got == pattern(len, seed), "{len} bytes arrived whole");
 }
 
 #[tokio::test]
@@ -121,28 +138,14 @@ async fn close_notify_is_an_end_and_a_bare_hang_up_an_error() {
 #[tokio::test]
 async fn a_stock_rustls_peer_understands_our_records_and_key_updates() {
     let pair = pair().await;
-    let addr = pair.listener.local_addr().unwrap();
-    let connect = async {
-        let tcp = TcpStream::connect(addr).await.unwrap();
-        tokio_rustls::TlsConnector::from(pair.client_config.clone()).connect(server_name(), tcp).await.unwrap()
-    };
-    let accept = async {
-        let (tcp, _) = pair.listener.accept().await.unwrap();
-        handshake::accept(tcp, pair.server_config.clone()).await.unwrap().0
-    };
-    let (mut client, mut server) = tokio::join!(connect, accept);
+    let connect = |tcp| tokio_rustls::TlsConnector::from(pair.client_config.clone()).connect(server_name(), tcp);
+    let accept = |tcp| handshake::accept(tcp, pair.server_config.clone());
+    let (client, server) = joined(&pair, connect, accept).await;
+    let (mut client, mut server) = (client.unwrap(), server.unwrap().0);
     for round in 0..2u8 {
         client.get_mut().1.refresh_traffic_keys().unwrap();
-        client.write_all(&pattern(100_000, round)).await.unwrap();
-        client.flush().await.unwrap();
-        let mut got = vec![0; 100_000];
-        server.read_exact(&mut got).await.unwrap();
-        assert!(got == pattern(100_000, round));
-        server.write_all(&pattern(70_000, round)).await.unwrap();
-        server.flush().await.unwrap();
-        let mut back = vec![0; 70_000];
-        client.read_exact(&mut back).await.unwrap();
-        assert!(back == pattern(70_000, round));
+        transfer(&mut client, &mut server, 100_000, round).await;
+        transfer(&mut server, &mut client, 70_000, round).await;
     }
     server.shutdown().await.unwrap();
     assert_eq!(client.read(&mut [0; 8]).await.unwrap(), 0, "our close_notify is a clean end to rustls");
@@ -184,29 +187,15 @@ async fn rfc8446_5_2_a_tampered_record_is_answered_with_bad_record_mac() {
 #[tokio::test]
 async fn our_client_and_a_stock_rustls_server_understand_each_other() {
     let pair = pair().await;
-    let addr = pair.listener.local_addr().unwrap();
-    let connect = async {
-        let tcp = TcpStream::connect(addr).await.unwrap();
-        handshake::connect(tcp, pair.client_config.clone(), server_name()).await.unwrap()
-    };
-    let accept = async {
-        let (tcp, _) = pair.listener.accept().await.unwrap();
-        tokio_rustls::TlsAcceptor::from(pair.server_config.clone()).accept(tcp).await.unwrap()
-    };
-    let (mut client, mut server) = tokio::join!(connect, accept);
+    let connect = |tcp| handshake::connect(tcp, pair.client_config.clone(), server_name());
+    let accept = |tcp| tokio_rustls::TlsAcceptor::from(pair.server_config.clone()).accept(tcp);
+    let (client, server) = joined(&pair, connect, accept).await;
+    let (mut client, mut server) = (client.unwrap(), server.unwrap());
     for round in 0..3u8 {
         server.get_mut().1.refresh_traffic_keys().unwrap();
-        server.write_all(&pattern(90_000, round)).await.unwrap();
-        server.flush().await.unwrap();
-        let mut got = vec![0; 90_000];
-        client.read_exact(&mut got).await.unwrap();
-        assert!(got == pattern(90_000, round));
+        transfer(&mut server, &mut client, 90_000, round).await;
         client.key_update_due = round == 1;
-        client.write_all(&pattern(120_000, round)).await.unwrap();
-        client.flush().await.unwrap();
-        let mut back = vec![0; 120_000];
-        server.read_exact(&mut back).await.unwrap();
-        assert!(back == pattern(120_000, round));
+        transfer(&mut client, &mut server, 120_000, round).await;
     }
     // A tampered record: rustls answers bad_record_mac, and we read it as such.
     client.tcp.write_all(&[23, 3, 3, 0, 17, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]).await.unwrap();
