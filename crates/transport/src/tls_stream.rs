@@ -30,8 +30,15 @@ use crate::record::{self, content, wire_len, RecordError, Sealer, MAX_PLAINTEXT}
 use crate::record_reader::{PeerSession, Reader};
 
 /// Sealed bytes waiting for the socket, at most (records of data; a fatal alert has
-/// room of its own after them).
-const WRITE_BUFFER: usize = 256 * 1024;
+/// room of its own after them): a 1 MiB URB's data is sealed whole and goes to the socket
+/// in one piece (fewer, larger socket writes).
+const WRITE_BUFFER: usize = 1024 * 1024;
+/// The part of the send buffer slices shorter than [`LARGE_SLICE`] fill: many small ones
+/// go to the socket a quarter MiB at a time (the peer decrypts the first while we seal
+/// the next), and the buffer's hot part stays in cache.
+const SMALL_WRITES: usize = 256 * 1024;
+/// A slice at least this long may fill the whole send buffer.
+const LARGE_SLICE: usize = 256 * 1024;
 /// The largest record we seal.
 const MAX_SEALED: usize = wire_len(MAX_PLAINTEXT);
 /// Room a record needs in the send buffer: its own and a key update's before it.
@@ -192,7 +199,9 @@ impl TlsStream {
     fn seal_slices(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
         // Make room by moving what is still unsent to the front, once that moves at most
         // as much as it frees.
-        if WRITE_BUFFER - self.filled < ROOM && self.sent >= WRITE_BUFFER / 2 {
+        if SMALL_WRITES.saturating_sub(self.filled) < ROOM
+            && self.sent >= (self.filled - self.sent).max(SMALL_WRITES / 2)
+        {
             self.outgoing.copy_within(self.sent..self.filled, 0);
             (self.filled, self.sent) = (self.filled - self.sent, 0);
         }
@@ -200,9 +209,10 @@ impl TlsStream {
         // Short slices gathered for one record, at `outgoing[filled + HEADER..]`.
         let mut gathered = 0;
         'slices: for slice in bufs {
+            let end = if slice.len() >= LARGE_SLICE { WRITE_BUFFER } else { SMALL_WRITES };
             let mut piece: &[u8] = slice;
             while !piece.is_empty() {
-                if WRITE_BUFFER - self.filled < ROOM {
+                if end.saturating_sub(self.filled) < ROOM {
                     break 'slices;
                 }
                 if gathered == 0 && piece.len() >= SEAL_DIRECT {
