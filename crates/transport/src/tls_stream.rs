@@ -10,7 +10,8 @@
 //!   the connection with the alert RFC 8446 names, sent here.
 //! * **writes**: the caller's slices are encrypted straight into one send buffer, up to
 //!   16 KiB a record (small slices are gathered there first and sealed in place), and go to
-//!   the socket with one write per up to 256 KiB. Through rustls each byte was copied
+//!   the socket with one write per up to 256 KiB, or per large slice (a large URB's data,
+//!   sealed whole into the 1 MiB buffer). Through rustls each byte was copied
 //!   into a record allocated for it, then encrypted.
 //! * key updates we send (answering the peer's request, or before AES-GCM's record
 //!   limit), close_notify, fatal alerts.
