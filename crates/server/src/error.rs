@@ -32,4 +32,8 @@ pub enum ServerError {
     /// The metrics or status page address is taken or not ours; pick another with `--metrics` / `--http`.
     #[error("cannot serve HTTP (metrics or status page) on {addr}: {source}")]
     Metrics { addr: SocketAddr, source: std::io::Error },
+    /// The threads connections run on could not be started (out of threads or
+    /// memory: see `ulimit -u` and the system's thread limit).
+    #[error("cannot start the connection threads: {0}")]
+    Threads(std::io::Error),
 }

@@ -1,7 +1,8 @@
 //! The USB/IP server: exports [`Device`]s over TCP, wire-compatible with the
 //! Linux `usbip` tools and vhci-hcd.
 //!
-//! One task per connection. A connection first speaks the OP phase (one
+//! One task per connection, on one of the connection threads
+//! ([`connection_threads`]) for its whole life. A connection first speaks the OP phase (one
 //! request: a device list or an import); after a successful import the same
 //! socket becomes that device's URB channel, driven by [`urb_channel`], which
 //! owns the device outright while it is imported — there is no lock on the
@@ -17,6 +18,7 @@ mod admission;
 mod capture;
 mod config;
 mod connection;
+mod connection_threads;
 mod control;
 mod devstate;
 mod error;
@@ -126,8 +128,10 @@ impl Server {
             Some(addr) => Some(listen(addr).map_err(|source| ServerError::Metrics { addr, source })?),
             None => None,
         };
+        let threads = connection_threads::ConnectionThreads::start().map_err(ServerError::Threads)?;
         Ok(BoundServer {
             listener,
+            threads,
             control,
             externals,
             metrics,
@@ -182,6 +186,8 @@ impl InProcessServer {
 /// A server with its sockets bound, ready to [`run`](Self::run).
 pub struct BoundServer {
     listener: TcpListener,
+    /// Where accepted connections run.
+    threads: connection_threads::ConnectionThreads,
     control: Option<control::ControlSocket>,
     externals: Vec<external::ExternalSocket>,
     metrics: Option<TcpListener>,
@@ -230,6 +236,7 @@ impl BoundServer {
         let mut summaries = tokio::time::interval(config.admission.log_interval.max(Duration::from_millis(100)));
         summaries.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut tasks = tokio::task::JoinSet::new();
+        let mut threads = self.threads;
         // Both HTTP listeners share one budget of connections, apart from USB/IP's.
         let responder = http::Responder::new(http::HttpLimits::new(config.http_hosts.clone()));
         for (listener, site) in [(self.metrics.take(), http::Site::Metrics), (self.http.take(), http::Site::StatusPage)]
@@ -256,7 +263,7 @@ impl BoundServer {
             let stop = stop_rx.clone();
             tasks.spawn(async move { control.serve(state, inputs, hosts, stop).await });
         }
-        info!(addr = %self.local_addr(), devices = self.state.registry.len(), "usbwire server listening");
+        info!(addr = %self.listener.local_addr().unwrap_or(self.state.config.listen), devices = self.state.registry.len(), "usbwire server listening");
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -279,14 +286,25 @@ impl BoundServer {
                         gate.log_summary();
                         continue;
                     };
+                    // Registered again on its connection thread's runtime.
+                    let stream = match stream.into_std() {
+                        Ok(stream) => stream,
+                        Err(error) => {
+                            warn!(%peer, %error, "cannot hand the connection to its thread");
+                            continue;
+                        }
+                    };
                     let state = self.state.clone();
                     let stop = stop_rx.clone();
                     let span = tracing::info_span!("conn", %peer);
                     let open = self.state.meter.connection();
-                    tasks.spawn(async move {
+                    tasks.spawn(threads.spawn(move || async move {
                         let _open = open;
-                        connection::handle(stream, peer, state, stop, ticket).await;
-                    }.instrument(span));
+                        match tokio::net::TcpStream::from_std(stream) {
+                            Ok(stream) => connection::handle(stream, peer, state, stop, ticket).await,
+                            Err(error) => warn!(%error, "cannot register the connection on its thread"),
+                        }
+                    }.instrument(span)));
                 }
                 _ = summaries.tick() => gate.log_summary(),
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
@@ -295,6 +313,7 @@ impl BoundServer {
         info!("shutting down: closing connections and resetting devices");
         let _ = stop_tx.send(true);
         while tasks.join_next().await.is_some() {}
+        threads.shut_down().await;
         if let Some(path) = &self.state.config.control_path {
             let _ = std::fs::remove_file(path);
         }
