@@ -10,8 +10,8 @@
 //!   the connection with the alert RFC 8446 names, sent here.
 //! * **writes**: the caller's slices are encrypted straight into one send buffer, up to
 //!   16 KiB a record (small slices are gathered there first and sealed in place), and go to
-//!   the socket with one write per up to 256 KiB, or per large slice (a large URB's data,
-//!   sealed whole into the 1 MiB buffer). Through rustls each byte was copied
+//!   the socket with one write per 64 KiB sealed (the peer opens one while we seal the
+//!   next), or per large slice (a large URB's data, sealed whole into the 1 MiB buffer). Through rustls each byte was copied
 //!   into a record allocated for it, then encrypted.
 //! * key updates we send (answering the peer's request, or before AES-GCM's record
 //!   limit), close_notify, fatal alerts.
@@ -34,12 +34,16 @@ use crate::record_reader::{PeerSession, Reader};
 /// room of its own after them): a 1 MiB URB's data is sealed whole and goes to the socket
 /// in one piece (fewer, larger socket writes).
 const WRITE_BUFFER: usize = 1024 * 1024;
-/// The part of the send buffer slices shorter than [`LARGE_SLICE`] fill: many small ones
-/// go to the socket a quarter MiB at a time (the peer decrypts the first while we seal
-/// the next), and the buffer's hot part stays in cache.
+/// The part of the send buffer slices shorter than [`LARGE_SLICE`] fill (they go to the
+/// socket [`SEND_AT`] at a time), so the buffer's hot part stays in cache.
 const SMALL_WRITES: usize = 256 * 1024;
 /// A slice at least this long may fill the whole send buffer.
 const LARGE_SLICE: usize = 256 * 1024;
+/// Sealed bytes of shorter slices that go to the socket together: about a 64 KiB URB's
+/// reply, so the peer decrypts one while we seal the next. Waiting for a quarter MiB
+/// instead, both sides took turns idling: 64 KiB bulk IN over TLS ran at 2 800 MiB/s
+/// against 3 950 (2 vCPUs, loopback).
+const SEND_AT: usize = 64 * 1024;
 /// The largest record we seal.
 const MAX_SEALED: usize = wire_len(MAX_PLAINTEXT);
 /// Room a record needs in the send buffer: its own and a key update's before it.
@@ -210,10 +214,11 @@ impl TlsStream {
         // Short slices gathered for one record, at `outgoing[filled + HEADER..]`.
         let mut gathered = 0;
         'slices: for slice in bufs {
-            let end = if slice.len() >= LARGE_SLICE { WRITE_BUFFER } else { SMALL_WRITES };
+            let (end, send_at) =
+                if slice.len() >= LARGE_SLICE { (WRITE_BUFFER, WRITE_BUFFER) } else { (SMALL_WRITES, SEND_AT) };
             let mut piece: &[u8] = slice;
             while !piece.is_empty() {
-                if end.saturating_sub(self.filled) < ROOM {
+                if end.saturating_sub(self.filled) < ROOM || self.filled - self.sent >= send_at {
                     break 'slices;
                 }
                 if gathered == 0 && piece.len() >= SEAL_DIRECT {

@@ -89,6 +89,25 @@ async fn bytes_written_in_many_slices_arrive_whole_both_ways() {
     assert!(back == expected[..1 << 20]);
 }
 
+/// Replies of 64 KiB URBs (a 48-byte header, then the data) go to the socket one at a
+/// time, so the peer opens the first while the next is sealed: a write that is offered
+/// four takes the first whole and no more.
+#[tokio::test]
+async fn sealed_bytes_go_to_the_socket_about_64_kib_at_a_time() {
+    let pair = pair().await;
+    let (mut client, mut server) = connected(&pair).await;
+    let parts: Vec<Vec<u8>> = (0..8u8).map(|i| pattern(if i % 2 == 0 { 48 } else { 64 << 10 }, i)).collect();
+    let slices: Vec<std::io::IoSlice<'_>> = parts.iter().map(|p| std::io::IoSlice::new(p)).collect();
+    let taken = client.write_vectored(&slices).await.unwrap();
+    assert_eq!(taken, 48 + (64 << 10), "one reply's worth per write");
+    let expected = parts.concat();
+    client.write_all(&expected[taken..]).await.unwrap();
+    client.flush().await.unwrap();
+    let mut got = vec![0; expected.len()];
+    server.read_exact(&mut got).await.unwrap();
+    assert!(got == expected, "everything arrives, in order");
+}
+
 #[tokio::test]
 async fn a_key_update_either_way_keeps_the_stream_going() {
     let pair = pair().await;
