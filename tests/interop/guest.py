@@ -268,6 +268,20 @@ def build():
     return kernel, initrd
 
 
+# Shell functions every guest script starts with (`Guest` puts them before its lines).
+SCRIPT_HELPERS = r"""
+# check NAME STATUS [DETAIL]: one @@CHECK line for the host, PASS when STATUS is 0.
+FAILS=0
+check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; FAILS=$((FAILS+1)); fi; }
+# wait_path PATH [TRIES]: until PATH exists, looking every 0.2 s, TRIES times (100: 20 s).
+wait_path() { i=0; while [ $i -lt "${2:-100}" ]; do [ -e "$1" ] && return 0; sleep 0.2; i=$((i+1)); done; return 1; }
+# wait_gone PATH [TRIES]: until PATH is gone, the same way (300: 60 s).
+wait_gone() { i=0; while [ $i -lt "${2:-300}" ]; do [ -e "$1" ] || return 0; sleep 0.2; i=$((i+1)); done; return 1; }
+# wait_for COMMAND TRIES: until COMMAND (eval'd) succeeds, trying every 0.1 s.
+wait_for() { i=0; while [ $i -lt $2 ]; do eval "$1" && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
+"""
+
+
 class Guest:
     """A running guest. `wait_for(marker)` returns the console line that has it."""
 
@@ -278,7 +292,7 @@ class Guest:
         self.console_path = os.path.join(LOGS, f"{name}.console.log")
         self.result_path = os.path.join(LOGS, f"{name}.result")
         extra = Cpio()
-        extra.file("run-test.sh", script.encode(), 0o755)
+        extra.file("run-test.sh", (SCRIPT_HELPERS + script).encode(), 0o755)
         for host_path, guest_path in (files or {}).items():
             extra.binary_with_libs(host_path, guest_path) if os.access(host_path, os.X_OK) else extra.host_file(host_path, guest_path)
         combined = os.path.join(CACHE, f"{name}.cpio")

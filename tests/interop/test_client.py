@@ -32,8 +32,6 @@ READ_SECTORS = guest.READ_SECTORS
 
 ATTACH_SCRIPT = r"""
 set -u
-check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
-wait_path() { i=0; while [ $i -lt 100 ]; do [ -e "$1" ] && return 0; sleep 0.2; i=$((i+1)); done; return 1; }
 S=10.0.2.2:__PORT__
 usbwire attach -r $S -b 0-2 > /tmp/attach.out 2>&1; check attach-disk $? "$(cat /tmp/attach.out)"
 cat /tmp/attach.out
@@ -52,7 +50,6 @@ i=0; while [ -e /sys/block/sda ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); don
 [ ! -e /sys/block/sda ]; check disk-gone $?
 usbwire detach -p 3 > /tmp/detach.out 2>&1; echo "@@DETACH-UNUSED rc=$? $(cat /tmp/detach.out)"
 kbd() { grep -q "usbwire keyboard" /proc/bus/input/devices; }
-wait_for() { i=0; while [ $i -lt $2 ]; do eval "$1" && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
 usbwire attach --auto-attach -r $S -b 0-1 > /tmp/auto.log 2>&1 &
 AUTO=$!
 wait_for kbd 300; check auto-attached $?

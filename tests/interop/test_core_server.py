@@ -26,9 +26,7 @@ GUEST_SCRIPT = r"""
 set -u
 P=__PORT__
 U="usbip --tcp-port $P"
-check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
 port_of() { usbip port 2>/dev/null | awk -v b="$1" '/^Port/ {p=$2; sub(":","",p)} $0 ~ "/"b"$" {print p+0; exit}'; }
-wait_path() { i=0; while [ $i -lt 100 ]; do [ -e "$1" ] && return 0; sleep 0.2; i=$((i+1)); done; return 1; }
 
 echo "@@LIST-BEGIN"; $U list -r 10.0.2.2; echo "@@LIST-END rc=$?"
 

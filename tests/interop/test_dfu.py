@@ -44,7 +44,6 @@ REENUMERATION_BOUND = 3.0
 # timestamps to time re-enumerations.
 PRELUDE = r"""
 set -u
-check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
 devices() {
   for d in /sys/bus/usb/devices/*; do
     case "$(basename $d)" in usb*|*:*) continue;; esac

@@ -68,8 +68,6 @@ MARKER = b"USBWIRE-LAB-MARKER"
 
 GUEST_SCRIPT = r"""
 set -u
-check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
-wait_for() { i=0; while [ $i -lt $2 ]; do eval "$1" && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
 export XDG_STATE_HOME=/tmp/state
 # Planted entries: a plain server, and an intruder's TLS server under the guest disk server's key.
 timeout 60 usbwire attach --registry __REGISTRY__ --device label=planted-plain > /tmp/planted1.out 2>&1; rc=$?

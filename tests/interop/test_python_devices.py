@@ -69,8 +69,6 @@ SERIAL_TEXT = "through-a-python-ftdi"
 GUEST_SCRIPT = r"""
 set -u
 U="usbip --tcp-port __PORT__"
-check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
-wait_path() { i=0; while [ $i -lt 150 ]; do [ -e "$1" ] && return 0; sleep 0.2; i=$((i+1)); done; return 1; }
 
 echo "@@LIST-BEGIN"; $U list -r 10.0.2.2; echo "@@LIST-END"
 
@@ -85,7 +83,7 @@ wait
 echo "@@EVENTS-BEGIN"; od -A n -t x1 -v /tmp/events; echo "@@EVENTS-END"
 
 $U attach -r 10.0.2.2 -b 0-2; check disk-attach $?
-wait_path /sys/block/sda; check disk-block-device $?
+wait_path /sys/block/sda 150; check disk-block-device $?
 sleep 1
 mount -t ext2 /dev/sda /mnt; check disk-mount $?
 echo "@@HOST-FILE $(cat /mnt/host.txt)"
@@ -93,7 +91,7 @@ echo "__GUEST_TEXT__" > /mnt/guest.txt && sync; check disk-write $?
 umount /mnt; check disk-umount $?
 
 $U attach -r 10.0.2.2 -b 0-3; check ftdi-attach $?
-wait_path /dev/ttyUSB0; check ftdi-tty $?
+wait_path /dev/ttyUSB0 150; check ftdi-tty $?
 stty -F /dev/ttyUSB0 raw -echo 115200
 (timeout 10 cat /dev/ttyUSB0 > /tmp/serial) &
 sleep 1

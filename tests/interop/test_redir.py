@@ -42,12 +42,9 @@ REPLUGS = 2
 
 GUEST_SCRIPT = r"""
 set -u
-check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
-wait_path() { i=0; while [ $i -lt 300 ]; do [ -e "$1" ] && return 0; sleep 0.2; i=$((i+1)); done; return 1; }
-wait_gone() { i=0; while [ $i -lt 300 ]; do [ -e "$1" ] || return 0; sleep 0.2; i=$((i+1)); done; return 1; }
 
 # Disk: the host made the filesystem; mount, write, read back past the page cache.
-wait_path /sys/block/sda; check disk-block-device $?
+wait_path /sys/block/sda 300; check disk-block-device $?
 echo "@@DISK-SECTORS $(cat /sys/block/sda/size)"
 mount -t ext4 /dev/sda /mnt; check disk-mount $?
 echo "__TEXT__" > /mnt/hello.txt
@@ -72,7 +69,7 @@ wait
 echo "@@EVENTS-BEGIN"; od -A n -t x1 -v /tmp/events; echo "@@EVENTS-END"
 
 # Serial: bytes both ways between /dev/ttyACM0 and the host's pty.
-wait_path /dev/ttyACM0; check serial-tty $?
+wait_path /dev/ttyACM0 300; check serial-tty $?
 __SERIAL_PING__
 
 # QEMU unplugs the disk's usb-redir device and plugs it in again.
@@ -81,7 +78,7 @@ while [ $n -le __REPLUGS__ ]; do
   echo "@@UNPLUG $n"
   wait_gone /sys/block/sda; check unplug-$n-gone $?
   echo "@@PLUG $n"
-  wait_path /sys/block/sda; check replug-$n-back $?
+  wait_path /sys/block/sda 300; check replug-$n-back $?
   sleep 1
   mount -t ext4 /dev/sda /mnt; check replug-$n-mount $?
   [ "$(cat /mnt/hello.txt)" = "__TEXT__" ]; check replug-$n-file $?

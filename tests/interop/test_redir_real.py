@@ -59,12 +59,9 @@ exit 0
 
 GUEST_SCRIPT = r"""
 set -u
-check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
-wait_path() { i=0; while [ $i -lt 600 ]; do [ -e "$1" ] && return 0; sleep 0.2; i=$((i+1)); done; return 1; }
-wait_gone() { i=0; while [ $i -lt 300 ]; do [ -e "$1" ] || return 0; sleep 0.2; i=$((i+1)); done; return 1; }
 for path in bridge usbredirect; do
   echo "@@PLUG $path"
-  wait_path /sys/block/sda; check $path-block-device $?
+  wait_path /sys/block/sda 600; check $path-block-device $?
   sleep 1
   mount -t ext2 -o ro /dev/sda /mnt; check $path-mount $?
   [ "$(cat /mnt/hello.txt)" = "__TEXT__" ]; check $path-file $?
@@ -83,7 +80,7 @@ done
 # Audio: QEMU's USB speaker (isochronous OUT), played with raw ALSA ioctls.
 for m in $(cat /modules.extra); do insmod $m 2>/dev/null; done
 echo "@@PLUG audio"
-wait_path /dev/snd/pcmC0D0p; check audio-pcm $?
+wait_path /dev/snd/pcmC0D0p 600; check audio-pcm $?
 out=$(pcmplay /dev/snd/pcmC0D0p __AUDIO_SECONDS__ 2>&1); rc=$?
 echo "@@PCMPLAY $out"
 check audio-play $rc

@@ -88,7 +88,6 @@ BAD_KERNEL = ["USB disconnect", "I/O error", "reset SuperSpeed", "reset high-spe
 GUEST_SCRIPT = r"""
 set -u
 FAILS=0
-check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; FAILS=$((FAILS+1)); fi; }
 # A step the rest cannot do without: on failure, say so and stop.
 must() { check "$@"; [ "$2" = 0 ] || { echo "@@ABORT $1"; exit 1; }; }
 stamp() { echo "@@T $1 $(cut -d' ' -f1 /proc/uptime)"; }

@@ -20,8 +20,6 @@ BIN = guest.BIN
 
 SCRIPT = r"""
 set -u
-check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
-wait_path() { i=0; while [ $i -lt 100 ]; do [ -e "$1" ] && return 0; sleep 0.2; i=$((i+1)); done; return 1; }
 usbip --tcp-port __PORT__ list -r 10.0.2.2 > /tmp/plain.out 2>&1
 [ $? != 0 ] && ! grep -q " 0-1: " /tmp/plain.out; check plain-usbip-refused $? "$(cat /tmp/plain.out)"
 usbwire attach --tls --compress zstd --identity /etc/usbwire -r 10.0.2.2:__PORT__ -b 0-1 > /tmp/relay.out 2>&1

@@ -20,8 +20,6 @@ BIN = guest.BIN
 
 SCRIPT = r"""
 set -u
-check() { if [ "$2" = 0 ]; then echo "@@CHECK $1 PASS"; else echo "@@CHECK $1 FAIL ${3:-}"; fi; }
-wait_for() { i=0; while [ $i -lt $2 ]; do eval "$1" && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
 mkdir -p /etc/usbwire
 cat > /etc/usbwire/client.toml <<EOF
 [[attach]]
