@@ -15,6 +15,7 @@ pub mod ceiling;
 pub mod lab;
 pub mod measure;
 pub mod model;
+pub mod openssl_speed;
 pub mod periodic;
 pub mod plot;
 pub mod proxy;

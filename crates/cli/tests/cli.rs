@@ -310,6 +310,68 @@ fn bench_json_has_a_record_per_point_with_the_ceiling_beside_it() {
     }
 }
 
+/// Over TLS each rate is put against one core's AES-256-GCM twice, measured in the same
+/// run: the record layer's own cipher and `openssl speed` (or why there is no figure).
+#[test]
+fn bench_over_tls_puts_each_rate_against_the_cipher_and_openssl_speed() {
+    let dir = scratch("bench-tls");
+    let client_dir = dir.join("client");
+    let out = usbwire(&["identity", "--create", "--json", "--dir", client_dir.to_str().unwrap()]);
+    let id: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let fingerprint = id["fingerprint"].as_str().unwrap().to_owned();
+    let server_dir = dir.join("server");
+    let served = serve_with(
+        &dir,
+        &["loopback"],
+        &["--tls", "--identity", server_dir.to_str().unwrap(), "--allow-plain", "never", "--allow", &fingerprint],
+    );
+    let out = usbwire(&[
+        "bench",
+        "-r",
+        &served.addr,
+        "-b",
+        "0-1",
+        "--tls",
+        "--trust-new",
+        "--identity",
+        client_dir.to_str().unwrap(),
+        "--sizes",
+        "64K",
+        "--depths",
+        "2",
+        "--seconds",
+        "0.05",
+        "--repeat",
+        "1",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["cipher_one_core"]["mib_per_s"].as_f64().unwrap() > 0.0, "{report}");
+    let openssl_installed = Command::new("openssl").arg("version").output().is_ok_and(|o| o.status.success());
+    let openssl = &report["openssl_aes_256_gcm"];
+    if openssl_installed {
+        assert!(openssl["mib_per_s"].as_f64().unwrap() > 0.0, "{report}");
+        assert!(openssl["command"].as_str().unwrap().starts_with("openssl speed -evp aes-256-gcm"), "{report}");
+    } else {
+        assert!(openssl["error"].as_str().unwrap().contains("openssl"), "{report}");
+    }
+    let records = report["records"].as_array().unwrap();
+    assert_eq!(records.len(), 2, "IN and OUT");
+    for r in records {
+        let rate = r["mib_per_s"].as_f64().unwrap();
+        let ratio = r["ratio_to_cipher"].as_f64().unwrap();
+        assert!((ratio * report["cipher_one_core"]["mib_per_s"].as_f64().unwrap() - rate).abs() < 1e-6 * rate, "{r}");
+        if openssl_installed {
+            let ratio = r["ratio_to_openssl"].as_f64().unwrap();
+            assert!((ratio * openssl["mib_per_s"].as_f64().unwrap() - rate).abs() < 1e-6 * rate, "{r}");
+        } else {
+            assert!(r["ratio_to_openssl"].is_null(), "{r}");
+        }
+    }
+    drop(served);
+}
+
 #[test]
 fn bench_resume_measures_through_the_resuming_relay() {
     let out = usbwire(&["bench", "--resume", "--sizes", "512,64K", "--depths", "1,4", "--seconds", "0.05", "--json"]);

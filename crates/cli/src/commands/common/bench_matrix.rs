@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::anyhow;
 use serde_json::json;
 use usbwire_bench::measure::Payload;
-use usbwire_bench::{ceiling, measure, model, plot, proxy, Direction, Record};
+use usbwire_bench::{ceiling, measure, model, openssl_speed, plot, proxy, Direction, Record};
 use usbwire_client::{Connection, Security, TransformSpec};
 use usbwire_device::Speed;
 use usbwire_proto::op::BusId;
@@ -87,6 +87,9 @@ pub(crate) struct Report {
     fits: Vec<(f64, Direction, model::Fit)>,
     /// Over TLS: one core's AES-GCM in the same run, to put each rate in proportion.
     cipher: Option<usbwire_transport::CipherSpeed>,
+    /// Over TLS: `openssl speed`'s one-core AES-256-GCM in the same run (the TLS
+    /// target's reference), or why there is none.
+    openssl: Option<Result<openssl_speed::OpensslSpeed, String>>,
 }
 
 /// How long the cipher's own speed is measured for (`Report::cipher`).
@@ -112,6 +115,7 @@ pub(crate) async fn execute(
             ),
             Security::Plain => None,
         };
+        let openssl = cipher.is_some().then(openssl_speed::measure);
         let points = plan.rtts_ms.len() * 2 * plan.sizes.len() * plan.depths.len();
         let bar = if progress {
             let bar = indicatif::ProgressBar::new(points as u64);
@@ -185,7 +189,7 @@ pub(crate) async fn execute(
             conn.close().await;
         }
         bar.finish_and_clear();
-        Ok(Report { records, latencies, fits, cipher })
+        Ok(Report { records, latencies, fits, cipher, openssl })
     };
     usbwire_bench::client_thread("usbwire-bench", matrix).await.map_err(|e| Failure::software(e.into()))?
 }
@@ -287,10 +291,22 @@ impl Report {
                 if let (Some(cipher), Some(object)) = (self.cipher, value.as_object_mut()) {
                     object.insert("ratio_to_cipher".into(), (r.mib_per_s / cipher.mib_per_s).into());
                 }
+                if let (Some(openssl), Some(object)) = (self.openssl_mib_per_s(), value.as_object_mut()) {
+                    object.insert("ratio_to_openssl".into(), (r.mib_per_s / openssl).into());
+                }
                 value
             })
             .collect();
-        json!({ "records": records, "model": fits, "cipher_one_core": self.cipher })
+        let openssl = self.openssl.as_ref().map(|measured| match measured {
+            Ok(speed) => json!(speed),
+            Err(why) => json!({ "error": why }),
+        });
+        json!({ "records": records, "model": fits, "cipher_one_core": self.cipher, "openssl_aes_256_gcm": openssl })
+    }
+
+    /// `openssl speed`'s figure, when it was measured.
+    fn openssl_mib_per_s(&self) -> Option<f64> {
+        self.openssl.as_ref().and_then(|measured| measured.as_ref().ok()).map(|speed| speed.mib_per_s)
     }
 
     pub(crate) fn table(&self) -> String {
@@ -302,9 +318,23 @@ impl Report {
                 cipher.cipher, cipher.mib_per_s
             );
         }
+        match &self.openssl {
+            Some(Ok(speed)) => {
+                let _ = writeln!(
+                    out,
+                    "`{}`: {:.0} MiB/s (the `openssl` column: MiB/s over it)",
+                    speed.command, speed.mib_per_s
+                );
+            }
+            Some(Err(why)) => {
+                let _ = writeln!(out, "no `openssl speed` figure: {why}");
+            }
+            None => {}
+        }
+        let openssl = self.openssl_mib_per_s();
         let _ = writeln!(
             out,
-            "{:>6} {:>4} {:>9} {:>5} {:>10} {:>13} {:>10} {:>6} {:>9} {:>9} {:>9} {:>6}",
+            "{:>6} {:>4} {:>9} {:>5} {:>10} {:>13} {:>10} {:>6} {:>9} {:>9} {:>9} {:>6} {:>7}",
             "rtt_ms",
             "dir",
             "urb_size",
@@ -316,7 +346,8 @@ impl Report {
             "p50 us",
             "raw p50",
             "compress",
-            if self.cipher.is_some() { "cipher" } else { "" }
+            if self.cipher.is_some() { "cipher" } else { "" },
+            if openssl.is_some() { "openssl" } else { "" }
         );
         let mut problems = Vec::new();
         for r in &self.records {
@@ -324,7 +355,7 @@ impl Report {
             let ratio = format!("{:.2}{}", r.ratio_to_raw_tcp, if problem.is_some() { "!" } else { "" });
             let _ = writeln!(
                 out,
-                "{:>6} {:>4} {:>9} {:>5} {:>10.1} {:>13} {:>10.1} {:>6} {:>9.0} {:>9.0} {:>9} {:>6}",
+                "{:>6} {:>4} {:>9} {:>5} {:>10.1} {:>13} {:>10.1} {:>6} {:>9.0} {:>9.0} {:>9} {:>6} {:>7}",
                 r.rtt_ms,
                 format!("{:?}", r.direction).to_lowercase(),
                 r.urb_size,
@@ -336,7 +367,8 @@ impl Report {
                 r.latency_us.p50,
                 r.raw_tcp_latency_us.p50,
                 r.compression_ratio.map_or("-".to_owned(), |c| format!("{c:.1}x")),
-                self.cipher.map_or(String::new(), |c| format!("{:.2}", r.mib_per_s / c.mib_per_s))
+                self.cipher.map_or(String::new(), |c| format!("{:.2}", r.mib_per_s / c.mib_per_s)),
+                openssl.map_or(String::new(), |o| format!("{:.2}", r.mib_per_s / o))
             );
             problems.extend(problem);
         }
