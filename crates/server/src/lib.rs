@@ -263,7 +263,8 @@ impl BoundServer {
             let stop = stop_rx.clone();
             tasks.spawn(async move { control.serve(state, inputs, hosts, stop).await });
         }
-        info!(addr = %self.listener.local_addr().unwrap_or(self.state.config.listen), devices = self.state.registry.len(), "usbwire server listening");
+        let addr = self.listener.local_addr().unwrap_or(self.state.config.listen);
+        info!(%addr, devices = self.state.registry.len(), "usbwire server listening");
         tokio::pin!(shutdown);
         loop {
             tokio::select! {

@@ -11,8 +11,8 @@
 //! * **writes**: the caller's slices are encrypted straight into one send buffer, up to
 //!   16 KiB a record (small slices are gathered there first and sealed in place), and go to
 //!   the socket with one write per 64 KiB sealed (the peer opens one while we seal the
-//!   next), or per large slice (a large URB's data, sealed whole into the 1 MiB buffer). Through rustls each byte was copied
-//!   into a record allocated for it, then encrypted.
+//!   next), or per large slice (a large URB's data, sealed whole into the 1 MiB buffer).
+//!   Through rustls each byte was copied into a record allocated for it, then encrypted.
 //! * key updates we send (answering the peer's request, or before AES-GCM's record
 //!   limit), close_notify, fatal alerts.
 
