@@ -27,11 +27,11 @@
 mod busid;
 mod changes;
 mod export;
+mod holder;
 mod importer;
 mod refusal_facts;
 
 use std::collections::{HashMap, HashSet};
-use std::future::Future as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -51,6 +51,7 @@ pub use busid::VIRTUAL_BUS;
 use busid::{virtual_busid, Reserved};
 use changes::Changes;
 pub use export::DeviceState;
+pub(crate) use holder::Holder;
 use importer::digests_match;
 pub(crate) use importer::{ImportError, Importer};
 pub use refusal_facts::Reservation;
@@ -201,13 +202,9 @@ impl Registry {
         }));
     }
 
-    /// The bus ids bind rules name now (see [`Holder::port_followed`]).
+    /// The bus ids bind rules name now (see [`Holder::left_a_followed_port`]).
     pub(crate) fn set_followed_ports(&self, ports: HashSet<String>) {
         *lock(&self.followed_ports) = ports;
-    }
-
-    fn follows_port(&self, busid: &str) -> bool {
-        lock(&self.followed_ports).contains(busid)
     }
 
     /// A count that changes whenever a device is exported, withdrawn,
@@ -381,57 +378,6 @@ fn look(slot: &Slot) -> Found<'_> {
     }
 }
 
-/// What the server shows about a lease's holder.
-pub(crate) struct Holder(Arc<Export>, Arc<Changes>, Registry);
-
-impl Holder {
-    /// The holder's connection dropped at `since` (`Some`), or it is back (`None`).
-    ///
-    /// A new absence starts clean: a notice that the session should give up
-    /// (see [`Holder::abandoned`]) left from an earlier absence — sent while the
-    /// session was busy resuming, so nobody took it — is dropped first, before
-    /// the slot says "parked", so a notice for this absence is never lost.
-    pub(crate) fn set_resuming(&self, since: Option<SystemTime>) {
-        if since.is_some() {
-            drop_stale_notice(&self.0.abandoned);
-        }
-        if let Slot::InUse { resuming_since, .. } = &mut *lock(&self.0.slot) {
-            *resuming_since = since;
-        }
-        self.1.bump();
-    }
-
-    /// Resolves when the client a parked session waits for imports the device
-    /// afresh (see [`Registry::import`]).
-    pub(crate) async fn abandoned(&self) {
-        self.0.abandoned.notified().await;
-    }
-
-    /// Resolves when the export is withdrawn (unbind or unplug).
-    pub(crate) async fn withdrawn(&self) {
-        let mut withdrawn = self.0.withdrawn.subscribe();
-        let _ = withdrawn.wait_for(|withdrawn| *withdrawn).await;
-    }
-
-    /// Whether the device left its port (it is gone, `device_gone`, or its
-    /// export was withdrawn because it was unplugged) and a bind rule names
-    /// that port: what comes back there is exported under the same bus id,
-    /// so its importer is told the device re-enumerated, not that it was removed.
-    pub(crate) fn left_a_followed_port(&self, device_gone: bool) -> bool {
-        let unplugged = device_gone || self.0.unplugged.load(std::sync::atomic::Ordering::Relaxed);
-        unplugged && self.2.follows_port(self.0.busid.as_str())
-    }
-}
-
-/// Takes a permit `notify_one` stored while nobody waited, if there is one.
-fn drop_stale_notice(notify: &Notify) {
-    let notified = std::pin::pin!(notify.notified());
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    // Ready only by consuming a stored permit; Pending registers nothing lasting,
-    // as the future is dropped here.
-    let _ = notified.poll(&mut cx);
-}
-
 /// A device imported by one connection. [`Lease::release`] resets the device
 /// and lists it as available again; dropping the lease does too (not awaited)
 /// when the connection task panics or is cancelled.
@@ -466,7 +412,7 @@ impl Lease {
 
     /// A handle that marks the holder as away (resuming) or back, for `state`.
     pub(crate) fn holder(&self) -> Holder {
-        Holder(self.export.clone(), self.registry.changes.clone(), self.registry.clone())
+        Holder::new(self.export.clone(), self.registry.changes.clone(), self.registry.followed_ports.clone())
     }
 
     /// The import ended because the device re-enumerated, seen `at`: the

@@ -43,6 +43,10 @@ use crate::state::ServerState;
 /// How long a shutting-down server tries to deliver a resumable client's last replies and the end.
 const GOODBYE_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How long an unplugged device has to answer the URBs it had in flight
+/// (-ESHUTDOWN) once its export is withdrawn; the channel then ends anyway.
+const UNPLUG_ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// How a URB channel ended without a protocol error.
 #[derive(Debug)]
 pub(crate) enum End {
@@ -145,7 +149,7 @@ pub(crate) async fn run(
                 early_arrival = Some(arrival);
                 Ok(End::ClientClosed)
             }
-            () = holder.withdrawn() => Ok(End::Withdrawn),
+            () = holder.withdrawn() => channel.withdrawn(device, &holder).await,
             Ok(()) = capture_setting.changed() => {
                 // Capture switched on or off (`usbwire capture`): the same connection goes on.
                 (stream, unflushed) = (channel.stream, channel.unflushed);
@@ -441,6 +445,28 @@ impl Channel<'_> {
         .await;
         if !matches!(said, Ok(Ok(()))) {
             debug!("could not tell the client the session ended");
+        }
+    }
+
+    /// The export was withdrawn. If because the device was unplugged, which
+    /// the server may learn before the device does, the device is given
+    /// [`UNPLUG_ANSWER_TIMEOUT`] to answer what it had in flight (-ESHUTDOWN)
+    /// and those replies reach the client before the channel ends.
+    async fn withdrawn(&mut self, device: &mut dyn Device, holder: &Holder) -> Result<End, ChannelError> {
+        if !holder.was_unplugged() || (self.session.is_idle() && !self.unflushed) {
+            return Ok(End::Withdrawn);
+        }
+        match tokio::time::timeout(UNPLUG_ANSWER_TIMEOUT, std::future::poll_fn(|cx| self.poll_drive(cx, device))).await
+        {
+            Ok(Ok(End::DeviceGone)) => Ok(End::Withdrawn),
+            Ok(other) => other,
+            Err(_) => {
+                warn!(
+                    "the unplugged device did not answer its URBs within {UNPLUG_ANSWER_TIMEOUT:?}; closing the \
+                     connection without them"
+                );
+                Ok(End::Withdrawn)
+            }
         }
     }
 

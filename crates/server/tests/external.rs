@@ -95,6 +95,30 @@ async fn a_device_process_is_exported_while_connected_and_carries_urbs() {
     listed(&running.registry, &running.busid, true).await;
 }
 
+/// A device process that goes while a URB is pending: the importer gets that
+/// URB's reply, -ESHUTDOWN, before the connection ends, as for a real device
+/// unplugged (the export's withdrawal and the device's own end race).
+#[tokio::test]
+async fn a_device_process_that_goes_answers_the_pending_urb_before_the_connection_ends() {
+    let running = server("gone").await;
+    for round in 0..5 {
+        let process = spawn_process(&running.socket, Echo::new("G-1"));
+        listed(&running.registry, &running.busid, true).await;
+        let (stream, record) = usbwire_client::import(running.addr, &running.busid, &Security::Plain).await.unwrap();
+        let connection = Connection::new(stream, &record);
+        connection.transfer_checked(Transfer::control_out(SET_CONFIGURATION_1, Bytes::new())).await.unwrap();
+        // Nothing echoed yet: this bulk IN stays pending on the device.
+        let (_, pending) = connection.submit(Transfer::bulk_in(1, 512)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        process.abort();
+        let reply = tokio::time::timeout(Duration::from_secs(10), pending).await.expect("an answer, not a hang");
+        assert_eq!(reply.map(|ret| ret.status), Ok(Status::ESHUTDOWN), "round {round}");
+        let end = tokio::time::timeout(Duration::from_secs(10), connection.ended()).await;
+        assert!(end.is_ok(), "then the importer's connection ends");
+        listed(&running.registry, &running.busid, false).await;
+    }
+}
+
 /// The echo device, until the host configures it: then it NAKs every control request forever.
 struct Stuck(Echo, bool);
 
