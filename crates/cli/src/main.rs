@@ -24,7 +24,7 @@ fn main() -> std::process::ExitCode {
     let quiet = cli.quiet || matches!(cli.command, args::Command::Bench(_));
     init_logging(cli.verbose, quiet);
     commands::set_verbosity(cli.verbose);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match runtime_for(&cli.command).enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("usbwire: cannot start the async runtime: {error}");
@@ -37,6 +37,18 @@ fn main() -> std::process::ExitCode {
             eprintln!("usbwire: {}", exit::describe(&failure.error));
             failure.code()
         }
+    }
+}
+
+/// `attach` is a relay: one future moving every URB between the kernel's
+/// socket and the server's. On a single-threaded runtime the I/O driver wakes
+/// it on its own thread; on a multi-threaded one every wake-up crosses threads,
+/// and the relay moved 12–24 % less over TLS (BENCHMARKS.md, "The attach relay
+/// on one thread"). Everything else, `serve` first, gets the multi-threaded runtime.
+fn runtime_for(command: &args::Command) -> tokio::runtime::Builder {
+    match command {
+        args::Command::Attach(_) => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
     }
 }
 
@@ -108,5 +120,23 @@ where
         };
         write!(writer, "<{priority}>")?;
         self.0.format_event(context, writer, event)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::FromArgMatches as _;
+    use tokio::runtime::RuntimeFlavor;
+
+    fn flavor(line: &[&str]) -> RuntimeFlavor {
+        let matches = crate::args::command().try_get_matches_from(line).unwrap();
+        let cli = crate::args::Cli::from_arg_matches(&matches).unwrap();
+        crate::runtime_for(&cli.command).enable_all().build().unwrap().handle().runtime_flavor()
+    }
+
+    #[test]
+    fn the_attach_relay_runs_on_one_thread_and_the_server_on_several() {
+        assert_eq!(flavor(&["usbwire", "attach", "-r", "127.0.0.1", "-b", "1-1"]), RuntimeFlavor::CurrentThread);
+        assert_eq!(flavor(&["usbwire", "serve", "--virtual", "loopback"]), RuntimeFlavor::MultiThread);
     }
 }
