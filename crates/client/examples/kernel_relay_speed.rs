@@ -25,7 +25,7 @@ use usbwire_client::relay::Upstream;
 use usbwire_client::{Security, TlsClient};
 use usbwire_gadgets::loopback::{SINK_OUT, SOURCE_IN};
 use usbwire_proto::op::BusId;
-use usbwire_proto::urb::{CmdSubmit, TransferFlags};
+use usbwire_proto::urb::CmdSubmit;
 use usbwire_proto::Direction;
 use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::Identity;
@@ -100,23 +100,8 @@ fn vhci_stand_in(
 }
 
 fn submit(seqnum: u32, devid: u32, ep: u8, direction: Direction, length: u32, setup: [u8; 8], data: Bytes) -> BytesMut {
-    let flags = if direction == Direction::In { TransferFlags::DIR_IN } else { 0 };
-    let submit = CmdSubmit {
-        seqnum,
-        devid,
-        direction,
-        ep,
-        transfer_flags: TransferFlags(flags),
-        transfer_buffer_length: length,
-        start_frame: 0,
-        number_of_packets: 0,
-        interval: 0,
-        setup,
-        data,
-        iso_packets: vec![],
-    };
     let mut wire = BytesMut::new();
-    submit.encode(&mut wire);
+    CmdSubmit::new(seqnum, devid, direction, ep, length, setup, data).encode(&mut wire);
     wire
 }
 

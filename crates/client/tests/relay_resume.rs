@@ -19,37 +19,12 @@ use usbwire_client::relay::{self, RelayError, Upstream};
 use usbwire_client::{Security, TransformSpec};
 use usbwire_proto::client_session::{ClientSession, Event};
 use usbwire_proto::op::BusId;
-use usbwire_proto::urb::{CmdSubmit, TransferFlags};
+use usbwire_proto::urb::CmdSubmit;
 use usbwire_proto::{Budget, Direction, Limits, Status};
 use usbwire_testing::TestServer;
 
 const SET_CONFIGURATION_1: [u8; 8] = [0x00, 0x09, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00];
 const PAYLOAD: usize = 1024;
-
-fn submit(
-    seqnum: u32,
-    devid: u32,
-    direction: Direction,
-    ep: u8,
-    data: Bytes,
-    length: u32,
-    setup: [u8; 8],
-) -> CmdSubmit {
-    CmdSubmit {
-        seqnum,
-        devid,
-        direction,
-        ep,
-        transfer_flags: TransferFlags::default(),
-        transfer_buffer_length: length,
-        start_frame: 0,
-        number_of_packets: 0,
-        interval: 0,
-        setup,
-        data,
-        iso_packets: vec![],
-    }
-}
 
 fn round_payload(round: u32) -> Bytes {
     let mut data = vec![0u8; PAYLOAD];
@@ -72,15 +47,17 @@ async fn kernel(
     let mut codec: ClientSession<(u32, bool)> =
         ClientSession::new(devid, BytesMut::new(), Limits::default(), Budget::default());
     let mut seqnum = 1;
-    codec.submit(submit(seqnum, devid, Direction::Out, 0, Bytes::new(), 0, SET_CONFIGURATION_1), (0, false)).unwrap();
+    codec
+        .submit(CmdSubmit::new(seqnum, devid, Direction::Out, 0, 0, SET_CONFIGURATION_1, Bytes::new()), (0, false))
+        .unwrap();
     seqnum += 1;
     let (mut sent, mut next_in) = (0u32, 0u32);
     let mut configured = false;
     loop {
         while configured && sent < rounds && sent - next_in < 16 {
-            let out = submit(seqnum, devid, Direction::Out, 3, round_payload(sent), PAYLOAD as u32, [0; 8]);
+            let out = CmdSubmit::new(seqnum, devid, Direction::Out, 3, PAYLOAD as u32, [0; 8], round_payload(sent));
             codec.submit(out, (sent, false)).unwrap();
-            let inn = submit(seqnum + 1, devid, Direction::In, 3, Bytes::new(), PAYLOAD as u32, [0; 8]);
+            let inn = CmdSubmit::new(seqnum + 1, devid, Direction::In, 3, PAYLOAD as u32, [0; 8], Bytes::new());
             codec.submit(inn, (sent, true)).unwrap();
             seqnum += 2;
             sent += 1;

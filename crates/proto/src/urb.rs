@@ -104,6 +104,35 @@ pub struct CmdSubmit {
 }
 
 impl CmdSubmit {
+    /// A control, bulk or interrupt URB as vhci-hcd sends one: `URB_DIR_IN` in
+    /// the flags of an IN, no isochronous fields. `length` is the OUT data's
+    /// length, or the most an IN may return.
+    pub fn new(
+        seqnum: u32,
+        devid: u32,
+        direction: Direction,
+        ep: u8,
+        length: u32,
+        setup: [u8; 8],
+        data: Bytes,
+    ) -> Self {
+        let flags = if direction == Direction::In { TransferFlags::DIR_IN } else { 0 };
+        Self {
+            seqnum,
+            devid,
+            direction,
+            ep,
+            transfer_flags: TransferFlags(flags),
+            transfer_buffer_length: length,
+            start_frame: 0,
+            number_of_packets: 0,
+            interval: 0,
+            setup,
+            data,
+            iso_packets: Vec::new(),
+        }
+    }
+
     /// The 48-byte header. The payload and descriptors follow it on the wire.
     #[inline]
     pub fn header(&self) -> [u8; HEADER_LEN] {

@@ -10,7 +10,7 @@ use tokio::net::TcpStream;
 use usbwire_client::{Connection, Security, Transfer};
 use usbwire_device::Speed;
 use usbwire_proto::op::{BusId, OpStatus};
-use usbwire_proto::urb::{CmdSubmit, CmdUnlink, TransferFlags};
+use usbwire_proto::urb::{CmdSubmit, CmdUnlink};
 use usbwire_proto::{Direction, Status};
 use usbwire_testing::TestServer;
 use usbwire_transport::PeerStream;
@@ -61,23 +61,6 @@ async fn read_to_end_within(stream: &mut (impl tokio::io::AsyncRead + Unpin)) ->
 async fn raw_import(addr: SocketAddr, id: &str) -> (PeerStream, u32) {
     let (stream, record) = usbwire_client::import(addr, &busid(id), &Security::Plain).await.unwrap();
     (stream, record.devid())
-}
-
-fn submit(seqnum: u32, devid: u32, direction: Direction, ep: u8, len: u32, setup: [u8; 8], data: Bytes) -> CmdSubmit {
-    CmdSubmit {
-        seqnum,
-        devid,
-        direction,
-        ep,
-        transfer_flags: TransferFlags(if direction == Direction::In { TransferFlags::DIR_IN } else { 0 }),
-        transfer_buffer_length: len,
-        start_frame: 0,
-        number_of_packets: 0,
-        interval: 0,
-        setup,
-        data,
-        iso_packets: vec![],
-    }
 }
 
 #[tokio::test]
@@ -251,8 +234,8 @@ async fn unlink_of_pending_urb_answers_like_the_kernel_stub() {
     let addr = start().await;
     let (mut stream, devid) = raw_import(addr, "0-1").await;
     let mut wire = BytesMut::new();
-    submit(1, devid, Direction::Out, 0, 0, SET_CONFIGURATION_1, Bytes::new()).encode(&mut wire);
-    submit(2, devid, Direction::In, 3, 512, [0; 8], Bytes::new()).encode(&mut wire); // pends
+    CmdSubmit::new(1, devid, Direction::Out, 0, 0, SET_CONFIGURATION_1, Bytes::new()).encode(&mut wire);
+    CmdSubmit::new(2, devid, Direction::In, 3, 512, [0; 8], Bytes::new()).encode(&mut wire); // pends
     wire.extend_from_slice(&CmdUnlink { seqnum: 3, devid, unlink_seqnum: 2 }.header());
     wire.extend_from_slice(&CmdUnlink { seqnum: 4, devid, unlink_seqnum: 77 }.header()); // unknown
     stream.write_all(&wire).await.unwrap();
@@ -281,7 +264,7 @@ async fn bad_input_closes_only_that_connection() {
     let bystander = configured(addr, "0-2").await;
     fn header(edit: fn(&mut [u8; 48], u32)) -> impl Fn(u32) -> Vec<u8> {
         move |devid| {
-            let mut h = submit(1, devid, Direction::In, 1, 64, [0; 8], Bytes::new()).header();
+            let mut h = CmdSubmit::new(1, devid, Direction::In, 1, 64, [0; 8], Bytes::new()).header();
             edit(&mut h, devid);
             h.to_vec()
         }
@@ -290,7 +273,9 @@ async fn bad_input_closes_only_that_connection() {
     let cases: Vec<Case> = vec![
         (
             "truncated header",
-            Box::new(|devid| submit(1, devid, Direction::In, 1, 64, [0; 8], Bytes::new()).header()[..20].to_vec()),
+            Box::new(|devid| {
+                CmdSubmit::new(1, devid, Direction::In, 1, 64, [0; 8], Bytes::new()).header()[..20].to_vec()
+            }),
         ),
         ("unknown command", Box::new(header(|h, _| h[3] = 9))),
         ("bad direction", Box::new(header(|h, _| h[15] = 7))),
@@ -302,8 +287,8 @@ async fn bad_input_closes_only_that_connection() {
             "duplicate seqnum",
             Box::new(|devid| {
                 let mut w = BytesMut::new();
-                submit(5, devid, Direction::In, 3, 64, [0; 8], Bytes::new()).encode(&mut w);
-                submit(5, devid, Direction::In, 3, 64, [0; 8], Bytes::new()).encode(&mut w);
+                CmdSubmit::new(5, devid, Direction::In, 3, 64, [0; 8], Bytes::new()).encode(&mut w);
+                CmdSubmit::new(5, devid, Direction::In, 3, 64, [0; 8], Bytes::new()).encode(&mut w);
                 w.to_vec()
             }),
         ),

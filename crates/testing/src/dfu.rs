@@ -13,7 +13,7 @@ use usbwire_gadgets::dfu::{
     machine::request, State, DFU_MODE_INTERFACE, FLASH_ALT, RUNTIME_DFU_INTERFACE, TRANSFER_SIZE,
 };
 use usbwire_proto::resume::{self, EndReason};
-use usbwire_proto::urb::{CmdSubmit, TransferFlags, HEADER_LEN};
+use usbwire_proto::urb::{CmdSubmit, HEADER_LEN};
 use usbwire_proto::{liveness, Direction, Status};
 
 /// SET_CONFIGURATION(1), as a host configures the device.
@@ -59,20 +59,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> UrbHost<S> {
         self.seqnum += 1;
         let direction = if setup[0] & 0x80 != 0 { Direction::In } else { Direction::Out };
         let length = u32::from(u16::from_le_bytes([setup[6], setup[7]]));
-        let submit = CmdSubmit {
-            seqnum: self.seqnum,
-            devid: self.devid,
-            direction,
-            ep: 0,
-            transfer_flags: TransferFlags(if direction == Direction::In { TransferFlags::DIR_IN } else { 0 }),
-            transfer_buffer_length: length,
-            start_frame: 0,
-            number_of_packets: 0,
-            interval: 0,
-            setup,
-            data: if direction == Direction::Out { Bytes::copy_from_slice(data) } else { Bytes::new() },
-            iso_packets: vec![],
-        };
+        let data = if direction == Direction::Out { Bytes::copy_from_slice(data) } else { Bytes::new() };
+        let submit = CmdSubmit::new(self.seqnum, self.devid, direction, 0, length, setup, data);
         let mut wire = BytesMut::new();
         submit.encode(&mut wire);
         if self.stream.write_all(&wire).await.is_err() || self.stream.flush().await.is_err() {
