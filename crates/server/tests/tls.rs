@@ -70,7 +70,7 @@ async fn start_with_rules(plain: PlainPolicy, ca: Option<usbwire_transport::ca::
 fn tls(identity: &Identity, known: KnownServers, trust_new: bool) -> Security {
     // Identities are not Clone (the key stays in one place); re-load a copy from disk.
     let dir = scratch(&format!("copy-{}", identity.fingerprint().to_string()[7..15].to_owned()));
-    identity.save(&dir).unwrap();
+    identity.save(&dir, usbwire_transport::key_files::Existing::Refuse).unwrap();
     let copy = Identity::load(&dir).unwrap();
     Security::Tls(Arc::new(TlsClient { identity: copy, known, trust_new, pinned: None }))
 }
@@ -78,7 +78,7 @@ fn tls(identity: &Identity, known: KnownServers, trust_new: bool) -> Security {
 /// As the lab registry's entry pins it: only `fingerprint`, whatever `known` says.
 fn registry_pinned(identity: &Identity, known: KnownServers, fingerprint: usbwire_transport::Fingerprint) -> Security {
     let dir = scratch(&format!("registry-copy-{}", identity.fingerprint().to_string()[7..15].to_owned()));
-    identity.save(&dir).unwrap();
+    identity.save(&dir, usbwire_transport::key_files::Existing::Refuse).unwrap();
     let copy = Identity::load(&dir).unwrap();
     Security::Tls(Arc::new(TlsClient { identity: copy, known, trust_new: false, pinned: Some(fingerprint) }))
 }
@@ -351,7 +351,7 @@ async fn asking_a_stock_server_for_transforms_is_a_clear_error() {
 async fn a_private_ca_admits_the_names_it_issued_and_nothing_else() {
     use usbwire_transport::ca::{CertificateAuthority, TrustedCa};
     let ca_dir = scratch("fleet-ca");
-    let ca = CertificateAuthority::create(&ca_dir, "fleet").unwrap();
+    let ca = CertificateAuthority::create(&ca_dir, "fleet", usbwire_transport::key_files::Existing::Refuse).unwrap().0;
     let setup = start_with_ca(PlainPolicy::Never, Some(TrustedCa::load(&ca_dir).unwrap())).await;
     let client = |identity: &Identity, name: &str| tls(identity, pinned(&setup, setup.addr, name), false);
 
@@ -372,7 +372,8 @@ async fn a_private_ca_admits_the_names_it_issued_and_nothing_else() {
     assert!(refused(&result), "{result:?}");
     // Named bob, but by another CA.
     let other_dir = scratch("other-ca");
-    let other = CertificateAuthority::create(&other_dir, "other").unwrap();
+    let other =
+        CertificateAuthority::create(&other_dir, "other", usbwire_transport::key_files::Existing::Refuse).unwrap().0;
     let fake_bob = other.issue("bob", 30).unwrap();
     let result = usbwire_client::list_devices(setup.addr, &client(&fake_bob, "fake-known")).await;
     assert!(refused(&result), "{result:?}");

@@ -5,7 +5,7 @@
 //! (`days`); an expired, foreign or misnamed one is refused like an unknown key.
 
 use std::fs;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use rustls::pki_types::pem::PemObject;
@@ -13,6 +13,7 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::CertificateError;
 
 use crate::identity::{Identity, IdentityError};
+use crate::key_files::{write_key_files, Existing, KeyFile, KeyFileError};
 
 const CA_CERT_FILE: &str = "ca.crt";
 const CA_KEY_FILE: &str = "ca.key";
@@ -21,7 +22,7 @@ const CA_KEY_FILE: &str = "ca.key";
 pub enum CaError {
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
-    #[error("no CA in {0} (create one with `usbwire identity --ca-create --dir DIR`)")]
+    #[error("no CA in {} (create one with `usbwire identity --dir {} --ca-create NAME`)", .0.display(), .0.display())]
     Missing(PathBuf),
     #[error("{path} is not a {what}")]
     Malformed { path: PathBuf, what: &'static str },
@@ -31,6 +32,9 @@ pub enum CaError {
     Generate(String),
     #[error(transparent)]
     Identity(#[from] IdentityError),
+    /// Writing the CA's files was refused or failed (a CA already there, a shared directory).
+    #[error(transparent)]
+    Files(#[from] KeyFileError),
 }
 
 fn generate_error(error: impl std::fmt::Display) -> CaError {
@@ -55,29 +59,27 @@ pub struct CertificateAuthority {
 }
 
 impl CertificateAuthority {
-    /// Creates a CA named `name` and writes `ca.crt` (0644) and `ca.key` (0600) into `dir`.
-    pub fn create(dir: &Path, name: &str) -> Result<Self, CaError> {
+    /// Creates a CA named `name` and writes `ca.key` (0600) and `ca.crt`
+    /// (0644) into `dir` through [`write_key_files`]: a CA already there is
+    /// refused (its key signed every certificate its servers trust), or with
+    /// [`Existing::KeepAsOld`] kept as `ca.key.old` and `ca.crt.old`.
+    /// Returns the CA and where old files were kept.
+    pub fn create(dir: &Path, name: &str, existing: Existing) -> Result<(Self, Vec<PathBuf>), CaError> {
         let key = rcgen::KeyPair::generate().map_err(generate_error)?;
         let certificate = ca_params(name)?.self_signed(&key).map_err(generate_error)?;
-        let io = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| CaError::Io { path, source }
-        };
-        fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(io(dir))?;
-        let key_path = dir.join(CA_KEY_FILE);
-        let mut file = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&key_path)
-            .map_err(io(&key_path))?;
-        file.set_permissions(fs::Permissions::from_mode(0o600)).map_err(io(&key_path))?;
-        std::io::Write::write_all(&mut file, format!("# usbwire CA {name}\n{}", key.serialize_pem()).as_bytes())
-            .map_err(io(&key_path))?;
-        let cert_path = dir.join(CA_CERT_FILE);
-        fs::write(&cert_path, certificate.pem()).map_err(io(&cert_path))?;
-        Ok(Self { name: name.to_owned(), key, certificate })
+        let key_text = format!("# usbwire CA {name}\n{}", key.serialize_pem());
+        let certificate_text = certificate.pem();
+        let files = [
+            KeyFile { name: CA_KEY_FILE, contents: key_text.as_bytes(), mode: 0o600 },
+            KeyFile { name: CA_CERT_FILE, contents: certificate_text.as_bytes(), mode: 0o644 },
+        ];
+        let kept = write_key_files(dir, &files, existing)?;
+        Ok((Self { name: name.to_owned(), key, certificate }, kept))
+    }
+
+    /// Whether `dir` holds a CA's key (`ca.key`), whatever its state.
+    pub fn is_in(dir: &Path) -> bool {
+        fs::symlink_metadata(dir.join(CA_KEY_FILE)).is_ok()
     }
 
     /// Loads the CA in `dir` (its key must be 0600).
@@ -181,7 +183,7 @@ mod tests {
     fn issued_identities_are_vouched_for_by_name_validity_and_issuer() {
         let dir = scratch("fleet");
         let dir = dir.path();
-        let ca = CertificateAuthority::create(&dir, "fleet").unwrap();
+        let ca = CertificateAuthority::create(&dir, "fleet", Existing::Refuse).unwrap().0;
         let trusted = TrustedCa::load(&dir).unwrap();
         let bob = ca.issue("bob", 30).unwrap();
         assert_eq!(trusted.check(bob.certificate(), "bob"), Ok(()));
@@ -192,7 +194,7 @@ mod tests {
         let early = ca.issue_valid("bob", now + time::Duration::days(1), now + time::Duration::days(10)).unwrap();
         assert_eq!(trusted.check(early.certificate(), "bob"), Err(CertificateError::NotValidYet));
         let other_dir = scratch("other");
-        let other = CertificateAuthority::create(&other_dir.path(), "other").unwrap();
+        let other = CertificateAuthority::create(&other_dir.path(), "other", Existing::Refuse).unwrap().0;
         let foreign = other.issue("bob", 30).unwrap();
         assert_eq!(trusted.check(foreign.certificate(), "bob"), Err(CertificateError::UnknownIssuer), "another CA");
         // A reloaded CA still issues what the stored certificate vouches for.
@@ -208,8 +210,26 @@ mod tests {
     fn an_open_ca_key_is_refused() {
         let dir = scratch("open");
         let dir = dir.path();
-        CertificateAuthority::create(&dir, "open").unwrap();
+        CertificateAuthority::create(&dir, "open", Existing::Refuse).unwrap();
         fs::set_permissions(dir.join(CA_KEY_FILE), fs::Permissions::from_mode(0o644)).unwrap();
         assert!(matches!(CertificateAuthority::load(&dir), Err(CaError::KeyTooOpen { .. })));
+    }
+
+    #[test]
+    fn a_ca_is_never_replaced_unless_forced_and_its_certificates_still_verify_against_the_kept_one() {
+        let dir = scratch("replace");
+        let dir = dir.path();
+        let (first, _) = CertificateAuthority::create(&dir, "fleet", Existing::Refuse).unwrap();
+        let bob = first.issue("bob", 30).unwrap();
+        let error = CertificateAuthority::create(&dir, "fleet", Existing::Refuse).err().unwrap();
+        assert!(matches!(error, CaError::Files(KeyFileError::Exists { .. })), "{error}");
+        assert_eq!(TrustedCa::load(&dir).unwrap().check(bob.certificate(), "bob"), Ok(()), "the CA is untouched");
+
+        let (_, kept) = CertificateAuthority::create(&dir, "fleet", Existing::KeepAsOld).unwrap();
+        assert_eq!(kept, [dir.join("ca.key.old"), dir.join("ca.crt.old")]);
+        assert!(TrustedCa::load(&dir).unwrap().check(bob.certificate(), "bob").is_err(), "a new CA");
+        let old = TrustedCa::load(&dir.join("ca.crt.old")).unwrap();
+        assert_eq!(old.check(bob.certificate(), "bob"), Ok(()), "the kept certificate still vouches for bob");
+        assert_eq!(fs::metadata(dir.join("ca.key.old")).unwrap().permissions().mode() & 0o777, 0o600);
     }
 }

@@ -7,14 +7,16 @@
 
 use std::fmt;
 use std::fs;
-use std::io::{self, Write as _};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::io;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use sha2::{Digest, Sha256};
+
+use crate::key_files::{write_key_files, Existing, KeyFile, KeyFileError};
 
 const CERT_FILE: &str = "identity.crt";
 const KEY_FILE: &str = "identity.key";
@@ -24,7 +26,7 @@ const KEY_FILE: &str = "identity.key";
 #[non_exhaustive]
 pub enum IdentityError {
     /// No identity in that directory.
-    #[error("no identity in {} (create one with `usbwire identity --create`)", .0.display())]
+    #[error("no identity in {} (create one with `usbwire identity --create --dir {}`)", .0.display(), .0.display())]
     Missing(PathBuf),
     /// The key file can be read by others.
     #[error("{} has mode {mode:o}; secrets must be private: run `chmod 600 {}`", .path.display(), .path.display())]
@@ -43,6 +45,9 @@ pub enum IdentityError {
     Generate(String),
     #[error("{}: {source}", .path.display())]
     Io { path: PathBuf, source: io::Error },
+    /// Writing the pair was refused or failed (an identity already there, a shared directory).
+    #[error(transparent)]
+    Files(#[from] KeyFileError),
 }
 
 /// SHA-256 of a certificate.
@@ -187,35 +192,27 @@ impl Identity {
             Ok(identity) => Ok((identity, false)),
             Err(IdentityError::Missing(_)) => {
                 let identity = Self::generate(name)?;
-                identity.save(dir)?;
-                Ok((identity, true))
+                match identity.save(dir, Existing::Refuse) {
+                    Ok(_) => Ok((identity, true)),
+                    // Another process created one first: that one is the identity.
+                    Err(IdentityError::Files(KeyFileError::Exists { .. })) => Ok((Self::load(dir)?, false)),
+                    Err(other) => Err(other),
+                }
             }
             Err(other) => Err(other),
         }
     }
 
-    /// Writes the certificate (0644) and the key (0600) into `dir` (created 0700).
-    pub fn save(&self, dir: &Path) -> Result<(), IdentityError> {
-        fn io_error(path: &Path) -> impl FnOnce(io::Error) -> IdentityError + '_ {
-            move |source| IdentityError::Io { path: path.to_path_buf(), source }
-        }
-        if !dir.exists() {
-            fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(io_error(dir))?;
-        }
-        let key_path = dir.join(KEY_FILE);
-        let mut file = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&key_path)
-            .map_err(io_error(&key_path))?;
-        // An existing file keeps its mode on open; make sure it is private.
-        file.set_permissions(fs::Permissions::from_mode(0o600)).map_err(io_error(&key_path))?;
-        file.write_all(self.key_pem.as_bytes()).map_err(io_error(&key_path))?;
-        let cert_path = dir.join(CERT_FILE);
-        fs::write(&cert_path, &self.certificate_pem).map_err(io_error(&cert_path))?;
-        Ok(())
+    /// Writes the key (0600) and the certificate (0644) into `dir` (created
+    /// 0700) through [`write_key_files`]: an identity already there is
+    /// refused, or with [`Existing::KeepAsOld`] kept as `identity.key.old`
+    /// and `identity.crt.old`. Returns where old files were kept.
+    pub fn save(&self, dir: &Path, existing: Existing) -> Result<Vec<PathBuf>, IdentityError> {
+        let files = [
+            KeyFile { name: KEY_FILE, contents: self.key_pem.as_bytes(), mode: 0o600 },
+            KeyFile { name: CERT_FILE, contents: self.certificate_pem.as_bytes(), mode: 0o644 },
+        ];
+        Ok(write_key_files(dir, &files, existing)?)
     }
 }
 
@@ -259,7 +256,7 @@ mod tests {
     fn a_readable_key_is_refused() {
         let dir = scratch("open");
         let dir = dir.path();
-        Identity::generate("x").unwrap().save(&dir).unwrap();
+        Identity::generate("x").unwrap().save(&dir, Existing::Refuse).unwrap();
         fs::set_permissions(dir.join(KEY_FILE), fs::Permissions::from_mode(0o644)).unwrap();
         let error = Identity::load(&dir).unwrap_err();
         assert!(error.to_string().contains("chmod 600"), "{error}");
@@ -269,14 +266,39 @@ mod tests {
     fn a_key_from_another_identity_is_refused() {
         let dir = scratch("mismatch");
         let dir = dir.path();
-        Identity::generate("x").unwrap().save(&dir).unwrap();
+        Identity::generate("x").unwrap().save(&dir, Existing::Refuse).unwrap();
         let other = scratch("mismatch-other");
         let other = other.path();
-        Identity::generate("y").unwrap().save(&other).unwrap();
+        Identity::generate("y").unwrap().save(&other, Existing::Refuse).unwrap();
         fs::copy(other.join(KEY_FILE), dir.join(KEY_FILE)).unwrap();
         let Err(error) = Identity::load(&dir) else { panic!("a mismatched pair was loaded") };
         assert!(matches!(error, IdentityError::KeyMismatch(_)), "{error}");
         assert!(error.to_string().contains("is not the key of"), "{error}");
+    }
+
+    #[test]
+    fn an_identity_is_never_replaced_unless_forced_and_then_the_old_one_is_kept() {
+        let dir = scratch("replace");
+        let dir = dir.path();
+        let first = Identity::generate("first").unwrap();
+        first.save(&dir, Existing::Refuse).unwrap();
+        let second = Identity::generate("second").unwrap();
+        let error = second.save(&dir, Existing::Refuse).unwrap_err();
+        assert!(matches!(error, IdentityError::Files(KeyFileError::Exists { .. })), "{error}");
+        assert_eq!(Identity::load(&dir).unwrap().fingerprint(), first.fingerprint(), "untouched");
+        // load_or_create never replaces either.
+        assert_eq!(Identity::load_or_create(&dir, "third").unwrap().0.fingerprint(), first.fingerprint());
+
+        let kept = second.save(&dir, Existing::KeepAsOld).unwrap();
+        assert_eq!(kept, [dir.join("identity.key.old"), dir.join("identity.crt.old")]);
+        assert_eq!(Identity::load(&dir).unwrap().fingerprint(), second.fingerprint());
+        // The kept pair, put back under its own names, is the first identity, key and all.
+        let restored = scratch("replace-restored");
+        let restored = restored.path();
+        fs::create_dir(&restored).unwrap();
+        fs::copy(dir.join("identity.key.old"), restored.join(KEY_FILE)).unwrap();
+        fs::copy(dir.join("identity.crt.old"), restored.join(CERT_FILE)).unwrap();
+        assert_eq!(Identity::load(&restored).unwrap().fingerprint(), first.fingerprint());
     }
 
     #[test]

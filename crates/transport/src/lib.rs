@@ -3,7 +3,8 @@
 //!
 //! * [`identity`]: a key pair per machine (server or client), its certificate
 //!   and its fingerprint (`sha256:…` of the certificate), kept in files with
-//!   mode 0600.
+//!   mode 0600, written by [`key_files`] (atomic, never replacing a key
+//!   unless told).
 //! * [`tls`]: rustls configurations. Servers require a client certificate and
 //!   admit it in the handshake by the access rules; clients pin the
 //!   server's fingerprint (trust on first use, like ssh's known_hosts, see
@@ -25,6 +26,7 @@ pub mod ca;
 pub mod devstate;
 pub mod handshake;
 pub mod identity;
+pub mod key_files;
 pub mod known_servers;
 mod record;
 mod record_reader;

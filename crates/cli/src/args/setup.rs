@@ -22,6 +22,10 @@ pub(crate) struct IdentityArgs {
     /// The CA directory for --ca-issue.
     #[arg(long, value_name = "DIR")]
     pub(crate) ca: Option<PathBuf>,
+    /// Replace a key already in --dir (with --create, --ca-create, --ca-issue): the old files are kept
+    /// beside the new ones as NAME.old. Without it, a key is never replaced.
+    #[arg(long)]
+    pub(crate) force: bool,
     /// Days an issued identity stays valid.
     #[arg(long, default_value_t = 365)]
     pub(crate) days: i64,
