@@ -34,22 +34,38 @@ pub enum PrivateDirError {
         .path.display()
     )]
     NotOwned { path: PathBuf, owner: u32, us: u32 },
-    /// Other users may create, replace or delete files in it.
-    #[error(
-        "{} is writable by other users (mode {mode:04o}); run `chmod 700 {}` if it is yours, or use another path",
-        .path.display(), .path.display()
-    )]
+    /// Other users may create, replace or delete files in it. The advice
+    /// never touches the directory itself: it may be the system's (`/tmp`)
+    /// or shared on purpose, and its mode is not ours to change.
+    #[error("{} is writable by other users (mode {mode:04o}), who could plant or swap files in it; {}", .path.display(), private_instead(.path, *.mode))]
     Writable { path: PathBuf, mode: u32 },
     /// Other users may rename the directory away and put theirs in its place.
     #[error(
         "{} is in {}, which other users own or may write to (mode {mode:04o}, not sticky): they could swap \
-         the directory; use a path in a directory only you (or root) can write, or set its sticky bit (chmod +t)",
+         the directory; use a path in a directory only you (or root) can write",
         .path.display(), .parent.display()
     )]
     WritableParent { path: PathBuf, parent: PathBuf, mode: u32 },
     /// Creating or inspecting it failed.
     #[error("cannot use directory {}: {source}", .path.display())]
     Io { path: PathBuf, source: io::Error },
+}
+
+/// What to use instead of a directory others may write to: in a sticky
+/// one (`/tmp`), a private directory of our own inside it (nobody else may
+/// rename or remove it there); elsewhere, a directory of our own somewhere
+/// only we can write, since one made inside could be swapped away.
+fn private_instead(path: &Path, mode: u32) -> String {
+    if mode & 0o1000 != 0 {
+        format!(
+            "use a private directory inside it instead: `mkdir -m 700 {}`, and give that path",
+            path.join("usbwire").display()
+        )
+    } else {
+        "use a directory only you can write instead (`mkdir -m 700 DIR` in a place of your own, \
+         /var/lib/usbwire for a service), and give that path"
+            .to_owned()
+    }
 }
 
 /// This process's effective uid.
@@ -378,10 +394,16 @@ mod tests {
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
         let error = ensure_private_dir(&dir).unwrap_err();
         assert!(matches!(error, PrivateDirError::Writable { mode: 0o777, .. }), "{error}");
-        assert!(error.to_string().contains("chmod 700"), "{error}");
+        assert!(error.to_string().contains("mkdir -m 700 DIR"), "{error}");
+        assert!(!error.to_string().contains("chmod"), "never advise changing a directory's mode: {error}");
         assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o777, "not repaired behind the user's back");
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o770)).unwrap();
         assert!(matches!(ensure_private_dir(&dir), Err(PrivateDirError::Writable { .. })));
+        // A shared sticky directory like /tmp: a private one inside it, never a chmod of it.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let error = ensure_private_dir(&dir).unwrap_err().to_string();
+        assert!(error.contains(&format!("mkdir -m 700 {}/usbwire", dir.display())), "{error}");
+        assert!(!error.contains("chmod"), "{error}");
     }
 
     #[test]
