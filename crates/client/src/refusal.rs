@@ -7,9 +7,17 @@
 use usbwire_proto::display::escape;
 use usbwire_transport::devstate::{DeviceStateDocument, DeviceStateEntry};
 
+/// What a plain client of a server that shows its devices to TLS clients
+/// only is told (`tls_required` in the server's device state).
+pub const TLS_REQUIRED: &str =
+    "this server shows its devices to TLS clients only: add --tls (the first time also --trust-new, to pin its key)";
+
 /// The reason `document` gives for refusing `busid`. Every string in it is
 /// the server's word, so each is escaped.
 pub fn explain(busid: &str, document: &DeviceStateDocument) -> Option<String> {
+    if document.tls_required {
+        return Some(TLS_REQUIRED.to_owned());
+    }
     if let Some(device) = document.devices.iter().find(|d| d.busid == busid) {
         return held(device);
     }
@@ -88,6 +96,7 @@ mod tests {
         let document = DeviceStateDocument {
             devices: vec![in_use, reserved, device("1-5", "available")],
             withdrawn: vec![withdrawn],
+            tls_required: false,
         };
         assert_eq!(
             explain("1-2", &document).as_deref(),
@@ -103,5 +112,18 @@ mod tests {
         assert_eq!(explain("1-4", &document).as_deref(), Some("unplugged from the server at 2026-11-26T02:10:00Z"));
         assert_eq!(explain("1-5", &document), None, "available: nothing to explain");
         assert_eq!(explain("9-9", &document), None, "unknown to the server");
+    }
+
+    #[test]
+    fn a_plain_client_of_a_tls_only_server_is_told_to_add_tls() {
+        let document = DeviceStateDocument { tls_required: true, ..DeviceStateDocument::default() };
+        let said = explain("1-1", &document).unwrap();
+        assert!(said.contains("TLS clients only") && said.contains("add --tls"), "{said}");
+        // The field is sent only when true, and read as false when absent (older servers).
+        let plain: DeviceStateDocument = serde_json::from_str(r#"{"devices": []}"#).unwrap();
+        assert!(!plain.tls_required);
+        assert_eq!(serde_json::to_string(&plain).unwrap(), r#"{"devices":[]}"#);
+        let round: DeviceStateDocument = serde_json::from_str(&serde_json::to_string(&document).unwrap()).unwrap();
+        assert!(round.tls_required);
     }
 }

@@ -65,7 +65,10 @@ pub enum DiskError {
     #[error("size {0} is not a positive multiple of 512 bytes")]
     BadSize(u64),
     /// An existing image whose length is not whole blocks.
-    #[error("{} is {len} bytes, not a positive multiple of 512", .path.display())]
+    #[error(
+        "{} is {len} bytes, not a positive multiple of 512: give a disk image, or remove it (and size= creates a new one)",
+        .path.display()
+    )]
     BadImage { path: PathBuf, len: u64 },
     /// An existing image of another size than asked for.
     #[error("{} is {len} bytes but size={wanted} was given; drop size= to use it as it is", .path.display())]
@@ -80,6 +83,21 @@ pub enum DiskError {
         .0.display()
     )]
     Symlink(PathBuf),
+}
+
+/// A new image of `size` bytes (sparse, 0600) at `path`, made whole under a
+/// temporary name beside it and then renamed into place, so a failure (a
+/// size the file system refuses) leaves nothing behind, and the final name is
+/// never opened through a link, dangling or not, nor an existing file replaced.
+fn create_image(path: &Path, size: u64) -> io::Result<std::fs::File> {
+    let dir = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let temporary = tempfile::Builder::new().prefix(&format!(".{name}.")).suffix(".tmp").tempfile_in(dir)?;
+    temporary.as_file().set_len(size)?;
+    temporary.persist_noclobber(path).map_err(|e| e.error)
 }
 
 /// Where the Bulk-Only transport is.
@@ -149,15 +167,7 @@ impl MassStorage {
             Ok(file) => file,
             Err(error) if error.kind() == io::ErrorKind::NotFound => {
                 let size = options.size.ok_or_else(|| DiskError::Missing(path.to_path_buf()))?;
-                // O_EXCL: never through a symlink, dangling or not.
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create_new(true)
-                    .custom_flags(flags)
-                    .open(path)
-                    .map_err(open_error)?;
-                file.set_len(size).map_err(open_error)?;
+                let file = create_image(path, size).map_err(open_error)?;
                 if options.read_only {
                     OpenOptions::new().read(true).custom_flags(flags).open(path).map_err(open_error)?
                 } else {
@@ -708,6 +718,32 @@ mod tests {
         let mismatch =
             MassStorage::open(&image.0, &DiskOptions { size: Some(4096), read_only: false, speed: Speed::HIGH });
         assert!(matches!(mismatch, Err(ref e) if e.to_string().contains("drop size=")));
+    }
+
+    #[test]
+    fn a_failed_creation_leaves_no_file_behind_and_an_empty_image_says_what_to_do() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        // 2^63 bytes: no file system takes it (like size=100T on ext4, "File too large").
+        let huge = MassStorage::open(&path, &DiskOptions { size: Some(1 << 63), read_only: false, speed: Speed::HIGH });
+        assert!(matches!(huge, Err(DiskError::Open { .. })), "{:?}", huge.err());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no image and no temporary file left");
+        // So the next run with a size that fits just works, and the new image is private.
+        assert!(MassStorage::open(&path, &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH })
+            .is_ok());
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!((meta.len(), meta.permissions().mode() & 0o777), (1 << 20, 0o600));
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        // An image left empty by something else is refused with what to do.
+        let empty = dir.path().join("empty.img");
+        std::fs::write(&empty, b"").unwrap();
+        let error =
+            MassStorage::open(&empty, &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH })
+                .err()
+                .unwrap()
+                .to_string();
+        assert!(error.contains("0 bytes") && error.contains("remove it"), "{error}");
     }
 
     #[test]

@@ -119,6 +119,14 @@ impl Security {
         self.visible(client, device.busid.as_str(), kind)
     }
 
+    /// Whether this server shows its devices to TLS clients only: it has TLS
+    /// and no rule names `plain`, so a plain client (from loopback, or any
+    /// address with `--allow-plain always`) sees nothing. Its `OP_REP_DEVSTATE`
+    /// says so (`tls_required`), and a usbwire client tells the user to add `--tls`.
+    pub fn tls_only(&self) -> bool {
+        self.tls.is_some() && !self.admission.rules.rules.iter().any(|r| r.client == "plain")
+    }
+
     /// Whether `client` may see and import the device `busid` of kind `kind`.
     ///
     /// With TLS on, every client, plain ones included, gets exactly what the

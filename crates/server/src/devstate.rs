@@ -42,7 +42,7 @@ pub(crate) fn document(
         .filter(|w| visible(&w.shown.kind, &w.record, &w.serial))
         .map(|w| w.shown)
         .collect();
-    DeviceStateDocument { devices: entries(registry, &visible), withdrawn }
+    DeviceStateDocument { devices: entries(registry, &visible), withdrawn, tls_required: false }
 }
 
 /// One exported device's entry: its record, strings, holder and counters

@@ -113,6 +113,12 @@ pub struct DeviceStateDocument {
     /// before it was sent leave it out).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub withdrawn: Vec<WithdrawnDevice>,
+    /// The server shows its devices to TLS clients only (it has TLS and no
+    /// rule names `plain`), so this plain client sees none: a client tells
+    /// its user to add `--tls` rather than show an empty list. Sent only
+    /// when true, and only to plain clients.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tls_required: bool,
 }
 
 impl From<&DeviceStateEntry> for DeviceJson {
