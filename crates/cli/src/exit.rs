@@ -14,6 +14,8 @@ const IO: u8 = 74;
 const TEMPORARY: u8 = 75;
 const PERMISSION: u8 = 77;
 const CONFIG: u8 = 78;
+/// [`Failure::closed_stdout`]: success, as far as the exit code goes.
+const CLOSED_STDOUT: u8 = 0;
 
 /// Every exit code but 0 (success), its sysexits name and when usbwire exits with it.
 pub(crate) const EXIT_CODES: &[(u8, &str, &str)] = &[
@@ -111,6 +113,18 @@ impl Failure {
     /// 78: the configuration is wrong.
     pub(crate) fn config(error: anyhow::Error) -> Self {
         Self { error, code: CONFIG }
+    }
+
+    /// Not the command's failure: the reader of its standard output went
+    /// away (`usbwire state | head -1`). `main` ends on it quietly, with 0
+    /// and nothing on stderr, as `ls | head` does; see
+    /// `commands::common::stdout`.
+    pub(crate) fn closed_stdout() -> Self {
+        Self { error: anyhow::anyhow!("standard output was closed"), code: CLOSED_STDOUT }
+    }
+    /// Whether this is [`Failure::closed_stdout`].
+    pub(crate) fn is_closed_stdout(&self) -> bool {
+        self.code == CLOSED_STDOUT
     }
 
     pub(crate) fn code(&self) -> ExitCode {

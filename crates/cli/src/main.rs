@@ -2,6 +2,8 @@
 //! command line, set up logging, run the command, turn its error into an
 //! exit code that means something.
 
+#![warn(clippy::print_stdout)]
+
 mod args;
 mod commands;
 mod config;
@@ -27,17 +29,25 @@ fn main() -> std::process::ExitCode {
     let runtime = match runtime_for(&cli.command).enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
-            eprintln!("usbwire: cannot start the async runtime: {error}");
+            say(format_args!("cannot start the async runtime: {error}"));
             return exit::Failure::software(error.into()).code();
         }
     };
     match runtime.block_on(commands::run(cli.command)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // The reader of stdout went away (`usbwire state | head -1`): nothing went wrong.
+        Err(failure) if failure.is_closed_stdout() => std::process::ExitCode::SUCCESS,
         Err(failure) => {
-            eprintln!("usbwire: {}", exit::describe(&failure.error));
+            say(format_args!("{}", exit::describe(&failure.error)));
             failure.code()
         }
     }
+}
+
+/// `usbwire: TEXT` on stderr; nothing (and no panic, as `eprintln!` would) when stderr is closed.
+fn say(text: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "usbwire: {text}");
 }
 
 /// `attach` is a relay: one future moving every URB between the kernel's

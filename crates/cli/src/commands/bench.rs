@@ -13,6 +13,7 @@ use usbwire_proto::op::BusId;
 
 use super::common::bench_matrix::{csv, execute, local_loopback, open, Plan};
 use super::common::peer::transforms;
+use super::common::stdout::{out, outln};
 use crate::args::BenchArgs;
 use crate::config::parse_size;
 use crate::exit::Failure;
@@ -91,11 +92,10 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
         std::fs::write(path, csv(&report.records)).map_err(|e| Failure::io(anyhow!("{}: {e}", path.display())))?;
     }
     if args.json {
-        super::common::output::print_json(&report.json(), true);
+        super::common::output::print_json(&report.json(), true)
     } else {
-        print!("{}", report.table());
+        out!("{}", report.table())
     }
-    Ok(())
 }
 
 /// `bench --periodic EP`: spacing of interrupt completions at the client
@@ -149,22 +149,29 @@ async fn periodic(
             .iter()
             .map(|(rtt_ms, s)| json!({ "rtt_ms": rtt_ms, "jitter_ms": plan.jitter_ms, "transforms": transforms, "spacing": s }))
             .collect();
-        super::common::output::print_json(&json!({ "periodic": records }), true);
-    } else {
-        println!(
-            "periodic completions on {endpoint:#04x}, jitter up to {} ms, transforms [{transforms}]",
-            plan.jitter_ms
-        );
-        println!(
-            "{:>7} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10}",
-            "rtt ms", "n", "device us", "err p50", "err p90", "err p99", "err max"
-        );
-        for (rtt_ms, s) in &results {
-            println!(
-                "{rtt_ms:>7} {:>6} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>10.0}",
-                s.completions, s.device_interval_us, s.error_us.p50, s.error_us.p90, s.error_us.p99, s.error_us.max
-            );
-        }
+        return super::common::output::print_json(&json!({ "periodic": records }), true);
+    }
+    outln!("periodic completions on {endpoint:#04x}, jitter up to {} ms, transforms [{transforms}]", plan.jitter_ms)?;
+    outln!(
+        "{:>7} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "rtt ms",
+        "n",
+        "device us",
+        "err p50",
+        "err p90",
+        "err p99",
+        "err max"
+    )?;
+    for (rtt_ms, s) in &results {
+        outln!(
+            "{rtt_ms:>7} {:>6} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>10.0}",
+            s.completions,
+            s.device_interval_us,
+            s.error_us.p50,
+            s.error_us.p90,
+            s.error_us.p99,
+            s.error_us.max
+        )?;
     }
     Ok(())
 }
@@ -211,23 +218,23 @@ async fn resume_time(
             "depth": depth,
             "times": times,
         });
-        super::common::output::print_json(&json!({ "resume": record }), true);
-    } else {
-        println!(
-            "resume after {} cuts: {size} B URBs, {depth} in flight per bulk endpoint, rtt {rtt_ms} ms, {} URBs",
-            times.cuts, times.urbs
-        );
-        println!("{:<22} {:>6} {:>8} {:>8} {:>8} {:>8}", "ms from the cut to", "n", "p50", "p90", "p99", "max");
-        for (what, p) in [("first URB completed", &times.stall_us), ("relay resumed", &times.resumed_us)] {
-            println!(
-                "{what:<22} {:>6} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
-                times.cuts,
-                p.p50 / 1e3,
-                p.p90 / 1e3,
-                p.p99 / 1e3,
-                p.max / 1e3
-            );
-        }
+        return super::common::output::print_json(&json!({ "resume": record }), true);
+    }
+    outln!(
+        "resume after {} cuts: {size} B URBs, {depth} in flight per bulk endpoint, rtt {rtt_ms} ms, {} URBs",
+        times.cuts,
+        times.urbs
+    )?;
+    outln!("{:<22} {:>6} {:>8} {:>8} {:>8} {:>8}", "ms from the cut to", "n", "p50", "p90", "p99", "max")?;
+    for (what, p) in [("first URB completed", &times.stall_us), ("relay resumed", &times.resumed_us)] {
+        outln!(
+            "{what:<22} {:>6} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
+            times.cuts,
+            p.p50 / 1e3,
+            p.p90 / 1e3,
+            p.p99 / 1e3,
+            p.max / 1e3
+        )?;
     }
     Ok(())
 }

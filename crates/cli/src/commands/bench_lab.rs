@@ -11,6 +11,7 @@ use usbwire_bench::lab::{LabBenchError, Progress, Quiet, Scale};
 use usbwire_lab::{Endpoint, Lab, LabError};
 
 use super::common::registry::failure;
+use super::common::stdout::{out, outln};
 use crate::args::BenchArgs;
 use crate::exit::Failure;
 
@@ -39,12 +40,11 @@ pub(crate) async fn run(args: &BenchArgs) -> Result<(), Failure> {
         let mut document = report.json();
         document["registry"] = json!(base);
         document["keys_deleted"] = json!(deleted);
-        super::common::output::print_json(&document, true);
+        super::common::output::print_json(&document, true)
     } else {
-        print!("{}", report.table(&base));
-        println!("deleted {deleted} keys under {}/", endpoint.url.prefix);
+        out!("{}", report.table(&base))?;
+        outln!("deleted {deleted} keys under {}/", endpoint.url.prefix)
     }
-    Ok(())
 }
 
 /// Deletes everything under the run's prefix (what the leases have not taken yet); the number of keys.

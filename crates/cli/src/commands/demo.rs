@@ -9,6 +9,7 @@ use anyhow::{anyhow, Context as _};
 use usbwire_proto::op::BusId;
 use usbwire_server::{default_control_path, ServerConfig, ServerError};
 
+use super::common::stdout::{status, status_line};
 use crate::args::DemoArgs;
 use crate::config::{SpeedChoice, VirtualSpec};
 use crate::exit::Failure;
@@ -42,9 +43,9 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     super::common::local_server::warn_if_open(addr, bound.security(), false);
     let serving = tokio::spawn(bound.run(shutdown));
 
-    println!("usbwire demo: serving on {addr}");
+    status_line!("usbwire demo: serving on {addr}");
     for line in &exported {
-        println!("  {line}");
+        status_line!("  {line}");
     }
     show_over_usbip(addr, &exported).await?;
     quick_bench().await?;
@@ -53,7 +54,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
         None => String::new(),
     };
     print_next_steps(addr, &exported, &control_flag, &control, &serial_link);
-    println!("\nDisk image: {}. Press Ctrl-C to stop.", disk.display());
+    status_line!("\nDisk image: {}. Press Ctrl-C to stop.", disk.display());
 
     serving.await.map_err(|error| Failure::software(error.into()))?;
     Ok(())
@@ -62,9 +63,9 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
 /// What a USB/IP client sees of the demo server: its device list, and the disk's descriptors
 /// read by importing it (real round trips over TCP).
 async fn show_over_usbip(addr: SocketAddr, exported: &[String]) -> Result<(), Failure> {
-    println!("\nWhat a USB/IP client sees (usbwire list -r {addr}):\n");
+    status_line!("\nWhat a USB/IP client sees (usbwire list -r {addr}):\n");
     let devices = usbwire_client::list_devices(addr, &usbwire_client::Security::Plain).await?;
-    print!(
+    status!(
         "{}",
         super::common::usb_names::format_like_usbip(
             &addr.to_string(),
@@ -80,20 +81,20 @@ async fn show_over_usbip(addr: SocketAddr, exported: &[String]) -> Result<(), Fa
         .and_then(|l| l.split_whitespace().next())
         .and_then(BusId::new)
         .ok_or_else(|| Failure::software(anyhow!("the demo disk was not exported")))?;
-    println!("The disk's descriptors, read over USB/IP (usbwire describe -r {addr} -b {disk_busid}):\n");
+    status_line!("The disk's descriptors, read over USB/IP (usbwire describe -r {addr} -b {disk_busid}):\n");
     let (_, description) =
         super::common::description::fetch(addr, &disk_busid, &usbwire_client::Security::Plain).await?;
-    print!(
+    status!(
         "{}",
         super::common::description::format(&disk_busid, &description, &super::common::usb_names::UsbIds::load())
     );
-    println!();
+    status_line!();
     Ok(())
 }
 
 /// A small benchmark matrix against an in-process loopback device, beside raw TCP.
 async fn quick_bench() -> Result<(), Failure> {
-    println!("A short benchmark (usbwire bench --quick for more): a loopback device, our client and server, next to raw TCP:\n");
+    status_line!("A short benchmark (usbwire bench --quick for more): a loopback device, our client and server, next to raw TCP:\n");
     let plan = super::common::bench_matrix::Plan {
         sizes: vec![512, 64 << 10],
         depths: vec![1, 8],
@@ -115,7 +116,7 @@ async fn quick_bench() -> Result<(), Failure> {
         false,
     )
     .await?;
-    println!("{}", report.table());
+    status_line!("{}", report.table());
     Ok(())
 }
 
@@ -128,20 +129,23 @@ fn print_next_steps(addr: SocketAddr, exported: &[String], control_flag: &str, c
     let busid_of = |kind: &str| {
         exported.iter().find(|l| l.contains(kind)).and_then(|l| l.split_whitespace().next()).unwrap_or("0-1").to_owned()
     };
-    println!("Next steps (on a Linux machine with the usbip tools; root for attach):");
-    println!("  sudo modprobe vhci-hcd");
-    println!("  sudo usbip{port_flag} attach -r {host} -b {}      # the disk appears as /dev/sdX", busid_of("disk"));
-    println!("  sudo usbip{port_flag} attach -r {host} -b {}      # the keyboard", busid_of("keyboard"));
-    println!(
+    status_line!("Next steps (on a Linux machine with the usbip tools; root for attach):");
+    status_line!("  sudo modprobe vhci-hcd");
+    status_line!(
+        "  sudo usbip{port_flag} attach -r {host} -b {}      # the disk appears as /dev/sdX",
+        busid_of("disk")
+    );
+    status_line!("  sudo usbip{port_flag} attach -r {host} -b {}      # the keyboard", busid_of("keyboard"));
+    status_line!(
         "  usbwire type{control_flag} 'hello from usbwire'      # types on the attached keyboard (control socket {})",
         control.display()
     );
-    println!(
+    status_line!(
         "  sudo usbip{port_flag} attach -r {host} -b {}      # /dev/ttyACM0 <-> {}",
         busid_of("serial"),
         serial_link.display()
     );
-    println!("  usbwire state{control_flag}                          # who holds which device");
+    status_line!("  usbwire state{control_flag}                          # who holds which device");
 }
 
 /// `text` as one shell word: as it is when that is safe, else in single quotes.

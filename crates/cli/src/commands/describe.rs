@@ -17,11 +17,10 @@ pub(crate) async fn run(args: DescribeArgs) -> Result<(), Failure> {
     let (record, description) = fetch(addr, &busid, &security).await?;
     let names = UsbIds::load();
     if args.json {
-        super::common::output::print_json(&document(&record, &description, &names), true);
+        super::common::output::print_json(&document(&record, &description, &names), true)
     } else {
-        print!("{}", format(&busid, &description, &names));
+        super::common::stdout::out!("{}", format(&busid, &description, &names))
     }
-    Ok(())
 }
 
 /// The device's record (docs/json.md), then its descriptors: the fields of

@@ -10,14 +10,17 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 
+use super::common::stdout::{self, outln};
 use crate::args::{CompletionsArgs, ManArgs, VERSION};
 use crate::exit::Failure;
 use crate::manual;
 
 pub(crate) fn completions(args: CompletionsArgs) -> Result<(), Failure> {
     let mut command = crate::args::command();
-    clap_complete::generate(args.shell, &mut command, "usbwire", &mut std::io::stdout());
-    Ok(())
+    // Into memory first: `generate` panics on a write error, a closed stdout among them.
+    let mut script = Vec::new();
+    clap_complete::generate(args.shell, &mut command, "usbwire", &mut script);
+    stdout::write_bytes(&script)
 }
 
 /// The command line as the man pages show it: one version line (the title
@@ -29,7 +32,9 @@ fn man_command() -> clap::Command {
 pub(crate) fn man(args: ManArgs) -> Result<(), Failure> {
     let command = man_command();
     let Some(dir) = args.dir else {
-        return render(&command, None, &mut std::io::stdout().lock()).map_err(Failure::io);
+        let mut page = Vec::new();
+        render(&command, None, &mut page).map_err(Failure::software)?;
+        return stdout::write_bytes(&page);
     };
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display())).map_err(Failure::io)?;
     let mut written = write_pages(&command, "usbwire", None, &dir).map_err(Failure::io)?;
@@ -39,7 +44,7 @@ pub(crate) fn man(args: ManArgs) -> Result<(), Failure> {
         .map_err(Failure::io)?;
     written.push(config_page);
     for path in written {
-        println!("{}", path.display());
+        outln!("{}", path.display())?;
     }
     Ok(())
 }

@@ -15,6 +15,7 @@ use serde::Serialize;
 use usbwire_client::vhci::{self, VhciError};
 use usbwire_client::{ClientError, Security};
 
+use super::common::stdout::outln;
 use crate::args::DoctorArgs;
 use crate::exit::Failure;
 
@@ -50,7 +51,7 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<(), Failure> {
         checks.extend(remote_server(remote, &args).await);
     }
     if args.json {
-        super::common::output::print_json(&serde_json::json!({ "checks": checks }), false);
+        super::common::output::print_json(&serde_json::json!({ "checks": checks }), false)?;
     } else {
         for c in &checks {
             let mark = match c.verdict {
@@ -59,9 +60,9 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<(), Failure> {
                 Verdict::Fail => "FAIL",
                 Verdict::Skip => "skip",
             };
-            println!("[{mark}] {:<14} {}", c.name, c.detail);
+            outln!("[{mark}] {:<14} {}", c.name, c.detail)?;
             if !c.fix.is_empty() {
-                println!("       {:<14} -> {}", "", c.fix);
+                outln!("       {:<14} -> {}", "", c.fix)?;
             }
         }
     }
@@ -173,7 +174,11 @@ fn identity_files(args: &DoctorArgs) -> Check {
                 "identity",
                 Verdict::Fail,
                 error.to_string(),
-                format!("recreate it: move {} away and run `usbwire identity`", dir.display()),
+                format!(
+                    "make a new one (peers must then allow its fingerprint): `usbwire identity --create --force --dir {}` \
+                     (the old pair is kept as identity.key.old and identity.crt.old)",
+                    dir.display()
+                ),
             ),
         },
     }
@@ -275,9 +280,14 @@ async fn tls_with_identity(addr: SocketAddr, args: &DoctorArgs) -> Check {
             "tls",
             Verdict::Skip,
             format!("no usable identity in {} to try TLS with", dir.display()),
-            "create one with `usbwire identity --create` and have the server allow its fingerprint",
+            format!(
+                "create one with `usbwire identity --create --dir {}` and have the server allow its fingerprint",
+                dir.display()
+            ),
         );
     };
+    // The commands suggested below carry the identity the user named.
+    let identity_flag = args.identity.as_ref().map(|d| format!(" --identity {}", d.display())).unwrap_or_default();
     let fingerprint = identity.fingerprint();
     let known = usbwire_transport::known_servers::KnownServers::in_dir(&dir);
     let security = Security::Tls(std::sync::Arc::new(usbwire_client::TlsClient {
@@ -297,7 +307,9 @@ async fn tls_with_identity(addr: SocketAddr, args: &DoctorArgs) -> Check {
             "tls",
             Verdict::Warn,
             error.to_string(),
-            format!("compare with `usbwire identity` on the server, then `usbwire list -r {addr} --tls --trust-new`"),
+            format!(
+                "compare with `usbwire identity` on the server, then `usbwire list -r {addr} --tls --trust-new{identity_flag}`"
+            ),
         ),
         Err(error @ ClientError::NotAdmitted { .. }) => check(
             "tls",

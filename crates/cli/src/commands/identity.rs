@@ -9,6 +9,7 @@ use usbwire_transport::ca::{CaError, CertificateAuthority};
 use usbwire_transport::key_files::{Existing, KeyFileError};
 use usbwire_transport::{Identity, IdentityError};
 
+use super::common::stdout::outln;
 use crate::args::IdentityArgs;
 use crate::exit::Failure;
 
@@ -17,8 +18,8 @@ pub(crate) fn run(args: IdentityArgs) -> Result<(), Failure> {
     let existing = if args.force { Existing::KeepAsOld } else { Existing::Refuse };
     if let Some(name) = &args.ca_create {
         let (_, kept) = CertificateAuthority::create(&dir, name, existing).map_err(|e| ca_failure(e, &dir))?;
-        println!("created CA {name} in {} (servers trust it with --ca {})", dir.display(), dir.display());
-        print_kept(&kept);
+        outln!("created CA {name} in {} (servers trust it with --ca {})", dir.display(), dir.display())?;
+        print_kept(&kept)?;
         return Ok(());
     }
     if let (Some(name), Some(ca_dir)) = (&args.ca_issue, &args.ca) {
@@ -29,15 +30,15 @@ pub(crate) fn run(args: IdentityArgs) -> Result<(), Failure> {
             super::common::output::print_json(
                 &json!({ "fingerprint": identity.fingerprint().to_string(), "dir": dir, "name": name, "days": args.days, "kept": kept }),
                 false,
-            );
+            )?;
         } else {
-            println!(
+            outln!(
                 "issued {name} by CA {} into {} (valid {} days; admit it with --allow ca:{name})",
                 ca.name(),
                 dir.display(),
                 args.days
-            );
-            print_kept(&kept);
+            )?;
+            print_kept(&kept)?;
         }
         return Ok(());
     }
@@ -58,22 +59,23 @@ pub(crate) fn run(args: IdentityArgs) -> Result<(), Failure> {
         super::common::output::print_json(
             &json!({ "fingerprint": identity.fingerprint().to_string(), "dir": dir, "created": created, "kept": kept }),
             false,
-        );
+        )?;
     } else {
         if created {
-            println!("created a new identity in {}", dir.display());
+            outln!("created a new identity in {}", dir.display())?;
         }
-        print_kept(&kept);
-        println!("{}", identity.fingerprint());
+        print_kept(&kept)?;
+        outln!("{}", identity.fingerprint())?;
     }
     Ok(())
 }
 
 /// Says where replaced files were kept, so nobody thinks them gone.
-fn print_kept(kept: &[PathBuf]) {
+fn print_kept(kept: &[PathBuf]) -> Result<(), Failure> {
     for path in kept {
-        println!("  the replaced file is kept as {}", path.display());
+        outln!("  the replaced file is kept as {}", path.display())?;
     }
+    Ok(())
 }
 
 /// A key already there cannot be created (73); a directory that cannot hold

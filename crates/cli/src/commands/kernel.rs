@@ -19,6 +19,7 @@ use usbwire_client::vhci::{self, VhciError};
 use usbwire_device::record::DeviceJson;
 use usbwire_proto::op::BusId;
 
+use super::common::stdout::{out, outln, status_line};
 use super::common::usb_names::UsbIds;
 use crate::args::{AttachArgs, DetachArgs, PortArgs};
 use crate::exit::Failure;
@@ -108,8 +109,11 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
             vhci::attach(&socket, imported.device.devid(), imported.device.speed, &record).map_err(vhci_failure)?;
         // The kernel holds its own reference to the socket now.
         drop(socket);
-        println!("attached {busid} from {addr} to port {port} ({} speed)", imported.device.speed.for_vhci().name());
-        return Ok(());
+        // Attached, and this command's work done: a report.
+        return outln!(
+            "attached {busid} from {addr} to port {port} ({} speed)",
+            imported.device.speed.for_vhci().name()
+        );
     }
     let upstream = usbwire_client::relay::Upstream {
         addr,
@@ -225,15 +229,14 @@ fn attach_in_background() -> Result<(), Failure> {
         eprint!("{}", errors.join().unwrap_or_default());
     }
     if said.contains("attached ") {
-        print!("{said}");
-        return Ok(());
+        return out!("{said}");
     }
     let status = child.wait().map_err(|e| Failure::software(e.into()))?;
     std::process::exit(status.code().unwrap_or(70));
 }
 
 /// What was attached to `port` and how it is relayed (TLS, transforms, resume, follow), and
-/// how long a lab reservation holds it.
+/// how long a lab reservation holds it. Best effort: the relay runs on without a reader.
 fn print_relayed(
     port: u32,
     imported: &usbwire_client::Imported,
@@ -244,7 +247,7 @@ fn print_relayed(
 ) {
     let device = &imported.device;
     let following = follow.map(|target| target.persistence);
-    println!(
+    status_line!(
         "attached {} from {} to port {port} ({} speed){}{}{}{}; relaying until `usbwire detach -p {port}`",
         record.busid,
         upstream.addr,
@@ -266,11 +269,11 @@ fn print_relayed(
     );
     if let Some(taken) = taken {
         match taken.until {
-            Some(until) => println!(
+            Some(until) => status_line!(
                 "reserved in the lab registry until {}; detached and given back then",
                 humantime::format_rfc3339_seconds(until)
             ),
-            None => println!("reserved in the lab registry; given back on detach"),
+            None => status_line!("reserved in the lab registry; given back on detach"),
         }
     }
 }
@@ -549,33 +552,32 @@ pub(crate) fn port(args: PortArgs) -> Result<(), Failure> {
         let here = usbwire_host::list().unwrap_or_default();
         let names = super::common::usb_names::UsbIds::load();
         let list: Vec<serde_json::Value> = used.iter().map(|p| port_json(p, &here, &names)).collect();
-        super::common::output::print_json(&json!({ "ports": list }), false);
-        return Ok(());
+        return super::common::output::print_json(&json!({ "ports": list }), false);
     }
-    println!("Imported USB devices\n====================");
+    outln!("Imported USB devices\n====================")?;
     for p in used {
-        println!(
+        outln!(
             "Port {:02}: <{}> at {} speed",
             p.port,
             if p.status == 6 { "Port in Use" } else { "Port Initializing" },
             p.speed.name()
-        );
+        )?;
         match vhci::read_record(p.port) {
-            Some(r) => println!("       -> usbip://{}:{}/{}", r.host, r.service, r.busid),
-            None => println!("       -> (no record of the remote device)"),
+            Some(r) => outln!("       -> usbip://{}:{}/{}", r.host, r.service, r.busid)?,
+            None => outln!("       -> (no record of the remote device)")?,
         }
-        println!("       local bus id {}", p.local_busid);
+        outln!("       local bus id {}", p.local_busid)?;
         if let Some(relay) = relay_status(p.port) {
             let state = relay.get("state").and_then(|s| s.as_str()).unwrap_or("unknown");
             let pid = relay.get("pid").and_then(serde_json::Value::as_u64).unwrap_or(0);
-            println!("       relay (pid {pid}): {state}");
+            outln!("       relay (pid {pid}): {state}")?;
             if let Some(follow) = relay.get("follow") {
                 let busid = follow.get("busid").and_then(|b| b.as_str()).unwrap_or("?");
                 let times = follow.get("reattached").and_then(serde_json::Value::as_u64).unwrap_or(0);
-                println!("       following {busid} through re-enumerations: attached again {times} time(s)");
+                outln!("       following {busid} through re-enumerations: attached again {times} time(s)")?;
             }
             if relay.get("auto_attach").and_then(serde_json::Value::as_bool) == Some(true) {
-                println!("       auto-attach: imported anew after every loss, until pid {pid} is stopped");
+                outln!("       auto-attach: imported anew after every loss, until pid {pid} is stopped")?;
             }
         }
     }
@@ -584,6 +586,5 @@ pub(crate) fn port(args: PortArgs) -> Result<(), Failure> {
 
 pub(crate) fn detach(args: DetachArgs) -> Result<(), Failure> {
     vhci::detach(args.port).map_err(vhci_failure)?;
-    println!("port {} detached", args.port);
-    Ok(())
+    outln!("port {} detached", args.port)
 }

@@ -2,14 +2,13 @@
 //! registry, the reservation `attach --registry` takes and the saved tokens
 //! are in `common::registry`; `list --registry` is in `list`.
 
-use std::io::Write as _;
-
 use anyhow::anyhow;
 use usbwire_lab::{FleetDevice, Hold, Lab, LabError, Reservation, DEFAULT_TTL};
 use usbwire_proto::display::escape;
 
 use super::common::output::print_json;
 use super::common::registry::{failure, required, reserve_failure, want, TokenStore};
+use super::common::stdout::outln;
 use crate::args::{ReleaseArgs, ReserveArgs, WhoArgs};
 use crate::exit::Failure;
 
@@ -28,8 +27,21 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<(), Failure> {
     if args.hold_for.is_some() {
         store.save(&url, &reservation).map_err(|e| Failure::io(e.into()))?;
     }
+    let printed = say_reserved(&reservation, &url, args.json);
+    if args.hold_for.is_some() {
+        // Saved and kept whether or not anyone read about it.
+        reservation.keep();
+        return printed;
+    }
+    // Held until stopped, the reservation is what this command is for: a closed stdout
+    // does not end it, its lines were best effort (common::stdout).
+    hold_until_stopped(reservation).await
+}
+
+/// What `reserve` took, and how to attach it.
+fn say_reserved(reservation: &Reservation, url: &str, json: bool) -> Result<(), Failure> {
     let device = &reservation.device;
-    if args.json {
+    if json {
         let value = serde_json::json!({
             "registry": url,
             "server": device.server,
@@ -40,9 +52,9 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<(), Failure> {
             "until_at": reservation.entry.until_at,
             "lease": format!("{:x}", reservation.lease),
         });
-        print_json(&value, false);
+        print_json(&value, false)
     } else {
-        println!(
+        outln!(
             "reserved {} on {} ({} {}:{}){}",
             escape(&device.record.busid),
             escape(&device.server),
@@ -53,19 +65,13 @@ pub(crate) async fn reserve(args: ReserveArgs) -> Result<(), Failure> {
                 Some(until) => format!(" until {until}"),
                 None => " until this command stops (Ctrl-C)".to_owned(),
             }
-        );
-        println!(
+        )?;
+        outln!(
             "  attach it: usbwire attach --registry {url} --device server={},{}",
             escape(&device.server),
             escape(&device.record.busid)
-        );
+        )
     }
-    let _ = std::io::stdout().flush();
-    if args.hold_for.is_some() {
-        reservation.keep();
-        return Ok(());
-    }
-    hold_until_stopped(reservation).await
 }
 
 /// Holds a reservation made without `--for` until SIGINT/SIGTERM, then gives it back.
@@ -102,9 +108,9 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<(), Failure> {
         let token = if args.force { None } else { token };
         match lab.release(server, busid, token.as_ref()).await {
             Ok(entry) => {
-                println!("released {} on {} (was held by {})", escape(busid), escape(server), escape(&entry.holder));
                 store.forget(&url, server, busid);
                 released += 1;
+                outln!("released {} on {} (was held by {})", escape(busid), escape(server), escape(&entry.holder))?;
             }
             Err(error @ LabError::NotReserved { .. }) => eprintln!("usbwire: {error}"),
             Err(error) => return Err(failure(error)),
@@ -137,17 +143,15 @@ pub(crate) async fn who(args: WhoArgs) -> Result<(), Failure> {
     let fleet = lab.fleet().await.map_err(failure)?;
     let held: Vec<&FleetDevice> = fleet.devices.iter().filter(|d| d.reservation.is_some()).collect();
     if args.json {
-        print_json(&serde_json::json!({ "reservations": held }), true);
-        return Ok(());
+        return print_json(&serde_json::json!({ "reservations": held }), true);
     }
     if held.is_empty() {
-        println!("no device is reserved ({} registered)", fleet.devices.len());
-        return Ok(());
+        return outln!("no device is reserved ({} registered)", fleet.devices.len());
     }
     for device in held {
         let Some(reservation) = &device.reservation else { continue };
         let entry = &device.device;
-        println!(
+        outln!(
             "{} {:<6} {:<22} {} ({}, pid {}) since {}{}",
             escape(&entry.server),
             escape(&entry.record.busid),
@@ -157,7 +161,7 @@ pub(crate) async fn who(args: WhoArgs) -> Result<(), Failure> {
             reservation.pid,
             escape(&reservation.since_at),
             reservation.until_at.as_ref().map(|u| format!(" until {}", escape(u))).unwrap_or_default()
-        );
+        )?;
     }
     Ok(())
 }

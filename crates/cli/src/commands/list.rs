@@ -3,8 +3,6 @@
 //! `list -l` for this machine's devices, `list -d` for servers found by
 //! mDNS, `list --registry [--watch]` for the lab registry's fleet.
 
-use std::io::Write as _;
-
 use anyhow::anyhow;
 use serde_json::json;
 use usbwire_lab::{Endpoint, Fleet, FleetDevice, Lab};
@@ -14,6 +12,7 @@ use super::common::device_json::{listed, local};
 use super::common::output::print_json;
 use super::common::peer::resolve;
 use super::common::registry::{failure, required};
+use super::common::stdout::{out, outln};
 use super::common::usb_names::{class_name, format_like_usbip, UsbIds};
 use crate::args::ListArgs;
 use crate::args::RegistryArgs;
@@ -34,7 +33,7 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     let devices = usbwire_client::list_devices(addr, &security).await?;
     if args.parsable {
         for d in &devices {
-            print!("{}", parsable_line(d.busid.as_str(), d.id_vendor, d.id_product));
+            out!("{}", parsable_line(d.busid.as_str(), d.id_vendor, d.id_product))?;
         }
         return Ok(());
     }
@@ -50,15 +49,14 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     let names = UsbIds::load();
     if args.json {
         let devices = listed(&devices, states, &names);
-        print_json(&json!({ "host": remote, "devices": devices }), false);
-    } else {
-        let verbose = super::common::process::verbosity() > 0;
-        print!("{}", format_like_usbip(remote, &devices, &names, verbose));
-        // Who holds what (usbwire servers) is ours, not usbip's: with -v.
-        if let (true, Some(states)) = (verbose, states) {
-            print!("{}", format_in_use(states));
-            print!("{}", format_reserved(states));
-        }
+        return print_json(&json!({ "host": remote, "devices": devices }), false);
+    }
+    let verbose = super::common::process::verbosity() > 0;
+    out!("{}", format_like_usbip(remote, &devices, &names, verbose))?;
+    // Who holds what (usbwire servers) is ours, not usbip's: with -v.
+    if let (true, Some(states)) = (verbose, states) {
+        out!("{}", format_in_use(states))?;
+        out!("{}", format_reserved(states))?;
     }
     Ok(())
 }
@@ -164,20 +162,20 @@ async fn discovered(args: &ListArgs) -> Result<(), Failure> {
             }
             records.push(record);
         } else {
-            println!("{}", found_server_line(server, &host));
+            outln!("{}", found_server_line(server, &host))?;
             match &listing {
                 Ok(devices) => {
-                    print!("{}", format_like_usbip(&host, devices, &names, super::common::process::verbosity() > 0))
+                    out!("{}", format_like_usbip(&host, devices, &names, super::common::process::verbosity() > 0))?
                 }
-                Err(error) => println!("  {}", escape(error)),
+                Err(error) => outln!("  {}", escape(error))?,
             }
-            println!();
+            outln!()?;
         }
     }
     if args.json {
-        print_json(&json!({ "servers": records }), false);
+        print_json(&json!({ "servers": records }), false)?;
     } else if servers.is_empty() {
-        println!("no USB/IP servers answered within {:.1} s (mDNS, _usbip._tcp)", wait.as_secs_f64());
+        outln!("no USB/IP servers answered within {:.1} s (mDNS, _usbip._tcp)", wait.as_secs_f64())?;
     }
     Ok(())
 }
@@ -219,19 +217,17 @@ fn local_devices(json: bool, parsable: bool) -> Result<(), Failure> {
     let devices = usbwire_host::list().map_err(|error| Failure::unavailable(error.into()))?;
     if parsable {
         for d in as_usbip_lists(&devices) {
-            print!("{}", parsable_line(&d.busid, d.vendor_id, d.product_id));
+            out!("{}", parsable_line(&d.busid, d.vendor_id, d.product_id))?;
         }
         return Ok(());
     }
     let names = UsbIds::load();
     if json {
         let devices: Vec<_> = devices.iter().map(|d| local(d, &names)).collect();
-        print_json(&json!({ "devices": devices }), false);
-        return Ok(());
+        return print_json(&json!({ "devices": devices }), false);
     }
     if devices.is_empty() {
-        println!("no USB devices on this machine");
-        return Ok(());
+        return outln!("no USB devices on this machine");
     }
     for d in &devices {
         let vendor =
@@ -242,24 +238,24 @@ fn local_devices(json: bool, parsable: bool) -> Result<(), Failure> {
             .or_else(|| names.product(d.vendor_id, d.product_id))
             .unwrap_or_else(|| "unknown product".into());
         // A device chooses its own strings (think of a hostile USB stick).
-        println!(" - busid {} ({:04x}:{:04x})", d.busid, d.vendor_id, d.product_id);
-        print!("   {} : {}, {} speed", escape(&vendor), escape(&product), d.speed.name());
+        outln!(" - busid {} ({:04x}:{:04x})", d.busid, d.vendor_id, d.product_id)?;
+        out!("   {} : {}, {} speed", escape(&vendor), escape(&product), d.speed.name())?;
         match &d.serial {
-            Some(serial) => println!(", serial {}", escape(serial)),
-            None => println!(),
+            Some(serial) => outln!(", serial {}", escape(serial))?,
+            None => outln!()?,
         }
         for i in &d.interfaces {
             let driver = i.driver.as_deref().unwrap_or("(none)");
-            println!(
+            outln!(
                 "   {}: {:02x}/{:02x}/{:02x} {} - driver {driver}",
                 i.number,
                 i.class,
                 i.subclass,
                 i.protocol,
                 class_name(i.class)
-            );
+            )?;
         }
-        println!();
+        outln!()?;
     }
     Ok(())
 }
@@ -270,11 +266,11 @@ async fn registry_list(args: &RegistryArgs, json: bool, watch: bool) -> Result<(
     let fleet = lab.fleet().await.map_err(failure)?;
     if json && watch {
         // One JSON document per line: the fleet, then each change.
-        print_json(&fleet, false);
+        print_json(&fleet, false)?;
     } else if json {
-        print_json(&fleet, true);
+        print_json(&fleet, true)?;
     } else {
-        print_fleet(lab.endpoint(), &fleet);
+        print_fleet(lab.endpoint(), &fleet)?;
     }
     if !watch {
         return Ok(());
@@ -292,19 +288,18 @@ async fn registry_list(args: &RegistryArgs, json: bool, watch: bool) -> Result<(
         };
         for change in batch {
             if json {
-                print_json(&change, false);
+                print_json(&change, false)?;
             } else {
                 let what = match &change.busid {
                     Some(busid) => format!("{} {} {}", change.what, escape(&change.server), escape(busid)),
                     None => format!("{} {}", change.what, escape(&change.server)),
                 };
                 match &change.entry {
-                    None => println!("- {what} removed"),
-                    Some(entry) => println!("+ {what}: {}", summary(entry)),
+                    None => outln!("- {what} removed")?,
+                    Some(entry) => outln!("+ {what}: {}", summary(entry))?,
                 }
             }
         }
-        let _ = std::io::stdout().flush();
     }
 }
 
@@ -328,30 +323,31 @@ fn summary(entry: &serde_json::Value) -> String {
     }
 }
 
-fn print_fleet(endpoint: &Endpoint, fleet: &Fleet) {
+fn print_fleet(endpoint: &Endpoint, fleet: &Fleet) -> Result<(), Failure> {
     let free = fleet.devices.iter().filter(|d| d.is_free()).count();
-    println!(
+    outln!(
         "lab registry {}: {} server(s), {} device(s), {free} free",
         endpoint.url,
         fleet.servers.len(),
         fleet.devices.len()
-    );
+    )?;
     for server in &fleet.servers {
         let security = match (&server.tls_fingerprint, server.plain) {
             (Some(fingerprint), true) => format!("TLS {}, plain too", escape(fingerprint)),
             (Some(fingerprint), false) => format!("TLS only, {}", escape(fingerprint)),
             (None, _) => "plain".to_owned(),
         };
-        println!(
+        outln!(
             "{}  {} {} ({security})",
             escape(&server.address),
             escape(&server.implementation),
             escape(&server.version)
-        );
+        )?;
         for device in fleet.devices.iter().filter(|d| d.device.server == server.address) {
-            println!("    {}", device_line(device));
+            outln!("    {}", device_line(device))?;
         }
     }
+    Ok(())
 }
 
 fn device_line(device: &FleetDevice) -> String {

@@ -8,6 +8,7 @@ use anyhow::anyhow;
 use usbwire_server::{control_request, default_control_path, ControlErrorKind, ControlRequest, ControlResponse};
 use usbwire_transport::devstate::CountedDevice;
 
+use super::common::stdout::outln;
 use crate::args::{BindArgs, CaptureArgs, ControlArgs, StateArgs, TypeArgs, UnbindArgs};
 use crate::exit::Failure;
 
@@ -49,13 +50,12 @@ pub(crate) async fn state(args: StateArgs) -> Result<(), Failure> {
     let devices = response.devices.unwrap_or_default();
     if args.json {
         let records: Vec<CountedDevice> = devices.iter().map(CountedDevice::from).collect();
-        super::common::output::print_json(&serde_json::json!({ "devices": records }), false);
-        return Ok(());
+        return super::common::output::print_json(&serde_json::json!({ "devices": records }), false);
     }
-    println!("{:<6} {:<9} {:<10} {:<10} {:<22} since", "busid", "kind", "id", "state", "client");
+    outln!("{:<6} {:<9} {:<10} {:<10} {:<22} since", "busid", "kind", "id", "state", "client")?;
     for d in devices {
         let since = d.since.map(super::common::output::rfc3339).unwrap_or_default();
-        println!(
+        outln!(
             "{:<6} {:<9} {:<10} {:<10} {:<22} {}",
             d.busid,
             d.kind,
@@ -63,7 +63,7 @@ pub(crate) async fn state(args: StateArgs) -> Result<(), Failure> {
             d.state,
             d.client.unwrap_or_else(|| "-".into()),
             since
-        );
+        )?;
     }
     Ok(())
 }
@@ -72,18 +72,18 @@ pub(crate) async fn bind(args: BindArgs) -> Result<(), Failure> {
     let response = match (&args.busid, &args.device) {
         (Some(busid), _) => {
             let response = ask(&args.control, ControlRequest::Bind { busid: busid.clone() }).await?;
-            println!("bind device on busid {busid}: complete");
+            outln!("bind device on busid {busid}: complete")?;
             response
         }
         (None, Some(device)) => {
             let response = ask(&args.control, ControlRequest::BindDevice { device: device.clone() }).await?;
             let busids = response.busids.clone().unwrap_or_default();
             if busids.is_empty() {
-                println!("bind {device}: no such device is plugged in now; it is exported when one is");
+                outln!("bind {device}: no such device is plugged in now; it is exported when one is")?;
             } else {
-                println!("bind {device}: exported {}", busids.join(", "));
+                outln!("bind {device}: exported {}", busids.join(", "))?;
             }
-            println!("  kept across server restarts until `usbwire unbind --device {device}`");
+            outln!("  kept across server restarts until `usbwire unbind --device {device}`")?;
             response
         }
         (None, None) => return Err(Failure::usage(anyhow!("bind needs -b BUSID or --device SELECTOR"))),
@@ -107,28 +107,27 @@ pub(crate) async fn capture(args: CaptureArgs) -> Result<(), Failure> {
     };
     ask(&args.control, ControlRequest::Capture { dir: dir.clone() }).await?;
     match dir {
-        Some(dir) => println!("capturing every import into {} (usbwire capture --stop ends it)", dir.display()),
-        None => println!("capture stopped"),
+        Some(dir) => outln!("capturing every import into {} (usbwire capture --stop ends it)", dir.display()),
+        None => outln!("capture stopped"),
     }
-    Ok(())
 }
 
 pub(crate) async fn unbind(args: UnbindArgs) -> Result<(), Failure> {
     let response = match (&args.busid, &args.device, args.all) {
         (Some(busid), _, _) => {
             let response = ask(&args.control, ControlRequest::Unbind { busid: busid.clone() }).await?;
-            println!("unbind device on busid {busid}: complete");
+            outln!("unbind device on busid {busid}: complete")?;
             response
         }
         (None, Some(device), _) => {
             let response = ask(&args.control, ControlRequest::UnbindDevice { device: device.clone() }).await?;
             let busids = response.busids.clone().unwrap_or_default();
-            println!("unbind {device}: {}", withdrawn(&busids));
+            outln!("unbind {device}: {}", withdrawn(&busids))?;
             response
         }
         (None, None, true) => {
             let response = ask(&args.control, ControlRequest::UnbindAll).await?;
-            println!("unbind all: {}", withdrawn(&response.busids.clone().unwrap_or_default()));
+            outln!("unbind all: {}", withdrawn(&response.busids.clone().unwrap_or_default()))?;
             response
         }
         (None, None, false) => {

@@ -5,6 +5,7 @@ use anyhow::anyhow;
 use usbwire_client::redir::{self, GuestSide, Source, WantedDevice};
 use usbwire_proto::op::BusId;
 
+use super::common::stdout::status_line;
 use crate::args::RedirArgs;
 use crate::config::RedirListen;
 use crate::exit::Failure;
@@ -26,7 +27,7 @@ pub(crate) async fn run(args: RedirArgs) -> Result<(), Failure> {
                 };
                 let listener =
                     super::common::local_server::bind_unix_guest_socket(&path, group).map_err(Failure::config)?;
-                println!("usbredir for {} on unix:{}", args.device.busid, path.display());
+                status_line!("usbredir for {} on unix:{}", args.device.busid, path.display());
                 boxed(redir::serve_listener(source, listener))
             }
             RedirListen::Tcp(_) if args.group.is_some() => {

@@ -12,6 +12,7 @@ use usbwire_transport::known_servers::KnownServers;
 use usbwire_transport::Identity;
 
 use super::common::local_server::{bind_unix_guest_socket, build, warn_if_open, DiskLinks};
+use super::common::stdout::status_line;
 use crate::args::ServeArgs;
 use crate::config::{FileConfig, RedirListen, RedirRule, VirtualSpec};
 use crate::exit::Failure;
@@ -139,18 +140,18 @@ fn configure(args: &ServeArgs, file: &FileConfig, no_virtual_devices: bool) -> R
 
 /// Where the server listens, what it exports and what else it serves, once it is bound.
 fn print_serving(bound: &usbwire_server::BoundServer, exported: &[String], capture_dir: Option<&std::path::Path>) {
-    println!("usbwire serving on {}", bound.local_addr());
+    status_line!("usbwire serving on {}", bound.local_addr());
     for line in exported {
-        println!("  {line}");
+        status_line!("  {line}");
     }
     if let Some(addr) = bound.metrics_addr() {
-        println!("  metrics on http://{addr}/metrics");
+        status_line!("  metrics on http://{addr}/metrics");
     }
     if let Some(addr) = bound.http_addr() {
-        println!("  status page on http://{addr}/");
+        status_line!("  status page on http://{addr}/");
     }
     if let Some(capture) = capture_dir {
-        println!("  capturing imports into {}", capture.display());
+        status_line!("  capturing imports into {}", capture.display());
     }
 }
 
@@ -161,7 +162,7 @@ fn start_publishing(
     bound: &usbwire_server::BoundServer,
     stopped: tokio::sync::oneshot::Receiver<()>,
 ) -> tokio::task::JoinHandle<()> {
-    println!("  registering in the lab registry {} as {}", registration.endpoint.url, registration.server.address);
+    status_line!("  registering in the lab registry {} as {}", registration.endpoint.url, registration.server.address);
     let stop = async move {
         let _ = stopped.await;
     };
@@ -288,7 +289,7 @@ async fn start_redir_bridges(
     let mut bridges = Vec::new();
     for rule in rules {
         let listener = bind_redir_listener(rule).await?;
-        println!("  usbredir for {} on {}", rule.device, rule.listen);
+        status_line!("  usbredir for {} on {}", rule.device, rule.listen);
         let selector = rule.device.clone();
         let device = WantedDevice::Matching {
             rule: rule.device.to_string(),
@@ -389,7 +390,7 @@ fn advertise(bound: &usbwire_server::BoundServer) -> Option<tokio::task::JoinHan
             return None;
         }
     };
-    println!("advertised as {} (mDNS; --no-advertise to stay quiet)", advertisement.fullname());
+    status_line!("advertised as {} (mDNS; --no-advertise to stay quiet)", advertisement.fullname());
     Some(tokio::spawn(async move {
         loop {
             tokio::time::sleep(std::time::Duration::from_secs(2)).await;
@@ -423,9 +424,9 @@ fn security(args: &ServeArgs, file: &FileConfig, redir: &[RedirRule]) -> Result<
         .with_context(|| format!("server identity in {}", dir.display()))
         .map_err(Failure::config)?;
     if created {
-        println!("created server identity in {}", dir.display());
+        status_line!("created server identity in {}", dir.display());
     }
-    println!("server key fingerprint {} (clients pin it on first use)", identity.fingerprint());
+    status_line!("server key fingerprint {} (clients pin it on first use)", identity.fingerprint());
     let plain = match args.allow_plain.as_deref().or(file.allow_plain.as_deref()).unwrap_or("loopback") {
         "never" => PlainPolicy::Never,
         "loopback" => PlainPolicy::Loopback,

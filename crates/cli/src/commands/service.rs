@@ -23,6 +23,7 @@ use usbwire_client::vhci::{self, VhciError};
 use usbwire_client::{Backoff, Security};
 use usbwire_device::DeviceFacts;
 
+use super::common::stdout::status_line;
 use crate::args::{ClientArgs, ClientSecurityArgs};
 use crate::config::{AttachRule, ClientConfig};
 use crate::exit::Failure;
@@ -50,7 +51,7 @@ pub(crate) async fn run(args: ClientArgs) -> Result<(), Failure> {
     tokio::pin!(shutdown);
     let mut running: Vec<Running> = Vec::new();
     apply(&config, &mut running).await?;
-    println!("usbwire client keeping {} rule(s) attached from {}", running.len(), args.config.display());
+    status_line!("usbwire client keeping {} rule(s) attached from {}", running.len(), args.config.display());
     super::common::process::notify_ready();
     loop {
         tokio::select! {

@@ -35,7 +35,7 @@ pub(crate) fn run(args: UdevRulesArgs) -> Result<(), Failure> {
         )));
     }
     let text = rules(&selectors, &args.group, &args.config.display().to_string()).map_err(Failure::config)?;
-    print!("{text}");
+    super::common::stdout::out!("{text}")?;
     for selector in selectors.iter().filter(|s| matches!(s, Selector::Class(_))) {
         eprintln!(
             "usbwire: {} gets no rule: a class rule would open every such device; add the devices' VID:PID or \

@@ -45,11 +45,10 @@ pub(crate) fn run(args: &VersionArgs) -> Result<(), Failure> {
             "extensions": extensions,
             "lab_record_version": usbwire_lab::SCHEMA_VERSION,
         });
-        super::common::output::print_json(&document, false);
+        super::common::output::print_json(&document, false)
     } else {
-        println!("usbwire {}", version_text());
+        super::common::stdout::outln!("usbwire {}", version_text())
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! What several verbs share, so that no verb borrows from another's module:
 //! reaching a server ([`peer`]), the lab registry ([`registry`]), the
-//! process around a command ([`process`]), printed output ([`output`],
-//! [`usb_names`], [`description`], [`device_json`]), building a local server
+//! process around a command ([`process`]), printed output ([`stdout`],
+//! [`output`], [`usb_names`], [`description`], [`device_json`]), building a local server
 //! ([`local_server`]) and the bench matrix ([`bench_matrix`]).
 
 pub(crate) mod bench_matrix;
@@ -12,4 +12,5 @@ pub(crate) mod output;
 pub(crate) mod peer;
 pub(crate) mod process;
 pub(crate) mod registry;
+pub(crate) mod stdout;
 pub(crate) mod usb_names;

@@ -11,14 +11,15 @@ use usbwire_device::record::JSON_SCHEMA_VERSION;
 use usbwire_proto::display::needs_escape;
 
 /// Prints a `--json` document: `schema_version` added at its top, strings
-/// made terminal-safe, on one line (`pretty`: indented).
-pub(crate) fn print_json(value: &impl serde::Serialize, pretty: bool) {
+/// made terminal-safe, on one line (`pretty`: indented). A report: see
+/// [`super::stdout`] for what a closed stdout does.
+pub(crate) fn print_json(value: &impl serde::Serialize, pretty: bool) -> Result<(), crate::exit::Failure> {
     let mut value = serde_json::to_value(value).unwrap_or(serde_json::Value::Null);
     if let Some(object) = value.as_object_mut() {
         object.insert("schema_version".into(), JSON_SCHEMA_VERSION.into());
     }
     let text = if pretty { serde_json::to_string_pretty(&value) } else { serde_json::to_string(&value) };
-    println!("{}", terminal_safe_json(text.unwrap_or_default()));
+    super::stdout::outln!("{}", terminal_safe_json(text.unwrap_or_default()))
 }
 
 /// RFC 3339 (UTC, to the second) for a Unix time.
