@@ -91,8 +91,19 @@ fn a_plain_client_on_a_tls_server_sees_and_imports_nothing_unless_a_rule_names_p
     let tls = ["--tls", "--trust-new", "--identity", alice_dir.to_str().unwrap()];
     assert_eq!(busids(&usbwire(&[&["list", "-r", &served.addr, "--json"][..], &tls[..]].concat())), ["0-1"]);
     // A plain client from 127.0.0.1 is accepted (--allow-plain loopback) but is the identity
-    // `plain`, which no rule names: it lists nothing and its import is refused.
-    assert!(busids(&usbwire(&["list", "-r", &served.addr, "--json"])).is_empty());
+    // `plain`, which no rule names: it sees nothing and its import is refused, and since the
+    // server shows its devices to TLS clients only, it is told to add --tls rather than shown
+    // an empty list (exit 77, not admitted).
+    for list in [
+        &["list", "-r", &served.addr][..],
+        &["list", "-r", &served.addr, "--json"],
+        &["list", "-r", &served.addr, "-p"],
+    ] {
+        let out = usbwire(list);
+        assert_eq!(out.status.code(), Some(77), "{list:?}: {}", stderr_of(&out));
+        assert!(stderr_of(&out).contains("TLS clients only: add --tls"), "{list:?}: {}", stderr_of(&out));
+        assert!(out.stdout.is_empty(), "{list:?}: no empty list printed");
+    }
     for busid in ["0-1", "0-2"] {
         let out = usbwire(&["describe", "-r", &served.addr, "-b", busid]);
         assert!(
@@ -100,7 +111,12 @@ fn a_plain_client_on_a_tls_server_sees_and_imports_nothing_unless_a_rule_names_p
             "plain import of {busid} must be refused: {}",
             String::from_utf8_lossy(&out.stdout)
         );
+        assert!(stderr_of(&out).contains("add --tls"), "the refusal says why: {}", stderr_of(&out));
     }
+    let doctor = usbwire(&["doctor", "-r", &served.addr, "--identity", alice_dir.to_str().unwrap()]);
+    let said = String::from_utf8_lossy(&doctor.stdout);
+    assert!(said.contains("shows its devices to TLS clients only"), "{said}");
+    assert!(!said.contains("0 devices available"), "{said}");
     drop(served);
 
     // A rule naming `plain` gives it that device, and only that one.
@@ -111,6 +127,12 @@ fn a_plain_client_on_a_tls_server_sees_and_imports_nothing_unless_a_rule_names_p
     assert!(out.status.success(), "plain import of 0-2 must work: {}", stderr_of(&out));
     let out = usbwire(&["describe", "-r", &served.addr, "-b", "0-1"]);
     assert!(!out.status.success(), "0-1 is Alice's only");
+    drop(served);
+
+    // A rule naming `plain` that gives it nothing: an empty list is the server's real answer.
+    let dir = scratch("plain-nothing");
+    let served = tls_server(&dir, &alice, "\n[[allow]]\nclient = \"plain\"\ndevices = [\"9-9\"]\n");
+    assert!(busids(&usbwire(&["list", "-r", &served.addr, "--json"])).is_empty());
 }
 
 #[test]

@@ -249,6 +249,15 @@ async fn remote_server(remote: &str, args: &DoctorArgs) -> Vec<Check> {
         }
     }
     match usbwire_client::list_devices(addr, &Security::Plain).await {
+        Ok(devices) if devices.is_empty() && tls_required(addr).await => {
+            checks.push(check(
+                "usbip",
+                Verdict::Warn,
+                "answers plain USB/IP, but shows its devices to TLS clients only: a plain client sees none",
+                "use --tls (and allow this machine's `usbwire identity` fingerprint on the server)",
+            ));
+            checks.push(tls_with_identity(addr, args).await);
+        }
         Ok(devices) => checks.push(check(
             "usbip",
             Verdict::Ok,
@@ -269,6 +278,12 @@ async fn remote_server(remote: &str, args: &DoctorArgs) -> Vec<Check> {
         }
     }
     checks
+}
+
+/// Whether a usbwire server says a plain client must use TLS to see any
+/// device (`tls_required` in its device state; other servers never do).
+async fn tls_required(addr: SocketAddr) -> bool {
+    matches!(usbwire_client::server_state(addr, &Security::Plain).await, Ok(Some(document)) if document.tls_required)
 }
 
 /// Tries TLS with this machine's identity, pinning nothing: does the server

@@ -31,20 +31,28 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     let addr = resolve(remote, args.tcp_port).await?;
     let security = super::common::peer::client_security(&args.security)?;
     let devices = usbwire_client::list_devices(addr, &security).await?;
+    // usbwire servers also say what is in use and by whom, and whether a
+    // plain client must use TLS to see anything; others do not, and that is fine.
+    let document = if args.parsable && !devices.is_empty() {
+        None
+    } else {
+        match usbwire_client::server_state(addr, &security).await {
+            Ok(document) => document,
+            Err(error) => {
+                tracing::debug!(%error, "no device state from this server");
+                None
+            }
+        }
+    };
+    if devices.is_empty() && document.as_ref().is_some_and(|d| d.tls_required) {
+        return Err(Failure::not_admitted(anyhow!("{remote}: {}", usbwire_client::refusal::TLS_REQUIRED)));
+    }
     if args.parsable {
         for d in &devices {
             out!("{}", parsable_line(d.busid.as_str(), d.id_vendor, d.id_product))?;
         }
         return Ok(());
     }
-    // usbwire servers also say what is in use and by whom; others do not, and that is fine.
-    let document = match usbwire_client::server_state(addr, &security).await {
-        Ok(document) => document,
-        Err(error) => {
-            tracing::debug!(%error, "no device state from this server");
-            None
-        }
-    };
     let states = document.as_ref().map(|d| d.devices.as_slice());
     let names = UsbIds::load();
     if args.json {
