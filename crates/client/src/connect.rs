@@ -199,6 +199,7 @@ pub(crate) fn closed_early(error: ClientError, addr: SocketAddr, security: &Secu
             return ClientError::NotAdmitted {
                 addr: addr.to_string(),
                 fingerprint: tls.identity.fingerprint().to_string(),
+                issued_by: tls.identity.issued_by().map(|(ca, name)| (ca.to_owned(), name.to_owned())),
             }
         }
         (Some(rustls::AlertDescription::CertificateExpired), _) => {

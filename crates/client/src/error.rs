@@ -51,10 +51,10 @@ pub enum ClientError {
     )]
     Tls { addr: String, reason: String },
     /// TLS: the server does not admit this client's identity (an access-denied alert).
-    #[error(
-        "{addr} does not admit this client (identity {fingerprint}): ask its administrator to allow it (`usbwire serve --allow {fingerprint}`, or an [[allow]] rule)"
-    )]
-    NotAdmitted { addr: String, fingerprint: String },
+    /// `issued_by` (CA, name) for a CA-issued identity: then a fingerprint rule is
+    /// not what to ask for, the CA and the name are.
+    #[error("{addr} does not admit this client ({})", not_admitted_advice(.fingerprint, .issued_by))]
+    NotAdmitted { addr: String, fingerprint: String, issued_by: Option<(String, String)> },
     /// TLS: the server refused this client's CA-issued certificate as expired or not yet valid.
     #[error(
         "{addr} refused this client's certificate as expired or not yet valid: have the CA issue a new one (`usbwire identity --ca-issue NAME --days N`) and check this machine's clock"
@@ -134,6 +134,22 @@ impl TransferError {
             Status::ENODEV | Status::ESHUTDOWN => Self::DeviceGone,
             other => Self::Failed(other),
         })
+    }
+}
+
+/// What a refused client should ask the server's administrator for.
+fn not_admitted_advice(fingerprint: &str, issued_by: &Option<(String, String)>) -> String {
+    match issued_by {
+        Some((ca, name)) => format!(
+            "its certificate was issued by CA {ca} for {name}): the server does not trust that CA, or no rule admits \
+             `ca:{name}`; ask its administrator to trust the CA (`--ca DIR/ca.crt`) and allow `ca:{name}`, or to \
+             issue this client a new identity from the CA the server trusts (`usbwire identity --ca CA_DIR \
+             --ca-issue {name} --dir DIR --force`"
+        ),
+        None => format!(
+            "identity {fingerprint}): ask its administrator to allow it (`usbwire serve --allow {fingerprint}`, or an \
+             [[allow]] rule"
+        ),
     }
 }
 

@@ -377,6 +377,10 @@ async fn a_private_ca_admits_the_names_it_issued_and_nothing_else() {
     let fake_bob = other.issue("bob", 30).unwrap();
     let result = usbwire_client::list_devices(setup.addr, &client(&fake_bob, "fake-known")).await;
     assert!(refused(&result), "{result:?}");
+    // The refusal names the CA and the name, not a fingerprint rule that would admit one key.
+    let said = result.unwrap_err().to_string();
+    assert!(said.contains("issued by CA other for bob") && said.contains("allow `ca:bob`"), "{said}");
+    assert!(!said.contains("--allow sha256"), "{said}");
     // Bob's certificate, expired.
     let now = time::OffsetDateTime::now_utc();
     let old_bob = ca.issue_valid("bob", now - time::Duration::days(30), now - time::Duration::days(1)).unwrap();

@@ -12,7 +12,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::CertificateError;
 
-use crate::identity::{Identity, IdentityError};
+use crate::identity::{Identity, IdentityError, ISSUED_BY_PREFIX};
 use crate::key_files::{write_key_files, Existing, KeyFile, KeyFileError};
 
 const CA_CERT_FILE: &str = "ca.crt";
@@ -121,7 +121,9 @@ impl CertificateAuthority {
         params.not_before = not_before;
         params.not_after = not_after;
         let certificate = params.signed_by(&key, &self.certificate, &self.key).map_err(generate_error)?;
-        Ok(Identity::from_parts(certificate.der().clone(), &certificate.pem(), &key)?)
+        // Beside the PEM (parsers skip text before it): what a refusal names (`Identity::issued_by`).
+        let certificate_pem = format!("{ISSUED_BY_PREFIX}{} for {name}\n{}", self.name, certificate.pem());
+        Ok(Identity::from_parts(certificate.der().clone(), &certificate_pem, &key)?)
     }
 }
 
@@ -187,6 +189,13 @@ mod tests {
         let trusted = TrustedCa::load(&dir).unwrap();
         let bob = ca.issue("bob", 30).unwrap();
         assert_eq!(trusted.check(bob.certificate(), "bob"), Ok(()));
+        assert_eq!(bob.issued_by(), Some(("fleet", "bob")));
+        assert_eq!(Identity::generate("bob").unwrap().issued_by(), None, "self-made");
+        // The note survives a save and a load, and the certificate still parses.
+        let saved = scratch("fleet-bob");
+        bob.save(&saved.path(), Existing::Refuse).unwrap();
+        let loaded = Identity::load(&saved.path()).unwrap();
+        assert_eq!((loaded.issued_by(), loaded.fingerprint()), (Some(("fleet", "bob")), bob.fingerprint()));
         assert_eq!(trusted.check(bob.certificate(), "eve"), Err(CertificateError::NotValidForName));
         let now = time::OffsetDateTime::now_utc();
         let expired = ca.issue_valid("bob", now - time::Duration::days(10), now - time::Duration::days(1)).unwrap();

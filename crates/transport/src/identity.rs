@@ -18,6 +18,9 @@ use sha2::{Digest, Sha256};
 
 use crate::key_files::{write_key_files, Existing, KeyFile, KeyFileError};
 
+/// The line a CA-issued certificate's file starts with: `PREFIX CA for NAME`.
+pub(crate) const ISSUED_BY_PREFIX: &str = "# issued by usbwire CA ";
+
 const CERT_FILE: &str = "identity.crt";
 const KEY_FILE: &str = "identity.key";
 
@@ -126,6 +129,13 @@ impl Identity {
 
     pub fn fingerprint(&self) -> Fingerprint {
         Fingerprint::of(&self.certificate)
+    }
+
+    /// For an identity `usbwire identity --ca-issue` made: the CA's name and
+    /// the name it was issued for, as noted beside the certificate (`None`
+    /// for a self-made identity, or one issued before the note was written).
+    pub fn issued_by(&self) -> Option<(&str, &str)> {
+        self.certificate_pem.lines().next()?.strip_prefix(ISSUED_BY_PREFIX)?.rsplit_once(" for ")
     }
 
     /// The certificate presented to peers.
