@@ -117,6 +117,13 @@ fn a_plain_client_on_a_tls_server_sees_and_imports_nothing_unless_a_rule_names_p
     let said = String::from_utf8_lossy(&doctor.stdout);
     assert!(said.contains("shows its devices to TLS clients only"), "{said}");
     assert!(!said.contains("0 devices available"), "{said}");
+    // An identity that has not pinned this server yet: the suggested command carries it.
+    let carol_dir = dir.join("carol");
+    identity(&carol_dir);
+    let doctor = usbwire(&["doctor", "-r", &served.addr, "--identity", carol_dir.to_str().unwrap()]);
+    let said = String::from_utf8_lossy(&doctor.stdout);
+    let suggested = format!("--tls --trust-new --identity {}`", carol_dir.display());
+    assert!(said.contains(&suggested), "{said}");
     drop(served);
 
     // A rule naming `plain` gives it that device, and only that one.
