@@ -146,15 +146,9 @@ impl<K> KernelFront<K> {
         let limits = Limits::default();
         let session = &mut self.session;
         while session.wants_commands() {
-            // vhci sends isochronous descriptors exactly when the URB has packets
-            // (number_of_packets is 0 otherwise); the kernel is trusted here.
-            let iso = self.kernel_in.len() >= urb::HEADER_LEN
-                && i32::from_be_bytes([
-                    self.kernel_in[0x20],
-                    self.kernel_in[0x21],
-                    self.kernel_in[0x22],
-                    self.kernel_in[0x23],
-                ]) > 0;
+            // vhci sends isochronous descriptors exactly when the URB has packets:
+            // the kernel is trusted here.
+            let iso = urb::announces_iso_packets(&self.kernel_in);
             let message = urb::decode_command(&mut self.kernel_in, &limits, |_, _| iso)
                 .map_err(|error| RelayError::Kernel(error.to_string()))?;
             let Some(message) = message else { return Ok(()) };

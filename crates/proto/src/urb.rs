@@ -260,6 +260,17 @@ pub enum ServerMessage {
     Unlink(RetUnlink),
 }
 
+/// Whether the CMD_SUBMIT whose header starts `buf` announces isochronous
+/// packets (`number_of_packets` > 0), for a sender that is trusted to
+/// announce them exactly when its endpoint is isochronous, as vhci-hcd does:
+/// a relay of the kernel's commands passes it to [`decode_command`] as
+/// `is_iso`. `false` while the header is not all there (nothing decodes yet).
+/// A server never asks this of its peer: it asks its device (see
+/// `decode_command`).
+pub fn announces_iso_packets(buf: &[u8]) -> bool {
+    buf.len() >= HEADER_LEN && be_i32(buf, 0x20) > 0
+}
+
 /// How many bytes the client message at the front of `buf` occupies, once its
 /// header is there. Use it to reserve room for a large OUT payload in one step.
 pub fn command_frame_len(
@@ -530,6 +541,33 @@ mod tests {
         assert_eq!(submit.start_frame, -1);
         assert_eq!(submit.interval, 4);
         assert!(submit.data.is_empty());
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn a_submit_announces_iso_packets_by_its_count_once_its_header_is_whole() {
+        let mut iso = CmdSubmit::new(1, 2, Direction::In, 3, 192, [0; 8], Bytes::new());
+        iso.number_of_packets = 3;
+        let header = iso.header();
+        assert!(announces_iso_packets(&header));
+        assert!(!announces_iso_packets(&header[..HEADER_LEN - 1]), "not before the header is whole");
+        let bulk = CmdSubmit::new(1, 2, Direction::In, 3, 192, [0; 8], Bytes::new());
+        assert!(!announces_iso_packets(&bulk.header()));
+        // The answer is what decode_command needs: the descriptors are then read.
+        let mut buf = BytesMut::from(&header[..]);
+        for packet in 0..3u32 {
+            buf.put_u32(packet * 64);
+            buf.put_u32(64);
+            buf.put_u32(0);
+            buf.put_u32(0);
+        }
+        let announced = announces_iso_packets(&buf);
+        let Some(ClientMessage::Submit(decoded)) =
+            decode_command(&mut buf, &Limits::default(), |_, _| announced).unwrap()
+        else {
+            panic!("expected a submit")
+        };
+        assert_eq!(decoded.iso_packets.len(), 3);
         assert!(buf.is_empty());
     }
 
