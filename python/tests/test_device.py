@@ -16,7 +16,7 @@ SET_CONFIGURATION_1 = "control-out:0009010000000000"
 def test_the_echo_device_is_listed_described_and_echoes(served):
     served.python("echo.py", "PY-7")
     listed = served.wait_listed(True)
-    assert (listed["vendor_id"], listed["product_id"]) == ("1209", "0001"), listed
+    assert (listed["vendor_id"], listed["product_id"]) == ("1209", "0008"), listed
     described = served.run("describe", "-r", served.remote, "-b", served.busid).stdout
     for text in ("usbwire", "Python echo", "PY-7"):
         assert text in described, described
@@ -80,6 +80,6 @@ def test_the_device_process_ends_cleanly_when_the_server_stops(served):
 
 
 def test_no_server_at_the_socket_is_an_error_that_says_what_to_do(tmp_path):
-    device = Device(vendor_id=0x1209, product_id=0x0001)
+    device = Device(vendor_id=0x1209, product_id=0x0008)
     with pytest.raises(DeviceProtocolError, match="usbwire serve --virtual external=unix:"):
         device.run(str(tmp_path / "nobody.sock"))

@@ -18,6 +18,12 @@
 //! | `0x0005` | [`loopback`] | source, sink and loop endpoints for tests and benchmarks |
 //! | `0x0006`, `0x0007` | [`DfuDevice::open`] | DFU 1.1 runtime mode, and the DFU mode it re-enumerates into |
 //!
+//! These are pid.codes' shared test ids, so a device is told apart by its
+//! own strings too (`usbwire list -r` names it by them). The project's
+//! devices outside this crate keep clear of these ids: the Python echo
+//! example is `0x0008` and the Python tests' vendor device `0x0009`
+//! (`python/`), `usbwire_external`'s echo `0x000e`.
+//!
 //! ```
 //! use usbwire_device::Device;
 //!

@@ -4,7 +4,7 @@ import sys
 
 from usbwire.device import NAK, Device, Endpoint, Interface
 
-echo = Device(vendor_id=0x1209, product_id=0x0001, manufacturer="usbwire", product="Python echo",
+echo = Device(vendor_id=0x1209, product_id=0x0008, manufacturer="usbwire", product="Python echo",
               serial=sys.argv[1] if len(sys.argv) > 1 else "PY-1",
               interfaces=[Interface(endpoints=[Endpoint(0x81, "bulk"), Endpoint(0x02, "bulk")])])
 written = []

@@ -5,7 +5,7 @@ import time
 
 from usbwire.device import NAK, STALL, Device, Endpoint, Interface
 
-device = Device(vendor_id=0x1209, product_id=0x0002, speed="full", manufacturer="usbwire",
+device = Device(vendor_id=0x1209, product_id=0x0009, speed="full", manufacturer="usbwire",
                 product="Python vendor", serial="V-1",
                 interfaces=[Interface(endpoints=[Endpoint(0x83, "interrupt", max_packet=8, interval=1)])])
 stored = bytearray(b"nothing yet")

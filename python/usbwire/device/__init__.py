@@ -4,7 +4,7 @@ Standard library only. A device is its descriptors and handlers::
 
     from usbwire.device import Device, Endpoint, Interface, NAK
 
-    echo = Device(vendor_id=0x1209, product_id=0x0001, product="Python echo",
+    echo = Device(vendor_id=0x1209, product_id=0x0008, product="Python echo",
                   interfaces=[Interface(endpoints=[Endpoint(0x81), Endpoint(0x02)])])
     written = []
 
