@@ -19,7 +19,8 @@
 //! A [`Selector`] (`1-1.2`, `0781:5567`, `serial=…`, `class=…`) picks
 //! devices by their [`DeviceFacts`], wherever the devices come from.
 //!
-//! [`record::DeviceJson`] is how every JSON document shows a device.
+//! [`record::DeviceJson`] is how every JSON document shows a device, named
+//! from usb.ids by [`usb_ids`].
 //!
 //! This crate is not for sockets or wire formats: it knows URBs, not bytes
 //! on the network (it borrows only value types from `usbwire-proto`).
@@ -30,6 +31,7 @@ mod queue;
 pub mod record;
 pub mod selector;
 mod urb;
+pub mod usb_ids;
 mod virtual_device;
 
 use std::task::{Context, Poll};

@@ -17,6 +17,8 @@
 use serde::{Deserialize, Serialize};
 use usbwire_proto::op::DeviceRecord;
 
+use crate::usb_ids::{class_name, UsbIds};
+
 /// The version of the JSON vocabulary: every document the CLI prints and
 /// `/status.json` carry it as `schema_version`. A field changes meaning
 /// or format only with a new version (docs/json.md lists what each changed).
@@ -135,6 +137,21 @@ impl DeviceJson {
         }
     }
 
+    /// Fills in what the ids and classes are called: `vendor_name` and
+    /// `product_name` from `names` (this machine's usb.ids), each interface's
+    /// `class_name`. Every document that shows a record names it here, so
+    /// `list`, `state`, `describe` and `/status.json` name a device alike.
+    pub fn fill_names(&mut self, names: &UsbIds) {
+        if let (Some(vendor), Some(product)) = (self.vendor_number(), self.product_number()) {
+            self.vendor_name = names.vendor(vendor);
+            self.product_name = names.product(vendor, product);
+        }
+        for interface in &mut self.interfaces {
+            let class = interface.class.get(..2).and_then(|hex| u8::from_str_radix(hex, 16).ok());
+            interface.class_name = class.map(|class| class_name(class).to_owned());
+        }
+    }
+
     /// The vendor id as a number, if it reads as hex.
     pub fn vendor_number(&self) -> Option<u16> {
         u16::from_str_radix(&self.vendor_id, 16).ok()
@@ -217,6 +234,24 @@ mod tests {
         assert_eq!(device.bcd_device, None);
         let again: DeviceJson = serde_json::from_str(&serde_json::to_string(&device).unwrap()).unwrap();
         assert_eq!(again, device);
+    }
+
+    #[test]
+    fn names_come_from_usb_ids_and_the_class_table() {
+        let mut device = DeviceJson {
+            vendor_id: "1d6b".into(),
+            product_id: "0002".into(),
+            interfaces: vec![InterfaceJson { class: "09/00/00".into(), ..InterfaceJson::default() }],
+            ..DeviceJson::default()
+        };
+        device.fill_names(&UsbIds::from_text("1d6b  Linux Foundation\n\t0002  2.0 root hub\n"));
+        assert_eq!(device.vendor_name.as_deref(), Some("Linux Foundation"));
+        assert_eq!(device.product_name.as_deref(), Some("2.0 root hub"));
+        assert_eq!(device.interfaces[0].class_name.as_deref(), Some("Hub"));
+        // No usb.ids on this machine: no names, but the class is still named.
+        device.fill_names(&UsbIds::default());
+        assert_eq!((device.vendor_name, device.product_name), (None, None));
+        assert_eq!(device.interfaces[0].class_name.as_deref(), Some("Hub"));
     }
 
     #[test]

@@ -20,7 +20,7 @@ mod prometheus;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -28,6 +28,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 use usbwire_device::record::JSON_SCHEMA_VERSION;
+use usbwire_device::usb_ids::UsbIds;
 use usbwire_proto::sync::lock;
 use usbwire_transport::devstate::CountedDevice;
 
@@ -110,6 +111,8 @@ pub(crate) struct Responder {
     streams: Semaphore,
     /// Open connections and event streams per address.
     per_address: Mutex<HashMap<IpAddr, (usize, usize)>>,
+    /// This machine's usb.ids, read when the status page first shows devices.
+    names: OnceLock<UsbIds>,
 }
 
 impl Responder {
@@ -119,8 +122,14 @@ impl Responder {
             connections: Arc::new(Semaphore::new(limits.max_connections)),
             streams: Semaphore::new(limits.event_streams),
             per_address: Mutex::new(HashMap::new()),
+            names: OnceLock::new(),
             limits,
         })
+    }
+
+    /// What names the devices of `/status.json`, as the CLI names them (docs/json.md).
+    fn names(&self) -> &UsbIds {
+        self.names.get_or_init(UsbIds::load)
     }
 
     /// Counts a connection from `ip`, unless it holds its share already.
@@ -256,14 +265,21 @@ fn refuse_busy(stream: TcpStream, peer: SocketAddr) {
     let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
 }
 
-/// The devices (their records, docs/json.md) and counters, as `/status.json`
-/// and each `/events` message carry them, with the time they were read
-/// (`time_ms`, for rates between messages; `time_at` for people).
-fn status_json(state: &ServerState) -> String {
+/// The devices (their records, docs/json.md, named from `names`) and
+/// counters, as `/status.json` and each `/events` message carry them, with
+/// the time they were read (`time_ms`, for rates between messages;
+/// `time_at` for people).
+fn status_json(state: &ServerState, names: &UsbIds) -> String {
     let now = std::time::SystemTime::now();
     let time_ms = now.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-    let devices: Vec<CountedDevice> =
-        devstate::entries(&state.registry, |_, _, _| true).iter().map(CountedDevice::from).collect();
+    let devices: Vec<CountedDevice> = devstate::entries(&state.registry, |_, _, _| true)
+        .iter()
+        .map(|entry| {
+            let mut device = CountedDevice::from(entry);
+            device.device.fill_names(names);
+            device
+        })
+        .collect();
     serde_json::json!({
         "schema_version": JSON_SCHEMA_VERSION,
         "version": env!("CARGO_PKG_VERSION"),
@@ -286,6 +302,7 @@ async fn write_in_time(stream: &mut TcpStream, bytes: &[u8]) -> std::io::Result<
 async fn event_stream(
     mut stream: TcpStream,
     state: &ServerState,
+    names: &UsbIds,
     mut stop: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n\
@@ -296,7 +313,7 @@ async fn event_stream(
         tokio::select! {
             () = crate::shutdown::stopped(&mut stop) => return Ok(()),
             _ = tick.tick() => {
-                let message = format!("data: {}\n\n", status_json(state));
+                let message = format!("data: {}\n\n", status_json(state, names));
                 write_in_time(&mut stream, message.as_bytes()).await?;
             }
         }
@@ -362,9 +379,11 @@ async fn answer(
         ),
         ("GET" | "HEAD", "/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render(state)),
         ("GET" | "HEAD", "/") if page => ("200 OK", "text/html; charset=utf-8", STATUS_PAGE.to_owned()),
-        ("GET" | "HEAD", "/status.json") if page => ("200 OK", "application/json", status_json(state)),
+        ("GET" | "HEAD", "/status.json") if page => {
+            ("200 OK", "application/json", status_json(state, responder.names()))
+        }
         ("GET", "/events") if page => match responder.streams.try_acquire() {
-            Ok(_stream) if guard.start_stream() => return event_stream(stream, state, stop).await,
+            Ok(_stream) if guard.start_stream() => return event_stream(stream, state, responder.names(), stop).await,
             Ok(_) => (
                 "503 Service Unavailable",
                 "text/plain; charset=utf-8",

@@ -9,6 +9,7 @@ use usbwire_server::{control_request, default_control_path, ControlErrorKind, Co
 use usbwire_transport::devstate::CountedDevice;
 
 use super::common::stdout::outln;
+use super::common::usb_names::UsbIds;
 use crate::args::{BindArgs, CaptureArgs, ControlArgs, StateArgs, TypeArgs, UnbindArgs};
 use crate::exit::Failure;
 
@@ -48,8 +49,17 @@ pub(crate) async fn type_text(args: TypeArgs) -> Result<(), Failure> {
 pub(crate) async fn state(args: StateArgs) -> Result<(), Failure> {
     let response = ask(&args.control, ControlRequest::State).await?;
     let devices = response.devices.unwrap_or_default();
+    // Named from this machine's usb.ids, as `list -r` names them (docs/json.md).
+    let names = UsbIds::load();
+    let records: Vec<CountedDevice> = devices
+        .iter()
+        .map(|entry| {
+            let mut record = CountedDevice::from(entry);
+            record.device.fill_names(&names);
+            record
+        })
+        .collect();
     if args.json {
-        let records: Vec<CountedDevice> = devices.iter().map(CountedDevice::from).collect();
         return super::common::output::print_json(&serde_json::json!({ "devices": records }), false);
     }
     outln!("{:<6} {:<9} {:<10} {:<10} {:<22} since", "busid", "kind", "id", "state", "client")?;

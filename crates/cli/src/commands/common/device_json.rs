@@ -9,7 +9,7 @@ use usbwire_host::LocalDevice;
 use usbwire_proto::op::DeviceRecord;
 use usbwire_transport::devstate::{DeviceStateEntry, ShownReservation};
 
-use super::usb_names::{class_name, UsbIds};
+use super::usb_names::UsbIds;
 
 /// A device of `list -r`: its record, and the numbers only a USB/IP listing
 /// has (`null` for a device in use, which the listing leaves out).
@@ -36,18 +36,6 @@ pub(crate) struct LocalListed {
     pub(crate) devnum: u8,
 }
 
-/// Fills the usb.ids names of a record: vendor, product, and each interface's class.
-pub(crate) fn name(device: &mut DeviceJson, names: &UsbIds) {
-    if let (Some(vendor), Some(product)) = (device.vendor_number(), device.product_number()) {
-        device.vendor_name = names.vendor(vendor);
-        device.product_name = names.product(vendor, product);
-    }
-    for interface in &mut device.interfaces {
-        let class = interface.class.get(..2).and_then(|hex| u8::from_str_radix(hex, 16).ok());
-        interface.class_name = class.map(|class| class_name(class).to_owned());
-    }
-}
-
 /// Every device of a server: each one its DEVLIST names, with its strings
 /// and state from the DEVSTATE document when the server sends one, then
 /// those the document has in use (a DEVLIST leaves them out, as usbip's
@@ -70,7 +58,7 @@ pub(crate) fn listed(
                     Some(class_triple(record.b_device_class, record.b_device_sub_class, record.b_device_protocol));
                 device.speed = record.speed.name().to_owned();
             }
-            name(&mut device, names);
+            device.fill_names(names);
             ListedDevice {
                 device,
                 busnum: Some(record.busnum),
@@ -84,7 +72,7 @@ pub(crate) fn listed(
         .collect();
     for state in states.iter().filter(|s| !devices.iter().any(|d| d.busid.as_str() == s.busid)) {
         let mut device = DeviceJson::from(state);
-        name(&mut device, names);
+        device.fill_names(names);
         listed.push(ListedDevice {
             device,
             busnum: None,
@@ -122,18 +110,27 @@ pub(crate) fn local(local: &LocalDevice, names: &UsbIds) -> LocalListed {
             .collect(),
         ..DeviceJson::default()
     };
-    name(&mut device, names);
+    device.fill_names(names);
     LocalListed { device, busnum: local.busnum, devnum: local.devnum }
 }
 
 /// The record of a device a `describe` read: what its import said (bus id,
-/// speed, ids) and its descriptors (strings, release, class).
+/// speed, ids), its descriptors (strings, release, class), and what the
+/// server's device state said of it before (`kind`, `state` and the holder's
+/// fields, as `list -r` shows them; `null` from a server that sends none).
 pub(crate) fn described(
     record: &DeviceRecord,
     description: &usbwire_client::describe::Description,
+    state: Option<&DeviceStateEntry>,
     names: &UsbIds,
 ) -> DeviceJson {
-    let mut device = DeviceJson::from_wire(record);
+    let mut device = match state {
+        Some(state) => DeviceJson { speed: record.speed.name().to_owned(), ..DeviceJson::from(state) },
+        None => DeviceJson::from_wire(record),
+    };
+    device.busid = record.busid.to_string();
+    device.vendor_id = hex16(record.id_vendor);
+    device.product_id = hex16(record.id_product);
     device.bcd_device = Some(description.bcd_device.clone());
     device.device_class = Some(description.device_class.clone());
     device.manufacturer = description.manufacturer.clone();
@@ -149,7 +146,7 @@ pub(crate) fn described(
             _ => None,
         })
         .collect();
-    name(&mut device, names);
+    device.fill_names(names);
     device
 }
 
