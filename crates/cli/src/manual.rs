@@ -58,7 +58,7 @@ pub(crate) fn examples(verb: Option<&str>) -> &'static [Example] {
         Some("list") => &[
             Example {
                 command: "usbwire list -r 192.168.1.5",
-                what: "a server's devices, byte for byte as `usbip list -r`",
+                what: "a server's devices in `usbip list -r`'s table, each under its own name",
             },
             Example {
                 command: "usbwire list -v -r 192.168.1.5",

@@ -63,17 +63,16 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
 /// What a USB/IP client sees of the demo server: its device list, and the disk's descriptors
 /// read by importing it (real round trips over TCP).
 async fn show_over_usbip(addr: SocketAddr, exported: &[String]) -> Result<(), Failure> {
+    use super::common::usb_names::{display_name, format_like_usbip, UsbIds};
     status_line!("\nWhat a USB/IP client sees (usbwire list -r {addr}):\n");
-    let devices = usbwire_client::list_devices(addr, &usbwire_client::Security::Plain).await?;
-    status!(
-        "{}",
-        super::common::usb_names::format_like_usbip(
-            &addr.to_string(),
-            &devices,
-            &super::common::usb_names::UsbIds::load(),
-            true
-        )
-    );
+    let security = usbwire_client::Security::Plain;
+    let devices = usbwire_client::list_devices(addr, &security).await?;
+    // The devices' own strings and kinds, as `list -r` asks for them.
+    let states = usbwire_client::server_state(addr, &security).await.ok().flatten().map(|d| d.devices);
+    let names = UsbIds::load();
+    let listed = super::common::device_json::listed(&devices, states.as_deref(), &names);
+    let named: Vec<_> = listed.iter().map(|l| &l.device).collect();
+    status!("{}", format_like_usbip(&addr.to_string(), &devices, &named, &names, true));
 
     let disk_busid = exported
         .iter()
@@ -82,12 +81,10 @@ async fn show_over_usbip(addr: SocketAddr, exported: &[String]) -> Result<(), Fa
         .and_then(BusId::new)
         .ok_or_else(|| Failure::software(anyhow!("the demo disk was not exported")))?;
     status_line!("The disk's descriptors, read over USB/IP (usbwire describe -r {addr} -b {disk_busid}):\n");
-    let (_, description) =
-        super::common::description::fetch(addr, &disk_busid, &usbwire_client::Security::Plain).await?;
-    status!(
-        "{}",
-        super::common::description::format(&disk_busid, &description, &super::common::usb_names::UsbIds::load())
-    );
+    let (record, description) = super::common::description::fetch(addr, &disk_busid, &security).await?;
+    let state = states.iter().flatten().find(|s| s.busid == disk_busid.as_str());
+    let device = super::common::device_json::described(&record, &description, state, &names);
+    status!("{}", super::common::description::format(&disk_busid, &display_name(&device), &description, &names));
     status_line!();
     Ok(())
 }

@@ -6,7 +6,7 @@ use usbwire_proto::op::BusId;
 
 use super::common::description::{fetch, format};
 use super::common::device_json::described;
-use super::common::usb_names::UsbIds;
+use super::common::usb_names::{display_name, UsbIds};
 use crate::args::DescribeArgs;
 use crate::exit::Failure;
 
@@ -30,7 +30,7 @@ pub(crate) async fn run(args: DescribeArgs) -> Result<(), Failure> {
     if args.json {
         super::common::output::print_json(&document(&device, &description), true)
     } else {
-        super::common::stdout::out!("{}", format(&busid, &description, &names))
+        super::common::stdout::out!("{}", format(&busid, &display_name(&device), &description, &names))
     }
 }
 

@@ -5,6 +5,7 @@
 
 use anyhow::anyhow;
 use serde_json::json;
+use usbwire_device::record::DeviceJson;
 use usbwire_lab::{Endpoint, Fleet, FleetDevice, Lab};
 use usbwire_proto::display::escape;
 
@@ -13,7 +14,7 @@ use super::common::output::print_json;
 use super::common::peer::resolve;
 use super::common::registry::{failure, required};
 use super::common::stdout::{out, outln};
-use super::common::usb_names::{class_name, format_like_usbip, UsbIds};
+use super::common::usb_names::{class_name, display_name, format_like_usbip, UsbIds};
 use crate::args::ListArgs;
 use crate::args::RegistryArgs;
 use crate::exit::Failure;
@@ -55,23 +56,31 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     }
     let states = document.as_ref().map(|d| d.devices.as_slice());
     let names = UsbIds::load();
+    let records = listed(&devices, states, &names);
     if args.json {
-        let devices = listed(&devices, states, &names);
-        return print_json(&json!({ "host": remote, "devices": devices }), false);
+        return print_json(&json!({ "host": remote, "devices": records }), false);
     }
     let verbose = super::common::process::verbosity() > 0;
-    out!("{}", format_like_usbip(remote, &devices, &names, verbose))?;
+    let named: Vec<&DeviceJson> = records.iter().map(|r| &r.device).collect();
+    out!("{}", format_like_usbip(remote, &devices, &named, &names, verbose))?;
     // Who holds what (usbwire servers) is ours, not usbip's: with -v.
     if let (true, Some(states)) = (verbose, states) {
-        out!("{}", format_in_use(states))?;
-        out!("{}", format_reserved(states))?;
+        out!("{}", format_in_use(states, &names))?;
+        out!("{}", format_reserved(states, &names))?;
     }
     Ok(())
 }
 
+/// The name a device has on every line ([`display_name`]), from what the server said of it.
+fn shown_name(state: &usbwire_client::RemoteDeviceState, names: &UsbIds) -> String {
+    let mut device = DeviceJson::from(state);
+    device.fill_names(names);
+    display_name(&device)
+}
+
 /// The devices in use, with who holds them and since when. Every string here
 /// is the server's word, so each is escaped.
-fn format_in_use(states: &[usbwire_client::RemoteDeviceState]) -> String {
+fn format_in_use(states: &[usbwire_client::RemoteDeviceState], names: &UsbIds) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
     let in_use: Vec<_> = states.iter().filter(|s| s.state == "in_use").collect();
@@ -95,7 +104,7 @@ fn format_in_use(states: &[usbwire_client::RemoteDeviceState]) -> String {
             out,
             "{:>11}: {} ({}:{}) in use by {who}{since}{away}",
             escape(&s.busid),
-            escape(&s.product),
+            shown_name(s, names),
             escape(&s.vendor_id),
             escape(&s.product_id)
         );
@@ -104,7 +113,7 @@ fn format_in_use(states: &[usbwire_client::RemoteDeviceState]) -> String {
 }
 
 /// The devices reserved in the lab registry: for whom and until when.
-fn format_reserved(states: &[usbwire_client::RemoteDeviceState]) -> String {
+fn format_reserved(states: &[usbwire_client::RemoteDeviceState], names: &UsbIds) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
     let reserved: Vec<_> = states.iter().filter_map(|s| Some((s, s.reservation.as_ref()?))).collect();
@@ -123,7 +132,7 @@ fn format_reserved(states: &[usbwire_client::RemoteDeviceState]) -> String {
             out,
             "{:>11}: {} ({}:{}) reserved for {}{client}{until}",
             escape(&s.busid),
-            escape(&s.product),
+            shown_name(s, names),
             escape(&s.vendor_id),
             escape(&s.product_id),
             escape(&reservation.holder)
@@ -173,7 +182,8 @@ async fn discovered(args: &ListArgs) -> Result<(), Failure> {
             outln!("{}", found_server_line(server, &host))?;
             match &listing {
                 Ok(devices) => {
-                    out!("{}", format_like_usbip(&host, devices, &names, super::common::process::verbosity() > 0))?
+                    let verbose = super::common::process::verbosity() > 0;
+                    out!("{}", format_like_usbip(&host, devices, &[], &names, verbose))?
                 }
                 Err(error) => outln!("  {}", escape(error))?,
             }
@@ -441,7 +451,7 @@ mod tests {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
         let mut held = state("2-1", "in_use", Some("10.0.0.9:4000"), None, Some(now - 300));
         held.resuming_since = Some(now - 4);
-        let text = format_in_use(&[held]);
+        let text = format_in_use(&[held], &UsbIds::default());
         assert!(
             text.contains("in use by 10.0.0.9:4000 for 5 min, connection lost 4 s ago: waiting for it to resume"),
             "{text}"
@@ -455,9 +465,11 @@ mod tests {
             state("1-1", "available", None, None, None),
             state("2-1", "in_use", Some("10.0.0.9:4000"), Some("sha256:ab"), Some(now - 300)),
         ];
-        let text = format_in_use(&states);
+        let text = format_in_use(&states, &UsbIds::default());
         assert!(
-            text.contains("2-1: usbwire disk (1209:0003) in use by sha256:ab at 10.0.0.9:4000 for 5 min"),
+            text.contains(
+                "2-1: unknown vendor : usbwire disk (1209:0003) in use by sha256:ab at 10.0.0.9:4000 for 5 min"
+            ),
             "{text}"
         );
         assert!(!text.contains("1-1"));

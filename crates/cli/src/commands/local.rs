@@ -9,7 +9,7 @@ use usbwire_server::{control_request, default_control_path, ControlErrorKind, Co
 use usbwire_transport::devstate::CountedDevice;
 
 use super::common::stdout::outln;
-use super::common::usb_names::UsbIds;
+use super::common::usb_names::{display_name, UsbIds};
 use crate::args::{BindArgs, CaptureArgs, ControlArgs, StateArgs, TypeArgs, UnbindArgs};
 use crate::exit::Failure;
 
@@ -62,17 +62,18 @@ pub(crate) async fn state(args: StateArgs) -> Result<(), Failure> {
     if args.json {
         return super::common::output::print_json(&serde_json::json!({ "devices": records }), false);
     }
-    outln!("{:<6} {:<9} {:<10} {:<10} {:<22} since", "busid", "kind", "id", "state", "client")?;
-    for d in devices {
+    outln!("{:<6} {:<9} {:<10} {:<10} {:<22} {:<20} device", "busid", "kind", "id", "state", "client", "since")?;
+    for (d, record) in devices.into_iter().zip(&records) {
         let since = d.since.map(super::common::output::rfc3339).unwrap_or_default();
         outln!(
-            "{:<6} {:<9} {:<10} {:<10} {:<22} {}",
+            "{:<6} {:<9} {:<10} {:<10} {:<22} {:<20} {}",
             d.busid,
             d.kind,
             format!("{}:{}", d.vendor_id, d.product_id),
             d.state,
             d.client.unwrap_or_else(|| "-".into()),
-            since
+            since,
+            display_name(&record.device)
         )?;
     }
     Ok(())

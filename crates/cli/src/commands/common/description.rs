@@ -34,18 +34,13 @@ fn named_class(triple: &str, names: &super::usb_names::UsbIds) -> String {
     }
 }
 
-pub(crate) fn format(busid: &BusId, d: &Description, names: &super::usb_names::UsbIds) -> String {
+/// The descriptor tree as `lsusb -v` shows one, under `Device BUSID: ID
+/// VVVV:PPPP NAME` (NAME: the device's one name, `usb_names::display_name`).
+pub(crate) fn format(busid: &BusId, shown_as: &str, d: &Description, names: &super::usb_names::UsbIds) -> String {
     let mut o = String::new();
     // String descriptors are the remote device's own words: shown escaped.
     let name = |s: &Option<String>| escape(s.as_deref().unwrap_or_default()).to_string();
-    let _ = writeln!(
-        o,
-        "Device {busid}: ID {}:{} {} {}",
-        d.vendor_id,
-        d.product_id,
-        name(&d.manufacturer),
-        name(&d.product)
-    );
+    let _ = writeln!(o, "Device {busid}: ID {}:{} {shown_as}", d.vendor_id, d.product_id);
     let _ = writeln!(o, "Device Descriptor:");
     let _ = writeln!(o, "  bcdUSB              {}", d.bcd_usb);
     let _ = writeln!(o, "  class/sub/proto     {}", named_class(&d.device_class, names));
@@ -192,10 +187,16 @@ mod tests {
             }],
             bos: Vec::new(),
         };
-        let text =
-            format(&BusId::new("1-1").unwrap(), &description, &crate::commands::common::usb_names::UsbIds::default());
+        let text = format(
+            &BusId::new("1-1").unwrap(),
+            "ACME : Key",
+            &description,
+            &crate::commands::common::usb_names::UsbIds::default(),
+        );
         assert!(!text.chars().any(|c| usbwire_proto::display::needs_escape(c) && c != '\n'), "{text:?}");
-        assert!(text.contains(r"Device 1-1: ID 1209:0001 ACME\x1b[2J Key\u{9b}31mboard\r\n"), "{text}");
+        assert!(text.starts_with("Device 1-1: ID 1209:0001 ACME : Key\n"), "{text}");
+        assert!(text.contains(r"iManufacturer       ACME\x1b[2J"), "{text}");
+        assert!(text.contains(r"iProduct            Key\u{9b}31mboard\r\n"), "{text}");
         assert!(text.contains(r"iSerial             \u{202e}123"), "{text}");
         assert!(text.contains(r"iInterface          HID\x07\x7f"), "{text}");
     }
