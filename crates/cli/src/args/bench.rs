@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::common::{ClientSecurityArgs, RegistryArgs};
+use super::common::{bus_id, ClientSecurityArgs, RegistryArgs};
 
 #[derive(Args, Debug)]
 pub(crate) struct BenchArgs {
@@ -13,7 +13,7 @@ pub(crate) struct BenchArgs {
     #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]", requires = "busid")]
     pub(crate) remote: Option<String>,
     /// Bus id of the device on the server (it needs a bulk IN source and/or a bulk OUT sink).
-    #[arg(short = 'b', long = "busid")]
+    #[arg(short = 'b', long = "busid", value_parser = bus_id)]
     pub(crate) busid: Option<String>,
     /// Bench an in-process server with a loopback device (what you get without -r).
     #[arg(long, conflicts_with = "remote")]

@@ -1,6 +1,6 @@
 //! What several verbs' arguments share: the flag groups they flatten (the control socket, a
 //! client's security, the lab registry, a device on a server) and the value parsers of flags
-//! that more than one verb takes (`--listen`, durations).
+//! that more than one verb takes (`--listen`, `-b BUSID`, durations).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -54,8 +54,8 @@ pub(crate) struct RemoteDevice {
     /// The server, HOST[:PORT].
     #[arg(short = 'r', long = "remote", value_name = "HOST[:PORT]")]
     pub(crate) remote: String,
-    /// Bus id of the device on the server.
-    #[arg(short = 'b', long = "busid")]
+    /// Bus id of the device on the server (`usbwire list -r HOST` shows them; virtual devices are on bus 0: 0-1).
+    #[arg(short = 'b', long = "busid", value_parser = bus_id)]
     pub(crate) busid: String,
     /// Port, as `usbip --tcp-port` (when HOST has none).
     #[arg(long = "tcp-port", value_name = "PORT")]
@@ -92,6 +92,23 @@ pub(super) fn listen_address(text: &str) -> Result<SocketAddr, String> {
     }
 }
 
+/// `-b BUSID`: a USB device's bus id as Linux names it, `BUS-PORT[.PORT…]`
+/// (a real device's 1-1.2, a virtual one's 0-1). Anything else is refused
+/// while the command line is read, so a malformed bus id is a usage error
+/// (exit 64) whichever verb it is given to, before any server is asked.
+pub(super) fn bus_id(text: &str) -> Result<String, String> {
+    let numbers = |part: &str| !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit());
+    let well_formed = text.len() < usbwire_proto::op::BUSID_LEN
+        && text.split_once('-').is_some_and(|(bus, ports)| numbers(bus) && ports.split('.').all(numbers));
+    if well_formed {
+        return Ok(text.to_owned());
+    }
+    Err(format!(
+        "{text:?} is not a bus id: BUS-PORT[.PORT…], as 0-1 (a virtual device) or 1-1.2 (a real one); \
+         `usbwire list -r HOST` shows a server's, `usbwire list -l` this machine's"
+    ))
+}
+
 /// A duration: `90s`, `30m`, `2h`, `1h30m` (humantime).
 pub(super) fn duration(text: &str) -> Result<std::time::Duration, String> {
     humantime::parse_duration(text).map_err(|e| format!("{text:?} is not a duration (e.g. 30m, 2h, 1h30m): {e}"))
@@ -113,5 +130,30 @@ mod tests {
         assert!(listen_address("localhost:x").is_err());
         let error = listen_address("no-such-host.invalid:1").unwrap_err();
         assert!(error.contains("not an address or a host name"), "{error}");
+    }
+
+    #[test]
+    fn a_bus_id_is_bus_dash_ports() {
+        for good in ["0-1", "1-1.2", "3-10.4.1", "12-3"] {
+            assert_eq!(bus_id(good), Ok(good.to_owned()));
+        }
+        for bad in [
+            "",
+            "abc",
+            "1",
+            "1-",
+            "-1",
+            "1-1.",
+            "1-1..2",
+            "a-1",
+            "1-b",
+            "1-1:1.0",
+            " 1-1",
+            "1-1-1",
+            "0-123456789012345678901234567890",
+        ] {
+            let error = bus_id(bad).unwrap_err();
+            assert!(error.contains("is not a bus id") && error.contains("0-1"), "{bad:?}: {error}");
+        }
     }
 }

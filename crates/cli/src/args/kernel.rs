@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::common::{duration, ClientSecurityArgs, RegistryArgs};
+use super::common::{bus_id, duration, ClientSecurityArgs, RegistryArgs};
 
 #[derive(Args, Debug)]
 pub(crate) struct AttachArgs {
@@ -21,7 +21,7 @@ pub(crate) struct AttachArgs {
     )]
     pub(crate) remote: Option<String>,
     /// Bus id of the device on the server.
-    #[arg(short = 'b', long = "busid", required_unless_present = "registry", conflicts_with = "registry")]
+    #[arg(short = 'b', long = "busid", value_parser = bus_id, required_unless_present = "registry", conflicts_with = "registry")]
     pub(crate) busid: Option<String>,
     /// Port, as `usbip --tcp-port` (when HOST has none).
     #[arg(long = "tcp-port", value_name = "PORT")]

@@ -5,14 +5,14 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::common::ControlArgs;
+use super::common::{bus_id, ControlArgs};
 
 #[derive(Args, Debug)]
 #[command(group(clap::ArgGroup::new("which").required(true).args(["busid", "device"])))]
 pub(crate) struct BindArgs {
     /// Bus id of the device, as `usbwire list -l` shows it (e.g. 1-1.2): that port, now and when
     /// plugged in again.
-    #[arg(short = 'b', long = "busid")]
+    #[arg(short = 'b', long = "busid", value_parser = bus_id)]
     pub(crate) busid: Option<String>,
     /// Every device this selector matches (VID:PID, serial=TEXT, class=HEX or a bus id), present now
     /// or plugged in later, wherever it is plugged in, kept across server restarts until `usbwire
@@ -27,7 +27,7 @@ pub(crate) struct BindArgs {
 #[command(group(clap::ArgGroup::new("which").required(true).args(["busid", "device", "all"])))]
 pub(crate) struct UnbindArgs {
     /// Bus id of the device, as `usbwire state` shows it.
-    #[arg(short = 'b', long = "busid")]
+    #[arg(short = 'b', long = "busid", value_parser = bus_id)]
     pub(crate) busid: Option<String>,
     /// A `bind --device` rule to forget; the devices it matches are withdrawn.
     #[arg(long, value_name = "SELECTOR")]
@@ -54,7 +54,7 @@ pub(crate) struct TypeArgs {
     /// The text to type (US keyboard layout; \n is Enter).
     pub(crate) text: String,
     /// Which keyboard, when the server exports several.
-    #[arg(short = 'b', long = "busid")]
+    #[arg(short = 'b', long = "busid", value_parser = bus_id)]
     pub(crate) busid: Option<String>,
     #[command(flatten)]
     pub(crate) control: ControlArgs,
