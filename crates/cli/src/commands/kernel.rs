@@ -24,7 +24,8 @@ use super::common::usb_names::UsbIds;
 use crate::args::{AttachArgs, DetachArgs, PortArgs};
 use crate::exit::Failure;
 
-fn vhci_failure(error: VhciError) -> Failure {
+/// What vhci-hcd's refusal means, the same for `attach`, `port`, `detach` and `client`.
+pub(super) fn vhci_failure(error: VhciError) -> Failure {
     match error {
         VhciError::NotLoaded => Failure::os(error.into()),
         VhciError::NoFreePort { .. } => Failure::temporary(error.into()),

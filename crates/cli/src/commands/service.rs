@@ -19,7 +19,7 @@ use anyhow::anyhow;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, trace, warn};
-use usbwire_client::vhci::{self, VhciError};
+use usbwire_client::vhci;
 use usbwire_client::{Backoff, Security};
 use usbwire_device::DeviceFacts;
 
@@ -36,15 +36,8 @@ const RELAY_END_WAIT: Duration = Duration::from_secs(3);
 pub(crate) async fn run(args: ClientArgs) -> Result<(), Failure> {
     let config = ClientConfig::load(&args.config).map_err(Failure::config)?;
     check_pins(&config)?;
-    match vhci::ports() {
-        Err(VhciError::NotLoaded) => {
-            return Err(Failure::unavailable(anyhow!(
-                "vhci-hcd is not loaded: run `modprobe vhci-hcd` (as root) first"
-            )))
-        }
-        Err(error) => return Err(Failure::io(error.into())),
-        Ok(_) => {}
-    }
+    // vhci-hcd missing or refused: the same words and exit code as `attach`.
+    vhci::ports().map_err(super::kernel::vhci_failure)?;
     let mut hangup =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).map_err(|e| Failure::io(e.into()))?;
     let shutdown = super::common::process::shutdown_signal();
