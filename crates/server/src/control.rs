@@ -105,6 +105,10 @@ pub enum ControlErrorKind {
     Os,
     /// What it asked to be made could not be: the capture directory.
     CannotCreate,
+    /// What it names is there but not safe to use: a capture directory
+    /// others may write to, another user's, a symbolic link (as `serve
+    /// --capture` refuses it, exit 78).
+    Config,
     /// The asking user may not use this server's control socket.
     Permission,
     /// The server failed, or did not understand the request (another version).
@@ -283,10 +287,12 @@ fn answer(
                 Some(setting) => {
                     // A private directory, or no capture: what it holds is what devices carried.
                     if let Err(error) = setting.prepare() {
-                        return ControlResponse::error(
-                            ControlErrorKind::CannotCreate,
-                            format!("cannot capture: {error}"),
-                        );
+                        // As `serve --capture` says it: cannot be made (73), or not safe to use (78).
+                        let kind = match error {
+                            crate::private_dir::PrivateDirError::Io { .. } => ControlErrorKind::CannotCreate,
+                            _ => ControlErrorKind::Config,
+                        };
+                        return ControlResponse::error(kind, format!("cannot capture: {error}"));
                     }
                     info!(dir = %setting.dir.display(), "capturing imports");
                 }

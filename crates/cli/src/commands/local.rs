@@ -33,6 +33,7 @@ async fn ask(control: &ControlArgs, request: ControlRequest) -> Result<ControlRe
         Some(ControlErrorKind::Data) => Failure::data(error),
         Some(ControlErrorKind::Os) => Failure::os(error),
         Some(ControlErrorKind::CannotCreate) => Failure::cannot_create(error),
+        Some(ControlErrorKind::Config) => Failure::config(error),
         Some(ControlErrorKind::Permission) => Failure::not_admitted(error),
         Some(ControlErrorKind::Internal) => Failure::software(error),
         // Unavailable, and what an older or newer server does not say.
