@@ -4,6 +4,8 @@
 
 use std::process::ExitCode;
 
+use usbwire_server::private_dir::{PrivateDirError, SocketError};
+
 const USAGE: u8 = 64;
 const DATA: u8 = 65;
 const UNAVAILABLE: u8 = 69;
@@ -115,6 +117,23 @@ impl Failure {
         Self { error, code: CONFIG }
     }
 
+    /// A directory of ours (`private_dir`) that cannot be used, `context`
+    /// saying which: one that cannot be made is 73, like any file the
+    /// command must make; one that is there but not safe (another user's,
+    /// writable by others, a symbolic link) is the setup's fault, 78.
+    pub(crate) fn private_dir(error: PrivateDirError, context: impl std::fmt::Display) -> Self {
+        let code = private_dir_code(&error);
+        Self { error: anyhow::Error::from(error).context(context.to_string()), code }
+    }
+    /// A Unix socket the command makes (a usbredir guest's, a device
+    /// process's): its directory as [`Failure::private_dir`]; one a running
+    /// program answers on is 71, as a listen address in use; failing to
+    /// make it, 73.
+    pub(crate) fn socket(error: SocketError, context: impl std::fmt::Display) -> Self {
+        let code = socket_code(&error);
+        Self { error: anyhow::Error::from(error).context(context.to_string()), code }
+    }
+
     /// Not the command's failure: the reader of its standard output went
     /// away (`usbwire state | head -1`). `main` ends on it quietly, with 0
     /// and nothing on stderr, as `ls | head` does; see
@@ -181,18 +200,34 @@ impl From<usbwire_client::ClientError> for Failure {
     }
 }
 
+/// See [`Failure::private_dir`].
+fn private_dir_code(error: &PrivateDirError) -> u8 {
+    match error {
+        PrivateDirError::Io { .. } => CANNOT_CREATE,
+        _ => CONFIG,
+    }
+}
+
+/// See [`Failure::socket`].
+fn socket_code(error: &SocketError) -> u8 {
+    match error {
+        SocketError::Dir { reason, .. } => private_dir_code(reason),
+        SocketError::InUse { .. } => OS,
+        _ => CANNOT_CREATE,
+    }
+}
+
 impl From<usbwire_server::ServerError> for Failure {
     fn from(error: usbwire_server::ServerError) -> Self {
-        use usbwire_server::private_dir::PrivateDirError as Dir;
         use usbwire_server::ServerError as E;
-        match error {
-            E::Listen { .. } | E::Metrics { .. } => Self::os(error.into()),
-            E::Control { .. } | E::ControlDir { reason: Dir::Io { .. }, .. } | E::CaptureDir(Dir::Io { .. }) => {
-                Self::cannot_create(error.into())
-            }
-            // A directory that is not safe to use (another user's, a symlink): the setup is wrong.
-            _ => Self::config(error.into()),
-        }
+        let code = match &error {
+            E::Listen { .. } | E::Metrics { .. } | E::Threads(_) => OS,
+            E::Control { .. } => CANNOT_CREATE,
+            E::ControlDir { reason, .. } | E::CaptureDir(reason) => private_dir_code(reason),
+            E::External { reason, .. } => socket_code(reason),
+            _ => CONFIG,
+        };
+        Self { error: error.into(), code }
     }
 }
 

@@ -73,9 +73,14 @@ pub enum DiskError {
     /// An existing image of another size than asked for.
     #[error("{} is {len} bytes but size={wanted} was given; drop size= to use it as it is", .path.display())]
     SizeMismatch { path: PathBuf, len: u64, wanted: u64 },
-    /// The file could not be opened or created.
+    /// The file could not be opened.
     #[error("cannot open {}: {source}{}", .path.display(), if .source.kind() == io::ErrorKind::PermissionDenied { " (add ,ro to serve it read-only)" } else { "" })]
     Open { path: PathBuf, source: io::Error },
+    /// There was no image and a new one could not be made (its directory is
+    /// missing or not writable, or the file system refuses the size); nothing
+    /// is left behind.
+    #[error("cannot create {}: {source}", .path.display())]
+    Create { path: PathBuf, source: io::Error },
     /// [`MassStorage::open_no_follow`] found a symbolic link where the image should be.
     #[error(
         "{} is a symbolic link; refusing to follow it (it may point at a file that is not a disk image): \
@@ -167,7 +172,10 @@ impl MassStorage {
             Ok(file) => file,
             Err(error) if error.kind() == io::ErrorKind::NotFound => {
                 let size = options.size.ok_or_else(|| DiskError::Missing(path.to_path_buf()))?;
-                let file = create_image(path, size).map_err(open_error)?;
+                let file = create_image(path, size).map_err(|source| match open_error(source) {
+                    DiskError::Open { path, source } => DiskError::Create { path, source },
+                    other => other,
+                })?;
                 if options.read_only {
                     OpenOptions::new().read(true).custom_flags(flags).open(path).map_err(open_error)?
                 } else {
@@ -727,7 +735,7 @@ mod tests {
         let path = dir.path().join("disk.img");
         // 2^63 bytes: no file system takes it (like size=100T on ext4, "File too large").
         let huge = MassStorage::open(&path, &DiskOptions { size: Some(1 << 63), read_only: false, speed: Speed::HIGH });
-        assert!(matches!(huge, Err(DiskError::Open { .. })), "{:?}", huge.err());
+        assert!(matches!(huge, Err(DiskError::Create { .. })), "{:?}", huge.err());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no image and no temporary file left");
         // So the next run with a size that fits just works, and the new image is private.
         assert!(MassStorage::open(&path, &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH })

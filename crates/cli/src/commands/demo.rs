@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, Context as _};
+use anyhow::anyhow;
 use usbwire_proto::op::BusId;
 use usbwire_server::{default_control_path, ServerConfig, ServerError};
 
@@ -18,9 +18,9 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     let dir = args.dir.clone().unwrap_or_else(default_dir);
     // The disk image and serial link go where another user must not be able to plant anything:
     // a directory of ours (made 0700), and the image opened without following a symlink.
-    usbwire_server::private_dir::ensure_private_dir(&dir)
-        .with_context(|| format!("demo directory {} (--dir DIR to use another)", dir.display()))
-        .map_err(Failure::config)?;
+    usbwire_server::private_dir::ensure_private_dir(&dir).map_err(|error| {
+        Failure::private_dir(error, format!("demo directory {} (--dir DIR to use another)", dir.display()))
+    })?;
     let disk = dir.join("disk.img");
     let serial_link = dir.join("serial");
     let specs = [

@@ -78,9 +78,10 @@ fn print_kept(kept: &[PathBuf]) -> Result<(), Failure> {
     Ok(())
 }
 
-/// A key already there cannot be created (73); a directory that cannot hold
-/// keys, or a broken identity, is configuration (78); no identity at all is
-/// unavailable (69), and a CA's directory is named as one.
+/// A key already there, or key files that cannot be made (a directory that
+/// cannot be created), is 73; a directory not safe for keys, or a broken
+/// identity, is configuration (78); no identity at all is unavailable (69),
+/// and a CA's directory is named as one.
 fn identity_failure(error: IdentityError, dir: &Path) -> Failure {
     match error {
         IdentityError::Files(files) => key_files_failure(files),
@@ -105,8 +106,7 @@ fn ca_failure(error: CaError, dir: &Path) -> Failure {
 
 fn key_files_failure(error: KeyFileError) -> Failure {
     match error {
-        KeyFileError::Exists { .. } => Failure::cannot_create(error.into()),
-        KeyFileError::Io { .. } => Failure::io(error.into()),
+        KeyFileError::Exists { .. } | KeyFileError::Io { .. } => Failure::cannot_create(error.into()),
         other => Failure::config(other.into()),
     }
 }

@@ -25,8 +25,7 @@ pub(crate) async fn run(args: RedirArgs) -> Result<(), Failure> {
                     Some(group) => Some(crate::config::group_id(group).map_err(Failure::config)?),
                     None => None,
                 };
-                let listener =
-                    super::common::local_server::bind_unix_guest_socket(&path, group).map_err(Failure::config)?;
+                let listener = super::common::local_server::bind_unix_guest_socket(&path, group, "--listen")?;
                 status_line!("usbredir for {} on unix:{}", args.device.busid, path.display());
                 boxed(redir::serve_listener(source, listener))
             }

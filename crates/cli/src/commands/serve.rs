@@ -314,8 +314,7 @@ async fn bind_redir_listener(rule: &RedirRule) -> Result<usbwire_client::redir::
                 Some(group) => Some(crate::config::group_id(group).map_err(Failure::config)?),
                 None => None,
             };
-            bind_unix_guest_socket(path, group)
-                .map_err(|e| Failure::config(anyhow::anyhow!("[[redir]] for {}: {e:#}", rule.device)))
+            bind_unix_guest_socket(path, group, &format!("[[redir]] for {}", rule.device))
         }
         RedirListen::Tcp(addr) => match tokio::net::TcpListener::bind(addr).await {
             Ok(listener) => Ok(listener.into()),

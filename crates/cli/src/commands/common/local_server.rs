@@ -15,14 +15,15 @@ use crate::exit::Failure;
 
 /// A usbredir guest socket at `path`: 0600, or 0660 for `group`, in a
 /// directory only this user can change (see `private_dir::bind_socket`).
+/// `what` names it in an error (`[[redir]] for 0-1`).
 pub(crate) fn bind_unix_guest_socket(
     path: &std::path::Path,
     group: Option<u32>,
-) -> anyhow::Result<usbwire_client::redir::GuestListener> {
-    let listener = usbwire_server::private_dir::bind_socket(path, group)?;
-    listener.set_nonblocking(true).with_context(|| format!("socket {}", path.display()))?;
-    let listener =
-        tokio::net::UnixListener::from_std(listener).with_context(|| format!("socket {}", path.display()))?;
+    what: &str,
+) -> Result<usbwire_client::redir::GuestListener, Failure> {
+    let listener = usbwire_server::private_dir::bind_socket(path, group).map_err(|e| Failure::socket(e, what))?;
+    let registered = listener.set_nonblocking(true).and_then(|()| tokio::net::UnixListener::from_std(listener));
+    let listener = registered.with_context(|| format!("{what}: socket {}", path.display())).map_err(Failure::os)?;
     Ok(listener.into())
 }
 
@@ -82,8 +83,7 @@ pub(crate) fn build(
                     DiskLinks::Follow => MassStorage::open(path, &options),
                     DiskLinks::Refuse => MassStorage::open_no_follow(path, &options),
                 }
-                .with_context(|| format!("disk {}", path.display()))
-                .map_err(Failure::config)?;
+                .map_err(|error| disk_failure(error, path))?;
                 let mode = if *read_only { "read-only" } else { "read-write" };
                 (
                     server.export(spec.kind(), Box::new(device)),
@@ -91,8 +91,7 @@ pub(crate) fn build(
                 )
             }
             VirtualSpec::Serial { link } => {
-                let (device, pty) =
-                    usbwire_gadgets::serial(link.as_deref()).context("serial port").map_err(Failure::io)?;
+                let (device, pty) = usbwire_gadgets::serial(link.as_deref()).map_err(serial_failure)?;
                 let shown: PathBuf = link.clone().unwrap_or_else(|| pty.clone());
                 let detail = match link {
                     Some(link) => format!("serial port bridged to {} (link {})", pty.display(), link.display()),
@@ -109,9 +108,8 @@ pub(crate) fn build(
             }
             VirtualSpec::Dfu { path, size } => {
                 let options = dfu_options(*size).map_err(Failure::config)?;
-                let device = usbwire_gadgets::DfuDevice::open(path, &options)
-                    .with_context(|| format!("dfu {}", path.display()))
-                    .map_err(Failure::config)?;
+                let device =
+                    usbwire_gadgets::DfuDevice::open(path, &options).map_err(|error| dfu_failure(error, path))?;
                 let detail = format!(
                     "DFU device flashed into {} (up to {} bytes; {})",
                     path.display(),
@@ -128,6 +126,42 @@ pub(crate) fn build(
         lines.push(format!("{busid:<5} {detail}"));
     }
     Ok((server, lines))
+}
+
+/// A disk image that cannot be made (73), or is missing, unusable or the
+/// wrong size (78).
+fn disk_failure(error: usbwire_gadgets::DiskError, path: &std::path::Path) -> Failure {
+    let cannot_create = matches!(error, usbwire_gadgets::DiskError::Create { .. });
+    let error = anyhow::Error::from(error).context(format!("disk {}", path.display()));
+    if cannot_create {
+        Failure::cannot_create(error)
+    } else {
+        Failure::config(error)
+    }
+}
+
+/// A serial port's link that cannot be made (73); no pseudo-terminal (71).
+fn serial_failure(error: usbwire_gadgets::SerialError) -> Failure {
+    use usbwire_gadgets::SerialError as E;
+    let make = match &error {
+        E::Link { .. } | E::LinkOccupied(_) => Failure::cannot_create,
+        E::Pty(_) => Failure::os,
+        E::NoRuntime => Failure::software,
+        _ => Failure::io,
+    };
+    make(anyhow::Error::from(error).context("serial port"))
+}
+
+/// A DFU image whose directory takes no new files (73: the flashed image is
+/// made there); a FILE that cannot be used (78).
+fn dfu_failure(error: usbwire_gadgets::DfuError, path: &std::path::Path) -> Failure {
+    let cannot_create = matches!(error, usbwire_gadgets::DfuError::Directory { .. });
+    let error = anyhow::Error::from(error).context(format!("dfu {}", path.display()));
+    if cannot_create {
+        Failure::cannot_create(error)
+    } else {
+        Failure::config(error)
+    }
 }
 
 /// The DFU device's options from `size=` (1 MiB when not given).
