@@ -24,7 +24,7 @@ pub(crate) const EXIT_CODES: &[(u8, &str, &str)] = &[
     (
         USAGE,
         "usage",
-        "the command line is wrong: an unknown verb or flag, a malformed bus id, a bad HOST:PORT, a port given both in -r HOST:PORT and --tcp-port",
+        "the command line is wrong: an unknown verb or flag, a malformed bus id (not BUS-PORT[.PORT…] like 0-1 or 1-1.2, to any verb), a bad HOST:PORT, a port given both in -r HOST:PORT and --tcp-port",
     ),
     (
         DATA,
@@ -37,11 +37,15 @@ pub(crate) const EXIT_CODES: &[(u8, &str, &str)] = &[
         "a server or service cannot be reached or refused: nothing listens, the device is in use, reserved or gone, no server on the control socket, the keyboard not attached by any host",
     ),
     (SOFTWARE, "internal", "a bug in usbwire: please report it"),
-    (OS, "OS error", "the system lacks or refuses what the command needs: a listen address in use, vhci-hcd not loaded"),
+    (
+        OS,
+        "OS error",
+        "the system lacks or refuses what the command needs: a listen address in use (or a Unix socket a running program answers on), vhci-hcd not loaded (attach and client alike), no pseudo-terminal for a serial port",
+    ),
     (
         CANNOT_CREATE,
         "can't create",
-        "a file, directory or socket the command must make: the control socket, a capture directory",
+        "a file, directory or socket the command must make cannot be made: the control socket, a capture directory (serve --capture and capture alike), a disk image, serial link or key file in a missing directory, a key file already there, without --force",
     ),
     (IO, "I/O", "reading or writing a file, socket or sysfs attribute failed"),
     (
@@ -54,7 +58,11 @@ pub(crate) const EXIT_CODES: &[(u8, &str, &str)] = &[
         "permission",
         "not allowed: the server does not admit this client's identity (or its certificate expired), another user's control socket or reservation, vhci-hcd without root",
     ),
-    (CONFIG, "config", "the configuration is wrong: a config file, a disk image, an identity, a capture directory"),
+    (
+        CONFIG,
+        "config",
+        "the configuration is wrong: a config file, a disk image that is missing or unusable, an identity, a directory for the control socket, captures (serve --capture and capture alike), keys or the demo that is another user's, writable by others or a symbolic link",
+    ),
 ];
 
 /// A command's failure and the exit code it maps to.
