@@ -28,8 +28,8 @@ pub(crate) fn examples(verb: Option<&str>) -> &'static [Example] {
                 what: "what a server exports (as `usbip list -r` prints it)",
             },
             Example {
-                command: "sudo usbwire attach -r 192.168.1.5 -b 1-2",
-                what: "use one of them here, through vhci-hcd",
+                command: "sudo usbwire attach -r 192.168.1.5 -b 0-2",
+                what: "use one of them here, through vhci-hcd: the disk (virtual devices are 0-1, 0-2 … in the order given)",
             },
             Example {
                 command: "usbwire bind --device 0781:5567",
@@ -79,24 +79,24 @@ pub(crate) fn examples(verb: Option<&str>) -> &'static [Example] {
             },
         ],
         Some("describe") => &[Example {
-            command: "usbwire describe -r 192.168.1.5 -b 1-1",
-            what: "the descriptor tree, like `lsusb -v`",
+            command: "usbwire describe -r 192.168.1.5 -b 0-2",
+            what: "the descriptor tree, like `lsusb -v`, of a server's device: here a virtual disk (`usbwire demo`'s 0-2)",
         }],
         Some("bench") => &[
             Example { command: "usbwire bench --quick", what: "a short run against a local loopback device" },
             Example {
-                command: "usbwire bench -r 192.168.1.5 -b 1-2 --rtt-ms 0,20",
-                what: "a remote device, with 20 ms of added delay",
+                command: "usbwire bench -r 192.168.1.5 -b 0-1 --rtt-ms 0,20",
+                what: "a server's loopback device (`usbwire serve --virtual loopback` exports it as 0-1), with 20 ms of added delay",
             },
         ],
         Some("attach") => &[
             Example {
-                command: "sudo modprobe vhci-hcd && sudo usbwire attach -r 192.168.1.5 -b 1-2",
-                what: "into this kernel",
+                command: "sudo modprobe vhci-hcd && sudo usbwire attach -r 192.168.1.5 -b 0-2",
+                what: "into this kernel: a server's virtual disk (`usbwire demo`'s 0-2; `usbwire list -r` shows the bus ids)",
             },
-            Example { command: "sudo usbwire attach -r server -b 1-1 --tls", what: "over TLS, through a local relay" },
+            Example { command: "sudo usbwire attach -r server -b 0-1 --tls", what: "over TLS, through a local relay" },
             Example {
-                command: "sudo usbwire attach --auto-attach -r 192.168.1.5 -b 1-2",
+                command: "sudo usbwire attach --auto-attach -r 192.168.1.5 -b 0-2",
                 what: "keep it attached (usbipd-win's --auto-attach): again after every loss, until Ctrl-C",
             },
             Example {
@@ -140,7 +140,10 @@ pub(crate) fn examples(verb: Option<&str>) -> &'static [Example] {
             },
         ],
         Some("bind") => &[
-            Example { command: "usbwire bind -b 1-1.2", what: "the device at that port, like `usbip bind`" },
+            Example {
+                command: "usbwire bind -b 1-1.2",
+                what: "the real device at that port of this machine (`usbwire list -l` shows them), like `usbip bind`",
+            },
             Example {
                 command: "usbwire bind --device 0781:5567",
                 what: "every such device, now and whenever plugged in, across restarts",
@@ -151,17 +154,20 @@ pub(crate) fn examples(verb: Option<&str>) -> &'static [Example] {
             },
         ],
         Some("unbind") => &[
-            Example { command: "usbwire unbind -b 1-1.2", what: "stop exporting it; its kernel drivers take it back" },
+            Example {
+                command: "usbwire unbind -b 1-1.2",
+                what: "stop exporting the real device at that port; its kernel drivers take it back",
+            },
             Example { command: "usbwire unbind --device 0781:5567", what: "forget a --device bind" },
             Example { command: "usbwire unbind --all", what: "forget every bind and withdraw every real device" },
         ],
         Some("demo") => &[Example {
             command: "usbwire demo",
-            what: "then `sudo usbip attach -r 127.0.0.1 -b 1-1` and `usbwire type hello`",
+            what: "then `sudo usbip attach -r 127.0.0.1 -b 0-1` (the keyboard; the disk is 0-2, the serial port 0-3) and `usbwire type hello`",
         }],
         Some("redir") => &[Example {
-            command: "usbwire redir -r 192.168.1.5 -b 1-2 --listen unix:/run/usbwire/redir.sock",
-            what: "then QEMU: -chardev socket,id=r,path=/run/usbwire/redir.sock -device usb-redir,chardev=r",
+            command: "usbwire redir -r 192.168.1.5 -b 0-2 --listen unix:/run/usbwire/redir.sock",
+            what: "a server's virtual disk (`usbwire demo`'s 0-2) for QEMU: -chardev socket,id=r,path=/run/usbwire/redir.sock -device usb-redir,chardev=r",
         }],
         Some("capture") => &[
             Example {

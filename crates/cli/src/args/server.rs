@@ -47,7 +47,8 @@ pub(crate) struct ServeArgs {
     #[arg(long = "bind", value_name = "SELECTOR")]
     pub(crate) bind: Vec<String>,
     /// Offer a device of this server to QEMU guests through usbredir: QEMU's usb-redir chardev
-    /// connects to a Unix socket only this user may open (unix:/run/usbwire/redir.sock=2-1), or to
+    /// connects to a Unix socket only this user may open (unix:/run/usbwire/redir.sock=0-2: the second
+    /// --virtual device; a real one by its bus id, VID:PID, serial=TEXT or class=HEX, as --bind), or to
     /// ADDR:PORT with --redir-tcp-unauthenticated. Repeatable; like `usbwire redir --listen`.
     #[arg(long = "redir", value_name = "unix:PATH=SELECTOR")]
     pub(crate) redir: Vec<String>,
