@@ -128,7 +128,7 @@ def check_systemd(checks):
                      exposure <= MAX_EXPOSURE, out.stdout[-1500:] + out.stderr)
         text = open(path).read()
         checks.check(f"{unit}: Type=notify and no restart loop on a bad command line or config",
-                     "Type=notify" in text and "RestartPreventExitStatus=64 78" in text, text)
+                     "Type=notify" in text and "RestartPreventExitStatus=64 73 78" in text, text)
         checks.check(f"{unit}: sets LimitNOFILE (HTTP's share of descriptors follows it)",
                      re.search(r"^LimitNOFILE=\d+$", text, re.M) is not None, text)
     server = open(os.path.join(CONTRIB, "systemd", "usbwire-server.service")).read()
