@@ -8,7 +8,7 @@ use std::io;
 
 use bytes::BytesMut;
 
-use crate::{Frame, Transform, MAX_FRAME_PAYLOAD};
+use crate::frame::{Frame, Transform, MAX_FRAME_PAYLOAD};
 
 /// Frames smaller than this are not worth compressing.
 const MIN_COMPRESS: usize = 256;

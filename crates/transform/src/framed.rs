@@ -21,8 +21,9 @@ use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_util::io::poll_read_buf;
 
+use crate::frame::{Frame, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD};
+use crate::pipeline::Pipeline;
 use crate::timer::PreciseTimer;
-use crate::{Frame, Pipeline, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD};
 
 /// Bytes asked of the inner stream per read, at least.
 const READ_CHUNK: usize = 256 * 1024;
@@ -299,7 +300,7 @@ impl<S: std::fmt::Debug> std::fmt::Debug for TransformedStream<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Side, TransformSpec};
+    use crate::pipeline::{Side, TransformSpec};
     use bytes::BufMut;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

@@ -8,7 +8,7 @@
 use std::io;
 use std::time::{Duration, Instant};
 
-use crate::{Frame, Transform};
+use crate::frame::{Frame, Transform};
 
 pub struct JitterBuffer {
     /// `None` on the server: it does not delay what clients send.
