@@ -15,7 +15,8 @@ use tracing::{debug, trace};
 
 use crate::control::{feature, request, Recipient, RequestKind, SetupPacket};
 use crate::descriptor::{self, ConfigurationInfo, DeviceDescriptor};
-use crate::{Completion, CompletionQueue, Device, DeviceSummary, Direction, Speed, Status, TransferType, Urb};
+use crate::device::{Device, DeviceSummary};
+use crate::{Completion, CompletionQueue, Direction, Speed, Status, TransferType, Urb};
 
 /// Everything a device says about itself through GET_DESCRIPTOR.
 #[derive(Clone, Debug)]
