@@ -21,7 +21,7 @@ use usbwire_device::{
     Completion, CompletionQueue, ControlReply, DescriptorSet, Function, Speed, Status, Urb, VirtualDevice,
 };
 
-use crate::{MANUFACTURER, VENDOR_ID};
+use crate::identity::{MANUFACTURER, VENDOR_ID};
 
 /// The keyboard's product id.
 pub const KEYBOARD_PRODUCT_ID: u16 = 0x0001;

@@ -18,7 +18,7 @@ use usbwire_device::descriptor::{ConfigurationBuilder, DeviceDescriptor, Endpoin
 use usbwire_device::{Completion, CompletionQueue, DescriptorSet, Function, Speed, Status, Urb, VirtualDevice};
 use usbwire_proto::Limits;
 
-use crate::{MANUFACTURER, VENDOR_ID};
+use crate::identity::{MANUFACTURER, VENDOR_ID};
 
 /// The loopback device's product id.
 pub const PRODUCT_ID: u16 = 0x0005;

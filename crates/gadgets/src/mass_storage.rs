@@ -10,12 +10,12 @@
 mod scsi;
 
 use std::collections::VecDeque;
-use std::fs::{File, OpenOptions};
+use std::fs::OpenOptions;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tracing::{debug, trace};
 use usbwire_device::control::{RequestKind, SetupPacket};
 use usbwire_device::descriptor::{ConfigurationBuilder, DeviceDescriptor, EndpointSpec};
@@ -23,13 +23,12 @@ use usbwire_device::{
     Completion, CompletionQueue, ControlReply, DescriptorSet, Function, Speed, Status, Urb, VirtualDevice,
 };
 
-use crate::{MANUFACTURER, VENDOR_ID};
+use crate::identity::{MANUFACTURER, VENDOR_ID};
+pub use scsi::BLOCK_SIZE;
 use scsi::{Outcome, Sense};
 
 /// The disk's product id.
 pub const PRODUCT_ID: u16 = 0x0003;
-/// Bytes per logical block.
-pub const BLOCK_SIZE: u64 = 512;
 /// Bulk IN endpoint (data to the host and CSWs).
 pub const BULK_IN: u8 = 0x81;
 /// Bulk OUT endpoint (CBWs and data from the host).
@@ -193,7 +192,7 @@ impl MassStorage {
                 return Err(DiskError::SizeMismatch { path: path.to_path_buf(), len, wanted });
             }
         }
-        let serial = crate::serial_number(path);
+        let serial = crate::identity::serial_number(path);
         let speed = if options.speed.is_superspeed() { Speed::SUPER } else { Speed::HIGH };
         let configuration = ConfigurationBuilder::new(speed, 100)
             .interface(0, 2, 0x08, 0x06, 0x50, 0)
@@ -484,14 +483,6 @@ fn csw(tag: u32, residue: u32, status: u8) -> [u8; 13] {
     w[8..12].copy_from_slice(&residue.to_le_bytes());
     w[12] = status;
     w
-}
-
-/// Reads `len` bytes at `offset` into a fresh buffer.
-fn read_block_range(file: &File, offset: u64, len: usize) -> io::Result<Bytes> {
-    use std::os::unix::fs::FileExt;
-    let mut buf = BytesMut::zeroed(len);
-    file.read_exact_at(&mut buf, offset)?;
-    Ok(buf.freeze())
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ use usbwire_device::{
     Completion, CompletionQueue, ControlReply, DescriptorSet, Function, Speed, Status, Urb, VirtualDevice,
 };
 
-use crate::{MANUFACTURER, VENDOR_ID};
+use crate::identity::{MANUFACTURER, VENDOR_ID};
 
 /// The serial port's product id.
 pub const PRODUCT_ID: u16 = 0x0004;

@@ -9,10 +9,10 @@ use usbwire_device::control::{Recipient, RequestKind, SetupPacket};
 use usbwire_device::descriptor::{ConfigurationBuilder, DeviceDescriptor};
 use usbwire_device::{Completion, CompletionQueue, ControlReply, DescriptorSet, Function, Speed, Status, Urb};
 
+use super::ids::{DFU_PRODUCT_ID, RUNTIME_PRODUCT_ID};
 use super::machine::{DfuMachine, Mode, DETACH_TIMEOUT_MS, TRANSFER_SIZE};
 use super::memory::{hex, sha256, FileMemory};
-use super::{DFU_PRODUCT_ID, RUNTIME_PRODUCT_ID};
-use crate::{MANUFACTURER, VENDOR_ID};
+use crate::identity::{MANUFACTURER, VENDOR_ID};
 
 /// The application-specific class (DFU 1.1 section 4.2.1).
 const CLASS_APPLICATION: u8 = 0xfe;

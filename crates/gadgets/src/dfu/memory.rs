@@ -17,9 +17,9 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest as _, Sha256};
 use tracing::{info, warn};
 
+use super::ids::{DFU_PRODUCT_ID, RUNTIME_PRODUCT_ID};
 use super::machine::{DfuStatus, Memory};
-use super::{DFU_PRODUCT_ID, RUNTIME_PRODUCT_ID};
-use crate::VENDOR_ID;
+use crate::identity::VENDOR_ID;
 
 /// Alternate setting of the firmware image.
 pub const FLASH_ALT: u8 = 0;

@@ -33,6 +33,7 @@
 //! for DfuSe, ST's vendor extension with addresses and erase commands.
 
 mod function;
+mod ids;
 pub mod machine;
 pub mod memory;
 
@@ -48,15 +49,12 @@ pub use function::{
     Firmware, BOOTLOADER_PRODUCT, DFU_ATTRIBUTES, DFU_MODE_INTERFACE, REQUEST_FIRMWARE_SHA256, RUNTIME_DFU_INTERFACE,
     RUNTIME_VENDOR_INTERFACE,
 };
+pub use ids::{DFU_PRODUCT_ID, RUNTIME_PRODUCT_ID};
 pub use machine::{DfuStatus, Mode, State, TRANSFER_SIZE};
 pub use memory::{FileMemory, FLASH_ALT, OPTION_BYTES_ALT, OPTION_BYTES_LEN};
 
 use function::DfuFunction;
 
-/// The product id in runtime mode.
-pub const RUNTIME_PRODUCT_ID: u16 = 0x0006;
-/// The product id in DFU mode (the bootloader).
-pub const DFU_PRODUCT_ID: u16 = 0x0007;
 /// The default size of the flash region: 1 MiB.
 pub const DEFAULT_SIZE: usize = 1 << 20;
 /// The largest flash region: an image is held in memory while it downloads.
@@ -134,7 +132,7 @@ impl DfuDevice {
         let (dir, _, temp_path) = memory::create_temp_beside(path).map_err(directory_error)?;
         std::fs::remove_file(&temp_path).map_err(directory_error)?;
         let resolved = dir.canonicalize().unwrap_or(dir).join(path.file_name().unwrap_or_default());
-        let serial = crate::serial_number(&resolved);
+        let serial = crate::identity::serial_number(&resolved);
         let memory = FileMemory::new(path.to_path_buf(), options.size);
         let function = runtime_function(memory, &serial);
         Ok(Self { current: VirtualDevice::new(function), serial, enumeration: 0, timer: None })

@@ -5,10 +5,11 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use tracing::debug;
 
-use super::{read_block_range, BLOCK_SIZE};
+/// Bytes per logical block.
+pub const BLOCK_SIZE: u64 = 512;
 
 /// Sense key, additional sense code and qualifier of the last failure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -260,4 +261,11 @@ impl Disk {
 /// A big-endian field of `len` bytes at `at` (missing bytes read as zero).
 fn field(cdb: &[u8], at: usize, len: usize) -> u64 {
     (at..at + len).fold(0u64, |v, i| (v << 8) | u64::from(cdb.get(i).copied().unwrap_or(0)))
+}
+
+/// Reads `len` bytes at `offset` into a fresh buffer.
+fn read_block_range(file: &File, offset: u64, len: usize) -> io::Result<Bytes> {
+    let mut buf = BytesMut::zeroed(len);
+    file.read_exact_at(&mut buf, offset)?;
+    Ok(buf.freeze())
 }
