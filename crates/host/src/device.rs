@@ -25,7 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -36,9 +36,9 @@ use usbwire_device::descriptor::{ConfigurationInfo, DeviceDescriptor};
 use usbwire_device::{Completion, Device, DeviceSummary, Direction, Status, TransferType, Urb};
 
 use self::transfer::InFlight;
+use crate::local::{read_sysfs, LocalDevice};
 use crate::urb_table::{Reaped, UrbKey, UrbTable};
 use crate::usbfs;
-use crate::LocalDevice;
 
 /// How long a reset or close waits for discarded URBs to come back. Those that
 /// do not stay held (a reset) or are leaked (a close); never freed unreaped.
@@ -47,7 +47,6 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 /// `-ESHUTDOWN`: what the kernel gives URBs of a device that went away.
 const ESHUTDOWN: Status = Status(-libc::ESHUTDOWN);
 const ENODEV: Status = Status(-libc::ENODEV);
-const EINVAL: Status = Status(-libc::EINVAL);
 
 /// A real device opened through `/dev/bus/usb/BBB/DDD`.
 pub struct HostDevice {
@@ -150,7 +149,7 @@ impl HostDevice {
                             if cancelled {
                                 debug!(busid = %self.busid, seqnum, "discarded URB came back");
                             }
-                            let mut completion = self.finish(entry, cancelled);
+                            let mut completion = entry.finish(cancelled, &self.endpoints);
                             let unplugged = completion.status != Status::OK
                                 && completion.status != Status::ECONNRESET
                                 && !self.gone
@@ -278,7 +277,7 @@ impl Device for HostDevice {
             }
         }
         let seqnum = urb.seqnum;
-        match self.prepare(urb) {
+        match InFlight::prepare(urb, &self.endpoints) {
             Err((urb, status)) => self.finished.push_back(urb.complete_with(status)),
             Ok(mut in_flight) => {
                 let raw = in_flight.raw();
@@ -388,7 +387,3 @@ impl Drop for HostDevice {
 // SAFETY: the raw pointers inside `InFlight` point into allocations owned by the
 // same value; the device is used from one task at a time.
 unsafe impl Send for HostDevice {}
-
-pub(crate) fn read_sysfs(device: &Path, attribute: &str) -> Option<String> {
-    std::fs::read_to_string(device.join(attribute)).ok().map(|text| text.trim().to_owned())
-}

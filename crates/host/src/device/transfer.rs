@@ -2,12 +2,16 @@
 //! built for the kernel from a USB/IP URB, and the completion read back from them once the
 //! kernel hands them back. Not here: submitting, reaping and who is told (`device.rs`).
 
+use std::collections::HashMap;
+
 use bytes::Bytes;
 use usbwire_device::{Completion, Status, TransferFlags, TransferType, Urb};
 use usbwire_proto::urb::IsoPacketDescriptor;
 
-use super::{HostDevice, EINVAL};
 use crate::usbfs::{self, IsoPacket, RawUrb};
+
+/// `-EINVAL`: a URB whose lengths or packets do not add up, as the kernel answers it.
+const EINVAL: Status = Status(-libc::EINVAL);
 
 /// A URB the kernel holds: the usbfs URB (with its iso packet array) and
 /// buffer must not move until it is reaped.
@@ -22,15 +26,14 @@ impl InFlight {
     pub(super) fn raw(&mut self) -> *mut RawUrb {
         self.block.as_mut_ptr().cast()
     }
-}
 
-impl HostDevice {
     /// Builds the usbfs URB and buffer for `urb`, or the status to complete it with.
-    pub(super) fn prepare(&self, urb: Urb) -> Result<InFlight, (Urb, Status)> {
+    /// `endpoints` are the transfer types of the current configuration's endpoints.
+    pub(super) fn prepare(urb: Urb, endpoints: &HashMap<u8, TransferType>) -> Result<Self, (Urb, Status)> {
         let kind = if urb.endpoint == 0 {
             TransferType::Control
         } else {
-            match self.endpoints.get(&urb.endpoint_address()) {
+            match endpoints.get(&urb.endpoint_address()) {
                 Some(&kind) => kind,
                 None => return Err((urb, Status::EPIPE)),
             }
@@ -89,7 +92,7 @@ impl HostDevice {
             }
         };
         let words = (std::mem::size_of::<RawUrb>() + iso_packets.len() * std::mem::size_of::<IsoPacket>()).div_ceil(8);
-        let mut in_flight = InFlight { block: vec![0u64; words].into_boxed_slice(), buffer, urb };
+        let mut in_flight = Self { block: vec![0u64; words].into_boxed_slice(), buffer, urb };
         let raw = in_flight.raw();
         let buffer_ptr = in_flight.buffer.as_mut_ptr();
         // SAFETY: `block` is zeroed, 8-byte aligned and large enough for a RawUrb
@@ -118,7 +121,8 @@ impl HostDevice {
     }
 
     /// Turns a reaped usbfs URB back into a completion.
-    pub(super) fn finish(&mut self, mut done: InFlight, cancelled: bool) -> Completion {
+    pub(super) fn finish(self, cancelled: bool, endpoints: &HashMap<u8, TransferType>) -> Completion {
+        let mut done = self;
         let raw = done.raw();
         // SAFETY: the kernel has handed the URB back; nothing else touches it.
         let header = unsafe { &*raw };
@@ -131,7 +135,7 @@ impl HostDevice {
         let mut completion = urb.complete_with(status);
         completion.start_frame = header.start_frame;
         completion.error_count = header.error_count;
-        match self.endpoint_kind(urb) {
+        match endpoint_kind(urb, endpoints) {
             TransferType::Control => {
                 completion.actual_length = actual as u32;
                 if urb.is_in() {
@@ -178,14 +182,14 @@ impl HostDevice {
         }
         completion
     }
+}
 
-    fn endpoint_kind(&self, urb: &Urb) -> TransferType {
-        if urb.endpoint == 0 {
-            TransferType::Control
-        } else if !urb.iso_packets.is_empty() {
-            TransferType::Isochronous
-        } else {
-            self.endpoints.get(&urb.endpoint_address()).copied().unwrap_or(TransferType::Bulk)
-        }
+fn endpoint_kind(urb: &Urb, endpoints: &HashMap<u8, TransferType>) -> TransferType {
+    if urb.endpoint == 0 {
+        TransferType::Control
+    } else if !urb.iso_packets.is_empty() {
+        TransferType::Isochronous
+    } else {
+        endpoints.get(&urb.endpoint_address()).copied().unwrap_or(TransferType::Bulk)
     }
 }
