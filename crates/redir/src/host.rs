@@ -21,11 +21,13 @@
 //! the disconnect (as usbredirhost waits for `device_disconnect_ack`).
 //!
 //! This file has the API, the guest's packets mapped to URBs and the URBs'
-//! completions mapped back; [`device`] what is known of the device (its
-//! descriptors, the setting in effect) and the announce; [`streams`] the
-//! host-driven streams.
+//! completions mapped back; [`device`] reads the device's descriptors,
+//! announces it and handles it coming and going; [`streams`] the host-driven
+//! streams; `state` what those files share below them (the device model,
+//! the requests held, each stream's bookkeeping).
 
 mod device;
+mod state;
 mod streams;
 
 use std::collections::{HashMap, VecDeque};
@@ -35,12 +37,14 @@ use usbwire_device::TransferType;
 use usbwire_proto::urb::IsoPacketDescriptor;
 use usbwire_proto::{Speed, Status as UrbStatus};
 
-use self::device::{DeviceModel, Held};
-use self::streams::Stream;
-use crate::{Caps, Codec, Packet, RedirError, Side, Status};
+use self::state::{DeviceModel, Held, Stream};
+use crate::codec::Codec;
+use crate::error::RedirError;
+use crate::packet::Packet;
+use crate::wire::{Caps, Side, Status, MAX_PACKET_LEN};
 
 /// Largest packet we accept from the guest: a 128 MiB bulk OUT and its header.
-const MAX_GUEST_PACKET: u32 = crate::MAX_PACKET_LEN;
+const MAX_GUEST_PACKET: u32 = MAX_PACKET_LEN;
 
 /// What we announce in our hello: everything usbredirhost does except bulk
 /// streams and bulk receiving, which a USB/IP server cannot do.

@@ -3,7 +3,8 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::{Caps, Fields, PacketType, RedirError, Side, Status, NO_DATA};
+use crate::error::RedirError;
+use crate::wire::{Caps, PacketType, Side, Status};
 
 /// `interface_info`: the current configuration's interfaces (at most 32).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -520,3 +521,36 @@ impl Packet {
         }
     }
 }
+
+/// `data` as a little-endian field reader for the type headers (lengths checked by the caller).
+struct Fields<'a>(&'a [u8]);
+
+impl Fields<'_> {
+    fn u8(&mut self) -> u8 {
+        let value = self.0[0];
+        self.0 = &self.0[1..];
+        value
+    }
+
+    fn u16(&mut self) -> u16 {
+        let value = u16::from_le_bytes([self.0[0], self.0[1]]);
+        self.0 = &self.0[2..];
+        value
+    }
+
+    fn u32(&mut self) -> u32 {
+        let value = u32::from_le_bytes([self.0[0], self.0[1], self.0[2], self.0[3]]);
+        self.0 = &self.0[4..];
+        value
+    }
+
+    fn array<const N: usize>(&mut self) -> [u8; N] {
+        let mut out = [0; N];
+        out.copy_from_slice(&self.0[..N]);
+        self.0 = &self.0[N..];
+        out
+    }
+}
+
+/// Data that is not there yet ([`Packet::with_data`] fills it in).
+const NO_DATA: Bytes = Bytes::new();

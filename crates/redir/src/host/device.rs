@@ -6,15 +6,14 @@
 //! device's descriptors read and announced). Not here: the guest's requests (`host.rs`) and
 //! the host-driven streams (`streams.rs`).
 
-use std::collections::{HashMap, VecDeque};
-
 use bytes::Bytes;
 use usbwire_device::descriptor::{ConfigurationInfo, DeviceDescriptor};
-use usbwire_device::TransferType;
 use usbwire_proto::{Speed, Status as UrbStatus};
 
+use super::state::{DeviceModel, Held};
 use super::{redir_speed, HostError, HostEvent, Pending, UrbRequest, UrbResult, UsbHost};
-use crate::{Caps, EndpointInfo, InterfaceInfo, Packet, Status};
+use crate::packet::Packet;
+use crate::wire::{Caps, Status};
 
 /// Configurations read at start (a device announcing more is cut to these).
 const MAX_CONFIGURATIONS: u8 = 8;
@@ -23,109 +22,6 @@ const MAX_CONFIGURATIONS: u8 = 8;
 /// [`MAX_HELD_BYTES`] of data) requests are refused as for a device not there.
 const MAX_HELD: usize = 32;
 const MAX_HELD_BYTES: usize = 16 * 1024;
-
-/// The guest's requests waiting for the device that re-enumerates on its reset.
-#[derive(Debug, Default)]
-pub(super) struct Held {
-    packets: VecDeque<(u64, Packet)>,
-    /// Data the packets carry.
-    bytes: usize,
-}
-
-/// What the descriptors say and what the guest chose.
-#[derive(Debug, Default)]
-pub(super) struct DeviceModel {
-    pub(super) descriptor: Option<DeviceDescriptor>,
-    /// Each configuration descriptor, in index order.
-    pub(super) configurations: Vec<(Bytes, ConfigurationInfo)>,
-    /// bConfigurationValue in effect (0: unconfigured).
-    pub(super) configuration: u8,
-    /// Alt setting per interface number.
-    pub(super) alt: HashMap<u8, u8>,
-}
-
-impl DeviceModel {
-    pub(super) fn active(&self) -> Option<&ConfigurationInfo> {
-        self.configurations.iter().map(|(_, info)| info).find(|info| info.value == self.configuration)
-    }
-
-    pub(super) fn alt_of(&self, interface: u8) -> u8 {
-        self.alt.get(&interface).copied().unwrap_or(0)
-    }
-
-    /// ep_info for the configuration and alt settings in effect.
-    pub(super) fn endpoint_info(&self, speed: Speed) -> EndpointInfo {
-        let mut info = EndpointInfo::default();
-        for index in [0, 16] {
-            info.kind[index] = 0;
-            info.max_packet_size[index] = self.descriptor.as_ref().map_or(64, |d| match d.max_packet_size0 {
-                9 if speed.is_superspeed() => 512,
-                size => u16::from(size),
-            });
-        }
-        let Some(config) = self.active() else { return info };
-        for interface in config.interfaces.iter().filter(|i| i.alt_setting == self.alt_of(i.number)) {
-            for ep in &interface.endpoints {
-                let index = EndpointInfo::index(ep.address);
-                info.kind[index] = match ep.transfer_type {
-                    TransferType::Control => 0,
-                    TransferType::Isochronous => 1,
-                    TransferType::Bulk => 2,
-                    TransferType::Interrupt => 3,
-                };
-                info.interval[index] = ep.interval;
-                info.interface[index] = interface.number;
-                info.max_packet_size[index] = max_packet_bytes(ep.max_packet_size, speed, ep.transfer_type);
-            }
-        }
-        info
-    }
-
-    /// interface_info for the configuration and alt settings in effect.
-    pub(super) fn interface_info(&self) -> InterfaceInfo {
-        let mut info = InterfaceInfo::default();
-        let Some(config) = self.active() else { return info };
-        for interface in config.interfaces.iter().filter(|i| i.alt_setting == self.alt_of(i.number)).take(32) {
-            info.interface.push(interface.number);
-            info.class.push(interface.class);
-            info.subclass.push(interface.subclass);
-            info.protocol.push(interface.protocol);
-        }
-        info
-    }
-
-    /// The endpoint's transfer type and max packet bytes in the current setting.
-    pub(super) fn endpoint(&self, address: u8, speed: Speed) -> Option<(TransferType, u32)> {
-        let config = self.active()?;
-        config
-            .active_endpoints(|i| self.alt_of(i))
-            .find(|ep| ep.address == address)
-            .map(|ep| (ep.transfer_type, u32::from(max_packet_bytes(ep.max_packet_size, speed, ep.transfer_type))))
-    }
-
-    /// The interface an endpoint belongs to in the current setting.
-    pub(super) fn interface_of(&self, address: u8) -> Option<u8> {
-        let config = self.active()?;
-        config
-            .interfaces
-            .iter()
-            .filter(|i| i.alt_setting == self.alt_of(i.number))
-            .find(|i| i.endpoints.iter().any(|ep| ep.address == address))
-            .map(|i| i.number)
-    }
-}
-
-/// Bytes per packet: wMaxPacketSize's size times its high-bandwidth
-/// multiplier, which counts for high-speed periodic endpoints only.
-fn max_packet_bytes(w_max_packet_size: u16, speed: Speed, kind: TransferType) -> u16 {
-    let size = w_max_packet_size & 0x7ff;
-    let periodic = matches!(kind, TransferType::Isochronous | TransferType::Interrupt);
-    if speed == Speed::HIGH && periodic {
-        size * (1 + ((w_max_packet_size >> 11) & 3)).min(3)
-    } else {
-        size
-    }
-}
 
 impl UsbHost {
     /// The completion of one of the descriptor reads queued at start; the last one makes the

@@ -4,30 +4,17 @@
 //! configuration or alt setting removes its endpoint. Not here: requests the guest sends one
 //! packet at a time (`host.rs`).
 
-use std::collections::HashSet;
-
 use bytes::{Bytes, BytesMut};
 use usbwire_device::TransferType;
 
+use super::state::Stream;
 use super::{redir_status, Pending, UrbCommand, UrbRequest, UrbResult, UsbHost};
-use crate::{Packet, Status};
+use crate::packet::Packet;
+use crate::wire::Status;
 
 /// Interrupt IN URBs kept in flight per receiving endpoint, so a report is
 /// never waiting for the round trip of the previous one.
 pub(super) const INTERRUPT_URBS: usize = 4;
-
-/// A host-driven stream on one endpoint (interrupt receiving, or isochronous).
-#[derive(Debug, Default)]
-pub(super) struct Stream {
-    /// Tags of its URBs in flight.
-    pub(super) in_flight: HashSet<u64>,
-    /// The id of the next unsolicited packet (restarts at 0 on each start).
-    next_id: u64,
-    /// Isochronous: packets per URB.
-    pkts_per_urb: u8,
-    /// Isochronous OUT: the guest's packets not submitted yet.
-    out_packets: Vec<Bytes>,
-}
 
 impl UsbHost {
     pub(super) fn start_interrupt_receiving(&mut self, endpoint: u8) -> Status {
