@@ -9,6 +9,7 @@ mod commands;
 mod config;
 mod exit;
 mod manual;
+mod version;
 
 use clap::FromArgMatches as _;
 

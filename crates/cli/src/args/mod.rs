@@ -29,9 +29,6 @@ pub(crate) use remote::{DescribeArgs, ListArgs, RedirArgs};
 pub(crate) use server::{DemoArgs, ServeArgs};
 pub(crate) use setup::{CompletionsArgs, DoctorArgs, IdentityArgs, ManArgs, UdevRulesArgs, VersionArgs};
 
-/// The version and the commit it was built from (`build.rs`; "unknown" outside a git checkout).
-pub(crate) const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("USBWIRE_COMMIT"), ")");
-
 /// The command line with the manual's text (examples; on the program's own
 /// help also exit status, environment, files) after each verb's options.
 pub(crate) fn command() -> clap::Command {
@@ -46,7 +43,7 @@ pub(crate) fn command() -> clap::Command {
 #[derive(Parser, Debug)]
 #[command(
     name = "usbwire",
-    version = crate::commands::version_text(),
+    version = crate::version::version_text(),
     about = "Share USB devices over IP (USB/IP compatible)"
 )]
 pub(crate) struct Cli {

@@ -11,9 +11,10 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 
 use super::common::stdout::{self, outln};
-use crate::args::{CompletionsArgs, ManArgs, VERSION};
+use crate::args::{CompletionsArgs, ManArgs};
 use crate::exit::Failure;
 use crate::manual;
+use crate::version::VERSION;
 
 pub(crate) fn completions(args: CompletionsArgs) -> Result<(), Failure> {
     let mut command = crate::args::command();

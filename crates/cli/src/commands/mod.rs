@@ -21,7 +21,6 @@ mod udev;
 mod version;
 
 pub(crate) use common::process::set_verbosity;
-pub(crate) use version::version_text;
 
 use crate::args::Command;
 use crate::exit::Failure;

@@ -243,7 +243,7 @@ impl Registering {
                 tls_fingerprint,
                 plain: security.tls.is_none() || security.plain != PlainPolicy::Never,
                 implementation: "usbwire".to_owned(),
-                version: crate::args::VERSION.to_owned(),
+                version: crate::version::VERSION.to_owned(),
                 started_at: usbwire_lab::entry::timestamp(std::time::SystemTime::now()),
             },
             labels,
