@@ -9,7 +9,14 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use usbwire_lab::Endpoint;
 
-use super::report::Cost;
+/// What a phase cost, and how long it waited for etcd to be idle before it began.
+pub(crate) struct Cost {
+    /// etcd's counters over the phase; `None` when they could not be read.
+    pub(crate) etcd: Option<Counters>,
+    /// CPU seconds of this process (the simulated servers and clients).
+    pub(crate) bench_cpu: f64,
+    pub(crate) waited: f64,
+}
 
 /// Where a phase began.
 pub(crate) struct Mark {

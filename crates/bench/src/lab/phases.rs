@@ -8,9 +8,11 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinSet;
 use usbwire_lab::{Endpoint, Hold, Lab, LabError, Reservation, Want};
 
+use super::error::LabBenchError;
 use super::etcd_metrics::Metrics;
+use super::fleet::{Scale, SimulatedFleet, LABEL};
+use super::progress::Progress;
 use super::report::{Phase, Report};
-use super::{LabBenchError, Progress, Scale, SimulatedFleet, LABEL};
 
 const LIST_CALLS: usize = 20;
 /// Longer than any run: a reservation left behind by a failed run still ends by itself.

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde_json::json;
 use usbwire_lab::DEFAULT_TTL;
 
-use super::etcd_metrics::Counters;
+use super::etcd_metrics::Cost;
 
 /// The etcd methods the table shows, in its order (others still go into `--json`).
 const METHODS: [&str; 8] =
@@ -23,15 +23,6 @@ pub(crate) struct Phase {
     /// Milliseconds, one per operation (per server for the registration).
     pub(crate) latencies_ms: Vec<f64>,
     pub(crate) cost: Cost,
-}
-
-/// What a phase cost, and how long it waited for etcd to be idle before it began.
-pub(crate) struct Cost {
-    /// etcd's counters over the phase; `None` when they could not be read.
-    pub(crate) etcd: Option<Counters>,
-    /// CPU seconds of this process (the simulated servers and clients).
-    pub(crate) bench_cpu: f64,
-    pub(crate) waited: f64,
 }
 
 impl Phase {
@@ -270,6 +261,7 @@ fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lab::etcd_metrics::Counters;
 
     #[test]
     fn percentiles_by_nearest_rank() {
