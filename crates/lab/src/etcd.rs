@@ -8,8 +8,8 @@ use etcd_client::{Client, ConnectOptions, GetOptions, LeaseKeepAliveStream, Leas
 use tokio::time::Instant;
 use tracing::debug;
 
+use crate::error::LabError;
 use crate::url::RegistryUrl;
-use crate::LabError;
 
 /// How long one etcd request may take before the registry counts as unreachable.
 pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);

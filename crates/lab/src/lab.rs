@@ -22,8 +22,8 @@ use usbwire_proto::reservation::ReservationToken;
 use crate::entry::{
     decode, timestamp, Availability, DeviceEntry, Fleet, Key, Keys, ReservationEntry, ServerEntry, Want, SCHEMA_VERSION,
 };
+use crate::error::LabError;
 use crate::etcd::{keep_alive, Endpoint};
-use crate::LabError;
 
 /// A connection to the lab registry.
 pub struct Lab {

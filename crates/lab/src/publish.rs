@@ -28,8 +28,8 @@ use usbwire_device::{DeviceFacts, Selector};
 use usbwire_server::{state_entry, ExportInfo, Registry, Reservation, ReservationDigest, ReservedFor};
 
 use crate::entry::{decode, Availability, DeviceEntry, Key, Keys, ReservationEntry, ServerEntry, SCHEMA_VERSION};
+use crate::error::LabError;
 use crate::etcd::{keep_alive, Endpoint};
-use crate::LabError;
 
 /// etcd's default limit on operations in one transaction is 128.
 const OPS_PER_TXN: usize = 100;
