@@ -21,7 +21,8 @@ the socket :mod:`usbwire.device.connection`.
 """
 
 from .connection import DeviceProtocolError, Refused, ServerClosed, default_socket_path, socket_path
-from .core import NAK, STALL, Device, SetupPacket
+from .core import Device
+from .handlers import NAK, STALL, SetupPacket
 from .descriptors import Endpoint, Interface
 
 __all__ = [

@@ -8,52 +8,13 @@ are answered from the descriptors.
 
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import descriptors as d
 from .connection import Connection, ServerClosed
+from .handlers import STALL, ControlHandler, InHandler, OutHandler, Reply, SetupPacket
+from .serve import Server
 
-
-class _Answer:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-#: "Not ready yet": the request waits and its handler is asked again.
-NAK = _Answer("NAK")
-#: "Refused": the endpoint (or ep0, for this request) stalls.
-STALL = _Answer("STALL")
-
-Reply = Union[bytes, bytearray, None, _Answer]
-
-
-@dataclass(frozen=True)
-class SetupPacket:
-    """A control request's 8-byte SETUP packet, parsed."""
-
-    request_type: int
-    request: int
-    value: int
-    index: int
-    length: int
-
-    @classmethod
-    def parse(cls, raw: bytes) -> "SetupPacket":
-        return cls(*struct.unpack("<BBHHH", raw))
-
-    @property
-    def is_in(self) -> bool:
-        return bool(self.request_type & 0x80)
-
-
-ControlHandler = Callable[[SetupPacket, bytes], Reply]
-OutHandler = Callable[[bytes], Reply]
-InHandler = Callable[[int], Reply]
 
 GET_STATUS, CLEAR_FEATURE, SET_FEATURE, SET_ADDRESS, GET_DESCRIPTOR = 0, 1, 3, 5, 6
 GET_CONFIGURATION, SET_CONFIGURATION, GET_INTERFACE, SET_INTERFACE = 8, 9, 10, 11
@@ -175,8 +136,6 @@ class Device:
 
         ``tick`` is called at least every ``poll`` seconds; waiting requests are asked again as often.
         """
-        from .serve import Server
-
         self.stopping = False
         connection = Connection(path, speed=self.speed, ep0_max_packet=self.ep0_max_packet)
         try:

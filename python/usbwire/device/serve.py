@@ -1,4 +1,4 @@
-"""The serving loop of a :class:`~usbwire.device.core.Device`: requests in, answers out.
+"""The serving loop of a device (a :class:`~usbwire.device.core.Device`): requests in, answers out.
 
 Requests wait in one queue per endpoint (ep0's control requests in one, each
 OUT and IN endpoint in its own) and are answered oldest first, as the protocol
@@ -11,15 +11,28 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, Optional
+from typing import Callable, Deque, Dict, Optional, Protocol, Set
 
 from . import codec
 from .connection import Connection
-from .core import NAK, STALL, Device, Reply, SetupPacket
+from .handlers import NAK, STALL, InHandler, OutHandler, Reply, SetupPacket
+
+
+class Served(Protocol):
+    """What the loop needs of a device: a :class:`~usbwire.device.core.Device` is one."""
+
+    stopping: bool
+    halted: Set[int]
+    out_handlers: Dict[int, OutHandler]
+    in_handlers: Dict[int, InHandler]
+
+    def control(self, setup: SetupPacket, data: bytes) -> Reply: ...
+
+    def reset(self) -> None: ...
 
 
 class Server:
-    def __init__(self, device: Device, connection: Connection) -> None:
+    def __init__(self, device: Served, connection: Connection) -> None:
         self.device = device
         self.connection = connection
         # Key: 0 for ep0, the endpoint address otherwise (0x02 OUT, 0x81 IN).

@@ -31,7 +31,7 @@ from facedancer.types import DeviceSpeed, USBDirection
 
 from usbwire.device import codec
 from usbwire.device.connection import Connection, ServerClosed
-from usbwire.device.core import SetupPacket
+from usbwire.device.handlers import SetupPacket
 
 #: Bytes a device may send on one IN endpoint ahead of the host's reads.
 MAX_QUEUED = 16 << 20
