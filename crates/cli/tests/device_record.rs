@@ -19,6 +19,8 @@ use serde_json::Value;
 use usbwire_device::record::DeviceJson;
 use usbwire_testing::process::{free_addr, scratch, start};
 
+use usbwire_testing::stock_client::hold_import;
+
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 
 /// The devices served, in bus id order: bus id, kind, product string.
@@ -87,20 +89,6 @@ fn table_name(table: &str, busid: &str, ids: &str) -> String {
         .to_owned()
 }
 
-/// Holds `busid` as a stock client would: OP_REQ_IMPORT by hand, the connection kept open.
-fn hold(addr: &str, busid: &str) -> std::net::TcpStream {
-    let mut import = vec![0x01, 0x11, 0x80, 0x03, 0, 0, 0, 0];
-    let mut field = [0u8; 32];
-    field[..busid.len()].copy_from_slice(busid.as_bytes());
-    import.extend_from_slice(&field);
-    let mut held = std::net::TcpStream::connect(addr).expect("server answers");
-    held.write_all(&import).expect("import sent");
-    let mut reply = [0u8; 8 + 312];
-    held.read_exact(&mut reply).expect("import answered");
-    assert_eq!(&reply[4..8], &[0, 0, 0, 0], "{busid} imported");
-    held
-}
-
 #[test]
 fn every_verb_and_the_status_page_show_a_device_as_the_same_record_and_name() {
     let dir = scratch("device-record", "serve");
@@ -165,7 +153,7 @@ fn every_verb_and_the_status_page_show_a_device_as_the_same_record_and_name() {
     }
 
     // A device in use leaves the table (as usbip's does) for `-v`'s "In use", under the same name.
-    let held = hold(&addr, "0-3");
+    let held = hold_import(&addr, "0-3");
     let verbose = text_of(&["list", "-r", &addr, "-v"]);
     let in_use = verbose
         .lines()

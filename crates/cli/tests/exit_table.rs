@@ -4,8 +4,9 @@
 //! whichever verb meets them — a malformed bus id is 64 wherever it is given,
 //! vhci-hcd not loaded is 71 for `attach` and `client` alike, an unusable
 //! capture directory is the same for `serve --capture` and `capture`, and a
-//! file the command must make in a missing directory is 73. (The `-r
-//! HOST:PORT` / `--tcp-port` forms are `exit_codes.rs`'s.)
+//! file the command must make in a missing directory is 73 — and the `-r
+//! HOST:PORT` / `--tcp-port` forms, IPv6 included: what they reach, and the
+//! command lines they refuse (64).
 
 use std::io::{Read as _, Write as _};
 use std::net::TcpListener;
@@ -347,4 +348,39 @@ fn config_78() {
     let served = serve(&dir, &free_addr().to_string(), &["--virtual", "keyboard"]);
     exits(&usbwire(&["capture", "--control", control, "/tmp"]), 78, "/tmp is writable by other users");
     drop(served);
+}
+
+#[test]
+fn a_bad_host_port_is_a_usage_error() {
+    // A port out of range is a bad command line, not a host name the resolver does not know.
+    exits(&usbwire(&["list", "-r", "127.0.0.1:99999"]), 64, "\"99999\" is not a port (a number from 1 to 65535)");
+    exits(&usbwire(&["describe", "-r", "[::1]:x", "-b", "0-1"]), 64, "is not a port");
+    // A port given twice, one of which would be ignored.
+    let out = usbwire(&["list", "-r", "127.0.0.1:3240", "--tcp-port", "4000"]);
+    exits(&out, 64, "it names port 3240 and --tcp-port says 4000: give the port once");
+    exits(&usbwire(&["list", "-r", "[::1]:3240", "--tcp-port", "4000"]), 64, "give the port once");
+}
+
+/// `list -r ::1 --tcp-port N` dialled 3240: `--tcp-port` was dropped for any host with a colon.
+#[test]
+fn the_tcp_port_applies_to_ipv6_hosts() {
+    let dir = scratch("exit_table", "ipv6");
+    let Ok(probe) = TcpListener::bind("[::1]:0") else {
+        eprintln!("the_tcp_port_applies_to_ipv6_hosts: skipped, no IPv6 loopback");
+        return;
+    };
+    let port = probe.local_addr().unwrap().port();
+    drop(probe);
+    let _served = serve(&dir, &format!("[::1]:{port}"), &["--virtual", "keyboard"]);
+    let port = port.to_string();
+    let bracketed = format!("[::1]:{port}");
+    for args in [
+        vec!["list", "-r", "::1", "--tcp-port", &port],
+        vec!["list", "-r", "[::1]", "--tcp-port", &port],
+        vec!["list", "-r", &bracketed, "--json"],
+    ] {
+        let out = usbwire(&args);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("0-1"), "{args:?}");
+    }
 }

@@ -21,6 +21,8 @@ use usbwire_device::record::{DeviceJson, JSON_SCHEMA_VERSION};
 use usbwire_testing::etcd::Etcd;
 use usbwire_testing::process::{free_addr, scratch, start, Running};
 
+use usbwire_testing::stock_client::hold_import;
+
 const BIN: &str = env!("CARGO_BIN_EXE_usbwire");
 
 fn usbwire(args: &[&str]) -> Output {
@@ -143,20 +145,6 @@ fn serve(dir: &Path, extra: &[&str]) -> (Running, String, String) {
     (start(command, "usbwire serving").ready(), addr, http)
 }
 
-/// Holds `busid` as a stock client would: OP_REQ_IMPORT by hand, the connection kept open.
-fn hold(addr: &str, busid: &str) -> std::net::TcpStream {
-    let mut import = vec![0x01, 0x11, 0x80, 0x03, 0, 0, 0, 0];
-    let mut field = [0u8; 32];
-    field[..busid.len()].copy_from_slice(busid.as_bytes());
-    import.extend_from_slice(&field);
-    let mut held = std::net::TcpStream::connect(addr).expect("server answers");
-    held.write_all(&import).expect("import sent");
-    let mut reply = [0u8; 8 + 312];
-    held.read_exact(&mut reply).expect("import answered");
-    assert_eq!(&reply[4..8], &[0, 0, 0, 0], "{busid} imported");
-    held
-}
-
 fn http_get(addr: &str, path: &str) -> Value {
     let mut stream = std::net::TcpStream::connect(addr).expect("status page answers");
     write!(stream, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").expect("request");
@@ -177,7 +165,7 @@ fn list_state_describe_and_status_documents_match_their_golden_files() {
     assert_eq!((described["busid"].as_str(), described["speed"].as_str()), (Some("0-1"), Some("high")));
     golden("describe", described, &dir);
 
-    let held = hold(&addr, "0-2");
+    let held = hold_import(&addr, "0-2");
     let listed = json_of(&["list", "-r", &addr, "--json"]);
     let state = json_of(&["state", "--json", "--control", control]);
     let status = http_get(&http, "/status.json");

@@ -5,7 +5,8 @@
 //! and plugged in again ([`StockUsbipd`]), a host driving the DFU device over
 //! raw URBs ([`dfu`]), a real etcd member for the lab registry ([`etcd`]),
 //! and, for tests of the real `usbwire` binary, scratch directories and
-//! processes killed when dropped ([`process`]).
+//! processes killed when dropped ([`process`]), and an import held as a
+//! stock client holds it ([`stock_client`]).
 //!
 //! Only for tests (a dev-dependency, never published): a fixture that cannot
 //! be set up panics with what went wrong, as a test should.
@@ -14,6 +15,7 @@ pub mod dfu;
 pub mod etcd;
 pub mod process;
 mod server;
+pub mod stock_client;
 mod usbipd;
 
 pub use server::{stock_peer, ServerBuilder, TestServer};
