@@ -2,7 +2,8 @@
 //! kept across a server restart (usbipd-win's `bind --hardware-id`), `unbind
 //! --all`, `usbwire version` / `-V` with the protocol's version, the default
 //! lab registry from `USBWIRE_REGISTRY` or the user's usbwire.toml, and `list
-//! -p` (usbip's parsable lines).
+//! -p` (usbip's parsable lines). Then issue 32's item 10: the HTTP limits
+//! logged only with HTTP.
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
@@ -155,9 +156,10 @@ fn registry_verbs_default_to_usbwire_registry_then_the_users_usbwire_toml() {
 
 #[test]
 fn list_p_prints_usbips_parsable_lines() {
+    let dir = scratch("habits", "list-p");
     let addr = free_addr().to_string();
     let mut command = Command::new(BIN);
-    command.args(["serve", "--no-advertise", "--listen", &addr]);
+    command.args(["serve", "--no-advertise", "--listen", &addr, "--control"]).arg(dir.join("control.sock"));
     for device in ["keyboard", "mouse", "loopback", "serial"] {
         command.args(["--virtual", device]);
     }
@@ -198,4 +200,31 @@ fn import(mut stream: &std::net::TcpStream, busid: &str) {
     let mut reply = [0u8; 8];
     stream.read_exact(&mut reply).expect("import reply");
     assert_eq!(&reply[4..], &[0, 0, 0, 0], "import of {busid} refused");
+}
+
+/// A server of a keyboard (0-1) on a free port, with its control socket in `dir`
+/// (the default one is every other test's, and other checkouts' too).
+fn keyboard_server(dir: &Path, extra: &[&str]) -> (Running, std::net::SocketAddr) {
+    let addr = free_addr();
+    let mut command = Command::new(BIN);
+    command
+        .args(["serve", "--no-advertise", "--listen", &addr.to_string(), "--virtual", "keyboard", "--control"])
+        .arg(dir.join("control.sock"))
+        .args(extra);
+    (start(command, "usbwire serving").ready(), addr)
+}
+
+#[test]
+fn the_http_limits_are_logged_only_with_an_http_listener() {
+    let dir = scratch("habits", "http-limits");
+    for (extra, logged) in [(None, false), (Some("--http"), true), (Some("--metrics"), true)] {
+        let http = free_addr().to_string();
+        let extra: Vec<&str> = extra.map(|flag| vec![flag, http.as_str()]).unwrap_or_default();
+        let (server, addr) = keyboard_server(&dir, &extra);
+        // Once it answers USB/IP, it has set up (or not) its HTTP listeners.
+        let out = usbwire(&["list", "-p", "-r", &addr.to_string()]);
+        assert!(out.status.success(), "{}", text(&out));
+        let stderr = server.stop();
+        assert_eq!(stderr.contains("HTTP limits"), logged, "{extra:?}: {stderr}");
+    }
 }

@@ -117,7 +117,6 @@ pub(crate) struct Responder {
 
 impl Responder {
     pub(crate) fn new(limits: HttpLimits) -> Arc<Self> {
-        info!(connections = limits.max_connections, per_address = limits.per_address, "HTTP limits");
         Arc::new(Self {
             connections: Arc::new(Semaphore::new(limits.max_connections)),
             streams: Semaphore::new(limits.event_streams),

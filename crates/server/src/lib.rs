@@ -238,7 +238,11 @@ impl BoundServer {
         let mut tasks = tokio::task::JoinSet::new();
         let mut threads = self.threads;
         // Both HTTP listeners share one budget of connections, apart from USB/IP's.
-        let responder = http::Responder::new(http::HttpLimits::new(config.http_hosts.clone()));
+        let limits = http::HttpLimits::new(config.http_hosts.clone());
+        if self.metrics.is_some() || self.http.is_some() {
+            info!(connections = limits.max_connections, per_address = limits.per_address, "HTTP limits");
+        }
+        let responder = http::Responder::new(limits);
         for (listener, site) in [(self.metrics.take(), http::Site::Metrics), (self.http.take(), http::Site::StatusPage)]
         {
             if let Some(listener) = listener {
