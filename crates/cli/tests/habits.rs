@@ -3,7 +3,8 @@
 //! --all`, `usbwire version` / `-V` with the protocol's version, the default
 //! lab registry from `USBWIRE_REGISTRY` or the user's usbwire.toml, and `list
 //! -p` (usbip's parsable lines). Then issue 32's item 10: the HTTP limits
-//! logged only with HTTP.
+//! logged only with HTTP. Then issue 32's item 10: `state` lists the bind
+//! rules and the HTTP limits logged only with HTTP.
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
@@ -24,12 +25,18 @@ fn text(out: &Output) -> String {
 
 /// An empty server (real devices only, like usbipd) keeping its binds in `dir/state/binds`.
 fn serve(dir: &Path) -> Running {
+    serve_with(dir, &[])
+}
+
+/// [`serve`] with `extra` arguments.
+fn serve_with(dir: &Path, extra: &[&str]) -> Running {
     let mut command = Command::new(BIN);
     command
         .args(["serve", "--no-advertise", "--listen", &free_addr().to_string(), "--control"])
         .arg(dir.join("control.sock"))
         .arg("--bind-state")
-        .arg(dir.join("state/binds"));
+        .arg(dir.join("state/binds"))
+        .args(extra);
     start(command, "usbwire serving").ready()
 }
 
@@ -200,6 +207,39 @@ fn import(mut stream: &std::net::TcpStream, busid: &str) {
     let mut reply = [0u8; 8];
     stream.read_exact(&mut reply).expect("import reply");
     assert_eq!(&reply[4..], &[0, 0, 0, 0], "import of {busid} refused");
+}
+
+/// The server's bind rules, as `state --json` shows them.
+fn bind_rules(control: &str) -> serde_json::Value {
+    let out = usbwire(&["state", "--json", "--control", control]);
+    assert!(out.status.success(), "{}", text(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("state --json");
+    json["bind_rules"].clone()
+}
+
+#[test]
+fn state_lists_the_bind_rules_and_what_each_exported() {
+    let dir = scratch("habits", "state-rules");
+    let control = dir.join("control.sock");
+    let control = control.to_str().expect("path");
+    // A rule from the server's command line, one by hand; no such device is plugged in here.
+    let _server = serve_with(&dir, &["--bind", "0781:5568"]);
+    let out = usbwire(&["bind", "--device", "0781:5567", "--control", control]);
+    assert!(out.status.success(), "{}", text(&out));
+
+    let out = usbwire(&["state", "--control", control]);
+    assert!(out.status.success(), "{}", text(&out));
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    let section = said.split("bind rules:").nth(1).unwrap_or_else(|| panic!("no bind rules section: {said}"));
+    let line = |rule: &str| section.lines().find(|l| l.contains(rule)).unwrap_or_else(|| panic!("{rule}: {said}"));
+    assert!(line("0781:5568").contains("config") && line("0781:5568").contains("waiting"), "{said}");
+    assert!(line("0781:5567").contains("bind") && line("0781:5567").contains("waiting"), "{said}");
+
+    let waiting = |rule: &str, source: &str| serde_json::json!({ "rule": rule, "source": source, "state": "waiting", "busids": [] });
+    assert_eq!(bind_rules(control), serde_json::json!([waiting("0781:5568", "config"), waiting("0781:5567", "bind")]));
+    let out = usbwire(&["unbind", "--device", "0781:5567", "--control", control]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(bind_rules(control), serde_json::json!([waiting("0781:5568", "config")]));
 }
 
 /// A server of a keyboard (0-1) on a free port, with its control socket in `dir`

@@ -22,7 +22,7 @@ use usbwire_proto::op::BusId;
 
 use crate::devstate::{self, StateEntry};
 use crate::error::ServerError;
-use crate::host_exports::{BindError, BindOutcome, HostExports};
+use crate::host_exports::{BindError, BindOutcome, BindRuleState, HostExports};
 use crate::state::ServerState;
 
 /// Something that turns text into key presses on the attached host (a keyboard).
@@ -51,7 +51,7 @@ pub enum TypeRefusal {
 pub enum ControlRequest {
     /// Type text on a keyboard (the first one unless `busid` names one).
     Type { text: String, busid: Option<String> },
-    /// Every exported device and who holds it.
+    /// Every exported device and who holds it, and every bind rule.
     State,
     /// Export the real device at `busid` (now and when plugged in again).
     Bind { busid: String },
@@ -84,6 +84,9 @@ pub struct ControlResponse {
     /// The bus ids a bind exported, or an unbind withdrew.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub busids: Option<Vec<String>>,
+    /// State: every bind rule and what it exported (absent from older servers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bind_rules: Option<Vec<BindRuleState>>,
     /// Done, but the user should know this (a bind that cannot be kept across a restart).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warning: Option<String>,
@@ -304,7 +307,7 @@ fn answer(
         ControlRequest::Type { text, busid } => type_text(&text, busid.as_deref(), inputs),
         ControlRequest::State => {
             let devices = devstate::entries(&state.registry, |_, _, _| true);
-            ControlResponse { devices: Some(devices), ..ControlResponse::done() }
+            ControlResponse { devices: Some(devices), bind_rules: Some(hosts.rule_states()), ..ControlResponse::done() }
         }
     }
 }

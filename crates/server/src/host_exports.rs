@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 use usbwire_host::hotplug::{Hotplug, HotplugWatch};
@@ -64,6 +65,21 @@ pub(crate) struct BindOutcome {
     /// What the user should know: the bind could not be kept across a
     /// restart, or a matching device could not be opened.
     pub(crate) warning: Option<String>,
+}
+
+/// One bind rule and what it exported, as `usbwire state` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BindRuleState {
+    /// The selector as written: a bus id, `VID:PID`, `serial=…` or `class=…`.
+    pub rule: String,
+    /// `config` (a `[[bind]]` of the config file, or `serve --bind`) or
+    /// `bind` (`usbwire bind`, kept across restarts until `usbwire unbind`).
+    pub source: String,
+    /// `exported` (it matched a device this server exports now) or
+    /// `waiting` (none is plugged in, or none could be opened yet).
+    pub state: String,
+    /// The bus ids of the devices it matched that this server exports, sorted.
+    pub busids: Vec<String>,
 }
 
 /// Bind rules and what they exported. Cheap to clone (shared).
@@ -208,6 +224,16 @@ impl HostExports {
             self.registry.remove(busid);
         }
         BindOutcome { busids, warning }
+    }
+
+    /// Every bind rule, the config's first, each with the exported devices it
+    /// matches (`usbwire state`). Reads the system's device list.
+    pub(crate) fn rule_states(&self) -> Vec<BindRuleState> {
+        let devices = usbwire_host::list().unwrap_or_else(|error| {
+            warn!(%error, "cannot list local USB devices");
+            Vec::new()
+        });
+        lock(&self.inner).rule_states(&devices)
     }
 
     /// `usbwire unbind -b BUSID`: stop exporting it (ending any import) and give it back to its kernel drivers.
@@ -399,6 +425,27 @@ impl HostExports {
 }
 
 impl Bindings {
+    /// Each rule (the config's, then those bound by hand) with the devices
+    /// among `devices` it matches that are exported.
+    fn rule_states(&self, devices: &[LocalDevice]) -> Vec<BindRuleState> {
+        let config = self.rules.iter().map(|rule| (rule, "config"));
+        let by_hand = self.bound_by_hand.iter().map(|rule| (rule, "bind"));
+        config
+            .chain(by_hand)
+            .map(|(rule, source)| {
+                let mut busids: Vec<String> = devices
+                    .iter()
+                    .filter(|d| rule.matches(d) && self.exported.contains(&d.busid))
+                    .map(|d| d.busid.clone())
+                    .collect();
+                busids.sort();
+                busids.dedup();
+                let state = if busids.is_empty() { "waiting" } else { "exported" };
+                BindRuleState { rule: rule.to_string(), source: source.into(), state: state.into(), busids }
+            })
+            .collect()
+    }
+
     fn matches(&self, device: &LocalDevice) -> bool {
         self.rules.iter().chain(&self.bound_by_hand).any(|rule| rule.matches(device))
     }
@@ -458,6 +505,57 @@ fn save_binds(path: &Path, binds: &[Selector]) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn device(busid: &str, vendor_id: u16, product_id: u16) -> LocalDevice {
+        LocalDevice {
+            busid: busid.into(),
+            busnum: 1,
+            devnum: 2,
+            vendor_id,
+            product_id,
+            manufacturer: None,
+            product: None,
+            serial: None,
+            speed: usbwire_device::Speed::HIGH,
+            bcd_device: 0x0100,
+            class: 0,
+            subclass: 0,
+            protocol: 0,
+            interfaces: Vec::new(),
+            sysfs_path: PathBuf::new(),
+        }
+    }
+
+    /// `usbwire state`'s bind rules: a rule matching an exported device says
+    /// which; one matching only a device that is not exported (it could not
+    /// be opened) or nothing plugged in waits.
+    #[test]
+    fn each_rule_says_what_it_exported_or_that_it_waits() {
+        let selector = |text: &str| -> Selector { text.parse().unwrap() };
+        let bindings = Bindings {
+            rules: vec![selector("0781:5567"), selector("3-4")],
+            bound_by_hand: vec![selector("046d:c52b"), selector("1209:0001")],
+            exported: ["1-1".to_owned(), "1-2".to_owned()].into(),
+            ..Bindings::default()
+        };
+        let devices = [device("1-2", 0x0781, 0x5567), device("1-1", 0x0781, 0x5567), device("2-1", 0x046d, 0xc52b)];
+        let states = bindings.rule_states(&devices);
+        let rule = |rule: &str, source: &str, busids: &[&str]| BindRuleState {
+            rule: rule.into(),
+            source: source.into(),
+            state: if busids.is_empty() { "waiting" } else { "exported" }.into(),
+            busids: busids.iter().map(|b| (*b).to_owned()).collect(),
+        };
+        assert_eq!(
+            states,
+            [
+                rule("0781:5567", "config", &["1-1", "1-2"]),
+                rule("3-4", "config", &[]),
+                rule("046d:c52b", "bind", &[]),
+                rule("1209:0001", "bind", &[]),
+            ]
+        );
+    }
 
     #[test]
     fn binds_survive_a_save_and_load_and_a_missing_file_is_none() {

@@ -59,7 +59,7 @@ pub use control::{
 pub use devstate::{state_entry, StateEntry};
 pub use error::ServerError;
 pub use external::EXTERNAL_KIND;
-pub use host_exports::{HostExports, HOST_KIND};
+pub use host_exports::{BindRuleState, HostExports, HOST_KIND};
 pub use registry::{DeviceState, ExportInfo, Registry, Reservation, VIRTUAL_BUS};
 use state::ServerState;
 pub use usbwire_external::Options as ExternalOptions;

@@ -5,7 +5,10 @@
 use std::path::PathBuf;
 
 use anyhow::anyhow;
-use usbwire_server::{control_request, default_control_path, ControlErrorKind, ControlRequest, ControlResponse};
+use usbwire_proto::display::escape;
+use usbwire_server::{
+    control_request, default_control_path, BindRuleState, ControlErrorKind, ControlRequest, ControlResponse,
+};
 use usbwire_transport::devstate::CountedDevice;
 
 use super::common::stdout::outln;
@@ -61,7 +64,8 @@ pub(crate) async fn state(args: StateArgs) -> Result<(), Failure> {
         })
         .collect();
     if args.json {
-        return super::common::output::print_json(&serde_json::json!({ "devices": records }), false);
+        let document = serde_json::json!({ "devices": records, "bind_rules": response.bind_rules });
+        return super::common::output::print_json(&document, false);
     }
     outln!("{:<6} {:<9} {:<10} {:<10} {:<22} {:<20} device", "busid", "kind", "id", "state", "client", "since")?;
     for (d, record) in devices.into_iter().zip(&records) {
@@ -76,6 +80,26 @@ pub(crate) async fn state(args: StateArgs) -> Result<(), Failure> {
             since,
             display_name(&record.device)
         )?;
+    }
+    print_bind_rules(&response.bind_rules.unwrap_or_default())
+}
+
+/// The server's bind rules under its devices: each with where it comes from
+/// and what it exported, or that it waits for a device.
+fn print_bind_rules(rules: &[BindRuleState]) -> Result<(), Failure> {
+    if rules.is_empty() {
+        return Ok(());
+    }
+    outln!("\nbind rules:")?;
+    outln!("  {:<24} {:<7} exported", "rule", "from")?;
+    for rule in rules {
+        let exported = if rule.busids.is_empty() {
+            "none yet: waiting for a matching device".to_owned()
+        } else {
+            rule.busids.join(", ")
+        };
+        let from = if rule.source == "bind" { "bind" } else { "config" };
+        outln!("  {:<24} {:<7} {}", escape(&rule.rule).to_string(), from, exported)?;
     }
     Ok(())
 }
