@@ -4,7 +4,9 @@
 //! lab registry from `USBWIRE_REGISTRY` or the user's usbwire.toml, and `list
 //! -p` (usbip's parsable lines). Then issue 32's item 10: the HTTP limits
 //! logged only with HTTP. Then issue 32's item 10: `state` lists the bind
-//! rules and the HTTP limits logged only with HTTP.
+//! rules and the HTTP limits logged only with HTTP. Then issue 32's item 10:
+//! `state` lists the bind rules, `unbind --all` says what it did to each and
+//! the HTTP limits logged only with HTTP.
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
@@ -240,6 +242,40 @@ fn state_lists_the_bind_rules_and_what_each_exported() {
     let out = usbwire(&["unbind", "--device", "0781:5567", "--control", control]);
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(bind_rules(control), serde_json::json!([waiting("0781:5568", "config")]));
+}
+
+#[test]
+fn unbind_all_says_what_happened_to_each_rule_and_device() {
+    let dir = scratch("habits", "unbind-all");
+    let control = dir.join("control.sock");
+    let control = control.to_str().expect("path");
+    let _server = serve(&dir);
+    let out = usbwire(&["bind", "--device", "0781:5567", "--control", control]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = usbwire(&["unbind", "--all", "--control", control]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "unbind all: 1 rule forgotten (0781:5567), no device was exported\n"
+    );
+    for rule in ["serial=NOT-HERE-1", "class=fe"] {
+        let out = usbwire(&["bind", "--device", rule, "--control", control]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    let out = usbwire(&["unbind", "--all", "--control", control]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "unbind all: 2 rules forgotten (serial=NOT-HERE-1, class=fe), no device was exported\n"
+    );
+    let out = usbwire(&["unbind", "--all", "--control", control]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "unbind all: no rule was bound by hand, no device was exported\n");
+    let out = usbwire(&["bind", "--device", "0781:5567", "--control", control]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = usbwire(&["unbind", "--device", "0781:5567", "--control", control]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "unbind 0781:5567: 1 rule forgotten (0781:5567), no device was exported\n"
+    );
 }
 
 /// A server of a keyboard (0-1) on a free port, with its control socket in `dir`

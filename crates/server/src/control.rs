@@ -84,6 +84,9 @@ pub struct ControlResponse {
     /// The bus ids a bind exported, or an unbind withdrew.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub busids: Option<Vec<String>>,
+    /// Unbind: the binds made by hand it forgot (absent from older servers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forgotten: Option<Vec<String>>,
     /// State: every bind rule and what it exported (absent from older servers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bind_rules: Option<Vec<BindRuleState>>,
@@ -138,7 +141,12 @@ impl ControlResponse {
 
     /// Done: what a bind exported or an unbind withdrew, and what the user should know.
     fn bound(outcome: BindOutcome) -> Self {
-        Self { busids: Some(outcome.busids), warning: outcome.warning, ..Self::done() }
+        Self {
+            busids: Some(outcome.busids),
+            forgotten: Some(outcome.forgotten),
+            warning: outcome.warning,
+            ..Self::done()
+        }
     }
 }
 

@@ -62,6 +62,8 @@ impl std::fmt::Display for BindError {
 pub(crate) struct BindOutcome {
     /// Bus ids exported (bind) or withdrawn (unbind), sorted.
     pub(crate) busids: Vec<String>,
+    /// Unbind: the binds made by hand it forgot, as they were written (`0781:5567`, `1-1.2`).
+    pub(crate) forgotten: Vec<String>,
     /// What the user should know: the bind could not be kept across a
     /// restart, or a matching device could not be opened.
     pub(crate) warning: Option<String>,
@@ -164,7 +166,7 @@ impl HostExports {
             }
         };
         let exported = self.export(device).map_err(BindError::System)?;
-        Ok(BindOutcome { busids: vec![exported], warning })
+        Ok(BindOutcome { busids: vec![exported], warning, ..BindOutcome::default() })
     }
 
     /// `usbwire bind --device SELECTOR`: a rule kept until `usbwire unbind`
@@ -200,7 +202,11 @@ impl HostExports {
             }
         }
         info!(rule = %selector, exported = busids.len(), "bind rule added");
-        Ok(BindOutcome { busids, warning: (!warnings.is_empty()).then(|| warnings.join("; ")) })
+        Ok(BindOutcome {
+            busids,
+            warning: (!warnings.is_empty()).then(|| warnings.join("; ")),
+            ..BindOutcome::default()
+        })
     }
 
     /// `usbwire unbind --all`: forgets every bind made by hand and withdraws
@@ -208,22 +214,22 @@ impl HostExports {
     /// take the devices back). Devices the config's `[[bind]]` rules name
     /// come back when plugged in again or the config is reloaded.
     pub(crate) fn unbind_all(&self) -> BindOutcome {
-        let (mut busids, warning) = {
+        let (mut busids, forgotten, warning) = {
             let mut inner = lock(&self.inner);
-            let warning = if inner.bound_by_hand.is_empty() {
+            let forgotten: Vec<String> = inner.bound_by_hand.drain(..).map(|rule| rule.to_string()).collect();
+            let warning = if forgotten.is_empty() {
                 None
             } else {
-                inner.bound_by_hand.clear();
                 self.registry.set_followed_ports(inner.ports());
                 inner.save().err()
             };
-            (inner.exported.drain().collect::<Vec<_>>(), warning)
+            (inner.exported.drain().collect::<Vec<_>>(), forgotten, warning)
         };
         busids.sort();
         for busid in &busids {
             self.registry.remove(busid);
         }
-        BindOutcome { busids, warning }
+        BindOutcome { busids, forgotten, warning }
     }
 
     /// Every bind rule, the config's first, each with the exported devices it
@@ -267,7 +273,7 @@ impl HostExports {
         let selector: Selector =
             text.parse().map_err(|e: usbwire_host::SelectorError| BindError::NoDevice(e.to_string()))?;
         let devices = usbwire_host::list().unwrap_or_default();
-        let (mut busids, warning) = {
+        let (mut busids, warning, forgot) = {
             let mut inner = lock(&self.inner);
             let before = inner.bound_by_hand.len();
             inner.bound_by_hand.retain(|rule| rule != &selector);
@@ -288,13 +294,14 @@ impl HostExports {
             if forgot {
                 self.registry.set_followed_ports(inner.ports());
             }
-            (matching, if forgot { inner.save().err() } else { None })
+            (matching, if forgot { inner.save().err() } else { None }, forgot)
         };
         busids.sort();
         for busid in &busids {
             self.registry.remove(busid);
         }
-        Ok(BindOutcome { busids, warning })
+        let forgotten = if forgot { vec![selector.to_string()] } else { Vec::new() };
+        Ok(BindOutcome { busids, forgotten, warning })
     }
 
     /// The kind of the virtual device exported as `busid`, if one is.

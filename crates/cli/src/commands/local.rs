@@ -157,13 +157,12 @@ pub(crate) async fn unbind(args: UnbindArgs) -> Result<(), Failure> {
         }
         (None, Some(device), _) => {
             let response = ask(&args.control, ControlRequest::UnbindDevice { device: device.clone() }).await?;
-            let busids = response.busids.clone().unwrap_or_default();
-            outln!("unbind {device}: {}", withdrawn(&busids))?;
+            outln!("unbind {device}: {}", unbound(&response))?;
             response
         }
         (None, None, true) => {
             let response = ask(&args.control, ControlRequest::UnbindAll).await?;
-            outln!("unbind all: {}", withdrawn(&response.busids.clone().unwrap_or_default()))?;
+            outln!("unbind all: {}", unbound(&response))?;
             response
         }
         (None, None, false) => {
@@ -174,10 +173,41 @@ pub(crate) async fn unbind(args: UnbindArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-fn withdrawn(busids: &[String]) -> String {
-    if busids.is_empty() {
-        "no device was exported by it; the rule is forgotten".to_owned()
-    } else {
-        format!("withdrew {}", busids.join(", "))
+/// What an unbind did to rules and devices: `1 rule forgotten (0781:5567),
+/// no device was exported`, `withdrew 1-1.2`. An older server does not say
+/// which rules it forgot: then only the devices.
+fn unbound(response: &ControlResponse) -> String {
+    let busids = response.busids.as_deref().unwrap_or_default();
+    let devices =
+        if busids.is_empty() { "no device was exported".to_owned() } else { format!("withdrew {}", busids.join(", ")) };
+    match response.forgotten.as_deref() {
+        None => devices,
+        Some([]) => format!("no rule was bound by hand, {devices}"),
+        Some(rules) => {
+            let count = if rules.len() == 1 { "1 rule".to_owned() } else { format!("{} rules", rules.len()) };
+            let names: Vec<String> = rules.iter().map(|rule| escape(rule).to_string()).collect();
+            format!("{count} forgotten ({}), {devices}", names.join(", "))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unbind_says_what_happened_to_each_rule_and_device() {
+        let said = |busids: &[&str], forgotten: Option<&[&str]>| {
+            unbound(&ControlResponse {
+                ok: true,
+                busids: Some(busids.iter().map(|b| (*b).to_owned()).collect()),
+                forgotten: forgotten.map(|rules| rules.iter().map(|r| (*r).to_owned()).collect()),
+                ..ControlResponse::default()
+            })
+        };
+        assert_eq!(said(&[], Some(&["0781:5567"])), "1 rule forgotten (0781:5567), no device was exported");
+        assert_eq!(said(&["1-1.2"], Some(&["a", "b"])), "2 rules forgotten (a, b), withdrew 1-1.2");
+        assert_eq!(said(&["1-1.2"], Some(&[])), "no rule was bound by hand, withdrew 1-1.2");
+        assert_eq!(said(&[], None), "no device was exported");
     }
 }
