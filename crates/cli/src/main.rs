@@ -23,18 +23,26 @@ fn main() -> std::process::ExitCode {
             return if error.use_stderr() { exit::Failure::usage_code() } else { std::process::ExitCode::SUCCESS };
         }
     };
+    let (verbose, quiet) = (cli.verbose, cli.quiet);
+    let command = match cli.into_command() {
+        Ok(command) => command,
+        Err(usage) => {
+            say(format_args!("{usage}"));
+            return exit::Failure::usage_code();
+        }
+    };
     // Commands that print a report keep the in-process server's log quiet.
-    let quiet = cli.quiet || matches!(cli.command, args::Command::Bench(_));
-    init_logging(cli.verbose, quiet);
-    commands::set_verbosity(cli.verbose);
-    let runtime = match runtime_for(&cli.command).enable_all().build() {
+    let quiet = quiet || matches!(command, args::Command::Bench(_));
+    init_logging(verbose, quiet);
+    commands::set_verbosity(verbose);
+    let runtime = match runtime_for(&command).enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
             say(format_args!("cannot start the async runtime: {error}"));
             return exit::Failure::software(error.into()).code();
         }
     };
-    match runtime.block_on(commands::run(cli.command)) {
+    match runtime.block_on(commands::run(command)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         // The reader of stdout went away (`usbwire state | head -1`): nothing went wrong.
         Err(failure) if failure.is_closed_stdout() => std::process::ExitCode::SUCCESS,

@@ -6,7 +6,10 @@
 //! logged only with HTTP. Then issue 32's item 10: `state` lists the bind
 //! rules and the HTTP limits logged only with HTTP. Then issue 32's item 10:
 //! `state` lists the bind rules, `unbind --all` says what it did to each and
-//! the HTTP limits logged only with HTTP.
+//! the HTTP limits logged only with HTTP. Then issue 32's item 10: `state`
+//! lists the bind rules, `unbind --all` says what it did to each, `--tcp-
+//! port` before the verb (as usbip places it) and the HTTP limits logged only
+//! with HTTP.
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
@@ -288,6 +291,37 @@ fn keyboard_server(dir: &Path, extra: &[&str]) -> (Running, std::net::SocketAddr
         .arg(dir.join("control.sock"))
         .args(extra);
     (start(command, "usbwire serving").ready(), addr)
+}
+
+#[test]
+fn tcp_port_before_the_verb_means_what_it_means_after_it() {
+    let dir = scratch("habits", "tcp-port");
+    let (_server, addr) = keyboard_server(&dir, &[]);
+    let port = addr.port().to_string();
+    let other = free_addr().port().to_string();
+    for args in [
+        &["--tcp-port", &port, "list", "-p", "-r", "127.0.0.1"][..],
+        &["list", "-p", "-r", "127.0.0.1", "--tcp-port", &port][..],
+        &["--tcp-port", &port, "list", "-p", "-r", "127.0.0.1", "--tcp-port", &port][..],
+        &["-q", "--tcp-port", &port, "list", "-p", "-r", "127.0.0.1"][..],
+    ] {
+        let out = usbwire(args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out));
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "busid=0-1#usbid=1209:0001#\n", "{args:?}");
+    }
+    // Two different ports, or a port in HOST:PORT too: which one was meant is not ours to guess.
+    for args in [
+        &["--tcp-port", &other, "list", "-r", "127.0.0.1", "--tcp-port", &port][..],
+        &["--tcp-port", &other, "list", "-r", &addr.to_string()][..],
+    ] {
+        let out = usbwire(args);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {}", text(&out));
+        assert!(text(&out).contains(&other), "{args:?}: {}", text(&out));
+    }
+    // A verb that reaches no server by HOST takes none.
+    let out = usbwire(&["--tcp-port", &port, "state"]);
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out));
+    assert!(text(&out).contains("list -r"), "{}", text(&out));
 }
 
 #[test]

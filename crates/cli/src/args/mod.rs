@@ -53,8 +53,51 @@ pub(crate) struct Cli {
     /// Only warnings and errors.
     #[arg(short, long, global = true)]
     pub(crate) quiet: bool,
+    /// The server's port, where usbip puts it (`usbwire --tcp-port 3241 list -r HOST`): the same as
+    /// the verb's own --tcp-port, for list, attach, describe, redir and doctor.
+    #[arg(long = "tcp-port", value_name = "PORT")]
+    pub(crate) tcp_port: Option<u16>,
     #[command(subcommand)]
     pub(crate) command: Command,
+}
+
+impl Cli {
+    /// The verb, with a `--tcp-port` given before it (`usbip --tcp-port PORT
+    /// list -r HOST`) moved to the verb's own. Given in both places it must
+    /// name the same port; a verb that reaches no server by HOST takes none.
+    /// The error is for the user, as a usage error.
+    pub(crate) fn into_command(self) -> Result<Command, String> {
+        let mut command = self.command;
+        let Some(port) = self.tcp_port else { return Ok(command) };
+        let own = match &mut command {
+            Command::List(args) => &mut args.tcp_port,
+            Command::Attach(args) => &mut args.tcp_port,
+            Command::Describe(args) => &mut args.device.tcp_port,
+            Command::Redir(args) => &mut args.device.tcp_port,
+            Command::Doctor(args) => &mut args.tcp_port,
+            Command::Serve(_) | Command::Demo(_) => {
+                return Err(format!(
+                    "--tcp-port {port} is for the verbs that reach a server; a server listens where --listen \
+                     says (usbipd's --tcp-port {port} is --listen 0.0.0.0:{port})"
+                ))
+            }
+            _ => {
+                return Err(format!(
+                    "--tcp-port {port} is for the verbs that reach a server by HOST: list -r, attach, describe, \
+                     redir, doctor -r"
+                ))
+            }
+        };
+        match *own {
+            Some(after) if after != port => Err(format!(
+                "--tcp-port {port} before the verb and --tcp-port {after} after it name different ports: give one"
+            )),
+            _ => {
+                *own = Some(port);
+                Ok(command)
+            }
+        }
+    }
 }
 
 #[derive(Subcommand, Debug)]
