@@ -9,7 +9,10 @@
 //! the HTTP limits logged only with HTTP. Then issue 32's item 10: `state`
 //! lists the bind rules, `unbind --all` says what it did to each, `--tcp-
 //! port` before the verb (as usbip places it) and the HTTP limits logged only
-//! with HTTP.
+//! with HTTP. Then issue 32's item 10: `state` lists the bind rules, `unbind
+//! --all` says what it did to each, `--tcp-port` before the verb (as usbip
+//! places it), `[[virtual]]` typos at their own line and the HTTP limits
+//! logged only with HTTP.
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
@@ -293,6 +296,25 @@ fn keyboard_server(dir: &Path, extra: &[&str]) -> (Running, std::net::SocketAddr
     (start(command, "usbwire serving").ready(), addr)
 }
 
+/// The output of `command`, which must end within 20 seconds (killed, and the test failed, if not).
+fn ending(mut command: Command) -> Output {
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("usbwire runs");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while child.try_wait().expect("wait").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("output");
+            panic!("{command:?} still ran after 20 s: {}", text(&out));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.wait_with_output().expect("output")
+}
+
 #[test]
 fn tcp_port_before_the_verb_means_what_it_means_after_it() {
     let dir = scratch("habits", "tcp-port");
@@ -322,6 +344,45 @@ fn tcp_port_before_the_verb_means_what_it_means_after_it() {
     let out = usbwire(&["--tcp-port", &port, "state"]);
     assert_eq!(out.status.code(), Some(64), "{}", text(&out));
     assert!(text(&out).contains("list -r"), "{}", text(&out));
+}
+
+/// `usbwire serve --config FILE` with `config` in FILE, which must be refused (78).
+fn refused_config(dir: &Path, config: &str) -> String {
+    let path = dir.join("server.toml");
+    std::fs::write(&path, config).expect("config");
+    let mut command = Command::new(BIN);
+    command
+        .args(["serve", "--no-advertise", "--listen", &free_addr().to_string(), "--config"])
+        .arg(&path)
+        .arg("--control")
+        .arg(dir.join("control.sock"));
+    let out = ending(command);
+    assert_eq!(out.status.code(), Some(78), "{config}: {}", text(&out));
+    text(&out)
+}
+
+#[test]
+fn a_config_typo_is_reported_at_its_own_line() {
+    let dir = scratch("habits", "typo");
+    for (config, line, key) in [
+        ("listen = \"127.0.0.1:1\"\n\n[[virtual]]\nkind = \"disk\"\npath = \"d.img\"\nsise = \"1M\"\n", 6, "sise"),
+        // Before its kind: no kind has such a key.
+        ("[[virtual]]\nsise = \"1M\"\nkind = \"disk\"\npath = \"d.img\"\n", 2, "sise"),
+        // A key of another kind.
+        (
+            "[[virtual]]\nkind = \"keyboard\"\n\n[[virtual]]\nkind = \"disk\"\npath = \"d.img\"\nlink = \"/tmp/x\"\n",
+            7,
+            "link",
+        ),
+        ("[[virtual]]\nkind = \"keyboard\"\nspeed = \"super\"\n", 3, "speed"),
+    ] {
+        let said = refused_config(&dir, config);
+        assert!(said.contains(&format!("line {line}, column 1")), "{config}: {said}");
+        assert!(said.contains(&format!("`{key}`")), "{config}: {said}");
+    }
+    // An unknown kind, at its value.
+    let said = refused_config(&dir, "[[virtual]]\nkind = \"webcam\"\n");
+    assert!(said.contains("line 2, column 8") && said.contains("\"webcam\""), "{said}");
 }
 
 #[test]

@@ -149,6 +149,22 @@ impl VirtualSpec {
     }
 }
 
+/// Every `[[virtual]]` kind and the keys it takes besides `kind` and
+/// `labels`: the parser checks each table's keys against this list, so a
+/// typo is reported at its own line.
+pub(crate) const VIRTUAL_KINDS: &[(&str, &[&str])] = &[
+    ("keyboard", &[]),
+    ("mouse", &[]),
+    ("disk", &["path", "size", "read_only", "speed"]),
+    ("serial", &["link"]),
+    ("loopback", &["speed"]),
+    ("dfu", &["path", "size"]),
+    ("external", &["socket"]),
+];
+
+/// The keys of a `[[virtual]]` table besides each kind's own.
+const COMMON_KEYS: [&str; 2] = ["kind", "labels"];
+
 /// `[[virtual]]`: a virtual device, and the labels the lab registry shows for it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct VirtualEntry {
@@ -157,17 +173,105 @@ pub(crate) struct VirtualEntry {
 }
 
 impl<'de> Deserialize<'de> for VirtualEntry {
-    /// The device's own fields ([`VirtualSpec`], unknown ones refused) and `labels`.
+    /// The device's own fields ([`VirtualSpec`]) and `labels`. Each key is
+    /// checked as it is read, against the kind when `kind` came before it
+    /// (else against every kind's keys), so an unknown one is reported at its
+    /// own line; serde's internally tagged enum would report it at the
+    /// table's.
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        use serde::de::Error as _;
-        let mut table = toml::Table::deserialize(deserializer)?;
-        let labels = match table.remove("labels") {
-            Some(value) => Vec::<String>::deserialize(value).map_err(D::Error::custom)?,
-            None => Vec::new(),
-        };
-        let spec = VirtualSpec::deserialize(toml::Value::Table(table)).map_err(D::Error::custom)?;
-        Ok(Self { spec, labels })
+        deserializer.deserialize_map(EntryVisitor)
     }
+}
+
+struct EntryVisitor;
+
+impl<'de> serde::de::Visitor<'de> for EntryVisitor {
+    type Value = VirtualEntry;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a [[virtual]] table")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<VirtualEntry, A::Error> {
+        use serde::de::Error as _;
+        let mut table = toml::Table::new();
+        let mut labels = Vec::new();
+        let mut kind: Option<&'static (&'static str, &'static [&'static str])> = None;
+        while let Some(key) = map.next_key_seed(KeyCheck { kind })? {
+            match key.as_str() {
+                "labels" => labels = map.next_value()?,
+                "kind" => {
+                    let name: String = map.next_value_seed(KindCheck)?;
+                    kind = VIRTUAL_KINDS.iter().find(|(known, _)| *known == name);
+                    table.insert(key, toml::Value::String(name));
+                }
+                _ => {
+                    let value: toml::Value = map.next_value()?;
+                    table.insert(key, value);
+                }
+            }
+        }
+        let spec = VirtualSpec::deserialize(toml::Value::Table(table)).map_err(A::Error::custom)?;
+        Ok(VirtualEntry { spec, labels })
+    }
+}
+
+/// A `[[virtual]]` key, refused unless the kind (when known yet) takes it.
+struct KeyCheck {
+    kind: Option<&'static (&'static str, &'static [&'static str])>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for KeyCheck {
+    type Value = String;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<String, D::Error> {
+        use serde::de::Error as _;
+        let key = String::deserialize(deserializer)?;
+        if COMMON_KEYS.contains(&key.as_str()) {
+            return Ok(key);
+        }
+        match self.kind {
+            Some((_, keys)) if keys.contains(&key.as_str()) => Ok(key),
+            Some((kind, keys)) => Err(D::Error::custom(format!(
+                "unknown key `{key}` for a virtual {kind}: it takes {}",
+                quoted(COMMON_KEYS.iter().chain(keys.iter()))
+            ))),
+            None if VIRTUAL_KINDS.iter().any(|(_, keys)| keys.contains(&key.as_str())) => Ok(key),
+            None => {
+                let mut every: Vec<&str> = VIRTUAL_KINDS.iter().flat_map(|(_, keys)| keys.iter().copied()).collect();
+                every.sort_unstable();
+                every.dedup();
+                Err(D::Error::custom(format!(
+                    "unknown key `{key}`: a [[virtual]] table takes {}",
+                    quoted(COMMON_KEYS.iter().chain(every.iter()))
+                )))
+            }
+        }
+    }
+}
+
+/// A `[[virtual]]` kind, refused unless it is one of [`VIRTUAL_KINDS`].
+struct KindCheck;
+
+impl<'de> serde::de::DeserializeSeed<'de> for KindCheck {
+    type Value = String;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<String, D::Error> {
+        use serde::de::Error as _;
+        let kind = String::deserialize(deserializer)?;
+        if VIRTUAL_KINDS.iter().any(|(known, _)| *known == kind) {
+            return Ok(kind);
+        }
+        Err(D::Error::custom(format!(
+            "unknown virtual device kind {kind:?}: one of {}",
+            quoted(VIRTUAL_KINDS.iter().map(|(known, _)| known))
+        )))
+    }
+}
+
+/// `` `a`, `b`, `c` ``.
+fn quoted(names: impl Iterator<Item = impl std::fmt::Display>) -> String {
+    names.map(|name| format!("`{name}`")).collect::<Vec<_>>().join(", ")
 }
 
 #[cfg(test)]
