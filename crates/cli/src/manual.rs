@@ -259,6 +259,42 @@ pub(crate) struct ConfigTable {
     /// `""` for the top level, else `[name]` or `[[name]]`.
     pub(crate) table: &'static str,
     pub(crate) keys: &'static [(&'static str, &'static str, &'static str)],
+    /// Keys written from the parser's own lists, before `keys` (`[[virtual]]`'s kinds and theirs).
+    pub(crate) generated: Option<fn() -> Vec<ConfigRow>>,
+}
+
+/// A key of a configuration table: `key`, the form of its value, what it means.
+pub(crate) type ConfigRow = (String, String, String);
+
+impl ConfigTable {
+    /// Every key of the table: `key`, the form of its value, what it means.
+    pub(crate) fn rows(&self) -> Vec<ConfigRow> {
+        let mut rows = self.generated.map(|generate| generate()).unwrap_or_default();
+        rows.extend(self.keys.iter().map(|(key, form, meaning)| ((*key).into(), (*form).into(), (*meaning).into())));
+        rows
+    }
+}
+
+/// `[[virtual]]`'s `kind` and each kind's keys, from the parser's
+/// [`VIRTUAL_KINDS`](crate::config::VIRTUAL_KINDS) and
+/// [`VIRTUAL_KEYS`](crate::config::VIRTUAL_KEYS): a kind or key the parser
+/// takes is documented without anyone remembering to.
+fn virtual_rows() -> Vec<ConfigRow> {
+    let kinds: Vec<String> = crate::config::VIRTUAL_KINDS.iter().map(|(kind, _)| format!("\"{kind}\"")).collect();
+    let mut rows = vec![("kind".to_owned(), kinds.join("|"), "the virtual device".to_owned())];
+    for crate::config::VirtualKey { key, form, meanings } in crate::config::VIRTUAL_KEYS {
+        // Kinds that mean the same by it share one entry: "disk, loopback: the speed it reports".
+        let mut said: Vec<(Vec<&str>, &str)> = Vec::new();
+        for (kind, meaning) in *meanings {
+            match said.iter_mut().find(|(_, m)| m == meaning) {
+                Some((kinds, _)) => kinds.push(kind),
+                None => said.push((vec![kind], meaning)),
+            }
+        }
+        let meaning: Vec<String> = said.iter().map(|(kinds, m)| format!("{}: {m}", kinds.join(", "))).collect();
+        rows.push(((*key).to_owned(), (*form).to_owned(), meaning.join("; ")));
+    }
+    rows
 }
 
 /// Every key of the three configuration files (usbwire.toml(5)).
@@ -286,19 +322,13 @@ pub(crate) const CONFIG: &[ConfigTable] = &[
             ("capture", "\"DIR\"", "a pcapng file (usbmon) per import, in a private directory"),
             ("capture_max_bytes", "BYTES", "all capture files together (default 1 GiB; the oldest deleted first)"),
         ],
+        generated: None,
     },
     ConfigTable {
         file: "server",
         table: "[[virtual]]",
-        keys: &[
-            ("kind", "\"keyboard\"|\"mouse\"|\"disk\"|\"serial\"|\"loopback\"", "the virtual device"),
-            ("path", "\"FILE\"", "disk: its image file (created with size if missing)"),
-            ("size", "\"64M\"", "disk: the image's size when it is created"),
-            ("read_only", "true|false", "disk: refuse writes"),
-            ("speed", "\"high\"|\"super\"", "disk, loopback: the speed it reports"),
-            ("link", "\"PATH\"", "serial: a symlink to its pseudo-terminal"),
-            ("labels", "[\"NAME\", …]", "how the lab registry shows it (label=NAME selects it)"),
-        ],
+        keys: &[("labels", "[\"NAME\", …]", "how the lab registry shows it (label=NAME selects it)")],
+        generated: Some(virtual_rows),
     },
     ConfigTable {
         file: "server",
@@ -308,6 +338,7 @@ pub(crate) const CONFIG: &[ConfigTable] = &[
             ("also", "[\"SELECTOR\", …]", "the same device under other identities (its bootloader)"),
             ("labels", "[\"NAME\", …]", "how the lab registry shows it"),
         ],
+        generated: None,
     },
     ConfigTable {
         file: "server",
@@ -316,6 +347,7 @@ pub(crate) const CONFIG: &[ConfigTable] = &[
             ("client", "\"sha256:…\"|\"ca:NAME\"|\"plain\"|\"*\"", "whom the rule admits"),
             ("devices", "[\"BUSID\"|\"KIND\"|\"*\", …]", "what that client sees and imports"),
         ],
+        generated: None,
     },
     ConfigTable {
         file: "server",
@@ -327,6 +359,7 @@ pub(crate) const CONFIG: &[ConfigTable] = &[
             ("allow_unauthenticated", "true|false", "let listen be a TCP port (usbredir has no authentication)"),
             ("follow", "true|false", "keep the guest's device through re-enumerations (default: true for a bus id)"),
         ],
+        generated: None,
     },
     ConfigTable {
         file: "server",
@@ -341,6 +374,7 @@ pub(crate) const CONFIG: &[ConfigTable] = &[
             ("key", "\"FILE\"", "TLS towards etcd: its key"),
             ("plain", "true|false", "client: also servers whose entry has no TLS key, over plain USB/IP"),
         ],
+        generated: None,
     },
     ConfigTable {
         file: "server",
@@ -353,6 +387,7 @@ pub(crate) const CONFIG: &[ConfigTable] = &[
             ("unacked_reply_bytes", "\"32M\"", "replies a resumable session keeps until acknowledged"),
             ("decoded_bytes", "\"8M\"", "decompressed bytes waiting (--compress)"),
         ],
+        generated: None,
     },
     ConfigTable {
         file: "server",
@@ -366,6 +401,7 @@ pub(crate) const CONFIG: &[ConfigTable] = &[
             ("release_wait", "\"5s\"", "how long an import waits for a device its last importer is giving back"),
             ("log_interval", "\"10s\"", "at most one summary line of refused connections per interval"),
         ],
+        generated: None,
     },
     ConfigTable {
         file: "client",
@@ -378,6 +414,7 @@ pub(crate) const CONFIG: &[ConfigTable] = &[
                 "[registry] as above (endpoints, prefix, ca, cert, key, plain) for server = \"registry\" rules",
             ),
         ],
+        generated: None,
     },
     ConfigTable {
         file: "client",
@@ -394,6 +431,7 @@ pub(crate) const CONFIG: &[ConfigTable] = &[
             ),
             ("labels", "[\"NAME\", …]", "server = \"registry\": the device must carry these labels"),
         ],
+        generated: None,
     },
     ConfigTable {
         file: "user",
@@ -403,6 +441,7 @@ pub(crate) const CONFIG: &[ConfigTable] = &[
             "table",
             "[registry] as above (endpoints, prefix, ca, cert, key): the default lab registry of every registry verb",
         )],
+        generated: None,
     },
 ];
 
@@ -464,7 +503,7 @@ mod tests {
 
     fn documented(file: &str, table: &str) -> Vec<String> {
         let table = CONFIG.iter().find(|t| t.file == file && t.table == table).expect("documented table");
-        let mut keys: Vec<String> = table.keys.iter().map(|(key, _, _)| (*key).to_owned()).collect();
+        let mut keys: Vec<String> = table.rows().into_iter().map(|(key, _, _)| key).collect();
         keys.sort();
         keys
     }
@@ -497,16 +536,12 @@ mod tests {
             documented("server", "[[redir]]")
         );
         // [[virtual]]: each kind takes its own keys; together they are the documented ones.
-        let every_virtual_key = "[[virtual]]\nkind = \"disk\"\npath = \"d.img\"\nsize = \"1M\"\nread_only = true\n\
-                                 speed = \"super\"\nlabels = [\"x\"]\n[[virtual]]\nkind = \"serial\"\nlink = \"/tmp/t\"\n\
-                                 [[virtual]]\nkind = \"keyboard\"\n[[virtual]]\nkind = \"mouse\"\n\
-                                 [[virtual]]\nkind = \"loopback\"\n";
-        let parsed: FileConfig = toml::from_str(every_virtual_key).expect("every documented [[virtual]] key");
-        assert_eq!(parsed.virtual_devices.len(), 5);
-        assert_eq!(
-            documented("server", "[[virtual]]"),
-            ["kind", "labels", "link", "path", "read_only", "size", "speed"]
-        );
+        let mut every_virtual_key: Vec<String> =
+            crate::config::VIRTUAL_KINDS.iter().flat_map(|(_, keys)| keys.iter().map(|k| (*k).to_owned())).collect();
+        every_virtual_key.extend(["kind".to_owned(), "labels".to_owned()]);
+        every_virtual_key.sort();
+        every_virtual_key.dedup();
+        assert_eq!(documented("server", "[[virtual]]"), every_virtual_key);
         let mut client_top = accepted_keys::<crate::config::ClientConfig>("x = 1\n");
         client_top.retain(|key| key != "attach");
         assert_eq!(client_top, documented("client", ""));
@@ -515,6 +550,52 @@ mod tests {
             documented("client", "[[attach]]")
         );
         assert_eq!(accepted_keys::<crate::config::UserConfig>("x = 1\n"), documented("user", ""));
+    }
+
+    /// `VIRTUAL_KINDS`, which the parser checks keys against and the manual
+    /// is written from, says what serde's `VirtualSpec` takes: every kind, and
+    /// each kind's fields.
+    #[test]
+    fn the_virtual_kinds_list_is_what_the_parser_takes_and_the_manual_says() {
+        use crate::config::{VirtualKey, VirtualSpec, VIRTUAL_KEYS, VIRTUAL_KINDS};
+        let kinds: Vec<&str> = VIRTUAL_KINDS.iter().map(|(kind, _)| *kind).collect();
+        let mut listed = accepted_keys::<VirtualSpec>("kind = \"no_such_kind\"\n");
+        let mut sorted = kinds.clone();
+        listed.sort();
+        sorted.sort();
+        assert_eq!(listed, sorted, "serde's variants");
+        for (kind, keys) in VIRTUAL_KINDS {
+            let mut keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+            keys.sort();
+            let extra = format!("kind = \"{kind}\"\nno_such_key = 1\n");
+            if keys.is_empty() {
+                // A unit variant: serde takes (and ignores) any key; our check refuses them.
+                assert!(toml::from_str::<VirtualSpec>(&extra).is_ok(), "{kind} has fields");
+                let refused = toml::from_str::<crate::config::FileConfig>(&format!("[[virtual]]\n{extra}"));
+                assert!(refused.is_err(), "{kind}: a key it does not take was accepted");
+            } else {
+                assert_eq!(accepted_keys::<VirtualSpec>(&extra), keys, "{kind}'s fields");
+            }
+            // The manual says what each of its keys means for it, and no more.
+            for key in &keys {
+                let entry = VIRTUAL_KEYS.iter().find(|k| k.key == key).unwrap_or_else(|| panic!("{key} undocumented"));
+                assert!(entry.meanings.iter().any(|(k, _)| k == kind), "{key} does not say what it means for {kind}");
+            }
+        }
+        for VirtualKey { key, meanings, .. } in VIRTUAL_KEYS {
+            for (kind, _) in *meanings {
+                let takes = VIRTUAL_KINDS.iter().any(|(k, keys)| k == kind && keys.contains(key));
+                assert!(takes, "the manual says {kind} takes {key}, which it does not");
+            }
+        }
+        let table = CONFIG.iter().find(|t| t.table == "[[virtual]]").expect("[[virtual]] documented");
+        let rows = table.rows();
+        let kind_row = rows.iter().find(|(key, _, _)| key == "kind").expect("kind documented");
+        for kind in &kinds {
+            assert!(kind_row.1.contains(&format!("\"{kind}\"")), "{kind} missing from {}", kind_row.1);
+        }
+        let socket = rows.iter().find(|(key, _, _)| key == "socket").expect("socket documented");
+        assert!(socket.2.starts_with("external: "), "{}", socket.2);
     }
 
     #[test]

@@ -12,7 +12,10 @@
 //! with HTTP. Then issue 32's item 10: `state` lists the bind rules, `unbind
 //! --all` says what it did to each, `--tcp-port` before the verb (as usbip
 //! places it), `[[virtual]]` typos at their own line and the HTTP limits
-//! logged only with HTTP.
+//! logged only with HTTP. Then issue 32's item 10: `state` lists the bind
+//! rules, `unbind --all` says what it did to each, `--tcp-port` before the
+//! verb (as usbip places it), `[[virtual]]` in usbwire.toml(5) and its typos
+//! at their own line and the HTTP limits logged only with HTTP.
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
@@ -383,6 +386,33 @@ fn a_config_typo_is_reported_at_its_own_line() {
     // An unknown kind, at its value.
     let said = refused_config(&dir, "[[virtual]]\nkind = \"webcam\"\n");
     assert!(said.contains("line 2, column 8") && said.contains("\"webcam\""), "{said}");
+}
+
+#[test]
+fn usbwire_toml_5_documents_every_virtual_kind_and_key_the_parser_takes() {
+    let dir = scratch("habits", "man5");
+    let out = usbwire(&["man", "--dir", dir.to_str().expect("path")]);
+    assert!(out.status.success(), "{}", text(&out));
+    let page = std::fs::read_to_string(dir.join("usbwire.toml.5")).expect("usbwire.toml(5)");
+    let section = page.split(".SS \"[[virtual]]\"").nth(1).expect("a [[virtual]] section");
+    let section = section.split(".SS").next().unwrap_or_default();
+    // What the parser takes, in its own words: the kinds an unknown one is told, the keys of each.
+    let said = refused_config(&dir, "[[virtual]]\nkind = \"no-such-kind\"\n");
+    let kinds: Vec<&str> = said.split("one of ").nth(1).expect("kinds listed").split('`').skip(1).step_by(2).collect();
+    for kind in ["keyboard", "mouse", "disk", "serial", "loopback", "dfu", "external"] {
+        assert!(kinds.contains(&kind), "{kind} not among the parser's kinds: {said}");
+    }
+    let kind_line = section.lines().find(|l| l.starts_with("\\fBkind = ")).expect("kind documented");
+    for kind in &kinds {
+        assert!(kind_line.contains(&format!("\"{kind}\"")), "{kind} missing from {kind_line}");
+        let said = refused_config(&dir, &format!("[[virtual]]\nkind = \"{kind}\"\nno_such_key = 1\n"));
+        let keys: Vec<&str> =
+            said.split("it takes ").nth(1).expect("keys listed").split('`').skip(1).step_by(2).collect();
+        for key in keys {
+            assert!(section.contains(&format!("\\fB{key} = ")), "{kind}'s {key} missing from:\n{section}");
+        }
+    }
+    assert!(section.contains("\\fBsocket = ") && section.contains("external: "), "{section}");
 }
 
 #[test]

@@ -165,7 +165,7 @@ fn config_page_text() -> String {
             let _ = writeln!(out, ".SS \"{}\"", roff(heading));
             tagged(
                 &mut out,
-                table.keys.iter().map(|(key, value, meaning)| (format!("{key} = {value}"), (*meaning).to_owned())),
+                table.rows().into_iter().map(|(key, value, meaning)| (format!("{key} = {value}"), meaning)),
             );
         }
     }

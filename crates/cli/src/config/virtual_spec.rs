@@ -150,8 +150,9 @@ impl VirtualSpec {
 }
 
 /// Every `[[virtual]]` kind and the keys it takes besides `kind` and
-/// `labels`: the parser checks each table's keys against this list, so a
-/// typo is reported at its own line.
+/// `labels`: the parser checks each table's keys against this list (so a
+/// typo is reported at its own line), usbwire.toml(5) is written from it,
+/// and a test holds it to what [`VirtualSpec`]'s fields are.
 pub(crate) const VIRTUAL_KINDS: &[(&str, &[&str])] = &[
     ("keyboard", &[]),
     ("mouse", &[]),
@@ -164,6 +165,52 @@ pub(crate) const VIRTUAL_KINDS: &[(&str, &[&str])] = &[
 
 /// The keys of a `[[virtual]]` table besides each kind's own.
 const COMMON_KEYS: [&str; 2] = ["kind", "labels"];
+
+/// A `[[virtual]]` key as usbwire.toml(5) shows it.
+pub(crate) struct VirtualKey {
+    pub(crate) key: &'static str,
+    /// What its value looks like: `"FILE"`, `true|false`.
+    pub(crate) form: &'static str,
+    /// What it means for each kind that takes it.
+    pub(crate) meanings: &'static [(&'static str, &'static str)],
+}
+
+/// Every kind's own `[[virtual]]` keys, for usbwire.toml(5) (`kind`'s
+/// values and which kind takes which key come from [`VIRTUAL_KINDS`]; a
+/// test holds the two together).
+pub(crate) const VIRTUAL_KEYS: &[VirtualKey] = &[
+    VirtualKey {
+        key: "path",
+        form: "\"FILE\"",
+        meanings: &[
+            ("disk", "its image file (created with size if missing)"),
+            ("dfu", "its firmware image, written by each flash"),
+        ],
+    },
+    VirtualKey {
+        key: "size",
+        form: "\"64M\"",
+        meanings: &[
+            ("disk", "the image's size when it is created"),
+            ("dfu", "its flash region (default 1M, at most 64M)"),
+        ],
+    },
+    VirtualKey { key: "read_only", form: "true|false", meanings: &[("disk", "refuse writes")] },
+    VirtualKey {
+        key: "speed",
+        form: "\"high\"|\"super\"",
+        meanings: &[("disk", "the speed it reports"), ("loopback", "the speed it reports")],
+    },
+    VirtualKey { key: "link", form: "\"PATH\"", meanings: &[("serial", "a symlink to its pseudo-terminal")] },
+    VirtualKey {
+        key: "socket",
+        form: "\"PATH\"",
+        meanings: &[(
+            "external",
+            "the Unix socket a process serving the device connects to (made 0600; listed while one is connected)",
+        )],
+    },
+];
 
 /// `[[virtual]]`: a virtual device, and the labels the lab registry shows for it.
 #[derive(Clone, Debug, PartialEq, Eq)]
