@@ -15,7 +15,12 @@
 //! logged only with HTTP. Then issue 32's item 10: `state` lists the bind
 //! rules, `unbind --all` says what it did to each, `--tcp-port` before the
 //! verb (as usbip places it), `[[virtual]]` in usbwire.toml(5) and its typos
-//! at their own line and the HTTP limits logged only with HTTP.
+//! at their own line and the HTTP limits logged only with HTTP. Then issue
+//! 32's item 10: `state` lists the bind rules, `unbind --all` says what it
+//! did to each, `--tcp-port` before the verb (as usbip places it),
+//! `[[virtual]]` in usbwire.toml(5) and its typos at their own line, `redir`
+//! of a bus id the server does not export and its socket after SIGINT and the
+//! HTTP limits logged only with HTTP.
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
@@ -299,6 +304,13 @@ fn keyboard_server(dir: &Path, extra: &[&str]) -> (Running, std::net::SocketAddr
     (start(command, "usbwire serving").ready(), addr)
 }
 
+/// `usbwire ARGS` that must end within 20 seconds (killed, and the test failed, if not).
+fn usbwire_ending(args: &[&str]) -> Output {
+    let mut command = Command::new(BIN);
+    command.args(args);
+    ending(command)
+}
+
 /// The output of `command`, which must end within 20 seconds (killed, and the test failed, if not).
 fn ending(mut command: Command) -> Output {
     let mut child = command
@@ -413,6 +425,41 @@ fn usbwire_toml_5_documents_every_virtual_kind_and_key_the_parser_takes() {
         }
     }
     assert!(section.contains("\\fBsocket = ") && section.contains("external: "), "{section}");
+}
+
+#[test]
+fn redir_refuses_a_bus_id_the_server_does_not_export() {
+    let dir = scratch("habits", "redir");
+    let (_server, addr) = keyboard_server(&dir, &[]);
+    let addr = addr.to_string();
+    let socket = dir.join("redir.sock");
+    let listen = format!("unix:{}", socket.display());
+    let out = usbwire_ending(&["redir", "-r", &addr, "-b", "0-9", "--listen", &listen]);
+    assert_eq!(out.status.code(), Some(65), "{}", text(&out));
+    assert!(text(&out).contains("exports no device 0-9") && text(&out).contains("0-1"), "{}", text(&out));
+    assert!(!socket.exists(), "a socket was made for a device that is not there");
+}
+
+#[test]
+fn redir_removes_its_socket_on_sigint_and_sigterm() {
+    use std::os::unix::process::ExitStatusExt as _;
+    let dir = scratch("habits", "redir-signal");
+    let (_server, addr) = keyboard_server(&dir, &[]);
+    let addr = addr.to_string();
+    let socket = dir.join("redir.sock");
+    let listen = format!("unix:{}", socket.display());
+    for signal in [libc::SIGINT, libc::SIGTERM] {
+        let mut command = Command::new(BIN);
+        command.args(["redir", "-r", &addr, "-b", "0-1", "--listen", &listen]);
+        let mut bridge = start(command, "usbredir for").ready();
+        assert!(socket.exists(), "no socket while it listens");
+        let pid = i32::try_from(bridge.child().id()).expect("pid");
+        // SAFETY: a signal to our own child, which is still running (not reaped).
+        assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+        let status = bridge.child().wait().expect("redir ends");
+        assert_eq!((status.code(), status.signal()), (Some(0), None), "signal {signal}");
+        assert!(!socket.exists(), "the socket was left behind after signal {signal}");
+    }
 }
 
 #[test]
