@@ -267,6 +267,7 @@ pub enum ServerMessage {
 /// `is_iso`. `false` while the header is not all there (nothing decodes yet).
 /// A server never asks this of its peer: it asks its device (see
 /// `decode_command`).
+#[inline]
 pub fn announces_iso_packets(buf: &[u8]) -> bool {
     buf.len() >= HEADER_LEN && be_i32(buf, 0x20) > 0
 }
