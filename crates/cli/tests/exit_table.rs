@@ -344,10 +344,15 @@ fn config_78() {
     let control = dir.join("control.sock");
     let control = control.to_str().unwrap();
     let args = ["serve", "--no-advertise", "--listen", "127.0.0.1:0", "--control", control, "--capture", "/tmp"];
-    exits(&usbwire(&args), 78, "/tmp is writable by other users");
+    let serve_said = exits(&usbwire(&args), 78, "/tmp is writable by other users");
     let served = serve(&dir, &free_addr().to_string(), &["--virtual", "keyboard"]);
-    exits(&usbwire(&["capture", "--control", control, "/tmp"]), 78, "/tmp is writable by other users");
+    let capture_said =
+        exits(&usbwire(&["capture", "--control", control, "/tmp"]), 78, "/tmp is writable by other users");
     drop(served);
+    // The advice is a private directory inside /tmp, never a chmod of /tmp itself.
+    for said in [serve_said, capture_said] {
+        assert!(said.contains("mkdir -m 700 /tmp/usbwire") && !said.contains("chmod"), "{said}");
+    }
 }
 
 #[test]
