@@ -241,6 +241,20 @@ fn cannot_create_73() {
     let disk = format!("disk={},size=1M", missing.join("disk.img").display());
     exits(&with_control(&["--virtual", &disk]), 73, "cannot create");
     assert!(!missing.exists(), "a missing directory was made after all");
+    // A size the file system refuses (the size=100T on ext4; 8 EiB on any) leaves no
+    // file behind, so the next run, with a size that fits, just works.
+    let image = dir.join("disk.img");
+    let huge = format!("disk={},size=8388608T", image.display());
+    exits(&with_control(&["--virtual", &huge]), 73, "cannot create");
+    let left: Vec<String> = std::fs::read_dir(&*dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.contains("disk.img"))
+        .collect();
+    assert!(left.is_empty(), "a failed image creation left {left:?}");
+    let fits = format!("disk={},size=1M", image.display());
+    drop(serve(&dir, &free_addr().to_string(), &["--virtual", &fits]));
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 1 << 20);
     exits(&with_control(&["--capture", &under_file("capture")]), 73, "capture directory");
     let out = Command::new(BIN)
         .args(["demo", "--listen", "127.0.0.1:0", "--dir", &under_file("demo"), "--control"])
