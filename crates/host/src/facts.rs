@@ -1,4 +1,4 @@
-//! What a local USB device tells a [`Selector`]: its bus id, VID:PID,
+//! What a local USB device tells a [`Selector`](usbwire_device::Selector): its bus id, VID:PID,
 //! serial number and classes. The selector itself (parsing, matching) lives
 //! in `usbwire-device`, shared with the server's rules, the lab and the client.
 
@@ -24,7 +24,7 @@ impl AsDeviceFacts for LocalDevice {
 mod tests {
     use super::*;
     use crate::LocalInterface;
-    use crate::Selector;
+    use usbwire_device::Selector;
     use usbwire_device::Speed;
 
     fn disk(busid: &str, serial: &str) -> LocalDevice {

@@ -18,4 +18,3 @@ mod usbfs;
 
 pub use device::HostDevice;
 pub use local::{list, LocalDevice, LocalInterface};
-pub use usbwire_device::{Selector, SelectorError};

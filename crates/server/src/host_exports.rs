@@ -28,8 +28,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
+use usbwire_device::Selector;
 use usbwire_host::hotplug::{Hotplug, HotplugWatch};
-use usbwire_host::{HostDevice, LocalDevice, Selector};
+use usbwire_host::{HostDevice, LocalDevice};
 use usbwire_proto::op::BusId;
 use usbwire_proto::sync::lock;
 
@@ -146,7 +147,7 @@ impl HostExports {
             )));
         }
         let selector: Selector =
-            busid.parse().map_err(|e: usbwire_host::SelectorError| BindError::NoDevice(e.to_string()))?;
+            busid.parse().map_err(|e: usbwire_device::SelectorError| BindError::NoDevice(e.to_string()))?;
         let devices = usbwire_host::list().map_err(|e| BindError::System(e.to_string()))?;
         let device = devices.iter().find(|d| selector.matches(d)).ok_or_else(|| {
             BindError::NoDevice(format!("no USB device at {busid} on this machine (see `usbwire list -l`)"))
@@ -174,7 +175,7 @@ impl HostExports {
     /// None present is fine (the rule waits); one that cannot be opened is a warning.
     pub(crate) fn bind_rule(&self, text: &str) -> Result<BindOutcome, BindError> {
         let selector: Selector =
-            text.parse().map_err(|e: usbwire_host::SelectorError| BindError::NoDevice(e.to_string()))?;
+            text.parse().map_err(|e: usbwire_device::SelectorError| BindError::NoDevice(e.to_string()))?;
         if let Some(kind) = self.virtual_kind(text) {
             return Err(BindError::Exported(format!(
                 "{text} is already exported: it is this server's virtual {kind} (see `usbwire state`)"
@@ -271,7 +272,7 @@ impl HostExports {
     /// the exported devices it matches.
     pub(crate) fn unbind_rule(&self, text: &str) -> Result<BindOutcome, BindError> {
         let selector: Selector =
-            text.parse().map_err(|e: usbwire_host::SelectorError| BindError::NoDevice(e.to_string()))?;
+            text.parse().map_err(|e: usbwire_device::SelectorError| BindError::NoDevice(e.to_string()))?;
         let devices = usbwire_host::list().unwrap_or_default();
         let (mut busids, warning, forgot) = {
             let mut inner = lock(&self.inner);

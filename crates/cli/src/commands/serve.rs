@@ -90,7 +90,7 @@ fn configure(args: &ServeArgs, file: &FileConfig, no_virtual_devices: bool) -> R
         ..ServerConfig::default()
     };
     for selector in &args.bind {
-        config.host_rules.push(selector.parse().map_err(|e: usbwire_server::SelectorError| Failure::usage(e.into()))?);
+        config.host_rules.push(selector.parse().map_err(|e: usbwire_device::SelectorError| Failure::usage(e.into()))?);
     }
     if no_virtual_devices && config.host_rules.is_empty() {
         eprintln!(
@@ -219,14 +219,14 @@ impl Registering {
         };
         let security = bound.security();
         // [[virtual]] labels by the bus id each got (the lines follow the file's devices first).
-        let mut labels: Vec<(usbwire_server::Selector, Vec<String>)> = file
+        let mut labels: Vec<(usbwire_device::Selector, Vec<String>)> = file
             .virtual_devices
             .iter()
             .zip(exported)
             .filter(|(entry, _)| !entry.labels.is_empty())
             .filter_map(|(entry, line)| {
                 let busid = line.split_whitespace().next()?;
-                Some((usbwire_server::Selector::BusId(busid.to_owned()), entry.labels.clone()))
+                Some((usbwire_device::Selector::BusId(busid.to_owned()), entry.labels.clone()))
             })
             .collect();
         for rule in file.bind.iter().filter(|rule| !rule.labels.is_empty()) {
@@ -345,7 +345,7 @@ async fn reload_on_hangup(
                 continue;
             }
         };
-        let mut rules: Vec<usbwire_server::Selector> =
+        let mut rules: Vec<usbwire_device::Selector> =
             file.bind.iter().flat_map(|rule| std::iter::once(&rule.device).chain(&rule.also)).cloned().collect();
         rules.extend(cli_rules.iter().filter_map(|text| text.parse().ok()));
         let others_changed =

@@ -12,7 +12,7 @@
 use std::fmt::Write as _;
 
 use anyhow::{anyhow, bail};
-use usbwire_server::Selector;
+use usbwire_device::Selector;
 
 use crate::args::UdevRulesArgs;
 use crate::config::FileConfig;

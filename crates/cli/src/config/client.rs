@@ -54,9 +54,9 @@ pub(crate) struct ClientConfig {
 pub(crate) struct AttachRule {
     pub(crate) server: String,
     #[serde(deserialize_with = "selector_field")]
-    pub(crate) device: usbwire_server::Selector,
+    pub(crate) device: usbwire_device::Selector,
     #[serde(default, deserialize_with = "selector_list")]
-    pub(crate) also: Vec<usbwire_server::Selector>,
+    pub(crate) also: Vec<usbwire_device::Selector>,
     #[serde(default)]
     pub(crate) tls: bool,
     /// With `server = "registry"`: the device must carry these labels too.
@@ -72,11 +72,11 @@ pub(crate) struct AttachRule {
 impl AttachRule {
     /// Whether the attachment follows the device through re-enumerations.
     pub(crate) fn follows(&self) -> bool {
-        self.follow.unwrap_or(matches!(self.device, usbwire_server::Selector::BusId(_)))
+        self.follow.unwrap_or(matches!(self.device, usbwire_device::Selector::BusId(_)))
     }
 
     /// Every identity the device may show up under.
-    pub(crate) fn selectors(&self) -> impl Iterator<Item = &usbwire_server::Selector> {
+    pub(crate) fn selectors(&self) -> impl Iterator<Item = &usbwire_device::Selector> {
         std::iter::once(&self.device).chain(&self.also)
     }
 }

@@ -16,7 +16,7 @@ use super::units::selector_field;
 #[serde(deny_unknown_fields)]
 pub(crate) struct RedirRule {
     #[serde(deserialize_with = "selector_field")]
-    pub(crate) device: usbwire_server::Selector,
+    pub(crate) device: usbwire_device::Selector,
     #[serde(deserialize_with = "redir_listen_field")]
     pub(crate) listen: RedirListen,
     /// A group (name or number) that may also open the Unix socket (0660).
@@ -52,7 +52,7 @@ impl std::str::FromStr for RedirRule {
 impl RedirRule {
     /// Whether the bridge follows its device through re-enumerations.
     pub(crate) fn follows(&self) -> bool {
-        self.follow.unwrap_or(matches!(self.device, usbwire_server::Selector::BusId(_)))
+        self.follow.unwrap_or(matches!(self.device, usbwire_device::Selector::BusId(_)))
     }
 
     /// Refuses a TCP listener unless the rule opts in to an unauthenticated

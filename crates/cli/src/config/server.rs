@@ -289,10 +289,10 @@ impl AdmissionTable {
 #[serde(deny_unknown_fields)]
 pub(crate) struct BindRule {
     #[serde(deserialize_with = "selector_field")]
-    pub(crate) device: usbwire_server::Selector,
+    pub(crate) device: usbwire_device::Selector,
     /// The same device under other identities (after it re-enumerates, e.g. into its bootloader).
     #[serde(default, deserialize_with = "selector_list")]
-    pub(crate) also: Vec<usbwire_server::Selector>,
+    pub(crate) also: Vec<usbwire_device::Selector>,
     /// What the lab registry shows it as (`label=NAME` selects it there).
     #[serde(default)]
     pub(crate) labels: Vec<String>,

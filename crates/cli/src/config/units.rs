@@ -74,14 +74,14 @@ pub(super) fn duration_field<'de, D: serde::Deserializer<'de>>(deserializer: D) 
 
 pub(super) fn selector_field<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
-) -> Result<usbwire_server::Selector, D::Error> {
+) -> Result<usbwire_device::Selector, D::Error> {
     let text = String::deserialize(deserializer)?;
     text.parse().map_err(serde::de::Error::custom)
 }
 
 pub(super) fn selector_list<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
-) -> Result<Vec<usbwire_server::Selector>, D::Error> {
+) -> Result<Vec<usbwire_device::Selector>, D::Error> {
     let texts = Vec::<String>::deserialize(deserializer)?;
     texts.iter().map(|t| t.parse().map_err(serde::de::Error::custom)).collect()
 }
