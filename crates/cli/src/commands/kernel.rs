@@ -121,7 +121,7 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
         security,
         transforms: transforms.clone(),
         resume: imported.resume,
-        give_up_after: RESUME_GIVE_UP,
+        give_up_after: usbwire_client::RESUME_GIVE_UP,
     };
     let follow = following.then(|| usbwire_client::follow::Target {
         upstream: upstream.clone(),
@@ -189,8 +189,6 @@ async fn reserved_server(
 /// background process it starts, which detaches its output there once the
 /// device is attached.
 const RELAY_LOG_ENV: &str = "USBWIRE_RELAY_LOG";
-/// How long a relay keeps trying to resume before it lets the port go.
-const RESUME_GIVE_UP: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// `attach` without `--foreground`: the same command runs again as a
 /// background process (its own session, so the terminal's signals do not

@@ -403,7 +403,7 @@ fn attach_imported(
         security: security.clone(),
         transforms: vec![],
         resume,
-        give_up_after: Duration::from_secs(120),
+        give_up_after: usbwire_client::RESUME_GIVE_UP,
     };
     let devid = record.devid();
     let logged =
