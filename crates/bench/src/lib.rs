@@ -5,14 +5,18 @@
 //! that does no work ([`ceiling`]). A userspace [`proxy`] adds RTT and jitter
 //! (this kernel has no netem). [`model`] fits time-per-URB = a·size + RTT and
 //! gives the queue depth a periodic stream needs. [`resume_time`] cuts a
-//! resumable connection and times the stall each cut causes. `lab` (feature
-//! `lab`) measures the lab registry on etcd with a simulated fleet.
+//! resumable connection and times the stall each cut causes. [`matrix`] runs
+//! the whole matrix `usbwire bench` prints, against the device [`target`]
+//! imports (or its in-process loopback server). `lab` (feature `lab`)
+//! measures the lab registry on etcd with a simulated fleet.
 //!
 //! Benchmarks are not tests: nothing here asserts on timings.
 
 pub mod ceiling;
+mod error;
 #[cfg(feature = "lab")]
 pub mod lab;
+pub mod matrix;
 pub mod measure;
 pub mod model;
 pub mod openssl_speed;
@@ -20,11 +24,14 @@ pub mod periodic;
 pub mod plot;
 pub mod proxy;
 pub mod resume_time;
+pub mod target;
 
 use std::future::Future;
 use std::net::SocketAddr;
 
 use serde::Serialize;
+
+pub use error::BenchError;
 
 /// Runs a server on a thread of its own with a single-threaded runtime, as if
 /// it were another process: `start` binds and spawns its tasks and returns the

@@ -208,6 +208,20 @@ impl From<usbwire_client::ClientError> for Failure {
     }
 }
 
+impl From<usbwire_bench::BenchError> for Failure {
+    fn from(error: usbwire_bench::BenchError) -> Self {
+        use usbwire_bench::BenchError as E;
+        match error {
+            E::Import(error) => error.into(),
+            E::Unavailable(why) => Self::unavailable(anyhow::anyhow!(why)),
+            E::Loopback(error) => Self::unavailable(error.into()),
+            E::Io(error) => Self::io(error.into()),
+            E::Internal(error) => Self::software(anyhow::Error::from_boxed(error)),
+            _ => Self::software(error.into()),
+        }
+    }
+}
+
 /// See [`Failure::private_dir`].
 fn private_dir_code(error: &PrivateDirError) -> u8 {
     match error {

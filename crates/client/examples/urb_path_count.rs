@@ -17,16 +17,12 @@
 //! Prints the URBs moved and their rate; asserts nothing about speed.
 
 use std::collections::VecDeque;
-use std::net::SocketAddr;
 use std::time::Instant;
 
 use anyhow::{bail, Context as _};
-use usbwire_bench::measure;
+use usbwire_bench::{measure, target};
 use usbwire_client::{Connection, Security, Transfer};
-use usbwire_device::Speed;
-use usbwire_proto::op::BusId;
 use usbwire_proto::Direction;
-use usbwire_server::{Server, ServerConfig};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -38,19 +34,10 @@ fn main() -> anyhow::Result<()> {
     };
     let (size, depth, count) = (number(0, "SIZE")?, number(1, "DEPTH")?, number(2, "COUNT")?);
     let resume = args.get(3).is_some_and(|mode| mode == "resume");
-    let (addr, busid) = local_loopback()?;
+    let (addr, busid) = target::local_loopback()?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
-        let conn = if resume {
-            let (conn, _) = Connection::import_resumable(addr, &busid, &Security::Plain, &[]).await?;
-            if !conn.is_resumable() {
-                bail!("the server did not grant resume");
-            }
-            conn
-        } else {
-            let (stream, record) = usbwire_client::import_with(addr, &busid, &Security::Plain, &[]).await?;
-            Connection::new(stream, &record)
-        };
+        let (conn, _) = target::open(addr, &busid, &Security::Plain, &[], resume).await?;
         let endpoints = measure::prepare(&conn).await.map_err(anyhow::Error::msg)?;
         let source = endpoints.source.context("the loopback device has no bulk IN endpoint")?;
         let sink = endpoints.sink.context("the loopback device has no bulk OUT endpoint")?;
@@ -102,23 +89,4 @@ async fn run(
         }
     }
     Ok(())
-}
-
-/// The server `usbwire bench --local` starts: one loopback device on 127.0.0.1.
-fn local_loopback() -> anyhow::Result<(SocketAddr, BusId)> {
-    let (busid_tx, busid_rx) = std::sync::mpsc::channel();
-    let addr = usbwire_bench::server_thread("usbwire-server", move || async move {
-        let config = ServerConfig {
-            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            control_path: None,
-            ..ServerConfig::default()
-        };
-        let mut server = Server::new(config);
-        let _ = busid_tx.send(server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH))));
-        let bound = server.bind().await.map_err(std::io::Error::other)?;
-        let addr = bound.local_addr();
-        tokio::spawn(bound.run(std::future::pending()));
-        Ok(addr)
-    })?;
-    Ok((addr, busid_rx.recv()?))
 }

@@ -2,75 +2,76 @@
 //! emulated RTT, each as a ratio to raw TCP over the same path.
 
 use std::net::SocketAddr;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::anyhow;
 use serde_json::json;
+use usbwire_bench::matrix::{self, Plan};
 use usbwire_bench::measure::Payload;
+use usbwire_bench::target::{local_loopback, open};
 use usbwire_bench::{measure, plot, proxy};
 use usbwire_client::{Security, TransformSpec};
 use usbwire_proto::op::BusId;
 
-use super::common::bench_matrix::{csv, execute, local_loopback, open, Plan};
 use super::common::peer::transforms;
 use super::common::stdout::{out, outln};
 use crate::args::BenchArgs;
 use crate::config::parse_size;
 use crate::exit::Failure;
 
-impl Plan {
-    fn from_args(args: &BenchArgs) -> Result<Self, Failure> {
-        let sizes = if args.sizes.is_empty() {
-            if args.quick {
-                vec![512, 64 << 10, 1 << 20]
-            } else {
-                vec![512, 2 << 10, 8 << 10, 64 << 10, 256 << 10, 1 << 20]
-            }
+/// The matrix the flags ask for: `--quick`'s or the full one, unless sizes and depths are named.
+fn matrix_plan(args: &BenchArgs) -> Result<Plan, Failure> {
+    let sizes = if args.sizes.is_empty() {
+        if args.quick {
+            vec![512, 64 << 10, 1 << 20]
         } else {
-            args.sizes
-                .iter()
-                .map(|s| parse_size(s).map(|n| n as usize))
-                .collect::<Result<_, _>>()
-                .map_err(Failure::usage)?
-        };
-        let depths = if args.depths.is_empty() {
-            if args.quick {
-                vec![1, 8, 32]
-            } else {
-                vec![1, 2, 4, 8, 16, 32]
-            }
-        } else {
-            args.depths.clone()
-        };
-        if sizes.iter().any(|&s| s == 0 || s > 16 << 20) || depths.iter().any(|&d| d == 0 || d > 1024) {
-            return Err(Failure::usage(anyhow!("sizes must be 1 B..16 MiB and depths 1..1024")));
+            vec![512, 2 << 10, 8 << 10, 64 << 10, 256 << 10, 1 << 20]
         }
-        Ok(Self {
-            sizes,
-            depths,
-            rtts_ms: if args.rtt_ms.is_empty() { vec![0.0] } else { args.rtt_ms.clone() },
-            jitter_ms: args.jitter_ms,
-            seconds: args.seconds.unwrap_or(if args.quick { 0.1 } else { 0.5 }),
-            repeat: args.repeat.unwrap_or(if args.quick { 1 } else { 3 }).max(1),
-            transforms: transforms(args.compress.as_deref(), args.jitter_buffer),
-            payload: if args.payload == "random" { Payload::Random } else { Payload::Constant },
-            resume: args.resume,
-        })
+    } else {
+        args.sizes
+            .iter()
+            .map(|s| parse_size(s).map(|n| n as usize))
+            .collect::<Result<_, _>>()
+            .map_err(Failure::usage)?
+    };
+    let depths = if args.depths.is_empty() {
+        if args.quick {
+            vec![1, 8, 32]
+        } else {
+            vec![1, 2, 4, 8, 16, 32]
+        }
+    } else {
+        args.depths.clone()
+    };
+    if sizes.iter().any(|&s| s == 0 || s > 16 << 20) || depths.iter().any(|&d| d == 0 || d > 1024) {
+        return Err(Failure::usage(anyhow!("sizes must be 1 B..16 MiB and depths 1..1024")));
     }
+    Ok(Plan {
+        sizes,
+        depths,
+        rtts_ms: if args.rtt_ms.is_empty() { vec![0.0] } else { args.rtt_ms.clone() },
+        jitter_ms: args.jitter_ms,
+        seconds: args.seconds.unwrap_or(if args.quick { 0.1 } else { 0.5 }),
+        repeat: args.repeat.unwrap_or(if args.quick { 1 } else { 3 }).max(1),
+        transforms: transforms(args.compress.as_deref(), args.jitter_buffer),
+        payload: if args.payload == "random" { Payload::Random } else { Payload::Constant },
+        resume: args.resume,
+    })
 }
 
 pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
     if args.registry.registry.is_some() {
         return super::bench_lab::run(&args).await;
     }
-    let plan = Plan::from_args(&args)?;
+    let plan = matrix_plan(&args)?;
     let security = super::common::peer::client_security(&args.security)?;
     let (target, busid) = match (&args.remote, &args.busid) {
         (Some(remote), Some(busid)) if !args.local => {
             let busid = BusId::new(busid).ok_or_else(|| Failure::usage(anyhow!("invalid bus id {busid:?}")))?;
             (super::common::peer::resolve(remote, None).await?, busid)
         }
-        _ => local_loopback().await?,
+        _ => local_loopback()?,
     };
     if let Some(endpoint) = args.periodic {
         return periodic(&plan, target, &busid, &security, endpoint, args.json).await;
@@ -81,20 +82,56 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
         let endpoints = (args.in_ep, args.out_ep);
         return resume_time(&plan, target, &busid, &security, endpoints, (size, depth, cuts), args.json).await;
     }
-    let progress = !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let report = execute(&plan, target, &busid, &security, (args.in_ep, args.out_ep), progress).await?;
+    let endpoints = (args.in_ep, args.out_ep);
+    let report = if !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        matrix::execute(&plan, target, &busid, &security, endpoints, Bar(OnceLock::new())).await?
+    } else {
+        matrix::execute(&plan, target, &busid, &security, endpoints, matrix::Quiet).await?
+    };
     if let Some(dir) = &args.plot {
         let files = plot::write_all(dir, &report.records, &report.latencies)
             .map_err(|e| Failure::io(anyhow!("plots in {}: {e}", dir.display())))?;
         eprintln!("wrote {} charts to {}", files.len(), dir.display());
     }
     if let Some(path) = &args.csv {
-        std::fs::write(path, csv(&report.records)).map_err(|e| Failure::io(anyhow!("{}: {e}", path.display())))?;
+        std::fs::write(path, report.csv()).map_err(|e| Failure::io(anyhow!("{}: {e}", path.display())))?;
     }
     if args.json {
         super::common::output::print_json(&report.json(), true)
     } else {
         out!("{}", report.table())
+    }
+}
+
+/// The matrix's progress bar on stderr, drawn from its first point on.
+struct Bar(OnceLock<indicatif::ProgressBar>);
+
+impl matrix::Progress for Bar {
+    fn begin(&self, points: usize) {
+        let bar = indicatif::ProgressBar::new(points as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        let _ = self.0.set(bar);
+    }
+
+    fn point(&self, what: String) {
+        if let Some(bar) = self.0.get() {
+            bar.set_message(what);
+        }
+    }
+
+    fn advance(&self, points: usize) {
+        if let Some(bar) = self.0.get() {
+            bar.inc(points as u64);
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = self.0.get() {
+            bar.finish_and_clear();
+        }
     }
 }
 
@@ -129,7 +166,7 @@ async fn periodic(
             } else {
                 proxy::start(target, rtt, jitter).await.map_err(|e| Failure::io(e.into()))?
             };
-            let (conn, _) = open(plan, addr, busid, security).await?;
+            let (conn, _) = open(addr, busid, security, &plan.transforms, plan.resume).await?;
             measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
             // Enough URBs queued to cover the RTT, the jitter and the playout (Eq. 2 with room to spare).
             let depth = ((rtt_ms + 2.0 * plan.jitter_ms + playout_ms) / 8.0).ceil() as usize + 4;
@@ -198,7 +235,7 @@ async fn resume_time(
         let rtt = Duration::from_secs_f64(rtt_ms / 1000.0);
         let jitter = Duration::from_secs_f64(plan.jitter_ms / 1000.0);
         let proxy = proxy::Proxy::start(target, rtt, jitter).await.map_err(|e| Failure::io(e.into()))?;
-        let (conn, _) = open(plan, proxy.addr, busid, security).await?;
+        let (conn, _) = open(proxy.addr, busid, security, &plan.transforms, plan.resume).await?;
         let found = measure::prepare(&conn).await.map_err(|e| Failure::unavailable(anyhow!(e)))?;
         let endpoints = measure::Endpoints { source: endpoints.0.or(found.source), sink: endpoints.1.or(found.sink) };
         let times = usbwire_bench::resume_time::measure(&conn, &proxy, endpoints, size, depth, cuts)

@@ -92,7 +92,7 @@ async fn show_over_usbip(addr: SocketAddr, exported: &[String]) -> Result<(), Fa
 /// A small benchmark matrix against an in-process loopback device, beside raw TCP.
 async fn quick_bench() -> Result<(), Failure> {
     status_line!("A short benchmark (usbwire bench --quick for more): a loopback device, our client and server, next to raw TCP:\n");
-    let plan = super::common::bench_matrix::Plan {
+    let plan = usbwire_bench::matrix::Plan {
         sizes: vec![512, 64 << 10],
         depths: vec![1, 8],
         rtts_ms: vec![0.0],
@@ -103,14 +103,14 @@ async fn quick_bench() -> Result<(), Failure> {
         payload: usbwire_bench::measure::Payload::Constant,
         resume: false,
     };
-    let (loopback, loopback_busid) = super::common::bench_matrix::local_loopback().await?;
-    let report = super::common::bench_matrix::execute(
+    let (loopback, loopback_busid) = usbwire_bench::target::local_loopback()?;
+    let report = usbwire_bench::matrix::execute(
         &plan,
         loopback,
         &loopback_busid,
         &usbwire_client::Security::Plain,
         (None, None),
-        false,
+        usbwire_bench::matrix::Quiet,
     )
     .await?;
     status_line!("{}", report.table());

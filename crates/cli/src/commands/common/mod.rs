@@ -1,10 +1,9 @@
 //! What several verbs share, so that no verb borrows from another's module:
 //! reaching a server ([`peer`]), the lab registry ([`registry`]), the
 //! process around a command ([`process`]), printed output ([`stdout`],
-//! [`output`], [`usb_names`], [`description`], [`device_json`]), building a local server
-//! ([`local_server`]) and the bench matrix ([`bench_matrix`]).
+//! [`output`], [`usb_names`], [`description`], [`device_json`]) and building a local server
+//! ([`local_server`]).
 
-pub(crate) mod bench_matrix;
 pub(crate) mod description;
 pub(crate) mod device_json;
 pub(crate) mod local_server;
