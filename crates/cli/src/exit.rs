@@ -208,6 +208,20 @@ impl From<usbwire_client::ClientError> for Failure {
     }
 }
 
+/// What vhci-hcd's refusal means, the same for `attach`, `port`, `detach` and `client`.
+impl From<usbwire_client::vhci::VhciError> for Failure {
+    fn from(error: usbwire_client::vhci::VhciError) -> Self {
+        use usbwire_client::vhci::VhciError as E;
+        match error {
+            E::NotLoaded => Self::os(error.into()),
+            E::NoFreePort { .. } => Self::temporary(error.into()),
+            E::PortNotInUse(_) => Self::data(error.into()),
+            E::Permission { .. } => Self::not_admitted(error.into()),
+            _ => Self::io(error.into()),
+        }
+    }
+}
+
 impl From<usbwire_bench::BenchError> for Failure {
     fn from(error: usbwire_bench::BenchError) -> Self {
         use usbwire_bench::BenchError as E;

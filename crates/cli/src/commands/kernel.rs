@@ -15,7 +15,7 @@
 
 use anyhow::anyhow;
 use serde_json::json;
-use usbwire_client::vhci::{self, VhciError};
+use usbwire_client::vhci;
 use usbwire_device::record::DeviceJson;
 use usbwire_proto::op::BusId;
 
@@ -23,17 +23,6 @@ use super::common::stdout::{out, outln, status_line};
 use super::common::usb_names::UsbIds;
 use crate::args::{AttachArgs, DetachArgs, PortArgs};
 use crate::exit::Failure;
-
-/// What vhci-hcd's refusal means, the same for `attach`, `port`, `detach` and `client`.
-pub(super) fn vhci_failure(error: VhciError) -> Failure {
-    match error {
-        VhciError::NotLoaded => Failure::os(error.into()),
-        VhciError::NoFreePort { .. } => Failure::temporary(error.into()),
-        VhciError::PortNotInUse(_) => Failure::data(error.into()),
-        VhciError::Permission { .. } => Failure::not_admitted(error.into()),
-        _ => Failure::io(error.into()),
-    }
-}
 
 pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
     let wanted = match (&args.registry.registry, &args.device) {
@@ -50,7 +39,7 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
         _ => None,
     };
     // Check vhci before asking the server, so a missing module costs nothing remote.
-    vhci::ports().map_err(vhci_failure)?;
+    vhci::ports()?;
     let transforms = super::common::peer::transforms(args.compress.as_deref(), args.jitter_buffer);
     // A reservation lives as long as the process that holds it: the relay.
     let following = args.follow || args.auto_attach;
@@ -106,8 +95,7 @@ pub(crate) async fn attach(args: AttachArgs) -> Result<(), Failure> {
             return Err(Failure::software(anyhow!("a plain import returned a TLS stream")));
         };
         let socket = tcp.into_std().map_err(|e| Failure::io(e.into()))?;
-        let port =
-            vhci::attach(&socket, imported.device.devid(), imported.device.speed, &record).map_err(vhci_failure)?;
+        let port = vhci::attach(&socket, imported.device.devid(), imported.device.speed, &record)?;
         // The kernel holds its own reference to the socket now.
         drop(socket);
         // Attached, and this command's work done: a report.
@@ -290,7 +278,7 @@ async fn relay_attached(
     follow: Option<usbwire_client::follow::Target>,
 ) -> Result<(), Failure> {
     let shutdown = super::common::process::shutdown_signal();
-    let (port, kernel) = vhci::attach_relayed(&imported.device, &record, None).map_err(vhci_failure)?;
+    let (port, kernel) = vhci::attach_relayed(&imported.device, &record, None)?;
     print_relayed(port, &imported, &upstream, &record, taken.as_ref(), follow.as_ref());
     let device = &imported.device;
     let first = FollowStatus {
@@ -545,7 +533,7 @@ fn port_json(p: &vhci::PortStatus, here: &[usbwire_host::LocalDevice], names: &U
 }
 
 pub(crate) fn port(args: PortArgs) -> Result<(), Failure> {
-    let ports = vhci::ports().map_err(vhci_failure)?;
+    let ports = vhci::ports()?;
     let used: Vec<_> = ports.iter().filter(|p| !p.is_free()).collect();
     if args.json {
         let here = usbwire_host::list().unwrap_or_default();
@@ -584,6 +572,6 @@ pub(crate) fn port(args: PortArgs) -> Result<(), Failure> {
 }
 
 pub(crate) fn detach(args: DetachArgs) -> Result<(), Failure> {
-    vhci::detach(args.port).map_err(vhci_failure)?;
+    vhci::detach(args.port)?;
     outln!("port {} detached", args.port)
 }

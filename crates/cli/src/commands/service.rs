@@ -37,7 +37,7 @@ pub(crate) async fn run(args: ClientArgs) -> Result<(), Failure> {
     let config = ClientConfig::load(&args.config).map_err(Failure::config)?;
     check_pins(&config)?;
     // vhci-hcd missing or refused: the same words and exit code as `attach`.
-    vhci::ports().map_err(super::kernel::vhci_failure)?;
+    vhci::ports()?;
     let mut hangup =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).map_err(|e| Failure::io(e.into()))?;
     let shutdown = super::common::process::shutdown_signal();
