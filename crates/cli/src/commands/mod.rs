@@ -1,7 +1,7 @@
 //! One module per verb; each takes its parsed arguments and does the work.
 //! What several verbs share is in [`common`]; a verb never uses another verb's module.
 
-mod auto_attach;
+mod attach;
 mod bench;
 mod bench_lab;
 mod common;
@@ -10,7 +10,6 @@ mod describe;
 mod docs;
 mod doctor;
 mod identity;
-mod kernel;
 mod lab;
 mod list;
 mod local;
@@ -31,9 +30,9 @@ pub(crate) async fn run(command: Command) -> Result<(), Failure> {
         Command::List(args) => list::run(args).await,
         Command::Describe(args) => describe::run(args).await,
         Command::Bench(args) => bench::run(args).await,
-        Command::Attach(args) => kernel::attach(args).await,
-        Command::Port(args) => kernel::port(args),
-        Command::Detach(args) => kernel::detach(args),
+        Command::Attach(args) => attach::run(args).await,
+        Command::Port(args) => attach::port::run(args),
+        Command::Detach(args) => attach::detach::run(args),
         Command::Identity(args) => identity::run(args),
         Command::Type(args) => local::type_text(args).await,
         Command::State(args) => local::state(args).await,

@@ -15,8 +15,8 @@ use crate::exit::Failure;
 /// Imports the device, trying on until the server and the device are there
 /// (each change logged once). `None` when stopped (Ctrl-C, SIGTERM) first:
 /// nothing was attached, nothing to undo.
-pub(crate) async fn first_import(reimport: &Reimport) -> Result<Option<Imported>, Failure> {
-    let stopped = super::common::process::shutdown_signal();
+pub(super) async fn first_import(reimport: &Reimport) -> Result<Option<Imported>, Failure> {
+    let stopped = crate::commands::common::process::shutdown_signal();
     tokio::select! {
         imported = reimport.first() => match imported {
             Ok(imported) => Ok(Some(imported)),

@@ -1,0 +1,92 @@
+//! The relay status file of a port, `/var/run/vhci_hcd/usbwire-portN.json`:
+//! written by `attach`'s relay ([`RelayStatusFile`]), read by `port`
+//! ([`relay_status`]). Not for vhci-hcd's own record of the port
+//! (`usbwire_client::vhci::read_record`).
+
+use serde_json::json;
+use usbwire_client::follow::FollowStatus;
+use usbwire_client::vhci;
+
+/// `/var/run/vhci_hcd/usbwire-portN.json`: the relay behind a port and what
+/// it is doing (and, with `--follow`, the bus id it follows and how often it
+/// attached it again), for `usbwire port`. Moves with a followed device to
+/// its new port; removed when the relay ends.
+pub(super) struct RelayStatusFile {
+    path: std::path::PathBuf,
+    server: String,
+    followed: Option<String>,
+    auto_attach: bool,
+}
+
+impl RelayStatusFile {
+    pub(super) fn create(
+        first: FollowStatus,
+        upstream: &usbwire_client::relay::Upstream,
+        follow: Option<&usbwire_client::follow::Target>,
+    ) -> Self {
+        let mut file = Self {
+            path: relay_status_path(first.port),
+            server: upstream.addr.to_string(),
+            followed: follow.map(|target| target.busid.to_string()),
+            auto_attach: follow.is_some_and(|t| t.persistence == usbwire_client::follow::Persistence::Forever),
+        };
+        file.write(first);
+        file
+    }
+
+    pub(super) fn write(&mut self, status: FollowStatus) {
+        let path = relay_status_path(status.port);
+        // Away, the port may be someone else's soon: nothing to say about it until attached again.
+        if path != self.path || !status.attached {
+            let _ = std::fs::remove_file(&self.path);
+            self.path = path;
+        }
+        if !status.attached {
+            return;
+        }
+        let (name, since) = match status.relay {
+            usbwire_client::relay::RelayState::Connected => ("connected", None),
+            usbwire_client::relay::RelayState::Resuming { since } => {
+                let ago = since.elapsed();
+                let at = std::time::SystemTime::now() - ago;
+                ("resuming", at.duration_since(std::time::UNIX_EPOCH).ok().map(|d| d.as_secs()))
+            }
+        };
+        let mut body =
+            json!({ "pid": std::process::id(), "server": self.server, "state": name, "resuming_since": since });
+        if let Some(busid) = &self.followed {
+            body["follow"] = json!({
+                "busid": busid,
+                "reattached": status.reattached,
+                "vendor_id": format!("{:04x}", status.vendor_id),
+                "product_id": format!("{:04x}", status.product_id),
+            });
+        }
+        if self.auto_attach {
+            body["auto_attach"] = json!(true);
+        }
+        let temporary = self.path.with_extension("tmp");
+        if std::fs::write(&temporary, body.to_string()).is_ok() {
+            let _ = std::fs::rename(&temporary, &self.path);
+        }
+    }
+}
+
+impl Drop for RelayStatusFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn relay_status_path(port: u32) -> std::path::PathBuf {
+    std::path::Path::new(vhci::RECORD_DIR).join(format!("usbwire-port{port}.json"))
+}
+
+/// The relay status of a port, if a live relay serves it.
+pub(super) fn relay_status(port: u32) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(relay_status_path(port)).ok()?;
+    let status: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let pid = status.get("pid")?.as_u64()?;
+    // A relay that died without cleaning up left a stale file.
+    std::path::Path::new(&format!("/proc/{pid}")).exists().then_some(status)
+}
