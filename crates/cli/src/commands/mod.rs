@@ -3,7 +3,6 @@
 
 mod attach;
 mod bench;
-mod bench_lab;
 mod common;
 mod demo;
 mod describe;

@@ -1,5 +1,10 @@
 //! `usbwire bench`: throughput and latency per URB size, queue depth and
-//! emulated RTT, each as a ratio to raw TCP over the same path.
+//! emulated RTT, each as a ratio to raw TCP over the same path (the matrix is
+//! [`usbwire_bench::matrix`]; here its flags, progress bar and printing), and
+//! `--periodic` and `--cuts`; with `--registry`, the lab registry at scale
+//! instead ([`lab`]).
+
+mod lab;
 
 use std::net::SocketAddr;
 use std::sync::OnceLock;
@@ -62,7 +67,7 @@ fn matrix_plan(args: &BenchArgs) -> Result<Plan, Failure> {
 
 pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
     if args.registry.registry.is_some() {
-        return super::bench_lab::run(&args).await;
+        return lab::run(&args).await;
     }
     let plan = matrix_plan(&args)?;
     let security = super::common::peer::client_security(&args.security)?;

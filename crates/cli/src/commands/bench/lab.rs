@@ -10,12 +10,12 @@ use serde_json::json;
 use usbwire_bench::lab::{LabBenchError, Progress, Quiet, Scale};
 use usbwire_lab::{Endpoint, Lab, LabError};
 
-use super::common::registry::failure;
-use super::common::stdout::{out, outln};
 use crate::args::BenchArgs;
+use crate::commands::common::registry::failure;
+use crate::commands::common::stdout::{out, outln};
 use crate::exit::Failure;
 
-pub(crate) async fn run(args: &BenchArgs) -> Result<(), Failure> {
+pub(super) async fn run(args: &BenchArgs) -> Result<(), Failure> {
     let scale = Scale {
         servers: args.servers.unwrap_or(100),
         devices_per_server: args.devices_per_server.unwrap_or(10),
@@ -26,7 +26,7 @@ pub(crate) async fn run(args: &BenchArgs) -> Result<(), Failure> {
             "--servers (1..62500), --devices-per-server and --clients must be at least 1"
         )));
     }
-    let mut endpoint = super::common::registry::required(&args.registry)?;
+    let mut endpoint = crate::commands::common::registry::required(&args.registry)?;
     let base = endpoint.url.to_string();
     endpoint.url.prefix = format!("{}/bench-{}", endpoint.url.prefix, std::process::id());
     let progress = !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -40,7 +40,7 @@ pub(crate) async fn run(args: &BenchArgs) -> Result<(), Failure> {
         let mut document = report.json();
         document["registry"] = json!(base);
         document["keys_deleted"] = json!(deleted);
-        super::common::output::print_json(&document, true)
+        crate::commands::common::output::print_json(&document, true)
     } else {
         out!("{}", report.table(&base))?;
         outln!("deleted {deleted} keys under {}/", endpoint.url.prefix)
