@@ -2,12 +2,12 @@
 //! names and flags (`list -r`, `--tcp-port`); ours are added beside them.
 //!
 //! Here: [`Cli`] and its [`Command`]s. Each verb's arguments live beside the verbs they
-//! belong with, grouped as `commands/` groups the verbs: `server` (serve, demo), `local` (what
-//! talks to the local server: bind, unbind, state, type, capture), `kernel` (attach, port,
-//! detach, client), `remote` (list, describe, redir), `lab` (reserve, release, who), `bench`,
-//! and `setup` (identity, doctor, udev-rules, completions, man, version); `common` has the flag
-//! groups and value parsers several verbs share. Not here: what the flags mean once parsed
-//! (`config` and `commands`).
+//! belong with, in groups: `server` (serve, demo), `local` (what talks to the local server:
+//! bind, unbind, state, type, capture; as `commands/local/`), `kernel` (attach, port, detach,
+//! client: `commands/attach/` and `commands::service`), `remote` (list, describe, redir), `lab`
+//! (reserve, release, who), `bench`, and `setup` (identity, doctor, udev-rules, completions,
+//! man, version); `common` has the flag groups and value parsers several verbs share. Not
+//! here: what the flags mean once parsed (`config` and `commands`).
 
 mod bench;
 mod common;

@@ -1,5 +1,16 @@
-//! One module per verb; each takes its parsed arguments and does the work.
-//! What several verbs share is in [`common`]; a verb never uses another verb's module.
+//! One module per verb, or per family of verbs, each named for it; each verb
+//! takes its parsed arguments and does the work. A family of more than one
+//! file is a directory whose `mod.rs` holds its first verb or what its verbs
+//! share: [`attach`] (attach, port, detach: vhci-hcd as the client),
+//! [`local`] (type, state, bind, unbind, capture: the local server's control
+//! socket), [`bench`] (bench, and its `--registry` run). Two families are one
+//! file: [`lab`] (reserve, release, who) and [`docs`] (completions, man).
+//! [`service`] is `usbwire client`, [`udev`] is `udev-rules`.
+//!
+//! What several verbs or families share is in [`common`]; a verb never uses
+//! another verb's module. Not here: parsing the command line (`args`) and
+//! library work, which belongs to the crates (the bench matrix is
+//! `usbwire_bench::matrix`).
 
 mod attach;
 mod bench;

@@ -25,7 +25,8 @@
 //!   holds its reservation until stopped: a closed stdout must not take
 //!   down what they serve or hold.
 //!
-//! In a verb's module: `use super::common::stdout::{out, outln};`, then
+//! In a verb's module: `use super::common::stdout::{out, outln};` (in a
+//! family's directory, `use crate::commands::common::stdout::…`), then
 //! `outln!("...", ...)?` as `println!` was used.
 //!
 //! Not for stderr (the log, warnings and errors go through `tracing` and
