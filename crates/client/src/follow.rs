@@ -243,8 +243,9 @@ async fn port_freed(port: u32) {
     }
 }
 
-/// Runs the relay, mirroring its state into `status`.
-async fn relay_reporting(
+/// Runs the relay, mirroring its state into `status` (`usbwire attach`'s relay
+/// without `--follow` too).
+pub async fn relay_reporting(
     kernel: tokio::net::UnixStream,
     stream: usbwire_transport::PeerStream,
     devid: u32,

@@ -169,18 +169,6 @@ async fn relay_or_follow(
     if let Some(target) = follow {
         return Ok(usbwire_client::follow::follow(target, imported, port, kernel, status).await?);
     }
-    let (state_tx, mut states) = tokio::sync::watch::channel(usbwire_client::relay::RelayState::Connected);
     let devid = imported.device.devid();
-    let relay = usbwire_client::kernel_relay::run(kernel, imported.stream, devid, upstream, Some(state_tx));
-    let reporting = async {
-        while states.changed().await.is_ok() {
-            let state = *states.borrow_and_update();
-            status.send_modify(|status| status.relay = state);
-        }
-        std::future::pending::<std::convert::Infallible>().await
-    };
-    tokio::select! {
-        ended = relay => Ok(ended?),
-        never = reporting => match never {},
-    }
+    Ok(usbwire_client::follow::relay_reporting(kernel, imported.stream, devid, upstream, &status).await?)
 }
