@@ -23,7 +23,12 @@ import guest  # noqa: E402
 BIN = guest.BIN
 CONTRIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "contrib")
 MAX_EXPOSURE = 5.0
-MAX_BYTES = 20 << 20
+# What the release binary may weigh: a budget against a heavy dependency slipping in,
+# not a target. 19.9 MiB at c2c2d91 and 20.6 MiB at ebbb78b (2026-11-28): the growth is
+# spread over code thin LTO inlined (the server's session and URB futures, tokio's task
+# polls, the device's submit), not one new dependency; 22 MiB leaves that room and still
+# fails on the next gRPC-sized addition.
+MAX_BYTES = 22 << 20
 FONT_LIBRARIES = ("libfontconfig", "libfreetype", "libpng", "libbrotli", "libexpat")
 
 
@@ -35,7 +40,7 @@ def main():
     guest.require(BIN)
     checks = guest.Checks()
     size = os.path.getsize(BIN)
-    checks.check(f"release binary is at most 20 MiB ({size / (1 << 20):.1f} MiB)", size <= MAX_BYTES, size)
+    checks.check(f"release binary is at most {MAX_BYTES >> 20} MiB ({size / (1 << 20):.1f} MiB)", size <= MAX_BYTES, size)
     linked = run(["ldd", BIN]).stdout
     found = [lib for lib in FONT_LIBRARIES if lib in linked]
     checks.check("no font or image library linked", not found, linked)
