@@ -125,15 +125,7 @@ fn readme_code() -> String {
 /// program and each verb, each man page, README.md's code.
 fn documentation(man_dir: &Path) -> Vec<(String, String)> {
     let program = stdout(&["--help"]);
-    let verbs: Vec<String> = program
-        .split("Commands:")
-        .nth(1)
-        .and_then(|rest| rest.split("Options:").next())
-        .expect("the verbs")
-        .lines()
-        .filter_map(|line| line.split_whitespace().next().map(str::to_owned))
-        .filter(|verb| verb != "help")
-        .collect();
+    let verbs: Vec<String> = usbwire_testing::process::verbs_in_help(&program);
     assert!(verbs.len() > 20, "{verbs:?}");
     let mut texts = vec![("usbwire --help".to_owned(), program)];
     for verb in &verbs {

@@ -96,15 +96,7 @@ fn help_shows_the_examples_and_describes_every_json_flag() {
     for wanted in ["Examples:", "Exit status:", "Environment:", "Files:"] {
         assert!(program.contains(wanted), "usbwire --help lacks {wanted}");
     }
-    let verbs: Vec<String> = program
-        .split("Commands:")
-        .nth(1)
-        .and_then(|rest| rest.split("Options:").next())
-        .expect("the verbs")
-        .lines()
-        .filter_map(|line| line.split_whitespace().next().map(str::to_owned))
-        .filter(|verb| verb != "help")
-        .collect();
+    let verbs: Vec<String> = usbwire_testing::process::verbs_in_help(&program);
     assert!(verbs.len() > 20, "{verbs:?}");
     for verb in &verbs {
         let help = usbwire(&[verb, "--help"]);

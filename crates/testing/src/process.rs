@@ -1,6 +1,7 @@
 //! For tests of the real `usbwire` binary: a scratch directory per test, a
-//! free loopback port, and a started process that is killed when dropped
-//! (with everything it wrote to stderr kept for the test to read).
+//! free loopback port, a started process that is killed when dropped
+//! (with everything it wrote to stderr kept for the test to read), and the
+//! verbs its `--help` lists.
 
 use std::io::{BufRead as _, BufReader, Read as _};
 use std::net::SocketAddr;
@@ -167,4 +168,17 @@ pub fn start(mut command: Command, ready: &str) -> Started {
             Started::Exited { code, stderr: stderr.join().unwrap_or_default() }
         }
     }
+}
+
+/// The verbs `usbwire --help` lists under "Commands:" (without clap's `help`).
+/// Panics when the text has no such section, as a test should.
+pub fn verbs_in_help(help: &str) -> Vec<String> {
+    help.split("Commands:")
+        .nth(1)
+        .and_then(|rest| rest.split("Options:").next())
+        .expect("the verbs")
+        .lines()
+        .filter_map(|line| line.split_whitespace().next().map(str::to_owned))
+        .filter(|verb| verb != "help")
+        .collect()
 }
