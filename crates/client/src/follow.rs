@@ -42,7 +42,9 @@ use usbwire_proto::reservation::ReservationToken;
 use crate::kernel_relay;
 use crate::relay::{RelayError, RelayState, Upstream};
 use crate::vhci::{self, VhciError};
-use crate::{Backoff, ClientError, ConnectionEnd, Imported, Security, TransformSpec};
+use usbwire_proto::retry::Retry;
+
+use crate::{ClientError, ConnectionEnd, Imported, Security, TransformSpec};
 
 /// How long a device that went away without a word (a stock server, or a
 /// server restart) is looked for at its bus id before the attachment ends.
@@ -51,9 +53,9 @@ pub const FALLBACK_WINDOW: Duration = Duration::from_secs(30);
 /// server's own import wait covers most of it).
 pub const NOTICE_WINDOW: Duration = Duration::from_secs(10);
 
-/// The longest wait between two attempts of an auto-attach (after it
-/// doubled up from 50 ms): a server that comes back is attached within this.
-pub const AUTO_ATTACH_MAX_INTERVAL: Duration = Duration::from_secs(5);
+/// The longest wait between two attempts of an auto-attach ([`Retry::PATIENT`]):
+/// a server that comes back is attached within this.
+pub const AUTO_ATTACH_MAX_INTERVAL: Duration = Retry::PATIENT.cap();
 
 /// How long a device that went away is looked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -339,8 +341,8 @@ impl Target {
 
 impl Reimport {
     /// Imports the bus id again after the device `went` away: at once, then
-    /// backing off to 1 s, for the window that calls for ([`Persistence::Bounded`]);
-    /// or backing off to [`AUTO_ATTACH_MAX_INTERVAL`] until it is back
+    /// [`Retry::SOON`], for the window that calls for ([`Persistence::Bounded`]);
+    /// or [`Retry::PATIENT`] until it is back
     /// ([`Persistence::Forever`]). A usbwire server's import waits on its side
     /// while the device is still being released.
     pub async fn after(&self, went: &WentAway) -> Result<Imported, FollowError> {
@@ -361,8 +363,8 @@ impl Reimport {
             Some(went) => went.window(),
             None => Duration::ZERO,
         };
-        let cap = if forever { AUTO_ATTACH_MAX_INTERVAL } else { Duration::from_secs(1) };
-        let (started, mut backoff) = (Instant::now(), Backoff::new(Duration::from_millis(50), cap));
+        let retry = if forever { Retry::PATIENT } else { Retry::SOON };
+        let (started, mut backoff) = (Instant::now(), retry.backoff());
         // What the server last said, so a long wait is logged once (and again only when that changes).
         let mut waiting_on = None;
         loop {
@@ -381,7 +383,7 @@ impl Reimport {
             let kind = std::mem::discriminant(&last);
             if forever && waiting_on != Some(kind) {
                 waiting_on = Some(kind);
-                info!(%busid, error = %last, retry_max_s = cap.as_secs(),
+                info!(%busid, error = %last, retry_max_s = retry.cap().as_secs(),
                     "waiting for {} to offer {busid} again; trying on until it does", self.addr);
             } else {
                 trace!(%busid, error = %last, "not back yet");

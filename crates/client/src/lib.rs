@@ -25,7 +25,7 @@
 //! caller asks of an endpoint), `connection` and `queue` (the URB channel's
 //! API), `waiters` (the session the callers and the relay share, replies to
 //! their waiters),
-//! [`relay`] (the task driving the session), `backoff`, `error`; [`vhci`]
+//! [`relay`] (the task driving the session), `error`; [`vhci`]
 //! attaches to the kernel, [`follow`] keeps a kernel attachment through the
 //! device's re-enumerations, [`reattach`] keeps a device imported across drops,
 //! [`redir`] bridges it to a usbredir guest, [`describe`] reads a device's
@@ -36,7 +36,6 @@
 //! session is resumable, encrypted or transformed, one end of a socket pair
 //! whose other end the [`relay`] carries.
 
-mod backoff;
 pub mod describe;
 mod driven;
 pub mod follow;
@@ -49,7 +48,6 @@ pub mod relay;
 mod relay_wire;
 pub mod vhci;
 
-pub use backoff::Backoff;
 pub use queue::TransferQueue;
 pub use reattach::ReattachingDevice;
 pub use usbwire_transport::transform::TransformSpec;

@@ -14,7 +14,9 @@ use std::net::SocketAddr;
 use tracing::{info, warn};
 use usbwire_proto::op::BusId;
 
-use crate::{Backoff, ClientError, Connection, Security};
+use usbwire_proto::retry::{Backoff, Retry};
+
+use crate::{ClientError, Connection, Security};
 
 /// One remote device, imported again whenever its connection is lost.
 pub struct ReattachingDevice {
@@ -28,7 +30,7 @@ pub struct ReattachingDevice {
 
 impl ReattachingDevice {
     pub fn new(addr: SocketAddr, busid: BusId, security: Security) -> Self {
-        Self { addr, busid, security, backoff: Backoff::default(), connection: None, imports: 0 }
+        Self { addr, busid, security, backoff: Retry::SOON.backoff(), connection: None, imports: 0 }
     }
 
     /// The live connection, importing the device first if there is none or the

@@ -49,7 +49,9 @@ use usbwire_proto::Budget;
 use usbwire_redir::UsbHost;
 
 use crate::follow::{FollowError, Reimport, WentAway};
-use crate::{Backoff, ClientError, Connection, ConnectionEnd, Imported, Security, TransformSpec};
+use usbwire_proto::retry::Retry;
+
+use crate::{ClientError, Connection, ConnectionEnd, Imported, Security, TransformSpec};
 
 mod bridge;
 
@@ -132,7 +134,7 @@ pub async fn run(source: Source, guest: GuestSide) -> Result<(), BridgeError> {
             serve_listener(source, listener).await
         }
         GuestSide::Connect(addr) => {
-            let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+            let mut backoff = Retry::PATIENT.backoff();
             loop {
                 match TcpStream::connect(addr).await {
                     Ok(stream) => {
@@ -433,7 +435,7 @@ async fn import_while_guest_waits(
     reader: &mut GuestStream,
     inbuf: &mut BytesMut,
 ) -> Result<Option<(Connection, DeviceRecord)>, BridgeError> {
-    let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
+    let mut backoff = Retry::PATIENT.backoff();
     loop {
         let imported = match source.device.resolve(source.addr, &source.security).await {
             Ok(busid) => Connection::import_resumable(source.addr, &busid, &source.security, &source.transforms).await,

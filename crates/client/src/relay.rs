@@ -37,7 +37,9 @@ use usbwire_proto::{Budget, Limits, Outbox};
 use usbwire_transport::PeerStream;
 
 use crate::relay_wire::{poll_read_wire, poll_write_all, poll_write_wire, Wire};
-use crate::{resume_session, Backoff, ClientError, Security, TransformSpec};
+use usbwire_proto::retry::Retry;
+
+use crate::{resume_session, ClientError, Security, TransformSpec};
 
 /// Where the session lives and how to take it over again.
 #[derive(Clone)]
@@ -524,7 +526,7 @@ fn unreachable_while_disconnected() -> ! {
 /// Tries to resume until it works, the server refuses, or time runs out.
 async fn reconnect(upstream: &Upstream, token: &Token, replies_received: u64) -> Result<(PeerStream, u64), RelayError> {
     let started = Instant::now();
-    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+    let mut backoff = Retry::SOON.backoff();
     loop {
         tokio::time::sleep(backoff.next_delay()).await;
         match resume_session(upstream.addr, &upstream.security, &upstream.transforms, token, replies_received).await {

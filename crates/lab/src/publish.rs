@@ -25,6 +25,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 use usbwire_device::record::DeviceJson;
 use usbwire_device::{DeviceFacts, Selector};
+use usbwire_proto::retry::Retry;
 use usbwire_server::{state_entry, ExportInfo, Registry, Reservation, ReservationDigest, ReservedFor};
 
 use crate::entry::{decode, Availability, DeviceEntry, Key, Keys, ReservationEntry, ServerEntry, SCHEMA_VERSION};
@@ -33,9 +34,10 @@ use crate::etcd::{keep_alive, Endpoint};
 
 /// etcd's default limit on operations in one transaction is 128.
 const OPS_PER_TXN: usize = 100;
-/// Retrying an unreachable registry: from this, doubling, up to [`RETRY_MAX`].
-const RETRY_MIN: Duration = Duration::from_secs(1);
-const RETRY_MAX: Duration = Duration::from_secs(10);
+/// A registration that ended sooner than this counts as a failed attempt, so a
+/// registry that accepts and drops at once is retried with [`Retry::PATIENT`]'s
+/// waits, not in a tight loop.
+const SETTLED: Duration = Duration::from_secs(1);
 /// How long a stopping server tries to revoke its lease: an unreachable
 /// registry must not hold the shutdown up (the lease then expires by itself).
 const DEREGISTER_WITHIN: Duration = Duration::from_secs(2);
@@ -74,12 +76,11 @@ pub async fn publish(registration: Registration, registry: Registry, stop: impl 
 /// server's lease while it has one.
 async fn register(registration: &Registration, registry: &Registry, lease: &mut Option<Lease>) -> Infallible {
     let url = registration.endpoint.url.to_string();
-    let mut retry = RETRY_MIN;
-    let mut pause = Duration::ZERO;
+    let mut backoff = Retry::PATIENT.backoff();
     let mut registered_before = false;
     let mut said_unreachable = false;
     loop {
-        tokio::time::sleep(pause).await;
+        tokio::time::sleep(backoff.next_delay()).await;
         let error = match Session::start(registration, registry, lease).await {
             Ok((mut session, held)) => {
                 info!(
@@ -93,7 +94,6 @@ async fn register(registration: &Registration, registry: &Registry, lease: &mut 
                 );
                 registered_before = true;
                 said_unreachable = false;
-                retry = RETRY_MIN;
                 let started = tokio::time::Instant::now();
                 let error = session.run(registration, registry, held).await;
                 // The member we talked to went away (or the lease or watch ended):
@@ -102,7 +102,9 @@ async fn register(registration: &Registration, registry: &Registry, lease: &mut 
                 // a cluster that does not answer at all makes the server serve
                 // without them.
                 info!(registry = %url, %error, "lost the lab registry connection; registering again");
-                pause = if started.elapsed() < RETRY_MIN { RETRY_MIN } else { Duration::ZERO };
+                if started.elapsed() >= SETTLED {
+                    backoff.reset();
+                }
                 continue;
             }
             Err(error) => error,
@@ -115,8 +117,6 @@ async fn register(registration: &Registration, registry: &Registry, lease: &mut 
             warn!(registry = %url, %error, "lab registry unreachable; serving directly and trying again");
             said_unreachable = true;
         }
-        pause = retry;
-        retry = (retry * 2).min(RETRY_MAX);
     }
 }
 

@@ -41,7 +41,8 @@
 //! caller: [`import_slot::ImportWait`] decides what an import does with a
 //! device it finds taken (take it, wait for the previous importer's teardown
 //! until a deadline, or answer busy), and [`park::Grace`] is the grace period
-//! of a parked session (resumed in time, or expired).
+//! of a parked session (resumed in time, or expired). [`retry::Retry`] spaces
+//! the attempts of every loop that reaches for a peer again.
 //!
 //! [`display::escape`] is how every crate shows a string that came from the
 //! network (device strings, paths, mDNS names): control characters and bidi
@@ -59,6 +60,7 @@ pub mod park;
 mod recv_buffer;
 pub mod reservation;
 pub mod resume;
+pub mod retry;
 mod seqnum_map;
 pub mod server_session;
 pub mod sync;

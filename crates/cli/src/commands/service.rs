@@ -20,8 +20,9 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, trace, warn};
 use usbwire_client::vhci;
-use usbwire_client::{Backoff, Security};
+use usbwire_client::Security;
 use usbwire_device::DeviceFacts;
+use usbwire_proto::retry::Retry;
 
 use super::common::stdout::status_line;
 use crate::args::{ClientArgs, ClientSecurityArgs};
@@ -151,7 +152,7 @@ async fn keep_attached(
     registry: Option<Registry>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(4));
+    let mut backoff = Retry::PATIENT.backoff();
     // The last failure logged: a server that stays away is said once, not every 4 s.
     let mut last_failure: Option<String> = None;
     loop {
@@ -186,7 +187,7 @@ async fn keep_attached(
             Err(error) => {
                 let reason = error.to_string();
                 if last_failure.as_deref() == Some(reason.as_str()) {
-                    trace!(rule = %rule, %error, retry_in_ms = backoff_preview(&backoff), "attach failed again");
+                    trace!(rule = %rule, %error, retry_in_ms = backoff.upcoming().as_millis(), "attach failed again");
                 } else {
                     warn!(rule = %rule, %error, "attach failed; retrying until it works (said again if the reason changes)");
                     last_failure = Some(reason);
@@ -194,10 +195,6 @@ async fn keep_attached(
             }
         }
     }
-}
-
-fn backoff_preview(backoff: &Backoff) -> u128 {
-    backoff.clone().next_delay().as_millis()
 }
 
 /// A device attached to a vhci port by this service.
