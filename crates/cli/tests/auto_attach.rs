@@ -21,7 +21,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, watch};
 use usbwire_client::follow::{self, FollowStatus, Persistence, Ports, Reimport, Target, AUTO_ATTACH_MAX_INTERVAL};
-use usbwire_client::relay::{RelayState, Upstream};
+use usbwire_client::relay::RelayState;
 use usbwire_client::vhci::{Record, VhciError};
 use usbwire_client::Security;
 use usbwire_proto::op::{BusId, DeviceRecord};
@@ -169,21 +169,7 @@ async fn the_device_is_attached_again_after_a_server_restart_and_the_wait_is_log
     let (port, relay_end) = ports.attach(&imported.device, &record, None).expect("attach");
     let (_, mut kernel) = attached.recv().await.expect("the first attachment");
     let devid = imported.device.devid();
-    let upstream = Upstream {
-        addr,
-        security: Security::Plain,
-        transforms: vec![],
-        resume: imported.resume,
-        give_up_after: Duration::from_secs(120),
-    };
-    let target = Target {
-        upstream,
-        busid: busid.clone(),
-        resumable: true,
-        reservation: None,
-        record,
-        persistence: Persistence::Forever,
-    };
+    let target = Target { reimport: reimport.clone(), give_up_after: Duration::from_secs(120), record };
     let first_status = FollowStatus {
         port,
         attached: true,

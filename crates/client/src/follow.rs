@@ -27,8 +27,10 @@
 //! way with `device_disconnect` / `device_connect` instead of vhci. Where
 //! the device is attached is a [`Ports`]: vhci-hcd ([`Vhci`]) for the kernel.
 //!
-//! Not for userspace imports ([`crate::ReattachingDevice`] imports again
-//! after any loss) nor for choosing a device (the caller names the bus id).
+//! Not the entry for callers: a kernel attachment is an
+//! [`crate::attach::Attachment`] whose plan follows. Not for userspace imports
+//! ([`crate::ReattachingDevice`] imports again after any loss) nor for
+//! choosing a device (the caller names the bus id).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -70,16 +72,12 @@ pub enum Persistence {
 /// What is followed and how it is imported again.
 #[derive(Clone)]
 pub struct Target {
-    /// The server, its security and transforms; `resume` is each import's own.
-    pub upstream: Upstream,
-    pub busid: BusId,
-    /// Ask for resume on each import (`false`: `--no-resume`).
-    pub resumable: bool,
-    /// A lab reservation each import carries: it holds across re-enumerations.
-    pub reservation: Option<ReservationToken>,
+    /// The server, the bus id and how it is imported again (and for how long).
+    pub reimport: Reimport,
+    /// How long each import's relay tries to resume a dropped session.
+    pub give_up_after: Duration,
     /// What `usbip port` reads for the port.
     pub record: vhci::Record,
-    pub persistence: Persistence,
 }
 
 /// Where a followed device is attached, and attached again: vhci-hcd
@@ -156,7 +154,7 @@ pub enum FollowError {
 /// Relays `imported` on `port` (the kernel holds the other end of `kernel`),
 /// and after each re-enumeration imports `target.busid` again and attaches
 /// it. `Ok` when the kernel lets go; `status` follows the port and counts.
-pub async fn follow(
+pub(crate) async fn follow(
     target: Target,
     imported: Imported,
     port: u32,
@@ -176,7 +174,8 @@ pub async fn follow_on<P: Ports>(
     status: watch::Sender<FollowStatus>,
 ) -> Result<(), FollowError> {
     let (mut imported, mut port, mut kernel) = (imported, port, kernel);
-    let forever = target.persistence == Persistence::Forever;
+    let Target { reimport, give_up_after, record } = &target;
+    let (busid, forever) = (&reimport.busid, reimport.persistence == Persistence::Forever);
     let mut reattached = 0u64;
     loop {
         let device = imported.device.clone();
@@ -188,7 +187,13 @@ pub async fn follow_on<P: Ports>(
             product_id: device.id_product,
             relay: RelayState::Connected,
         });
-        let upstream = Upstream { resume: imported.resume, ..target.upstream.clone() };
+        let upstream = Upstream {
+            addr: reimport.addr,
+            security: reimport.security.clone(),
+            transforms: reimport.transforms.clone(),
+            resume: imported.resume,
+            give_up_after: *give_up_after,
+        };
         let ended = relay_reporting(kernel, imported.stream, device.devid(), upstream, &status).await;
         let went = match ended {
             Ok(()) => return Ok(()),
@@ -206,16 +211,16 @@ pub async fn follow_on<P: Ports>(
             Err(error) => warn!(port, %error, "cannot detach the port of the device that went away"),
         }
         status.send_modify(|status| status.attached = false);
-        info!(busid = %target.busid, port, why, "device went away; importing its bus id again");
-        imported = target.reimport().after(&went).await?;
+        info!(%busid, port, why, "device went away; importing its bus id again");
+        imported = reimport.after(&went).await?;
         ports.freed(port).await;
         let again = ports
-            .attach(&imported.device, &target.record, Some(port))
-            .map_err(|source| FollowError::Vhci { busid: target.busid.clone(), source })?;
+            .attach(&imported.device, record, Some(port))
+            .map_err(|source| FollowError::Vhci { busid: busid.clone(), source })?;
         (port, kernel) = again;
         reattached += 1;
         info!(
-            busid = %target.busid,
+            %busid,
             port,
             vid = format_args!("{:04x}", imported.device.id_vendor),
             pid = format_args!("{:04x}", imported.device.id_product),
@@ -245,9 +250,9 @@ async fn port_freed(port: u32) {
     }
 }
 
-/// Runs the relay, mirroring its state into `status` (`usbwire attach`'s relay
-/// without `--follow` too).
-pub async fn relay_reporting(
+/// Runs the relay, mirroring its state into `status` (an [`crate::attach::Attachment`]'s
+/// relay without following too).
+pub(crate) async fn relay_reporting(
     kernel: tokio::net::UnixStream,
     stream: usbwire_transport::PeerStream,
     devid: u32,
@@ -322,21 +327,6 @@ pub struct Reimport {
     pub resumable: bool,
     pub reservation: Option<ReservationToken>,
     pub persistence: Persistence,
-}
-
-impl Target {
-    fn reimport(&self) -> Reimport {
-        let Upstream { addr, security, transforms, .. } = &self.upstream;
-        Reimport {
-            addr: *addr,
-            security: security.clone(),
-            transforms: transforms.clone(),
-            busid: self.busid.clone(),
-            resumable: self.resumable,
-            reservation: self.reservation,
-            persistence: self.persistence,
-        }
-    }
 }
 
 impl Reimport {

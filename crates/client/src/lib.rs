@@ -26,7 +26,9 @@
 //! API), `waiters` (the session the callers and the relay share, replies to
 //! their waiters),
 //! [`relay`] (the task driving the session), `error`; [`vhci`]
-//! attaches to the kernel, [`follow`] keeps a kernel attachment through the
+//! attaches to the kernel, [`attach::Attachment`] is one device attached
+//! there and kept so (`usbwire attach` in all its forms, `usbwire client`'s
+//! rules), [`follow`] keeps a kernel attachment through the
 //! device's re-enumerations, [`reattach`] keeps a device imported across drops,
 //! [`redir`] bridges it to a usbredir guest, [`describe`] reads a device's
 //! descriptors; [`DrivenConnection`] is a connection stepped by its caller
@@ -36,6 +38,7 @@
 //! session is resumable, encrypted or transformed, one end of a socket pair
 //! whose other end the [`relay`] carries.
 
+pub mod attach;
 pub mod describe;
 mod driven;
 pub mod follow;

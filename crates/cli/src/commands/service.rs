@@ -29,11 +29,6 @@ use crate::args::{ClientArgs, ClientSecurityArgs};
 use crate::config::{AttachRule, ClientConfig};
 use crate::exit::Failure;
 
-/// How often an attached port is checked for having been lost.
-const WATCH_INTERVAL: Duration = Duration::from_millis(500);
-/// How long a detach waits for its relay to say goodbye to the server.
-const RELAY_END_WAIT: Duration = Duration::from_secs(3);
-
 pub(crate) async fn run(args: ClientArgs) -> Result<(), Failure> {
     let config = ClientConfig::load(&args.config).map_err(Failure::config)?;
     check_pins(&config)?;
@@ -169,12 +164,12 @@ async fn keep_attached(
         };
         match attached {
             Ok(mut attachment) => {
-                info!(rule = %rule, port = attachment.port, busid = %attachment.busid, "attached");
+                info!(rule = %rule, port = attachment.port(), busid = %attachment.busid(), "attached");
                 last_failure = None;
                 backoff.reset();
                 let stopped = tokio::select! {
                     reason = attachment.lost() => {
-                        warn!(rule = %rule, port = attachment.port, reason, "attachment lost; attaching again");
+                        warn!(rule = %rule, port = attachment.port(), reason, "attachment lost; attaching again");
                         false
                     }
                     _ = stop.wait_for(|stop| *stop) => true,
@@ -197,102 +192,50 @@ async fn keep_attached(
     }
 }
 
-/// A device attached to a vhci port by this service.
+/// A device this service attached ([`usbwire_client::attach::Attachment`]) and
+/// the lab reservation it was taken under (`server = "registry"`).
 struct Attachment {
-    port: u32,
-    devid: u32,
-    busid: String,
-    /// Over TLS, or when the server resumes sessions, the service relays
-    /// between the kernel's socket and the server (the same relay as `attach`).
-    relay: Option<JoinHandle<()>>,
-    /// Where a followed device is now (`follow`: it may come back on another port).
-    followed: Option<watch::Receiver<usbwire_client::follow::FollowStatus>>,
-    /// The lab registry reservation it was taken under (`server = "registry"`).
+    attached: usbwire_client::attach::Attachment,
     reservation: Option<usbwire_lab::Reservation>,
 }
 
 impl Attachment {
+    fn port(&self) -> u32 {
+        self.attached.port()
+    }
+
+    fn busid(&self) -> &usbwire_proto::op::BusId {
+        &self.attached.plan().source.busid
+    }
+
     /// Resolves when the port no longer carries this device (connection
     /// dropped, device gone, detached by hand), the relay ended or the
     /// reservation was lost (then the device is detached: it may be someone else's).
-    async fn lost(&mut self) -> &'static str {
-        let Self { port, devid, relay, followed, reservation, .. } = self;
-        let now_on = |followed: &Option<watch::Receiver<_>>| current_port(*port, followed);
+    async fn lost(&mut self) -> String {
+        let Self { attached, reservation } = self;
         let reservation_lost = async {
             match reservation {
-                Some(reservation) => {
-                    let error = reservation.lost().await;
-                    warn!(%error, "reservation lost");
-                }
+                Some(reservation) => reservation.lost().await,
                 None => std::future::pending().await,
             }
         };
         tokio::select! {
-            reason = Self::port_lost(now_on(followed), *devid, relay.as_ref(), followed.is_some()) => reason,
-            () = reservation_lost => {
-                let _ = vhci::detach(now_on(followed));
-                "reservation lost"
-            }
-        }
-    }
-
-    /// The port the device is on now (a followed one may have moved).
-    fn current_port(&self) -> u32 {
-        current_port(self.port, &self.followed)
-    }
-
-    /// A followed device's port changes with each re-enumeration: only its
-    /// relay ending (the kernel let go, or the device did not come back) counts.
-    async fn port_lost(port: u32, devid: u32, relay: Option<&JoinHandle<()>>, following: bool) -> &'static str {
-        loop {
-            tokio::time::sleep(WATCH_INTERVAL).await;
-            if relay.is_some_and(JoinHandle::is_finished) {
-                // A follower that ended has let its port go already.
-                if !following {
-                    let _ = vhci::detach(port);
-                }
-                return "relay ended";
-            }
-            if following {
-                continue;
-            }
-            match vhci::ports() {
-                Ok(ports) => match ports.iter().find(|p| p.port == port) {
-                    Some(p) if !p.is_free() && p.devid == devid => {}
-                    _ => {
-                        let _ = std::fs::remove_file(vhci::record_path(port));
-                        return "port released";
-                    }
-                },
-                Err(_) => return "vhci-hcd unavailable",
+            lost = attached.lost() => lost.to_string(),
+            error = reservation_lost => {
+                let _ = vhci::detach(attached.port());
+                format!("reservation lost: {error}")
             }
         }
     }
 
     async fn detach(self) {
-        let port = self.current_port();
-        match vhci::detach(port) {
-            Ok(()) => info!(port, busid = %self.busid, "detached"),
-            Err(error) => warn!(port, %error, "detach failed"),
-        }
-        // The kernel let go of its socket: the relay tells a resuming server to
-        // release the device now (instead of holding it for its grace period) and ends.
-        if let Some(mut relay) = self.relay {
-            if tokio::time::timeout(RELAY_END_WAIT, &mut relay).await.is_err() {
-                relay.abort();
-            }
-        }
+        self.attached.detach().await;
         if let Some(reservation) = self.reservation {
             if let Err(error) = reservation.release().await {
                 warn!(%error, "reservation not released; it ends when its lease runs out");
             }
         }
     }
-}
-
-/// Where a device attached on `port` is now: a followed one may have moved.
-fn current_port(port: u32, followed: &Option<watch::Receiver<usbwire_client::follow::FollowStatus>>) -> u32 {
-    followed.as_ref().map_or(port, |followed| followed.borrow().port)
 }
 
 /// The servers a rule looks at: its named server, or (`server = "discover"`)
@@ -370,10 +313,10 @@ async fn attach_reserved(registry: &Registry, rule: &AttachRule) -> anyhow::Resu
     }
 }
 
-/// Hands an imported device to vhci-hcd: the socket itself for plain USB/IP
-/// without resume, else through a relay (which a reservation always needs:
-/// it lives as long as this process does, and `follow` too: it attaches the
-/// device again after each re-enumeration).
+/// Hands an imported device to vhci-hcd, kept as the rule says
+/// ([`usbwire_client::attach::Plan`]): a reservation and `follow` always
+/// relay (the relay lives as long as this process does and holds the
+/// reservation; the follower attaches the device again after each re-enumeration).
 fn attach_imported(
     addr: SocketAddr,
     imported: usbwire_client::Imported,
@@ -381,61 +324,16 @@ fn attach_imported(
     reservation: Option<usbwire_lab::Reservation>,
     follow: bool,
 ) -> anyhow::Result<Attachment> {
-    let record = imported.device.clone();
-    let busid = record.busid.to_string();
-    let vhci_record =
-        vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: busid.clone() };
-    let usbwire_client::Imported { stream, resume, .. } = imported;
-    let stream = match stream {
-        usbwire_transport::PeerStream::Plain(tcp) if resume.is_none() && !follow => {
-            let socket = tcp.into_std()?;
-            let port = vhci::attach(&socket, record.devid(), record.speed, &vhci_record)?;
-            return Ok(Attachment { port, devid: record.devid(), busid, relay: None, followed: None, reservation });
-        }
-        stream => stream,
-    };
-    let (port, kernel) = vhci::attach_relayed(&record, &vhci_record, None)?;
-    let upstream = usbwire_client::relay::Upstream {
+    let source = usbwire_client::follow::Reimport {
         addr,
         security: security.clone(),
         transforms: vec![],
-        resume,
-        give_up_after: usbwire_client::RESUME_GIVE_UP,
-    };
-    let devid = record.devid();
-    let logged =
-        |rule_busid: String| move |error: &dyn std::fmt::Display| warn!(busid = rule_busid, %error, "relay ended");
-    if !follow {
-        let log = logged(busid.clone());
-        let relay = tokio::spawn(async move {
-            if let Err(error) = usbwire_client::kernel_relay::run(kernel, stream, devid, upstream, None).await {
-                log(&error);
-            }
-        });
-        return Ok(Attachment { port, devid, busid, relay: Some(relay), followed: None, reservation });
-    }
-    let target = usbwire_client::follow::Target {
-        upstream,
-        busid: record.busid.clone(),
+        busid: imported.device.busid.clone(),
         resumable: true,
         reservation: reservation.as_ref().map(|reservation| reservation.token),
-        record: vhci_record,
         persistence: usbwire_client::follow::Persistence::Bounded,
     };
-    let (status, followed) = watch::channel(usbwire_client::follow::FollowStatus {
-        port,
-        attached: true,
-        reattached: 0,
-        vendor_id: record.id_vendor,
-        product_id: record.id_product,
-        relay: usbwire_client::relay::RelayState::Connected,
-    });
-    let imported = usbwire_client::Imported { stream, device: record.clone(), resume };
-    let log = logged(busid.clone());
-    let relay = tokio::spawn(async move {
-        if let Err(error) = usbwire_client::follow::follow(target, imported, port, kernel, status).await {
-            log(&error);
-        }
-    });
-    Ok(Attachment { port, devid, busid, relay: Some(relay), followed: Some(followed), reservation })
+    let plan = usbwire_client::attach::Plan { source, follow };
+    let attached = usbwire_client::attach::Attachment::start(imported, plan)?;
+    Ok(Attachment { attached, reservation })
 }

@@ -62,76 +62,71 @@ pub(crate) async fn run(args: AttachArgs) -> Result<(), Failure> {
         return attach_in_background();
     }
     let (addr, busid, security, taken) = source(&args, wanted.as_deref(), named_busid).await?;
-    let persistence = match args.auto_attach {
-        true => usbwire_client::follow::Persistence::Forever,
-        false => usbwire_client::follow::Persistence::Bounded,
-    };
-    let reimport = usbwire_client::follow::Reimport {
-        addr,
-        security: security.clone(),
-        transforms: transforms.clone(),
-        busid: busid.clone(),
-        resumable: !args.no_resume,
-        reservation: None,
-        persistence,
-    };
-    let imported = match &taken {
-        None if args.auto_attach => match auto::first_import(&reimport).await? {
-            Some(imported) => imported,
-            None => return Ok(()),
-        },
-        Some(reserved) => {
-            match usbwire_client::import_reserved(addr, &busid, &security, &transforms, &reserved.token).await {
-                Ok(imported) => imported,
-                Err(error) => {
-                    if let Some(held) = taken.and_then(|t| t.held) {
-                        let _ = held.release().await;
-                    }
-                    return Err(error.into());
-                }
-            }
-        }
-        None if args.no_resume => {
-            let (stream, device) = usbwire_client::import_with(addr, &busid, &security, &transforms).await?;
-            usbwire_client::Imported { stream, device, resume: None }
-        }
-        None => usbwire_client::import_resumable(addr, &busid, &security, &transforms).await?,
-    };
-    let record =
-        vhci::Record { host: addr.ip().to_string(), service: addr.port().to_string(), busid: busid.to_string() };
-    let needs_relay =
-        following || taken.is_some() || imported.resume.is_some() || imported.stream.is_tls() || !transforms.is_empty();
-    if !needs_relay {
-        // Plain USB/IP without resume: the kernel takes the socket itself.
-        let usbwire_transport::PeerStream::Plain(tcp) = imported.stream else {
-            return Err(Failure::software(anyhow!("a plain import returned a TLS stream")));
-        };
-        let socket = tcp.into_std().map_err(|e| Failure::io(e.into()))?;
-        let port = vhci::attach(&socket, imported.device.devid(), imported.device.speed, &record)?;
-        // The kernel holds its own reference to the socket now.
-        drop(socket);
-        // Attached, and this command's work done: a report.
-        return outln!(
-            "attached {busid} from {addr} to port {port} ({} speed)",
-            imported.device.speed.for_vhci().name()
-        );
-    }
-    let upstream = usbwire_client::relay::Upstream {
+    let source = usbwire_client::follow::Reimport {
         addr,
         security,
-        transforms: transforms.clone(),
-        resume: imported.resume,
-        give_up_after: usbwire_client::RESUME_GIVE_UP,
-    };
-    let follow = following.then(|| usbwire_client::follow::Target {
-        upstream: upstream.clone(),
-        busid: busid.clone(),
+        transforms,
+        busid,
         resumable: !args.no_resume,
         reservation: taken.as_ref().map(|taken| taken.token),
-        record: record.clone(),
-        persistence,
-    });
-    relay::relay_attached(imported, upstream, record, taken, follow).await
+        persistence: match args.auto_attach {
+            true => usbwire_client::follow::Persistence::Forever,
+            false => usbwire_client::follow::Persistence::Bounded,
+        },
+    };
+    let plan = usbwire_client::attach::Plan { source, follow: following };
+    let imported = match first_import(&plan, args.auto_attach).await {
+        Ok(Some(imported)) => imported,
+        Ok(None) => return Ok(()),
+        Err(failure) => return Err(give_back(taken, failure).await),
+    };
+    let attachment = match usbwire_client::attach::Attachment::start(imported, plan) {
+        Ok(attachment) => attachment,
+        Err(error) => return Err(give_back(taken, error.into()).await),
+    };
+    if attachment.is_relayed() {
+        return relay::relay_attached(attachment, taken).await;
+    }
+    // Plain USB/IP without resume: the kernel took the socket itself, and this
+    // command's work is done: a report.
+    let source = &attachment.plan().source;
+    outln!(
+        "attached {} from {} to port {} ({} speed)",
+        source.busid,
+        source.addr,
+        attachment.port(),
+        attachment.device().speed.for_vhci().name()
+    )
+}
+
+/// Gives a reservation taken for a device that was not attached back at once,
+/// and passes on why.
+async fn give_back(taken: Option<super::common::registry::Taken>, failure: Failure) -> Failure {
+    if let Some(held) = taken.and_then(|taken| taken.held) {
+        let _ = held.release().await;
+    }
+    failure
+}
+
+/// The first import of `plan`'s device: with its reservation, waiting for the
+/// server and device (`--auto-attach`), or at once. `None` when an auto-attach
+/// was stopped before the device was there.
+async fn first_import(
+    plan: &usbwire_client::attach::Plan,
+    auto_attach: bool,
+) -> Result<Option<usbwire_client::Imported>, Failure> {
+    let usbwire_client::follow::Reimport { addr, security, transforms, busid, reservation, resumable, .. } =
+        &plan.source;
+    let imported = match reservation {
+        Some(token) => usbwire_client::import_reserved(*addr, busid, security, transforms, token).await?,
+        None if auto_attach => return auto::first_import(&plan.source).await,
+        None if !resumable => {
+            let (stream, device) = usbwire_client::import_with(*addr, busid, security, transforms).await?;
+            usbwire_client::Imported { stream, device, resume: None }
+        }
+        None => usbwire_client::import_resumable(*addr, busid, security, transforms).await?,
+    };
+    Ok(Some(imported))
 }
 
 /// The server and device to import: a free device matching `wanted` taken in the lab

@@ -19,16 +19,18 @@ pub(super) struct RelayStatusFile {
 }
 
 impl RelayStatusFile {
+    /// The file of the relay to `server`; `followed`: the bus id followed, and
+    /// whether it is kept attached whatever ends it (`--auto-attach`).
     pub(super) fn create(
         first: FollowStatus,
-        upstream: &usbwire_client::relay::Upstream,
-        follow: Option<&usbwire_client::follow::Target>,
+        server: std::net::SocketAddr,
+        followed: Option<(&usbwire_proto::op::BusId, bool)>,
     ) -> Self {
         let mut file = Self {
             path: relay_status_path(first.port),
-            server: upstream.addr.to_string(),
-            followed: follow.map(|target| target.busid.to_string()),
-            auto_attach: follow.is_some_and(|t| t.persistence == usbwire_client::follow::Persistence::Forever),
+            server: server.to_string(),
+            followed: followed.map(|(busid, _)| busid.to_string()),
+            auto_attach: followed.is_some_and(|(_, forever)| forever),
         };
         file.write(first);
         file
