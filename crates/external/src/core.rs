@@ -376,5 +376,4 @@ impl Core {
 }
 
 #[cfg(test)]
-#[path = "core_tests.rs"]
 mod tests;

@@ -69,20 +69,6 @@ impl Default for Budget {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn one_urb_of_any_size_gets_through_an_empty_budget() {
-        let budget = Budget { in_flight_bytes: 1000, ..Budget::default() };
-        assert!(budget.admits(0, 5000));
-        assert!(budget.admits(400, 600));
-        assert!(!budget.admits(400, 601));
-        assert!(!budget.admits(usize::MAX, 1));
-    }
-}
-
 /// Which [`Budget`] holds a session back when it is full.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum BudgetKind {
@@ -108,5 +94,19 @@ impl BudgetKind {
             Self::QueuedReplyBytes => "queued_reply_bytes",
             Self::UnackedReplyBytes => "unacked_reply_bytes",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_urb_of_any_size_gets_through_an_empty_budget() {
+        let budget = Budget { in_flight_bytes: 1000, ..Budget::default() };
+        assert!(budget.admits(0, 5000));
+        assert!(budget.admits(400, 600));
+        assert!(!budget.admits(400, 601));
+        assert!(!budget.admits(usize::MAX, 1));
     }
 }

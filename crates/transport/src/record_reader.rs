@@ -289,5 +289,4 @@ impl Reader {
 }
 
 #[cfg(test)]
-#[path = "record_reader_tests.rs"]
 mod tests;

@@ -192,7 +192,7 @@ where
 }
 
 #[cfg(test)]
-mod write_tests {
+mod tests {
     use super::*;
 
     /// A writer that takes at most `step` bytes and at most two slices per call.

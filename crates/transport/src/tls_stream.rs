@@ -360,5 +360,4 @@ impl AsyncWrite for TlsStream {
 }
 
 #[cfg(test)]
-#[path = "tls_stream_tests.rs"]
 mod tests;

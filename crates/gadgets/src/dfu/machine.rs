@@ -506,5 +506,4 @@ impl Memory for RamMemory {
 }
 
 #[cfg(test)]
-#[path = "machine_tests.rs"]
 mod tests;
