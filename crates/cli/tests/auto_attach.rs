@@ -169,7 +169,7 @@ async fn the_device_is_attached_again_after_a_server_restart_and_the_wait_is_log
     let (port, relay_end) = ports.attach(&imported.device, &record, None).expect("attach");
     let (_, mut kernel) = attached.recv().await.expect("the first attachment");
     let devid = imported.device.devid();
-    let target = Target { reimport: reimport.clone(), give_up_after: Duration::from_secs(120), record };
+    let target = Target { reimport: reimport.clone(), give_up_after: usbwire_client::RESUME_GIVE_UP, record };
     let first_status = FollowStatus {
         port,
         attached: true,
