@@ -69,6 +69,6 @@ pub use driven::DrivenConnection;
 pub use error::{ClientError, TransferError};
 pub use op_exchange::{
     device_states, import, import_reserved, import_resumable, import_with, list_devices, resume_session, server_state,
-    Imported, RemoteDeviceState,
+    Imported,
 };
 pub use transfer::{is_ok, Transfer};

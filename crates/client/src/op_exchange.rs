@@ -5,12 +5,12 @@ use std::net::SocketAddr;
 
 use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use usbwire_device::devstate::{DeviceStateDocument, DeviceStateEntry};
 use usbwire_proto::liveness;
 use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest};
 use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::resume::{self, Grant, Token};
 use usbwire_proto::Limits;
-use usbwire_transport::devstate::DeviceStateDocument;
 use usbwire_transport::transform::{Pipeline, Side, TransformedStream};
 use usbwire_transport::PeerStream;
 
@@ -42,16 +42,13 @@ pub async fn list_devices(addr: SocketAddr, security: &Security) -> Result<Vec<D
     result.map_err(|e| closed_early(e, addr, security))
 }
 
-/// One device's state as a usbwire server reports it (`OP_REP_DEVSTATE`).
-pub type RemoteDeviceState = usbwire_transport::devstate::DeviceStateEntry;
-
 /// Asks a usbwire server for the state of every device this client may see,
 /// in use or not (`OP_REQ_DEVSTATE`, our extension). `Ok(None)`: the server
 /// does not speak it (Linux usbipd and usbipd-win hang up on it).
 pub async fn device_states(
     addr: SocketAddr,
     security: &Security,
-) -> Result<Option<Vec<RemoteDeviceState>>, ClientError> {
+) -> Result<Option<Vec<DeviceStateEntry>>, ClientError> {
     Ok(server_state(addr, security).await?.map(|document| document.devices))
 }
 

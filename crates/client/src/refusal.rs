@@ -4,8 +4,8 @@
 //! until when, or withdrawn. The import's status code is the server's answer;
 //! this only explains it (a stock client never asks and sees the code alone).
 
+use usbwire_device::devstate::{DeviceStateDocument, DeviceStateEntry};
 use usbwire_proto::display::escape;
-use usbwire_transport::devstate::{DeviceStateDocument, DeviceStateEntry};
 
 /// What a plain client of a server that shows its devices to TLS clients
 /// only is told (`tls_required` in the server's device state).
@@ -69,7 +69,7 @@ fn held(device: &DeviceStateEntry) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use usbwire_transport::devstate::{ReservedFor, WithdrawnDevice};
+    use usbwire_device::devstate::{ReservedFor, WithdrawnDevice};
 
     fn device(busid: &str, state: &str) -> DeviceStateEntry {
         DeviceStateEntry { busid: busid.into(), state: state.into(), ..DeviceStateEntry::default() }

@@ -298,7 +298,7 @@ async fn a_dropped_session_shows_as_resuming_then_is_released_after_the_grace_pe
     let imported = usbwire_client::import_resumable(server, &busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.resume.is_some());
     drop(imported.stream);
-    let state = |states: Vec<usbwire_client::RemoteDeviceState>| {
+    let state = |states: Vec<usbwire_device::devstate::DeviceStateEntry>| {
         let s = states.into_iter().find(|s| s.busid == "0-1").unwrap();
         (s.state, s.resuming_since.is_some())
     };

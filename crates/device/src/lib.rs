@@ -20,14 +20,19 @@
 //! devices by their [`DeviceFacts`], wherever the devices come from.
 //!
 //! [`record::DeviceJson`] is how every JSON document shows a device, named
-//! from usb.ids by [`usb_ids`].
+//! from usb.ids by [`usb_ids`]. [`devstate`] is the device state document a
+//! server sends and a client reads (`OP_REP_DEVSTATE`, `usbwire state`), which
+//! converts into that record, with a device's traffic [`counters`] beside it.
 //!
-//! This crate is not for sockets or wire formats: it knows URBs, not bytes
-//! on the network (it borrows only value types from `usbwire-proto`).
+//! This crate is not for sockets or wire formats: it knows URBs and the JSON
+//! documents that show devices, not the bytes around them on the network (it
+//! borrows only value types from `usbwire-proto`).
 
 pub mod control;
+pub mod counters;
 pub mod descriptor;
 mod device;
+pub mod devstate;
 mod queue;
 pub mod record;
 pub mod selector;

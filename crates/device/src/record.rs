@@ -11,7 +11,7 @@
 //! differ in `state` and the holder's fields.
 //!
 //! Not a wire format: the USB/IP records are `usbwire-proto`'s, and the
-//! `OP_REP_DEVSTATE` document a server sends is `usbwire-transport`'s
+//! `OP_REP_DEVSTATE` document a server sends is [`crate::devstate`]
 //! (which converts into this record).
 
 use serde::{Deserialize, Serialize};

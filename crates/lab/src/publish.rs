@@ -23,10 +23,11 @@ use std::time::Duration;
 use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
+use usbwire_device::devstate::ReservedFor;
 use usbwire_device::record::DeviceJson;
 use usbwire_device::{DeviceFacts, Selector};
 use usbwire_proto::retry::Retry;
-use usbwire_server::{state_entry, ExportInfo, Registry, Reservation, ReservationDigest, ReservedFor};
+use usbwire_server::{state_entry, ExportInfo, Registry, Reservation, ReservationDigest};
 
 use crate::entry::{decode, Availability, DeviceEntry, Key, Keys, ReservationEntry, ServerEntry, SCHEMA_VERSION};
 use crate::error::LabError;

@@ -18,9 +18,10 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
+use usbwire_device::devstate::DeviceStateEntry;
 use usbwire_proto::op::BusId;
 
-use crate::devstate::{self, StateEntry};
+use crate::devstate;
 use crate::error::ServerError;
 use crate::host_exports::{BindError, BindOutcome, BindRuleState, HostExports};
 use crate::state::ServerState;
@@ -80,7 +81,7 @@ pub struct ControlResponse {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reports: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub devices: Option<Vec<StateEntry>>,
+    pub devices: Option<Vec<DeviceStateEntry>>,
     /// The bus ids a bind exported, or an unbind withdrew.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub busids: Option<Vec<String>>,

@@ -2,30 +2,30 @@
 //! page's `/status.json`): every exported device a viewer may see, with who
 //! holds it and its counters, from the [`Registry`].
 //!
-//! The document's shape is `usbwire_transport::devstate`'s; this file only
+//! The document's shape is `usbwire_device::devstate`'s; this file only
 //! fills it in. Who may see what is the caller's `visible`.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use usbwire_device::devstate::{DeviceStateDocument, DeviceStateEntry};
 use usbwire_device::record::{bcd, class_triple, hex16};
 use usbwire_proto::op::DeviceRecord;
-use usbwire_transport::devstate::DeviceStateDocument;
 
 use crate::registry::{DeviceState, ExportInfo, Registry};
 
-/// One device in a `state` answer (the same document `OP_REP_DEVSTATE` carries).
-pub type StateEntry = usbwire_transport::devstate::DeviceStateEntry;
-
 /// Every exported device this viewer may see, with its state: what `usbwire
 /// state` prints and what `OP_REP_DEVSTATE` carries.
-pub(crate) fn entries(registry: &Registry, visible: impl Fn(&str, &DeviceRecord, &str) -> bool) -> Vec<StateEntry> {
+pub(crate) fn entries(
+    registry: &Registry,
+    visible: impl Fn(&str, &DeviceRecord, &str) -> bool,
+) -> Vec<DeviceStateEntry> {
     registry
         .list()
         .into_iter()
         .filter(|e| visible(&e.kind, &e.record, &e.summary.serial))
         .map(|export| {
             let reservation = registry.reserved_for(export.record.busid.as_str());
-            StateEntry { reservation, ..state_entry(export) }
+            DeviceStateEntry { reservation, ..state_entry(export) }
         })
         .collect()
 }
@@ -48,7 +48,7 @@ pub(crate) fn document(
 /// One exported device's entry: its record, strings, holder and counters
 /// (its reservation is the registry's: [`entries`] adds it).
 /// The lab registry's device records are made from it too.
-pub fn state_entry(export: ExportInfo) -> StateEntry {
+pub fn state_entry(export: ExportInfo) -> DeviceStateEntry {
     let unix = |at: SystemTime| at.duration_since(UNIX_EPOCH).ok().map(|d| d.as_secs());
     let rfc3339 = |at: Option<u64>| {
         at.map(|s| humantime::format_rfc3339_seconds(UNIX_EPOCH + std::time::Duration::from_secs(s)).to_string())
@@ -60,7 +60,7 @@ pub fn state_entry(export: ExportInfo) -> StateEntry {
         }
     };
     let record = &export.record;
-    StateEntry {
+    DeviceStateEntry {
         busid: record.busid.to_string(),
         kind: export.kind,
         vendor_id: hex16(record.id_vendor),

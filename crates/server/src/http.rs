@@ -27,10 +27,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
+use usbwire_device::devstate::CountedDevice;
 use usbwire_device::record::JSON_SCHEMA_VERSION;
 use usbwire_device::usb_ids::UsbIds;
 use usbwire_proto::sync::lock;
-use usbwire_transport::devstate::CountedDevice;
 
 use crate::devstate;
 use crate::state::ServerState;

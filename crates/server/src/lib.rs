@@ -56,7 +56,7 @@ pub use config::{
 pub use control::{
     request as control_request, ControlErrorKind, ControlRequest, ControlResponse, TextInput, TypeRefusal,
 };
-pub use devstate::{state_entry, StateEntry};
+pub use devstate::state_entry;
 pub use error::ServerError;
 pub use external::EXTERNAL_KIND;
 pub use host_exports::{BindRuleState, HostExports, HOST_KIND};
@@ -66,7 +66,6 @@ pub use usbwire_external::Options as ExternalOptions;
 /// The reservation digest a lab registry stores (`usbwire_proto::reservation`), where the lab crate looks for it.
 pub use usbwire_proto::reservation::{digest as reservation_digest, ReservationDigest};
 pub use usbwire_transport::access::{AccessRules, Admission};
-pub use usbwire_transport::devstate::ReservedFor;
 pub use usbwire_transport::Identity;
 
 /// A server being assembled: add devices, then [`bind`](Self::bind).

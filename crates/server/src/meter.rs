@@ -15,10 +15,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
+use usbwire_device::counters::{BudgetCounter, DeviceCounters, ErrorCounter, TransferCounter};
 use usbwire_device::TransferType;
 use usbwire_proto::sync::lock;
 use usbwire_proto::{BudgetKind, Direction, Status};
-use usbwire_transport::devstate::{BudgetCounter, DeviceCounters, ErrorCounter, TransferCounter};
 
 const DIRECTIONS: [(Direction, &str); 2] = [(Direction::In, "in"), (Direction::Out, "out")];
 const TRANSFERS: [(TransferType, &str); 4] = [

@@ -37,12 +37,12 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::{watch, Notify};
 use tracing::{debug, info, warn};
+use usbwire_device::devstate::ReservedFor;
 use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::import_slot::{Busy, Claimant, Found, ImportDecision, ImportWait, Presence};
 use usbwire_proto::op::{BusId, DeviceRecord};
 use usbwire_proto::reservation::digest as reservation_digest;
 use usbwire_proto::sync::lock;
-use usbwire_transport::devstate::ReservedFor;
 
 use crate::meter::DeviceMeter;
 use export::{Described, Export, Slot};

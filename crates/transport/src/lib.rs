@@ -15,15 +15,13 @@
 //!   and client code above it does not care which it has.
 //! * [`handshake`]: the TLS handshake (rustls's unbuffered API), ending in a
 //!   [`TlsStream`], our own record layer with the negotiated keys.
-//! * [`devstate`]: the device state document both ends exchange (one schema
-//!   for the server that writes it and the client that reads it).
 //!
 //! Not for the USB/IP protocol itself (that is `usbwire-proto`), nor for
-//! deciding policy (the server's configuration does).
+//! deciding policy (the server's configuration does), nor for what travels
+//! over the stream (the device state document is `usbwire_device::devstate`).
 
 pub mod access;
 pub mod ca;
-pub mod devstate;
 pub mod handshake;
 pub mod identity;
 pub mod key_files;

@@ -5,6 +5,7 @@
 
 use anyhow::anyhow;
 use serde_json::json;
+use usbwire_device::devstate::DeviceStateEntry;
 use usbwire_device::record::DeviceJson;
 use usbwire_lab::{Endpoint, Fleet, FleetDevice, Lab};
 use usbwire_proto::display::escape;
@@ -72,7 +73,7 @@ pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
 }
 
 /// The name a device has on every line ([`display_name`]), from what the server said of it.
-fn shown_name(state: &usbwire_client::RemoteDeviceState, names: &UsbIds) -> String {
+fn shown_name(state: &DeviceStateEntry, names: &UsbIds) -> String {
     let mut device = DeviceJson::from(state);
     device.fill_names(names);
     display_name(&device)
@@ -80,7 +81,7 @@ fn shown_name(state: &usbwire_client::RemoteDeviceState, names: &UsbIds) -> Stri
 
 /// The devices in use, with who holds them and since when. Every string here
 /// is the server's word, so each is escaped.
-fn format_in_use(states: &[usbwire_client::RemoteDeviceState], names: &UsbIds) -> String {
+fn format_in_use(states: &[DeviceStateEntry], names: &UsbIds) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
     let in_use: Vec<_> = states.iter().filter(|s| s.state == "in_use").collect();
@@ -113,7 +114,7 @@ fn format_in_use(states: &[usbwire_client::RemoteDeviceState], names: &UsbIds) -
 }
 
 /// The devices reserved in the lab registry: for whom and until when.
-fn format_reserved(states: &[usbwire_client::RemoteDeviceState], names: &UsbIds) -> String {
+fn format_reserved(states: &[DeviceStateEntry], names: &UsbIds) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
     let reserved: Vec<_> = states.iter().filter_map(|s| Some((s, s.reservation.as_ref()?))).collect();
@@ -406,8 +407,8 @@ mod tests {
         client: Option<&str>,
         identity: Option<&str>,
         since: Option<u64>,
-    ) -> usbwire_client::RemoteDeviceState {
-        usbwire_client::RemoteDeviceState {
+    ) -> DeviceStateEntry {
+        DeviceStateEntry {
             busid: busid.into(),
             kind: "disk".into(),
             vendor_id: "1209".into(),

@@ -4,10 +4,10 @@
 //! field reference is docs/json.md. Printing is [`super::output`]'s.
 
 use serde::Serialize;
+use usbwire_device::devstate::{DeviceStateEntry, ShownReservation};
 use usbwire_device::record::{bcd, class_triple, hex16, DeviceJson, InterfaceJson};
 use usbwire_host::LocalDevice;
 use usbwire_proto::op::DeviceRecord;
-use usbwire_transport::devstate::{DeviceStateEntry, ShownReservation};
 
 use super::usb_names::UsbIds;
 

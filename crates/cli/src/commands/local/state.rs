@@ -1,8 +1,8 @@
 //! `usbwire state`: the server's devices, who holds each, and its bind rules.
 
+use usbwire_device::devstate::CountedDevice;
 use usbwire_proto::display::escape;
 use usbwire_server::{BindRuleState, ControlRequest};
-use usbwire_transport::devstate::CountedDevice;
 
 use super::ask;
 use crate::args::StateArgs;

@@ -7,9 +7,17 @@
 //! it converts into ([`DeviceJson`], `From<&DeviceStateEntry>`), with the
 //! counters and reservation beside it ([`CountedDevice`]): `state --json`, `list -r --json`
 //! and `/status.json`.
+//!
+//! It lives beside [`crate::record`] because it is a device's JSON and converts into
+//! [`DeviceJson`], and because server and client share it: this is the lowest crate both
+//! stand on that knows the record (the USB/IP layouts below, `usbwire-proto`, know no
+//! JSON). Not for filling it in (the server's `devstate.rs` does, from its registry) or for the bytes of
+//! `OP_REP_DEVSTATE` around it (`usbwire_proto::op`).
 
 use serde::{Deserialize, Serialize};
-use usbwire_device::record::{known, DeviceJson, InterfaceJson};
+
+use crate::counters::DeviceCounters;
+use crate::record::{known, DeviceJson, InterfaceJson};
 
 /// One exported device and who holds it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -206,57 +214,6 @@ impl From<&ReservedFor> for ShownReservation {
             until_at: reservation.until_at.clone(),
         }
     }
-}
-
-/// A device's traffic counters since the server started.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeviceCounters {
-    /// URBs completed and bytes moved, per direction and transfer type (only those seen).
-    #[serde(default)]
-    pub transfers: Vec<TransferCounter>,
-    /// URBs completed with an error status, per status.
-    #[serde(default)]
-    pub errors: Vec<ErrorCounter>,
-    /// URBs submitted to the device and not completed yet.
-    #[serde(default)]
-    pub in_flight: u64,
-    /// Successful imports.
-    #[serde(default)]
-    pub imports: u64,
-    /// Sessions resumed after a dropped connection.
-    #[serde(default)]
-    pub resumes: u64,
-    /// Times a per-connection budget was full and the server refused more
-    /// until there was room, per budget (only those that were).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub budget_refusals: Vec<BudgetCounter>,
-}
-
-/// How often one budget (`in_flight_urbs`, `in_flight_bytes`,
-/// `queued_reply_bytes`, `unacked_reply_bytes`) was full.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BudgetCounter {
-    pub budget: String,
-    pub times: u64,
-}
-
-/// URBs and bytes for one direction (`in`, `out`) and transfer type
-/// (`control`, `isochronous`, `bulk`, `interrupt`).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TransferCounter {
-    pub direction: String,
-    pub transfer: String,
-    pub urbs: u64,
-    /// Bytes actually transferred (`actual_length` of each completion).
-    pub bytes: u64,
-}
-
-/// URBs that completed with `status` (a negative Linux errno; `name` is its symbol, e.g. `EPIPE`).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ErrorCounter {
-    pub status: i32,
-    pub name: String,
-    pub urbs: u64,
 }
 
 #[cfg(test)]
