@@ -25,7 +25,7 @@ pub(crate) struct InboxState {
 
 impl Inbox {
     pub(crate) fn state(&self) -> MutexGuard<'_, InboxState> {
-        usbwire_proto::sync::lock(&self.state)
+        usbwire_device::sync::lock(&self.state)
     }
 
     /// Adds the replies of one read (in order) under one lock, leaving

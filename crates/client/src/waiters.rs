@@ -166,7 +166,7 @@ impl Shared {
     }
 
     fn state(&self) -> MutexGuard<'_, Option<State>> {
-        usbwire_proto::sync::lock(&self.state)
+        usbwire_device::sync::lock(&self.state)
     }
 
     /// The session, held; `None` once the connection is gone.

@@ -23,6 +23,7 @@
 //! from usb.ids by [`usb_ids`]. [`devstate`] is the device state document a
 //! server sends and a client reads (`OP_REP_DEVSTATE`, `usbwire state`), which
 //! converts into that record, with a device's traffic [`counters`] beside it.
+//! [`sync::lock`] is the poison policy of every mutex in usbwire.
 //!
 //! This crate is not for sockets or wire formats: it knows URBs and the JSON
 //! documents that show devices, not the bytes around them on the network (it
@@ -36,6 +37,7 @@ pub mod devstate;
 mod queue;
 pub mod record;
 pub mod selector;
+pub mod sync;
 mod urb;
 pub mod usb_ids;
 mod virtual_device;

@@ -19,8 +19,8 @@ use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{watch, Notify};
 use tracing::{debug, info, warn, Instrument as _};
+use usbwire_device::sync::lock;
 use usbwire_device::{Completion, Device, DeviceSummary, Direction, Speed, TransferType, Urb};
-use usbwire_proto::sync::lock;
 
 use crate::codec::{self, Message, MAX_FRAME_LEN, VERSION};
 use crate::core::{Core, Gone, Layout, ProtocolError};

@@ -165,7 +165,7 @@ struct SharedState {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, SharedState> {
         // The state is plain data and stays consistent even if a holder panicked.
-        usbwire_proto::sync::lock(&self.state)
+        usbwire_device::sync::lock(&self.state)
     }
 
     /// Queues reports and wakes the device task.

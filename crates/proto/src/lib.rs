@@ -63,7 +63,6 @@ pub mod resume;
 pub mod retry;
 mod seqnum_map;
 pub mod server_session;
-pub mod sync;
 pub mod urb;
 mod wire;
 

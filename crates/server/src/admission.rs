@@ -254,7 +254,7 @@ impl Gate {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        usbwire_proto::sync::lock(&self.shared.state)
+        usbwire_device::sync::lock(&self.shared.state)
     }
 }
 

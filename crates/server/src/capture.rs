@@ -34,8 +34,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
 use tracing::{info, warn};
+use usbwire_device::sync::lock;
 use usbwire_device::{Completion, TransferType, Urb};
-use usbwire_proto::sync::lock;
 use usbwire_proto::urb::TransferFlags;
 use usbwire_proto::Direction;
 

@@ -28,11 +28,11 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
+use usbwire_device::sync::lock;
 use usbwire_device::Selector;
 use usbwire_host::hotplug::{Hotplug, HotplugWatch};
 use usbwire_host::{HostDevice, LocalDevice};
 use usbwire_proto::op::BusId;
-use usbwire_proto::sync::lock;
 
 use crate::registry::Registry;
 

@@ -29,8 +29,8 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 use usbwire_device::devstate::CountedDevice;
 use usbwire_device::record::JSON_SCHEMA_VERSION;
+use usbwire_device::sync::lock;
 use usbwire_device::usb_ids::UsbIds;
-use usbwire_proto::sync::lock;
 
 use crate::devstate;
 use crate::state::ServerState;

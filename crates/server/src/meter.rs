@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use usbwire_device::counters::{BudgetCounter, DeviceCounters, ErrorCounter, TransferCounter};
+use usbwire_device::sync::lock;
 use usbwire_device::TransferType;
-use usbwire_proto::sync::lock;
 use usbwire_proto::{BudgetKind, Direction, Status};
 
 const DIRECTIONS: [(Direction, &str); 2] = [(Direction::In, "in"), (Direction::Out, "out")];

@@ -38,11 +38,11 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{watch, Notify};
 use tracing::{debug, info, warn};
 use usbwire_device::devstate::ReservedFor;
+use usbwire_device::sync::lock;
 use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::import_slot::{Busy, Claimant, Found, ImportDecision, ImportWait, Presence};
 use usbwire_proto::op::{BusId, DeviceRecord};
 use usbwire_proto::reservation::digest as reservation_digest;
-use usbwire_proto::sync::lock;
 
 use crate::meter::DeviceMeter;
 use export::{Described, Export, Slot};

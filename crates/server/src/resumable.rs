@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex};
 
 use bytes::BytesMut;
 use tokio::sync::mpsc;
+use usbwire_device::sync::lock;
 use usbwire_proto::resume::Token;
-use usbwire_proto::sync::lock;
 use usbwire_transport::access::ClientId;
 use usbwire_transport::PeerStream;
 

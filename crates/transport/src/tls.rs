@@ -59,7 +59,7 @@ pub struct SeenServer(Arc<Mutex<Option<Fingerprint>>>);
 
 impl SeenServer {
     pub fn fingerprint(&self) -> Option<Fingerprint> {
-        *usbwire_proto::sync::lock(&self.0)
+        *usbwire_device::sync::lock(&self.0)
     }
 }
 
@@ -156,7 +156,7 @@ impl ServerCertVerifier for PinnedServer {
         _now: UnixTime,
     ) -> Result<ServerCertVerified, Error> {
         let fingerprint = Fingerprint::of(end_entity);
-        *usbwire_proto::sync::lock(&self.seen.0) = Some(fingerprint);
+        *usbwire_device::sync::lock(&self.seen.0) = Some(fingerprint);
         match self.trust {
             ServerTrust::Pinned(expected) if expected == fingerprint => Ok(ServerCertVerified::assertion()),
             ServerTrust::FirstUse => Ok(ServerCertVerified::assertion()),

@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use tokio::sync::{watch, Notify};
+use usbwire_device::sync::lock;
 use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::op::{BusId, DeviceRecord, InterfaceRecord};
-use usbwire_proto::sync::lock;
 
 use crate::meter::DeviceMeter;
 use crate::peer::PeerProbe;

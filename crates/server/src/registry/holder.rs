@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use tokio::sync::Notify;
-use usbwire_proto::sync::lock;
+use usbwire_device::sync::lock;
 
 use super::changes::Changes;
 use super::export::{Export, Slot};

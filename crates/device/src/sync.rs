@@ -1,5 +1,12 @@
-//! [`lock`]: the one poison-tolerant `Mutex::lock` every crate uses. It lives
-//! here because this is the lowest crate all others depend on.
+//! [`lock`]: the one poison-tolerant `Mutex::lock` of every crate that shares
+//! state between tasks or threads (devices and their handles in gadgets and
+//! external, the server's registry and meter, the client's waiters, the TLS
+//! client's pin). It lives here because this is the lowest crate all of them
+//! stand on, and `usbwire-proto` is the USB/IP protocol only; one function
+//! does not earn a crate of its own.
+//!
+//! Not for locking on the data path: each device is driven by one task and
+//! needs no lock there (see [`crate::Device`]).
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
