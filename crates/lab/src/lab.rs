@@ -231,7 +231,7 @@ impl Lab {
             holder: holder_name(),
             client: client.to_owned(),
             pid: std::process::id(),
-            token_sha256: hex(&usbwire_server::reservation_digest(&token)),
+            token_sha256: hex(&usbwire_server::reservation::digest(&token)),
             since_at: timestamp(SystemTime::now()),
             until_at: until.map(timestamp),
         };
@@ -397,7 +397,7 @@ impl Lab {
         let reservation = values.next().flatten().and_then(|v| decode::<ReservationEntry>(&v));
         let device = values.next().flatten().and_then(|v| decode::<DeviceEntry>(&v));
         let entry = values.next().flatten().and_then(|v| decode::<ServerEntry>(&v));
-        let ours = reservation.is_some_and(|r| r.token_sha256 == hex(&usbwire_server::reservation_digest(token)));
+        let ours = reservation.is_some_and(|r| r.token_sha256 == hex(&usbwire_server::reservation::digest(token)));
         Ok(entry.zip(device).filter(|(entry, device)| ours && names_its_key(entry, device, server, busid)))
     }
 
@@ -418,7 +418,7 @@ impl Lab {
         let entry = decode::<ReservationEntry>(kv.value())
             .ok_or_else(|| LabError::NotReserved { what: what.clone(), by: " (its record is unreadable)".into() })?;
         if let Some(token) = token {
-            if hex(&usbwire_server::reservation_digest(token)) != entry.token_sha256 {
+            if hex(&usbwire_server::reservation::digest(token)) != entry.token_sha256 {
                 return Err(LabError::NotReserved { what, by: format!(" by you (held by {})", entry.holder) });
             }
         }

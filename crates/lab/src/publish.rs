@@ -27,7 +27,8 @@ use usbwire_device::devstate::ReservedFor;
 use usbwire_device::record::DeviceJson;
 use usbwire_device::{DeviceFacts, Selector};
 use usbwire_proto::retry::Retry;
-use usbwire_server::{state_entry, ExportInfo, Registry, Reservation, ReservationDigest};
+use usbwire_server::reservation::ReservationDigest;
+use usbwire_server::{state_entry, ExportInfo, Registry, Reservation};
 
 use crate::entry::{decode, Availability, DeviceEntry, Key, Keys, ReservationEntry, ServerEntry, SCHEMA_VERSION};
 use crate::error::LabError;
@@ -559,7 +560,7 @@ mod tests {
     #[test]
     fn reservation_digests_parse_from_their_hex() {
         let token = usbwire_proto::reservation::ReservationToken([0x5a; 32]);
-        let digest = usbwire_server::reservation_digest(&token);
+        let digest = usbwire_server::reservation::digest(&token);
         let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(digest_from_hex(&hex), Some(digest));
         assert_eq!(digest_from_hex("00"), None);

@@ -4,24 +4,14 @@
 //!
 //! The client adds `reservation=TOKEN` ([`ReservationToken`], 32 random bytes
 //! in hex) to its transform offer (`OP_REQ_TRANSFORMS`) before `OP_REQ_IMPORT`.
-//! The registry holds only the token's SHA-256, so reading the registry does
-//! not let anyone import a device reserved by someone else; the server compares
-//! the digest of the offered token with the one its registry watch holds.
+//!
+//! Not for the token's digest, which is what a lab registry holds and a server
+//! compares an offered token's with: that is `usbwire_server::reservation`.
 
 use std::fmt;
 
-use sha2::{Digest as _, Sha256};
-
 /// The key of the offer entry.
 pub const OFFER_KEY: &str = "reservation";
-
-/// The SHA-256 of a reservation token: what a lab registry holds for a reserved device.
-pub type ReservationDigest = [u8; 32];
-
-/// The digest a registry stores for `token` (and a server compares an offered token's with).
-pub fn digest(token: &ReservationToken) -> ReservationDigest {
-    Sha256::digest(token.0).into()
-}
 
 /// The secret a reservation's holder proves itself with.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -80,15 +70,6 @@ mod tests {
         assert_eq!(ReservationToken::from_offer("reservation=zz"), None);
         assert_eq!(ReservationToken::from_offer(&format!("reservationx={}", token.hex())), None);
         assert_eq!(ReservationToken::from_offer(&format!("reservation={}", "é".repeat(32))), None);
-    }
-
-    #[test]
-    fn the_digest_is_the_sha256_of_the_token_bytes() {
-        // SHA-256 of 32 zero bytes (FIPS 180-4; `head -c32 /dev/zero | sha256sum`).
-        let zero = "66687aadf862bd776c8fc18b8e9f8e20089714856ee233b3902a591d0d5f2925";
-        let hex: String = digest(&ReservationToken([0; 32])).iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(hex, zero);
-        assert_ne!(digest(&ReservationToken([1; 32])), digest(&ReservationToken([0; 32])));
     }
 
     #[test]

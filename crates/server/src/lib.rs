@@ -30,6 +30,7 @@ mod op;
 mod peer;
 pub mod private_dir;
 mod registry;
+pub mod reservation;
 mod resumable;
 mod shutdown;
 mod state;
@@ -63,8 +64,6 @@ pub use host_exports::{BindRuleState, HostExports, HOST_KIND};
 pub use registry::{DeviceState, ExportInfo, Registry, Reservation, VIRTUAL_BUS};
 use state::ServerState;
 pub use usbwire_external::Options as ExternalOptions;
-/// The reservation digest a lab registry stores (`usbwire_proto::reservation`), where the lab crate looks for it.
-pub use usbwire_proto::reservation::{digest as reservation_digest, ReservationDigest};
 pub use usbwire_transport::access::{AccessRules, Admission};
 pub use usbwire_transport::Identity;
 

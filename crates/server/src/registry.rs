@@ -42,9 +42,9 @@ use usbwire_device::sync::lock;
 use usbwire_device::{Device, DeviceSummary};
 use usbwire_proto::import_slot::{Busy, Claimant, Found, ImportDecision, ImportWait, Presence};
 use usbwire_proto::op::{BusId, DeviceRecord};
-use usbwire_proto::reservation::digest as reservation_digest;
 
 use crate::meter::DeviceMeter;
+use crate::reservation;
 use export::{Described, Export, Slot};
 
 pub use busid::VIRTUAL_BUS;
@@ -52,7 +52,6 @@ use busid::{virtual_busid, Reserved};
 use changes::Changes;
 pub use export::DeviceState;
 pub(crate) use holder::Holder;
-use importer::digests_match;
 pub(crate) use importer::{ImportError, Importer};
 pub use refusal_facts::Reservation;
 pub(crate) use refusal_facts::Withdrawn;
@@ -214,7 +213,7 @@ impl Registry {
     }
 
     /// The devices reserved in a lab registry now (bus id → the digest of the
-    /// reservation's token, [`reservation_digest`], and for whom): an import
+    /// reservation's token, [`reservation::digest`](crate::reservation::digest), and for whom): an import
     /// of one of them must carry that token. A device whose reservation ended
     /// while its importer is away (its session parked, waiting to resume) is let go.
     pub fn set_reservations(&self, reservations: HashMap<String, Reservation>) {
@@ -309,8 +308,8 @@ impl Registry {
             .cloned()
             .ok_or(ImportError::NoDevice)?;
         if let Some(reserved) = lock(&self.reservations).get(busid.as_str()) {
-            let carried = importer.reservation.as_ref().map(reservation_digest);
-            if carried.is_none_or(|digest| !digests_match(&digest, &reserved.digest)) {
+            let carried = importer.reservation.as_ref().map(reservation::digest);
+            if carried.is_none_or(|digest| !reservation::digests_match(&digest, &reserved.digest)) {
                 return Err(ImportError::Reserved);
             }
         }

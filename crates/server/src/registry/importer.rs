@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use usbwire_proto::op::OpStatus;
-use usbwire_proto::reservation::{ReservationDigest, ReservationToken};
+use usbwire_proto::reservation::ReservationToken;
 
 use crate::peer::PeerProbe;
 
@@ -45,10 +45,4 @@ impl ImportError {
             Self::InUse { .. } | Self::StillReleasing { .. } | Self::Reserved => OpStatus::DEV_BUSY,
         }
     }
-}
-
-/// Whether an import's reservation digest is the one the registry holds,
-/// compared without an early exit.
-pub(super) fn digests_match(a: &ReservationDigest, b: &ReservationDigest) -> bool {
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

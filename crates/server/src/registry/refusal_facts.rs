@@ -10,7 +10,8 @@ use std::time::SystemTime;
 
 use usbwire_device::devstate::{ReservedFor, WithdrawnDevice};
 use usbwire_proto::op::DeviceRecord;
-use usbwire_proto::reservation::ReservationDigest;
+
+use crate::reservation::ReservationDigest;
 
 /// How many withdrawn devices are remembered: enough for an unbind of a few
 /// devices, few enough that the list never grows with a server's uptime.

@@ -405,7 +405,7 @@ fn reserved(token: &ReservationToken) -> Reservation {
         since_at: Some("2026-11-26T02:00:00Z".into()),
         until_at: Some("2026-11-26T03:00:00Z".into()),
     };
-    Reservation { digest: reservation_digest(token), reserved_for }
+    Reservation { digest: crate::reservation::digest(token), reserved_for }
 }
 
 #[tokio::test]
