@@ -37,26 +37,24 @@
 //! URB channel outlive its connection, and the keep-alives of [`liveness`]
 //! that notice a link gone silent.
 //!
-//! Time-dependent server state is here too, with the clock left to the
-//! caller: [`import_slot::ImportWait`] decides what an import does with a
-//! device it finds taken (take it, wait for the previous importer's teardown
-//! until a deadline, or answer busy), and [`park::Grace`] is the grace period
-//! of a parked session (resumed in time, or expired). [`retry::Retry`] spaces
-//! the attempts of every loop that reaches for a peer again.
+//! [`retry::Retry`] spaces the attempts of every loop that reaches for a
+//! peer again.
 //!
 //! [`display::escape`] is how every crate shows a string that came from the
 //! network (device strings, paths, mDNS names): control characters and bidi
 //! overrides become visible escapes.
+//!
+//! Not for what a server decides around the sessions (an import's wait for a
+//! device, a parked session's grace period: `usbwire-server`'s cores), nor
+//! for what a lab registry keeps (a reservation's digest).
 
 pub mod client_session;
 pub mod display;
 mod error;
-pub mod import_slot;
 mod limits;
 pub mod liveness;
 pub mod op;
 mod outbox;
-pub mod park;
 mod recv_buffer;
 pub mod reservation;
 pub mod resume;

@@ -20,6 +20,7 @@ mod config;
 mod connection;
 mod connection_threads;
 mod control;
+pub mod cores;
 mod devstate;
 mod error;
 mod external;

@@ -13,7 +13,7 @@
 //! detaches and at once attaches again (the kernel's `usbip attach` does not
 //! retry) must not lose the race with the old connection's teardown. Only a
 //! device held by a live connection is busy at once. Those rules and the
-//! deadline are the sans-I/O [`ImportWait`] (`usbwire_proto::import_slot`);
+//! deadline are the sans-I/O [`ImportWait`] (`cores/import_slot.rs`);
 //! [`Registry::import`] only looks at the slot, sleeps and wakes.
 //!
 //! A device that re-enumerates while imported (`Device::enumeration`) ends
@@ -40,9 +40,9 @@ use tracing::{debug, info, warn};
 use usbwire_device::devstate::ReservedFor;
 use usbwire_device::sync::lock;
 use usbwire_device::{Device, DeviceSummary};
-use usbwire_proto::import_slot::{Busy, Claimant, Found, ImportDecision, ImportWait, Presence};
 use usbwire_proto::op::{BusId, DeviceRecord};
 
+use crate::cores::import_slot::{Busy, Claimant, Found, ImportDecision, ImportWait, Presence};
 use crate::meter::DeviceMeter;
 use crate::reservation;
 use export::{Described, Export, Slot};

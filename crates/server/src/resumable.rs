@@ -2,7 +2,7 @@
 //!
 //! A resumable import registers here under its token for as long as it lives.
 //! When it loses its connection, its task keeps the device and the session
-//! for the grace period (`usbwire_proto::park::Grace` says when it is over,
+//! for the grace period ([`crate::cores::park::Grace`] says when it is over,
 //! and whether a resume came in time). A new connection that sends `OP_REQ_RESUME` with
 //! that token, from the same owner ([`Owner`]: the same TLS identity, or for
 //! a plain client the same IP address), is handed over to the task (which

@@ -12,7 +12,7 @@
 //! A resumable session outlives its connection: when the link drops, the
 //! device keeps running, its completions are held, and the session parks
 //! ([`crate::resumable`]) for the grace period, whose clock is the sans-I/O
-//! [`Grace`] (`usbwire_proto::park`). A client that comes back
+//! [`Grace`] (`cores/park.rs`). A client that comes back
 //! with the session's token gets `OP_REP_RESUME` and the replies it missed,
 //! and the loop goes on with the new connection.
 
@@ -28,12 +28,12 @@ use tokio_util::io::poll_read_buf;
 use tracing::{debug, info, warn};
 use usbwire_device::{Device, TransferType, Urb};
 use usbwire_proto::op::{self, DeviceRecord, OpStatus};
-use usbwire_proto::park::{Grace, ParkEvent};
 use usbwire_proto::resume::{EndReason, Token};
 use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
 use usbwire_transport::{poll_write_outbox, PeerStream};
 
 use crate::capture::{Capture, CaptureConfig};
+use crate::cores::park::{Grace, ParkEvent};
 use crate::meter::UrbMeter;
 use crate::peer::Peer;
 use crate::registry::{Holder, Lease};

@@ -1,6 +1,6 @@
 //! The grace period of a parked session, sans I/O: how long a resumable
 //! session whose connection broke is held for its client to come back
-//! ([`crate::resume`]), and whether a client that presents the session's
+//! (`usbwire_proto::resume`), and whether a client that presents the session's
 //! token is in time.
 //!
 //! When the connection is lost the server parks the session (the device
@@ -20,8 +20,8 @@
 //! grace: it counts from the first loss, so a client cannot stretch it.
 //!
 //! This module is not for the token, who may resume, or the session's
-//! replay: those are [`crate::resume`], the server's parked-session table and
-//! [`crate::server_session::ServerSession::resume`]. The caller owns the
+//! replay: those are `usbwire_proto::resume`, the server's parked-session table
+//! (`resumable.rs`) and `ServerSession::resume`. The caller owns the
 //! clock: it sleeps until [`Grace::poll_timeout`] and then calls
 //! [`Grace::handle_timeout`]. Tests drive it with a virtual clock.
 

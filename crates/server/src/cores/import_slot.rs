@@ -13,7 +13,7 @@
 //! too (vhci-hcd closes the old socket 0.1-1 s after `usbip detach` returns),
 //! so that is waited for as well. A device held by a live connection on
 //! another host is busy at once. A device held for a client that is away
-//! (its session parked, waiting to resume, [`crate::park`]) is busy for
+//! (its session parked, waiting to resume, [`super::park`]) is busy for
 //! everyone but that client, who takes it back: its parked session is told
 //! to let go, and the import waits for the release.
 //!
@@ -25,7 +25,7 @@
 //! Tests drive it with a virtual clock.
 //!
 //! Not for the slot itself (who holds the device, the device): that is the
-//! server's registry.
+//! registry (`registry.rs`).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

@@ -9,7 +9,7 @@
 //! back or withdrawn, and at its deadline; the grace's timer runs at its
 //! deadline; time jumps from one deadline to the next.
 //!
-//! The grace tests park a session of the pair harness (`pair/mod.rs`) — the
+//! The grace tests park a session of the pair harness (`crates/proto/tests/pair/mod.rs`) — the
 //! connection cut mid-traffic, the device running on — and bring the client
 //! back just before or just after the grace ends: in time nothing is lost or
 //! repeated; late, the resume is refused and the device released to the
@@ -20,6 +20,8 @@
 //! expires once (or is let go), and that every import gets one answer,
 //! within its bound.
 
+// The pair harness of the protocol's own tests, so both sides of a session are the real cores.
+#[path = "../../proto/tests/pair/mod.rs"]
 mod pair;
 
 use std::cell::RefCell;
@@ -29,8 +31,8 @@ use std::time::{Duration, Instant};
 use pair::Pair;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use usbwire_proto::import_slot::{Busy, Claimant, Found, ImportDecision, ImportWait, Presence};
-use usbwire_proto::park::{Grace, ParkEvent, ResumeRefused};
+use usbwire_server::cores::import_slot::{Busy, Claimant, Found, ImportDecision, ImportWait, Presence};
+use usbwire_server::cores::park::{Grace, ParkEvent, ResumeRefused};
 
 /// The server's default grace period (`DEFAULT_RESUME_GRACE`).
 const GRACE: Duration = Duration::from_secs(30);
