@@ -20,10 +20,10 @@
 
 use std::collections::HashSet;
 
-use bytes::{Bytes, BytesMut};
-use usbwire_proto::client_session::{ClientSession, Event};
+use bytes::Bytes;
+use usbwire_proto::client_session::{ClientSession, Event, READ_CHUNK};
 use usbwire_proto::urb::{CmdSubmit, CmdUnlink, IsoPacketDescriptor, TransferFlags};
-use usbwire_proto::{Budget, Direction, Limits, Status};
+use usbwire_proto::{Budget, Direction, Limits, RecvBuffer, Status};
 
 const DEVID: u32 = 0x0001_0002;
 
@@ -50,7 +50,8 @@ fn submit(seqnum: u32, direction: Direction, ep: u8, length: u32, iso: usize) ->
 pub fn client_session(data: &[u8]) {
     let Some((&[chunking, cut, claim], stream)) = crate::split_control::<3>(data) else { return };
     let mut session: ClientSession<u32> =
-        ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default()).resumable();
+        ClientSession::new(DEVID, Limits::default(), Budget::default()).resumable();
+    let mut input = RecvBuffer::with_capacity(READ_CHUNK);
     let start = std::time::Instant::now();
     let mut now = start;
     let keepalive = claim & 0x80 != 0;
@@ -76,9 +77,10 @@ pub fn client_session(data: &[u8]) {
     let mut answered = HashSet::new();
     for (index, piece) in crate::chunks(stream, chunking).into_iter().enumerate() {
         let before = session.outstanding();
-        session.input().extend_from_slice(piece);
-        let result = session.handle_input();
-        while let Some(event) = session.poll_event() {
+        input.extend_from_slice(piece);
+        let mut events = Vec::new();
+        let result = session.handle_input(&mut input, |event| events.push(event));
+        for event in events {
             let seqnum = match event {
                 Event::Completed { reply, tag } => {
                     assert_eq!(reply.seqnum, tag, "a reply is handed to its own submit");
@@ -112,8 +114,9 @@ pub fn client_session(data: &[u8]) {
         }
         if index == usize::from(cut % 8) {
             session.disconnected();
+            input.clear();
             let claimed = u64::from(claim % 16);
-            match session.resumed(claimed, BytesMut::new()) {
+            match session.resumed(claimed) {
                 Ok(again) => {
                     assert!(claimed <= SENT, "a claim beyond the commands sent was accepted");
                     assert!(again <= (SENT - claimed) as usize, "queued again more than the server lacks");

@@ -18,10 +18,10 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use usbwire_proto::client_session::{ClientSession, Event};
+use usbwire_proto::client_session::{ClientSession, Event, READ_CHUNK};
 use usbwire_proto::server_session::{DeviceCall, ServerSession};
 use usbwire_proto::urb::{CmdSubmit, RetSubmit, TransferFlags};
-use usbwire_proto::{Budget, Direction, Limits, Outbox, Status};
+use usbwire_proto::{Budget, Direction, Limits, Outbox, RecvBuffer, Status};
 
 const DEVID: u32 = 0x0001_0002;
 const SIZES: [usize; 3] = [512, 64 << 10, 1 << 20];
@@ -65,7 +65,8 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 /// Moves URBs for [`RUN`]; returns nanoseconds per URB.
 fn run(resumable: bool, direction: Direction, size: usize, depth: usize) -> f64 {
-    let mut client = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default());
+    let mut client = ClientSession::new(DEVID, Limits::default(), Budget::default());
+    let mut client_input = RecvBuffer::with_capacity(READ_CHUNK);
     let mut server = ServerSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default());
     if resumable {
         client = client.resumable();
@@ -87,7 +88,7 @@ fn run(resumable: bool, direction: Direction, size: usize, depth: usize) -> f64 
             client.submit(command(seqnum, direction, &data), seqnum).expect("a valid submit");
             progressed = true;
         }
-        // Like a driver: read into the room input() made, hand it over, again.
+        // Like a driver: read into the room the session made, hand it over, again.
         while server.wants_input() && !client.outbox().is_empty() {
             pump(client.outbox(), server.input(no_iso).expect("valid commands"));
             server.handle_input(no_iso).expect("valid commands");
@@ -105,14 +106,14 @@ fn run(resumable: bool, direction: Direction, size: usize, depth: usize) -> f64 
             server.complete(completion(&urb, &data));
             progressed = true;
         }
-        while pump(server.outbox(), client.input()) {
-            client.handle_input().expect("valid replies");
+        while pump(server.outbox(), &mut client_input) {
+            let completed = |event| {
+                if let Event::Completed { .. } = event {
+                    done += 1;
+                }
+            };
+            client.handle_input(&mut client_input, completed).expect("valid replies");
             progressed = true;
-        }
-        while let Some(event) = client.poll_event() {
-            if let Event::Completed { .. } = event {
-                done += 1;
-            }
         }
         // Like a driver with nothing else to write: acknowledge.
         progressed |= client.acknowledge();

@@ -136,16 +136,19 @@ impl Connection {
             }
             false => (None, None),
         };
-        let front = ApiFront::new(shared.clone());
+        let mut front = ApiFront::new(shared.clone());
         let (ending, end) = watch::channel(None);
         let relay = tokio::spawn(
             async move {
-                let ended = match relay::drive(front, stream, upstream, state).await {
+                let result = relay::drive(&mut front, stream, upstream, state).await;
+                // Closes the connection: what is pending fails as disconnected.
+                drop(front);
+                let ended = match result {
                     Ok(()) => {
                         debug!("connection closed; relay ended");
                         ConnectionEnd::Closed
                     }
-                    // What is pending fails as disconnected (see ApiFront::ended).
+                    // What was pending failed as disconnected (the front closed the connection).
                     Err(RelayError::Reenumerated { addr }) => {
                         debug!(%addr, "the device re-enumerated; the server ended the session");
                         ConnectionEnd::Reenumerated

@@ -5,9 +5,10 @@
 //! It is the same machinery a [`Connection`](crate::Connection) runs: its
 //! [`TransferQueue`]s encode their commands into the same [`ClientSession`],
 //! shared behind the same lock and held to the same budget, and the relay's
-//! [`ApiFront`] takes the session's bytes for the server and gives each reply
-//! to its waiter. Only the relay's loop (`relay::poll_drive`: reading,
-//! writing, timers, reconnecting) is the caller's, one step per call. For
+//! front ([`Callers`](crate::waiters::Callers), held through [`ApiFront`]) takes the session's bytes
+//! for the server and gives each reply to its waiter. Only the relay's loop
+//! (`relay::poll_drive`: reading, writing, timers, reconnecting) is the
+//! caller's, one step per call. For
 //! deterministic tests and fuzzing of what runs on a connection (the usbredir
 //! bridge's [`BridgeCore`](crate::redir::BridgeCore)); not for moving URBs to
 //! a real server, which [`Connection`](crate::Connection) does.
@@ -16,11 +17,10 @@ use std::sync::Arc;
 use std::task::{Context, Waker};
 use std::time::Instant;
 
-use bytes::BytesMut;
-use usbwire_proto::client_session::{ClientSession, ClientSessionError};
-use usbwire_proto::{Budget, Limits, Outbox};
+use usbwire_proto::client_session::{ClientSession, ClientSessionError, READ_CHUNK};
+use usbwire_proto::{Budget, Limits, Outbox, RecvBuffer};
 
-use crate::relay::{Front, Held, RelayError, Step};
+use crate::relay::{Front, Hold, RelayError, Step};
 use crate::waiters::{ApiFront, Handle, Shared, Waiter};
 use crate::TransferQueue;
 
@@ -32,6 +32,8 @@ pub struct DrivenConnection {
     shared: Arc<Shared>,
     front: ApiFront,
     budget: Budget,
+    /// The server's bytes not decoded yet, as the relay reads them.
+    input: RecvBuffer,
     /// The session's bytes taken for the server, as the relay takes them to write.
     wire: Outbox,
 }
@@ -40,20 +42,21 @@ impl DrivenConnection {
     /// A connection to the imported device `devid`, keeping to `budget` as a
     /// [`Connection`](crate::Connection) keeps to its own.
     pub fn new(devid: u32, budget: Budget) -> Self {
-        Self::with_session(devid, budget.clone(), ClientSession::new(devid, BytesMut::new(), Limits::default(), budget))
+        Self::with_session(devid, budget.clone(), ClientSession::new(devid, Limits::default(), budget))
     }
 
     fn with_session(devid: u32, budget: Budget, session: ClientSession<Waiter>) -> Self {
         let (shared, handle) = Shared::new(session);
         let front = ApiFront::new(shared.clone());
-        Self { devid, handle: Some(handle), shared, front, budget, wire: Outbox::default() }
+        let input = RecvBuffer::with_capacity(READ_CHUNK);
+        Self { devid, handle: Some(handle), shared, front, budget, input, wire: Outbox::default() }
     }
 
     /// As a server that granted resume with keep-alive: acknowledgements and
     /// pings go out, and silence is declared after `usbwire_proto::liveness`'s
     /// bounds, counted from `now`. (A new connection: make its queues after.)
     pub fn resumable_with_keepalive(self, now: Instant) -> Self {
-        let session = ClientSession::new(self.devid, BytesMut::new(), Limits::default(), self.budget.clone());
+        let session = ClientSession::new(self.devid, Limits::default(), self.budget.clone());
         Self::with_session(self.devid, self.budget.clone(), session.resumable().keepalive(now))
     }
 
@@ -63,7 +66,7 @@ impl DrivenConnection {
             Some(handle) => TransferQueue::new(self.devid, handle.clone()),
             None => {
                 // Ended: a queue that fails every submit, as one of a closed connection does.
-                let session = ClientSession::new(self.devid, BytesMut::new(), Limits::default(), self.budget.clone());
+                let session = ClientSession::new(self.devid, Limits::default(), self.budget.clone());
                 let (shared, handle) = Shared::new(session);
                 shared.close();
                 TransferQueue::new(self.devid, handle)
@@ -80,11 +83,14 @@ impl DrivenConnection {
         if self.is_closed() {
             return Ok(false);
         }
-        let mut session = self.front.hold();
-        let moved = session.take_outbox(&mut self.wire);
-        match session.watch(&mut Context::from_waker(Waker::noop()))? {
-            Step::Progressed | Step::Idle | Step::Detached => Ok(moved),
-        }
+        let wire = &mut self.wire;
+        self.front.hold(|session, callers| {
+            let mut moved = session.outbox().hand_over(wire);
+            if let Step::Progressed = callers.poll_commands(&mut Context::from_waker(Waker::noop()), session)? {
+                moved |= session.outbox().hand_over(wire);
+            }
+            Ok(moved)
+        })
     }
 
     /// The bytes for the server, those the callers gave the session since
@@ -92,51 +98,62 @@ impl DrivenConnection {
     /// ([`Outbox::slices`], [`Outbox::advance`]).
     pub fn to_server(&mut self) -> &mut Outbox {
         if !self.is_closed() {
-            self.front.hold().take_outbox(&mut self.wire);
+            let wire = &mut self.wire;
+            self.front.hold(|session, _| session.outbox().hand_over(wire));
         }
         &mut self.wire
     }
 
     /// The server's bytes in (the relay's "server -> session -> front" step):
-    /// replies decoded and handed to their waiters, those before an error too.
-    /// Nothing once the connection ended.
+    /// replies decoded and handed to their waiters, those before an error too;
+    /// then what a dropped queue left goes in as they made room. An error
+    /// (the server's, or a command the session refused) ends the connection
+    /// (call [`end`](Self::end)). Nothing once the connection ended.
     pub fn handle_server(&mut self, bytes: &[u8]) -> Result<(), ClientSessionError> {
         if self.is_closed() {
             return Ok(());
         }
-        let mut session = self.front.hold();
-        session.input().extend_from_slice(bytes);
-        session.take_replies().handled
+        self.input.extend_from_slice(bytes);
+        let input = &mut self.input;
+        self.front.hold(|session, callers| {
+            let handled = session.handle_input(input, |event| callers.deliver(event));
+            let mut cx = Context::from_waker(Waker::noop());
+            let refused = callers.poll_commands(&mut cx, session);
+            callers.poll_flush(&mut cx);
+            handled?;
+            match refused {
+                Err(RelayError::Server(error)) => Err(error),
+                _ => Ok(()),
+            }
+        })
     }
 
     /// Queues the acknowledgement of the replies received, as an idle relay
     /// does (resumable sessions). Returns whether it queued one.
     pub fn acknowledge(&mut self) -> bool {
-        self.shared.session().is_some_and(|mut session| session.acknowledge())
+        self.shared.with_session(|session| session.acknowledge()).unwrap_or(false)
     }
 
     /// When to call [`handle_timeout`](Self::handle_timeout) next, if ever
     /// (never once the connection ended).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.shared.session().and_then(|session| session.poll_timeout())
+        self.shared.with_session(|session| session.poll_timeout()).flatten()
     }
 
     /// Runs the keep-alive timer at `now` (see [`ClientSession::handle_timeout`];
     /// the caller always listens). `Silent` means the link is dead: call
     /// [`end`](Self::end).
     pub fn handle_timeout(&mut self, now: Instant) -> Result<(), ClientSessionError> {
-        match self.shared.session() {
-            Some(mut session) => session.handle_timeout(now, true),
-            None => Ok(()),
-        }
+        self.shared.with_session(|session| session.handle_timeout(now, true)).unwrap_or(Ok(()))
     }
 
     /// The link is gone and the session with it, as when a relay ends: the
     /// connection is closed, its queues' pending URBs fail as disconnected.
     pub fn end(&mut self) {
         self.handle = None;
-        self.front.ended();
+        self.shared.close();
         self.wire.clear();
+        self.input.clear();
     }
 
     /// Whether the connection is gone.
@@ -152,7 +169,7 @@ impl DrivenConnection {
 
     /// Seqnums outstanding in the session (sent, or waiting to be).
     pub fn outstanding(&self) -> usize {
-        self.shared.session().map_or(0, |session| session.outstanding())
+        self.shared.with_session(|session| session.outstanding()).unwrap_or(0)
     }
 
     /// The budget it keeps to.

@@ -1,12 +1,12 @@
 //! The kernel's relay: vhci-hcd's end of a socket pair as the relay's
 //! [`Front`]. The kernel writes plain USB/IP commands into it and reads the
 //! replies back; [`run`] decodes the commands into the session the relay
-//! drives and encodes each reply for the kernel. The relay's loop, resume and
-//! keep-alive are `relay`'s; the userspace fronts are `waiters`' and
-//! `driven`'s. Not for anything but vhci-hcd: the kernel is trusted to send
-//! well-formed isochronous descriptors.
+//! drives (its own, held without a lock) and encodes each reply for the
+//! kernel. It owns the kernel's socket and the bytes to and from it; the
+//! relay's loop, resume and keep-alive are `relay`'s; the userspace front is
+//! `waiters`'. Not for anything but vhci-hcd: the kernel is trusted to send
+//! well-formed isochronous descriptors (`urb::announces_iso_packets`).
 
-use std::ops::DerefMut;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -19,7 +19,7 @@ use usbwire_proto::urb::{self, ClientMessage};
 use usbwire_proto::{Budget, Limits, Outbox};
 use usbwire_transport::PeerStream;
 
-use crate::relay::{drive, new_session, Front, Held, RelayError, RelayState, Replies, Step, Upstream};
+use crate::relay::{drive, new_session, Front, RelayError, RelayState, Step, Upstream, END_TIMEOUT};
 use crate::relay_wire::poll_write_all;
 
 /// Replies waiting for the kernel to read them before the relay stops reading the server.
@@ -38,10 +38,15 @@ pub async fn run<K>(
 where
     K: AsyncRead + AsyncWrite + Unpin,
 {
-    let session = new_session(devid, &upstream, Budget::default());
-    let front =
-        KernelFront { kernel, kernel_in: BytesMut::with_capacity(64 * 1024), kernel_out: Outbox::default(), session };
-    drive(front, stream, upstream, state).await
+    let front = KernelFront { kernel, kernel_in: BytesMut::with_capacity(64 * 1024), kernel_out: Outbox::default() };
+    // The kernel's session is the relay's alone: held without a lock.
+    let mut held = (new_session(devid, &upstream, Budget::default()), front);
+    let result = drive(&mut held, stream, upstream, state).await;
+    if let Err(RelayError::Reenumerated { .. }) = &result {
+        // The replies before the end (a DFU_DETACH's) reach the kernel first.
+        held.1.flush().await;
+    }
+    result
 }
 
 /// vhci-hcd's end of the socket pair: commands as bytes in, replies as bytes out.
@@ -51,69 +56,27 @@ struct KernelFront<K> {
     kernel_in: BytesMut,
     /// Replies for the kernel.
     kernel_out: Outbox,
-    /// The kernel's session: the relay's alone.
-    session: ClientSession<()>,
-}
-
-/// The kernel's session, held, beside the replies for the kernel.
-struct KernelHeld<'a> {
-    session: &'a mut ClientSession<()>,
-    kernel_out: &'a mut Outbox,
-}
-
-impl std::ops::Deref for KernelHeld<'_> {
-    type Target = ClientSession<()>;
-
-    fn deref(&self) -> &ClientSession<()> {
-        self.session
-    }
-}
-
-impl DerefMut for KernelHeld<'_> {
-    fn deref_mut(&mut self) -> &mut ClientSession<()> {
-        self.session
-    }
-}
-
-impl Held<()> for KernelHeld<'_> {
-    fn take_replies(&mut self) -> Replies {
-        let kernel_out = &mut *self.kernel_out;
-        let handled = self.session.handle_input_with(|event| match event {
-            Event::Completed { reply, .. } => kernel_out.push_ret_submit(&reply),
-            Event::Unlinked { reply, .. } => kernel_out.push_ret_unlink(&reply),
-        });
-        // The kernel runs elsewhere: nothing to make room for.
-        Replies { handled, woke: false }
-    }
 }
 
 impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
     type Tag = ();
-    type Held<'a>
-        = KernelHeld<'a>
-    where
-        K: 'a;
 
-    fn hold(&mut self) -> KernelHeld<'_> {
-        KernelHeld { session: &mut self.session, kernel_out: &mut self.kernel_out }
-    }
-
-    fn poll_commands(&mut self, cx: &mut Context<'_>) -> Result<Step, RelayError> {
-        if !self.session.wants_commands() {
+    fn poll_commands(&mut self, cx: &mut Context<'_>, session: &mut ClientSession<()>) -> Result<Step, RelayError> {
+        if !session.wants_commands() {
             return Ok(Step::Idle);
         }
         // Whole commands left over from a read the session's budget cut short come first.
-        let before = self.session.outstanding();
-        self.take_commands()?;
-        let took = self.session.outstanding() != before;
-        if !self.session.wants_commands() {
+        let before = session.outstanding();
+        self.take_commands(session)?;
+        let took = session.outstanding() != before;
+        if !session.wants_commands() {
             return Ok(if took { Step::Progressed } else { Step::Idle });
         }
         self.kernel_in.reserve(64 * 1024);
         match poll_read_buf(Pin::new(&mut self.kernel), cx, &mut self.kernel_in) {
             Poll::Ready(Ok(0)) => Ok(Step::Detached),
             Poll::Ready(Ok(_)) => {
-                self.take_commands()?;
+                self.take_commands(session)?;
                 Ok(Step::Progressed)
             }
             // The kernel resets its socket on detach.
@@ -123,12 +86,12 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
         }
     }
 
-    fn takes_replies(&self) -> bool {
-        self.kernel_out.queued() < KERNEL_BACKLOG
-    }
-
-    fn unflushed(&self) -> bool {
-        !self.kernel_out.is_empty()
+    #[inline]
+    fn deliver(&mut self, event: Event<()>) {
+        match event {
+            Event::Completed { reply, .. } => self.kernel_out.push_ret_submit(&reply),
+            Event::Unlinked { reply, .. } => self.kernel_out.push_ret_unlink(&reply),
+        }
     }
 
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Step {
@@ -138,13 +101,16 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
             Poll::Ready(Err(_)) => Step::Detached,
         }
     }
+
+    fn takes_replies(&self) -> bool {
+        self.kernel_out.queued() < KERNEL_BACKLOG
+    }
 }
 
-impl<K> KernelFront<K> {
+impl<K: AsyncRead + AsyncWrite + Unpin> KernelFront<K> {
     /// Decodes the kernel's whole commands into the session.
-    fn take_commands(&mut self) -> Result<(), RelayError> {
+    fn take_commands(&mut self, session: &mut ClientSession<()>) -> Result<(), RelayError> {
         let limits = Limits::default();
-        let session = &mut self.session;
         while session.wants_commands() {
             // vhci sends isochronous descriptors exactly when the URB has packets:
             // the kernel is trusted here.
@@ -158,5 +124,26 @@ impl<K> KernelFront<K> {
             }
         }
         Ok(())
+    }
+
+    /// Writes the replies still waiting for the kernel, for at most [`END_TIMEOUT`].
+    async fn flush(&mut self) {
+        let out = &mut self.kernel_out;
+        let kernel = &mut self.kernel;
+        let flushed = tokio::time::timeout(
+            END_TIMEOUT,
+            std::future::poll_fn(|cx| loop {
+                match poll_write_all(out, cx, &mut *kernel) {
+                    Poll::Ready(Ok(_)) if out.is_empty() => return Poll::Ready(()),
+                    Poll::Ready(Ok(_)) => {}
+                    Poll::Ready(Err(_)) => return Poll::Ready(()),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }),
+        )
+        .await;
+        if flushed.is_err() {
+            tracing::debug!("the last replies did not reach the kernel in time");
+        }
     }
 }

@@ -10,8 +10,10 @@
 //! write the new bytes. The relay, through [`ApiFront`], takes the lock only
 //! between its reads and writes: it takes the outbox's bytes to write them
 //! without the lock, and has the session decode what it read, each reply going
-//! to its waiter as it is decoded: a reply future, or a queue's [`Inbox`] (a
-//! read's replies for one queue go over together, see [`Deliveries`]).
+//! to its waiter as it is decoded ([`Callers`] is the relay's front): a reply
+//! future, or a queue's [`Inbox`] (a read's replies for one queue go over
+//! together, see [`Deliveries`]). Not for the relay's loop or its I/O
+//! (`relay`), nor for how a queue batches its URBs (`queue`).
 //!
 //! Everything here is bounded by the connection's [`Budget`], the session's:
 //! a command goes in while the session has room for it
@@ -25,7 +27,6 @@
 //! ([`State::overflow`]) and go into the session as replies make room.
 
 use std::collections::VecDeque;
-use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
@@ -35,10 +36,10 @@ use tokio::sync::oneshot;
 use tracing::debug;
 use usbwire_proto::client_session::{ClientSession, ClientSessionError, Event};
 use usbwire_proto::urb::{CmdSubmit, CmdUnlink, RetSubmit};
-use usbwire_proto::{Outbox, Status};
+use usbwire_proto::Status;
 
 use crate::inbox::{Deliveries, Inbox};
-use crate::relay::{Front, Held, RelayError, Replies, Step};
+use crate::relay::{Front, Hold, RelayError, Step};
 use crate::TransferError;
 
 /// A command on its way to the session.
@@ -103,6 +104,12 @@ struct State {
     /// The protocol state: outstanding seqnums with their waiters, the
     /// budget, resume's bookkeeping, and the outbox the relay writes from.
     session: ClientSession<Waiter>,
+    callers: Callers,
+}
+
+/// Everything but the session that the callers and the relay share under the
+/// lock: the relay's [`Front`] for a userspace connection.
+pub(crate) struct Callers {
     /// Commands of dropped queues that did not fit the budget: they go into
     /// the session, in order and before any other, as replies make room.
     overflow: VecDeque<Request>,
@@ -118,28 +125,42 @@ struct State {
     next_queue: u64,
     /// Live [`Handle`]s: at none, the relay ends the session.
     handles: usize,
+    /// The relay's: the replies of one read on their way to their waiters
+    /// (reused from read to read, so handing replies over allocates nothing).
+    deliveries: Deliveries,
+    /// Replies were delivered since the relay last took commands: room again.
+    answered: bool,
+    /// A reply future was answered since the last flush (its task is woken).
+    answered_futures: bool,
+    /// The session's outbox's written count when the relay last took
+    /// commands: more means its bytes were taken, which makes room too.
+    taken: u64,
 }
 
-impl State {
-    /// Gives `request` to the session (outstanding, and encoded into its
+impl Callers {
+    /// Gives `request` to `session` (outstanding, and encoded into its
     /// outbox while connected); a refusal ends the connection.
     #[inline(always)]
-    fn submit(&mut self, request: Request) {
+    fn submit(&mut self, session: &mut ClientSession<Waiter>, request: Request) {
         let submitted = match request {
-            Request::Submit(submit, waiter) => self.session.submit(submit, waiter),
-            Request::Unlink(unlink) => self.session.unlink(unlink),
+            Request::Submit(submit, waiter) => session.submit(submit, waiter),
+            Request::Unlink(unlink) => session.unlink(unlink),
         };
         if let Err(error) = submitted {
             self.failed.get_or_insert(error);
         }
     }
 
-    /// Moves what waits in `overflow` into the session while it has room.
-    fn admit_overflow(&mut self) {
-        while self.overflow.front().is_some_and(|request| self.session.has_room(request.bytes())) {
-            let Some(request) = self.overflow.pop_front() else { return };
-            self.submit(request);
+    /// Moves what waits in `overflow` into the session while it has room;
+    /// returns whether any moved.
+    fn admit_overflow(&mut self, session: &mut ClientSession<Waiter>) -> bool {
+        let mut admitted = false;
+        while self.overflow.front().is_some_and(|request| session.has_room(request.bytes())) {
+            let Some(request) = self.overflow.pop_front() else { break };
+            self.submit(session, request);
+            admitted = true;
         }
+        admitted
     }
 }
 
@@ -147,8 +168,7 @@ impl Shared {
     /// A connection whose commands go into `session` (which keeps them to
     /// its budget), with its first handle.
     pub(crate) fn new(session: ClientSession<Waiter>) -> (Arc<Self>, Handle) {
-        let state = State {
-            session,
+        let callers = Callers {
             overflow: VecDeque::new(),
             failed: None,
             relay: None,
@@ -156,7 +176,12 @@ impl Shared {
             queues: Vec::new(),
             next_queue: 0,
             handles: 1,
+            deliveries: Deliveries::default(),
+            answered: false,
+            answered_futures: false,
+            taken: 0,
         };
+        let state = State { session, callers };
         let shared = Arc::new(Self {
             state: Mutex::new(Some(state)),
             next_seqnum: AtomicU32::new(1),
@@ -169,10 +194,9 @@ impl Shared {
         usbwire_device::sync::lock(&self.state)
     }
 
-    /// The session, held; `None` once the connection is gone.
-    pub(crate) fn session(&self) -> Option<SessionGuard<'_>> {
-        let guard = self.state();
-        guard.is_some().then_some(SessionGuard(guard))
+    /// Runs `f` on the session, held; `None` once the connection is gone.
+    pub(crate) fn with_session<R>(&self, f: impl FnOnce(&mut ClientSession<Waiter>) -> R) -> Option<R> {
+        self.state().as_mut().map(|state| f(&mut state.session))
     }
 
     pub(crate) fn next_seqnum(&self) -> u32 {
@@ -183,8 +207,8 @@ impl Shared {
     pub(crate) fn accepted(&self) -> (usize, usize) {
         self.state().as_ref().map_or((0, 0), |state| {
             let (urbs, bytes) = state.session.in_flight();
-            let waiting: usize = state.overflow.iter().map(Request::bytes).sum();
-            (urbs + state.overflow.len(), bytes + waiting)
+            let waiting: usize = state.callers.overflow.iter().map(Request::bytes).sum();
+            (urbs + state.callers.overflow.len(), bytes + waiting)
         })
     }
 
@@ -210,30 +234,30 @@ impl Shared {
             return if self.is_closed() { Err(TransferError::Disconnected) } else { Ok(()) };
         }
         let mut guard = self.state();
-        let Some(state) = guard.as_mut() else {
+        let Some(State { session, callers }) = guard.as_mut() else {
             requests.clear();
             return Err(TransferError::Disconnected);
         };
         let mut took = false;
-        if state.overflow.is_empty() {
+        if callers.overflow.is_empty() {
             while let Some(request) = requests.pop_front() {
-                if !state.session.has_room(request.bytes()) {
+                if !session.has_room(request.bytes()) {
                     requests.push_front(request);
                     break;
                 }
-                state.submit(request);
+                callers.submit(session, request);
                 took = true;
             }
         }
         if force {
-            state.overflow.append(requests);
+            callers.overflow.append(requests);
         }
         if let (false, Some(cx)) = (requests.is_empty(), cx) {
-            if !state.room.iter().any(|waker| waker.will_wake(cx.waker())) {
-                state.room.push(cx.waker().clone());
+            if !callers.room.iter().any(|waker| waker.will_wake(cx.waker())) {
+                callers.room.push(cx.waker().clone());
             }
         }
-        let relay = (took || state.failed.is_some()).then(|| state.relay.take()).flatten();
+        let relay = (took || callers.failed.is_some()).then(|| callers.relay.take()).flatten();
         drop(guard);
         if let Some(relay) = relay {
             relay.wake();
@@ -258,17 +282,17 @@ impl Shared {
     /// A new queue's inbox, registered for its replies; `None` if the connection is gone.
     pub(crate) fn register_queue(&self, inbox: Arc<Inbox>) -> Option<u64> {
         let mut guard = self.state();
-        let state = guard.as_mut()?;
-        let id = state.next_queue;
-        state.next_queue += 1;
-        state.queues.push((id, inbox));
+        let callers = &mut guard.as_mut()?.callers;
+        let id = callers.next_queue;
+        callers.next_queue += 1;
+        callers.queues.push((id, inbox));
         Some(id)
     }
 
     /// A dropped queue's URBs still complete; their replies are then dropped.
     pub(crate) fn unregister_queue(&self, id: u64) {
         if let Some(state) = self.state().as_mut() {
-            state.queues.retain(|(queue, _)| *queue != id);
+            state.callers.queues.retain(|(queue, _)| *queue != id);
         }
     }
 
@@ -278,39 +302,10 @@ impl Shared {
     pub(crate) fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
         let Some(state) = self.state().take() else { return };
-        for (_, inbox) in &state.queues {
+        for (_, inbox) in &state.callers.queues {
             inbox.disconnect();
         }
-        state.room.into_iter().for_each(Waker::wake);
-    }
-}
-
-/// The session of an open connection, held (its lock taken).
-pub(crate) struct SessionGuard<'a>(MutexGuard<'a, Option<State>>);
-
-impl SessionGuard<'_> {
-    fn state(&mut self) -> &mut State {
-        match self.0.as_mut() {
-            Some(state) => state,
-            None => unreachable!("a guard is made only while the connection is open, and closing takes the lock"),
-        }
-    }
-}
-
-impl Deref for SessionGuard<'_> {
-    type Target = ClientSession<Waiter>;
-
-    fn deref(&self) -> &Self::Target {
-        match self.0.as_ref() {
-            Some(state) => &state.session,
-            None => unreachable!("a guard is made only while the connection is open, and closing takes the lock"),
-        }
-    }
-}
-
-impl DerefMut for SessionGuard<'_> {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.state().session
+        state.callers.room.into_iter().for_each(Waker::wake);
     }
 }
 
@@ -328,7 +323,7 @@ impl Handle {
 impl Clone for Handle {
     fn clone(&self) -> Self {
         if let Some(state) = self.0.state().as_mut() {
-            state.handles += 1;
+            state.callers.handles += 1;
         }
         Self(self.0.clone())
     }
@@ -337,10 +332,10 @@ impl Clone for Handle {
 impl Drop for Handle {
     fn drop(&mut self) {
         let relay = match self.0.state().as_mut() {
-            Some(state) => {
-                state.handles -= 1;
-                if state.handles == 0 {
-                    state.relay.take()
+            Some(State { callers, .. }) => {
+                callers.handles -= 1;
+                if callers.handles == 0 {
+                    callers.relay.take()
                 } else {
                     None
                 }
@@ -353,152 +348,105 @@ impl Drop for Handle {
     }
 }
 
-/// The relay's view of a userspace connection: callers put their commands
-/// into the session themselves; the relay holds it ([`ApiHeld`]) to take the
-/// bytes to write and to hand replies straight to their waiters.
+/// The relay's hold on a userspace connection: callers put their commands
+/// into the session themselves; the relay takes the lock once a turn to take
+/// the bytes to write and to hand replies straight to their waiters
+/// ([`Callers`]). Dropped as the relay ends, it closes the connection.
 pub(crate) struct ApiFront {
     shared: Arc<Shared>,
-    /// Reused from read to read, so handing replies over allocates nothing.
-    deliveries: Deliveries,
+    /// Tasks to wake once the lock is released.
+    wake: Vec<Waker>,
 }
 
 impl ApiFront {
     pub(crate) fn new(shared: Arc<Shared>) -> Self {
-        Self { shared, deliveries: Deliveries::default() }
+        Self { shared, wake: Vec::new() }
     }
 }
 
-impl Front for ApiFront {
-    type Tag = Waiter;
-    type Held<'a> = ApiHeld<'a>;
+impl Hold for ApiFront {
+    type Front = Callers;
 
-    fn hold(&mut self) -> ApiHeld<'_> {
-        match self.shared.session() {
-            Some(session) => ApiHeld { session: Some(session), deliveries: &mut self.deliveries },
-            None => unreachable!("only the relay closes the connection, as it ends"),
+    /// Holds the lock for `turn`, then wakes the tasks the replies were for
+    /// (and callers waiting for room), so they do not wake into a held lock.
+    fn hold<R>(&mut self, turn: impl FnOnce(&mut ClientSession<Waiter>, &mut Callers) -> R) -> R {
+        let mut guard = self.shared.state();
+        let Some(State { session, callers }) = guard.as_mut() else {
+            unreachable!("only the relay closes the connection, as it ends")
+        };
+        let result = turn(session, callers);
+        if !callers.deliveries.wake.is_empty() {
+            std::mem::swap(&mut callers.deliveries.wake, &mut self.wake);
         }
+        drop(guard);
+        if !self.wake.is_empty() {
+            self.wake.drain(..).for_each(Waker::wake);
+        }
+        result
     }
+}
 
-    fn takes_replies(&self) -> bool {
-        true
-    }
-
+impl Drop for ApiFront {
     /// Marks the connection closed before its pending transfers fail, so
     /// they never see it open.
-    fn ended(&mut self) {
+    fn drop(&mut self) {
         self.shared.close();
     }
 }
 
-/// A userspace connection's session as the relay holds it: under the lock
-/// its callers submit under, with the relay's hand-over of replies. The
-/// tasks the replies woke are woken once the lock is released.
-pub(crate) struct ApiHeld<'a> {
-    /// `None` only as it is dropped.
-    session: Option<SessionGuard<'a>>,
-    deliveries: &'a mut Deliveries,
-}
+impl Front for Callers {
+    type Tag = Waiter;
 
-impl<'a> ApiHeld<'a> {
-    fn guard(&mut self) -> &mut SessionGuard<'a> {
-        match &mut self.session {
-            Some(session) => session,
-            None => unreachable!("released only as it is dropped"),
-        }
-    }
-}
-
-impl Deref for ApiHeld<'_> {
-    type Target = ClientSession<Waiter>;
-
-    fn deref(&self) -> &Self::Target {
-        match &self.session {
-            Some(session) => session,
-            None => unreachable!("released only as it is dropped"),
-        }
-    }
-}
-
-impl DerefMut for ApiHeld<'_> {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        self.guard()
-    }
-}
-
-impl Drop for ApiHeld<'_> {
-    /// Releases the lock, then wakes the tasks the replies were for (and
-    /// callers waiting for room), so they do not wake into a held lock.
-    fn drop(&mut self) {
-        self.session = None;
-        if !self.deliveries.wake.is_empty() {
-            self.deliveries.wake.drain(..).for_each(Waker::wake);
-        }
-    }
-}
-
-impl Held<Waiter> for ApiHeld<'_> {
-    fn take_replies(&mut self) -> Replies {
-        let deliveries = &mut *self.deliveries;
-        let state = match &mut self.session {
-            Some(session) => session.state(),
-            None => unreachable!("released only as it is dropped"),
-        };
-        let State { session, queues, .. } = &mut *state;
-        // Reply futures wake their tasks when sent to; a queue only when it was waiting.
-        let mut answered_futures = false;
-        let mut answered = false;
-        let handled = session.handle_input_with(|event| {
-            answered = true;
-            match event {
-                // The many: a queue's reply joins the others of this read (kept short, so inlined).
-                Event::Completed { reply, tag: Waiter::Queue(id) } => deliveries.add(id, reply, queues),
-                other => answered_futures |= deliver_other(other, deliveries, queues),
-            }
-        });
-        deliveries.hand_over();
-        if answered {
-            // Room again: what a dropped queue left goes in first, then the callers waiting are told.
-            state.admit_overflow();
-            deliveries.wake.append(&mut state.room);
-        }
-        // Woken as the lock is released (see Drop).
-        Replies { handled, woke: !deliveries.wake.is_empty() || answered_futures }
-    }
-
-    /// Callers that wait for room because the outbox was full are told once
-    /// its bytes are taken.
-    fn take_outbox(&mut self, wire: &mut Outbox) -> bool {
-        let deliveries = &mut *self.deliveries;
-        let state = match &mut self.session {
-            Some(session) => session.state(),
-            None => unreachable!("released only as it is dropped"),
-        };
-        let moved = state.session.outbox().hand_over(wire);
-        if moved && !state.room.is_empty() {
-            // Woken as the lock is released (see Drop).
-            deliveries.wake.append(&mut state.room);
-        }
-        moved
-    }
-
+    /// Callers give their commands to the session themselves; here, what a
+    /// dropped queue left goes in as there is room, and callers waiting for
+    /// room are told once replies or the relay's taking the outbox made some.
     /// A command the session refused ends the connection; once every handle
-    /// is gone (the connection and its queues) the session ends, even when
-    /// it is too full to take the last commands a dropped queue handed over
-    /// (a server that answers nothing more must not keep the relay): those
-    /// are dropped, and their waiters, if anyone still holds one, fail.
-    fn watch(&mut self, cx: &mut Context<'_>) -> Result<Step, RelayError> {
-        let state = self.guard().state();
-        if let Some(error) = state.failed.take() {
+    /// is gone (the connection and its queues) the session ends, even when it
+    /// is too full to take the last commands a dropped queue handed over (a
+    /// server that answers nothing more must not keep the relay): those are
+    /// dropped, and their waiters, if anyone still holds one, fail.
+    fn poll_commands(&mut self, cx: &mut Context<'_>, session: &mut ClientSession<Waiter>) -> Result<Step, RelayError> {
+        let taken = session.outbox().written();
+        let room = std::mem::take(&mut self.answered) || taken != self.taken;
+        self.taken = taken;
+        let admitted = room && !self.overflow.is_empty() && self.admit_overflow(session);
+        if room && !self.room.is_empty() {
+            // Woken as the lock is released (see `ApiFront::hold`).
+            self.deliveries.wake.append(&mut self.room);
+        }
+        if let Some(error) = self.failed.take() {
             return Err(error.into());
         }
-        if state.handles == 0 {
+        if self.handles == 0 {
             return Ok(Step::Detached);
         }
-        match &mut state.relay {
+        match &mut self.relay {
             Some(waker) if waker.will_wake(cx.waker()) => {}
             slot => *slot = Some(cx.waker().clone()),
         }
-        Ok(Step::Idle)
+        Ok(if admitted { Step::Progressed } else { Step::Idle })
+    }
+
+    #[inline(always)]
+    fn deliver(&mut self, event: Event<Waiter>) {
+        self.answered = true;
+        match event {
+            // The many: a queue's reply joins the others of this read (kept short, so inlined).
+            Event::Completed { reply, tag: Waiter::Queue(id) } => self.deliveries.add(id, reply, &self.queues),
+            // Reply futures wake their tasks when sent to; a queue only when it was waiting.
+            other => self.answered_futures |= deliver_other(other, &mut self.deliveries, &self.queues),
+        }
+    }
+
+    /// Hands the read's replies to their queues; the tasks waiting for them
+    /// are woken as the lock is released.
+    fn poll_flush(&mut self, _cx: &mut Context<'_>) -> Step {
+        self.deliveries.hand_over();
+        if std::mem::take(&mut self.answered_futures) || !self.deliveries.wake.is_empty() {
+            Step::Woke
+        } else {
+            Step::Idle
+        }
     }
 }
 
@@ -538,9 +486,9 @@ mod tests {
     use std::sync::atomic::AtomicUsize;
     use std::task::Wake;
 
-    use bytes::BytesMut;
+    use usbwire_proto::client_session::READ_CHUNK;
     use usbwire_proto::urb::TransferFlags;
-    use usbwire_proto::{Budget, Direction, Limits};
+    use usbwire_proto::{Budget, Direction, Limits, RecvBuffer};
 
     use super::*;
 
@@ -566,22 +514,29 @@ mod tests {
     }
 
     fn connection(budget: Budget) -> (Arc<Shared>, Handle, ApiFront) {
-        let (shared, handle) = Shared::new(ClientSession::new(1, BytesMut::new(), Limits::default(), budget));
+        let (shared, handle) = Shared::new(ClientSession::new(1, Limits::default(), budget));
         let front = ApiFront::new(shared.clone());
         (shared, handle, front)
     }
 
-    /// The server's answers to `seqnums`, in order, read into the session
-    /// and handed over by the front.
+    /// The server's answers to `seqnums`, in order, decoded by the session
+    /// and handed over by the front, as in a turn of the relay.
     fn answer_all(front: &mut ApiFront, seqnums: &[u32]) {
-        let mut bytes = BytesMut::new();
+        let mut input = RecvBuffer::with_capacity(READ_CHUNK);
         for &seqnum in seqnums {
             let reply = empty_reply(seqnum, Status::OK);
-            reply.encode(&mut bytes);
+            reply.encode(&mut input);
         }
-        let mut session = front.hold();
-        session.input().extend_from_slice(&bytes);
-        session.take_replies().handled.unwrap();
+        front.hold(|session, callers| {
+            session.handle_input(&mut input, |event| callers.deliver(event)).unwrap();
+            callers.poll_commands(&mut Context::from_waker(Waker::noop()), session).unwrap();
+            callers.poll_flush(&mut Context::from_waker(Waker::noop()));
+        });
+    }
+
+    /// The relay's look at the callers' side: whether they let go.
+    fn poll_commands(front: &mut ApiFront, cx: &mut Context<'_>) -> Step {
+        front.hold(|session, callers| callers.poll_commands(cx, session)).unwrap()
     }
 
     /// Counts its wake-ups.
@@ -619,7 +574,7 @@ mod tests {
         answer_all(&mut front, &[1, 2]);
         assert_eq!(seqnums(&b), vec![3], "a dropped queue gets nothing more");
         assert_eq!(seqnums(&a), vec![1, 2, 4, 2]);
-        assert!(front.deliveries.replies.is_empty());
+        assert!(shared.state().as_ref().unwrap().callers.deliveries.replies.is_empty());
     }
 
     #[test]
@@ -627,15 +582,15 @@ mod tests {
         let (shared, _handle, mut front) = connection(Budget::default());
         let relay = Arc::new(Counter::default());
         let waker = Waker::from(relay.clone());
-        assert!(matches!(front.hold().watch(&mut Context::from_waker(&waker)).unwrap(), Step::Idle));
+        assert!(matches!(poll_commands(&mut front, &mut Context::from_waker(&waker)), Step::Idle));
         let mut requests: VecDeque<Request> = [queued(&shared, 0, 512), queued(&shared, 0, 0)].into();
         shared.send(&mut requests, None, false).unwrap();
         assert!(requests.is_empty());
         assert_eq!(relay.0.load(Ordering::Relaxed), 1, "one wake for the batch");
-        let mut session = front.hold();
-        assert_eq!(session.outbox().queued(), 2 * 48 + 512, "both encoded, the OUT data behind its header");
-        assert_eq!(session.outstanding(), 2);
-        drop(session);
+        front.hold(|session, _| {
+            assert_eq!(session.outbox().queued(), 2 * 48 + 512, "both encoded, the OUT data behind its header");
+            assert_eq!(session.outstanding(), 2);
+        });
         assert_eq!(shared.accepted(), (2, 512));
     }
 
@@ -651,7 +606,7 @@ mod tests {
         let waker = Waker::from(caller.clone());
         shared.send(&mut requests, Some(&Context::from_waker(&waker)), false).unwrap();
         assert_eq!(requests.len(), 1, "three accepted, one waits");
-        assert_eq!(shared.session().unwrap().outstanding(), 3);
+        assert_eq!(shared.with_session(|session| session.outstanding()), Some(3));
 
         answer_all(&mut front, &[1, 2]);
         assert_eq!(inbox.state().ready.len(), 2);
@@ -675,18 +630,18 @@ mod tests {
         shared.send(&mut requests, None, true).unwrap();
         assert!(requests.is_empty(), "all accepted");
         assert_eq!(shared.accepted(), (2, 16));
-        assert_eq!(shared.session().unwrap().outstanding(), 1, "the session keeps to its budget");
+        assert_eq!(shared.with_session(|session| session.outstanding()), Some(1), "the session keeps to its budget");
         // Another caller's command waits behind them, not accepted.
         let mut later: VecDeque<Request> = [queued(&shared, 0, 8)].into();
         answer_all(&mut front, &[1]);
-        assert_eq!(shared.session().unwrap().outstanding(), 1, "the second went in");
+        assert_eq!(shared.with_session(|session| session.outstanding()), Some(1), "the second went in");
         shared.send(&mut later, None, false).unwrap();
         assert_eq!(later.len(), 1, "no room yet");
         answer_all(&mut front, &[2]);
         shared.send(&mut later, None, false).unwrap();
         assert!(later.is_empty());
-        let mut session = front.hold();
-        let written: Vec<u8> = session.outbox().slices(64).iter().flat_map(|slice| slice.to_vec()).collect();
+        let written: Vec<u8> =
+            front.hold(|session, _| session.outbox().slices(64).iter().flat_map(|slice| slice.to_vec()).collect());
         let seqnums: Vec<u32> =
             written.chunks(48 + 8).map(|command| u32::from_be_bytes(command[4..8].try_into().unwrap())).collect();
         assert_eq!(seqnums, [1, 2, 3], "in order");
@@ -700,13 +655,12 @@ mod tests {
         shared.send(&mut requests, None, false).unwrap();
         let mut cx = Context::from_waker(Waker::noop());
         drop(handle);
-        assert!(matches!(front.hold().watch(&mut cx).unwrap(), Step::Idle), "a queue still holds it");
+        assert!(matches!(poll_commands(&mut front, &mut cx), Step::Idle), "a queue still holds it");
         drop(second);
-        let mut session = front.hold();
-        assert!(matches!(session.watch(&mut cx).unwrap(), Step::Detached));
-        assert_eq!(session.outstanding(), 1, "what was sent before the handles went is in the session");
-        drop(session);
-        front.ended();
+        assert!(matches!(poll_commands(&mut front, &mut cx), Step::Detached));
+        let outstanding = front.hold(|session, _| session.outstanding());
+        assert_eq!(outstanding, 1, "what was sent before the handles went is in the session");
+        drop(front);
         assert!(shared.is_closed());
         let mut late: VecDeque<Request> = [queued(&shared, 0, 8)].into();
         assert!(matches!(shared.send(&mut late, None, false), Err(TransferError::Disconnected)));
@@ -720,11 +674,11 @@ mod tests {
         // A dropped queue hands over what it holds past the budget.
         let mut requests: VecDeque<Request> = [queued(&shared, 0, 8), queued(&shared, 0, 8)].into();
         shared.send(&mut requests, None, true).unwrap();
-        assert!(!front.hold().has_room(8), "the session is full; the second command waits");
-        assert!(matches!(front.hold().watch(&mut cx).unwrap(), Step::Idle), "held: keep serving");
+        assert!(!front.hold(|session, _| session.has_room(8)), "the session is full; the second command waits");
+        assert!(matches!(poll_commands(&mut front, &mut cx), Step::Idle), "held: keep serving");
         drop(handle);
         assert!(
-            matches!(front.hold().watch(&mut cx).unwrap(), Step::Detached),
+            matches!(poll_commands(&mut front, &mut cx), Step::Detached),
             "nobody holds the connection: a server that never answers does not keep the relay"
         );
     }

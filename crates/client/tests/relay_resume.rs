@@ -17,10 +17,10 @@ use usbwire_bench::proxy::{Cut, Proxy};
 use usbwire_client::kernel_relay;
 use usbwire_client::relay::{self, RelayError, Upstream};
 use usbwire_client::{Security, TransformSpec};
-use usbwire_proto::client_session::{ClientSession, Event};
+use usbwire_proto::client_session::{ClientSession, Event, READ_CHUNK};
 use usbwire_proto::op::BusId;
 use usbwire_proto::urb::CmdSubmit;
-use usbwire_proto::{Budget, Direction, Limits, Status};
+use usbwire_proto::{Budget, Direction, Limits, RecvBuffer, Status};
 use usbwire_testing::TestServer;
 
 const SET_CONFIGURATION_1: [u8; 8] = [0x00, 0x09, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00];
@@ -44,8 +44,8 @@ async fn kernel(
     rounds: u32,
     progress: Arc<AtomicU32>,
 ) -> Result<UnixStream, String> {
-    let mut codec: ClientSession<(u32, bool)> =
-        ClientSession::new(devid, BytesMut::new(), Limits::default(), Budget::default());
+    let mut codec: ClientSession<(u32, bool)> = ClientSession::new(devid, Limits::default(), Budget::default());
+    let mut input = RecvBuffer::with_capacity(READ_CHUNK);
     let mut seqnum = 1;
     codec
         .submit(CmdSubmit::new(seqnum, devid, Direction::Out, 0, 0, SET_CONFIGURATION_1, Bytes::new()), (0, false))
@@ -70,12 +70,13 @@ async fn kernel(
         if configured && next_in == rounds {
             return Ok(socket);
         }
-        let n = socket.read_buf(codec.input()).await.map_err(|e| format!("kernel read: {e}"))?;
+        let n = socket.read_buf(&mut *input).await.map_err(|e| format!("kernel read: {e}"))?;
         if n == 0 {
             return Err("the relay closed the kernel's socket".into());
         }
-        codec.handle_input().map_err(|e| e.to_string())?;
-        while let Some(event) = codec.poll_event() {
+        let mut events = Vec::new();
+        codec.handle_input(&mut input, |event| events.push(event)).map_err(|e| e.to_string())?;
+        for event in events {
             let Event::Completed { reply, tag: (round, is_in) } = event else { return Err("unexpected unlink".into()) };
             if reply.status != Status::OK {
                 return Err(format!("round {round}: status {:?}", reply.status));

@@ -1,17 +1,19 @@
 //! [`ClientSession`]: the client side of one imported device's URB phase,
-//! sans I/O. Given the commands to send ([`submit`], [`unlink`]) and the bytes
-//! the server sent, it queues the commands' bytes ([`outbox`]) and yields
-//! each reply with what the caller attached to its command ([`poll_event`], or
-//! as it is decoded: [`handle_input_with`]).
-//! It owns the outstanding table and the resume state; the caller owns the
-//! socket, the clock and whoever waits for the replies (the kernel behind a
-//! relay, or a userspace application).
+//! sans I/O. One way in for the server's bytes, one way out for its replies:
+//! the driver reads the server into a [`RecvBuffer`] of its own and passes it
+//! to [`handle_input`], which decodes every whole reply and hands each one to
+//! the driver's `deliver` as an [`Event`] carrying what the caller attached to
+//! its command. Commands go in by [`submit`] and [`unlink`]; their bytes come
+//! out of the [`outbox`]; time comes in by [`handle_timeout`]`(now)`.
+//! It owns the outstanding table and the resume state; it is not for the
+//! socket, the clock, the read buffer or whoever waits for the replies (the
+//! kernel behind a relay, or a userspace application): those are the driver's.
 //!
 //! A session can be shared behind a lock between the callers that submit
 //! and a driver that does the I/O: a caller checks [`has_room`] (the
-//! budget) and submits straight into it; the driver reads into the buffer
-//! [`lend_input`] lends, takes the outbox's bytes to write them
-//! ([`Outbox::hand_over`]), and holds the lock only to decode and to take.
+//! budget) and submits straight into it; the driver reads into its own
+//! buffer without the lock, and holds the lock only to decode
+//! ([`handle_input`]) and to take the outbox's bytes ([`Outbox::hand_over`]).
 //!
 //! Replies may come in any order. A `RET_UNLINK(-ECONNRESET)` ends its target
 //! too (the server sends no `RET_SUBMIT` for a URB it cancelled); a
@@ -35,23 +37,20 @@
 //! [`submit`]: ClientSession::submit
 //! [`unlink`]: ClientSession::unlink
 //! [`outbox`]: ClientSession::outbox
-//! [`poll_event`]: ClientSession::poll_event
-//! [`handle_input_with`]: ClientSession::handle_input_with
+//! [`handle_input`]: ClientSession::handle_input
+//! [`handle_timeout`]: ClientSession::handle_timeout
 //! [`resumable`]: ClientSession::resumable
 //! [`acknowledge`]: ClientSession::acknowledge
 //! [`disconnected`]: ClientSession::disconnected
 //! [`replies_received`]: ClientSession::replies_received
 //! [`resumed`]: ClientSession::resumed
 //! [`has_room`]: ClientSession::has_room
-//! [`lend_input`]: ClientSession::lend_input
 
 mod outstanding;
 mod sending;
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
-
-use bytes::BytesMut;
 
 use crate::liveness::{self, Due, Link, Liveness};
 use crate::outbox::Outbox;
@@ -60,8 +59,9 @@ use crate::urb::{self, CmdSubmit, CmdUnlink, RetSubmit, RetUnlink, ServerMessage
 use crate::{Budget, DecodeError, Limits, RecvBuffer, SeqnumMap, Status};
 use outstanding::{shape_of, Command, Kept, Outstanding, Sent};
 
-/// What a read buffer grows by, at least.
-const READ_CHUNK: usize = 256 * 1024;
+/// What a driver's read buffer grows by, at least:
+/// `RecvBuffer::with_capacity(READ_CHUNK)` is the buffer [`ClientSession::handle_input`] reads best from.
+pub const READ_CHUNK: usize = 256 * 1024;
 
 /// Reply bytes a resumable session takes before it acknowledges them even
 /// though the driver is busy: far below any server's budget of unacknowledged
@@ -116,8 +116,6 @@ pub struct ClientSession<T> {
     devid: u32,
     limits: Limits,
     budget: Budget,
-    /// Reused once the payloads decoded from it are dropped.
-    inbuf: RecvBuffer,
     outstanding: SeqnumMap<Outstanding<T>>,
     /// Resumable sessions: the commands of `outstanding`, whole, by seqnum.
     kept: SeqnumMap<Kept>,
@@ -139,23 +137,21 @@ pub struct ClientSession<T> {
     resumable: bool,
     connected: bool,
     outbox: Outbox,
-    events: VecDeque<Event<T>>,
     /// `Some` when keep-alive was negotiated ([`crate::liveness`]).
     liveness: Option<Liveness>,
-    /// Input buffered after the last [`handle_input`](Self::handle_input):
+    /// Input left buffered by the last [`handle_input`](Self::handle_input):
     /// more at the next call means the server said something.
     input_seen: usize,
 }
 
 impl<T> ClientSession<T> {
-    /// A session for the imported device `devid`; `leftover` is anything read
-    /// past the import reply.
-    pub fn new(devid: u32, leftover: BytesMut, limits: Limits, budget: Budget) -> Self {
+    /// A session for the imported device `devid` (what was read past the
+    /// import reply goes into the driver's read buffer).
+    pub fn new(devid: u32, limits: Limits, budget: Budget) -> Self {
         Self {
             devid,
             limits,
             budget,
-            inbuf: RecvBuffer::holding(leftover, READ_CHUNK, crate::recv_buffer::MAX_SPARE_BYTES),
             outstanding: SeqnumMap::default(),
             kept: SeqnumMap::default(),
             outstanding_bytes: 0,
@@ -169,7 +165,6 @@ impl<T> ClientSession<T> {
             resumable: false,
             connected: true,
             outbox: Outbox::default(),
-            events: VecDeque::new(),
             liveness: None,
             input_seen: 0,
         }
@@ -300,36 +295,11 @@ impl<T> ClientSession<T> {
         Ok(())
     }
 
-    /// The buffer to read server bytes into, with room for the whole next reply.
-    pub fn input(&mut self) -> &mut BytesMut {
-        let rest = self.next_reply_len().unwrap_or(urb::HEADER_LEN).saturating_sub(self.inbuf.len());
-        self.inbuf.reserve_for_next(rest);
-        &mut self.inbuf
-    }
-
-    /// The read buffer, lent out with room for the whole next reply (as
-    /// [`input`](Self::input)): for a driver that reads the server without
-    /// holding the session (one whose callers submit into it under a lock).
-    /// Give it back with [`return_input`](Self::return_input), with what was
-    /// read appended, before [`handle_input`](Self::handle_input); meanwhile
-    /// the session holds no input.
-    pub fn lend_input(&mut self) -> BytesMut {
-        self.input();
-        std::mem::take(&mut *self.inbuf)
-    }
-
-    /// Takes back the buffer [`lend_input`](Self::lend_input) lent, with what
-    /// was read into it (the same buffer: the session keeps track of its
-    /// allocation for reuse).
-    pub fn return_input(&mut self, input: BytesMut) {
-        *self.inbuf = input;
-    }
-
     /// The length of the reply at the front of the input, once its header is
     /// there and it answers an outstanding submit within what was asked (a
     /// reply that claims more is refused when decoded, so it sizes nothing).
-    fn next_reply_len(&self) -> Option<usize> {
-        let header = self.inbuf.get(..urb::HEADER_LEN)?;
+    fn next_reply_len(&self, input: &[u8]) -> Option<usize> {
+        let header = input.get(..urb::HEADER_LEN)?;
         let word = |at: usize| u32::from_be_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]]);
         if urb::Command(word(0)) != urb::Command::RET_SUBMIT {
             return Some(urb::HEADER_LEN);
@@ -347,49 +317,51 @@ impl<T> ClientSession<T> {
         Some(urb::HEADER_LEN + payload + iso_count as usize * urb::ISO_DESCRIPTOR_LEN)
     }
 
-    /// Decodes every whole reply buffered and queues its [`Event`]. A
-    /// resumable session acknowledges them with its next command, or at once
-    /// past [`ACK_EVERY_BYTES`]; a driver with nothing more to write calls
+    /// Decodes every whole reply in `input` (the server's bytes, read by the
+    /// driver into its own buffer) and hands each one to `deliver` as an
+    /// [`Event`], as it is decoded; the events before an error are handed
+    /// over too. Then makes room in `input` for the whole next reply, so the
+    /// driver's next read can take it in one go. A resumable session
+    /// acknowledges the replies with its next command, or at once past
+    /// [`ACK_EVERY_BYTES`]; a driver with nothing more to write calls
     /// [`acknowledge`](Self::acknowledge).
-    pub fn handle_input(&mut self) -> Result<(), ClientSessionError> {
-        let mut events = std::mem::take(&mut self.events);
-        let handled = self.handle_input_with(|event| events.push_back(event));
-        self.events = events;
-        handled
-    }
-
-    /// [`handle_input`](Self::handle_input), handing each [`Event`] to
-    /// `on_event` as its reply is decoded instead of queueing it for
-    /// [`poll_event`](Self::poll_event): for a driver that gives replies
-    /// straight to their waiters. The same checks, in the same order; the
-    /// events before an error are handed over too.
-    pub fn handle_input_with(&mut self, on_event: impl FnMut(Event<T>)) -> Result<(), ClientSessionError> {
-        let buffered = self.inbuf.len();
+    pub fn handle_input(
+        &mut self,
+        input: &mut RecvBuffer,
+        deliver: impl FnMut(Event<T>),
+    ) -> Result<(), ClientSessionError> {
+        let buffered = input.len();
         if let Some(liveness) = self.liveness.as_mut().filter(|_| buffered > self.input_seen) {
             liveness.heard();
         }
-        let decoded = self.decode_replies(on_event);
-        self.input_seen = self.inbuf.len();
+        let decoded = self.decode_replies(input, deliver);
+        self.input_seen = input.len();
         self.send_held();
         if self.resumable {
-            self.unacked_bytes += buffered - self.inbuf.len();
+            self.unacked_bytes += buffered - input.len();
             if self.unacked_bytes >= ACK_EVERY_BYTES {
                 self.acknowledge();
             }
         }
+        let rest = self.next_reply_len(input).unwrap_or(urb::HEADER_LEN).saturating_sub(input.len());
+        input.reserve_for_next(rest);
         decoded
     }
 
-    fn decode_replies(&mut self, mut on_event: impl FnMut(Event<T>)) -> Result<(), ClientSessionError> {
+    fn decode_replies(
+        &mut self,
+        input: &mut RecvBuffer,
+        mut deliver: impl FnMut(Event<T>),
+    ) -> Result<(), ClientSessionError> {
         loop {
-            if let Some(reason) = self.resumable.then(|| resume::parse_end(&self.inbuf)).flatten() {
+            if let Some(reason) = self.resumable.then(|| resume::parse_end(input)).flatten() {
                 return Err(match reason {
                     resume::EndReason::REENUMERATED => ClientSessionError::Reenumerated,
                     _ => ClientSessionError::ServerEnded,
                 });
             }
-            if self.liveness.is_some() && liveness::is_ping(&self.inbuf) {
-                bytes::Buf::advance(&mut *self.inbuf, urb::HEADER_LEN);
+            if self.liveness.is_some() && liveness::is_ping(input) {
+                bytes::Buf::advance(&mut **input, urb::HEADER_LEN);
                 continue;
             }
             let outstanding = &self.outstanding;
@@ -397,9 +369,9 @@ impl<T> ClientSession<T> {
                 Some(Outstanding { sent: Sent::Submit(shape), .. }) => Some(*shape),
                 _ => None,
             };
-            let Some(message) = urb::decode_return(&mut self.inbuf, &self.limits, shape)? else { break };
+            let Some(message) = urb::decode_return(input, &self.limits, shape)? else { break };
             self.replies_received += 1;
-            // One call of `on_event` (so the caller's handler is inlined here).
+            // One call of `deliver` (so the driver's handler is inlined here).
             let event = match message {
                 ServerMessage::Submit(reply) => {
                     // decode_return found it outstanding, as a submit.
@@ -413,7 +385,7 @@ impl<T> ClientSession<T> {
                     None => continue,
                 },
             };
-            on_event(event);
+            deliver(event);
         }
         Ok(())
     }
@@ -460,11 +432,6 @@ impl<T> ClientSession<T> {
         true
     }
 
-    /// The next reply, in the order they arrived.
-    pub fn poll_event(&mut self) -> Option<Event<T>> {
-        self.events.pop_front()
-    }
-
     /// Ends a resumable session: its last message, after every command queued,
     /// tells the server to release the device now rather than hold it for a
     /// resume. Write the outbox out, then close.
@@ -504,12 +471,11 @@ impl<T> ClientSession<T> {
         self.connected
     }
 
-    /// The connection is gone: partial replies and unwritten commands are
-    /// dropped; every command stays outstanding, to be sent again by
+    /// The connection is gone: unwritten commands are dropped (and the
+    /// driver drops what it read and did not decode); every command stays outstanding, to be sent again by
     /// [`resumed`](Self::resumed) if the server never got it (a session that
     /// is not resumable cannot resume: its caller ends it).
     pub fn disconnected(&mut self) {
-        self.inbuf.clear();
         self.input_seen = 0;
         self.outbox.clear();
         self.connected = false;
@@ -521,10 +487,11 @@ impl<T> ClientSession<T> {
     }
 
     /// The server took the session over on a new connection, having received
-    /// `commands_received` commands whole; `leftover` is what was read past its
-    /// answer. Queues every later command again, in order. Only for a
+    /// `commands_received` commands whole (the driver reads the new connection
+    /// into an emptied buffer, past the server's answer). Queues every later
+    /// command again, in order. Only for a
     /// [resumable](Self::resumable) session ([`ClientSessionError::NotResumable`]).
-    pub fn resumed(&mut self, commands_received: u64, leftover: BytesMut) -> Result<usize, ClientSessionError> {
+    pub fn resumed(&mut self, commands_received: u64) -> Result<usize, ClientSessionError> {
         if !self.resumable {
             return Err(ClientSessionError::NotResumable);
         }
@@ -540,7 +507,6 @@ impl<T> ClientSession<T> {
                 Command::Unlink(unlink) => self.outbox.push_header(&unlink.header()),
             }
         }
-        self.inbuf = RecvBuffer::holding(leftover, READ_CHUNK, crate::recv_buffer::MAX_SPARE_BYTES);
         self.input_seen = 0;
         if let Some(liveness) = &mut self.liveness {
             liveness.reconnected();
@@ -567,7 +533,7 @@ impl<T> ClientSession<T> {
 
 #[cfg(test)]
 mod tests {
-    use bytes::Bytes;
+    use bytes::{Bytes, BytesMut};
 
     use super::*;
     use crate::urb::TransferFlags;
@@ -616,12 +582,22 @@ mod tests {
         bytes
     }
 
+    /// The server's `bytes`, read into a fresh buffer and passed in as a
+    /// driver does: the events delivered, and the session's verdict.
+    fn feed(session: &mut ClientSession<u32>, bytes: &[u8]) -> (Vec<Event<u32>>, Result<(), ClientSessionError>) {
+        let mut input = RecvBuffer::with_capacity(READ_CHUNK);
+        input.extend_from_slice(bytes);
+        let mut events = Vec::new();
+        let handled = session.handle_input(&mut input, |event| events.push(event));
+        (events, handled)
+    }
+
     fn acks_in(bytes: &[u8]) -> Vec<u64> {
         bytes.chunks(urb::HEADER_LEN).filter_map(resume::parse_ack).collect()
     }
 
     fn session_with(outstanding: u32, length: u32) -> ClientSession<u32> {
-        let mut session = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default()).resumable();
+        let mut session = ClientSession::new(DEVID, Limits::default(), Budget::default()).resumable();
         for seqnum in 1..=outstanding {
             session.submit(bulk_in(seqnum, length), seqnum).unwrap();
         }
@@ -632,8 +608,7 @@ mod tests {
     #[test]
     fn an_acknowledgement_rides_in_front_of_the_next_command() {
         let mut session = session_with(2, 512);
-        session.input().extend_from_slice(&reply(1, 512));
-        session.handle_input().unwrap();
+        feed(&mut session, &reply(1, 512)).1.unwrap();
         assert!(session.outbox().is_empty(), "a small read is not acknowledged by a write of its own");
         session.submit(bulk_in(3, 512), 3).unwrap();
         let bytes = written(&mut session);
@@ -648,8 +623,7 @@ mod tests {
         assert!(!session.acknowledge(), "nothing received yet");
         let mut both = reply(1, 512);
         both.extend_from_slice(&reply(2, 0));
-        session.input().extend_from_slice(&both);
-        session.handle_input().unwrap();
+        feed(&mut session, &both).1.unwrap();
         assert!(session.acknowledge());
         assert_eq!(acks_in(&written(&mut session)), vec![2]);
         assert!(!session.acknowledge());
@@ -661,8 +635,7 @@ mod tests {
         let count = (ACK_EVERY_BYTES / length + 1) as u32;
         let mut session = session_with(count, length as u32);
         for seqnum in 1..=count {
-            session.input().extend_from_slice(&reply(seqnum, length));
-            session.handle_input().unwrap();
+            feed(&mut session, &reply(seqnum, length)).1.unwrap();
             let acks = acks_in(&written(&mut session));
             if (seqnum as usize) * (length + urb::HEADER_LEN) < ACK_EVERY_BYTES {
                 assert!(acks.is_empty(), "acknowledged after {seqnum} replies");
@@ -679,10 +652,9 @@ mod tests {
         let mut session = session_with(2, 512);
         let mut bytes = reply(1, 512);
         bytes.extend_from_slice(&resume::end_header(DEVID));
-        session.input().extend_from_slice(&bytes);
-        assert!(matches!(session.handle_input(), Err(ClientSessionError::ServerEnded)));
-        assert!(matches!(session.poll_event(), Some(Event::Completed { tag: 1, .. })));
-        assert!(session.poll_event().is_none());
+        let (events, handled) = feed(&mut session, &bytes);
+        assert!(matches!(handled, Err(ClientSessionError::ServerEnded)));
+        assert!(matches!(events.as_slice(), [Event::Completed { tag: 1, .. }]));
     }
 
     #[test]
@@ -690,21 +662,21 @@ mod tests {
         let mut session = session_with(2, 512);
         let mut bytes = reply(1, 512);
         bytes.extend_from_slice(&resume::end_header_for(DEVID, resume::EndReason::REENUMERATED));
-        session.input().extend_from_slice(&bytes);
-        assert!(matches!(session.handle_input(), Err(ClientSessionError::Reenumerated)));
-        assert!(matches!(session.poll_event(), Some(Event::Completed { tag: 1, .. })));
+        let (events, handled) = feed(&mut session, &bytes);
+        assert!(matches!(handled, Err(ClientSessionError::Reenumerated)));
+        assert!(matches!(events.as_slice(), [Event::Completed { tag: 1, .. }]));
         // A reason this client does not know is an ordinary end.
         let mut session = session_with(1, 512);
-        session.input().extend_from_slice(&resume::end_header_for(DEVID, resume::EndReason(7)));
-        assert!(matches!(session.handle_input(), Err(ClientSessionError::ServerEnded)));
+        let (_, handled) = feed(&mut session, &resume::end_header_for(DEVID, resume::EndReason(7)));
+        assert!(matches!(handled, Err(ClientSessionError::ServerEnded)));
     }
 
     #[test]
     fn a_stock_session_takes_an_end_for_garbage() {
-        let mut session = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default());
+        let mut session = ClientSession::new(DEVID, Limits::default(), Budget::default());
         session.submit(bulk_in(1, 512), 1).unwrap();
-        session.input().extend_from_slice(&resume::end_header(DEVID));
-        assert!(matches!(session.handle_input(), Err(ClientSessionError::Decode(_))));
+        let (_, handled) = feed(&mut session, &resume::end_header(DEVID));
+        assert!(matches!(handled, Err(ClientSessionError::Decode(_))));
     }
 
     fn bulk_out(seqnum: u32, data: Bytes) -> CmdSubmit {
@@ -721,7 +693,7 @@ mod tests {
     fn a_stock_session_keeps_no_command_once_its_bytes_are_written() {
         // Above the outbox's copy threshold, so the outbox holds the payload itself until written.
         let payload = Bytes::from(vec![0xa5; 4096]);
-        let mut session = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default());
+        let mut session = ClientSession::new(DEVID, Limits::default(), Budget::default());
         session.submit(bulk_out(1, payload.clone()), 1).unwrap();
         session.unlink(CmdUnlink { seqnum: 2, devid: DEVID, unlink_seqnum: 1 }).unwrap();
         assert!(!payload.is_unique(), "queued for writing");
@@ -732,22 +704,22 @@ mod tests {
         // claiming more than the 4096 bytes submitted is refused.
         let mut too_long = reply(1, 0);
         too_long[0x18..0x1c].copy_from_slice(&4097u32.to_be_bytes());
-        session.input().extend_from_slice(&too_long);
-        assert!(matches!(session.handle_input(), Err(ClientSessionError::Decode(_))));
+        let (_, handled) = feed(&mut session, &too_long);
+        assert!(matches!(handled, Err(ClientSessionError::Decode(_))));
     }
 
     #[test]
     fn a_resumable_session_keeps_each_command_until_its_reply() {
         let payload = Bytes::from(vec![0xa5; 4096]);
-        let mut session = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default()).resumable();
+        let mut session = ClientSession::new(DEVID, Limits::default(), Budget::default()).resumable();
         session.submit(bulk_out(1, payload.clone()), 1).unwrap();
         written(&mut session);
         assert!(!payload.is_unique(), "kept to send again after a cut");
         let mut answer = reply(1, 0);
         answer[0x18..0x1c].copy_from_slice(&4096u32.to_be_bytes());
-        session.input().extend_from_slice(&answer);
-        session.handle_input().unwrap();
-        assert!(matches!(session.poll_event(), Some(Event::Completed { tag: 1, .. })));
+        let (events, handled) = feed(&mut session, &answer);
+        handled.unwrap();
+        assert!(matches!(events.as_slice(), [Event::Completed { tag: 1, .. }]));
         assert!(payload.is_unique(), "answered: let go");
         assert_eq!(session.kept.len(), 0);
     }
@@ -755,29 +727,27 @@ mod tests {
     #[test]
     fn a_stock_session_keeps_to_its_budget_and_cannot_resume() {
         let budget = Budget { in_flight_urbs: 2, in_flight_bytes: 1024, ..Budget::default() };
-        let mut session = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), budget);
+        let mut session = ClientSession::new(DEVID, Limits::default(), budget);
         session.submit(bulk_in(1, 512), 1).unwrap();
         assert!(session.wants_commands());
         session.submit(bulk_in(2, 512), 2).unwrap();
         assert!(!session.wants_commands(), "two URBs and 1024 bytes in flight: full");
         written(&mut session);
-        session.input().extend_from_slice(&reply(1, 512));
-        session.handle_input().unwrap();
+        feed(&mut session, &reply(1, 512)).1.unwrap();
         assert!(session.wants_commands(), "one answered: room again");
         session.submit(bulk_in(3, 2048), 3).unwrap();
         assert!(!session.wants_commands(), "bytes over budget");
         assert!(matches!(session.submit(bulk_in(2, 8), 9), Err(ClientSessionError::DuplicateSeqnum(2))));
         session.disconnected();
-        assert!(matches!(session.resumed(0, BytesMut::new()), Err(ClientSessionError::NotResumable)));
+        assert!(matches!(session.resumed(0), Err(ClientSessionError::NotResumable)));
     }
 
     #[test]
     fn a_stock_session_never_acknowledges() {
-        let mut session = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default());
+        let mut session = ClientSession::new(DEVID, Limits::default(), Budget::default());
         session.submit(bulk_in(1, 512), 1).unwrap();
         written(&mut session);
-        session.input().extend_from_slice(&reply(1, 512));
-        session.handle_input().unwrap();
+        feed(&mut session, &reply(1, 512)).1.unwrap();
         assert!(!session.acknowledge());
         assert!(session.outbox().is_empty());
     }

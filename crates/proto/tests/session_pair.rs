@@ -250,7 +250,7 @@ fn unequal_budgets_never_stall() {
         let (client_budget, server_budget) =
             if seed % 2 == 0 { (Budget::default(), small) } else { (small, Budget::default()) };
         let (urbs, bytes) = (server_budget.in_flight_urbs, server_budget.in_flight_bytes);
-        pair.client = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), client_budget);
+        pair.client = ClientSession::new(DEVID, Limits::default(), client_budget);
         pair.server = ServerSession::new(DEVID, BytesMut::new(), Limits::default(), server_budget);
         if resumable {
             let client = std::mem::replace(&mut pair.client, placeholder_client());
@@ -267,7 +267,7 @@ fn unequal_budgets_never_stall() {
 }
 
 fn placeholder_client() -> ClientSession<u32> {
-    ClientSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default())
+    ClientSession::new(DEVID, Limits::default(), Budget::default())
 }
 
 fn placeholder_server() -> ServerSession {

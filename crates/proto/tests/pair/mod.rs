@@ -23,10 +23,10 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use usbwire_proto::client_session::{ClientSession, ClientSessionError, Event};
+use usbwire_proto::client_session::{ClientSession, ClientSessionError, Event, READ_CHUNK};
 use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
 use usbwire_proto::urb::{CmdSubmit, CmdUnlink, RetSubmit, TransferFlags};
-use usbwire_proto::{Budget, Direction, Limits, Status};
+use usbwire_proto::{Budget, Direction, Limits, RecvBuffer, Status};
 
 pub(crate) const DEVID: u32 = 0x0002_0003;
 
@@ -125,6 +125,8 @@ pub(crate) struct Ledger {
 pub(crate) struct Pair {
     pub(crate) rng: Rng,
     pub(crate) client: ClientSession<u32>,
+    /// The client driver's read buffer: the server's bytes not decoded yet.
+    pub(crate) client_input: RecvBuffer,
     pub(crate) server: ServerSession,
     pub(crate) device: ModelDevice,
     /// Completions the device produced that the server has not taken yet.
@@ -152,7 +154,7 @@ impl Pair {
         } else {
             Budget::default()
         };
-        let mut client = ClientSession::new(DEVID, BytesMut::new(), Limits::default(), budget.clone());
+        let mut client = ClientSession::new(DEVID, Limits::default(), budget.clone());
         let mut server = ServerSession::new(DEVID, BytesMut::new(), Limits::default(), budget);
         if resumable {
             client = client.resumable();
@@ -161,6 +163,7 @@ impl Pair {
         Self {
             rng,
             client,
+            client_input: RecvBuffer::with_capacity(READ_CHUNK),
             server,
             device: ModelDevice::default(),
             device_done: VecDeque::new(),
@@ -178,8 +181,7 @@ impl Pair {
         let mut pair = Self::new(seed, true);
         let now = pair.now;
         let budget = Budget::default();
-        pair.client =
-            ClientSession::new(DEVID, BytesMut::new(), Limits::default(), budget.clone()).resumable().keepalive(now);
+        pair.client = ClientSession::new(DEVID, Limits::default(), budget.clone()).resumable().keepalive(now);
         pair.server = ServerSession::new(DEVID, BytesMut::new(), Limits::default(), budget).resumable().keepalive(now);
         pair
     }
@@ -311,9 +313,10 @@ impl Pair {
     pub(crate) fn deliver_to_client(&mut self, max: usize) {
         let n = max.min(self.s2c.len());
         let bytes: Vec<u8> = self.s2c.drain(..n).collect();
-        self.client.input().extend_from_slice(&bytes);
-        self.client.handle_input().unwrap();
-        while let Some(event) = self.client.poll_event() {
+        self.client_input.extend_from_slice(&bytes);
+        let mut events = Vec::new();
+        self.client.handle_input(&mut self.client_input, |event| events.push(event)).unwrap();
+        for event in events {
             self.record(event);
         }
     }
@@ -383,6 +386,7 @@ impl Pair {
         self.c2s.clear();
         self.s2c.clear();
         self.client.disconnected();
+        self.client_input.clear();
         self.server.disconnected();
         self.cuts += 1;
         for _ in 0..self.rng.below(4) {
@@ -396,7 +400,7 @@ impl Pair {
     pub(crate) fn reconnect(&mut self) {
         let received = self.client.replies_received();
         let commands = self.server.resume(received, BytesMut::new()).unwrap();
-        self.client.resumed(commands, BytesMut::new()).unwrap();
+        self.client.resumed(commands).unwrap();
     }
 
     pub(crate) fn step(&mut self, cuts: bool) {
