@@ -73,6 +73,10 @@ impl PeerSession for Session {
         Ok((0, secrets(self.generation, self.chacha)))
     }
 
+    fn update_tx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), RecordError> {
+        Err(RecordError::Unexpected("only the receive side runs here"))
+    }
+
     fn new_session_ticket(&mut self, body: &[u8]) -> Result<(), RecordError> {
         match (self.server, body.first()) {
             (true, _) => Err(RecordError::Unexpected("a NewSessionTicket sent to a server")),

@@ -28,6 +28,7 @@ pub mod key_files;
 pub mod known_servers;
 mod record;
 mod record_reader;
+mod record_writer;
 mod stream;
 pub mod tls;
 mod tls_stream;
@@ -43,8 +44,10 @@ pub use tls_stream::TlsStream;
 /// harness (`fuzz/src/tls_records.rs`). Not an API: connections come from [`handshake`].
 #[doc(hidden)]
 pub mod fuzzing {
+    pub use crate::record::PeerSession;
     pub use crate::record::{content, wire_len, Sealer, MAX_PLAINTEXT};
-    pub use crate::record_reader::{PeerSession, Reader};
+    pub use crate::record_reader::Reader;
+    pub use crate::record_writer::Writer;
     pub use rustls::crypto::cipher::{AeadKey, Iv};
     pub use rustls::ConnectionTrafficSecrets;
 }

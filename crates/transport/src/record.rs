@@ -58,6 +58,9 @@ pub enum RecordError {
     Exhausted,
     #[error("the cipher refused to seal a TLS record; reconnect")]
     Seal,
+    /// A write after close_notify, after a fatal alert, or after a write that failed.
+    #[error("the TLS connection is closed for writing")]
+    Closed,
 }
 
 impl RecordError {
@@ -75,7 +78,7 @@ impl RecordError {
             Self::IllegalParameter(_) => Some(A::IllegalParameter),
             Self::Session(rustls::Error::InvalidMessage(_)) => Some(A::DecodeError),
             Self::Session(_) | Self::Exhausted => Some(A::InternalError),
-            Self::UnsupportedSuite | Self::AlertReceived(_) | Self::Truncated(_) | Self::Seal => None,
+            Self::UnsupportedSuite | Self::AlertReceived(_) | Self::Truncated(_) | Self::Seal | Self::Closed => None,
         }
     }
 }
@@ -88,9 +91,23 @@ impl From<RecordError> for std::io::Error {
                 Self::new(std::io::ErrorKind::InvalidData, rustls::Error::AlertReceived(alert))
             }
             RecordError::Truncated(_) => Self::new(std::io::ErrorKind::UnexpectedEof, error),
+            RecordError::Closed => Self::new(std::io::ErrorKind::BrokenPipe, error),
             _ => Self::new(std::io::ErrorKind::InvalidData, error),
         }
     }
+}
+
+/// What the record layer asks of whoever keeps the handshake's secrets (rustls's
+/// `KernelConnection`; a stand-in with fixed keys in tests and the fuzz harness).
+pub trait PeerSession {
+    /// The peer's next traffic secret after its KeyUpdate, and the sequence number to
+    /// start from (0, RFC 8446 §5.3).
+    fn update_rx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), RecordError>;
+    /// Our next traffic secret, once our KeyUpdate is sealed, and the sequence number to
+    /// start from (0).
+    fn update_tx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), RecordError>;
+    /// A NewSessionTicket's body (without its 4-byte header). Servers refuse it.
+    fn new_session_ticket(&mut self, body: &[u8]) -> Result<(), RecordError>;
 }
 
 /// One direction's key, IV and next sequence number.

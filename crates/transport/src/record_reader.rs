@@ -4,8 +4,9 @@
 //!
 //! Owns the receive buffer (fixed size: a peer cannot make it grow), the peer's traffic
 //! key ([`Opener`]), the reassembly of post-handshake messages, and what the peer's
-//! records oblige us to do (a key update of ours, an end of stream). Not for sockets nor
-//! the send side (`tls_stream`), nor for deriving keys or keeping tickets (rustls's
+//! records oblige us to do (a key update of ours, which it reports for the send side to
+//! owe, an end of stream). Not for sockets (`tls_stream`) nor the send side
+//! (`record_writer`), nor for deriving keys or keeping tickets (rustls's
 //! `KernelConnection`, behind [`PeerSession`]).
 
 use std::ops::Range;
@@ -13,7 +14,7 @@ use std::ops::Range;
 use rustls::{AlertDescription, ConnectionTrafficSecrets};
 use tokio::io::ReadBuf;
 
-use crate::record::{self, content, Opener, RecordError, MAX_RECORD};
+use crate::record::{self, content, Opener, PeerSession, RecordError, MAX_RECORD};
 
 /// Ciphertext read from the socket at once, at most.
 const READ_BUFFER: usize = 256 * 1024;
@@ -25,16 +26,6 @@ const MAX_KEY_UPDATES_IN_A_ROW: u8 = 32;
 /// Handshake message types after the handshake (RFC 8446 §4).
 const NEW_SESSION_TICKET: u8 = 4;
 const KEY_UPDATE: u8 = 24;
-
-/// What the record layer asks of whoever keeps the handshake's secrets (rustls's
-/// `KernelConnection`; a stand-in with fixed keys in the fuzz harness).
-pub trait PeerSession {
-    /// The peer's next traffic secret after its KeyUpdate, and the sequence number to
-    /// start from (0, RFC 8446 §5.3).
-    fn update_rx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), RecordError>;
-    /// A NewSessionTicket's body (without its 4-byte header). Servers refuse it.
-    fn new_session_ticket(&mut self, body: &[u8]) -> Result<(), RecordError>;
-}
 
 /// The receive side: see the module docs.
 pub struct Reader {
@@ -48,8 +39,8 @@ pub struct Reader {
     /// The start of a post-handshake message whose rest is in the next records.
     handshake: Vec<u8>,
     key_updates_in_a_row: u8,
-    /// The peer asked for a key update: the send side owes one before its next record.
-    key_update_due: bool,
+    /// The peer asked for a key update, not yet passed on to the send side.
+    update_requested: bool,
     /// The peer's close_notify arrived.
     closed: bool,
     /// What ended the connection: every later call reports it again.
@@ -75,7 +66,7 @@ impl Reader {
             end: held,
             handshake: Vec::new(),
             key_updates_in_a_row: 0,
-            key_update_due: false,
+            update_requested: false,
             closed: false,
             failed: None,
         })
@@ -121,10 +112,10 @@ impl Reader {
         result
     }
 
-    /// The peer asked for a key update since the last call (answered once however many
-    /// requests came, RFC 8446 §4.6.3).
-    pub fn take_key_update_due(&mut self) -> bool {
-        std::mem::take(&mut self.key_update_due)
+    /// The peer asked for a key update since the last call: the send side owes one
+    /// (`Writer::update_key`; answered once however many requests came, RFC 8446 §4.6.3).
+    pub fn take_update_requested(&mut self) -> bool {
+        std::mem::take(&mut self.update_requested)
     }
 
     /// The peer's close_notify arrived: the stream has ended.
@@ -276,7 +267,7 @@ impl Reader {
                 // RFC 8446 §4.6.3, §7.2: the next secret from rustls; §5.3: its sequence starts at 0.
                 let (sequence, secrets) = session.update_rx()?;
                 self.rx = Opener::new(sequence, secrets)?;
-                self.key_update_due |= request == 1;
+                self.update_requested |= request == 1;
                 tracing::debug!(requested = request == 1, "TLS key update received");
                 Ok(())
             }

@@ -2,19 +2,19 @@
 //!
 //! rustls runs the handshake (`handshake`) and then hands over the traffic keys and a
 //! `KernelConnection` (the API it offers kernel TLS), which keeps what only it can do: new
-//! traffic secrets on a key update, session tickets. [`TlsStream`] owns everything else:
-//! * **reads**: `record_reader` (no I/O of its own) opens records from one 256 KiB buffer
-//!   filled by the socket, straight into the caller's buffer when a record fits there.
-//!   Through rustls's buffered API a byte was copied three times besides: into its
-//!   deframer, into its plaintext queue, out of it. A record that breaks the rules ends
-//!   the connection with the alert RFC 8446 names, sent here.
-//! * **writes**: the caller's slices are encrypted straight into one send buffer, up to
-//!   16 KiB a record (small slices are gathered there first and sealed in place), and go to
-//!   the socket with one write per 64 KiB sealed (the peer opens one while we seal the
-//!   next), or per large slice (a large URB's data, sealed whole into the 1 MiB buffer).
-//!   Through rustls each byte was copied into a record allocated for it, then encrypted.
-//! * key updates we send (answering the peer's request, or before AES-GCM's record
-//!   limit), close_notify, fatal alerts.
+//! traffic secrets on a key update, session tickets. [`TlsStream`] is the glue between the
+//! socket and the two halves of the record layer, neither of which does I/O:
+//! * **reads**: `record_reader` opens records from one 256 KiB buffer filled by the socket,
+//!   straight into the caller's buffer when a record fits there. Through rustls's buffered
+//!   API a byte was copied three times besides: into its deframer, into its plaintext
+//!   queue, out of it. A record that breaks the rules ends the connection with the alert
+//!   RFC 8446 names, sent here.
+//! * **writes**: `record_writer` encrypts the caller's slices straight into its send buffer
+//!   (see there how records are laid out and when they go); this writes what it has sealed
+//!   to the socket. Through rustls each byte was copied into a record allocated for it,
+//!   then encrypted. A failed write ends the connection: nothing sealed goes out after it.
+//! * key updates the peer asks for are passed from the reader to the writer, which sends
+//!   ours (and its own before AES-GCM's record limit); close_notify, fatal alerts.
 
 use std::io;
 use std::pin::Pin;
@@ -23,37 +23,13 @@ use std::task::{ready, Context, Poll};
 use rustls::client::ClientConnectionData;
 use rustls::kernel::KernelConnection;
 use rustls::server::ServerConnectionData;
-use rustls::{AlertDescription, ConnectionTrafficSecrets, SupportedCipherSuite};
+use rustls::{ConnectionTrafficSecrets, SupportedCipherSuite};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-use crate::record::{self, content, wire_len, RecordError, Sealer, MAX_PLAINTEXT};
-use crate::record_reader::{PeerSession, Reader};
-
-/// Sealed bytes waiting for the socket, at most (records of data; a fatal alert has
-/// room of its own after them): a 1 MiB URB's data is sealed whole and goes to the socket
-/// in one piece (fewer, larger socket writes).
-const WRITE_BUFFER: usize = 1024 * 1024;
-/// The part of the send buffer slices shorter than [`LARGE_SLICE`] fill (they go to the
-/// socket [`SEND_AT`] at a time), so the buffer's hot part stays in cache.
-const SMALL_WRITES: usize = 256 * 1024;
-/// A slice at least this long may fill the whole send buffer.
-const LARGE_SLICE: usize = 256 * 1024;
-/// Sealed bytes of shorter slices that go to the socket together: about a 64 KiB URB's
-/// reply, so the peer decrypts one while we seal the next. Waiting for a quarter MiB
-/// instead, both sides took turns idling: 64 KiB bulk IN over TLS ran at 2 800 MiB/s
-/// against 3 950 (2 vCPUs, loopback).
-const SEND_AT: usize = 64 * 1024;
-/// The largest record we seal.
-const MAX_SEALED: usize = wire_len(MAX_PLAINTEXT);
-/// Room a record needs in the send buffer: its own and a key update's before it.
-const ROOM: usize = 2 * MAX_SEALED;
-/// An alert record's room, kept free at the end of the send buffer.
-const ALERT_ROOM: usize = wire_len(2);
-/// Slices at least this long are sealed from where they lie; shorter ones are gathered.
-const SEAL_DIRECT: usize = 2048;
-/// A KeyUpdate, update_not_requested (RFC 8446 §4.6.3).
-const KEY_UPDATE_NOT_REQUESTED: [u8; 5] = [24, 0, 0, 1, 0];
+use crate::record::{PeerSession, RecordError};
+use crate::record_reader::Reader;
+use crate::record_writer::Writer;
 
 /// What rustls keeps of the connection once we hold the keys.
 pub(crate) enum Session {
@@ -68,13 +44,6 @@ impl Session {
             Self::Client(s) => s.negotiated_cipher_suite(),
         }
     }
-
-    fn update_tx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), rustls::Error> {
-        match self {
-            Self::Server(s) => s.update_tx_secret(),
-            Self::Client(s) => s.update_tx_secret(),
-        }
-    }
 }
 
 impl PeerSession for Session {
@@ -82,6 +51,14 @@ impl PeerSession for Session {
         match self {
             Self::Server(s) => s.update_rx_secret(),
             Self::Client(s) => s.update_rx_secret(),
+        }
+        .map_err(RecordError::Session)
+    }
+
+    fn update_tx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), RecordError> {
+        match self {
+            Self::Server(s) => s.update_tx_secret(),
+            Self::Client(s) => s.update_tx_secret(),
         }
         .map_err(RecordError::Session)
     }
@@ -110,19 +87,8 @@ pub(crate) struct Established {
 pub struct TlsStream {
     tcp: TcpStream,
     session: Session,
-    tx: Sealer,
+    tx: Writer,
     rx: Reader,
-    /// Records to seal under one key before updating it (the suite's confidentiality limit, with room).
-    tx_limit: u64,
-    /// The peer asked for a key update (or we want one): send ours before the next record.
-    key_update_due: bool,
-    /// Sealed records in `outgoing[sent..filled]`, waiting for the socket.
-    outgoing: Vec<u8>,
-    sent: usize,
-    filled: usize,
-    close_notify_sent: bool,
-    /// A fatal alert went either way (RFC 8446 §6.2): nothing more is sent.
-    fatal: bool,
 }
 
 impl std::fmt::Debug for TlsStream {
@@ -140,20 +106,7 @@ impl TlsStream {
                 return Err(io::Error::other("TLS 1.2 negotiated; usbwire speaks TLS 1.3 only"))
             }
         };
-        Ok(Self {
-            tcp,
-            session,
-            tx: Sealer::new(tx.0, tx.1)?,
-            rx: Reader::new(rx, &plaintext, &ciphertext)?,
-            // RFC 8446 §5.5: a new key well before the suite's limit (2^24.5 records for AES-GCM).
-            tx_limit: limit - limit / 16,
-            key_update_due: false,
-            outgoing: vec![0; WRITE_BUFFER + ALERT_ROOM],
-            sent: 0,
-            filled: 0,
-            close_notify_sent: false,
-            fatal: false,
-        })
+        Ok(Self { tcp, session, tx: Writer::new(tx, limit)?, rx: Reader::new(rx, &plaintext, &ciphertext)? })
     }
 
     /// The TCP socket underneath.
@@ -172,121 +125,40 @@ impl TlsStream {
     /// The peer's records broke the connection: tell it why (RFC 8446 §6.2; best effort,
     /// without waiting for the socket) and stop sending.
     fn fail(&mut self, error: RecordError) -> io::Error {
-        if let Some(alert) = error.alert() {
-            self.send_fatal_alert(alert);
-        }
         if !matches!(error, RecordError::Truncated(_)) {
-            self.fatal = true;
+            let alert = error.alert();
+            self.tx.end(alert);
+            if let Some(alert) = alert {
+                tracing::debug!(?alert, "TLS alert sent");
+            }
+            while !self.tx.pending().is_empty() {
+                match self.tcp.try_write(self.tx.pending()) {
+                    Ok(n) if n > 0 => self.tx.sent(n),
+                    _ => break,
+                }
+            }
         }
         error.into()
     }
 
-    fn send_fatal_alert(&mut self, alert: AlertDescription) {
-        if self.fatal || self.close_notify_sent {
-            return;
-        }
-        let at = self.filled;
-        // The room past WRITE_BUFFER is kept for this record.
-        match self.tx.seal_from(content::ALERT, &[2, u8::from(alert)], &mut self.outgoing[at..]) {
-            Ok(len) => self.filled += len,
-            Err(_) => return,
-        }
-        tracing::debug!(?alert, "TLS alert sent");
-        while self.sent < self.filled {
-            match self.tcp.try_write(&self.outgoing[self.sent..self.filled]) {
-                Ok(n) if n > 0 => self.sent += n,
-                _ => break,
-            }
-        }
-    }
-
-    /// Seals as much of `bufs` as the send buffer has room for; returns how much.
-    fn seal_slices(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
-        // Make room by moving what is still unsent to the front, once that moves at most
-        // as much as it frees.
-        if SMALL_WRITES.saturating_sub(self.filled) < ROOM
-            && self.sent >= (self.filled - self.sent).max(SMALL_WRITES / 2)
-        {
-            self.outgoing.copy_within(self.sent..self.filled, 0);
-            (self.filled, self.sent) = (self.filled - self.sent, 0);
-        }
-        let mut taken = 0;
-        // Short slices gathered for one record, at `outgoing[filled + HEADER..]`.
-        let mut gathered = 0;
-        'slices: for slice in bufs {
-            let (end, send_at) =
-                if slice.len() >= LARGE_SLICE { (WRITE_BUFFER, WRITE_BUFFER) } else { (SMALL_WRITES, SEND_AT) };
-            let mut piece: &[u8] = slice;
-            while !piece.is_empty() {
-                if end.saturating_sub(self.filled) < ROOM || self.filled - self.sent >= send_at {
-                    break 'slices;
-                }
-                if gathered == 0 && piece.len() >= SEAL_DIRECT {
-                    self.before_record()?;
-                    let (now, rest) = piece.split_at(piece.len().min(MAX_PLAINTEXT));
-                    self.filled +=
-                        self.tx.seal_from(content::APPLICATION_DATA, now, &mut self.outgoing[self.filled..])?;
-                    (piece, taken) = (rest, taken + now.len());
-                    continue;
-                }
-                if piece.len() >= SEAL_DIRECT {
-                    self.seal_gathered(&mut gathered)?;
-                    continue;
-                }
-                if gathered == 0 {
-                    self.before_record()?;
-                }
-                let n = piece.len().min(MAX_PLAINTEXT - gathered);
-                let at = self.filled + record::HEADER + gathered;
-                self.outgoing[at..at + n].copy_from_slice(&piece[..n]);
-                (piece, gathered, taken) = (&piece[n..], gathered + n, taken + n);
-                if gathered == MAX_PLAINTEXT {
-                    self.seal_gathered(&mut gathered)?;
-                }
-            }
-        }
-        self.seal_gathered(&mut gathered)?;
-        Ok(taken)
-    }
-
-    /// Seals the `gathered` bytes waiting at `outgoing[filled + HEADER..]` as one record.
-    fn seal_gathered(&mut self, gathered: &mut usize) -> io::Result<()> {
-        if *gathered > 0 {
-            let at = self.filled;
-            self.filled += self.tx.seal_in_place(content::APPLICATION_DATA, *gathered, &mut self.outgoing[at..])?;
-            *gathered = 0;
-        }
-        Ok(())
-    }
-
-    /// A key update of ours first if the peer asked for one or the key is near its limit.
-    /// RFC 8446 §4.6.3: a requested update is answered before our next application data,
-    /// once however many requests came; §5.5: a new key before AES-GCM's record limit.
-    fn before_record(&mut self) -> io::Result<()> {
-        self.key_update_due |= self.rx.take_key_update_due();
-        if !self.key_update_due && self.tx.sequence() < self.tx_limit {
-            return Ok(());
-        }
-        let message = KEY_UPDATE_NOT_REQUESTED;
-        self.filled += self.tx.seal_from(content::HANDSHAKE, &message, &mut self.outgoing[self.filled..])?;
-        let (sequence, secrets) = self.session.update_tx().map_err(io::Error::other)?;
-        self.tx = Sealer::new(sequence, secrets)?;
-        self.key_update_due = false;
-        tracing::debug!("TLS key update sent");
-        Ok(())
-    }
-
-    /// Writes sealed records until all are out (`Ready(Ok)`) or the socket is full.
+    /// Writes sealed records until all are out (`Ready(Ok)`) or the socket is full. A
+    /// failed write ends the connection.
     fn poll_send(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        while self.sent < self.filled {
-            let n = ready!(Pin::new(&mut self.tcp).poll_write(cx, &self.outgoing[self.sent..self.filled]))?;
-            if n == 0 {
-                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+        while !self.tx.pending().is_empty() {
+            let written = ready!(Pin::new(&mut self.tcp).poll_write(cx, self.tx.pending()));
+            match written {
+                Ok(n) if n > 0 => self.tx.sent(n),
+                Ok(_) => return Poll::Ready(Err(self.write_failed(io::ErrorKind::WriteZero.into()))),
+                Err(error) => return Poll::Ready(Err(self.write_failed(error))),
             }
-            self.sent += n;
         }
-        (self.sent, self.filled) = (0, 0);
         Poll::Ready(Ok(()))
+    }
+
+    /// The socket refused a write: the connection is over, nothing sealed goes out after.
+    fn write_failed(&mut self, error: io::Error) -> io::Error {
+        self.tx.fail();
+        error
     }
 }
 
@@ -294,7 +166,11 @@ impl AsyncRead for TlsStream {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         loop {
-            match this.rx.read(&mut this.session, buf) {
+            let read = this.rx.read(&mut this.session, buf);
+            if this.rx.take_update_requested() {
+                this.tx.update_key();
+            }
+            match read {
                 Ok(false) => return Poll::Ready(Ok(())),
                 Ok(true) => {}
                 Err(error) => return Poll::Ready(Err(this.fail(error))),
@@ -315,17 +191,17 @@ impl AsyncWrite for TlsStream {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.close_notify_sent || this.fatal {
-            return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "TLS connection already closed")));
+        if !this.tx.is_open() {
+            return Poll::Ready(Err(RecordError::Closed.into()));
         }
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         if total == 0 {
             return Poll::Ready(Ok(0));
         }
-        let mut take = this.seal_slices(bufs)?;
+        let mut take = this.tx.seal(&mut this.session, bufs)?;
         if take == 0 {
             ready!(this.poll_send(cx))?;
-            take = this.seal_slices(bufs)?;
+            take = this.tx.seal(&mut this.session, bufs)?;
         }
         // The bytes are ours now; what the socket does not take goes with the next write or flush.
         if let Poll::Ready(Err(error)) = this.poll_send(cx) {
@@ -340,6 +216,9 @@ impl AsyncWrite for TlsStream {
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if this.tx.has_failed() {
+            return Poll::Ready(Err(RecordError::Closed.into()));
+        }
         ready!(this.poll_send(cx))?;
         Pin::new(&mut this.tcp).poll_flush(cx)
     }
@@ -347,13 +226,7 @@ impl AsyncWrite for TlsStream {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         // RFC 8446 §6.1: close_notify before closing our side, unless a fatal alert went.
-        if !this.close_notify_sent && !this.fatal {
-            if WRITE_BUFFER - this.filled < ALERT_ROOM {
-                ready!(this.poll_send(cx))?;
-            }
-            this.filled += this.tx.seal_from(content::ALERT, &[1, 0], &mut this.outgoing[this.filled..])?;
-            this.close_notify_sent = true;
-        }
+        this.tx.close()?;
         ready!(this.poll_send(cx))?;
         Pin::new(&mut this.tcp).poll_shutdown(cx)
     }

@@ -26,6 +26,10 @@ impl PeerSession for Fake {
         Ok((0, secrets(self.generation)))
     }
 
+    fn update_tx(&mut self) -> Result<(u64, ConnectionTrafficSecrets), RecordError> {
+        Err(RecordError::Unexpected("the receive side never updates our key"))
+    }
+
     fn new_session_ticket(&mut self, body: &[u8]) -> Result<(), RecordError> {
         if self.server {
             return Err(RecordError::Unexpected("a NewSessionTicket sent to a server"));
@@ -233,8 +237,8 @@ fn rfc8446_4_6_3_key_updates_switch_keys_and_requests_are_answered_once() {
     let (data, error, mut reader, session) = run(&peer.wire);
     assert!(error.is_none(), "{error:?}");
     assert_eq!((data.as_slice(), session.generation), (&b"abc"[..], 3));
-    assert!(reader.take_key_update_due(), "requested");
-    assert!(!reader.take_key_update_due(), "one answer for any number of requests");
+    assert!(reader.take_update_requested(), "requested");
+    assert!(!reader.take_update_requested(), "one answer for any number of requests");
 }
 
 #[test]

@@ -113,7 +113,7 @@ async fn a_key_update_either_way_keeps_the_stream_going() {
     let pair = pair().await;
     let (mut client, mut server) = connected(&pair).await;
     for round in 0..3u8 {
-        client.key_update_due = true;
+        client.tx.update_key();
         // A short slice (gathered, sealed in place), then a long one (sealed from where it lies).
         let parts = [pattern(100, round), pattern(40_000, round)];
         crate::write_all_parts(&mut client, &parts).await.unwrap();
@@ -122,7 +122,7 @@ async fn a_key_update_either_way_keeps_the_stream_going() {
         let mut got = vec![0; 40_100];
         server.read_exact(&mut got).await.unwrap();
         assert!(got == parts.concat());
-        server.key_update_due = true;
+        server.tx.update_key();
         server.write_all(b"reply").await.unwrap();
         server.flush().await.unwrap();
         let mut reply = [0; 5];
@@ -213,7 +213,9 @@ async fn our_client_and_a_stock_rustls_server_understand_each_other() {
     for round in 0..3u8 {
         server.get_mut().1.refresh_traffic_keys().unwrap();
         transfer(&mut server, &mut client, 90_000, round).await;
-        client.key_update_due = round == 1;
+        if round == 1 {
+            client.tx.update_key();
+        }
         transfer(&mut client, &mut server, 120_000, round).await;
     }
     // A tampered record: rustls answers bad_record_mac, and we read it as such.
