@@ -1,5 +1,6 @@
 //! The record layer end to end over loopback TCP: our two sides, and ours against a
-//! stock rustls peer (tokio-rustls), through key updates and closes.
+//! stock rustls peer (tokio-rustls), through key updates (asked for, or at the record
+//! limit), closes and a failed write.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -223,4 +224,52 @@ async fn our_client_and_a_stock_rustls_server_understand_each_other() {
     assert!(server.read(&mut [0; 64]).await.is_err());
     let error = client.read(&mut [0; 64]).await.unwrap_err();
     assert_eq!(received_alert(&error), Some(rustls::AlertDescription::BadRecordMac));
+}
+
+/// RFC 8446 §5.5 and issue 35: with the record limit set low, our server updates its key
+/// every few records, and a stock rustls client follows each update and reads every byte.
+#[tokio::test]
+async fn rfc8446_5_5_a_stock_rustls_peer_follows_our_key_updates_at_the_record_limit() {
+    let pair = pair().await;
+    let connect = |tcp| tokio_rustls::TlsConnector::from(pair.client_config.clone()).connect(server_name(), tcp);
+    let accept = |tcp| handshake::accept(tcp, pair.server_config.clone());
+    let (client, server) = joined(&pair, connect, accept).await;
+    let (mut client, mut server) = (client.unwrap(), server.unwrap().0);
+    server.tx.set_rekey_at(4);
+    for round in 0..3u8 {
+        // 13 records a round, a new key every 4.
+        transfer(&mut server, &mut client, 200_000, round).await;
+        transfer(&mut client, &mut server, 50_000, round).await;
+    }
+    assert!(server.tx.sequence() <= 4, "39 records sealed, never more than 4 under one key");
+    server.shutdown().await.unwrap();
+    assert_eq!(client.read(&mut [0; 8]).await.unwrap(), 0, "and the stream ends cleanly");
+}
+
+/// Issue 35: a write the socket refuses ends the connection: later writes, flushes and
+/// the shutdown fail, and nothing sealed before goes out.
+#[tokio::test]
+async fn a_failed_socket_write_ends_the_connection() {
+    let pair = pair().await;
+    let (mut client, server) = connected(&pair).await;
+    // The server closes with unread bytes, so its end resets the connection.
+    client.write_all(b"unread").await.unwrap();
+    client.flush().await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    drop(server);
+    let data = pattern(64 << 10, 1);
+    let mut error = None;
+    for _ in 0..1000 {
+        if let Err(failed) = client.write_all(&data).await {
+            error = Some(failed);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    assert!(error.is_some(), "the reset reaches the writer");
+    assert!(client.tx.has_failed() && client.tx.pending().is_empty(), "nothing sealed is kept to send");
+    let error = client.write_all(b"more").await.unwrap_err();
+    assert_eq!(error.kind(), std::io::ErrorKind::BrokenPipe);
+    assert!(client.flush().await.is_err());
+    assert!(client.shutdown().await.is_err(), "no close_notify after a failed write");
 }
