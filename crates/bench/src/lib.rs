@@ -7,12 +7,15 @@
 //! gives the queue depth a periodic stream needs. [`resume_time`] cuts a
 //! resumable connection and times the stall each cut causes. [`matrix`] runs
 //! the whole matrix `usbwire bench` prints, against the device [`target`]
-//! imports (or its in-process loopback server). `lab` (feature `lab`)
+//! imports (or its in-process loopback server); over TLS it puts the rates in
+//! proportion to one core's sealing of records ([`cipher_speed`]) and
+//! `openssl speed` ([`openssl_speed`]). `lab` (feature `lab`)
 //! measures the lab registry on etcd with a simulated fleet.
 //!
 //! Benchmarks are not tests: nothing here asserts on timings.
 
 pub mod ceiling;
+pub mod cipher_speed;
 mod error;
 #[cfg(feature = "lab")]
 pub mod lab;

@@ -2,7 +2,7 @@
 //! throughput is put in proportion to (the figure the TLS speed target is
 //! defined by), run as a child process in the same benchmark run.
 //!
-//! Not the record layer's own cipher: `usbwire_transport::cipher_speed`
+//! Not the record layer's own cipher: [`cipher_speed`](crate::cipher_speed)
 //! measures that (aws-lc-rs, in process), which on CPUs with VAES-AVX512
 //! runs far ahead of OpenSSL 3.0's figure. Not a parser for `openssl speed`'s
 //! other output (other ciphers, sizes, `-mr`).

@@ -14,7 +14,9 @@
 //! * [`PeerStream`]: one type for a plain or a TLS connection, so the server
 //!   and client code above it does not care which it has.
 //! * [`handshake`]: the TLS handshake (rustls's unbuffered API), ending in a
-//!   [`TlsStream`], our own record layer with the negotiated keys.
+//!   [`TlsStream`], our own record layer with the negotiated keys: its two halves,
+//!   [`Writer`] and [`Reader`], do no I/O (the stream is their glue to the socket), so
+//!   tests, the fuzz harness and the cipher benchmark drive them without one.
 //!
 //! Not for the USB/IP protocol itself (that is `usbwire-proto`), nor for
 //! deciding policy (the server's configuration does), nor for what travels
@@ -36,16 +38,18 @@ mod tls_stream;
 pub use usbwire_transform as transform;
 
 pub use identity::{Fingerprint, Identity, IdentityError};
-pub use record::{cipher_speed, CipherSpeed, RecordError};
+pub use record::{PeerSession, RecordError, MAX_PLAINTEXT};
+pub use record_reader::Reader;
+pub use record_writer::Writer;
 pub use stream::{poll_write_outbox, write_all_parts, PeerStream};
 pub use tls_stream::TlsStream;
 
-/// The record layer's receive side with keys of the caller's choosing, for the fuzz
-/// harness (`fuzz/src/tls_records.rs`). Not an API: connections come from [`handshake`].
+/// The record layer's parts with keys of the caller's choosing, for the fuzz harnesses
+/// (`fuzz/src/tls_records.rs`, `fuzz/src/tls_pair.rs`). Not an API: connections come
+/// from [`handshake`].
 #[doc(hidden)]
 pub mod fuzzing {
-    pub use crate::record::PeerSession;
-    pub use crate::record::{content, wire_len, Sealer, MAX_PLAINTEXT};
+    pub use crate::record::{content, wire_len, PeerSession, Sealer, MAX_PLAINTEXT};
     pub use crate::record_reader::Reader;
     pub use crate::record_writer::Writer;
     pub use rustls::crypto::cipher::{AeadKey, Iv};

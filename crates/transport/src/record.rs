@@ -262,40 +262,6 @@ pub(crate) const fn plaintext_room(len: usize) -> usize {
     len - HEADER - TAG
 }
 
-/// How fast one core runs the record layer's cipher.
-#[derive(Clone, Copy, Debug, serde::Serialize)]
-pub struct CipherSpeed {
-    /// The AEAD and its library, as TLS negotiates it here by default.
-    pub cipher: &'static str,
-    pub mib_per_s: f64,
-}
-
-/// Seals 16 KiB records with AES-256-GCM (the suite our TLS negotiates) in place, in a
-/// loop on the calling thread, for about `duration`: `openssl speed -evp aes-256-gcm` with
-/// the library the record layer uses, to put a TLS throughput in proportion.
-pub fn cipher_speed(duration: std::time::Duration) -> Result<CipherSpeed, RecordError> {
-    use rustls::crypto::cipher::{AeadKey, Iv};
-    let secrets = ConnectionTrafficSecrets::Aes256Gcm { key: AeadKey::from([0x5a; 32]), iv: Iv::new([0xa5; 12]) };
-    let mut keys = Keys::new(0, secrets)?;
-    let mut record = vec![0x17u8; MAX_PLAINTEXT + 1];
-    let header = [OUTER_TYPE, 3, 3, 0x40, 0x11];
-    let start = std::time::Instant::now();
-    let mut sealed = 0u64;
-    while start.elapsed() < duration {
-        for _ in 0..16 {
-            let nonce = keys.next_nonce()?;
-            let tag = keys
-                .key
-                .seal_in_place_separate_tag(nonce, aead::Aad::from(header), &mut record)
-                .map_err(|_| RecordError::Seal)?;
-            record[0] ^= tag.as_ref()[0];
-        }
-        sealed += 16;
-    }
-    let mib = (sealed * MAX_PLAINTEXT as u64) as f64 / f64::from(1 << 20);
-    Ok(CipherSpeed { cipher: "AES-256-GCM (aws-lc-rs)", mib_per_s: mib / start.elapsed().as_secs_f64() })
-}
-
 /// The length of the whole record at the start of `buf`, once its header is there;
 /// `Ok(None)` until then.
 pub(crate) fn record_len(buf: &[u8]) -> Result<Option<usize>, RecordError> {

@@ -17,7 +17,7 @@ use usbwire_transport::transform::TransformStats;
 pub use report::Report;
 
 use crate::measure::Payload;
-use crate::{ceiling, measure, model, openssl_speed, plot, proxy, BenchError, Direction, Record};
+use crate::{ceiling, cipher_speed, measure, model, openssl_speed, plot, proxy, BenchError, Direction, Record};
 
 /// What the matrix covers.
 #[derive(Clone, Debug)]
@@ -79,7 +79,7 @@ pub async fn execute(
         let ideal = ceiling::start_server()?;
         let cipher = match security {
             Security::Tls(_) => Some(
-                usbwire_transport::cipher_speed(Duration::from_secs_f64(CIPHER_SECONDS))
+                cipher_speed::measure(Duration::from_secs_f64(CIPHER_SECONDS))
                     .map_err(|e| BenchError::Internal(e.into()))?,
             ),
             Security::Plain => None,

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 
 use serde_json::json;
 
-use crate::{model, openssl_speed, plot, Direction, Record};
+use crate::{cipher_speed, model, openssl_speed, plot, Direction, Record};
 
 /// What a matrix run found.
 pub struct Report {
@@ -17,7 +17,7 @@ pub struct Report {
     pub latencies: Vec<plot::LatencySamples>,
     pub(super) fits: Vec<(f64, Direction, model::Fit)>,
     /// Over TLS: one core's AES-GCM in the same run, to put each rate in proportion.
-    pub(super) cipher: Option<usbwire_transport::CipherSpeed>,
+    pub(super) cipher: Option<cipher_speed::CipherSpeed>,
     /// Over TLS: `openssl speed`'s one-core AES-256-GCM in the same run (the TLS
     /// target's reference), or why there is none.
     pub(super) openssl: Option<Result<openssl_speed::OpensslSpeed, String>>,
