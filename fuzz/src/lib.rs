@@ -38,6 +38,7 @@ mod redir_bridge;
 mod redir_host;
 pub mod seeds;
 mod session;
+mod tls_pair;
 mod tls_records;
 
 pub use client::client_session;
@@ -47,13 +48,14 @@ pub use redir::redir_packets;
 pub use redir_bridge::redir_bridge;
 pub use redir_host::redir_host;
 pub use session::{server_session, CountingAllocator};
+pub use tls_pair::tls_pair;
 pub use tls_records::tls_records;
 
 /// A harness: one fuzz input in, panics on a broken invariant.
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 12] = [
+pub const TARGETS: [(&str, Harness); 13] = [
     ("decode_command", decode_command),
     ("decode_return", decode_return),
     ("op_phase", op_phase),
@@ -66,6 +68,7 @@ pub const TARGETS: [(&str, Harness); 12] = [
     ("redir_bridge", redir_bridge),
     ("external_frames", external_frames),
     ("tls_records", tls_records),
+    ("tls_pair", tls_pair),
 ];
 
 /// Server side: `[chunking, limits, iso_mode] ++ stream` through `urb::decode_command`.

@@ -121,6 +121,7 @@ pub fn all() -> Vec<Seed> {
     redir_bridge_seeds(&mut add);
     external_seeds(&mut add);
     crate::tls_records::tls_records_seeds(&mut add);
+    crate::tls_pair::tls_pair_seeds(&mut add);
     seeds
 }
 
