@@ -49,8 +49,7 @@ fn submit(seqnum: u32, direction: Direction, ep: u8, length: u32, iso: usize) ->
 
 pub fn client_session(data: &[u8]) {
     let Some((&[chunking, cut, claim], stream)) = crate::split_control::<3>(data) else { return };
-    let mut session: ClientSession<u32> =
-        ClientSession::new(DEVID, Limits::default(), Budget::default()).resumable();
+    let mut session: ClientSession<u32> = ClientSession::new(DEVID, Limits::default(), Budget::default()).resumable();
     let mut input = RecvBuffer::with_capacity(READ_CHUNK);
     let start = std::time::Instant::now();
     let mut now = start;
