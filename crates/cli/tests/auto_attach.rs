@@ -149,6 +149,7 @@ async fn the_device_is_attached_again_after_a_server_restart_and_the_wait_is_log
         resumable: true,
         reservation: None,
         persistence: Persistence::Forever,
+        accelerate: true,
     };
 
     // No server yet: the first import waits for it.

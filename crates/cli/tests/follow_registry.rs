@@ -103,6 +103,7 @@ async fn a_reservation_holds_across_both_reenumerations_and_the_follower_imports
         resumable: true,
         reservation: Some(reservation.token),
         persistence: usbwire_client::follow::Persistence::Bounded,
+        accelerate: true,
     };
     let runtime =
         usbwire_client::import_reserved(addr, &busid, &Security::Plain, &[], &reservation.token).await.unwrap();

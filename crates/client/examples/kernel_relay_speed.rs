@@ -58,8 +58,14 @@ fn main() -> Result<(), Box<dyn Error>> {
         let busid = BusId::new("0-1").ok_or("bus id")?;
         let (stream, record) = usbwire_client::import(addr, &busid, &security).await?;
         let devid = record.devid();
-        let upstream =
-            Upstream { addr, security, transforms: vec![], resume: None, give_up_after: Duration::from_secs(5) };
+        let upstream = Upstream {
+            addr,
+            security,
+            transforms: vec![],
+            resume: None,
+            give_up_after: Duration::from_secs(5),
+            storage: false,
+        };
         relay_end.set_nonblocking(true)?;
         let relay_end = tokio::net::UnixStream::from_std(relay_end)?;
         Ok::<_, Box<dyn Error>>((devid, usbwire_client::kernel_relay::run(relay_end, stream, devid, upstream, None)))

@@ -61,10 +61,11 @@ impl Plan {
     }
 
     /// Whether an import needs a relay: anything but plain USB/IP without
-    /// resume, transforms, reservation or following.
-    fn needs_relay(&self, over_tls: bool, resumes: bool) -> bool {
-        let Reimport { transforms, reservation, .. } = &self.source;
-        self.follow || reservation.is_some() || resumes || over_tls || !transforms.is_empty()
+    /// resume, transforms, reservation, acceleration or following.
+    fn needs_relay(&self, over_tls: bool, resumes: bool, storage: bool) -> bool {
+        let Reimport { transforms, reservation, accelerate, .. } = &self.source;
+        let accelerates = storage && *accelerate;
+        self.follow || reservation.is_some() || resumes || over_tls || !transforms.is_empty() || accelerates
     }
 }
 
@@ -115,8 +116,8 @@ impl Attachment {
             product_id: device.id_product,
             relay: RelayState::Connected,
         };
-        let needs_relay = plan.needs_relay(over_tls, resumes);
-        let Imported { stream, resume, .. } = imported;
+        let Imported { stream, resume, storage, .. } = imported;
+        let needs_relay = plan.needs_relay(over_tls, resumes, storage);
         let stream = match stream {
             PeerStream::Plain(tcp) if !needs_relay => {
                 let socket = tcp.into_std().map_err(|source| VhciError::Io { path: "socket".into(), source })?;
@@ -135,9 +136,10 @@ impl Attachment {
             transforms: plan.source.transforms.clone(),
             resume,
             give_up_after: RESUME_GIVE_UP,
+            storage: storage && plan.source.accelerate,
         };
         let (status_tx, status) = watch::channel(first(port));
-        let imported = Imported { stream, device: device.clone(), resume };
+        let imported = Imported { stream, device: device.clone(), resume, storage };
         let relay = match plan.follow {
             true => {
                 let target = Target { reimport: plan.source.clone(), give_up_after: RESUME_GIVE_UP, record };
@@ -275,22 +277,26 @@ mod tests {
             resumable: true,
             reservation: None,
             persistence: Persistence::Bounded,
+            accelerate: true,
         };
         Plan { source, follow: false }
     }
 
     #[test]
     fn only_plain_usbip_without_resume_goes_to_the_kernel_directly() {
-        assert!(!plan().needs_relay(false, false));
-        assert!(plan().needs_relay(true, false), "TLS");
-        assert!(plan().needs_relay(false, true), "a session the server resumes");
+        assert!(!plan().needs_relay(false, false, false));
+        assert!(plan().needs_relay(true, false, false), "TLS");
+        assert!(plan().needs_relay(false, true, false), "a session the server resumes");
+        assert!(plan().needs_relay(false, false, true), "storage the server runs in stages");
+        let slow = Plan { source: Reimport { accelerate: false, ..plan().source }, ..plan() };
+        assert!(!slow.needs_relay(false, false, true), "--accelerate off");
         let mut transformed = plan();
         transformed.source.transforms = vec![TransformSpec::Lz4];
-        assert!(transformed.needs_relay(false, false), "transforms");
+        assert!(transformed.needs_relay(false, false, false), "transforms");
         let mut reserved = plan();
         reserved.source.reservation = Some(ReservationToken([7; 32]));
-        assert!(reserved.needs_relay(false, false), "a reservation");
-        assert!(Plan { follow: true, ..plan() }.needs_relay(false, false), "following");
+        assert!(reserved.needs_relay(false, false, false), "a reservation");
+        assert!(Plan { follow: true, ..plan() }.needs_relay(false, false, false), "following");
     }
 
     #[test]

@@ -77,6 +77,7 @@ impl Connection {
             transforms: Vec::new(),
             resume: None,
             give_up_after: Duration::ZERO,
+            storage: false,
         };
         let span = tracing::debug_span!(target: "usbwire::client", "connection", %addr, devid = device.devid());
         Self::start(stream, device.devid(), upstream, span)
@@ -120,6 +121,7 @@ impl Connection {
             transforms: transforms.to_vec(),
             resume: imported.resume,
             give_up_after: RESUME_GIVE_UP,
+            storage: false,
         };
         let busid = &device.busid;
         let span = tracing::info_span!(target: "usbwire::client", "resumable", %addr, %busid, devid = device.devid());

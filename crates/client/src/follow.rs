@@ -193,6 +193,7 @@ pub async fn follow_on<P: Ports>(
             transforms: reimport.transforms.clone(),
             resume: imported.resume,
             give_up_after: *give_up_after,
+            storage: imported.storage && reimport.accelerate,
         };
         let ended = relay_reporting(kernel, imported.stream, device.devid(), upstream, &status).await;
         let went = match ended {
@@ -327,6 +328,9 @@ pub struct Reimport {
     pub resumable: bool,
     pub reservation: Option<ReservationToken>,
     pub persistence: Persistence,
+    /// Accelerate a mass-storage device when the server agrees (`--accelerate
+    /// auto`, the default): the relay pipelines its commands (`storage`).
+    pub accelerate: bool,
 }
 
 impl Reimport {
@@ -388,7 +392,7 @@ impl Reimport {
             (None, true) => crate::import_resumable(*addr, busid, security, transforms).await,
             (None, false) => crate::import_with(*addr, busid, security, transforms)
                 .await
-                .map(|(stream, device)| Imported { stream, device, resume: None }),
+                .map(|(stream, device)| Imported { stream, device, resume: None, storage: false }),
         }
     }
 }

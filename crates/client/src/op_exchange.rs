@@ -10,7 +10,7 @@ use usbwire_proto::liveness;
 use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest};
 use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::resume::{self, Grant, Token};
-use usbwire_proto::Limits;
+use usbwire_proto::{storage, Limits};
 use usbwire_transport::transform::{Pipeline, Side, TransformedStream};
 use usbwire_transport::PeerStream;
 
@@ -107,9 +107,19 @@ pub async fn import(
     import_with(addr, busid, security, &[]).await
 }
 
-/// Offers stream transforms (usbwire servers only), and resume if `resume`,
-/// and wraps the stream in the transforms the server accepted. Returns the
-/// session token when the server granted resume. An empty offer sends nothing.
+/// What a usbwire server agreed to beside the stream transforms.
+#[derive(Default)]
+struct Agreed {
+    /// The session token, when it granted resume.
+    resume: Option<Grant>,
+    /// The storage extension (`docs/protocol.md` §5.7): it runs mass-storage
+    /// stages in order, so this side may send them without waiting.
+    storage: bool,
+}
+
+/// Offers stream transforms (usbwire servers only), and resume and the
+/// storage extension if `resume`, and wraps the stream in the transforms the
+/// server accepted. An empty offer sends nothing.
 async fn negotiate(
     stream: PeerStream,
     offer: &[TransformSpec],
@@ -117,14 +127,15 @@ async fn negotiate(
     reservation: Option<&ReservationToken>,
     addr: SocketAddr,
     security: &Security,
-) -> Result<(PeerStream, Option<Grant>), ClientError> {
+) -> Result<(PeerStream, Agreed), ClientError> {
     if offer.is_empty() && !resume && reservation.is_none() {
-        return Ok((stream, None));
+        return Ok((stream, Agreed::default()));
     }
     let mut entries = vec![TransformSpec::list_text(offer)];
     if resume {
         entries.push(resume::OFFER.to_owned());
         entries.push(liveness::OFFER.to_owned());
+        entries.push(storage::OFFER.to_owned());
     }
     let reservation_entry = reservation.map(ReservationToken::offer_entry);
     entries.extend(reservation_entry.clone());
@@ -163,19 +174,21 @@ async fn negotiate(
         .map_err(|_| ClientError::Timeout { addr: addr.to_string() })??;
     let specs = TransformSpec::parse_list(&accepted);
     let grant = if resume { Grant::from_answer(&accepted) } else { None };
+    let agreed = Agreed { resume: grant, storage: resume && storage::offered(&accepted) };
     // The token is a secret: log what was agreed, not the answer itself.
     tracing::info!(
         offered = %offer_logged,
         accepted = %TransformSpec::list_text(&specs),
-        resume = grant.is_some(),
-        keepalive = grant.is_some_and(|grant| grant.keepalive),
+        resume = agreed.resume.is_some(),
+        keepalive = agreed.resume.as_ref().is_some_and(|grant| grant.keepalive),
+        storage = agreed.storage,
         "stream transforms"
     );
     if specs.is_empty() {
-        return Ok((stream, grant));
+        return Ok((stream, agreed));
     }
     let stream = PeerStream::Transformed(Box::new(TransformedStream::new(stream, Pipeline::new(&specs, Side::Client))));
-    Ok((stream, grant))
+    Ok((stream, agreed))
 }
 
 /// An imported device's URB channel, and the token to resume it by when the
@@ -184,6 +197,9 @@ pub struct Imported {
     pub stream: PeerStream,
     pub device: DeviceRecord,
     pub resume: Option<Grant>,
+    /// The server runs mass-storage stages in order (the storage extension,
+    /// `docs/protocol.md` §5.7): a relay may accelerate the device's storage.
+    pub storage: bool,
 }
 
 /// [`import_with`], offering resume too. A server that does not know our
@@ -280,9 +296,9 @@ async fn import_inner(
     reservation: Option<&ReservationToken>,
 ) -> Result<Imported, ClientError> {
     let stream = connect(addr, security).await?;
-    let (stream, grant) = negotiate(stream, transforms, resume, reservation, addr, security).await?;
+    let (stream, agreed) = negotiate(stream, transforms, resume, reservation, addr, security).await?;
     match import_on(stream, addr, busid, security).await {
-        Ok((stream, device)) => Ok(Imported { stream, device, resume: grant }),
+        Ok((stream, device)) => Ok(Imported { stream, device, resume: agreed.resume, storage: agreed.storage }),
         Err(ClientError::Refused { busid: refused, status, .. }) => {
             let reason = why_refused(addr, busid, security).await;
             Err(ClientError::Refused { busid: refused, status, reason })
@@ -310,7 +326,7 @@ async fn why_refused(addr: SocketAddr, busid: &BusId, security: &Security) -> Op
 async fn import_plain(addr: SocketAddr, busid: &BusId, security: &Security) -> Result<Imported, ClientError> {
     let stream = connect(addr, security).await?;
     let (stream, device) = import_on(stream, addr, busid, security).await?;
-    Ok(Imported { stream, device, resume: None })
+    Ok(Imported { stream, device, resume: None, storage: false })
 }
 
 /// `OP_REQ_IMPORT` on a connected (and negotiated) stream.

@@ -387,6 +387,7 @@ impl<'a> DeviceSide<'a> {
             resumable: true,
             reservation: None,
             persistence: crate::follow::Persistence::Bounded,
+            accelerate: true,
         };
         let back = async move {
             let end = match end {

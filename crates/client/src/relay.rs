@@ -53,6 +53,9 @@ pub struct Upstream {
     pub resume: Option<Grant>,
     /// How long to keep trying to resume before giving up.
     pub give_up_after: Duration,
+    /// Accelerate the device's mass storage (`crate::storage`): the server
+    /// agreed to the storage extension and the user did not turn it off.
+    pub storage: bool,
 }
 
 /// What the relay is doing, for `usbwire port`.

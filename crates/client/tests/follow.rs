@@ -47,6 +47,7 @@ fn relayed(imported: Imported, reimport: &Reimport) -> (UrbHost<UnixStream>, Joi
         transforms: reimport.transforms.clone(),
         resume: imported.resume,
         give_up_after: Duration::from_secs(10),
+        storage: false,
     };
     let (kernel, relay_end) = UnixStream::pair().unwrap();
     let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, None));
@@ -89,6 +90,7 @@ async fn a_follower_stays_with_a_board_through_both_reenumerations_of_a_flash_ov
         resumable: true,
         reservation: None,
         persistence: usbwire_client::follow::Persistence::Bounded,
+        accelerate: true,
     };
     let plain = usbwire_client::import_resumable(server.addr(), &busid, &Security::Plain, &[]).await;
     assert!(plain.is_err(), "the server takes TLS only");
@@ -147,6 +149,7 @@ async fn unplugged_from_stock_usbipd() -> (StockUsbipd, Reimport, WentAway) {
         resumable: true,
         reservation: None,
         persistence: usbwire_client::follow::Persistence::Bounded,
+        accelerate: true,
     };
     let imported = usbwire_client::import_resumable(usbipd.addr(), &busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.resume.is_none(), "a stock server grants no resume");

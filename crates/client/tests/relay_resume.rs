@@ -124,6 +124,7 @@ async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
         transforms,
         resume: imported.resume,
         give_up_after: Duration::from_secs(20),
+        storage: false,
     };
     let (state, mut states) = tokio::sync::watch::channel(relay::RelayState::Connected);
     let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, Some(state)));
@@ -198,6 +199,7 @@ async fn a_link_gone_silent_is_noticed_and_resumed_well_within_the_grace_period(
         transforms: vec![],
         resume: imported.resume,
         give_up_after: Duration::from_secs(20),
+        storage: false,
     };
     let (state, mut states) = tokio::sync::watch::channel(relay::RelayState::Connected);
     let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, Some(state)));
@@ -255,6 +257,7 @@ async fn without_resume_a_cut_ends_the_relay_with_what_to_do() {
         transforms: vec![],
         resume: None,
         give_up_after: Duration::from_secs(5),
+        storage: false,
     };
     let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None));
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -279,6 +282,7 @@ async fn a_server_that_shuts_down_ends_the_session_and_the_relay_at_once() {
         resume: imported.resume,
         // Without the server's end the relay would retry this long.
         give_up_after: Duration::from_secs(60),
+        storage: false,
     };
     let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None));
     tokio::time::sleep(Duration::from_millis(100)).await;

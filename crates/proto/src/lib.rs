@@ -61,6 +61,7 @@ pub mod resume;
 pub mod retry;
 mod seqnum_map;
 pub mod server_session;
+pub mod storage;
 pub mod urb;
 mod wire;
 

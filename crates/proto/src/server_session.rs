@@ -40,15 +40,18 @@
 //! [`disconnected`]: ServerSession::disconnected
 //! [`resume`]: ServerSession::resume
 
+mod stages;
+
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
+use stages::{Next, Stages};
 
 use crate::liveness::{self, Due, Link, Liveness};
 use crate::outbox::Outbox;
-use crate::resume;
 use crate::urb::{self, ClientMessage, CmdSubmit, RetSubmit, RetUnlink, ServerMessage};
+use crate::{resume, storage};
 use crate::{Budget, BudgetKind, DecodeError, Direction, Limits, RecvBuffer, SeqnumMap, Status};
 
 /// What a read buffer grows by, at least.
@@ -168,6 +171,8 @@ pub struct ServerSession {
     /// Input buffered after the last [`handle_input`](Self::handle_input):
     /// more at the next call means the client said something.
     input_seen: usize,
+    /// `Some` when the storage extension was agreed: the stage gate.
+    stages: Option<Stages>,
 }
 
 impl ServerSession {
@@ -190,7 +195,16 @@ impl ServerSession {
             ended: false,
             liveness: None,
             input_seen: 0,
+            stages: None,
         }
+    }
+
+    /// Runs URBs flagged as mass-storage stages one at a time, in order, and
+    /// skips one chained to a failed stage ([`crate::storage`]; the client
+    /// asked for it).
+    pub fn storage(mut self) -> Self {
+        self.stages = Some(Stages::default());
+        self
     }
 
     /// Sends keep-alives and watches for silence ([`crate::liveness`]; the
@@ -389,6 +403,15 @@ impl ServerSession {
                 ClientMessage::Unlink(unlink) => {
                     self.check_devid(unlink.devid)?;
                     tracing::trace!(seqnum = unlink.seqnum, target = unlink.unlink_seqnum, "unlink");
+                    if self.stages.as_mut().is_some_and(|stages| stages.withdraw(unlink.unlink_seqnum)) {
+                        // Never reached the device: it ends here, cancelled.
+                        if let Some(urb) = self.in_flight.remove(unlink.unlink_seqnum) {
+                            self.in_flight_bytes -= urb.length;
+                        }
+                        self.reply_unlink(RetUnlink { seqnum: unlink.seqnum, status: Status::ECONNRESET });
+                        self.release_stages();
+                        continue;
+                    }
                     match self.in_flight.get_mut(unlink.unlink_seqnum) {
                         Some(pending) => {
                             pending.unlink = Some(unlink.seqnum);
@@ -429,6 +452,41 @@ impl ServerSession {
 
     /// A URB the device finished, as its RET_SUBMIT; queues the replies it calls for.
     pub fn complete(&mut self, done: RetSubmit) {
+        if let Some(stages) = &mut self.stages {
+            stages.completed(done.seqnum, done.status == Status::OK);
+        }
+        self.finish(done);
+        self.release_stages();
+    }
+
+    /// Hands the device the next stage the gate lets through, skipping (and
+    /// answering) those chained to a failed one.
+    fn release_stages(&mut self) {
+        while let Some(next) = self.stages.as_mut().and_then(Stages::next) {
+            match next {
+                Next::Run(submit) => self.calls.push_back(DeviceCall::Submit(submit)),
+                Next::Skip(seqnum) => {
+                    tracing::trace!(seqnum, "stage skipped: the one before it failed");
+                    if let Some(stages) = &mut self.stages {
+                        stages.skipped();
+                    }
+                    self.finish(RetSubmit {
+                        seqnum,
+                        status: storage::SKIPPED,
+                        actual_length: 0,
+                        start_frame: 0,
+                        number_of_packets: 0,
+                        error_count: 0,
+                        data: Bytes::new(),
+                        iso_packets: Vec::new(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Takes a finished URB out of the in-flight table and queues its replies.
+    fn finish(&mut self, done: RetSubmit) {
         let Some(urb) = self.in_flight.remove(done.seqnum) else {
             tracing::warn!(seqnum = done.seqnum, "device completed a URB that is not in flight; dropped");
             return;
@@ -527,7 +585,13 @@ impl ServerSession {
         let length = submit.transfer_buffer_length as usize;
         self.in_flight.insert(submit.seqnum, InFlightUrb { length, unlink: None });
         self.in_flight_bytes += length;
-        self.calls.push_back(DeviceCall::Submit(submit));
+        match &mut self.stages {
+            Some(stages) if storage::is_stage(submit.transfer_flags) => {
+                stages.hold(submit);
+                self.release_stages();
+            }
+            _ => self.calls.push_back(DeviceCall::Submit(submit)),
+        }
     }
 
     fn check_devid(&self, devid: u32) -> Result<(), SessionError> {
@@ -803,5 +867,92 @@ mod tests {
             calls.extend(feed(&mut split, &wire[at..]));
             assert_eq!(calls, expected, "split at {at}");
         }
+    }
+
+    fn stage(seqnum: u32, direction: Direction, length: u32, after_success: bool) -> BytesMut {
+        let mut command = submit(seqnum, direction, length);
+        command.transfer_flags.0 |= storage::STAGE | if after_success { storage::AFTER_SUCCESS } else { 0 };
+        let mut out = BytesMut::new();
+        command.encode(&mut out);
+        out
+    }
+
+    fn submitted(calls: &[DeviceCall]) -> Vec<u32> {
+        calls
+            .iter()
+            .map(|call| match call {
+                DeviceCall::Submit(submit) => {
+                    assert_eq!(
+                        storage::device_flags(submit.transfer_flags),
+                        submit.transfer_flags,
+                        "the device never sees our bits"
+                    );
+                    submit.seqnum
+                }
+                DeviceCall::Cancel { seqnum } => panic!("unexpected cancel of {seqnum}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn stages_reach_the_device_one_at_a_time_in_order_and_others_pass() {
+        let mut session = session(Budget::default()).storage();
+        let mut wire = stage(1, Direction::Out, 31, false);
+        wire.extend_from_slice(&stage(2, Direction::In, 512, true));
+        wire.extend_from_slice(&submit_bytes(9, Direction::In, 8));
+        wire.extend_from_slice(&stage(3, Direction::In, 13, true));
+        assert_eq!(submitted(&feed(&mut session, &wire)), [1, 9], "the first stage and the unflagged URB");
+        session.complete(done(1, Status::OK, &[]));
+        assert_eq!(submitted(&std::iter::from_fn(|| session.poll_device_call()).collect::<Vec<_>>()), [2]);
+        session.complete(done(2, Status::OK, &[7; 100]));
+        assert_eq!(submitted(&std::iter::from_fn(|| session.poll_device_call()).collect::<Vec<_>>()), [3]);
+        session.complete(done(3, Status::OK, &[1; 13]));
+        assert!(session.poll_device_call().is_none());
+        assert_eq!(replies(&mut session), [(RET_SUBMIT, 1, 0), (RET_SUBMIT, 2, 0), (RET_SUBMIT, 3, 0)]);
+    }
+
+    #[test]
+    fn a_failed_stage_skips_what_is_chained_to_it_but_not_the_next_command() {
+        let mut session = session(Budget::default()).storage();
+        let mut wire = stage(1, Direction::Out, 31, false);
+        wire.extend_from_slice(&stage(2, Direction::In, 512, true));
+        wire.extend_from_slice(&stage(3, Direction::In, 13, true));
+        wire.extend_from_slice(&stage(4, Direction::In, 13, false));
+        assert_eq!(submitted(&feed(&mut session, &wire)), [1]);
+        session.complete(done(1, Status::EPIPE, &[]));
+        // 2 and 3 never reach the device; 4 (not chained) does.
+        assert_eq!(submitted(&std::iter::from_fn(|| session.poll_device_call()).collect::<Vec<_>>()), [4]);
+        assert_eq!(replies(&mut session), [(RET_SUBMIT, 1, -32), (RET_SUBMIT, 2, -71), (RET_SUBMIT, 3, -71)]);
+        session.complete(done(4, Status::OK, &[0; 13]));
+        assert_eq!(replies(&mut session), [(RET_SUBMIT, 4, 0)]);
+        assert!(session.is_idle());
+    }
+
+    #[test]
+    fn an_unlinked_stage_that_never_ran_is_cancelled_and_counts_as_failed() {
+        let mut session = session(Budget::default()).storage();
+        let mut wire = stage(1, Direction::Out, 31, false);
+        wire.extend_from_slice(&stage(2, Direction::In, 512, true));
+        wire.extend_from_slice(&stage(3, Direction::In, 13, true));
+        wire.extend_from_slice(&unlink_bytes(4, 2));
+        assert_eq!(submitted(&feed(&mut session, &wire)), [1]);
+        assert_eq!(
+            replies(&mut session),
+            [(RET_UNLINK, 4, -104)],
+            "RET_UNLINK(-ECONNRESET) alone: no RET_SUBMIT follows for 2"
+        );
+        session.complete(done(1, Status::OK, &[]));
+        assert!(session.poll_device_call().is_none(), "3 was chained to the cancelled 2");
+        assert_eq!(replies(&mut session), [(RET_SUBMIT, 1, 0), (RET_SUBMIT, 3, -71)]);
+        assert!(session.is_idle());
+    }
+
+    #[test]
+    fn without_the_extension_the_bits_change_nothing() {
+        let mut session = session(Budget::default());
+        let mut wire = stage(1, Direction::Out, 31, false);
+        wire.extend_from_slice(&stage(2, Direction::In, 512, true));
+        let calls = feed(&mut session, &wire);
+        assert_eq!(calls.len(), 2, "both reach the device at once, as for a stock client");
     }
 }

@@ -86,15 +86,24 @@ pub(crate) struct Resumable {
     pub(crate) grace: Duration,
 }
 
+/// What the client's offer agreed to for this import's URB phase.
+pub(crate) struct Agreed {
+    /// `Some` when the session outlives its connection.
+    pub(crate) resumable: Option<Resumable>,
+    /// The storage extension: flagged stages run one at a time ([`ServerSession::storage`]).
+    pub(crate) storage: bool,
+}
+
 pub(crate) async fn run(
     stream: PeerStream,
     leftover: BytesMut,
     lease: &mut Lease,
     state: &ServerState,
     mut stop: watch::Receiver<bool>,
-    resumable: Option<Resumable>,
+    agreed: Agreed,
     peer: std::net::SocketAddr,
 ) -> Result<End, ChannelError> {
+    let Agreed { resumable, storage } = agreed;
     let record = lease.record().clone();
     let mut capture_setting = state.capture.watch();
     // Captured from the start if the server captures now; `usbwire capture` switches it later.
@@ -104,7 +113,7 @@ pub(crate) async fn run(
             .ok()
     };
     let mut capture = capture_setting.borrow_and_update().as_ref().and_then(start_capture);
-    let mut session = new_session(lease.record(), leftover, state, resumable.as_ref());
+    let mut session = new_session(lease.record(), leftover, state, resumable.as_ref(), storage);
     // Registered for the session's whole life: a client may come back on a new
     // connection before this side has seen the old one drop.
     let mut parking =
@@ -186,15 +195,20 @@ pub(crate) async fn run(
     }
 }
 
-/// The session core for one import: resumable (and with keep-alives) when the client asked.
+/// The session core for one import: resumable (and with keep-alives), and
+/// running mass-storage stages in order, when the client asked.
 fn new_session(
     record: &DeviceRecord,
     leftover: BytesMut,
     state: &ServerState,
     resumable: Option<&Resumable>,
+    storage: bool,
 ) -> ServerSession {
     let mut session =
         ServerSession::new(record.devid(), leftover, state.config.limits.clone(), state.config.budget.clone());
+    if storage {
+        session = session.storage();
+    }
     if let Some(resumable) = resumable {
         session = session.resumable();
         if resumable.keepalive {

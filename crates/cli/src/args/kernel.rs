@@ -51,6 +51,10 @@ pub(crate) struct AttachArgs {
     /// gets the socket itself (plain USB/IP) and sees a disconnect when the link drops.
     #[arg(long)]
     pub(crate) no_resume: bool,
+    /// Mass storage over a slow link (usbwire servers): `auto` pipelines each Bulk-Only command so it
+    /// costs one round trip instead of three; `off` relays every transfer as it comes.
+    #[arg(long, value_name = "WHEN", value_parser = ["auto", "off"], default_value = "auto")]
+    pub(crate) accelerate: String,
     /// Keep the relay (resume, TLS, transforms) in this process instead of in the background, for
     /// service managers; it ends when the port is detached.
     #[arg(long)]

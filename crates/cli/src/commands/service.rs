@@ -332,6 +332,7 @@ fn attach_imported(
         resumable: true,
         reservation: reservation.as_ref().map(|reservation| reservation.token),
         persistence: usbwire_client::follow::Persistence::Bounded,
+        accelerate: true,
     };
     let plan = usbwire_client::attach::Plan { source, follow };
     let attached = usbwire_client::attach::Attachment::start(imported, plan)?;

@@ -17,7 +17,7 @@ use crate::peer::Peer;
 use crate::registry::{Importer, Lease};
 use crate::resumable::Owner;
 use crate::state::ServerState;
-use crate::urb_channel::{self, End, Resumable};
+use crate::urb_channel::{self, Agreed, End, Resumable};
 
 /// Imports `busid` for `client` and serves it until the import ends.
 pub(crate) async fn serve(
@@ -48,7 +48,15 @@ pub(crate) async fn serve(
         return;
     }
     let owner = Owner::new(client, addr.ip());
-    urb_phase(stream, &mut lease, negotiated.resume, owner, addr, state, stop).await;
+    let resumable = negotiated.resume.map(|Grant { token, keepalive, .. }| Resumable {
+        token,
+        keepalive,
+        client: owner,
+        parked: state.parked.clone(),
+        grace: state.config.resume_grace,
+    });
+    let agreed = Agreed { resumable, storage: negotiated.storage };
+    urb_phase(stream, &mut lease, agreed, addr, state, stop).await;
     // Resets the device (on a blocking thread) and makes it available again.
     lease.release().await;
 }
@@ -58,8 +66,7 @@ pub(crate) async fn serve(
 async fn urb_phase(
     stream: OpStream,
     lease: &mut Lease,
-    resume: Option<Grant>,
-    owner: Owner,
+    agreed: Agreed,
     addr: SocketAddr,
     state: &ServerState,
     stop: watch::Receiver<bool>,
@@ -67,15 +74,8 @@ async fn urb_phase(
     let busid = lease.record().busid.clone();
     let span = tracing::info_span!("urb", %busid, devid = format_args!("{:#x}", lease.record().devid()));
     span.in_scope(|| info!("imported"));
-    let resumable = resume.map(|Grant { token, keepalive, .. }| Resumable {
-        token,
-        keepalive,
-        client: owner,
-        parked: state.parked.clone(),
-        grace: state.config.resume_grace,
-    });
     let (stream, leftover) = stream.into_parts();
-    let channel = urb_channel::run(stream, leftover, lease, state, stop, resumable, addr).instrument(span.clone());
+    let channel = urb_channel::run(stream, leftover, lease, state, stop, agreed, addr).instrument(span.clone());
     let outcome = channel.await;
     let _enter = span.enter();
     match outcome {

@@ -8,6 +8,7 @@
 use usbwire_proto::liveness;
 use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::resume::{self, Grant, Token};
+use usbwire_proto::storage;
 use usbwire_transport::transform::TransformSpec;
 
 use crate::config::ServerConfig;
@@ -25,6 +26,9 @@ pub(crate) struct Negotiated {
     pub(crate) resume: Option<Grant>,
     /// The lab registry reservation the client says it holds.
     pub(crate) reservation: Option<ReservationToken>,
+    /// The storage extension: the client sends mass-storage stages without
+    /// waiting and the server's stage gate runs them one at a time (§5.7).
+    pub(crate) storage: bool,
 }
 
 /// Answers `offer` under `config`; a granted resume gets `token`.
@@ -50,7 +54,15 @@ pub(crate) fn negotiate(offer: &str, config: &ServerConfig, token: Token) -> Neg
         answer.push_str(&resume::in_flight_entry(in_flight.0, in_flight.1));
         resume = Some(Grant { token, keepalive, in_flight: Some(in_flight) });
     }
-    Negotiated { transforms, accepted, answer, resume, reservation: ReservationToken::from_offer(offer) }
+    // Stages cost the server nothing until a client flags one: granted whenever asked.
+    let storage = storage::offered(offer);
+    if storage {
+        if !answer.is_empty() {
+            answer.push(',');
+        }
+        answer.push_str(storage::OFFER);
+    }
+    Negotiated { transforms, accepted, answer, resume, reservation: ReservationToken::from_offer(offer), storage }
 }
 
 #[cfg(test)]
@@ -108,6 +120,20 @@ mod tests {
             let reserved = offer.contains("reservation=");
             assert_eq!(negotiated.reservation, reserved.then_some(reservation), "offer {offer:?}");
         }
+    }
+
+    #[test]
+    fn storage_is_granted_whenever_offered_with_or_without_sessions() {
+        for grace in [Duration::ZERO, Duration::from_secs(30)] {
+            let negotiated = negotiate("lz4,resume,keepalive,storage", &config(grace), TOKEN);
+            assert!(negotiated.storage);
+            assert!(negotiated.answer.starts_with("lz4,"), "{}", negotiated.answer);
+            assert!(negotiated.answer.ends_with(",storage"), "{}", negotiated.answer);
+            assert_eq!(negotiated.resume.is_some(), !grace.is_zero());
+            assert_eq!(TransformSpec::parse_list(&negotiated.answer), negotiated.transforms);
+        }
+        assert_eq!(negotiate("storage", &config(Duration::ZERO), TOKEN).answer, "storage");
+        assert!(!negotiate("zstd,resume", &config(Duration::from_secs(5)), TOKEN).storage);
     }
 
     #[test]

@@ -28,6 +28,7 @@ pub(crate) async fn agree(mut stream: OpStream, offer: &str, config: &ServerConf
         accepted = %negotiated.accepted,
         resume = negotiated.resume.is_some(),
         reservation = negotiated.reservation.is_some(),
+        storage = negotiated.storage,
         "stream transforms"
     );
     let stream = if negotiated.transforms.is_empty() {

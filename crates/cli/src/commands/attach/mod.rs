@@ -73,6 +73,7 @@ pub(crate) async fn run(args: AttachArgs) -> Result<(), Failure> {
             true => usbwire_client::follow::Persistence::Forever,
             false => usbwire_client::follow::Persistence::Bounded,
         },
+        accelerate: args.accelerate == "auto",
     };
     let plan = usbwire_client::attach::Plan { source, follow: following };
     let imported = match first_import(&plan, args.auto_attach).await {
@@ -122,7 +123,7 @@ async fn first_import(
         None if auto_attach => return auto::first_import(&plan.source).await,
         None if !resumable => {
             let (stream, device) = usbwire_client::import_with(*addr, busid, security, transforms).await?;
-            usbwire_client::Imported { stream, device, resume: None }
+            usbwire_client::Imported { stream, device, resume: None, storage: false }
         }
         None => usbwire_client::import_resumable(*addr, busid, security, transforms).await?,
     };
