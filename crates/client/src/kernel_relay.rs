@@ -14,13 +14,14 @@ use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 use tokio_util::io::poll_read_buf;
-use usbwire_proto::client_session::{ClientSession, Event};
-use usbwire_proto::urb::{self, ClientMessage};
+use usbwire_proto::client_session::{ClientSession, ClientSessionError, Event};
+use usbwire_proto::urb::{self, ClientMessage, ServerMessage};
 use usbwire_proto::{Budget, Limits, Outbox};
 use usbwire_transport::PeerStream;
 
 use crate::relay::{drive, new_session, Front, RelayError, RelayState, Step, Upstream, END_TIMEOUT};
 use crate::relay_wire::poll_write_all;
+use crate::storage::Accelerator;
 
 /// Replies waiting for the kernel to read them before the relay stops reading the server.
 const KERNEL_BACKLOG: usize = 8 * 1024 * 1024;
@@ -38,15 +39,42 @@ pub async fn run<K>(
 where
     K: AsyncRead + AsyncWrite + Unpin,
 {
-    let front = KernelFront { kernel, kernel_in: BytesMut::with_capacity(64 * 1024), kernel_out: Outbox::default() };
+    let storage = upstream.storage.then(|| Accelerator::new(devid));
+    let front =
+        KernelFront { kernel, kernel_in: BytesMut::with_capacity(64 * 1024), kernel_out: Outbox::default(), storage };
     // The kernel's session is the relay's alone: held without a lock.
     let mut held = (new_session(devid, &upstream, Budget::default()), front);
     let result = drive(&mut held, stream, upstream, state).await;
+    if let Some(storage) = &held.1.storage {
+        let counters = storage.counters();
+        if counters.commands_pipelined > 0 {
+            tracing::info!(
+                commands_pipelined = counters.commands_pipelined,
+                statuses_ahead = counters.statuses_ahead,
+                statuses_wasted = counters.statuses_wasted,
+                "mass storage accelerated"
+            );
+        }
+    }
     if let Err(RelayError::Reenumerated { .. }) = &result {
         // The replies before the end (a DFU_DETACH's) reach the kernel first.
         held.1.flush().await;
     }
     result
+}
+
+fn to_server(session: &mut ClientSession<()>, message: ClientMessage) -> Result<(), ClientSessionError> {
+    match message {
+        ClientMessage::Submit(submit) => session.submit(submit, ()),
+        ClientMessage::Unlink(unlink) => session.unlink(unlink),
+    }
+}
+
+fn push_reply(kernel_out: &mut Outbox, reply: ServerMessage) {
+    match reply {
+        ServerMessage::Submit(reply) => kernel_out.push_ret_submit(&reply),
+        ServerMessage::Unlink(reply) => kernel_out.push_ret_unlink(&reply),
+    }
 }
 
 /// vhci-hcd's end of the socket pair: commands as bytes in, replies as bytes out.
@@ -56,6 +84,8 @@ struct KernelFront<K> {
     kernel_in: BytesMut,
     /// Replies for the kernel.
     kernel_out: Outbox,
+    /// Mass-storage commands in one round trip, when the server runs stages.
+    storage: Option<Accelerator>,
 }
 
 impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
@@ -88,9 +118,11 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
 
     #[inline]
     fn deliver(&mut self, event: Event<()>) {
-        match event {
-            Event::Completed { reply, .. } => self.kernel_out.push_ret_submit(&reply),
-            Event::Unlinked { reply, .. } => self.kernel_out.push_ret_unlink(&reply),
+        let kernel_out = &mut self.kernel_out;
+        match (&mut self.storage, event) {
+            (Some(storage), event) => storage.server_sent(event, &mut |reply| push_reply(kernel_out, reply)),
+            (None, Event::Completed { reply, .. }) => kernel_out.push_ret_submit(&reply),
+            (None, Event::Unlinked { reply, .. }) => kernel_out.push_ret_unlink(&reply),
         }
     }
 
@@ -118,9 +150,14 @@ impl<K: AsyncRead + AsyncWrite + Unpin> KernelFront<K> {
             let message = urb::decode_command(&mut self.kernel_in, &limits, |_, _| iso)
                 .map_err(|error| RelayError::Kernel(error.to_string()))?;
             let Some(message) = message else { return Ok(()) };
-            match message {
-                ClientMessage::Submit(submit) => session.submit(submit, ())?,
-                ClientMessage::Unlink(unlink) => session.unlink(unlink)?,
+            match &mut self.storage {
+                Some(storage) => {
+                    let kernel_out = &mut self.kernel_out;
+                    storage.kernel_sent(message, &mut |message| to_server(session, message), &mut |reply| {
+                        push_reply(kernel_out, reply)
+                    })?
+                }
+                None => to_server(session, message)?,
             }
         }
         Ok(())

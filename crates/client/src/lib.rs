@@ -49,10 +49,12 @@ pub mod reattach;
 pub mod redir;
 pub mod relay;
 mod relay_wire;
+mod storage;
 pub mod vhci;
 
 pub use queue::TransferQueue;
 pub use reattach::ReattachingDevice;
+pub use storage::StorageCounters;
 pub use usbwire_transport::transform::TransformSpec;
 
 mod connect;

@@ -45,7 +45,7 @@ mod stages;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use stages::{Next, Stages};
 
 use crate::liveness::{self, Due, Link, Liveness};
@@ -470,16 +470,7 @@ impl ServerSession {
                     if let Some(stages) = &mut self.stages {
                         stages.skipped();
                     }
-                    self.finish(RetSubmit {
-                        seqnum,
-                        status: storage::SKIPPED,
-                        actual_length: 0,
-                        start_frame: 0,
-                        number_of_packets: 0,
-                        error_count: 0,
-                        data: Bytes::new(),
-                        iso_packets: Vec::new(),
-                    });
+                    self.finish(stages::skipped(seqnum));
                 }
             }
         }

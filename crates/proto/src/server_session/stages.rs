@@ -11,8 +11,10 @@
 
 use std::collections::VecDeque;
 
+use bytes::Bytes;
+
 use crate::storage;
-use crate::urb::CmdSubmit;
+use crate::urb::{CmdSubmit, RetSubmit};
 
 /// What the gate decides for the next held stage.
 #[derive(Debug, PartialEq, Eq)]
@@ -92,5 +94,19 @@ impl Stages {
         };
         *held = Held::Withdrawn;
         true
+    }
+}
+
+/// The reply of a stage that was skipped: nothing moved, [`storage::SKIPPED`].
+pub(super) fn skipped(seqnum: u32) -> RetSubmit {
+    RetSubmit {
+        seqnum,
+        status: storage::SKIPPED,
+        actual_length: 0,
+        start_frame: 0,
+        number_of_packets: 0,
+        error_count: 0,
+        data: Bytes::new(),
+        iso_packets: Vec::new(),
     }
 }

@@ -1,0 +1,533 @@
+//! The accelerator against a reference: random sequences of reads, writes and
+//! other commands, with stalls injected on chosen stages, run by a kernel
+//! that behaves as usb-storage does, through the whole sans-I/O path (the
+//! accelerator, a client session, the bytes of a link delivered in random
+//! pieces at random moments, the server session's stage gate, a virtual disk).
+//! Every run goes twice, with the accelerator and without: the kernel must
+//! see the same outcome of every command both ways, and every byte read must
+//! be what a reference disk holds.
+
+use std::collections::VecDeque;
+use std::task::{Context, Poll, Waker};
+
+use bytes::{Bytes, BytesMut};
+use proptest::prelude::*;
+use usbwire_device::{Completion, Device, DeviceSummary, Direction, Speed, Status, TransferType, Urb, VirtualDevice};
+use usbwire_gadgets::mass_storage::{DiskOptions, MassStorage, BLOCK_SIZE, BULK_IN, BULK_OUT};
+use usbwire_proto::client_session::ClientSession;
+use usbwire_proto::server_session::{DeviceCall, ServerSession};
+use usbwire_proto::urb::{ClientMessage, CmdSubmit, RetSubmit, ServerMessage};
+use usbwire_proto::{Budget, Limits, RecvBuffer};
+
+use super::Accelerator;
+
+const DEVID: u32 = 0x0001_0002;
+const BLOCKS: u32 = 512;
+const BLOCK: usize = BLOCK_SIZE as usize;
+const BLOCK_BYTES: u32 = BLOCK_SIZE as u32;
+
+/// A fault the disk shows on one command.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fault {
+    None,
+    /// The CBW is refused with a STALL (the OUT endpoint halts).
+    StallCommand,
+    /// The data IN stage is refused with a STALL after the device moved on to its status.
+    StallData,
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Read {
+        lba: u32,
+        blocks: u16,
+    },
+    Write {
+        lba: u32,
+        blocks: u16,
+        fill: u8,
+    },
+    TestUnitReady,
+    /// A READ(10) whose end is past the disk's: CHECK CONDITION.
+    ReadPastEnd,
+}
+
+/// What the kernel makes of one command.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Outcome {
+    Done {
+        data: Bytes,
+        status: u8,
+        residue: u32,
+    },
+    /// A stage failed in a way usb-storage answers with a reset.
+    TransportError,
+}
+
+/// The virtual disk with faults on chosen commands, keeping the halt a real
+/// device keeps until CLEAR_FEATURE(ENDPOINT_HALT).
+struct Faulty {
+    inner: VirtualDevice<MassStorage>,
+    faults: Vec<Fault>,
+    commands: usize,
+    halted_in: bool,
+    halted_out: bool,
+    stall_data: bool,
+    stalled: Option<u32>,
+    own: VecDeque<Completion>,
+}
+
+impl Device for Faulty {
+    fn summary(&self) -> DeviceSummary {
+        self.inner.summary()
+    }
+
+    fn endpoint_type(&self, direction: Direction, number: u8) -> Option<TransferType> {
+        self.inner.endpoint_type(direction, number)
+    }
+
+    fn submit(&mut self, urb: Urb) {
+        if urb.endpoint == 0 {
+            if urb.setup[..2] == [0x02, 0x01] {
+                match urb.setup[4] {
+                    BULK_IN => self.halted_in = false,
+                    BULK_OUT => self.halted_out = false,
+                    _ => {}
+                }
+            }
+        } else if urb.direction == Direction::Out {
+            if self.halted_out {
+                return self.own.push_back(urb.complete_with(Status::EPIPE));
+            }
+            if urb.data.len() == 31 && &urb.data[..4] == b"USBC" {
+                let fault = self.faults.get(self.commands).copied().unwrap_or(Fault::None);
+                self.commands += 1;
+                match fault {
+                    Fault::StallCommand => {
+                        self.halted_out = true;
+                        return self.own.push_back(urb.complete_with(Status::EPIPE));
+                    }
+                    Fault::StallData => self.stall_data = urb.data[12] & 0x80 != 0,
+                    Fault::None => {}
+                }
+            }
+        } else {
+            if self.halted_in {
+                return self.own.push_back(urb.complete_with(Status::EPIPE));
+            }
+            if std::mem::take(&mut self.stall_data) {
+                self.stalled = Some(urb.seqnum);
+            }
+        }
+        self.inner.submit(urb);
+    }
+
+    fn poll_complete(&mut self, cx: &mut Context<'_>) -> Poll<Completion> {
+        if let Some(done) = self.own.pop_front() {
+            return Poll::Ready(done);
+        }
+        match self.inner.poll_complete(cx) {
+            Poll::Ready(mut done) if Some(done.seqnum) == self.stalled => {
+                self.stalled = None;
+                self.halted_in = true;
+                done.status = Status::EPIPE;
+                done.actual_length = 0;
+                done.data = Bytes::new();
+                Poll::Ready(done)
+            }
+            other => other,
+        }
+    }
+
+    fn cancel(&mut self, seqnum: u32) {
+        self.inner.cancel(seqnum);
+    }
+
+    fn reset(&mut self) {
+        self.inner.reset();
+    }
+}
+
+/// Deterministic choices for the schedule (a proptest seed in, no shrinking needed).
+struct Schedule(u64);
+
+impl Schedule {
+    fn next(&mut self, below: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % below.max(1) as u64) as usize
+    }
+}
+
+/// The kernel, the client side, the link, the server side and the disk.
+struct Rig {
+    accelerator: Option<Accelerator>,
+    client: ClientSession<()>,
+    client_in: RecvBuffer,
+    server: ServerSession,
+    device: Faulty,
+    up: VecDeque<u8>,
+    down: VecDeque<u8>,
+    replies: Vec<ServerMessage>,
+    seqnum: u32,
+    tag: u32,
+    schedule: Schedule,
+    _image: tempfile::TempDir,
+}
+
+fn to_server(client: &mut ClientSession<()>, message: ClientMessage) {
+    match message {
+        ClientMessage::Submit(submit) => client.submit(submit, ()),
+        ClientMessage::Unlink(unlink) => client.unlink(unlink),
+    }
+    .expect("the session takes the command");
+}
+
+impl Rig {
+    fn new(accelerate: bool, faults: Vec<Fault>, seed: u64, image: &[u8]) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("disk.img");
+        std::fs::write(&path, image).expect("image");
+        let options = DiskOptions { size: None, read_only: false, speed: Speed::HIGH };
+        let inner = MassStorage::open(&path, &options).expect("disk");
+        let mut server = ServerSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default());
+        if accelerate {
+            server = server.storage();
+        }
+        Self {
+            accelerator: accelerate.then(|| Accelerator::new(DEVID)),
+            client: ClientSession::new(DEVID, Limits::default(), Budget::default()),
+            client_in: RecvBuffer::with_capacity(64 * 1024),
+            server,
+            device: Faulty {
+                inner,
+                faults,
+                commands: 0,
+                halted_in: false,
+                halted_out: false,
+                stall_data: false,
+                stalled: None,
+                own: VecDeque::new(),
+            },
+            up: VecDeque::new(),
+            down: VecDeque::new(),
+            replies: Vec::new(),
+            seqnum: 0,
+            tag: 0,
+            schedule: Schedule(seed | 1),
+            _image: dir,
+        }
+    }
+
+    /// One move of one part, chosen by the schedule; bytes cross the link in random pieces.
+    fn step(&mut self) {
+        match self.schedule.next(5) {
+            0 => drain(self.client.outbox(), &mut self.up),
+            1 => {
+                let take = self.piece(self.up.len());
+                let bytes: Vec<u8> = self.up.drain(..take).collect();
+                self.server.input(|_, _| false).expect("input").extend_from_slice(&bytes);
+                self.server.handle_input(|_, _| false).expect("the server takes the client's bytes");
+                while let Some(call) = self.server.poll_device_call() {
+                    match call {
+                        DeviceCall::Submit(submit) => self.device.submit(Urb::from_submit(submit)),
+                        DeviceCall::Cancel { seqnum } => self.device.cancel(seqnum),
+                    }
+                }
+            }
+            2 => {
+                let mut cx = Context::from_waker(Waker::noop());
+                while self.server.wants_completions() {
+                    match self.device.poll_complete(&mut cx) {
+                        Poll::Ready(done) => self.server.complete(done.into_ret_submit()),
+                        Poll::Pending => break,
+                    }
+                }
+                // Stages the gate let through on a completion.
+                while let Some(call) = self.server.poll_device_call() {
+                    match call {
+                        DeviceCall::Submit(submit) => self.device.submit(Urb::from_submit(submit)),
+                        DeviceCall::Cancel { seqnum } => self.device.cancel(seqnum),
+                    }
+                }
+            }
+            3 => drain(self.server.outbox(), &mut self.down),
+            _ => {
+                let take = self.piece(self.down.len());
+                let bytes: Vec<u8> = self.down.drain(..take).collect();
+                self.client_in.extend_from_slice(&bytes);
+                let (accelerator, replies) = (&mut self.accelerator, &mut self.replies);
+                self.client
+                    .handle_input(&mut self.client_in, |event| match accelerator {
+                        Some(accelerator) => accelerator.server_sent(event, &mut |reply| replies.push(reply)),
+                        None => replies.push(match event {
+                            usbwire_proto::client_session::Event::Completed { reply, .. } => {
+                                ServerMessage::Submit(reply)
+                            }
+                            usbwire_proto::client_session::Event::Unlinked { reply, .. } => {
+                                ServerMessage::Unlink(reply)
+                            }
+                        }),
+                    })
+                    .expect("the client takes the server's bytes");
+            }
+        }
+    }
+
+    /// All of `len` bytes, or (one time in four) a random part of them.
+    fn piece(&mut self, len: usize) -> usize {
+        if len > 1 && self.schedule.next(4) == 0 {
+            1 + self.schedule.next(len - 1)
+        } else {
+            len
+        }
+    }
+
+    /// Submits a URB as vhci does and waits for its completion.
+    fn urb(&mut self, ep: u8, direction: Direction, setup: [u8; 8], length: u32, data: Bytes) -> RetSubmit {
+        self.seqnum += 1;
+        let seqnum = self.seqnum;
+        let submit = CmdSubmit::new(seqnum, DEVID, direction, ep, length, setup, data);
+        let message = ClientMessage::Submit(submit);
+        let (client, replies) = (&mut self.client, &mut self.replies);
+        match &mut self.accelerator {
+            Some(accelerator) => accelerator
+                .kernel_sent(
+                    message,
+                    &mut |message| {
+                        to_server(client, message);
+                        Ok::<_, ()>(())
+                    },
+                    &mut |reply| replies.push(reply),
+                )
+                .expect("taken"),
+            None => to_server(client, message),
+        }
+        for _ in 0..200_000 {
+            if let Some(at) =
+                self.replies.iter().position(|r| matches!(r, ServerMessage::Submit(r) if r.seqnum == seqnum))
+            {
+                let ServerMessage::Submit(reply) = self.replies.remove(at) else { unreachable!() };
+                assert!(self.replies.is_empty(), "replies nobody asked for: {:?}", self.replies);
+                return reply;
+            }
+            self.step();
+        }
+        panic!("URB {seqnum} (ep {ep}, {direction:?}) never completed: the pipeline is stuck");
+    }
+
+    fn control(&mut self, setup: [u8; 8]) -> RetSubmit {
+        let length = u32::from(u16::from_le_bytes([setup[6], setup[7]]));
+        let direction = if setup[0] & 0x80 != 0 { Direction::In } else { Direction::Out };
+        self.urb(0, direction, setup, length, Bytes::new())
+    }
+
+    fn enumerate(&mut self) {
+        let head = self.control([0x80, 6, 0, 2, 0, 0, 9, 0]);
+        let total = u16::from_le_bytes([head.data[2], head.data[3]]);
+        let [low, high] = total.to_le_bytes();
+        assert_eq!(self.control([0x80, 6, 0, 2, 0, 0, low, high]).status, Status::OK);
+        assert_eq!(self.control([0x00, 9, 1, 0, 0, 0, 0, 0]).status, Status::OK);
+    }
+
+    fn clear_halt(&mut self, endpoint: u8) {
+        self.control([0x02, 0x01, 0, 0, endpoint, 0, 0, 0]);
+    }
+
+    /// usb-storage's reset recovery: the class reset, then both halts cleared.
+    fn reset_recovery(&mut self) {
+        self.control([0x21, 0xff, 0, 0, 0, 0, 0, 0]);
+        self.clear_halt(BULK_IN);
+        self.clear_halt(BULK_OUT);
+    }
+
+    /// One command as usb-storage's Bulk-Only transport runs it.
+    fn command(&mut self, cdb: &[u8], data_in: Option<u32>, data_out: Option<Bytes>) -> Outcome {
+        self.tag += 1;
+        let length = data_in.unwrap_or_else(|| data_out.as_ref().map_or(0, |data| data.len() as u32));
+        let mut cbw = vec![0u8; 31];
+        cbw[..4].copy_from_slice(b"USBC");
+        cbw[4..8].copy_from_slice(&self.tag.to_le_bytes());
+        cbw[8..12].copy_from_slice(&length.to_le_bytes());
+        cbw[12] = if data_in.is_some() { 0x80 } else { 0 };
+        cbw[14] = cdb.len() as u8;
+        cbw[15..15 + cdb.len()].copy_from_slice(cdb);
+        if self.urb(BULK_OUT & 0x0f, Direction::Out, [0; 8], 31, Bytes::from(cbw)).status != Status::OK {
+            self.reset_recovery();
+            return Outcome::TransportError;
+        }
+        let mut data = Bytes::new();
+        if length > 0 {
+            let done = match data_out {
+                Some(out) => self.urb(BULK_OUT & 0x0f, Direction::Out, [0; 8], length, out),
+                None => self.urb(BULK_IN & 0x0f, Direction::In, [0; 8], length, Bytes::new()),
+            };
+            match done.status {
+                Status::OK => data = done.data,
+                Status::EPIPE => self.clear_halt(if data_in.is_some() { BULK_IN } else { BULK_OUT }),
+                _ => {
+                    self.reset_recovery();
+                    return Outcome::TransportError;
+                }
+            }
+        }
+        let mut csw = self.urb(BULK_IN & 0x0f, Direction::In, [0; 8], 13, Bytes::new());
+        if csw.status == Status::EPIPE {
+            self.clear_halt(BULK_IN);
+            csw = self.urb(BULK_IN & 0x0f, Direction::In, [0; 8], 13, Bytes::new());
+        }
+        let wrapper = &csw.data;
+        if csw.status != Status::OK
+            || wrapper.len() != 13
+            || &wrapper[..4] != b"USBS"
+            || wrapper[4..8] != self.tag.to_le_bytes()
+        {
+            self.reset_recovery();
+            return Outcome::TransportError;
+        }
+        let residue = u32::from_le_bytes([wrapper[8], wrapper[9], wrapper[10], wrapper[11]]);
+        Outcome::Done { data, status: wrapper[12], residue }
+    }
+
+    fn run(&mut self, op: &Op) -> Outcome {
+        let rw = |opcode: u8, lba: u32, blocks: u16| {
+            let mut cdb = [0u8; 10];
+            cdb[0] = opcode;
+            cdb[2..6].copy_from_slice(&lba.to_be_bytes());
+            cdb[7..9].copy_from_slice(&blocks.to_be_bytes());
+            cdb
+        };
+        match *op {
+            Op::Read { lba, blocks } => {
+                self.command(&rw(0x28, lba, blocks), Some(u32::from(blocks) * BLOCK_BYTES), None)
+            }
+            Op::Write { lba, blocks, fill } => {
+                let data = Bytes::from(pattern(lba, blocks, fill));
+                self.command(&rw(0x2a, lba, blocks), None, Some(data))
+            }
+            Op::TestUnitReady => self.command(&[0; 6], None, None),
+            Op::ReadPastEnd => self.command(&rw(0x28, BLOCKS - 1, 2), Some(2 * BLOCK_BYTES), None),
+        }
+    }
+
+    /// Lets everything in flight arrive; then no reply may be left over.
+    fn settle(&mut self) {
+        for _ in 0..10_000 {
+            self.step();
+        }
+        assert!(self.replies.is_empty(), "replies nobody asked for: {:?}", self.replies);
+        assert!(self.up.is_empty() && self.down.is_empty() && self.server.is_idle(), "the link went quiet");
+        assert_eq!(self.client.outstanding(), 0, "every URB answered");
+    }
+}
+
+fn drain(outbox: &mut usbwire_proto::Outbox, to: &mut VecDeque<u8>) {
+    while !outbox.is_empty() {
+        let mut took = 0;
+        for slice in outbox.slices(64) {
+            to.extend(slice.iter());
+            took += slice.len();
+        }
+        outbox.advance(took);
+    }
+}
+
+/// What a write of `blocks` at `lba` puts on the disk: different for every block and fill.
+fn pattern(lba: u32, blocks: u16, fill: u8) -> Vec<u8> {
+    (0..usize::from(blocks) * BLOCK)
+        .map(|at| (at / BLOCK) as u8 ^ (lba as u8).wrapping_mul(31) ^ fill ^ at as u8)
+        .collect()
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..BLOCKS - 64, 1u16..64).prop_map(|(lba, blocks)| Op::Read { lba, blocks }),
+        3 => (0..BLOCKS - 64, 1u16..64, any::<u8>()).prop_map(|(lba, blocks, fill)| Op::Write { lba, blocks, fill }),
+        1 => Just(Op::TestUnitReady),
+        1 => Just(Op::ReadPastEnd),
+    ]
+}
+
+fn fault() -> impl Strategy<Value = Fault> {
+    prop_oneof![8 => Just(Fault::None), 1 => Just(Fault::StallCommand), 1 => Just(Fault::StallData)]
+}
+
+/// Runs `ops` and checks every byte read against the reference disk.
+fn run(accelerate: bool, ops: &[Op], faults: &[Fault], seed: u64) -> (Vec<Outcome>, StorageTally) {
+    let image: Vec<u8> = (0..BLOCKS as usize * BLOCK).map(|at| (at * 7 / 3) as u8).collect();
+    let mut reference = image.clone();
+    let mut rig = Rig::new(accelerate, faults.to_vec(), seed, &image);
+    rig.enumerate();
+    let mut outcomes = Vec::new();
+    for (op, fault) in ops.iter().zip(faults) {
+        let outcome = rig.run(op);
+        match (op, &outcome) {
+            (Op::Read { lba, blocks }, Outcome::Done { data, status: 0, residue: 0 }) if *fault == Fault::None => {
+                let at = *lba as usize * BLOCK;
+                assert_eq!(data.len(), usize::from(*blocks) * BLOCK);
+                assert!(
+                    data[..] == reference[at..at + data.len()],
+                    "read of {blocks} blocks at {lba}: stale or wrong bytes"
+                );
+            }
+            (Op::Write { lba, blocks, fill }, Outcome::Done { status: 0, .. }) => {
+                let at = *lba as usize * BLOCK;
+                reference[at..at + usize::from(*blocks) * BLOCK].copy_from_slice(&pattern(*lba, *blocks, *fill));
+            }
+            _ => {}
+        }
+        outcomes.push(outcome);
+    }
+    rig.settle();
+    let tally = rig.accelerator.as_ref().map(|a| a.counters()).unwrap_or_default();
+    (outcomes, tally)
+}
+
+type StorageTally = super::StorageCounters;
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_kernel_sees_what_it_sees_without_the_accelerator_and_never_a_stale_byte(
+        ops_faults in proptest::collection::vec((op(), fault()), 1..40),
+        seed in any::<u64>(),
+    ) {
+        let (ops, faults): (Vec<Op>, Vec<Fault>) = ops_faults.into_iter().unzip();
+        let (plain, _) = run(false, &ops, &faults, seed);
+        let (accelerated, tally) = run(true, &ops, &faults, seed.rotate_left(17));
+        prop_assert_eq!(&accelerated, &plain);
+        prop_assert_eq!(tally.commands_pipelined, ops.len() as u64);
+    }
+}
+
+#[test]
+fn a_clean_command_costs_the_kernel_no_wait_for_its_cbw_and_its_csw_is_read_ahead() {
+    let ops = [Op::Write { lba: 3, blocks: 8, fill: 1 }, Op::Read { lba: 3, blocks: 8 }, Op::TestUnitReady];
+    let faults = [Fault::None; 3];
+    let (outcomes, tally) = run(true, &ops, &faults, 7);
+    assert!(outcomes.iter().all(|o| matches!(o, Outcome::Done { status: 0, residue: 0, .. })), "{outcomes:?}");
+    assert_eq!(tally.commands_pipelined, 3);
+    assert_eq!(tally.statuses_ahead, 3, "every CSW came from the read sent ahead");
+    assert_eq!(tally.statuses_wasted, 0);
+}
+
+#[test]
+fn stalls_show_as_they_do_without_the_accelerator() {
+    let ops = [
+        Op::Read { lba: 0, blocks: 4 },
+        Op::Read { lba: 4, blocks: 4 },
+        Op::TestUnitReady,
+        Op::Write { lba: 9, blocks: 1, fill: 3 },
+        Op::Read { lba: 9, blocks: 1 },
+    ];
+    let faults = [Fault::StallData, Fault::StallCommand, Fault::StallCommand, Fault::None, Fault::None];
+    let (plain, _) = run(false, &ops, &faults, 11);
+    let (accelerated, tally) = run(true, &ops, &faults, 13);
+    assert_eq!(accelerated, plain);
+    assert!(matches!(plain[0], Outcome::Done { ref data, status: 0, .. } if data.is_empty()), "{:?}", plain[0]);
+    assert_eq!(plain[1], Outcome::TransportError);
+    assert_eq!(plain[2], Outcome::TransportError);
+    assert!(tally.statuses_wasted >= 2, "the status reads behind the stalls were not used: {tally:?}");
+}
