@@ -95,10 +95,17 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
         if !session.wants_commands() {
             return Ok(Step::Idle);
         }
+        let mut released = false;
+        if let Some(storage) = &mut self.storage {
+            // Commands that waited for the reads ahead in flight.
+            let kernel_out = &mut self.kernel_out;
+            released = storage
+                .release(&mut |message| to_server(session, message), &mut |reply| push_reply(kernel_out, reply))?;
+        }
         // Whole commands left over from a read the session's budget cut short come first.
         let before = session.outstanding();
         self.take_commands(session)?;
-        let took = session.outstanding() != before;
+        let took = released || session.outstanding() != before;
         if !session.wants_commands() {
             return Ok(if took { Step::Progressed } else { Step::Idle });
         }

@@ -24,34 +24,43 @@
 //! * after a failed data stage the status read was skipped on the server, and
 //!   the kernel's own CSW read (after its clear-halt) goes to the device.
 //!
+//! On a sequential stream of READs it also reads ahead ([`ahead`]): the next
+//! ranges' commands go to the device behind the kernel's, and a READ the
+//! kernel then sends is answered from them at once, the CSW with the
+//! kernel's tag. Whatever is not known to be read-only drops every read
+//! ahead before it is sent, and replies still to come for them are ignored:
+//! nothing read before a write is served after it.
+//!
 //! It learns which endpoints carry Bulk-Only from the configuration
 //! descriptors the kernel reads and the configuration it sets, as they pass.
 //! It is not for the relay's I/O, resume or transforms (the relay's), nor for
 //! anything but interfaces of class 08, subclass 06, protocol 50.
 
+mod ahead;
 #[cfg(test)]
 mod model;
+mod pipes;
+mod wrappers;
+
+use std::collections::{HashSet, VecDeque};
 
 use bytes::Bytes;
-use usbwire_device::descriptor::ConfigurationInfo;
-use usbwire_device::TransferType;
 use usbwire_proto::client_session::Event;
 use usbwire_proto::storage::{AFTER_SUCCESS, STAGE};
 use usbwire_proto::urb::{ClientMessage, CmdSubmit, CmdUnlink, RetSubmit, RetUnlink, ServerMessage, TransferFlags};
 use usbwire_proto::{Direction, Status};
 
-/// A Bulk-Only command block wrapper: its length and signature ("USBC").
-const CBW_LEN: u32 = 31;
-const CBW_SIGNATURE: &[u8; 4] = b"USBC";
-/// A command status wrapper's length.
-const CSW_LEN: u32 = 13;
-/// How far from the kernel's seqnums the status reads' are: vhci numbers its
-/// URBs one by one, so it reaches these only 2^31 URBs later.
+use ahead::{ReadAhead, Speculation};
+use pipes::{Interfaces, Pipes};
+use wrappers::{answer, answer_to, command_block, done, retag, tag_of, CommandBlock, CBW_LEN, CSW_LEN};
+
+/// How far from the kernel's seqnums ours are: vhci numbers its URBs one by
+/// one, so it reaches these only 2^31 URBs later; ours count up from there as
+/// the kernel's do, so two of ours never share one.
 const OWN_SEQNUM_OFFSET: u32 = 0x8000_0000;
 
-const GET_DESCRIPTOR: u8 = 6;
-const SET_CONFIGURATION: u8 = 9;
-const CONFIGURATION: u8 = 2;
+const READ_CAPACITY_10: u8 = 0x25;
+const SERVICE_ACTION_IN_16: u8 = 0x9e;
 
 /// What the accelerator has done, for `usbwire port` and the metrics.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -63,61 +72,64 @@ pub struct StorageCounters {
     /// Status reads sent ahead that could not be used (a failed stage, an
     /// abandoned command): the kernel's own read went to the device.
     pub statuses_wasted: u64,
+    /// READs answered from a read ahead.
+    pub read_ahead_hits: u64,
+    /// Bytes read ahead and served.
+    pub bytes_read_ahead: u64,
+    /// Bytes read ahead and dropped (a write, a seek, an error).
+    pub bytes_wasted: u64,
 }
 
-/// A Bulk-Only interface's pipes: endpoint numbers, without the direction bit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Pipes {
-    bulk_out: u8,
-    bulk_in: u8,
-}
-
-/// A control request whose reply teaches us the pipes.
-#[derive(Clone, Copy, Debug)]
-enum Watched {
-    Configuration,
-    SetConfiguration(u8),
-}
-
-/// The status read sent ahead of the kernel's.
-#[derive(Debug)]
-enum StatusRead {
-    /// Not sent (yet): the kernel's data stage is still coming.
-    NotSent,
-    Sent {
-        seqnum: u32,
-        result: Option<RetSubmit>,
-        /// The kernel's CSW URB waiting for it: (seqnum, buffer length).
-        claimed: Option<(u32, u32)>,
-    },
+/// A reply one of the kernel's URBs waits for: ours (a status read, a read
+/// ahead's data), answered to the kernel's URB that claims it.
+#[derive(Debug, Default)]
+struct Ahead {
+    seqnum: u32,
+    result: Option<RetSubmit>,
+    /// The kernel's URB waiting for it: (seqnum, buffer length).
+    claimed: Option<(u32, u32)>,
 }
 
 /// The command in progress.
 #[derive(Debug)]
 struct Command {
     pipes: Pipes,
+    /// The kernel's command block: answered when it came.
+    cbw: [u8; 31],
     cbw_seqnum: u32,
     /// The data stage still expected from the kernel: its direction and bytes left.
     expecting: Option<(Direction, u32)>,
     /// The kernel's data URBs sent on.
     data_seqnums: Vec<u32>,
-    status: StatusRead,
-    /// A data stage failed: the status read was skipped and means nothing.
+    /// Served from a read ahead: its data stage's reply.
+    data_ahead: Option<Ahead>,
+    /// The status read sent ahead (ours, or a read ahead's).
+    status: Option<Ahead>,
+    /// A stage before the status failed: the status read was skipped, or its
+    /// CSW is not the one the kernel's own read will get.
     void: bool,
 }
 
 #[derive(Debug, Default)]
 pub(crate) struct Accelerator {
     devid: u32,
-    /// Bulk-Only pipes of each configuration whose whole descriptor was read.
-    configurations: Vec<(u8, Vec<Pipes>)>,
-    /// Those of the configuration set.
-    active: Vec<Pipes>,
-    watched: Vec<(u32, Watched)>,
+    interfaces: Interfaces,
     command: Option<Command>,
-    /// Our own URBs whose replies nobody waits for any more.
-    ignored: Vec<u32>,
+    ahead: ReadAhead,
+    /// Our own URBs (and unlinks) whose replies nobody waits for any more.
+    ignored: HashSet<u32>,
+    /// A read ahead failed unserved: the device wants a reset recovery
+    /// before the kernel's next stage.
+    recover: bool,
+    /// A CSW the kernel reads after a served command's failed data stage:
+    /// the device's, with the read ahead's tag; the kernel gets its own.
+    retag: Option<(u32, [u8; 4])>,
+    /// The kernel's messages waiting, in order, for the reads ahead in flight
+    /// to finish before a command that drops them: a read ahead that failed
+    /// leaves the device wanting a reset recovery first.
+    held: VecDeque<ClientMessage>,
     last_kernel_seqnum: u32,
+    own_seqnums: u32,
     counters: StorageCounters,
 }
 
@@ -138,6 +150,52 @@ impl Accelerator {
         server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
         kernel: &mut impl FnMut(ServerMessage),
     ) -> Result<(), E> {
+        if !self.held.is_empty() || self.waits(&message) {
+            self.held.push_back(message);
+            return Ok(());
+        }
+        self.take(message, server, kernel)
+    }
+
+    /// Sends on the kernel's messages that waited, once the reads ahead they
+    /// waited for are all back. Says whether it sent any. Call it after
+    /// replies were delivered.
+    pub(crate) fn release<E>(
+        &mut self,
+        server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
+        kernel: &mut impl FnMut(ServerMessage),
+    ) -> Result<bool, E> {
+        let mut released = false;
+        while let Some(message) = self.held.front() {
+            if self.waits(message) {
+                break;
+            }
+            if let Some(message) = self.held.pop_front() {
+                self.take(message, server, kernel)?;
+                released = true;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Whether `message` is a command block the first read ahead does not
+    /// serve while reads ahead are in flight: it waits for them, so that one
+    /// that failed is known (and the device recovered) before it goes.
+    fn waits(&self, message: &ClientMessage) -> bool {
+        let ClientMessage::Submit(submit) = message else { return false };
+        if !self.ahead.in_flight() {
+            return false;
+        }
+        let Some(pipes) = self.interfaces.pipes_of(submit) else { return false };
+        command_block(submit, pipes).is_some() && !self.ahead.matches(&submit.data)
+    }
+
+    fn take<E>(
+        &mut self,
+        message: ClientMessage,
+        server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
+        kernel: &mut impl FnMut(ServerMessage),
+    ) -> Result<(), E> {
         match message {
             ClientMessage::Submit(submit) => self.submit(submit, server, kernel),
             ClientMessage::Unlink(unlink) => self.unlink(unlink, server, kernel),
@@ -152,50 +210,52 @@ impl Accelerator {
     ) -> Result<(), E> {
         self.last_kernel_seqnum = submit.seqnum;
         if submit.ep == 0 {
-            self.watch_control(&submit);
+            self.interfaces.watch(&submit);
             return server(ClientMessage::Submit(submit));
         }
-        let Some(pipes) = self.pipes_of(&submit) else { return server(ClientMessage::Submit(submit)) };
+        let Some(pipes) = self.interfaces.pipes_of(&submit) else { return server(ClientMessage::Submit(submit)) };
         submit.transfer_flags.0 |= STAGE;
-        if let Some(cbw) = command_block(&submit, pipes) {
-            self.abandon();
-            let seqnum = submit.seqnum;
-            let number_of_packets = submit.number_of_packets;
-            server(ClientMessage::Submit(submit))?;
-            // Done here: the server runs it on the device before anything after it.
-            kernel(ServerMessage::Submit(done(seqnum, CBW_LEN, number_of_packets)));
-            self.counters.commands_pipelined += 1;
-            let mut command = Command {
-                pipes,
-                cbw_seqnum: seqnum,
-                expecting: (cbw.length > 0).then_some((cbw.direction, cbw.length)),
-                data_seqnums: Vec::new(),
-                status: StatusRead::NotSent,
-                void: false,
-            };
-            if command.expecting.is_none() {
-                self.read_status_ahead(&mut command, server)?;
+        if let Some(block) = command_block(&submit, pipes) {
+            if !ahead::is_read_only(submit.data[15]) {
+                self.drop_reads_ahead();
+            } else if !self.ahead.matches(&submit.data) && (ahead::read(&submit.data).is_some() || self.ahead.failed())
+            {
+                // A seek (the stream may start again from here), or a read
+                // ahead failed and the device wants recovering first.
+                let (wasted, failed) = self.ahead.drop_all(&mut self.ignored);
+                self.counters.bytes_wasted += wasted;
+                self.recover |= failed;
             }
-            self.command = Some(command);
-            return Ok(());
+            self.recover(pipes, server)?;
+            return self.command_block(submit, block, pipes, server, kernel);
         }
         let Some(mut command) = self.command.take() else { return server(ClientMessage::Submit(submit)) };
         match command.expecting {
             Some((direction, left)) if direction == submit.direction && command.is_data_pipe(&submit) => {
+                command.expecting = None;
+                if let Some(data) = &mut command.data_ahead {
+                    // Served from a read ahead: the kernel's data URB never goes out.
+                    match data.result.take() {
+                        Some(result) => kernel(ServerMessage::Submit(answer(result, &submit, None))),
+                        None => data.claimed = Some((submit.seqnum, submit.transfer_buffer_length)),
+                    }
+                    self.command = Some(command);
+                    return Ok(());
+                }
                 submit.transfer_flags.0 |= AFTER_SUCCESS;
                 let length = submit.transfer_buffer_length;
                 command.data_seqnums.push(submit.seqnum);
                 server(ClientMessage::Submit(submit))?;
-                command.expecting = match left.checked_sub(length) {
-                    Some(0) => {
-                        self.read_status_ahead(&mut command, server)?;
-                        None
-                    }
-                    Some(left) => Some((direction, left)),
+                match left.checked_sub(length) {
+                    Some(0) => self.read_status_ahead(&mut command, server)?,
+                    Some(left) => command.expecting = Some((direction, left)),
                     // More than the CBW said: the kernel's own status read goes to the device.
-                    None => None,
-                };
+                    None => {}
+                }
                 self.command = Some(command);
+                if command_is_sent_whole(&self.command) {
+                    self.read_ahead(server)?;
+                }
                 Ok(())
             }
             _ if submit.direction == Direction::In && submit.ep == command.pipes.bulk_in => {
@@ -210,6 +270,98 @@ impl Accelerator {
         }
     }
 
+    /// A command block from the kernel: answered at once, then served from
+    /// a read ahead or sent on, and the reads ahead topped up.
+    fn command_block<E>(
+        &mut self,
+        submit: CmdSubmit,
+        block: CommandBlock,
+        pipes: Pipes,
+        server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
+        kernel: &mut impl FnMut(ServerMessage),
+    ) -> Result<(), E> {
+        self.abandon();
+        let mut cbw = [0u8; 31];
+        cbw.copy_from_slice(&submit.data[..31]);
+        let read = ahead::read(&cbw);
+        let seqnum = submit.seqnum;
+        kernel(ServerMessage::Submit(done(seqnum, CBW_LEN, submit.number_of_packets)));
+        self.counters.commands_pipelined += 1;
+        let mut command = Command {
+            pipes,
+            cbw,
+            cbw_seqnum: seqnum,
+            expecting: (block.length > 0).then_some((block.direction, block.length)),
+            data_seqnums: Vec::new(),
+            data_ahead: None,
+            status: None,
+            void: false,
+        };
+        let served = read.and_then(|_| self.ahead.take_match(&cbw));
+        if let Some(read) = read {
+            self.ahead.observe(read, &cbw, pipes, served.is_some());
+        }
+        match served {
+            Some(speculation) => {
+                self.counters.read_ahead_hits += 1;
+                self.counters.bytes_read_ahead += u64::from(speculation.length);
+                let Speculation { seqnums, results: [block, data, status], .. } = speculation;
+                if block.is_none() {
+                    // Its failure, if it fails, shows on the data stage, skipped.
+                    self.ignored.insert(seqnums[0]);
+                }
+                command.data_ahead = Some(Ahead { seqnum: seqnums[1], result: data, claimed: None });
+                command.void =
+                    command.data_ahead.as_ref().and_then(|d| d.result.as_ref()).is_some_and(|d| d.status != Status::OK);
+                command.status = Some(Ahead { seqnum: seqnums[2], result: status, claimed: None });
+                self.command = Some(command);
+            }
+            None => {
+                server(ClientMessage::Submit(submit))?;
+                if command.expecting.is_none() {
+                    self.read_status_ahead(&mut command, server)?;
+                }
+                self.command = Some(command);
+                if read.is_none() {
+                    return Ok(());
+                }
+            }
+        }
+        if command_is_sent_whole(&self.command) {
+            self.read_ahead(server)?;
+        }
+        Ok(())
+    }
+
+    /// Sends the reads ahead the window allows, behind everything sent so far.
+    fn read_ahead<E>(&mut self, server: &mut impl FnMut(ClientMessage) -> Result<(), E>) -> Result<(), E> {
+        while let Some((cbw, length, pipes)) = self.ahead.next() {
+            let seqnums = [self.own_seqnum(), self.own_seqnum(), self.own_seqnum()];
+            let chained = STAGE | AFTER_SUCCESS;
+            let mut block = CmdSubmit::new(
+                seqnums[0],
+                self.devid,
+                Direction::Out,
+                pipes.bulk_out,
+                CBW_LEN,
+                [0; 8],
+                Bytes::copy_from_slice(&cbw),
+            );
+            block.transfer_flags.0 |= chained;
+            let mut data =
+                CmdSubmit::new(seqnums[1], self.devid, Direction::In, pipes.bulk_in, length, [0; 8], Bytes::new());
+            data.transfer_flags.0 |= chained;
+            let mut status =
+                CmdSubmit::new(seqnums[2], self.devid, Direction::In, pipes.bulk_in, CSW_LEN, [0; 8], Bytes::new());
+            status.transfer_flags.0 |= chained;
+            for stage in [block, data, status] {
+                server(ClientMessage::Submit(stage))?;
+            }
+            self.ahead.issued(Speculation { cbw, length, seqnums, results: Default::default() });
+        }
+        Ok(())
+    }
+
     /// The kernel reads the CSW: answered from the read sent ahead when it
     /// can be, or when it arrives; sent to the device otherwise.
     fn status_from_kernel<E>(
@@ -219,20 +371,26 @@ impl Accelerator {
         server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
         kernel: &mut impl FnMut(ServerMessage),
     ) -> Result<(), E> {
+        let tag = tag_of(&command.cbw);
         match &mut command.status {
-            StatusRead::Sent { result, claimed, .. } if !command.void => match result.take() {
+            Some(status) if !command.void => match status.result.take() {
                 Some(result) => {
                     self.counters.statuses_ahead += 1;
-                    kernel(ServerMessage::Submit(answer(result, submit.seqnum, submit.transfer_buffer_length)));
+                    self.after_status(&result);
+                    kernel(ServerMessage::Submit(answer(result, &submit, Some(tag))));
                     Ok(())
                 }
                 None => {
-                    *claimed = Some((submit.seqnum, submit.transfer_buffer_length));
+                    status.claimed = Some((submit.seqnum, submit.transfer_buffer_length));
                     self.command = Some(command);
                     Ok(())
                 }
             },
             _ => {
+                if command.data_ahead.is_some() {
+                    // The device's CSW carries the read ahead's tag.
+                    self.retag = Some((submit.seqnum, tag));
+                }
                 self.command = Some(command);
                 self.abandon();
                 server(ClientMessage::Submit(submit))
@@ -245,13 +403,18 @@ impl Accelerator {
         command: &mut Command,
         server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
     ) -> Result<(), E> {
-        let seqnum = self.last_kernel_seqnum.wrapping_add(OWN_SEQNUM_OFFSET);
+        let seqnum = self.own_seqnum();
         let mut read =
             CmdSubmit::new(seqnum, self.devid, Direction::In, command.pipes.bulk_in, CSW_LEN, [0; 8], Bytes::new());
         read.transfer_flags = TransferFlags(read.transfer_flags.0 | STAGE | AFTER_SUCCESS);
         server(ClientMessage::Submit(read))?;
-        command.status = StatusRead::Sent { seqnum, result: None, claimed: None };
+        command.status = Some(Ahead { seqnum, result: None, claimed: None });
         Ok(())
+    }
+
+    fn own_seqnum(&mut self) -> u32 {
+        self.own_seqnums = self.own_seqnums.wrapping_add(1);
+        self.last_kernel_seqnum.wrapping_add(OWN_SEQNUM_OFFSET).wrapping_add(self.own_seqnums)
     }
 
     fn unlink<E>(
@@ -261,21 +424,21 @@ impl Accelerator {
         kernel: &mut impl FnMut(ServerMessage),
     ) -> Result<(), E> {
         self.last_kernel_seqnum = unlink.seqnum;
-        if let Some(Command { status: StatusRead::Sent { seqnum, claimed: Some((claimer, _)), .. }, .. }) =
-            &self.command
-        {
-            if *claimer == unlink.unlink_seqnum {
-                // The kernel gives up its CSW read (its timeout): cancelled here,
-                // and the read ahead stops holding the server's gate.
-                let read = *seqnum;
-                self.command = None;
-                kernel(ServerMessage::Unlink(RetUnlink { seqnum: unlink.seqnum, status: Status::ECONNRESET }));
-                self.ignored.extend([read, unlink.seqnum]);
-                self.counters.statuses_wasted += 1;
-                return server(ClientMessage::Unlink(CmdUnlink { unlink_seqnum: read, ..unlink }));
-            }
-        }
-        server(ClientMessage::Unlink(unlink))
+        let waiting = self.command.as_ref().and_then(|command| {
+            [&command.data_ahead, &command.status]
+                .into_iter()
+                .flatten()
+                .find(|ahead| ahead.claimed.is_some_and(|(claimer, _)| claimer == unlink.unlink_seqnum))
+                .map(|ahead| ahead.seqnum)
+        });
+        let Some(ours) = waiting else { return server(ClientMessage::Unlink(unlink)) };
+        // The kernel gives up a URB we answer for (its timeout): cancelled here,
+        // and ours stops holding the server's gate.
+        kernel(ServerMessage::Unlink(RetUnlink { seqnum: unlink.seqnum, status: Status::ECONNRESET }));
+        self.abandon();
+        self.drop_reads_ahead();
+        self.ignored.extend([ours, unlink.seqnum]);
+        server(ClientMessage::Unlink(CmdUnlink { unlink_seqnum: ours, ..unlink }))
     }
 
     /// A reply from the server, as the session decoded it.
@@ -283,7 +446,7 @@ impl Accelerator {
         match event {
             Event::Completed { reply, .. } => self.completed(reply, kernel),
             Event::Unlinked { reply, cancelled, .. } => {
-                if self.take_ignored(reply.seqnum) {
+                if self.ignored.remove(&reply.seqnum) {
                     return;
                 }
                 if let (Some((target, ())), Some(command)) = (cancelled, &mut self.command) {
@@ -296,14 +459,26 @@ impl Accelerator {
         }
     }
 
-    fn completed(&mut self, reply: RetSubmit, kernel: &mut impl FnMut(ServerMessage)) {
-        if self.take_ignored(reply.seqnum) {
+    fn completed(&mut self, mut reply: RetSubmit, kernel: &mut impl FnMut(ServerMessage)) {
+        if self.ignored.remove(&reply.seqnum) {
             return;
         }
-        if let Some(at) = self.watched.iter().position(|(seqnum, _)| *seqnum == reply.seqnum) {
-            let (_, watched) = self.watched.swap_remove(at);
-            self.learn(watched, &reply);
+        if self.interfaces.learn(&reply) {
+            // A configuration was set: the device starts afresh.
+            self.abandon();
+            self.drop_reads_ahead();
         }
+        if let Some((seqnum, tag)) = self.retag {
+            if seqnum == reply.seqnum {
+                self.retag = None;
+                retag(&mut reply, tag);
+                return kernel(ServerMessage::Submit(reply));
+            }
+        }
+        let reply = match self.ahead.store(reply) {
+            Ok(()) => return,
+            Err(reply) => reply,
+        };
         let Some(command) = &mut self.command else { return kernel(ServerMessage::Submit(reply)) };
         if reply.seqnum == command.cbw_seqnum {
             // Answered when it was sent; a failure shows on the stage after it.
@@ -312,94 +487,100 @@ impl Accelerator {
         if command.data_seqnums.contains(&reply.seqnum) {
             if reply.status != Status::OK {
                 command.void = true;
+            } else if matches!(command.cbw[15], READ_CAPACITY_10 | SERVICE_ACTION_IN_16) {
+                self.ahead.learn_capacity(&command.cbw, &reply.data);
             }
             return kernel(ServerMessage::Submit(reply));
         }
-        match &mut command.status {
-            StatusRead::Sent { seqnum, result, claimed } if *seqnum == reply.seqnum => {
-                if command.void {
-                    self.counters.statuses_wasted += 1;
-                    *result = Some(reply);
-                } else if let Some((claimer, length)) = claimed.take() {
-                    self.counters.statuses_ahead += 1;
-                    self.command = None;
-                    kernel(ServerMessage::Submit(answer(reply, claimer, length)));
-                } else {
-                    *result = Some(reply);
-                }
+        if let Some(data) = command.data_ahead.as_mut().filter(|data| data.seqnum == reply.seqnum) {
+            if reply.status != Status::OK {
+                command.void = true;
             }
-            _ => kernel(ServerMessage::Submit(reply)),
+            match data.claimed.take() {
+                Some((claimer, length)) => kernel(ServerMessage::Submit(answer_to(reply, claimer, length, None))),
+                None => data.result = Some(reply),
+            }
+            return;
+        }
+        let tag = tag_of(&command.cbw);
+        let Some(status) = command.status.as_mut().filter(|status| status.seqnum == reply.seqnum) else {
+            return kernel(ServerMessage::Submit(reply));
+        };
+        if command.void {
+            self.counters.statuses_wasted += 1;
+            status.result = Some(reply);
+        } else if let Some((claimer, length)) = status.claimed.take() {
+            self.counters.statuses_ahead += 1;
+            self.command = None;
+            self.after_status(&reply);
+            kernel(ServerMessage::Submit(answer_to(reply, claimer, length, Some(tag))));
+        } else {
+            status.result = Some(reply);
         }
     }
 
-    /// Drops the command in progress: its status read's reply, if one is
-    /// still coming, is not for anyone.
+    /// A command's CSW reached the kernel: after a failed command the reads
+    /// ahead behind it were skipped on the server.
+    fn after_status(&mut self, csw: &RetSubmit) {
+        if csw.status != Status::OK || csw.data.get(12).is_some_and(|&status| status != 0) {
+            self.drop_reads_ahead();
+        }
+    }
+
+    /// Drops every read ahead and the stream they followed.
+    fn drop_reads_ahead(&mut self) {
+        let (wasted, failed) = self.ahead.drop_all(&mut self.ignored);
+        self.ahead.forget_stream();
+        self.counters.bytes_wasted += wasted;
+        self.recover |= failed;
+    }
+
+    /// After a read ahead that failed and was never served: the reset
+    /// recovery usb-storage would run (the class reset, then both halts
+    /// cleared), as stages, so it reaches the device before what follows.
+    fn recover<E>(&mut self, pipes: Pipes, server: &mut impl FnMut(ClientMessage) -> Result<(), E>) -> Result<(), E> {
+        if !std::mem::take(&mut self.recover) {
+            return Ok(());
+        }
+        let [interface_low, interface_high] = u16::from(pipes.interface).to_le_bytes();
+        let requests = [
+            [0x21, 0xff, 0, 0, interface_low, interface_high, 0, 0],
+            [0x02, 0x01, 0, 0, 0x80 | pipes.bulk_in, 0, 0, 0],
+            [0x02, 0x01, 0, 0, pipes.bulk_out, 0, 0, 0],
+        ];
+        for setup in requests {
+            let seqnum = self.own_seqnum();
+            let mut request = CmdSubmit::new(seqnum, self.devid, Direction::Out, 0, 0, setup, Bytes::new());
+            request.transfer_flags.0 |= STAGE;
+            self.ignored.insert(seqnum);
+            server(ClientMessage::Submit(request))?;
+        }
+        Ok(())
+    }
+
+    /// Drops the command in progress: replies still coming for it are not for anyone.
     fn abandon(&mut self) {
         let Some(command) = self.command.take() else { return };
-        if let StatusRead::Sent { seqnum, result, .. } = command.status {
+        if let Some(status) = &command.status {
             if !command.void {
                 self.counters.statuses_wasted += 1;
             }
-            if result.is_none() {
-                self.ignored.push(seqnum);
+            if status.result.is_none() {
+                self.ignored.insert(status.seqnum);
+            }
+        }
+        if let Some(data) = &command.data_ahead {
+            if data.result.is_none() && data.claimed.is_none() {
+                self.ignored.insert(data.seqnum);
             }
         }
     }
+}
 
-    fn take_ignored(&mut self, seqnum: u32) -> bool {
-        match self.ignored.iter().position(|&ignored| ignored == seqnum) {
-            Some(at) => {
-                self.ignored.swap_remove(at);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// The Bulk-Only pipes a URB is on, if any.
-    fn pipes_of(&self, submit: &CmdSubmit) -> Option<Pipes> {
-        self.active.iter().copied().find(|pipes| match submit.direction {
-            Direction::Out => pipes.bulk_out == submit.ep,
-            Direction::In => pipes.bulk_in == submit.ep,
-        })
-    }
-
-    fn watch_control(&mut self, submit: &CmdSubmit) {
-        let [request_type, request, value_low, value_high, ..] = submit.setup;
-        let watched = match (request_type, request) {
-            (0x80, GET_DESCRIPTOR) if value_high == CONFIGURATION => Watched::Configuration,
-            (0x00, SET_CONFIGURATION) => Watched::SetConfiguration(value_low),
-            _ => return,
-        };
-        self.watched.push((submit.seqnum, watched));
-    }
-
-    fn learn(&mut self, watched: Watched, reply: &RetSubmit) {
-        if reply.status != Status::OK {
-            return;
-        }
-        match watched {
-            Watched::Configuration => {
-                let Some(total) = reply.data.get(2..4).map(|b| u16::from_le_bytes([b[0], b[1]])) else { return };
-                if reply.data.len() < usize::from(total) {
-                    return; // the first 9 bytes only
-                }
-                let Some(info) = ConfigurationInfo::parse(&reply.data) else { return };
-                let pipes = bulk_only_pipes(&info);
-                self.configurations.retain(|(value, _)| *value != info.value);
-                self.configurations.push((info.value, pipes));
-            }
-            Watched::SetConfiguration(value) => {
-                self.abandon();
-                self.active = self
-                    .configurations
-                    .iter()
-                    .find(|(known, _)| *known == value)
-                    .map(|(_, pipes)| pipes.clone())
-                    .unwrap_or_default();
-            }
-        }
-    }
+/// Whether every stage of the command in progress has gone out (or needs
+/// none): reads ahead may follow it.
+fn command_is_sent_whole(command: &Option<Command>) -> bool {
+    command.as_ref().is_none_or(|command| command.status.is_some())
 }
 
 impl Command {
@@ -409,69 +590,4 @@ impl Command {
             Direction::In => submit.ep == self.pipes.bulk_in,
         }
     }
-}
-
-/// What a CBW says of its data stage.
-struct CommandBlock {
-    direction: Direction,
-    length: u32,
-}
-
-/// The command block a URB carries, when it is one: 31 bytes out on the
-/// interface's bulk OUT, "USBC", a CB length of 1 to 16.
-fn command_block(submit: &CmdSubmit, pipes: Pipes) -> Option<CommandBlock> {
-    let data = &submit.data;
-    let is_cbw = submit.direction == Direction::Out
-        && submit.ep == pipes.bulk_out
-        && submit.transfer_buffer_length == CBW_LEN
-        && data.len() == CBW_LEN as usize
-        && &data[..4] == CBW_SIGNATURE
-        && (1..=16).contains(&data[14]);
-    is_cbw.then(|| CommandBlock {
-        direction: if data[12] & 0x80 != 0 { Direction::In } else { Direction::Out },
-        length: u32::from_le_bytes([data[8], data[9], data[10], data[11]]),
-    })
-}
-
-/// Each Bulk-Only interface's first bulk OUT and IN endpoints (alt setting 0).
-fn bulk_only_pipes(info: &ConfigurationInfo) -> Vec<Pipes> {
-    let bulk = |interface: &usbwire_device::descriptor::InterfaceInfo, direction_in: bool| {
-        interface
-            .endpoints
-            .iter()
-            .find(|ep| ep.transfer_type == TransferType::Bulk && (ep.address & 0x80 != 0) == direction_in)
-            .map(|ep| ep.address & 0x0f)
-    };
-    info.interfaces
-        .iter()
-        .filter(|i| i.alt_setting == 0 && (i.class, i.subclass, i.protocol) == (0x08, 0x06, 0x50))
-        .filter_map(|i| Some(Pipes { bulk_out: bulk(i, false)?, bulk_in: bulk(i, true)? }))
-        .collect()
-}
-
-/// The kernel's CBW URB, done: every byte sent.
-fn done(seqnum: u32, actual_length: u32, number_of_packets: i32) -> RetSubmit {
-    RetSubmit {
-        seqnum,
-        status: Status::OK,
-        actual_length,
-        start_frame: 0,
-        number_of_packets,
-        error_count: 0,
-        data: Bytes::new(),
-        iso_packets: Vec::new(),
-    }
-}
-
-/// The status read's reply as the answer to the kernel's URB `seqnum` with
-/// room for `length` bytes (usb-storage's is 13 bytes, as ours).
-fn answer(mut reply: RetSubmit, seqnum: u32, length: u32) -> RetSubmit {
-    reply.seqnum = seqnum;
-    if reply.actual_length > length {
-        // More than its buffer holds: what a device's babble looks like.
-        reply.status = Status::EOVERFLOW;
-        reply.actual_length = length;
-        reply.data.truncate(length as usize);
-    }
-    reply
 }

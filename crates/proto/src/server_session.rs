@@ -453,7 +453,7 @@ impl ServerSession {
     /// A URB the device finished, as its RET_SUBMIT; queues the replies it calls for.
     pub fn complete(&mut self, done: RetSubmit) {
         if let Some(stages) = &mut self.stages {
-            stages.completed(done.seqnum, done.status == Status::OK);
+            stages.completed(done.seqnum, stages::succeeded(&done));
         }
         self.finish(done);
         self.release_stages();
@@ -917,6 +917,24 @@ mod tests {
         session.complete(done(4, Status::OK, &[0; 13]));
         assert_eq!(replies(&mut session), [(RET_SUBMIT, 4, 0)]);
         assert!(session.is_idle());
+    }
+
+    #[test]
+    fn a_status_wrapper_reporting_a_failed_command_stops_the_chain_too() {
+        let mut session = session(Budget::default()).storage();
+        let mut wire = stage(1, Direction::In, 13, false);
+        wire.extend_from_slice(&stage(2, Direction::Out, 31, true));
+        wire.extend_from_slice(&stage(3, Direction::Out, 31, false));
+        assert_eq!(submitted(&feed(&mut session, &wire)), [1]);
+        let mut failed = *b"USBS\x01\0\0\0\0\0\0\0\x01";
+        session.complete(done(1, Status::OK, &failed));
+        assert_eq!(submitted(&std::iter::from_fn(|| session.poll_device_call()).collect::<Vec<_>>()), [3]);
+        assert_eq!(replies(&mut session)[1], (RET_SUBMIT, 2, -71), "the chained command never reached the device");
+        failed[12] = 0;
+        let mut passed = session_stock().storage();
+        feed(&mut passed, &wire);
+        passed.complete(done(1, Status::OK, &failed));
+        assert_eq!(submitted(&std::iter::from_fn(|| passed.poll_device_call()).collect::<Vec<_>>()), [2]);
     }
 
     #[test]

@@ -97,6 +97,14 @@ impl Stages {
     }
 }
 
+/// Whether a stage succeeded: status 0, and, when it read a command status
+/// wrapper (13 bytes, "USBS"), one that reports the command passed — after a
+/// failed command nothing chained may run before the host asks for its sense.
+pub(super) fn succeeded(done: &RetSubmit) -> bool {
+    let failed_command = done.data.len() == 13 && done.data.starts_with(b"USBS") && done.data[12] != 0;
+    done.status == crate::Status::OK && !failed_command
+}
+
 /// The reply of a stage that was skipped: nothing moved, [`storage::SKIPPED`].
 pub(super) fn skipped(seqnum: u32) -> RetSubmit {
     RetSubmit {

@@ -1,0 +1,302 @@
+//! Read-ahead for the storage accelerator: when the kernel reads a LUN
+//! sequentially (READ(10) or READ(16), each starting where the last ended),
+//! commands for the next ranges go to the device before the kernel asks, and
+//! a kernel READ identical to the first of them (the same command block but
+//! for the tag) is answered from what they brought. This module owns the
+//! queue of those commands, the stream they follow, the window and each
+//! LUN's capacity; the accelerator (`storage`) decides when to match, issue
+//! and drop them. It is not for writes: anything that is not known to be
+//! read-only drops every read ahead before it is sent, so nothing read
+//! before it can be served after it.
+
+use std::collections::{HashSet, VecDeque};
+
+use usbwire_proto::storage;
+use usbwire_proto::urb::RetSubmit;
+use usbwire_proto::Status;
+
+use super::Pipes;
+
+/// The most a device's reads ahead may hold, sent or arrived, in bytes.
+pub(super) const BUDGET_BYTES: u32 = 8 << 20;
+/// Commands ahead once a sequential stream is seen; doubles with every hit.
+const FIRST_WINDOW: usize = 2;
+/// Tags of our own command blocks: told apart from the kernel's in captures.
+const TAG_BASE: u32 = 0x5a00_0000;
+
+const READ_10: u8 = 0x28;
+const READ_16: u8 = 0x88;
+
+/// A READ a command block carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Read {
+    lun: u8,
+    lba: u64,
+    blocks: u32,
+}
+
+/// A read ahead: its command block (with our tag), its three URBs' seqnums
+/// (CBW, data, CSW) and their replies as they arrive.
+#[derive(Debug)]
+pub(super) struct Speculation {
+    pub(super) cbw: [u8; 31],
+    pub(super) length: u32,
+    pub(super) seqnums: [u32; 3],
+    pub(super) results: [Option<RetSubmit>; 3],
+}
+
+impl Speculation {
+    /// Whether a stage of it failed on the device (not merely skipped),
+    /// leaving it halted or owing a status.
+    fn failed(&self) -> bool {
+        self.results.iter().flatten().any(|reply| ![Status::OK, storage::SKIPPED].contains(&reply.status))
+    }
+
+    /// Whether its command block was refused (or skipped): nothing of it is worth serving.
+    fn is_dead(&self) -> bool {
+        self.results[0].as_ref().is_some_and(|cbw| cbw.status != Status::OK)
+    }
+}
+
+/// The stream the reads ahead continue.
+#[derive(Debug)]
+struct Stream {
+    /// The kernel's last READ's command block: the reads ahead are copies with another LBA.
+    template: [u8; 31],
+    pipes: Pipes,
+    read: Read,
+    /// Where the next read ahead starts.
+    next_lba: u64,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct ReadAhead {
+    queue: VecDeque<Speculation>,
+    stream: Option<Stream>,
+    /// Reads ahead allowed now.
+    window: usize,
+    /// The last LBA of each LUN, from READ CAPACITY: nothing is read ahead past it.
+    last_lba: [Option<u64>; 16],
+    tag: u32,
+}
+
+impl ReadAhead {
+    /// The first read ahead, if the kernel's command block `cbw` asks exactly for it.
+    pub(super) fn take_match(&mut self, cbw: &[u8]) -> Option<Speculation> {
+        if !self.matches(cbw) {
+            return None;
+        }
+        self.queue.pop_front()
+    }
+
+    /// Whether the first read ahead is what the kernel's command block `cbw`
+    /// asks for: the same command block but for the tag, and not refused.
+    pub(super) fn matches(&self, cbw: &[u8]) -> bool {
+        self.queue.front().is_some_and(|front| cbw.len() == 31 && front.cbw[8..] == cbw[8..] && !front.is_dead())
+    }
+
+    /// Whether a read ahead failed on the device (not merely skipped).
+    pub(super) fn failed(&self) -> bool {
+        self.queue.iter().any(Speculation::failed)
+    }
+
+    /// Whether a read ahead still waits for a reply.
+    pub(super) fn in_flight(&self) -> bool {
+        self.queue.iter().any(|speculation| speculation.results.iter().any(Option::is_none))
+    }
+
+    /// The kernel read `read` (`hit`: from the first read ahead): follows
+    /// the stream, and widens the window on a hit, opens it on a second
+    /// sequential read, closes it otherwise.
+    pub(super) fn observe(&mut self, read: Read, cbw: &[u8], pipes: Pipes, hit: bool) {
+        let length = u32::from_le_bytes([cbw[8], cbw[9], cbw[10], cbw[11]]);
+        let most = (BUDGET_BYTES / length.max(1)).max(1) as usize;
+        let sequential = self.stream.as_ref().is_some_and(|stream| {
+            stream.read.lun == read.lun && stream.read.lba + u64::from(stream.read.blocks) == read.lba
+        });
+        self.window = match (hit, sequential) {
+            (true, _) => (self.window * 2).clamp(FIRST_WINDOW, most),
+            (false, true) => FIRST_WINDOW.min(most),
+            (false, false) => 0,
+        };
+        let mut template = [0u8; 31];
+        template.copy_from_slice(&cbw[..31]);
+        let next_lba = match (&self.stream, hit) {
+            (Some(stream), true) => stream.next_lba,
+            _ => read.lba + u64::from(read.blocks),
+        };
+        self.stream = Some(Stream { template, pipes, read, next_lba });
+    }
+
+    /// The next read ahead to send, while the window and the LUN's capacity allow:
+    /// its command block (with a fresh tag), length and pipes.
+    pub(super) fn next(&mut self) -> Option<([u8; 31], u32, Pipes)> {
+        if self.queue.len() >= self.window {
+            return None;
+        }
+        let stream = self.stream.as_mut()?;
+        let last = self.last_lba[usize::from(stream.read.lun & 0x0f)]?;
+        let end = stream.next_lba.checked_add(u64::from(stream.read.blocks))?;
+        if stream.read.blocks == 0 || end - 1 > last {
+            return None;
+        }
+        let mut cbw = with_lba(&stream.template, stream.next_lba)?;
+        self.tag = self.tag.wrapping_add(1);
+        cbw[4..8].copy_from_slice(&(TAG_BASE | (self.tag & 0x00ff_ffff)).to_le_bytes());
+        stream.next_lba = end;
+        let length = u32::from_le_bytes([cbw[8], cbw[9], cbw[10], cbw[11]]);
+        Some((cbw, length, stream.pipes))
+    }
+
+    pub(super) fn issued(&mut self, speculation: Speculation) {
+        self.queue.push_back(speculation);
+    }
+
+    /// Keeps a reply to one of the reads ahead; `false` if it is not one of theirs.
+    pub(super) fn store(&mut self, reply: RetSubmit) -> Result<(), RetSubmit> {
+        for speculation in &mut self.queue {
+            if let Some(at) = speculation.seqnums.iter().position(|&seqnum| seqnum == reply.seqnum) {
+                speculation.results[at] = Some(reply);
+                return Ok(());
+            }
+        }
+        Err(reply)
+    }
+
+    /// Drops every read ahead: replies still to come go to `ignored`. Returns
+    /// the bytes they read (or would have) for nothing, and whether one of
+    /// them failed on the device (not merely skipped), leaving it halted or
+    /// owing a status: then it wants a reset recovery.
+    pub(super) fn drop_all(&mut self, ignored: &mut HashSet<u32>) -> (u64, bool) {
+        let (mut wasted, mut failed) = (0, false);
+        for speculation in self.queue.drain(..) {
+            wasted += u64::from(speculation.length);
+            for (seqnum, result) in speculation.seqnums.iter().zip(&speculation.results) {
+                if result.is_none() {
+                    ignored.insert(*seqnum);
+                }
+            }
+            failed |= speculation.failed();
+        }
+        (wasted, failed)
+    }
+
+    /// Forgets the stream: nothing is read ahead until the kernel reads
+    /// sequentially again.
+    pub(super) fn forget_stream(&mut self) {
+        self.window = 0;
+        self.stream = None;
+    }
+
+    /// Learns a LUN's capacity from the data of a READ CAPACITY the kernel sent.
+    pub(super) fn learn_capacity(&mut self, cbw: &[u8], data: &[u8]) {
+        let lun = usize::from(cbw[13] & 0x0f);
+        let last = match (cbw[15], cbw[16] & 0x1f) {
+            (0x25, _) if data.len() >= 8 => u64::from(u32::from_be_bytes([data[0], data[1], data[2], data[3]])),
+            (0x9e, 0x10) if data.len() >= 12 => u64::from_be_bytes(data[..8].try_into().unwrap_or([0xff; 8])),
+            _ => return,
+        };
+        self.last_lba[lun] = Some(last);
+    }
+}
+
+/// The READ a command block asks for: READ(10) or READ(16), data in.
+pub(super) fn read(cbw: &[u8]) -> Option<Read> {
+    let cdb = &cbw[15..31];
+    let lun = cbw[13] & 0x0f;
+    let data_in = cbw[12] & 0x80 != 0;
+    let (lba, blocks) = match (cdb[0], cbw[14]) {
+        (READ_10, 10) => (
+            u64::from(u32::from_be_bytes([cdb[2], cdb[3], cdb[4], cdb[5]])),
+            u32::from(u16::from_be_bytes([cdb[7], cdb[8]])),
+        ),
+        (READ_16, 16) => (
+            u64::from_be_bytes([cdb[2], cdb[3], cdb[4], cdb[5], cdb[6], cdb[7], cdb[8], cdb[9]]),
+            u32::from_be_bytes([cdb[10], cdb[11], cdb[12], cdb[13]]),
+        ),
+        _ => return None,
+    };
+    (data_in && blocks > 0).then_some(Read { lun, lba, blocks })
+}
+
+/// `template` asking for `lba` instead; `None` if that does not fit the command.
+fn with_lba(template: &[u8; 31], lba: u64) -> Option<[u8; 31]> {
+    let mut cbw = *template;
+    match cbw[15] {
+        READ_10 => cbw[17..21].copy_from_slice(&u32::try_from(lba).ok()?.to_be_bytes()),
+        READ_16 => cbw[17..25].copy_from_slice(&lba.to_be_bytes()),
+        _ => return None,
+    }
+    Some(cbw)
+}
+
+/// Whether a SCSI command leaves the medium and everything read ahead as it
+/// was. Anything else drops the reads ahead before it is sent.
+pub(super) fn is_read_only(opcode: u8) -> bool {
+    matches!(
+        opcode,
+        0x00 // TEST UNIT READY
+        | 0x03 // REQUEST SENSE
+        | 0x08 // READ(6)
+        | 0x12 // INQUIRY
+        | 0x1a // MODE SENSE(6)
+        | 0x23 // READ FORMAT CAPACITIES
+        | 0x25 // READ CAPACITY(10)
+        | 0x28 // READ(10)
+        | 0x5a // MODE SENSE(10)
+        | 0x88 // READ(16)
+        | 0x9e // SERVICE ACTION IN(16): READ CAPACITY(16)
+        | 0xa0 // REPORT LUNS
+        | 0xa8 // READ(12)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cbw(opcode: u8, lba: u32, blocks: u16) -> [u8; 31] {
+        let mut cbw = [0u8; 31];
+        cbw[..4].copy_from_slice(b"USBC");
+        cbw[8..12].copy_from_slice(&(u32::from(blocks) * 512).to_le_bytes());
+        cbw[12] = 0x80;
+        cbw[14] = 10;
+        cbw[15] = opcode;
+        cbw[17..21].copy_from_slice(&lba.to_be_bytes());
+        cbw[22..24].copy_from_slice(&blocks.to_be_bytes());
+        cbw
+    }
+
+    const PIPES: Pipes = Pipes { interface: 0, bulk_out: 2, bulk_in: 1 };
+
+    #[test]
+    fn a_second_sequential_read_opens_the_window_within_the_capacity() {
+        let mut ahead = ReadAhead::default();
+        let mut capacity = cbw(0x25, 0, 0);
+        capacity[14] = 10;
+        ahead.learn_capacity(&capacity, &[0, 0, 0, 159, 0, 0, 2, 0]);
+        let first = cbw(READ_10, 0, 40);
+        ahead.observe(read(&first).expect("a read"), &first, PIPES, false);
+        assert!(ahead.next().is_none(), "one read is not a stream");
+        let second = cbw(READ_10, 40, 40);
+        ahead.observe(read(&second).expect("a read"), &second, PIPES, false);
+        let (next, length, _) = ahead.next().expect("reads ahead from 80");
+        assert_eq!((read(&next).map(|r| (r.lba, r.blocks)), length), (Some((80, 40)), 40 * 512));
+        ahead.issued(Speculation { cbw: next, length, seqnums: [1, 2, 3], results: Default::default() });
+        let (second, ..) = ahead.next().expect("and from 120, the window being 2");
+        ahead.issued(Speculation { cbw: second, length, seqnums: [4, 5, 6], results: Default::default() });
+        assert!(ahead.next().is_none(), "the window is full");
+        ahead.observe(read(&next).expect("a read"), &next, PIPES, true);
+        assert!(ahead.next().is_none(), "160..200 is past the last LBA, 159");
+        assert!(ahead.take_match(&cbw(READ_10, 80, 40)).is_some(), "the same command block but for the tag");
+    }
+
+    #[test]
+    fn only_reads_and_inquiries_are_read_only() {
+        for opcode in [0x2a, 0x8a, 0xaa, 0x2e, 0x35, 0x42, 0x04, 0x15, 0x55, 0x1b, 0x1e, 0x91, 0x93] {
+            assert!(!is_read_only(opcode), "{opcode:#04x}");
+        }
+        assert!(read(&cbw(0x2a, 0, 8)).is_none(), "a WRITE(10) is not a read");
+        assert!(with_lba(&cbw(READ_10, 0, 1), 1 << 32).is_none(), "READ(10) cannot reach past 2^32");
+    }
+}

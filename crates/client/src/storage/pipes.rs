@@ -1,0 +1,106 @@
+//! Which endpoints of the imported device carry Bulk-Only mass storage: read
+//! from the configuration descriptors the kernel fetches and the
+//! configuration it sets, as their replies pass the accelerator. Not for
+//! anything the device's other interfaces do.
+
+use usbwire_device::descriptor::{ConfigurationInfo, InterfaceInfo};
+use usbwire_device::TransferType;
+use usbwire_proto::urb::{CmdSubmit, RetSubmit};
+use usbwire_proto::{Direction, Status};
+
+const GET_DESCRIPTOR: u8 = 6;
+const SET_CONFIGURATION: u8 = 9;
+const CONFIGURATION: u8 = 2;
+
+/// A Bulk-Only interface's pipes: endpoint numbers, without the direction bit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Pipes {
+    pub(super) interface: u8,
+    pub(super) bulk_out: u8,
+    pub(super) bulk_in: u8,
+}
+
+/// A control request whose reply teaches us the pipes.
+#[derive(Clone, Copy, Debug)]
+enum Watched {
+    Configuration,
+    SetConfiguration(u8),
+}
+
+/// The Bulk-Only pipes of each configuration seen, and of the one set.
+#[derive(Debug, Default)]
+pub(super) struct Interfaces {
+    /// Bulk-Only pipes of each configuration whose whole descriptor was read.
+    configurations: Vec<(u8, Vec<Pipes>)>,
+    /// Those of the configuration set.
+    active: Vec<Pipes>,
+    watched: Vec<(u32, Watched)>,
+}
+
+impl Interfaces {
+    /// The Bulk-Only pipes a URB is on, if any.
+    pub(super) fn pipes_of(&self, submit: &CmdSubmit) -> Option<Pipes> {
+        self.active.iter().copied().find(|pipes| match submit.direction {
+            Direction::Out => pipes.bulk_out == submit.ep,
+            Direction::In => pipes.bulk_in == submit.ep,
+        })
+    }
+
+    /// Notes a control request whose reply says something of the pipes.
+    pub(super) fn watch(&mut self, submit: &CmdSubmit) {
+        let [request_type, request, value_low, value_high, ..] = submit.setup;
+        let watched = match (request_type, request) {
+            (0x80, GET_DESCRIPTOR) if value_high == CONFIGURATION => Watched::Configuration,
+            (0x00, SET_CONFIGURATION) => Watched::SetConfiguration(value_low),
+            _ => return,
+        };
+        self.watched.push((submit.seqnum, watched));
+    }
+
+    /// Reads a reply to a watched request; `true` when a configuration was set.
+    pub(super) fn learn(&mut self, reply: &RetSubmit) -> bool {
+        let Some(at) = self.watched.iter().position(|(seqnum, _)| *seqnum == reply.seqnum) else { return false };
+        let (_, watched) = self.watched.swap_remove(at);
+        if reply.status != Status::OK {
+            return false;
+        }
+        match watched {
+            Watched::Configuration => {
+                let Some(total) = reply.data.get(2..4).map(|b| u16::from_le_bytes([b[0], b[1]])) else { return false };
+                if reply.data.len() < usize::from(total) {
+                    return false; // the first 9 bytes only
+                }
+                let Some(info) = ConfigurationInfo::parse(&reply.data) else { return false };
+                let pipes = bulk_only_pipes(&info);
+                self.configurations.retain(|(value, _)| *value != info.value);
+                self.configurations.push((info.value, pipes));
+                false
+            }
+            Watched::SetConfiguration(value) => {
+                self.active = self
+                    .configurations
+                    .iter()
+                    .find(|(known, _)| *known == value)
+                    .map(|(_, pipes)| pipes.clone())
+                    .unwrap_or_default();
+                true
+            }
+        }
+    }
+}
+
+/// Each Bulk-Only interface's first bulk OUT and IN endpoints (alt setting 0).
+fn bulk_only_pipes(info: &ConfigurationInfo) -> Vec<Pipes> {
+    let bulk = |interface: &InterfaceInfo, direction_in: bool| {
+        interface
+            .endpoints
+            .iter()
+            .find(|ep| ep.transfer_type == TransferType::Bulk && (ep.address & 0x80 != 0) == direction_in)
+            .map(|ep| ep.address & 0x0f)
+    };
+    info.interfaces
+        .iter()
+        .filter(|i| i.alt_setting == 0 && (i.class, i.subclass, i.protocol) == (0x08, 0x06, 0x50))
+        .filter_map(|i| Some(Pipes { interface: i.number, bulk_out: bulk(i, false)?, bulk_in: bulk(i, true)? }))
+        .collect()
+}

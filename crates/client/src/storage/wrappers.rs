@@ -1,0 +1,86 @@
+//! The Bulk-Only wrappers as the accelerator reads and answers them: a
+//! command block's data stage, and replies of ours made into answers to the
+//! kernel's URBs (its seqnum, its buffer, its tag in a CSW). Not for the
+//! SCSI commands inside.
+
+use bytes::Bytes;
+use usbwire_proto::urb::{CmdSubmit, RetSubmit};
+use usbwire_proto::{Direction, Status};
+
+use super::Pipes;
+
+/// A Bulk-Only command block wrapper: its length and signature ("USBC").
+pub(super) const CBW_LEN: u32 = 31;
+const CBW_SIGNATURE: &[u8; 4] = b"USBC";
+/// A command status wrapper's length.
+pub(super) const CSW_LEN: u32 = 13;
+
+/// What a CBW says of its data stage.
+pub(super) struct CommandBlock {
+    pub(super) direction: Direction,
+    pub(super) length: u32,
+}
+
+/// The command block a URB carries, when it is one: 31 bytes out on the
+/// interface's bulk OUT, "USBC", a CB length of 1 to 16.
+pub(super) fn command_block(submit: &CmdSubmit, pipes: Pipes) -> Option<CommandBlock> {
+    let data = &submit.data;
+    let is_cbw = submit.direction == Direction::Out
+        && submit.ep == pipes.bulk_out
+        && submit.transfer_buffer_length == CBW_LEN
+        && data.len() == CBW_LEN as usize
+        && &data[..4] == CBW_SIGNATURE
+        && (1..=16).contains(&data[14]);
+    is_cbw.then(|| CommandBlock {
+        direction: if data[12] & 0x80 != 0 { Direction::In } else { Direction::Out },
+        length: u32::from_le_bytes([data[8], data[9], data[10], data[11]]),
+    })
+}
+
+/// The kernel's CBW URB, done: every byte sent.
+pub(super) fn done(seqnum: u32, actual_length: u32, number_of_packets: i32) -> RetSubmit {
+    RetSubmit {
+        seqnum,
+        status: Status::OK,
+        actual_length,
+        start_frame: 0,
+        number_of_packets,
+        error_count: 0,
+        data: Bytes::new(),
+        iso_packets: Vec::new(),
+    }
+}
+
+pub(super) fn tag_of(cbw: &[u8; 31]) -> [u8; 4] {
+    [cbw[4], cbw[5], cbw[6], cbw[7]]
+}
+
+/// A reply of ours as the answer to the kernel's URB `submit`.
+pub(super) fn answer(reply: RetSubmit, submit: &CmdSubmit, tag: Option<[u8; 4]>) -> RetSubmit {
+    answer_to(reply, submit.seqnum, submit.transfer_buffer_length, tag)
+}
+
+/// A reply of ours as the answer to the kernel's URB `seqnum` with room for
+/// `length` bytes; a CSW (`tag`) carries the kernel's tag.
+pub(super) fn answer_to(mut reply: RetSubmit, seqnum: u32, length: u32, tag: Option<[u8; 4]>) -> RetSubmit {
+    reply.seqnum = seqnum;
+    if reply.actual_length > length {
+        // More than its buffer holds: what a device's babble looks like.
+        reply.status = Status::EOVERFLOW;
+        reply.actual_length = length;
+        reply.data.truncate(length as usize);
+    }
+    if let Some(tag) = tag {
+        retag(&mut reply, tag);
+    }
+    reply
+}
+
+/// Puts the kernel's tag in a CSW read for it.
+pub(super) fn retag(reply: &mut RetSubmit, tag: [u8; 4]) {
+    if reply.data.len() == CSW_LEN as usize && reply.data.starts_with(b"USBS") && reply.data[4..8] != tag {
+        let mut csw = reply.data.to_vec();
+        csw[4..8].copy_from_slice(&tag);
+        reply.data = Bytes::from(csw);
+    }
+}
