@@ -9,7 +9,9 @@
 //! the whole matrix `usbwire bench` prints, against the device [`target`]
 //! imports (or its in-process loopback server); over TLS it puts the rates in
 //! proportion to one core's sealing of records ([`cipher_speed`]) and
-//! `openssl speed` ([`openssl_speed`]). `lab` (feature `lab`)
+//! `openssl speed` ([`openssl_speed`]). [`storage_rate`] measures a disk's
+//! READ(10) and WRITE(10) through the kernel relay, its storage accelerator
+//! off and on, with the Bulk-Only host of [`storage`]. `lab` (feature `lab`)
 //! measures the lab registry on etcd with a simulated fleet.
 //!
 //! Benchmarks are not tests: nothing here asserts on timings.
@@ -27,6 +29,8 @@ pub mod periodic;
 pub mod plot;
 pub mod proxy;
 pub mod resume_time;
+pub mod storage;
+pub mod storage_rate;
 pub mod target;
 
 use std::future::Future;

@@ -1,0 +1,117 @@
+//! The Bulk-Only host (`usbwire_bench::storage::Host`) against a real
+//! in-process server with a virtual disk, through the kernel relay as
+//! `usbwire attach` runs it, with the storage accelerator off and on:
+//! enumeration, a megabyte written at a random block and read back,
+//! READ CAPACITY against the image's size, and a read past the end failing
+//! with the sense data a kernel expects.
+
+use rand::{Rng, RngCore};
+use tokio::net::UnixStream;
+use tokio::task::JoinHandle;
+use usbwire_bench::storage::{opcode, Data, Host, HostError};
+use usbwire_bench::target::{local_disk, LocalDisk};
+use usbwire_client::relay::{RelayError, Upstream};
+use usbwire_client::{kernel_relay, Security, RESUME_GIVE_UP};
+
+const DISK_BYTES: u64 = 8 << 20;
+
+/// Imports the disk and starts the relay on a socket pair, the accelerator
+/// as asked (and granted); the host holds the kernel's end.
+async fn attach(disk: &LocalDisk, storage: bool) -> (Host<UnixStream>, JoinHandle<Result<(), RelayError>>) {
+    let imported = usbwire_client::import_resumable(disk.addr, &disk.busid, &Security::Plain, &[]).await.unwrap();
+    assert!(imported.storage, "a usbwire server agrees to the storage extension");
+    let devid = imported.device.devid();
+    let upstream = Upstream {
+        addr: disk.addr,
+        security: Security::Plain,
+        transforms: vec![],
+        resume: imported.resume,
+        give_up_after: RESUME_GIVE_UP,
+        storage: storage && imported.storage,
+    };
+    let (kernel, relay_end) = UnixStream::pair().unwrap();
+    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, None));
+    (Host::new(kernel, devid), relay)
+}
+
+/// Closing the kernel's end detaches: the relay ends with `Ok`.
+async fn detach(host: Host<UnixStream>, relay: JoinHandle<Result<(), RelayError>>) {
+    drop(host.into_inner());
+    relay.await.unwrap().unwrap();
+}
+
+async fn a_megabyte_written_at_a_random_block_reads_back_the_same(storage: bool) {
+    let disk = local_disk(DISK_BYTES).unwrap();
+    let (mut host, relay) = attach(&disk, storage).await;
+    let found = host.enumerate().await.unwrap().clone();
+    assert_eq!((found.bulk_in, found.bulk_out, found.max_lun), (0x81, 0x02, 0));
+    let inquiry = host.inquiry().await.unwrap();
+    assert_eq!(inquiry.device_type, 0, "a direct-access block device");
+    host.test_unit_ready().await.unwrap();
+    let (last_lba, block_len) = host.read_capacity().await.unwrap();
+    assert_eq!((u64::from(last_lba) + 1) * u64::from(block_len), DISK_BYTES);
+
+    let mut rng = rand::thread_rng();
+    let mut data = vec![0u8; 1 << 20];
+    rng.fill_bytes(&mut data);
+    let blocks = (data.len() / block_len as usize) as u32;
+    let lba = rng.gen_range(0..=last_lba + 1 - blocks);
+    // usb-storage's largest command is 120 KiB; a megabyte takes several.
+    let per_command = 240usize * block_len as usize;
+    for (i, chunk) in data.chunks(per_command).enumerate() {
+        host.write10(lba + (i * 240) as u32, chunk).await.unwrap();
+    }
+    let mut back = Vec::with_capacity(data.len());
+    for (i, chunk) in data.chunks(per_command).enumerate() {
+        let blocks = (chunk.len() / block_len as usize) as u16;
+        back.extend_from_slice(&host.read10(lba + (i * 240) as u32, blocks).await.unwrap());
+    }
+    assert!(back == data, "storage {storage}: the megabyte at LBA {lba} did not read back the same");
+    detach(host, relay).await;
+}
+
+#[tokio::test]
+async fn a_megabyte_written_at_a_random_block_reads_back_the_same_without_the_accelerator() {
+    a_megabyte_written_at_a_random_block_reads_back_the_same(false).await;
+}
+
+#[tokio::test]
+async fn a_megabyte_written_at_a_random_block_reads_back_the_same_with_the_accelerator() {
+    a_megabyte_written_at_a_random_block_reads_back_the_same(true).await;
+}
+
+async fn a_read_past_the_end_fails_with_illegal_request_lba_out_of_range(storage: bool) {
+    let disk = local_disk(DISK_BYTES).unwrap();
+    let (mut host, relay) = attach(&disk, storage).await;
+    host.enumerate().await.unwrap();
+    let (last_lba, _) = host.read_capacity().await.unwrap();
+    let [l0, l1, l2, l3] = (last_lba + 1).to_be_bytes();
+    let cdb = [opcode::READ_10, 0, l0, l1, l2, l3, 0, 0, 8, 0];
+    let outcome = host.command(0, &cdb, Data::In(8 * 512)).await.unwrap();
+    assert_eq!(outcome.csw.status, 1, "storage {storage}: {outcome:?}");
+    let sense = host.request_sense().await.unwrap();
+    assert_eq!((sense.key, sense.asc), (0x05, 0x21), "ILLEGAL REQUEST, LBA out of range");
+    // The typed error of the helper says the same.
+    let failed = host.read10(last_lba, 2).await;
+    assert!(matches!(failed, Err(HostError::CommandFailed { opcode: opcode::READ_10, status: 1, .. })), "{failed:?}");
+    // And the disk still works.
+    assert_eq!(host.read10(last_lba, 1).await.unwrap().len(), 512);
+    detach(host, relay).await;
+}
+
+#[tokio::test]
+async fn a_read_past_the_end_fails_with_illegal_request_without_the_accelerator() {
+    a_read_past_the_end_fails_with_illegal_request_lba_out_of_range(false).await;
+}
+
+#[tokio::test]
+async fn a_read_past_the_end_fails_with_illegal_request_with_the_accelerator() {
+    a_read_past_the_end_fails_with_illegal_request_lba_out_of_range(true).await;
+}
+
+#[tokio::test]
+async fn a_command_before_enumeration_is_a_typed_error() {
+    let (kernel, _other) = UnixStream::pair().unwrap();
+    let mut host = Host::new(kernel, 1);
+    assert!(matches!(host.test_unit_ready().await, Err(HostError::NotEnumerated)));
+}
