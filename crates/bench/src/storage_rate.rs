@@ -89,7 +89,7 @@ pub async fn execute(
 /// and their ratio, for reads and writes, then milliseconds per command.
 pub fn table(records: &[Record]) -> String {
     let mut text = format!(
-        "{:>7} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>11} {:>11}\n",
+        "{:>7} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>13} {:>13}\n",
         "rtt ms", "read off", "read on", "x", "write off", "write on", "x", "ms/rd off/on", "ms/wr off/on"
     );
     let mut rtts: Vec<f64> = Vec::new();
@@ -113,7 +113,7 @@ pub fn table(records: &[Record]) -> String {
             };
             let _ = write!(row, " {:>9} {:>9} {:>6} |", rate(off), rate(on), ratio);
             let ms = |r: Option<&Record>| r.map_or("-".into(), |r| format!("{:.2}", r.ms_per_command));
-            let _ = write!(times, " {:>11}", format!("{}/{}", ms(off), ms(on)));
+            let _ = write!(times, " {:>13}", format!("{}/{}", ms(off), ms(on)));
         }
         let _ = writeln!(text, "{row}{times}");
     }

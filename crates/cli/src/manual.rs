@@ -88,6 +88,10 @@ pub(crate) fn examples(verb: Option<&str>) -> &'static [Example] {
                 command: "usbwire bench -r 192.168.1.5 -b 0-1 --rtt-ms 0,20",
                 what: "a server's loopback device (`usbwire serve --virtual loopback` exports it as 0-1), with 20 ms of added delay",
             },
+            Example {
+                command: "usbwire bench --storage --rtt-ms 0,10,50",
+                what: "a 64 MiB virtual disk's 120 KiB reads and writes through the attach relay, its storage accelerator off and on",
+            },
         ],
         Some("attach") => &[
             Example {

@@ -422,6 +422,37 @@ fn bench_resume_cuts_times_each_stall() {
 }
 
 #[test]
+fn bench_storage_reports_reads_and_writes_with_the_accelerator_off_and_on() {
+    let out = usbwire(&["bench", "--storage", "--rtt-ms", "0", "--seconds", "0.2", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["schema_version"].as_u64().is_some(), "{report}");
+    let records = report["storage"].as_array().unwrap();
+    assert_eq!(records.len(), 4, "direction x accelerator: {report}");
+    for direction in ["in", "out"] {
+        for accelerate in [false, true] {
+            let record = records
+                .iter()
+                .find(|r| r["direction"] == direction && r["accelerate"] == accelerate)
+                .unwrap_or_else(|| panic!("no {direction} record with accelerate {accelerate}: {report}"));
+            assert_eq!(record["rtt_ms"], 0.0, "{report}");
+            assert_eq!(record["command_bytes"], 120 * 1024, "{report}");
+            assert!(record["commands"].as_u64().unwrap() >= 1, "{report}");
+            assert!(record["mib_per_s"].as_f64().unwrap() > 0.0, "{report}");
+            // The in-process server agrees to the storage extension.
+            assert_eq!(record["accelerated"], accelerate, "{report}");
+        }
+    }
+    // A device without a Bulk-Only interface cannot be measured: said, with "unavailable".
+    let dir = scratch("bench-storage");
+    let served = serve(&dir, &["loopback"]);
+    let out = usbwire(&["bench", "--storage", "-r", &served.addr, "-b", "0-1", "--seconds", "0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert!(stderr.contains("Bulk-Only"), "{stderr}");
+}
+
+#[test]
 fn doctor_checks_the_local_server_and_a_remote_port() {
     let dir = scratch("doctor");
     let served = serve(&dir, &["keyboard", "loopback"]);

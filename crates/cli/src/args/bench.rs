@@ -1,5 +1,5 @@
-//! The arguments of `bench`: the throughput matrix, the resume cuts, periodic spacing and the
-//! lab registry at scale.
+//! The arguments of `bench`: the throughput matrix, the resume cuts, periodic spacing, mass
+//! storage through the attach relay and the lab registry at scale.
 
 use std::path::PathBuf;
 
@@ -77,6 +77,12 @@ pub(crate) struct BenchArgs {
     /// interrupt IN endpoint (the loopback device's 0x84 stamps its own time) against the device's.
     #[arg(long, value_name = "ADDR", value_parser = parse_endpoint)]
     pub(crate) periodic: Option<u8>,
+    /// Instead of the throughput matrix: sequential 120 KiB READ(10)s, then WRITE(10)s, one command at
+    /// a time as usb-storage sends them, through the relay `usbwire attach` runs, its storage accelerator
+    /// off and then on, per --rtt-ms, --seconds each [default: 3]. Against an in-process 64 MiB virtual
+    /// disk, or with -r/-b a server's disk, WHOSE CONTENTS ARE OVERWRITTEN.
+    #[arg(long, conflicts_with_all = ["periodic", "cuts", "resume", "quick", "plot", "csv", "compress", "jitter_buffer"])]
+    pub(crate) storage: bool,
     #[command(flatten)]
     pub(crate) security: ClientSecurityArgs,
     /// With --registry, instead of the throughput matrix: bench the lab registry with a simulated

@@ -1,10 +1,12 @@
 //! `usbwire bench`: throughput and latency per URB size, queue depth and
 //! emulated RTT, each as a ratio to raw TCP over the same path (the matrix is
 //! [`usbwire_bench::matrix`]; here its flags, progress bar and printing), and
-//! `--periodic` and `--cuts`; with `--registry`, the lab registry at scale
-//! instead ([`lab`]).
+//! `--periodic` and `--cuts`; with `--storage`, a disk through the attach
+//! relay ([`storage`]); with `--registry`, the lab registry at scale instead
+//! ([`lab`]).
 
 mod lab;
+mod storage;
 
 use std::net::SocketAddr;
 use std::sync::OnceLock;
@@ -68,6 +70,9 @@ fn matrix_plan(args: &BenchArgs) -> Result<Plan, Failure> {
 pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
     if args.registry.registry.is_some() {
         return lab::run(&args).await;
+    }
+    if args.storage {
+        return storage::run(&args).await;
     }
     let plan = matrix_plan(&args)?;
     let security = super::common::peer::client_security(&args.security)?;
