@@ -595,6 +595,108 @@ fn passed(opcode: u8, outcome: &Outcome) -> Result<(), HostError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::DuplexStream;
+    use usbwire_proto::urb::{ClientMessage, RetSubmit};
+
+    /// One URB the scripted device expects, and its answer.
+    struct Step {
+        direction: Direction,
+        ep: u8,
+        setup: [u8; 8],
+        status: Status,
+        /// IN: the data returned. OUT: ignored (the whole URB is taken).
+        data: Bytes,
+    }
+
+    fn step(direction: Direction, ep: u8, status: Status, data: Bytes) -> Step {
+        Step { direction, ep, setup: [0; 8], status, data }
+    }
+
+    const CLEAR_HALT_IN: [u8; 8] = [0x02, 0x01, 0x00, 0x00, 0x81, 0x00, 0x00, 0x00];
+
+    fn clear_halt_in() -> Step {
+        Step { direction: Direction::Out, ep: 0, setup: CLEAR_HALT_IN, status: Status::OK, data: Bytes::new() }
+    }
+
+    /// Plays the device behind the relay: each URB must be the next step's, and one at a time.
+    async fn scripted(mut io: DuplexStream, script: Vec<Step>) {
+        let mut input = BytesMut::new();
+        let mut seqnum = 0;
+        for (at, step) in script.into_iter().enumerate() {
+            let submit = loop {
+                if let Some(ClientMessage::Submit(submit)) =
+                    urb::decode_command(&mut input, &Limits::default(), |_, _| false).unwrap()
+                {
+                    break submit;
+                }
+                assert!(io.read_buf(&mut input).await.unwrap() > 0, "the host left before step {at}");
+            };
+            seqnum += 1;
+            assert_eq!(submit.seqnum, seqnum, "seqnums count up by one");
+            assert_eq!((submit.direction, submit.ep, submit.setup), (step.direction, step.ep, step.setup), "step {at}");
+            let (actual_length, data) = match step.direction {
+                Direction::In => (step.data.len() as u32, step.data),
+                Direction::Out => (submit.transfer_buffer_length, Bytes::new()),
+            };
+            let actual_length = if step.status == Status::EPIPE { 0 } else { actual_length };
+            let data = if step.status == Status::EPIPE { Bytes::new() } else { data };
+            let reply = RetSubmit {
+                seqnum: submit.seqnum,
+                status: step.status,
+                actual_length,
+                start_frame: 0,
+                number_of_packets: 0,
+                error_count: 0,
+                data,
+                iso_packets: Vec::new(),
+            };
+            let mut wire = BytesMut::new();
+            reply.encode(&mut wire);
+            io.write_all(&wire).await.unwrap();
+        }
+    }
+
+    /// A host whose enumeration found the disk's endpoints (0x81, 0x02).
+    fn enumerated(io: DuplexStream) -> Host<DuplexStream> {
+        let mut host = Host::new(io, 0x0001_0002);
+        host.found = Some(Enumerated {
+            device: DeviceDescriptor::for_speed(usbwire_device::Speed::HIGH, 0x1209, 0x0003),
+            configuration: 1,
+            interface: 0,
+            bulk_in: 0x81,
+            bulk_out: 0x02,
+            max_lun: 0,
+        });
+        host
+    }
+
+    fn csw_bytes(tag: u8, status: u8) -> Bytes {
+        Bytes::from(vec![b'U', b'S', b'B', b'S', tag, 0, 0, 0, 0, 2, 0, 0, status])
+    }
+
+    #[tokio::test]
+    async fn a_stalled_data_stage_and_csw_are_cleared_and_the_csw_read_again_as_usb_storage_does() {
+        let (ours, theirs) = tokio::io::duplex(1 << 16);
+        let script = vec![
+            step(Direction::Out, 2, Status::OK, Bytes::new()),
+            step(Direction::In, 1, Status::EPIPE, Bytes::new()),
+            clear_halt_in(),
+            step(Direction::In, 1, Status::EPIPE, Bytes::new()),
+            clear_halt_in(),
+            step(Direction::In, 1, Status::OK, csw_bytes(1, 1)),
+            // The next command: a CSW with another command's tag.
+            step(Direction::Out, 2, Status::OK, Bytes::new()),
+            step(Direction::In, 1, Status::OK, csw_bytes(7, 0)),
+        ];
+        let device = tokio::spawn(scripted(theirs, script));
+        let mut host = enumerated(ours);
+        let outcome = host.command(0, &rw10(opcode::READ_10, 0, 1), Data::In(512)).await.unwrap();
+        assert_eq!(outcome.data, Some(StageResult { status: Status::EPIPE.0, actual_length: 0 }));
+        assert_eq!(outcome.csw, Csw { tag: 1, residue: 512, status: 1 });
+        let bad = host.test_unit_ready().await;
+        assert!(matches!(&bad, Err(HostError::BadCsw(why)) if why.contains("tag 7")), "{bad:?}");
+        device.await.unwrap();
+    }
 
     #[test]
     fn a_cbw_is_laid_out_as_bulk_only_says() {
