@@ -6,10 +6,10 @@
 //! ([`lab`]).
 
 mod lab;
+mod progress;
 mod storage;
 
 use std::net::SocketAddr;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::anyhow;
@@ -26,6 +26,7 @@ use super::common::stdout::{out, outln};
 use crate::args::BenchArgs;
 use crate::config::parse_size;
 use crate::exit::Failure;
+use progress::Bar;
 
 /// The matrix the flags ask for: `--quick`'s or the full one, unless sizes and depths are named.
 fn matrix_plan(args: &BenchArgs) -> Result<Plan, Failure> {
@@ -94,7 +95,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
     }
     let endpoints = (args.in_ep, args.out_ep);
     let report = if !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        matrix::execute(&plan, target, &busid, &security, endpoints, Bar(OnceLock::new())).await?
+        matrix::execute(&plan, target, &busid, &security, endpoints, Bar::new()).await?
     } else {
         matrix::execute(&plan, target, &busid, &security, endpoints, matrix::Quiet).await?
     };
@@ -110,38 +111,6 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), Failure> {
         super::common::output::print_json(&report.json(), true)
     } else {
         out!("{}", report.table())
-    }
-}
-
-/// The matrix's progress bar on stderr, drawn from its first point on.
-struct Bar(OnceLock<indicatif::ProgressBar>);
-
-impl matrix::Progress for Bar {
-    fn begin(&self, points: usize) {
-        let bar = indicatif::ProgressBar::new(points as u64);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        let _ = self.0.set(bar);
-    }
-
-    fn point(&self, what: String) {
-        if let Some(bar) = self.0.get() {
-            bar.set_message(what);
-        }
-    }
-
-    fn advance(&self, points: usize) {
-        if let Some(bar) = self.0.get() {
-            bar.inc(points as u64);
-        }
-    }
-
-    fn finish(&self) {
-        if let Some(bar) = self.0.get() {
-            bar.finish_and_clear();
-        }
     }
 }
 

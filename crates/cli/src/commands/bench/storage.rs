@@ -3,8 +3,6 @@
 //! RTT (the runs are [`usbwire_bench::storage_rate`]'s; here the flags, the
 //! in-process disk's lifetime, the progress bar and the printing).
 
-use std::sync::OnceLock;
-
 use anyhow::anyhow;
 use serde_json::json;
 use usbwire_bench::matrix;
@@ -12,9 +10,11 @@ use usbwire_bench::storage_rate::{self, Plan, BLOCKS_PER_COMMAND};
 use usbwire_bench::target::local_disk;
 use usbwire_proto::op::BusId;
 
-use super::super::common::stdout::{out, outln};
-use super::Bar;
+use super::progress::Bar;
 use crate::args::BenchArgs;
+use crate::commands::common::output::print_json;
+use crate::commands::common::peer::{client_security, resolve};
+use crate::commands::common::stdout::{out, outln};
 use crate::exit::Failure;
 
 /// The in-process disk's size (what `usbwire demo` serves).
@@ -24,13 +24,13 @@ const DEFAULT_SECONDS: f64 = 3.0;
 
 pub(super) async fn run(args: &BenchArgs) -> Result<(), Failure> {
     let plan = plan(args)?;
-    let security = super::super::common::peer::client_security(&args.security)?;
+    let security = client_security(&args.security)?;
     // Without -r: a disk of our own, its image removed when `local` is dropped at the end.
     let local;
     let (target, busid) = match (&args.remote, &args.busid) {
         (Some(remote), Some(busid)) if !args.local => {
             let busid = BusId::new(busid).ok_or_else(|| Failure::usage(anyhow!("invalid bus id {busid:?}")))?;
-            (super::super::common::peer::resolve(remote, None).await?, busid)
+            (resolve(remote, None).await?, busid)
         }
         _ => {
             local = local_disk(LOCAL_DISK_BYTES)?;
@@ -38,7 +38,7 @@ pub(super) async fn run(args: &BenchArgs) -> Result<(), Failure> {
         }
     };
     let records = if !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        storage_rate::execute(&plan, target, &busid, &security, Bar(OnceLock::new())).await?
+        storage_rate::execute(&plan, target, &busid, &security, Bar::new()).await?
     } else {
         storage_rate::execute(&plan, target, &busid, &security, matrix::Quiet).await?
     };
@@ -46,7 +46,7 @@ pub(super) async fn run(args: &BenchArgs) -> Result<(), Failure> {
         eprintln!("the server did not agree to the storage extension: the accelerator's runs went unaccelerated");
     }
     if args.json {
-        return super::super::common::output::print_json(&json!({ "storage": records }), true);
+        return print_json(&json!({ "storage": records }), true);
     }
     outln!(
         "storage {busid}: sequential {} KiB READ(10) and WRITE(10), one command at a time, {} s each, MiB/s \
