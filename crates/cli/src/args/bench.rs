@@ -78,9 +78,10 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_name = "ADDR", value_parser = parse_endpoint)]
     pub(crate) periodic: Option<u8>,
     /// Instead of the throughput matrix: sequential 120 KiB READ(10)s, then WRITE(10)s, one command at
-    /// a time as usb-storage sends them, through the relay `usbwire attach` runs, its storage accelerator
-    /// off and then on, per --rtt-ms, --seconds each [default: 3]. Against an in-process 64 MiB virtual
-    /// disk, or with -r/-b a server's disk, WHOSE CONTENTS ARE OVERWRITTEN.
+    /// a time as usb-storage sends them, through the relay `usbwire attach` runs, its storage
+    /// accelerator off and then on, per --rtt-ms (behind the delay proxy), --seconds each [default: 3].
+    /// Against an in-process 64 MiB virtual disk, or with -r/-b a server's disk, WHOSE CONTENTS ARE
+    /// OVERWRITTEN.
     #[arg(long, conflicts_with_all = ["periodic", "cuts", "resume", "quick", "plot", "csv", "compress", "jitter_buffer"])]
     pub(crate) storage: bool,
     #[command(flatten)]
