@@ -149,7 +149,7 @@ impl Run<'_> {
             storage: accelerated,
         };
         let (kernel, relay_end) = UnixStream::pair()?;
-        let relay = kernel_relay::run(relay_end, imported.stream, devid, upstream, None);
+        let relay = kernel_relay::run(relay_end, imported.stream, devid, upstream, None, None);
         let host = async move {
             let mut host = Host::new(kernel, devid);
             let rates = self.rates(&mut host, seconds).await;

@@ -7,17 +7,27 @@
 
 use rand::{Rng, RngCore};
 use tokio::net::UnixStream;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use usbwire_bench::storage::{opcode, Data, Host, HostError};
 use usbwire_bench::target::{local_disk, LocalDisk};
 use usbwire_client::relay::{RelayError, Upstream};
-use usbwire_client::{kernel_relay, Security, RESUME_GIVE_UP};
+use usbwire_client::{kernel_relay, Security, StorageCounters, RESUME_GIVE_UP};
 
 const DISK_BYTES: u64 = 8 << 20;
 
 /// Imports the disk and starts the relay on a socket pair, the accelerator
 /// as asked (and granted); the host holds the kernel's end.
 async fn attach(disk: &LocalDisk, storage: bool) -> (Host<UnixStream>, JoinHandle<Result<(), RelayError>>) {
+    let (host, relay, _) = attach_counting(disk, storage).await;
+    (host, relay)
+}
+
+/// [`attach`], with the accelerator's counters as the relay publishes them.
+async fn attach_counting(
+    disk: &LocalDisk,
+    storage: bool,
+) -> (Host<UnixStream>, JoinHandle<Result<(), RelayError>>, watch::Receiver<StorageCounters>) {
     let imported = usbwire_client::import_resumable(disk.addr, &disk.busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.storage, "a usbwire server agrees to the storage extension");
     let devid = imported.device.devid();
@@ -30,8 +40,9 @@ async fn attach(disk: &LocalDisk, storage: bool) -> (Host<UnixStream>, JoinHandl
         storage: storage && imported.storage,
     };
     let (kernel, relay_end) = UnixStream::pair().unwrap();
-    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, None));
-    (Host::new(kernel, devid), relay)
+    let (counters_tx, counters) = watch::channel(StorageCounters::default());
+    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, None, Some(counters_tx)));
+    (Host::new(kernel, devid), relay, counters)
 }
 
 /// Closing the kernel's end detaches: the relay ends with `Ok`.
@@ -42,7 +53,7 @@ async fn detach(host: Host<UnixStream>, relay: JoinHandle<Result<(), RelayError>
 
 async fn a_megabyte_written_at_a_random_block_reads_back_the_same(storage: bool) {
     let disk = local_disk(DISK_BYTES).unwrap();
-    let (mut host, relay) = attach(&disk, storage).await;
+    let (mut host, relay, counters) = attach_counting(&disk, storage).await;
     let found = host.enumerate().await.unwrap().clone();
     assert_eq!((found.bulk_in, found.bulk_out, found.max_lun), (0x81, 0x02, 0));
     let inquiry = host.inquiry().await.unwrap();
@@ -68,6 +79,15 @@ async fn a_megabyte_written_at_a_random_block_reads_back_the_same(storage: bool)
     }
     assert!(back == data, "storage {storage}: the megabyte at LBA {lba} did not read back the same");
     detach(host, relay).await;
+    // The relay's last word on what the accelerator did.
+    let done = *counters.borrow();
+    match storage {
+        true => {
+            assert!(done.commands_pipelined >= 20, "every command went in one round trip: {done:?}");
+            assert!(done.read_ahead_hits >= 5, "the sequential megabyte was read ahead: {done:?}");
+        }
+        false => assert_eq!(done, StorageCounters::default(), "nothing accelerated"),
+    }
 }
 
 #[tokio::test]

@@ -178,6 +178,7 @@ async fn the_device_is_attached_again_after_a_server_restart_and_the_wait_is_log
         vendor_id: KEYBOARD.0,
         product_id: KEYBOARD.1,
         relay: RelayState::Connected,
+        storage: None,
     };
     let (status_tx, status) = watch::channel(first_status);
     let following =

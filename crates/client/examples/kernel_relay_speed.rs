@@ -68,7 +68,10 @@ fn main() -> Result<(), Box<dyn Error>> {
         };
         relay_end.set_nonblocking(true)?;
         let relay_end = tokio::net::UnixStream::from_std(relay_end)?;
-        Ok::<_, Box<dyn Error>>((devid, usbwire_client::kernel_relay::run(relay_end, stream, devid, upstream, None)))
+        Ok::<_, Box<dyn Error>>((
+            devid,
+            usbwire_client::kernel_relay::run(relay_end, stream, devid, upstream, None, None),
+        ))
     })?;
     let host = std::thread::spawn(move || vhci_stand_in(kernel, devid, direction, size, seconds));
     runtime.block_on(relay)?;

@@ -115,6 +115,7 @@ impl Attachment {
             vendor_id: device.id_vendor,
             product_id: device.id_product,
             relay: RelayState::Connected,
+            storage: None,
         };
         let Imported { stream, resume, storage, .. } = imported;
         let needs_relay = plan.needs_relay(over_tls, resumes, storage);

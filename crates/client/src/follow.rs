@@ -43,6 +43,7 @@ use usbwire_proto::reservation::ReservationToken;
 
 use crate::kernel_relay;
 use crate::relay::{RelayError, RelayState, Upstream};
+use crate::storage::StorageCounters;
 use crate::vhci::{self, VhciError};
 use usbwire_proto::retry::Retry;
 
@@ -130,6 +131,8 @@ pub struct FollowStatus {
     pub vendor_id: u16,
     pub product_id: u16,
     pub relay: RelayState,
+    /// What the storage accelerator did, when it runs (`usbwire port`).
+    pub storage: Option<StorageCounters>,
 }
 
 /// Why following stopped (other than the kernel letting go).
@@ -186,6 +189,7 @@ pub async fn follow_on<P: Ports>(
             vendor_id: device.id_vendor,
             product_id: device.id_product,
             relay: RelayState::Connected,
+            storage: None,
         });
         let upstream = Upstream {
             addr: reimport.addr,
@@ -261,11 +265,25 @@ pub(crate) async fn relay_reporting(
     status: &watch::Sender<FollowStatus>,
 ) -> Result<(), RelayError> {
     let (state_tx, mut states) = watch::channel(RelayState::Connected);
-    let relay = kernel_relay::run(kernel, stream, devid, upstream, Some(state_tx));
+    let (counters_tx, mut counters) = watch::channel(StorageCounters::default());
+    let accelerated = upstream.storage;
+    status.send_modify(|status| status.storage = accelerated.then(StorageCounters::default));
+    let relay = kernel_relay::run(kernel, stream, devid, upstream, Some(state_tx), Some(counters_tx));
     let reporting = async {
-        while states.changed().await.is_ok() {
-            let state = *states.borrow_and_update();
-            status.send_modify(|status| status.relay = state);
+        loop {
+            tokio::select! {
+                changed = states.changed() => match changed {
+                    Ok(()) => {
+                        let state = *states.borrow_and_update();
+                        status.send_modify(|status| status.relay = state);
+                    }
+                    Err(_) => break,
+                },
+                Ok(()) = counters.changed() => {
+                    let now = *counters.borrow_and_update();
+                    status.send_modify(|status| status.storage = Some(now));
+                }
+            }
         }
         // The relay dropped its sender: it has ended, and the other branch has its result.
         std::future::pending::<std::convert::Infallible>().await

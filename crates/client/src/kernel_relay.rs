@@ -9,6 +9,7 @@
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -21,32 +22,45 @@ use usbwire_transport::PeerStream;
 
 use crate::relay::{drive, new_session, Front, RelayError, RelayState, Step, Upstream, END_TIMEOUT};
 use crate::relay_wire::poll_write_all;
-use crate::storage::Accelerator;
+use crate::storage::{Accelerator, StorageCounters};
 
 /// Replies waiting for the kernel to read them before the relay stops reading the server.
 const KERNEL_BACKLOG: usize = 8 * 1024 * 1024;
 
+/// How often the storage accelerator's counters are published, at most.
+const COUNTERS_EVERY: Duration = Duration::from_secs(1);
+
 /// Relays between the kernel's socket and the server until the port is
 /// detached (`Ok`) or the session is lost. `stream` is the imported
-/// device's URB channel.
+/// device's URB channel. `state` follows the connection; `counters`, the
+/// storage accelerator's work (at most once a second).
 pub async fn run<K>(
     kernel: K,
     stream: PeerStream,
     devid: u32,
     upstream: Upstream,
     state: Option<watch::Sender<RelayState>>,
+    counters: Option<watch::Sender<StorageCounters>>,
 ) -> Result<(), RelayError>
 where
     K: AsyncRead + AsyncWrite + Unpin,
 {
     let storage = upstream.storage.then(|| Accelerator::new(devid));
-    let front =
-        KernelFront { kernel, kernel_in: BytesMut::with_capacity(64 * 1024), kernel_out: Outbox::default(), storage };
+    let front = KernelFront {
+        kernel,
+        kernel_in: BytesMut::with_capacity(64 * 1024),
+        kernel_out: Outbox::default(),
+        storage,
+        counters: counters.map(|sender| (sender, Instant::now())),
+    };
     // The kernel's session is the relay's alone: held without a lock.
     let mut held = (new_session(devid, &upstream, Budget::default()), front);
     let result = drive(&mut held, stream, upstream, state).await;
     if let Some(storage) = &held.1.storage {
         let counters = storage.counters();
+        if let Some((sender, _)) = &held.1.counters {
+            sender.send_replace(counters);
+        }
         if counters.commands_pipelined > 0 {
             tracing::info!(
                 commands_pipelined = counters.commands_pipelined,
@@ -86,6 +100,8 @@ struct KernelFront<K> {
     kernel_out: Outbox,
     /// Mass-storage commands in one round trip, when the server runs stages.
     storage: Option<Accelerator>,
+    /// Where its counters go, and when they last went.
+    counters: Option<(watch::Sender<StorageCounters>, Instant)>,
 }
 
 impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
@@ -96,6 +112,13 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
             return Ok(Step::Idle);
         }
         let mut released = false;
+        if let (Some(storage), Some((sender, published))) = (&self.storage, &mut self.counters) {
+            let counters = storage.counters();
+            if published.elapsed() >= COUNTERS_EVERY && *sender.borrow() != counters {
+                sender.send_replace(counters);
+                *published = Instant::now();
+            }
+        }
         if let Some(storage) = &mut self.storage {
             // Commands that waited for the reads ahead in flight.
             let kernel_out = &mut self.kernel_out;

@@ -50,7 +50,7 @@ fn relayed(imported: Imported, reimport: &Reimport) -> (UrbHost<UnixStream>, Joi
         storage: false,
     };
     let (kernel, relay_end) = UnixStream::pair().unwrap();
-    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, None));
+    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, None, None));
     (UrbHost::new(kernel, devid), relay)
 }
 

@@ -57,7 +57,7 @@ async fn the_detach_reply_reaches_the_kernel_before_the_relay_ends_as_a_reenumer
         storage: false,
     };
     let (mut kernel, relay_end) = UnixStream::pair().unwrap();
-    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, None));
+    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, None, None));
 
     kernel.write_all(&control_out(1, devid, SET_CONFIGURATION_1)).await.unwrap();
     let detach = [0x21, request::DETACH, 0xe8, 0x03, RUNTIME_DFU_INTERFACE, 0, 0, 0];

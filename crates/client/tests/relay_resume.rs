@@ -127,7 +127,7 @@ async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
         storage: false,
     };
     let (state, mut states) = tokio::sync::watch::channel(relay::RelayState::Connected);
-    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, Some(state)));
+    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, Some(state), None));
     let resumes = tokio::spawn(async move {
         let mut resumes = 0;
         while states.changed().await.is_ok() {
@@ -202,7 +202,7 @@ async fn a_link_gone_silent_is_noticed_and_resumed_well_within_the_grace_period(
         storage: false,
     };
     let (state, mut states) = tokio::sync::watch::channel(relay::RelayState::Connected);
-    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, Some(state)));
+    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, Some(state), None));
     let rounds = 100_000;
     let progress = Arc::new(AtomicU32::new(0));
     let kernel = tokio::spawn(kernel(kernel_end, devid, rounds, progress.clone()));
@@ -259,7 +259,8 @@ async fn without_resume_a_cut_ends_the_relay_with_what_to_do() {
         give_up_after: Duration::from_secs(5),
         storage: false,
     };
-    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None));
+    let relay =
+        tokio::spawn(kernel_relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None, None));
     tokio::time::sleep(Duration::from_millis(100)).await;
     proxy.cut_all();
     let ended = tokio::time::timeout(Duration::from_secs(5), relay).await.expect("relay ends").unwrap();
@@ -284,7 +285,8 @@ async fn a_server_that_shuts_down_ends_the_session_and_the_relay_at_once() {
         give_up_after: Duration::from_secs(60),
         storage: false,
     };
-    let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None));
+    let relay =
+        tokio::spawn(kernel_relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None, None));
     tokio::time::sleep(Duration::from_millis(100)).await;
     test_server.stop();
     let ended = tokio::time::timeout(Duration::from_secs(3), relay).await.expect("relay ends at once").unwrap();

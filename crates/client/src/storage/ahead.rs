@@ -64,7 +64,10 @@ struct Stream {
     /// The kernel's last READ's command block: the reads ahead are copies with another LBA.
     template: [u8; 31],
     pipes: Pipes,
+    /// The kernel's last READ.
     read: Read,
+    /// Blocks each read ahead asks for (the template's).
+    blocks: u32,
     /// Where the next read ahead starts.
     next_lba: u64,
 }
@@ -106,8 +109,8 @@ impl ReadAhead {
     }
 
     /// The kernel read `read` (`hit`: from the first read ahead): follows
-    /// the stream, and widens the window on a hit, opens it on a second
-    /// sequential read, closes it otherwise.
+    /// the stream, and widens the window on a hit, opens it (or keeps it) on
+    /// a sequential read that missed, closes it otherwise.
     pub(super) fn observe(&mut self, read: Read, cbw: &[u8], pipes: Pipes, hit: bool) {
         let length = u32::from_le_bytes([cbw[8], cbw[9], cbw[10], cbw[11]]);
         let most = (BUDGET_BYTES / length.max(1)).max(1) as usize;
@@ -116,16 +119,25 @@ impl ReadAhead {
         });
         self.window = match (hit, sequential) {
             (true, _) => (self.window * 2).clamp(FIRST_WINDOW, most),
-            (false, true) => FIRST_WINDOW.min(most),
+            // The same stream in another size (a split request's last command): as wide as before.
+            (false, true) => self.window.max(FIRST_WINDOW).min(most),
             (false, false) => 0,
         };
+        // The reads ahead copy the longest READ of the stream: a request the
+        // block layer split ends in a shorter one, and the next request's
+        // commands are the long ones again.
         let mut template = [0u8; 31];
         template.copy_from_slice(&cbw[..31]);
+        let mut blocks = read.blocks;
+        if let Some(stream) = self.stream.as_ref().filter(|s| sequential && s.blocks > read.blocks) {
+            template = stream.template;
+            blocks = stream.blocks;
+        }
         let next_lba = match (&self.stream, hit) {
             (Some(stream), true) => stream.next_lba,
             _ => read.lba + u64::from(read.blocks),
         };
-        self.stream = Some(Stream { template, pipes, read, next_lba });
+        self.stream = Some(Stream { template, pipes, read, blocks, next_lba });
     }
 
     /// The next read ahead to send, while the window and the LUN's capacity allow:
@@ -136,8 +148,8 @@ impl ReadAhead {
         }
         let stream = self.stream.as_mut()?;
         let last = self.last_lba[usize::from(stream.read.lun & 0x0f)]?;
-        let end = stream.next_lba.checked_add(u64::from(stream.read.blocks))?;
-        if stream.read.blocks == 0 || end - 1 > last {
+        let end = stream.next_lba.checked_add(u64::from(stream.blocks))?;
+        if stream.blocks == 0 || end - 1 > last {
             return None;
         }
         let mut cbw = with_lba(&stream.template, stream.next_lba)?;

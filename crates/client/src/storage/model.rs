@@ -598,6 +598,22 @@ fn a_stream_is_read_ahead_and_a_write_into_it_is_never_served_stale() {
 }
 
 #[test]
+fn a_split_request_pattern_keeps_being_read_ahead() {
+    // What `dd bs=1M iflag=direct` makes of a high-speed disk (8 commands of
+    // 240 blocks and one of 64, request after request), scaled to this disk.
+    let mut ops = Vec::new();
+    for request in 0..4u32 {
+        let start = request * (8 * 12 + 4);
+        ops.push(Op::Run { lba: start, blocks: 12, count: 8 });
+        ops.push(Op::Read { lba: start + 8 * 12, blocks: 4 });
+    }
+    let (plain, _) = run(false, &ops, &HashMap::new(), 21);
+    let (accelerated, tally) = run(true, &ops, &HashMap::new(), 23);
+    assert_eq!(accelerated, plain);
+    assert!(tally.read_ahead_hits >= 28, "all but the first request's first reads and the short ones: {tally:?}");
+}
+
+#[test]
 fn stalls_show_as_they_do_without_the_accelerator() {
     let ops = [
         Op::Read { lba: 0, blocks: 4 },

@@ -67,6 +67,9 @@ impl RelayStatusFile {
         if self.auto_attach {
             body["auto_attach"] = json!(true);
         }
+        if let Some(storage) = status.storage {
+            body["storage"] = json!(storage);
+        }
         let temporary = self.path.with_extension("tmp");
         if std::fs::write(&temporary, body.to_string()).is_ok() {
             let _ = std::fs::rename(&temporary, &self.path);
