@@ -14,11 +14,14 @@ tests of sessions that must survive a broken network path.
                                       #       (a pulled cable); RST only `silent_seconds` later
     proxy.stats()                     # connections accepted, cuts made, per-connection detail
 
+    CutProxy(upstream, delay=0.025)   # a long link: every chunk is held 25 ms in each
+                                      # direction (50 ms round trip), never reordered
+
 New connections are always accepted and forwarded, also while older ones sit
 in a black hole. The proxy runs an asyncio loop on its own thread; every
 public method is called from other threads.
 
-    python3 tests/interop/cutproxy.py selftest     # the three cuts against a local echo server
+    python3 tests/interop/cutproxy.py selftest     # the cuts and the delay against a local echo server
 """
 
 import asyncio
@@ -69,8 +72,11 @@ def _reset(writer):
 
 
 class CutProxy:
-    def __init__(self, upstream, hole_seconds=5.0, listen_host="127.0.0.1", silent_seconds=40.0):
+    def __init__(self, upstream, hole_seconds=5.0, listen_host="127.0.0.1", silent_seconds=40.0, delay=0.0):
         self.upstream = upstream
+        # Seconds each chunk is held in each direction. A chunk leaves at its arrival plus
+        # `delay`, or when the chunk before it left if that is later, so bytes keep their order.
+        self.delay = delay
         self.hole_seconds = hole_seconds
         # How long a silent cut keeps the sockets it leaves open: beyond a server's 30 s grace.
         self.silent_seconds = silent_seconds
@@ -180,14 +186,64 @@ class CutProxy:
             except asyncio.CancelledError:
                 raise
             except (OSError, RuntimeError):
-                # One end reset: so does the other.
-                if conn.state == "live":
-                    for w in conn.writers():
-                        _reset(w)
-                    self._finish(conn, "client" if direction == "up" else "server")
+                broken(direction)
 
-        conn.tasks = [asyncio.ensure_future(pump(reader, server[1], "up")),
-                      asyncio.ensure_future(pump(server[0], writer, "down"))]
+        def broken(direction):
+            # One end reset: so does the other.
+            if conn.state == "live":
+                for w in conn.writers():
+                    _reset(w)
+                self._finish(conn, "client" if direction == "up" else "server")
+
+        async def delayed_pump(src, dst, direction):
+            """`pump` through a queue: the reader stamps each chunk with its release time
+            and reads on; the sender holds each chunk until then. The end of the stream
+            (None) is released the same way, after the bytes before it."""
+            loop = asyncio.get_running_loop()
+            held = asyncio.Queue()
+
+            async def send():
+                try:
+                    while True:
+                        release, data = await held.get()
+                        wait = release - loop.time()
+                        if wait > 0:
+                            await asyncio.sleep(wait)
+                        if data is None:
+                            if dst.can_write_eof():
+                                dst.write_eof()
+                            done[direction] = True
+                            if all(done.values()):
+                                self._finish(conn, "client" if direction == "up" else "server")
+                            return
+                        dst.write(data)
+                        await dst.drain()
+                except asyncio.CancelledError:
+                    raise
+                except (OSError, RuntimeError):
+                    broken(direction)
+
+            sender = asyncio.ensure_future(send())
+            conn.tasks.append(sender)
+            last = 0.0
+            try:
+                while True:
+                    data = await src.read(256 * 1024)
+                    last = max(loop.time() + self.delay, last)
+                    held.put_nowait((last, data or None))
+                    if not data:
+                        return
+                    setattr(conn, direction, getattr(conn, direction) + len(data))
+            except asyncio.CancelledError:
+                sender.cancel()
+                raise
+            except (OSError, RuntimeError):
+                sender.cancel()
+                broken(direction)
+
+        relay = delayed_pump if self.delay > 0 else pump
+        conn.tasks = [asyncio.ensure_future(relay(reader, server[1], "up")),
+                      asyncio.ensure_future(relay(server[0], writer, "down"))]
 
     def _finish(self, conn, ended_by):
         if conn.state in ("live", "connecting"):
@@ -382,7 +438,62 @@ def selftest():
         results.append(("proxy self-test ran", False, repr(error)))
     finally:
         proxy.stop()
-        listener.close()
+    results += delay_selftest(listener.getsockname())
+    listener.close()
+    return results
+
+
+def delay_selftest(echo_addr, delay=0.05):
+    """The delay against the echo server at `echo_addr`: a round trip takes at least twice
+    `delay`, and a stream written in many small pieces comes back whole and in order."""
+    results = []
+    proxy = CutProxy(echo_addr, delay=delay)
+    port = proxy.start()
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        trips = []
+        for _ in range(5):
+            started = time.monotonic()
+            s.sendall(b"ping")
+            got = b""
+            while len(got) < 4:
+                got += s.recv(4 - len(got))
+            trips.append(time.monotonic() - started)
+        results.append((f"proxy delay {delay * 1000:.0f} ms: each echo round trip takes at least {2 * delay * 1000:.0f} ms",
+                        min(trips) >= 2 * delay and got == b"ping",
+                        "round trips " + ", ".join(f"{t * 1000:.1f} ms" for t in trips)))
+        # 2 MiB of numbered bytes in 2000 writes, some right behind each other and some
+        # spaced, read back concurrently: every byte, in order.
+        sent = b"".join(i.to_bytes(4, "big") * 256 for i in range(2048))
+        received = bytearray()
+
+        def read_back():
+            while len(received) < len(sent):
+                data = s.recv(65536)
+                if not data:
+                    return
+                received.extend(data)
+
+        reader = threading.Thread(target=read_back, daemon=True)
+        reader.start()
+        started = time.monotonic()
+        for i in range(0, len(sent), 1024):
+            s.sendall(sent[i:i + 1024])
+            if i % (64 * 1024) == 0:
+                time.sleep(0.003)
+        reader.join(30)
+        took = time.monotonic() - started
+        results.append(("proxy delay keeps the order: 2 MiB in 2048 writes comes back byte for byte",
+                        bytes(received) == sent and took >= 2 * delay,
+                        f"{len(received)} of {len(sent)} bytes back, first difference at "
+                        f"{next((i for i, (a, b) in enumerate(zip(received, sent)) if a != b), min(len(received), len(sent)))}, "
+                        f"{took:.2f} s"))
+        s.close()
+    except Exception as error:  # noqa: BLE001 - reported as a failed check
+        results.append(("proxy delay self-test ran", False, repr(error)))
+    finally:
+        proxy.stop()
     return results
 
 
