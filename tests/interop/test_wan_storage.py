@@ -286,6 +286,8 @@ def main():
     # The proxy's own self-test first (its delay and order among the rest): a few seconds.
     for name, ok, detail in cutproxy.selftest():
         checks.check(name, ok, detail)
+    if checks.failed:
+        checks.exit()
     work = guest.scratch("usbwire-wan-")
     port = guest.free_port()
     log_path = os.path.join(guest.LOGS, "wan-storage.server.log")
