@@ -31,8 +31,9 @@ the end dmesg has no I/O error, ext4 error or URB given back twice.
 The host checks that the server logged `storage=true` for the accelerated
 import (the client offers storage with resume whatever --accelerate says, so
 the import with it off is told apart by its relay: no "mass storage
-accelerated" line), and that the accelerated relay's line counts
-commands_pipelined > 0.
+accelerated" line), that the accelerated relay's line counts
+commands_pipelined > 0, and, once the server stopped, that the files of the
+last filesystem are in the disk's image with the guest's sha256s (debugfs).
 
 The speeds and the time from attach to the kernel's "Attached SCSI" line are
 printed as a table with the accelerated-to-stock ratio; nothing is asserted
@@ -41,6 +42,7 @@ about them (a TCG guest on a shared machine is no benchmark). About 3.5 minutes.
 Run: python3 tests/interop/test_wan_storage.py   (USBWIRE_BIN=path/to/usbwire)
 """
 
+import hashlib
 import json
 import os
 import re
@@ -60,10 +62,10 @@ MODES = ("accelerated", "off", "stock")
 E2FS = {"/usr/sbin/mkfs.ext4": "/usr/sbin/mkfs.ext4", "/usr/sbin/e2fsck": "/usr/sbin/e2fsck",
         "/etc/mke2fs.conf": "/etc/mke2fs.conf"}
 
-SCRIPT = r"""
+# The guest's shell functions (test_wan_storage_real.py uses them too): `attach`, `uses`
+# (the checks on an attached disk) and `detach`, each printing @@CHECK and @@TIME lines.
+FUNCTIONS = r"""
 set -u
-S=10.0.2.2:__PORT__
-BUSID=__BUSID__
 RELAY_LOG=/var/run/vhci_hcd/usbwire-relay.log
 ln -sf /proc/mounts /etc/mtab
 now() { cut -d' ' -f1 /proc/uptime; }
@@ -74,6 +76,7 @@ head -c 3145728 /dev/urandom > /tmp/files/random.bin
 head -c 65536 /dev/urandom > /tmp/files/sub/small.bin
 echo "a disk over a long link" > /tmp/files/sub/note.txt
 (cd /tmp/files && sha256sum random.bin sub/small.bin sub/note.txt) > /tmp/files.sha256
+sed 's/^/@@SHA256 /' /tmp/files.sha256
 # What the disk holds where the overwrite checks write, beyond the 32 MiB filesystem
 # (zeros on the new disk).
 head -c 1048576 /dev/zero > /tmp/held1m
@@ -188,6 +191,17 @@ detach() {
   rm -f $RELAY_LOG
 }
 
+dmesg_clean() {
+  dmesg > /tmp/dmesg.out
+  ! grep -iE "I/O error|EXT4-fs error|given back|critical medium|device reset" /tmp/dmesg.out > /tmp/bad.out
+  check dmesg-clean $? "$(head -n 5 /tmp/bad.out)"
+  echo "@@DMESG-BEGIN"; grep -iE "usb|scsi|sd[a-z]|ext4|vhci" /tmp/dmesg.out | tail -n 60; echo "@@DMESG-END"
+}
+"""
+
+SCRIPT = FUNCTIONS + r"""
+S=10.0.2.2:__PORT__
+BUSID=__BUSID__
 echo "@@MODE accelerated"
 attach accelerated usbwire attach -r $S -b $BUSID && uses accelerated fs
 detach accelerated usbwire
@@ -197,10 +211,7 @@ detach off usbwire
 echo "@@MODE stock"
 attach stock usbip --tcp-port __PORT__ attach -r 10.0.2.2 -b $BUSID && uses stock fs
 detach stock usbip
-dmesg > /tmp/dmesg.out
-! grep -iE "I/O error|EXT4-fs error|given back|critical medium|device reset" /tmp/dmesg.out > /tmp/bad.out
-check dmesg-clean $? "$(head -n 5 /tmp/bad.out)"
-echo "@@DMESG-BEGIN"; grep -iE "usb|scsi|sd[a-z]|ext4|vhci" /tmp/dmesg.out | tail -n 60; echo "@@DMESG-END"
+dmesg_clean
 echo "@@END"
 exit 0
 """
@@ -233,10 +244,11 @@ def busid_of_the_disk(port, server):
     raise RuntimeError("usbwire serve did not answer `list -r` within 30 s")
 
 
-def read_console(g, checks):
-    """Every line up to @@END: the guest's checks, timings ({(mode, what): (seconds, bytes)})
-    and relay logs ({mode: text})."""
-    seen, times, relay = {}, {}, {}
+def read_console(g, checks, expected):
+    """Every line up to @@END: the guest's checks (each of `expected` must be there),
+    timings ({(mode, what): (seconds, bytes)}), relay logs ({mode: text}) and the sha256s
+    of the files it writes into filesystems ({path: hex})."""
+    seen, times, relay, sums = {}, {}, {}, {}
     while True:
         line = g.wait_for("", 480)
         if "@@END" in line:
@@ -252,31 +264,58 @@ def read_console(g, checks):
         elif "@@RELAYLOG " in line:
             mode, text = line.split("@@RELAYLOG ", 1)[1].split(" ", 1)
             relay[mode] = relay.get(mode, "") + text + "\n"
-    missing = [name for name in EXPECTED if name not in seen]
+        elif "@@SHA256 " in line:
+            digest, path = line.split("@@SHA256 ", 1)[1].split()
+            sums[path] = digest
+    missing = [name for name in expected if name not in seen]
     checks.check("the guest ran every check", not missing, f"missing: {missing}")
-    return times, relay
+    return times, relay, sums
 
 
-def print_table(times):
+def image_holds_files(checks, image, sums, what):
+    """The files the guest wrote last are in `image` (its filesystem read on the host with
+    debugfs), with the sha256s the guest printed."""
+    checks.check(f"{what}: the guest printed the sha256s of its files", len(sums) == 3, sums)
+    for path, digest in sums.items():
+        out = subprocess.run(["debugfs", "-R", f"cat /{path}", image], capture_output=True)
+        got = hashlib.sha256(out.stdout).hexdigest()
+        checks.check(f"{what}: /{path} has the guest's sha256 (debugfs on the host)", got == digest,
+                     f"{got} {out.stderr.decode(errors='replace')[-300:]}")
+
+
+def print_table(times, modes=MODES, what="USB mass storage"):
+    """The speeds and times the guest printed, one row per mode, and accelerated against
+    stock when both ran."""
     def speed(mode, what):
         seconds, size = times.get((mode, what), (0, 0))
         return size / seconds / (1 << 20) if seconds > 0 else float("nan")
 
-    print(f"\nUSB mass storage over a {2 * DELAY * 1000:.0f} ms round trip (TCG guest; printed, not asserted):")
+    print(f"\n{what} over a {2 * DELAY * 1000:.0f} ms round trip (TCG guest; printed, not asserted):")
     print(f"{'mode':<12} {'read MiB/s':>10} {'write MiB/s':>11} {'s to Attached SCSI':>19} {'fs round trip s':>16}")
-    for mode in MODES:
+    for mode in modes:
         attached = times.get((mode, "attached"), (float("nan"), 0))[0]
         fs = times.get((mode, "filesystem"), (float("nan"), 0))[0]
         print(f"{mode:<12} {speed(mode, 'read'):>10.2f} {speed(mode, 'write'):>11.2f} {attached:>19.2f} {fs:>16.1f}")
-    ratios = []
-    for what in ("read", "write"):
-        stock = speed("stock", what)
-        ratios.append(f"{what} {speed('accelerated', what) / stock:.1f}x" if stock > 0 else f"{what} n/a")
-    stock_fs = times.get(("stock", "filesystem"), (0, 0))[0]
-    accelerated_fs = times.get(("accelerated", "filesystem"), (0, 0))[0]
-    if accelerated_fs > 0:
-        ratios.append(f"filesystem round trip {stock_fs / accelerated_fs:.1f}x faster")
-    print("accelerated / stock: " + ", ".join(ratios) + "\n", flush=True)
+    if "accelerated" in modes and "stock" in modes:
+        ratios = []
+        for what in ("read", "write"):
+            stock = speed("stock", what)
+            ratios.append(f"{what} {speed('accelerated', what) / stock:.1f}x" if stock > 0 else f"{what} n/a")
+        stock_fs = times.get(("stock", "filesystem"), (0, 0))[0]
+        accelerated_fs = times.get(("accelerated", "filesystem"), (0, 0))[0]
+        if accelerated_fs > 0:
+            ratios.append(f"filesystem round trip {stock_fs / accelerated_fs:.1f}x faster")
+        print("accelerated / stock: " + ", ".join(ratios))
+    print(flush=True)
+
+
+def relay_pipelined(checks, relay_log, who):
+    """Checks the relay's "mass storage accelerated" line counts commands_pipelined > 0."""
+    line = re.search(r"mass storage accelerated.*", relay_log)
+    counts = dict(re.findall(r"(\w+)=(\d+)", line.group(0))) if line else {}
+    print(f"relay ({who}): {line.group(0) if line else 'no mass storage accelerated line'}")
+    checks.check(f"the {who} relay pipelined commands (commands_pipelined > 0)",
+                 int(counts.get("commands_pipelined", 0)) > 0, relay_log[-1500:] or "no relay log")
 
 
 def main():
@@ -289,12 +328,14 @@ def main():
     if checks.failed:
         checks.exit()
     work = guest.scratch("usbwire-wan-")
+    image = os.path.join(work, "disk.img")
+    sums = {}
     port = guest.free_port()
     log_path = os.path.join(guest.LOGS, "wan-storage.server.log")
     log = open(log_path, "w")
     server = subprocess.Popen([BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--no-advertise",
                                "--control", os.path.join(work, "c.sock"),
-                               "--virtual", f"disk={os.path.join(work, 'disk.img')},size=64M"],
+                               "--virtual", f"disk={image},size=64M"],
                               stdout=log, stderr=subprocess.STDOUT)
     proxy = cutproxy.CutProxy(("127.0.0.1", port), delay=DELAY)
     g = None
@@ -303,14 +344,10 @@ def main():
         proxy_port = proxy.start()
         script = SCRIPT.replace("__PORT__", str(proxy_port)).replace("__BUSID__", busid)
         g = guest.Guest("wan-storage", script, files={BIN: "/usr/bin/usbwire", **E2FS}, timeout=600)
-        times, relay = read_console(g, checks)
+        times, relay, sums = read_console(g, checks, EXPECTED)
         checks.check("guest script exit code", g.finish(60) == 0)
         print_table(times)
-        accelerated = re.search(r"mass storage accelerated.*", relay.get("accelerated", ""))
-        counts = dict(re.findall(r"(\w+)=(\d+)", accelerated.group(0))) if accelerated else {}
-        print(f"relay (accelerated): {accelerated.group(0) if accelerated else 'no mass storage accelerated line'}")
-        checks.check("the accelerated relay pipelined commands (commands_pipelined > 0)",
-                     int(counts.get("commands_pipelined", 0)) > 0, relay.get("accelerated", "no relay log")[-1500:])
+        relay_pipelined(checks, relay.get("accelerated", ""), "accelerated")
         checks.check("the relay with --accelerate off pipelined nothing",
                      "mass storage accelerated" not in relay.get("off", ""), relay.get("off", "")[-1500:])
         log.flush()
@@ -332,6 +369,7 @@ def main():
         proxy.stop()
         guest.stop([server])
         log.close()
+    image_holds_files(checks, image, sums, "the virtual disk's image")
     print(f"logs: {g.console_path if g else guest.LOGS}, {log_path}")
     checks.exit()
 
