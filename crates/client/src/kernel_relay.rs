@@ -66,6 +66,9 @@ where
                 commands_pipelined = counters.commands_pipelined,
                 statuses_ahead = counters.statuses_ahead,
                 statuses_wasted = counters.statuses_wasted,
+                read_ahead_hits = counters.read_ahead_hits,
+                bytes_read_ahead = counters.bytes_read_ahead,
+                bytes_wasted = counters.bytes_wasted,
                 "mass storage accelerated"
             );
         }

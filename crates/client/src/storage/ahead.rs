@@ -70,6 +70,21 @@ struct Stream {
     blocks: u32,
     /// Where the next read ahead starts.
     next_lba: u64,
+    /// How the kernel splits its requests, once seen: `longs` READs of
+    /// `blocks`, then one of `last` blocks.
+    split: Option<Split>,
+    /// Reads of `blocks` in a row, since the last shorter one.
+    longs_seen: u32,
+    /// Where the next read ahead falls in `split`: how many longs of the
+    /// current request are already asked for.
+    longs_issued: u32,
+}
+
+/// A request split into commands: `longs` of the stream's size, then `last`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Split {
+    longs: u32,
+    last: u32,
 }
 
 #[derive(Debug, Default)]
@@ -123,21 +138,45 @@ impl ReadAhead {
             (false, true) => self.window.max(FIRST_WINDOW).min(most),
             (false, false) => 0,
         };
-        // The reads ahead copy the longest READ of the stream: a request the
-        // block layer split ends in a shorter one, and the next request's
-        // commands are the long ones again.
+        // The reads ahead copy the longest READ of the stream. A request the
+        // block layer split ends in a shorter READ, and the next request's
+        // commands are the long ones again: once seen, that split is what
+        // the reads ahead follow, the short one included.
         let mut template = [0u8; 31];
         template.copy_from_slice(&cbw[..31]);
-        let mut blocks = read.blocks;
-        if let Some(stream) = self.stream.as_ref().filter(|s| sequential && s.blocks > read.blocks) {
-            template = stream.template;
-            blocks = stream.blocks;
-        }
-        let next_lba = match (&self.stream, hit) {
-            (Some(stream), true) => stream.next_lba,
-            _ => read.lba + u64::from(read.blocks),
+        let previous = self.stream.take().filter(|_| sequential);
+        let mut stream = Stream {
+            template,
+            pipes,
+            read,
+            blocks: read.blocks,
+            next_lba: read.lba + u64::from(read.blocks),
+            split: None,
+            longs_seen: 1,
+            longs_issued: 0,
         };
-        self.stream = Some(Stream { template, pipes, read, blocks, next_lba });
+        if let Some(previous) = previous {
+            if hit {
+                // The reads ahead go on as they were; the count of longs follows the kernel.
+                let longs_seen = if read.blocks == previous.blocks { previous.longs_seen + 1 } else { 0 };
+                stream = Stream { read, longs_seen, ..previous };
+            } else if read.blocks < previous.blocks {
+                let split = Split { longs: previous.longs_seen, last: read.blocks };
+                stream = Stream {
+                    template: previous.template,
+                    blocks: previous.blocks,
+                    split: Some(split),
+                    longs_seen: 0,
+                    longs_issued: 0,
+                    ..stream
+                };
+            } else if read.blocks == previous.blocks {
+                stream.split = previous.split;
+                stream.longs_seen = previous.longs_seen + 1;
+                stream.longs_issued = previous.longs_seen + 1;
+            }
+        }
+        self.stream = Some(stream);
     }
 
     /// The next read ahead to send, while the window and the LUN's capacity allow:
@@ -148,14 +187,17 @@ impl ReadAhead {
         }
         let stream = self.stream.as_mut()?;
         let last = self.last_lba[usize::from(stream.read.lun & 0x0f)]?;
-        let end = stream.next_lba.checked_add(u64::from(stream.blocks))?;
-        if stream.blocks == 0 || end - 1 > last {
+        let short = stream.split.filter(|split| stream.longs_issued >= split.longs);
+        let blocks = short.map_or(stream.blocks, |split| split.last);
+        let end = stream.next_lba.checked_add(u64::from(blocks))?;
+        if blocks == 0 || end - 1 > last {
             return None;
         }
-        let mut cbw = with_lba(&stream.template, stream.next_lba)?;
+        let mut cbw = with_range(&stream.template, stream.blocks, stream.next_lba, blocks)?;
         self.tag = self.tag.wrapping_add(1);
         cbw[4..8].copy_from_slice(&(TAG_BASE | (self.tag & 0x00ff_ffff)).to_le_bytes());
         stream.next_lba = end;
+        stream.longs_issued = if short.is_some() { 0 } else { stream.longs_issued + 1 };
         let length = u32::from_le_bytes([cbw[8], cbw[9], cbw[10], cbw[11]]);
         Some((cbw, length, stream.pipes))
     }
@@ -231,12 +273,22 @@ pub(super) fn read(cbw: &[u8]) -> Option<Read> {
     (data_in && blocks > 0).then_some(Read { lun, lba, blocks })
 }
 
-/// `template` asking for `lba` instead; `None` if that does not fit the command.
-fn with_lba(template: &[u8; 31], lba: u64) -> Option<[u8; 31]> {
+/// `template` (a READ of `template_blocks`) asking for `blocks` at `lba`
+/// instead; `None` if that does not fit the command.
+fn with_range(template: &[u8; 31], template_blocks: u32, lba: u64, blocks: u32) -> Option<[u8; 31]> {
     let mut cbw = *template;
+    let template_length = u32::from_le_bytes([cbw[8], cbw[9], cbw[10], cbw[11]]);
+    let block_length = template_length.checked_div(template_blocks)?;
+    cbw[8..12].copy_from_slice(&block_length.checked_mul(blocks)?.to_le_bytes());
     match cbw[15] {
-        READ_10 => cbw[17..21].copy_from_slice(&u32::try_from(lba).ok()?.to_be_bytes()),
-        READ_16 => cbw[17..25].copy_from_slice(&lba.to_be_bytes()),
+        READ_10 => {
+            cbw[17..21].copy_from_slice(&u32::try_from(lba).ok()?.to_be_bytes());
+            cbw[22..24].copy_from_slice(&u16::try_from(blocks).ok()?.to_be_bytes());
+        }
+        READ_16 => {
+            cbw[17..25].copy_from_slice(&lba.to_be_bytes());
+            cbw[25..29].copy_from_slice(&blocks.to_be_bytes());
+        }
         _ => return None,
     }
     Some(cbw)
@@ -309,6 +361,8 @@ mod tests {
             assert!(!is_read_only(opcode), "{opcode:#04x}");
         }
         assert!(read(&cbw(0x2a, 0, 8)).is_none(), "a WRITE(10) is not a read");
-        assert!(with_lba(&cbw(READ_10, 0, 1), 1 << 32).is_none(), "READ(10) cannot reach past 2^32");
+        assert!(with_range(&cbw(READ_10, 0, 1), 1, 1 << 32, 1).is_none(), "READ(10) cannot reach past 2^32");
+        let four = with_range(&cbw(READ_10, 0, 8), 8, 100, 4).expect("a READ(10) of 4 blocks at 100");
+        assert_eq!(four, cbw(READ_10, 100, 4));
     }
 }

@@ -610,7 +610,7 @@ fn a_split_request_pattern_keeps_being_read_ahead() {
     let (plain, _) = run(false, &ops, &HashMap::new(), 21);
     let (accelerated, tally) = run(true, &ops, &HashMap::new(), 23);
     assert_eq!(accelerated, plain);
-    assert!(tally.read_ahead_hits >= 28, "all but the first request's first reads and the short ones: {tally:?}");
+    assert_eq!(tally.read_ahead_hits, 33, "all but the first request's first two reads and its short one: {tally:?}");
 }
 
 #[test]
