@@ -50,7 +50,7 @@ use usbwire_proto::storage::{AFTER_SUCCESS, STAGE};
 use usbwire_proto::urb::{ClientMessage, CmdSubmit, CmdUnlink, RetSubmit, RetUnlink, ServerMessage, TransferFlags};
 use usbwire_proto::{Direction, Status};
 
-use ahead::{ReadAhead, Speculation};
+use ahead::{ReadAhead, Served, Speculation};
 use pipes::{Interfaces, Pipes};
 use wrappers::{answer, answer_to, command_block, done, retag, tag_of, CommandBlock, CBW_LEN, CSW_LEN};
 
@@ -299,7 +299,12 @@ impl Accelerator {
         };
         let served = read.and_then(|_| self.ahead.take_match(&cbw));
         if let Some(read) = read {
-            self.ahead.observe(read, &cbw, pipes, served.is_some());
+            let how = match &served {
+                None => Served::No,
+                Some(speculation) if speculation.results[1].is_some() => Served::Ready,
+                Some(_) => Served::Waited,
+            };
+            self.ahead.observe(read, &cbw, pipes, how);
         }
         match served {
             Some(speculation) => {

@@ -35,6 +35,17 @@ pub(super) struct Read {
     blocks: u32,
 }
 
+/// Whether a kernel READ was served by a read ahead, and whether its data
+/// was already here then.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Served {
+    No,
+    /// Its data was still on its way: the kernel waited.
+    Waited,
+    /// Its data was here.
+    Ready,
+}
+
 /// A read ahead: its command block (with our tag), its three URBs' seqnums
 /// (CBW, data, CSW) and their replies as they arrive.
 #[derive(Debug)]
@@ -123,20 +134,26 @@ impl ReadAhead {
         self.queue.iter().any(|speculation| speculation.results.iter().any(Option::is_none))
     }
 
-    /// The kernel read `read` (`hit`: from the first read ahead): follows
-    /// the stream, and widens the window on a hit, opens it (or keeps it) on
-    /// a sequential read that missed, closes it otherwise.
-    pub(super) fn observe(&mut self, read: Read, cbw: &[u8], pipes: Pipes, hit: bool) {
+    /// The kernel read `read`, served by the first read ahead or not
+    /// (`served`): follows the stream, and sizes the window — doubled when
+    /// the kernel had to wait for the read ahead that served it (not enough
+    /// in flight to cover the round trip), kept when its data was already
+    /// here, opened (or kept) on a sequential read that missed, closed on a
+    /// seek. Never more than [`BUDGET_BYTES`] of the stream's longest READs.
+    pub(super) fn observe(&mut self, read: Read, cbw: &[u8], pipes: Pipes, served: Served) {
+        let hit = served != Served::No;
         let length = u32::from_le_bytes([cbw[8], cbw[9], cbw[10], cbw[11]]);
-        let most = (BUDGET_BYTES / length.max(1)).max(1) as usize;
+        let longest = self.stream.as_ref().map_or(0, |stream| template_length(&stream.template)).max(length);
+        let most = (BUDGET_BYTES / longest.max(1)).max(1) as usize;
         let sequential = self.stream.as_ref().is_some_and(|stream| {
             stream.read.lun == read.lun && stream.read.lba + u64::from(stream.read.blocks) == read.lba
         });
-        self.window = match (hit, sequential) {
-            (true, _) => (self.window * 2).clamp(FIRST_WINDOW, most),
+        self.window = match (served, sequential) {
+            (Served::Waited, _) => (self.window * 2).clamp(FIRST_WINDOW, most),
+            (Served::Ready, _) => self.window.clamp(FIRST_WINDOW, most),
             // The same stream in another size (a split request's last command): as wide as before.
-            (false, true) => self.window.max(FIRST_WINDOW).min(most),
-            (false, false) => 0,
+            (Served::No, true) => self.window.max(FIRST_WINDOW).min(most),
+            (Served::No, false) => 0,
         };
         // The reads ahead copy the longest READ of the stream. A request the
         // block layer split ends in a shorter READ, and the next request's
@@ -273,6 +290,11 @@ pub(super) fn read(cbw: &[u8]) -> Option<Read> {
     (data_in && blocks > 0).then_some(Read { lun, lba, blocks })
 }
 
+/// The data length a command block asks for.
+fn template_length(cbw: &[u8; 31]) -> u32 {
+    u32::from_le_bytes([cbw[8], cbw[9], cbw[10], cbw[11]])
+}
+
 /// `template` (a READ of `template_blocks`) asking for `blocks` at `lba`
 /// instead; `None` if that does not fit the command.
 fn with_range(template: &[u8; 31], template_blocks: u32, lba: u64, blocks: u32) -> Option<[u8; 31]> {
@@ -340,17 +362,17 @@ mod tests {
         capacity[14] = 10;
         ahead.learn_capacity(&capacity, &[0, 0, 0, 159, 0, 0, 2, 0]);
         let first = cbw(READ_10, 0, 40);
-        ahead.observe(read(&first).expect("a read"), &first, PIPES, false);
+        ahead.observe(read(&first).expect("a read"), &first, PIPES, Served::No);
         assert!(ahead.next().is_none(), "one read is not a stream");
         let second = cbw(READ_10, 40, 40);
-        ahead.observe(read(&second).expect("a read"), &second, PIPES, false);
+        ahead.observe(read(&second).expect("a read"), &second, PIPES, Served::No);
         let (next, length, _) = ahead.next().expect("reads ahead from 80");
         assert_eq!((read(&next).map(|r| (r.lba, r.blocks)), length), (Some((80, 40)), 40 * 512));
         ahead.issued(Speculation { cbw: next, length, seqnums: [1, 2, 3], results: Default::default() });
         let (second, ..) = ahead.next().expect("and from 120, the window being 2");
         ahead.issued(Speculation { cbw: second, length, seqnums: [4, 5, 6], results: Default::default() });
         assert!(ahead.next().is_none(), "the window is full");
-        ahead.observe(read(&next).expect("a read"), &next, PIPES, true);
+        ahead.observe(read(&next).expect("a read"), &next, PIPES, Served::Waited);
         assert!(ahead.next().is_none(), "160..200 is past the last LBA, 159");
         assert!(ahead.take_match(&cbw(READ_10, 80, 40)).is_some(), "the same command block but for the tag");
     }
