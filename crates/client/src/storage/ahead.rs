@@ -136,10 +136,10 @@ impl ReadAhead {
 
     /// The kernel read `read`, served by the first read ahead or not
     /// (`served`): follows the stream, and sizes the window — doubled when
-    /// the kernel had to wait for the read ahead that served it (not enough
-    /// in flight to cover the round trip), kept when its data was already
-    /// here, opened (or kept) on a sequential read that missed, closed on a
-    /// seek. Never more than [`BUDGET_BYTES`] of the stream's longest READs.
+    /// the kernel had to wait for the read ahead that served it, or will for
+    /// the next (not enough in flight to cover the round trip), kept when
+    /// the data is here ahead of it, opened (or kept) on a sequential read
+    /// that missed, closed on a seek. Never more than [`BUDGET_BYTES`] of the stream's longest READs.
     pub(super) fn observe(&mut self, read: Read, cbw: &[u8], pipes: Pipes, served: Served) {
         let hit = served != Served::No;
         let length = u32::from_le_bytes([cbw[8], cbw[9], cbw[10], cbw[11]]);
@@ -148,8 +148,11 @@ impl ReadAhead {
         let sequential = self.stream.as_ref().is_some_and(|stream| {
             stream.read.lun == read.lun && stream.read.lba + u64::from(stream.read.blocks) == read.lba
         });
+        // The next read ahead not here yet: the kernel will wait for it.
+        let next_late = self.queue.front().is_none_or(|next| next.results[1].is_none());
         self.window = match (served, sequential) {
             (Served::Waited, _) => (self.window * 2).clamp(FIRST_WINDOW, most),
+            (Served::Ready, _) if next_late => (self.window * 2).clamp(FIRST_WINDOW, most),
             (Served::Ready, _) => self.window.clamp(FIRST_WINDOW, most),
             // The same stream in another size (a split request's last command): as wide as before.
             (Served::No, true) => self.window.max(FIRST_WINDOW).min(most),
