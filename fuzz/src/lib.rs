@@ -38,6 +38,7 @@ mod redir_bridge;
 mod redir_host;
 pub mod seeds;
 mod session;
+mod storage;
 mod tls_pair;
 mod tls_records;
 
@@ -48,6 +49,7 @@ pub use redir::redir_packets;
 pub use redir_bridge::redir_bridge;
 pub use redir_host::redir_host;
 pub use session::{server_session, CountingAllocator};
+pub use storage::storage_accelerator;
 pub use tls_pair::tls_pair;
 pub use tls_records::tls_records;
 
@@ -55,7 +57,7 @@ pub use tls_records::tls_records;
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 13] = [
+pub const TARGETS: [(&str, Harness); 14] = [
     ("decode_command", decode_command),
     ("decode_return", decode_return),
     ("op_phase", op_phase),
@@ -69,6 +71,7 @@ pub const TARGETS: [(&str, Harness); 13] = [
     ("external_frames", external_frames),
     ("tls_records", tls_records),
     ("tls_pair", tls_pair),
+    ("storage_accelerator", storage_accelerator),
 ];
 
 /// Server side: `[chunking, limits, iso_mode] ++ stream` through `urb::decode_command`.

@@ -122,6 +122,7 @@ pub fn all() -> Vec<Seed> {
     external_seeds(&mut add);
     crate::tls_records::tls_records_seeds(&mut add);
     crate::tls_pair::tls_pair_seeds(&mut add);
+    crate::storage::storage_seeds(&mut add);
     seeds
 }
 

@@ -55,6 +55,13 @@ pub mod vhci;
 pub use queue::TransferQueue;
 pub use reattach::ReattachingDevice;
 pub use storage::StorageCounters;
+
+/// The storage accelerator, for the fuzz harness (`fuzz/src/storage.rs`). Not an API:
+/// the kernel's relay runs it.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::storage::Accelerator;
+}
 pub use usbwire_transport::transform::TransformSpec;
 
 mod connect;

@@ -37,12 +37,13 @@
 //! anything but interfaces of class 08, subclass 06, protocol 50.
 
 mod ahead;
+mod command;
 #[cfg(test)]
 mod model;
 mod pipes;
 mod wrappers;
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use bytes::Bytes;
 use usbwire_proto::client_session::Event;
@@ -51,6 +52,7 @@ use usbwire_proto::urb::{ClientMessage, CmdSubmit, CmdUnlink, RetSubmit, RetUnli
 use usbwire_proto::{Direction, Status};
 
 use ahead::{ReadAhead, Served, Speculation};
+use command::{command_is_sent_whole, Ahead, Claim, Command};
 use pipes::{Interfaces, Pipes};
 use wrappers::{answer, answer_to, command_block, done, retag, tag_of, CommandBlock, CBW_LEN, CSW_LEN};
 
@@ -58,6 +60,8 @@ use wrappers::{answer, answer_to, command_block, done, retag, tag_of, CommandBlo
 /// one, so it reaches these only 2^31 URBs later; ours count up from there as
 /// the kernel's do, so two of ours never share one.
 const OWN_SEQNUM_OFFSET: u32 = 0x8000_0000;
+/// How many of the kernel's URBs answered at once are remembered for a late unlink.
+const ANSWERED_REMEMBERED: usize = 32;
 
 const READ_CAPACITY_10: u8 = 0x25;
 const SERVICE_ACTION_IN_16: u8 = 0x9e;
@@ -80,44 +84,24 @@ pub struct StorageCounters {
     pub bytes_wasted: u64,
 }
 
-/// A reply one of the kernel's URBs waits for: ours (a status read, a read
-/// ahead's data), answered to the kernel's URB that claims it.
 #[derive(Debug, Default)]
-struct Ahead {
-    seqnum: u32,
-    result: Option<RetSubmit>,
-    /// The kernel's URB waiting for it: (seqnum, buffer length).
-    claimed: Option<(u32, u32)>,
-}
-
-/// The command in progress.
-#[derive(Debug)]
-struct Command {
-    pipes: Pipes,
-    /// The kernel's command block: answered when it came.
-    cbw: [u8; 31],
-    cbw_seqnum: u32,
-    /// The data stage still expected from the kernel: its direction and bytes left.
-    expecting: Option<(Direction, u32)>,
-    /// The kernel's data URBs sent on.
-    data_seqnums: Vec<u32>,
-    /// Served from a read ahead: its data stage's reply.
-    data_ahead: Option<Ahead>,
-    /// The status read sent ahead (ours, or a read ahead's).
-    status: Option<Ahead>,
-    /// A stage before the status failed: the status read was skipped, or its
-    /// CSW is not the one the kernel's own read will get.
-    void: bool,
-}
-
-#[derive(Debug, Default)]
-pub(crate) struct Accelerator {
+pub struct Accelerator {
     devid: u32,
     interfaces: Interfaces,
     command: Option<Command>,
     ahead: ReadAhead,
     /// Our own URBs (and unlinks) whose replies nobody waits for any more.
     ignored: HashSet<u32>,
+    /// The kernel's latest URBs answered here as they came: an unlink of one
+    /// of them (sent before the kernel saw the answer) is answered as a
+    /// local device answers an unlink of a URB it completed.
+    answered_at_once: VecDeque<u32>,
+    /// Every URB of ours still outstanding: whatever a server answers, the
+    /// kernel never gets a reply to one of these under its seqnum.
+    own: HashSet<u32>,
+    /// Our own URBs whose replies a kernel URB still waits for, after their
+    /// command was dropped: answered to it when they come.
+    answers: HashMap<u32, Claim>,
     /// A read ahead failed unserved: the device wants a reset recovery
     /// before the kernel's next stage.
     recover: bool,
@@ -134,17 +118,17 @@ pub(crate) struct Accelerator {
 }
 
 impl Accelerator {
-    pub(crate) fn new(devid: u32) -> Self {
+    pub fn new(devid: u32) -> Self {
         Self { devid, ..Self::default() }
     }
 
-    pub(crate) fn counters(&self) -> StorageCounters {
+    pub fn counters(&self) -> StorageCounters {
         self.counters
     }
 
     /// A command from the kernel: `server` takes what goes on, `kernel` what
     /// is answered here.
-    pub(crate) fn kernel_sent<E>(
+    pub fn kernel_sent<E>(
         &mut self,
         message: ClientMessage,
         server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
@@ -160,7 +144,7 @@ impl Accelerator {
     /// Sends on the kernel's messages that waited, once the reads ahead they
     /// waited for are all back. Says whether it sent any. Call it after
     /// replies were delivered.
-    pub(crate) fn release<E>(
+    pub fn release<E>(
         &mut self,
         server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
         kernel: &mut impl FnMut(ServerMessage),
@@ -197,7 +181,22 @@ impl Accelerator {
         kernel: &mut impl FnMut(ServerMessage),
     ) -> Result<(), E> {
         match message {
-            ClientMessage::Submit(submit) => self.submit(submit, server, kernel),
+            ClientMessage::Submit(submit) => {
+                let seqnum = submit.seqnum;
+                let mut answered = false;
+                let mut watching = |reply: ServerMessage| {
+                    answered |= matches!(&reply, ServerMessage::Submit(reply) if reply.seqnum == seqnum);
+                    kernel(reply)
+                };
+                self.submit(submit, server, &mut watching)?;
+                if answered {
+                    self.answered_at_once.push_back(seqnum);
+                    if self.answered_at_once.len() > ANSWERED_REMEMBERED {
+                        self.answered_at_once.pop_front();
+                    }
+                }
+                Ok(())
+            }
             ClientMessage::Unlink(unlink) => self.unlink(unlink, server, kernel),
         }
     }
@@ -291,6 +290,7 @@ impl Accelerator {
             pipes,
             cbw,
             cbw_seqnum: seqnum,
+            cbw_replied: false,
             expecting: (block.length > 0).then_some((block.direction, block.length)),
             data_seqnums: Vec::new(),
             data_ahead: None,
@@ -319,6 +319,7 @@ impl Accelerator {
                 command.void =
                     command.data_ahead.as_ref().and_then(|d| d.result.as_ref()).is_some_and(|d| d.status != Status::OK);
                 command.status = Some(Ahead { seqnum: seqnums[2], result: status, claimed: None });
+                command.cbw_replied = true;
                 self.command = Some(command);
             }
             None => {
@@ -342,24 +343,7 @@ impl Accelerator {
     fn read_ahead<E>(&mut self, server: &mut impl FnMut(ClientMessage) -> Result<(), E>) -> Result<(), E> {
         while let Some((cbw, length, pipes)) = self.ahead.next() {
             let seqnums = [self.own_seqnum(), self.own_seqnum(), self.own_seqnum()];
-            let chained = STAGE | AFTER_SUCCESS;
-            let mut block = CmdSubmit::new(
-                seqnums[0],
-                self.devid,
-                Direction::Out,
-                pipes.bulk_out,
-                CBW_LEN,
-                [0; 8],
-                Bytes::copy_from_slice(&cbw),
-            );
-            block.transfer_flags.0 |= chained;
-            let mut data =
-                CmdSubmit::new(seqnums[1], self.devid, Direction::In, pipes.bulk_in, length, [0; 8], Bytes::new());
-            data.transfer_flags.0 |= chained;
-            let mut status =
-                CmdSubmit::new(seqnums[2], self.devid, Direction::In, pipes.bulk_in, CSW_LEN, [0; 8], Bytes::new());
-            status.transfer_flags.0 |= chained;
-            for stage in [block, data, status] {
+            for stage in wrappers::read_ahead_stages(seqnums, self.devid, pipes, &cbw, length) {
                 server(ClientMessage::Submit(stage))?;
             }
             self.ahead.issued(Speculation { cbw, length, seqnums, results: Default::default() });
@@ -378,9 +362,10 @@ impl Accelerator {
     ) -> Result<(), E> {
         let tag = tag_of(&command.cbw);
         match &mut command.status {
-            Some(status) if !command.void => match status.result.take() {
+            Some(status) if !command.void && status.claimed.is_none() => match status.result.take() {
                 Some(result) => {
                     self.counters.statuses_ahead += 1;
+                    self.finished(&command);
                     self.after_status(&result);
                     kernel(ServerMessage::Submit(answer(result, &submit, Some(tag))));
                     Ok(())
@@ -419,7 +404,9 @@ impl Accelerator {
 
     fn own_seqnum(&mut self) -> u32 {
         self.own_seqnums = self.own_seqnums.wrapping_add(1);
-        self.last_kernel_seqnum.wrapping_add(OWN_SEQNUM_OFFSET).wrapping_add(self.own_seqnums)
+        let seqnum = self.last_kernel_seqnum.wrapping_add(OWN_SEQNUM_OFFSET).wrapping_add(self.own_seqnums);
+        self.own.insert(seqnum);
+        seqnum
     }
 
     fn unlink<E>(
@@ -429,6 +416,10 @@ impl Accelerator {
         kernel: &mut impl FnMut(ServerMessage),
     ) -> Result<(), E> {
         self.last_kernel_seqnum = unlink.seqnum;
+        if self.answered_at_once.contains(&unlink.unlink_seqnum) {
+            kernel(ServerMessage::Unlink(RetUnlink { seqnum: unlink.seqnum, status: Status::OK }));
+            return Ok(());
+        }
         let waiting = self.command.as_ref().and_then(|command| {
             [&command.data_ahead, &command.status]
                 .into_iter()
@@ -436,18 +427,23 @@ impl Accelerator {
                 .find(|ahead| ahead.claimed.is_some_and(|(claimer, _)| claimer == unlink.unlink_seqnum))
                 .map(|ahead| ahead.seqnum)
         });
-        let Some(ours) = waiting else { return server(ClientMessage::Unlink(unlink)) };
+        let orphan =
+            || self.answers.iter().find(|(_, claim)| claim.seqnum == unlink.unlink_seqnum).map(|(ours, _)| *ours);
+        let Some(ours) = waiting.or_else(orphan) else { return server(ClientMessage::Unlink(unlink)) };
         // The kernel gives up a URB we answer for (its timeout): cancelled here,
         // and ours stops holding the server's gate.
         kernel(ServerMessage::Unlink(RetUnlink { seqnum: unlink.seqnum, status: Status::ECONNRESET }));
-        self.abandon();
+        if waiting.is_some() {
+            self.abandon();
+        }
+        self.answers.remove(&ours);
         self.drop_reads_ahead();
         self.ignored.extend([ours, unlink.seqnum]);
         server(ClientMessage::Unlink(CmdUnlink { unlink_seqnum: ours, ..unlink }))
     }
 
     /// A reply from the server, as the session decoded it.
-    pub(crate) fn server_sent(&mut self, event: Event<()>, kernel: &mut impl FnMut(ServerMessage)) {
+    pub fn server_sent(&mut self, event: Event<()>, kernel: &mut impl FnMut(ServerMessage)) {
         match event {
             Event::Completed { reply, .. } => self.completed(reply, kernel),
             Event::Unlinked { reply, cancelled, .. } => {
@@ -465,8 +461,13 @@ impl Accelerator {
     }
 
     fn completed(&mut self, mut reply: RetSubmit, kernel: &mut impl FnMut(ServerMessage)) {
+        // A reply to a URB of the kernel's goes to it; one to ours only as an answer.
+        let ours = self.own.remove(&reply.seqnum);
         if self.ignored.remove(&reply.seqnum) {
             return;
+        }
+        if let Some(claim) = self.answers.remove(&reply.seqnum) {
+            return kernel(ServerMessage::Submit(answer_to(reply, claim.seqnum, claim.length, claim.tag)));
         }
         if self.interfaces.learn(&reply) {
             // A configuration was set: the device starts afresh.
@@ -484,9 +485,15 @@ impl Accelerator {
             Ok(()) => return,
             Err(reply) => reply,
         };
-        let Some(command) = &mut self.command else { return kernel(ServerMessage::Submit(reply)) };
-        if reply.seqnum == command.cbw_seqnum {
+        let Some(command) = self.command.as_mut() else {
+            if !ours {
+                kernel(ServerMessage::Submit(reply));
+            }
+            return;
+        };
+        if reply.seqnum == command.cbw_seqnum && !command.cbw_replied {
             // Answered when it was sent; a failure shows on the stage after it.
+            command.cbw_replied = true;
             return;
         }
         if command.data_seqnums.contains(&reply.seqnum) {
@@ -509,14 +516,19 @@ impl Accelerator {
         }
         let tag = tag_of(&command.cbw);
         let Some(status) = command.status.as_mut().filter(|status| status.seqnum == reply.seqnum) else {
-            return kernel(ServerMessage::Submit(reply));
+            if !ours {
+                kernel(ServerMessage::Submit(reply));
+            }
+            return;
         };
-        if command.void {
+        if let (true, None) = (command.void, status.claimed) {
             self.counters.statuses_wasted += 1;
             status.result = Some(reply);
         } else if let Some((claimer, length)) = status.claimed.take() {
             self.counters.statuses_ahead += 1;
-            self.command = None;
+            if let Some(command) = self.command.take() {
+                self.finished(&command);
+            }
             self.after_status(&reply);
             kernel(ServerMessage::Submit(answer_to(reply, claimer, length, Some(tag))));
         } else {
@@ -547,13 +559,7 @@ impl Accelerator {
         if !std::mem::take(&mut self.recover) {
             return Ok(());
         }
-        let [interface_low, interface_high] = u16::from(pipes.interface).to_le_bytes();
-        let requests = [
-            [0x21, 0xff, 0, 0, interface_low, interface_high, 0, 0],
-            [0x02, 0x01, 0, 0, 0x80 | pipes.bulk_in, 0, 0, 0],
-            [0x02, 0x01, 0, 0, pipes.bulk_out, 0, 0, 0],
-        ];
-        for setup in requests {
+        for setup in pipes.reset_recovery() {
             let seqnum = self.own_seqnum();
             let mut request = CmdSubmit::new(seqnum, self.devid, Direction::Out, 0, 0, setup, Bytes::new());
             request.transfer_flags.0 |= STAGE;
@@ -563,36 +569,20 @@ impl Accelerator {
         Ok(())
     }
 
-    /// Drops the command in progress: replies still coming for it are not for anyone.
+    /// A command answered whole: a reply to its CBW still to come (from a
+    /// server that answers out of order) is not for anyone, one to its data
+    /// still goes to the kernel's data URB.
+    fn finished(&mut self, command: &Command) {
+        command.hand_over(&mut self.ignored, &mut self.answers, false);
+    }
+
+    /// Drops the command in progress: replies still coming for it are not
+    /// for anyone, but those a kernel URB waits for still reach it.
     fn abandon(&mut self) {
         let Some(command) = self.command.take() else { return };
-        if let Some(status) = &command.status {
-            if !command.void {
-                self.counters.statuses_wasted += 1;
-            }
-            if status.result.is_none() {
-                self.ignored.insert(status.seqnum);
-            }
-        }
-        if let Some(data) = &command.data_ahead {
-            if data.result.is_none() && data.claimed.is_none() {
-                self.ignored.insert(data.seqnum);
-            }
-        }
-    }
-}
-
-/// Whether every stage of the command in progress has gone out (or needs
-/// none): reads ahead may follow it.
-fn command_is_sent_whole(command: &Option<Command>) -> bool {
-    command.as_ref().is_none_or(|command| command.status.is_some())
-}
-
-impl Command {
-    fn is_data_pipe(&self, submit: &CmdSubmit) -> bool {
-        match submit.direction {
-            Direction::Out => submit.ep == self.pipes.bulk_out,
-            Direction::In => submit.ep == self.pipes.bulk_in,
+        command.hand_over(&mut self.ignored, &mut self.answers, true);
+        if command.status.as_ref().is_some_and(|status| status.claimed.is_none()) && !command.void {
+            self.counters.statuses_wasted += 1;
         }
     }
 }

@@ -20,6 +20,19 @@ pub(super) struct Pipes {
     pub(super) bulk_in: u8,
 }
 
+impl Pipes {
+    /// The setup packets of usb-storage's reset recovery: the Bulk-Only Mass
+    /// Storage Reset, then CLEAR_FEATURE(ENDPOINT_HALT) on the IN and the OUT pipe.
+    pub(super) fn reset_recovery(self) -> [[u8; 8]; 3] {
+        let [interface_low, interface_high] = u16::from(self.interface).to_le_bytes();
+        [
+            [0x21, 0xff, 0, 0, interface_low, interface_high, 0, 0],
+            [0x02, 0x01, 0, 0, 0x80 | self.bulk_in, 0, 0, 0],
+            [0x02, 0x01, 0, 0, self.bulk_out, 0, 0, 0],
+        ]
+    }
+}
+
 /// A control request whose reply teaches us the pipes.
 #[derive(Clone, Copy, Debug)]
 enum Watched {

@@ -4,6 +4,7 @@
 //! SCSI commands inside.
 
 use bytes::Bytes;
+use usbwire_proto::storage::{AFTER_SUCCESS, STAGE};
 use usbwire_proto::urb::{CmdSubmit, RetSubmit};
 use usbwire_proto::{Direction, Status};
 
@@ -83,4 +84,25 @@ pub(super) fn retag(reply: &mut RetSubmit, tag: [u8; 4]) {
         csw[4..8].copy_from_slice(&tag);
         reply.data = Bytes::from(csw);
     }
+}
+
+/// A read ahead's three stages — its command block, its data, its status —
+/// each run only after the one before succeeded.
+pub(super) fn read_ahead_stages(
+    seqnums: [u32; 3],
+    devid: u32,
+    pipes: Pipes,
+    cbw: &[u8; 31],
+    length: u32,
+) -> [CmdSubmit; 3] {
+    let [block, data, status] = seqnums;
+    let mut stages = [
+        CmdSubmit::new(block, devid, Direction::Out, pipes.bulk_out, CBW_LEN, [0; 8], Bytes::copy_from_slice(cbw)),
+        CmdSubmit::new(data, devid, Direction::In, pipes.bulk_in, length, [0; 8], Bytes::new()),
+        CmdSubmit::new(status, devid, Direction::In, pipes.bulk_in, CSW_LEN, [0; 8], Bytes::new()),
+    ];
+    for stage in &mut stages {
+        stage.transfer_flags.0 |= STAGE | AFTER_SUCCESS;
+    }
+    stages
 }
