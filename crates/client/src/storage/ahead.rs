@@ -15,7 +15,7 @@ use usbwire_proto::storage;
 use usbwire_proto::urb::RetSubmit;
 use usbwire_proto::Status;
 
-use super::Pipes;
+use super::pipes::Pipes;
 
 /// The most a device's reads ahead may hold, sent or arrived, in bytes.
 pub(super) const BUDGET_BYTES: u32 = 8 << 20;

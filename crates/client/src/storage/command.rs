@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use usbwire_proto::urb::{CmdSubmit, RetSubmit};
 use usbwire_proto::Direction;
 
-use super::Pipes;
+use super::pipes::Pipes;
 
 /// A reply one of the kernel's URBs waits for: ours (a status read, a read
 /// ahead's data), answered to the kernel's URB that claims it.

@@ -8,7 +8,7 @@ use usbwire_proto::storage::{AFTER_SUCCESS, STAGE};
 use usbwire_proto::urb::{CmdSubmit, RetSubmit};
 use usbwire_proto::{Direction, Status};
 
-use super::Pipes;
+use super::pipes::Pipes;
 
 /// A Bulk-Only command block wrapper: its length and signature ("USBC").
 pub(super) const CBW_LEN: u32 = 31;
