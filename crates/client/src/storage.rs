@@ -38,8 +38,6 @@
 
 mod ahead;
 mod command;
-#[cfg(test)]
-mod model;
 mod pipes;
 mod wrappers;
 
@@ -586,3 +584,6 @@ impl Accelerator {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
