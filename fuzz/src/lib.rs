@@ -30,6 +30,7 @@ use usbwire_proto::{DecodeError, Direction, Limits};
 use usbwire_transform::{Frame, Pipeline, Side, TransformSpec, FRAME_HEADER_LEN, MAX_FRAME_PAYLOAD};
 
 mod client;
+mod descriptors;
 mod dfu;
 mod external;
 mod model_server;
@@ -167,13 +168,17 @@ pub fn decode_return(data: &[u8]) {
     drive(stream, chunking, &decode, check);
 }
 
-/// OP phase: `[chunking, limits, which] ++ stream`; `which % 4` selects
+/// OP phase: `[chunking, limits, which] ++ stream`; `which % 6` selects
 /// `op::decode_request` (server side), `op::decode_devlist_reply`,
-/// `op::decode_import_reply` or `op::decode_devstate_reply` (client side).
+/// `op::decode_import_reply` or `op::decode_devstate_reply` (client side),
+/// or the descriptor snapshot: its frame (client side), or a device's answers
+/// to the plan that fills it (server side; `descriptors`).
 pub fn op_phase(data: &[u8]) {
     let Some((&[chunking, limits, which], stream)) = split_control::<3>(data) else { return };
     let limits = limits_from(limits);
-    match which % 4 {
+    match which % 6 {
+        4 => descriptors::snapshot_frame(stream),
+        5 => descriptors::device_answers(stream),
         0 => drive(
             stream,
             chunking,

@@ -113,16 +113,7 @@ impl ModelServer {
 }
 
 fn cancelled(seqnum: u32) -> RetSubmit {
-    RetSubmit {
-        seqnum,
-        status: Status::ECONNRESET,
-        actual_length: 0,
-        start_frame: 0,
-        number_of_packets: 0,
-        error_count: 0,
-        data: Bytes::new(),
-        iso_packets: Vec::new(),
-    }
+    RetSubmit::new(seqnum, Status::ECONNRESET, Bytes::new())
 }
 
 /// The answer to `submit`: `how % 8` is 0–3 success (IN: the whole length,

@@ -71,7 +71,7 @@ pub fn all() -> Vec<Seed> {
     stream.extend(parse_hex(vector!("ret_submit_get_descriptor").1));
     add("decode_return", "stream_in", &[2, 0, 1, 0, 0, 0, 64, 0], stream);
 
-    // op_phase: [chunking, limits, which]; 0 request, 1 devlist reply, 2 import reply, 3 devstate reply.
+    // op_phase: [chunking, limits, which]; 0 request, 1 devlist, 2 import, 3 devstate reply, 4-5 descriptors.
     for (which, (name, text)) in [
         (0u8, vector!("op_req_devlist")),
         (0, vector!("op_req_import")),
@@ -88,6 +88,9 @@ pub fn all() -> Vec<Seed> {
     devstate.extend(body);
     add("op_phase", "op_rep_devstate", &[3, 0, 3], devstate);
     add("op_phase", "op_req_devstate", &[3, 0, 0], vec![0x01, 0x11, 0x80, 0xf1, 0, 0, 0, 0]);
+    for (name, which, stream) in crate::descriptors::seeds() {
+        add("op_phase", name, &[3, 0, which], stream);
+    }
 
     // transform_frames: [chunking, stack]; stack % 3 = none, zstd, lz4; stack & 4 = jitter.
     // Frames as a server pipeline sends them: a compressible URB reply, a short one, noise.

@@ -298,16 +298,7 @@ fn enumerate(harness: &mut Harness) {
 }
 
 fn reply_template() -> RetSubmit {
-    RetSubmit {
-        seqnum: 0,
-        status: Status::OK,
-        actual_length: 0,
-        start_frame: 0,
-        number_of_packets: 0,
-        error_count: 0,
-        data: Bytes::new(),
-        iso_packets: Vec::new(),
-    }
+    RetSubmit::new(0, Status::OK, Bytes::new())
 }
 
 /// storage_accelerator: a sequential stream of READs served by reads ahead, a write

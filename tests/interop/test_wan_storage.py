@@ -17,7 +17,7 @@ Each time it checks, on the raw device:
   - from the second import on, the files an earlier import wrote into the
     filesystem read back with their sha256 (what one client wrote, the next
     reads);
-  - 4 MiB read and 2 MiB of random data written with O_DIRECT (`dd
+  - 16 MiB read and 2 MiB of random data written with O_DIRECT (`dd
     iflag=direct` / `oflag=direct`, beyond the filesystem), timed, and the
     written range read back equal;
   - reads right after an overwrite of a range just read return the new
@@ -28,12 +28,12 @@ mkfs.ext4 on the first 32 MiB, three files (3 MiB random among them) written
 and synced, unmounted, caches dropped, mounted again: the sha256s match;
 `e2fsck -fn` finds it clean. Then detach: the disk goes, the relay ends. At
 the end dmesg has no I/O error, ext4 error or URB given back twice.
-The host checks that the server logged `storage=true` for the accelerated
-import (the client offers storage with resume whatever --accelerate says, so
-the import with it off is told apart by its relay: no "mass storage
-accelerated" line), that the accelerated relay's line counts
-commands_pipelined > 0, and, once the server stopped, that the files of the
-last filesystem are in the disk's image with the guest's sha256s (debugfs).
+The host checks that the server logged `storage=true descriptors=true` for
+the accelerated import and `storage=false` for the one with it off (whose relay
+says nothing of mass storage), that the accelerated relay's lines count
+commands_pipelined > 0 and descriptors answered from the snapshot, and, once
+the server stopped, that the files of the last filesystem are in the disk's
+image with the guest's sha256s (debugfs).
 
 The speeds and the time from attach to the kernel's "Attached SCSI" line are
 printed as a table with the accelerated-to-stock ratio; nothing is asserted
@@ -130,7 +130,7 @@ previous_files() {
 speeds() {
   mode=$1
   echo 3 > /proc/sys/vm/drop_caches
-  timed $mode-read 4194304 dd if=$DEV of=/dev/null bs=1M count=4 iflag=direct
+  timed $mode-read 16777216 dd if=$DEV of=/dev/null bs=1M count=16 iflag=direct
   head -c 2097152 /dev/urandom > /tmp/new2m
   timed $mode-write 2097152 dd if=/tmp/new2m of=$DEV bs=1M count=2 seek=32 oflag=direct
   dd if=$DEV of=/tmp/back2m bs=1M count=2 skip=32 iflag=direct 2>/dev/null && cmp /tmp/new2m /tmp/back2m
@@ -354,10 +354,16 @@ def main():
         agreed = [line for line in open(log_path, errors="replace") if "stream transforms" in line]
         for line in agreed:
             print(f"server: {line.strip()}")
-        # The client offers storage with resume whatever --accelerate says (only its relay
-        # decides to use it), so only the first import's line, the accelerated one, is checked.
-        checks.check("the server granted storage to the accelerated import (storage=true)",
-                     bool(agreed) and "storage=true" in agreed[0], agreed)
+        # The imports in order: accelerated, off (stock sends no offer at all).
+        checks.check("the server granted storage and a descriptor snapshot to the accelerated import",
+                     bool(agreed) and "storage=true" in agreed[0] and "descriptors=true" in agreed[0], agreed)
+        checks.check("the import with --accelerate off asked for neither",
+                     len(agreed) >= 2 and "storage=false" in agreed[1] and "descriptors=false" in agreed[1], agreed)
+        snapshot = re.search(r"enumeration answered from the descriptor snapshot answered=(\d+)",
+                             relay.get("accelerated", ""))
+        print(f"relay (accelerated): {snapshot.group(0) if snapshot else 'no descriptor snapshot line'}")
+        checks.check("the accelerated relay answered the kernel's descriptor requests from the snapshot",
+                     bool(snapshot) and int(snapshot.group(1)) >= 5, relay.get("accelerated", "")[-1500:])
         stats = proxy.stats()
         checks.check("every import went through the delaying proxy (3 connections or more)",
                      stats["connections"] >= 3, stats["connections"])

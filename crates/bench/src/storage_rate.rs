@@ -147,6 +147,7 @@ impl Run<'_> {
             resume: imported.resume,
             give_up_after: RESUME_GIVE_UP,
             storage: accelerated,
+            descriptors: imported.descriptors.filter(|_| accelerated),
         };
         let (kernel, relay_end) = UnixStream::pair()?;
         let relay = kernel_relay::run(relay_end, imported.stream, devid, upstream, None, None);

@@ -1,7 +1,7 @@
 //! The Bulk-Only host (`usbwire_bench::storage::Host`) against a real
 //! in-process server with a virtual disk, through the kernel relay as
-//! `usbwire attach` runs it, with the storage accelerator off and on:
-//! enumeration, a megabyte written at a random block and read back,
+//! `usbwire attach` runs it, with the storage accelerator off and on (and
+//! with it, the descriptor snapshot answering the enumeration): enumeration, a megabyte written at a random block and read back,
 //! READ CAPACITY against the image's size, and a read past the end failing
 //! with the sense data a kernel expects.
 
@@ -38,6 +38,8 @@ async fn attach_counting(
         resume: imported.resume,
         give_up_after: RESUME_GIVE_UP,
         storage: storage && imported.storage,
+        // As `usbwire attach` relays: the snapshot with the accelerator, neither without.
+        descriptors: imported.descriptors.filter(|_| storage),
     };
     let (kernel, relay_end) = UnixStream::pair().unwrap();
     let (counters_tx, counters) = watch::channel(StorageCounters::default());

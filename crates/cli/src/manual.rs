@@ -434,6 +434,11 @@ pub(crate) const CONFIG: &[ConfigTable] = &[
                 "attach again when the device re-enumerates at its port (default: true for a bus id)",
             ),
             ("labels", "[\"NAME\", …]", "server = \"registry\": the device must carry these labels"),
+            (
+                "accelerate",
+                "\"auto\"|\"off\"",
+                "descriptor snapshot and pipelined mass storage from usbwire servers (default: auto; attach --accelerate)",
+            ),
         ],
         generated: None,
     },

@@ -65,6 +65,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             resume: None,
             give_up_after: Duration::from_secs(5),
             storage: false,
+            descriptors: None,
         };
         relay_end.set_nonblocking(true)?;
         let relay_end = tokio::net::UnixStream::from_std(relay_end)?;

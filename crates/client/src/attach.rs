@@ -117,7 +117,7 @@ impl Attachment {
             relay: RelayState::Connected,
             storage: None,
         };
-        let Imported { stream, resume, storage, .. } = imported;
+        let Imported { stream, resume, storage, descriptors, .. } = imported;
         let needs_relay = plan.needs_relay(over_tls, resumes, storage);
         let stream = match stream {
             PeerStream::Plain(tcp) if !needs_relay => {
@@ -138,9 +138,10 @@ impl Attachment {
             resume,
             give_up_after: RESUME_GIVE_UP,
             storage: storage && plan.source.accelerate,
+            descriptors: descriptors.clone().filter(|_| plan.source.accelerate),
         };
         let (status_tx, status) = watch::channel(first(port));
-        let imported = Imported { stream, device: device.clone(), resume, storage };
+        let imported = Imported { stream, device: device.clone(), resume, storage, descriptors };
         let relay = match plan.follow {
             true => {
                 let target = Target { reimport: plan.source.clone(), give_up_after: RESUME_GIVE_UP, record };

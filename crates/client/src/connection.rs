@@ -78,6 +78,7 @@ impl Connection {
             resume: None,
             give_up_after: Duration::ZERO,
             storage: false,
+            descriptors: None,
         };
         let span = tracing::debug_span!(target: "usbwire::client", "connection", %addr, devid = device.devid());
         Self::start(stream, device.devid(), upstream, span)
@@ -122,6 +123,7 @@ impl Connection {
             resume: imported.resume,
             give_up_after: RESUME_GIVE_UP,
             storage: false,
+            descriptors: None,
         };
         let busid = &device.busid;
         let span = tracing::info_span!(target: "usbwire::client", "resumable", %addr, %busid, devid = device.devid());

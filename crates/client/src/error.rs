@@ -30,6 +30,12 @@ pub enum ClientError {
     /// The server sent something that is not USB/IP v1.1.1.
     #[error("protocol error: {0}")]
     Protocol(#[from] DecodeError),
+    /// The descriptor snapshot after the import reply (§5.8) is malformed:
+    /// the server does not speak the extension as this client does.
+    #[error(
+        "{addr} sent a malformed descriptor snapshot ({error}); attach with --accelerate off to import without one"
+    )]
+    Snapshot { addr: String, error: usbwire_proto::descriptors::SnapshotError },
     /// The server refused the import; `reason` is what a usbwire server said
     /// of the device when asked (in use by whom, reserved for whom, withdrawn).
     #[error("server refused {busid}: {}{}", .status.describe(), .reason.as_deref().map(|why| format!("; {why}")).unwrap_or_default())]

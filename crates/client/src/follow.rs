@@ -198,6 +198,7 @@ pub async fn follow_on<P: Ports>(
             resume: imported.resume,
             give_up_after: *give_up_after,
             storage: imported.storage && reimport.accelerate,
+            descriptors: imported.descriptors.filter(|_| reimport.accelerate),
         };
         let ended = relay_reporting(kernel, imported.stream, device.devid(), upstream, &status).await;
         let went = match ended {
@@ -403,14 +404,17 @@ impl Reimport {
         }
     }
 
-    async fn import_once(&self) -> Result<Imported, ClientError> {
-        let Self { addr, security, transforms, busid, .. } = self;
+    /// One import of the device, as this plan says: reserved, resumable
+    /// (accelerated or not), or plain.
+    pub async fn import_once(&self) -> Result<Imported, ClientError> {
+        let Self { addr, security, transforms, busid, accelerate, .. } = self;
         match (&self.reservation, self.resumable) {
-            (Some(token), _) => crate::import_reserved(*addr, busid, security, transforms, token).await,
-            (None, true) => crate::import_resumable(*addr, busid, security, transforms).await,
+            (token @ Some(_), _) | (token @ None, true) => {
+                crate::import_for_relay(*addr, busid, security, transforms, token.as_ref(), *accelerate).await
+            }
             (None, false) => crate::import_with(*addr, busid, security, transforms)
                 .await
-                .map(|(stream, device)| Imported { stream, device, resume: None, storage: false }),
+                .map(|(stream, device)| Imported { stream, device, resume: None, storage: false, descriptors: None }),
         }
     }
 }

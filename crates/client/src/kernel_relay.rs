@@ -2,7 +2,9 @@
 //! [`Front`]. The kernel writes plain USB/IP commands into it and reads the
 //! replies back; [`run`] decodes the commands into the session the relay
 //! drives (its own, held without a lock) and encodes each reply for the
-//! kernel. It owns the kernel's socket and the bytes to and from it; the
+//! kernel, answering its enumeration from the import's descriptor snapshot
+//! (`enumeration`) and its mass storage through the accelerator (`storage`)
+//! when the server agreed to them. It owns the kernel's socket and the bytes to and from it; the
 //! relay's loop, resume and keep-alive are `relay`'s; the userspace front is
 //! `waiters`'. Not for anything but vhci-hcd: the kernel is trusted to send
 //! well-formed isochronous descriptors (`urb::announces_iso_packets`).
@@ -20,6 +22,7 @@ use usbwire_proto::urb::{self, ClientMessage, ServerMessage};
 use usbwire_proto::{Budget, Limits, Outbox};
 use usbwire_transport::PeerStream;
 
+use crate::enumeration::Enumeration;
 use crate::relay::{drive, new_session, Front, RelayError, RelayState, Step, Upstream, END_TIMEOUT};
 use crate::relay_wire::poll_write_all;
 use crate::storage::{Accelerator, StorageCounters};
@@ -45,17 +48,22 @@ pub async fn run<K>(
 where
     K: AsyncRead + AsyncWrite + Unpin,
 {
-    let storage = upstream.storage.then(|| Accelerator::new(devid));
+    let storage = upstream.storage.then(|| Accelerator::with_snapshot(devid, upstream.descriptors.as_ref()));
+    let enumeration = upstream.descriptors.clone().map(Enumeration::new);
     let front = KernelFront {
         kernel,
         kernel_in: BytesMut::with_capacity(64 * 1024),
         kernel_out: Outbox::default(),
         storage,
+        enumeration,
         counters: counters.map(|sender| (sender, Instant::now())),
     };
     // The kernel's session is the relay's alone: held without a lock.
     let mut held = (new_session(devid, &upstream, Budget::default()), front);
     let result = drive(&mut held, stream, upstream, state).await;
+    if let Some(enumeration) = &held.1.enumeration {
+        tracing::info!(answered = enumeration.answered(), "enumeration answered from the descriptor snapshot");
+    }
     if let Some(storage) = &held.1.storage {
         let counters = storage.counters();
         if let Some((sender, _)) = &held.1.counters {
@@ -103,6 +111,8 @@ struct KernelFront<K> {
     kernel_out: Outbox,
     /// Mass-storage commands in one round trip, when the server runs stages.
     storage: Option<Accelerator>,
+    /// The kernel's `GET_DESCRIPTOR`s answered from the import's snapshot.
+    enumeration: Option<Enumeration>,
     /// Where its counters go, and when they last went.
     counters: Option<(watch::Sender<StorageCounters>, Instant)>,
 }
@@ -151,6 +161,9 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
 
     #[inline]
     fn deliver(&mut self, event: Event<()>) {
+        if let Some(enumeration) = &mut self.enumeration {
+            enumeration.server_sent(&event);
+        }
         let kernel_out = &mut self.kernel_out;
         match (&mut self.storage, event) {
             (Some(storage), event) => storage.server_sent(event, &mut |reply| push_reply(kernel_out, reply)),
@@ -183,6 +196,16 @@ impl<K: AsyncRead + AsyncWrite + Unpin> KernelFront<K> {
             let message = urb::decode_command(&mut self.kernel_in, &limits, |_, _| iso)
                 .map_err(|error| RelayError::Kernel(error.to_string()))?;
             let Some(message) = message else { return Ok(()) };
+            let message = match &mut self.enumeration {
+                Some(enumeration) => {
+                    let kernel_out = &mut self.kernel_out;
+                    match enumeration.kernel_sent(message, &mut |reply| push_reply(kernel_out, reply)) {
+                        Some(message) => message,
+                        None => continue,
+                    }
+                }
+                None => message,
+            };
             match &mut self.storage {
                 Some(storage) => {
                     let kernel_out = &mut self.kernel_out;

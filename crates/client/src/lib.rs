@@ -41,6 +41,7 @@
 pub mod attach;
 pub mod describe;
 mod driven;
+mod enumeration;
 pub mod follow;
 mod inbox;
 pub mod kernel_relay;
@@ -77,7 +78,7 @@ pub use connection::{Connection, ConnectionEnd, RESUME_GIVE_UP};
 pub use driven::DrivenConnection;
 pub use error::{ClientError, TransferError};
 pub use op_exchange::{
-    device_states, import, import_reserved, import_resumable, import_with, list_devices, resume_session, server_state,
-    Imported,
+    device_states, import, import_for_relay, import_reserved, import_resumable, import_with, list_devices,
+    resume_session, server_state, Imported,
 };
 pub use transfer::{is_ok, Transfer};

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use usbwire_device::devstate::{DeviceStateDocument, DeviceStateEntry};
+use usbwire_proto::descriptors::{self, Snapshot};
 use usbwire_proto::liveness;
 use usbwire_proto::op::{self, BusId, DeviceRecord, OpRequest};
 use usbwire_proto::reservation::ReservationToken;
@@ -115,19 +116,34 @@ struct Agreed {
     /// The storage extension (`docs/protocol.md` §5.7): it runs mass-storage
     /// stages in order, so this side may send them without waiting.
     storage: bool,
+    /// Descriptor snapshots (`docs/protocol.md` §5.8): the import reply is
+    /// followed by the device's descriptors.
+    descriptors: bool,
 }
 
-/// Offers stream transforms (usbwire servers only), and resume and the
-/// storage extension if `resume`, and wraps the stream in the transforms the
+/// The usbwire extensions an import offers beside the stream transforms.
+#[derive(Clone, Copy)]
+struct Extensions {
+    /// Resume and keep-alive.
+    resume: bool,
+    /// With `resume`: the accelerator's, the storage extension and descriptor snapshots.
+    accelerate: bool,
+}
+
+const RESUMABLE: Extensions = Extensions { resume: true, accelerate: true };
+
+/// Offers stream transforms (usbwire servers only), and the `extensions`,
+/// and wraps the stream in the transforms the
 /// server accepted. An empty offer sends nothing.
 async fn negotiate(
     stream: PeerStream,
     offer: &[TransformSpec],
-    resume: bool,
+    extensions: Extensions,
     reservation: Option<&ReservationToken>,
     addr: SocketAddr,
     security: &Security,
 ) -> Result<(PeerStream, Agreed), ClientError> {
+    let Extensions { resume, accelerate } = extensions;
     if offer.is_empty() && !resume && reservation.is_none() {
         return Ok((stream, Agreed::default()));
     }
@@ -135,7 +151,10 @@ async fn negotiate(
     if resume {
         entries.push(resume::OFFER.to_owned());
         entries.push(liveness::OFFER.to_owned());
+    }
+    if resume && accelerate {
         entries.push(storage::OFFER.to_owned());
+        entries.push(descriptors::OFFER.to_owned());
     }
     let reservation_entry = reservation.map(ReservationToken::offer_entry);
     entries.extend(reservation_entry.clone());
@@ -174,7 +193,11 @@ async fn negotiate(
         .map_err(|_| ClientError::Timeout { addr: addr.to_string() })??;
     let specs = TransformSpec::parse_list(&accepted);
     let grant = if resume { Grant::from_answer(&accepted) } else { None };
-    let agreed = Agreed { resume: grant, storage: resume && storage::offered(&accepted) };
+    let agreed = Agreed {
+        resume: grant,
+        storage: resume && storage::offered(&accepted),
+        descriptors: resume && descriptors::offered(&accepted),
+    };
     // The token is a secret: log what was agreed, not the answer itself.
     tracing::info!(
         offered = %offer_logged,
@@ -182,6 +205,7 @@ async fn negotiate(
         resume = agreed.resume.is_some(),
         keepalive = agreed.resume.as_ref().is_some_and(|grant| grant.keepalive),
         storage = agreed.storage,
+        descriptors = agreed.descriptors,
         "stream transforms"
     );
     if specs.is_empty() {
@@ -200,25 +224,22 @@ pub struct Imported {
     /// The server runs mass-storage stages in order (the storage extension,
     /// `docs/protocol.md` §5.7): a relay may accelerate the device's storage.
     pub storage: bool,
+    /// The device's descriptors as the server took them at import (§5.8),
+    /// when it sends them: a relay may answer the kernel's enumeration from them.
+    pub descriptors: Option<Snapshot>,
 }
 
-/// [`import_with`], offering resume too. A server that does not know our
-/// extensions (usbipd, usbipd-win) hangs up on the offer; then the device is
-/// imported again without it (when no transforms were asked for).
+/// [`import_with`], offering resume too (and the accelerator's extensions,
+/// which only a relay uses). A server that does not know our extensions
+/// (usbipd, usbipd-win) hangs up on the offer; then the device is imported
+/// again without it (when no transforms were asked for).
 pub async fn import_resumable(
     addr: SocketAddr,
     busid: &BusId,
     security: &Security,
     transforms: &[TransformSpec],
 ) -> Result<Imported, ClientError> {
-    match import_inner(addr, busid, security, transforms, true, None).await {
-        Err(ClientError::NoTransforms { .. }) if transforms.is_empty() => {
-            tracing::debug!(%addr, "server does not resume sessions; importing without");
-            // Not a usbwire server: a refusal has no reason to ask for.
-            import_plain(addr, busid, security).await
-        }
-        other => other,
-    }
+    import_for_relay(addr, busid, security, transforms, None, true).await
 }
 
 /// [`import_resumable`] for a device reserved in a lab registry: the import
@@ -230,7 +251,29 @@ pub async fn import_reserved(
     transforms: &[TransformSpec],
     reservation: &ReservationToken,
 ) -> Result<Imported, ClientError> {
-    import_inner(addr, busid, security, transforms, true, Some(reservation)).await
+    import_for_relay(addr, busid, security, transforms, Some(reservation), true).await
+}
+
+/// A resumable import for a relay, reserved or not, offering the storage
+/// extension and descriptor snapshots only when `accelerate`
+/// (`usbwire attach --accelerate off` offers neither).
+pub async fn import_for_relay(
+    addr: SocketAddr,
+    busid: &BusId,
+    security: &Security,
+    transforms: &[TransformSpec],
+    reservation: Option<&ReservationToken>,
+    accelerate: bool,
+) -> Result<Imported, ClientError> {
+    let extensions = Extensions { resume: true, accelerate };
+    match import_inner(addr, busid, security, transforms, extensions, reservation).await {
+        Err(ClientError::NoTransforms { .. }) if transforms.is_empty() && reservation.is_none() => {
+            tracing::debug!(%addr, "server does not resume sessions; importing without");
+            // Not a usbwire server: a refusal has no reason to ask for.
+            import_plain(addr, busid, security).await
+        }
+        other => other,
+    }
 }
 
 /// Takes a resumable session over on a new connection: offers the same
@@ -244,7 +287,8 @@ pub async fn resume_session(
     replies_received: u64,
 ) -> Result<(PeerStream, u64), ClientError> {
     let stream = connect(addr, security).await?;
-    let (mut stream, _new_token) = negotiate(stream, transforms, true, None, addr, security).await?;
+    // The same extensions as the import: a relay keeps using what it agreed to then.
+    let (mut stream, _new_token) = negotiate(stream, transforms, RESUMABLE, None, addr, security).await?;
     let exchange = async {
         let mut out = BytesMut::new();
         OpRequest::Resume { token: *token, replies_received }.encode(&mut out);
@@ -279,7 +323,8 @@ pub async fn import_with(
     security: &Security,
     transforms: &[TransformSpec],
 ) -> Result<(PeerStream, DeviceRecord), ClientError> {
-    let imported = import_inner(addr, busid, security, transforms, false, None).await?;
+    let plain = Extensions { resume: false, accelerate: false };
+    let imported = import_inner(addr, busid, security, transforms, plain, None).await?;
     Ok((imported.stream, imported.device))
 }
 
@@ -292,13 +337,19 @@ async fn import_inner(
     busid: &BusId,
     security: &Security,
     transforms: &[TransformSpec],
-    resume: bool,
+    extensions: Extensions,
     reservation: Option<&ReservationToken>,
 ) -> Result<Imported, ClientError> {
     let stream = connect(addr, security).await?;
-    let (stream, agreed) = negotiate(stream, transforms, resume, reservation, addr, security).await?;
+    let (stream, agreed) = negotiate(stream, transforms, extensions, reservation, addr, security).await?;
     match import_on(stream, addr, busid, security).await {
-        Ok((stream, device)) => Ok(Imported { stream, device, resume: agreed.resume, storage: agreed.storage }),
+        Ok((mut stream, device)) => {
+            let descriptors = match agreed.descriptors {
+                true => Some(read_snapshot(&mut stream, addr).await?),
+                false => None,
+            };
+            Ok(Imported { stream, device, resume: agreed.resume, storage: agreed.storage, descriptors })
+        }
         Err(ClientError::Refused { busid: refused, status, .. }) => {
             let reason = why_refused(addr, busid, security).await;
             Err(ClientError::Refused { busid: refused, status, reason })
@@ -326,7 +377,22 @@ async fn why_refused(addr: SocketAddr, busid: &BusId, security: &Security) -> Op
 async fn import_plain(addr: SocketAddr, busid: &BusId, security: &Security) -> Result<Imported, ClientError> {
     let stream = connect(addr, security).await?;
     let (stream, device) = import_on(stream, addr, busid, security).await?;
-    Ok(Imported { stream, device, resume: None, storage: false })
+    Ok(Imported { stream, device, resume: None, storage: false, descriptors: None })
+}
+
+/// The descriptor snapshot that follows a granted import's reply (§5.8):
+/// exactly its bytes, the URB channel starts right after it.
+async fn read_snapshot(stream: &mut PeerStream, addr: SocketAddr) -> Result<Snapshot, ClientError> {
+    let exchange = async {
+        let mut header = [0u8; descriptors::HEADER_LEN];
+        stream.read_exact(&mut header).await?;
+        let len =
+            Snapshot::body_len(&header).map_err(|error| ClientError::Snapshot { addr: addr.to_string(), error })?;
+        let mut body = vec![0u8; len];
+        stream.read_exact(&mut body).await?;
+        Snapshot::decode(body.into()).map_err(|error| ClientError::Snapshot { addr: addr.to_string(), error })
+    };
+    tokio::time::timeout(OP_TIMEOUT, exchange).await.map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
 }
 
 /// `OP_REQ_IMPORT` on a connected (and negotiated) stream.

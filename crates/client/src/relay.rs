@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tracing::{info, warn};
 use usbwire_proto::client_session::{ClientSession, ClientSessionError, Event};
+use usbwire_proto::descriptors::Snapshot;
 use usbwire_proto::resume::{Grant, Token};
 use usbwire_proto::retry::Retry;
 use usbwire_proto::{Budget, Limits};
@@ -56,6 +57,10 @@ pub struct Upstream {
     /// Accelerate the device's mass storage (`crate::storage`): the server
     /// agreed to the storage extension and the user did not turn it off.
     pub storage: bool,
+    /// The device's descriptors, taken by the server at import (§5.8): the
+    /// kernel's enumeration is answered from them (`crate::enumeration`).
+    /// `None` when the server sent none or the user turned acceleration off.
+    pub descriptors: Option<Snapshot>,
 }
 
 /// What the relay is doing, for `usbwire port`.

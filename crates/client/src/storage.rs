@@ -39,14 +39,16 @@
 mod ahead;
 mod command;
 mod pipes;
+mod unlinks;
 mod wrappers;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use bytes::Bytes;
 use usbwire_proto::client_session::Event;
+use usbwire_proto::descriptors::Snapshot;
 use usbwire_proto::storage::{AFTER_SUCCESS, STAGE};
-use usbwire_proto::urb::{ClientMessage, CmdSubmit, CmdUnlink, RetSubmit, RetUnlink, ServerMessage, TransferFlags};
+use usbwire_proto::urb::{ClientMessage, CmdSubmit, RetSubmit, ServerMessage, TransferFlags};
 use usbwire_proto::{Direction, Status};
 
 use ahead::{ReadAhead, Served, Speculation};
@@ -120,6 +122,13 @@ impl Accelerator {
         Self { devid, ..Self::default() }
     }
 
+    /// The accelerator of a device whose configuration descriptors came with
+    /// the import's descriptor snapshot (§5.8): the kernel's requests for them
+    /// are answered from it and never pass here.
+    pub fn with_snapshot(devid: u32, snapshot: Option<&Snapshot>) -> Self {
+        Self { devid, interfaces: Interfaces::from_snapshot(snapshot), ..Self::default() }
+    }
+
     pub fn counters(&self) -> StorageCounters {
         self.counters
     }
@@ -132,6 +141,9 @@ impl Accelerator {
         server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
         kernel: &mut impl FnMut(ServerMessage),
     ) -> Result<(), E> {
+        if self.cancel_held(&message, kernel) {
+            return Ok(());
+        }
         if !self.held.is_empty() || self.waits(&message) {
             self.held.push_back(message);
             return Ok(());
@@ -405,39 +417,6 @@ impl Accelerator {
         let seqnum = self.last_kernel_seqnum.wrapping_add(OWN_SEQNUM_OFFSET).wrapping_add(self.own_seqnums);
         self.own.insert(seqnum);
         seqnum
-    }
-
-    fn unlink<E>(
-        &mut self,
-        unlink: CmdUnlink,
-        server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
-        kernel: &mut impl FnMut(ServerMessage),
-    ) -> Result<(), E> {
-        self.last_kernel_seqnum = unlink.seqnum;
-        if self.answered_at_once.contains(&unlink.unlink_seqnum) {
-            kernel(ServerMessage::Unlink(RetUnlink { seqnum: unlink.seqnum, status: Status::OK }));
-            return Ok(());
-        }
-        let waiting = self.command.as_ref().and_then(|command| {
-            [&command.data_ahead, &command.status]
-                .into_iter()
-                .flatten()
-                .find(|ahead| ahead.claimed.is_some_and(|(claimer, _)| claimer == unlink.unlink_seqnum))
-                .map(|ahead| ahead.seqnum)
-        });
-        let orphan =
-            || self.answers.iter().find(|(_, claim)| claim.seqnum == unlink.unlink_seqnum).map(|(ours, _)| *ours);
-        let Some(ours) = waiting.or_else(orphan) else { return server(ClientMessage::Unlink(unlink)) };
-        // The kernel gives up a URB we answer for (its timeout): cancelled here,
-        // and ours stops holding the server's gate.
-        kernel(ServerMessage::Unlink(RetUnlink { seqnum: unlink.seqnum, status: Status::ECONNRESET }));
-        if waiting.is_some() {
-            self.abandon();
-        }
-        self.answers.remove(&ours);
-        self.drop_reads_ahead();
-        self.ignored.extend([ours, unlink.seqnum]);
-        server(ClientMessage::Unlink(CmdUnlink { unlink_seqnum: ours, ..unlink }))
     }
 
     /// A reply from the server, as the session decoded it.

@@ -469,16 +469,7 @@ fn deliver_other(event: Event<Waiter>, deliveries: &mut Deliveries, queues: &[(u
 
 /// A RET_SUBMIT without data: what a URB cancelled by its RET_UNLINK gets.
 fn empty_reply(seqnum: u32, status: Status) -> RetSubmit {
-    RetSubmit {
-        seqnum,
-        status,
-        actual_length: 0,
-        start_frame: 0,
-        number_of_packets: 0,
-        error_count: 0,
-        data: Bytes::new(),
-        iso_packets: Vec::new(),
-    }
+    RetSubmit::new(seqnum, status, Bytes::new())
 }
 
 #[cfg(test)]

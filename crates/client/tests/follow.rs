@@ -48,6 +48,7 @@ fn relayed(imported: Imported, reimport: &Reimport) -> (UrbHost<UnixStream>, Joi
         resume: imported.resume,
         give_up_after: Duration::from_secs(10),
         storage: false,
+        descriptors: None,
     };
     let (kernel, relay_end) = UnixStream::pair().unwrap();
     let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, None, None));

@@ -55,6 +55,7 @@ async fn the_detach_reply_reaches_the_kernel_before_the_relay_ends_as_a_reenumer
         resume: imported.resume,
         give_up_after: Duration::from_secs(10),
         storage: false,
+        descriptors: None,
     };
     let (mut kernel, relay_end) = UnixStream::pair().unwrap();
     let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, None, None));

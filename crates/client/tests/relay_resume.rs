@@ -125,6 +125,7 @@ async fn cuts_through_the_relay(transforms: Vec<TransformSpec>) {
         resume: imported.resume,
         give_up_after: Duration::from_secs(20),
         storage: false,
+        descriptors: None,
     };
     let (state, mut states) = tokio::sync::watch::channel(relay::RelayState::Connected);
     let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, Some(state), None));
@@ -200,6 +201,7 @@ async fn a_link_gone_silent_is_noticed_and_resumed_well_within_the_grace_period(
         resume: imported.resume,
         give_up_after: Duration::from_secs(20),
         storage: false,
+        descriptors: None,
     };
     let (state, mut states) = tokio::sync::watch::channel(relay::RelayState::Connected);
     let relay = tokio::spawn(kernel_relay::run(relay_end, imported.stream, devid, upstream, Some(state), None));
@@ -258,6 +260,7 @@ async fn without_resume_a_cut_ends_the_relay_with_what_to_do() {
         resume: None,
         give_up_after: Duration::from_secs(5),
         storage: false,
+        descriptors: None,
     };
     let relay =
         tokio::spawn(kernel_relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None, None));
@@ -284,6 +287,7 @@ async fn a_server_that_shuts_down_ends_the_session_and_the_relay_at_once() {
         // Without the server's end the relay would retry this long.
         give_up_after: Duration::from_secs(60),
         storage: false,
+        descriptors: None,
     };
     let relay =
         tokio::spawn(kernel_relay::run(relay_end, imported.stream, imported.device.devid(), upstream, None, None));

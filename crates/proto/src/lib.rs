@@ -49,6 +49,7 @@
 //! for what a lab registry keeps (a reservation's digest).
 
 pub mod client_session;
+pub mod descriptors;
 pub mod display;
 mod error;
 mod limits;

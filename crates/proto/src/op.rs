@@ -71,8 +71,8 @@ pub const EXTENSIONS: [Extension; 3] = [
     Extension {
         name: "transforms",
         request: OpCode::REQ_TRANSFORMS,
-        version: 3,
-        what: "paired stream transforms: zstd, lz4, jitter buffer; reservation tokens; storage stages",
+        version: 4,
+        what: "paired stream transforms: zstd, lz4, jitter buffer; reservation tokens; storage stages; descriptor snapshots",
     },
     Extension {
         name: "resume",

@@ -200,6 +200,22 @@ pub struct RetSubmit {
 }
 
 impl RetSubmit {
+    /// The reply to a control, bulk or interrupt URB: its status and, for an
+    /// IN, the bytes read (`actual_length` is their count). Nothing isochronous.
+    pub fn new(seqnum: u32, status: Status, data: Bytes) -> Self {
+        let actual_length = data.len() as u32;
+        Self {
+            seqnum,
+            status,
+            actual_length,
+            start_frame: 0,
+            number_of_packets: 0,
+            error_count: 0,
+            data,
+            iso_packets: Vec::new(),
+        }
+    }
+
     /// The 48-byte header. Like the kernel stub, devid, direction and ep are 0.
     #[inline]
     pub fn header(&self) -> [u8; HEADER_LEN] {

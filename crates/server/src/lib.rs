@@ -21,6 +21,7 @@ mod connection;
 mod connection_threads;
 mod control;
 pub mod cores;
+mod descriptor_snapshot;
 mod devstate;
 mod error;
 mod external;

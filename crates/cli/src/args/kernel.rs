@@ -51,8 +51,9 @@ pub(crate) struct AttachArgs {
     /// gets the socket itself (plain USB/IP) and sees a disconnect when the link drops.
     #[arg(long)]
     pub(crate) no_resume: bool,
-    /// Mass storage over a slow link (usbwire servers): `auto` pipelines each Bulk-Only command so it
-    /// costs one round trip instead of three; `off` relays every transfer as it comes.
+    /// A slow link (usbwire servers): `auto` answers the kernel's descriptor requests from the copy the
+    /// server sends with the import, and pipelines each Bulk-Only mass-storage command so it costs one
+    /// round trip instead of three; `off` asks for neither and relays every transfer as it comes.
     #[arg(long, value_name = "WHEN", value_parser = ["auto", "off"], default_value = "auto")]
     pub(crate) accelerate: String,
     /// Keep the relay (resume, TLS, transforms) in this process instead of in the background, for

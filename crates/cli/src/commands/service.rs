@@ -283,8 +283,9 @@ async fn attach_from(addr: SocketAddr, rule: &AttachRule, security: &Security) -
     // Resumable where the server is usbwire: a network blip is carried by the
     // relay and the kernel never notices; a server that shuts down ends the
     // session, the relay ends, the port goes, and the rule attaches again.
-    let imported = usbwire_client::import_resumable(addr, &device.busid, security, &[]).await?;
-    attach_imported(addr, imported, security, None, rule.follows())
+    let imported =
+        usbwire_client::import_for_relay(addr, &device.busid, security, &[], None, rule.accelerates()).await?;
+    attach_imported(addr, imported, security, None, rule)
 }
 
 /// A `server = "registry"` rule: reserve a free matching device in the lab
@@ -300,12 +301,14 @@ async fn attach_reserved(registry: &Registry, rule: &AttachRule) -> anyhow::Resu
         let addr = usbwire_client::resolve(&reservation.server.address).await?;
         let busid = usbwire_proto::op::BusId::new(&reservation.device.record.busid)
             .ok_or_else(|| anyhow!("the lab registry names an invalid bus id {:?}", reservation.device.record.busid))?;
-        let imported = usbwire_client::import_reserved(addr, &busid, &security, &[], &reservation.token).await?;
+        let token = Some(&reservation.token);
+        let imported =
+            usbwire_client::import_for_relay(addr, &busid, &security, &[], token, rule.accelerates()).await?;
         anyhow::Ok((addr, imported, security))
     }
     .await;
     match imported {
-        Ok((addr, imported, security)) => attach_imported(addr, imported, &security, Some(reservation), rule.follows()),
+        Ok((addr, imported, security)) => attach_imported(addr, imported, &security, Some(reservation), rule),
         Err(error) => {
             let _ = reservation.release().await;
             Err(error)
@@ -322,7 +325,7 @@ fn attach_imported(
     imported: usbwire_client::Imported,
     security: &Security,
     reservation: Option<usbwire_lab::Reservation>,
-    follow: bool,
+    rule: &AttachRule,
 ) -> anyhow::Result<Attachment> {
     let source = usbwire_client::follow::Reimport {
         addr,
@@ -332,9 +335,9 @@ fn attach_imported(
         resumable: true,
         reservation: reservation.as_ref().map(|reservation| reservation.token),
         persistence: usbwire_client::follow::Persistence::Bounded,
-        accelerate: true,
+        accelerate: rule.accelerates(),
     };
-    let plan = usbwire_client::attach::Plan { source, follow };
+    let plan = usbwire_client::attach::Plan { source, follow: rule.follows() };
     let attached = usbwire_client::attach::Attachment::start(imported, plan)?;
     Ok(Attachment { attached, reservation })
 }

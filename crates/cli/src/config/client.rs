@@ -20,6 +20,7 @@ use super::units::{selector_field, selector_list};
 /// also = ["0483:df11"]              # the same device in another mode (its DFU bootloader)
 /// tls = false
 /// follow = false                    # attach again after a re-enumeration; default: true for a bus id
+/// accelerate = "off"                # "auto" (default): descriptor snapshot, pipelined mass storage
 ///
 /// [registry]                        # a lab registry on etcd, for server = "registry" rules
 /// endpoints = ["10.0.0.5:2379"]
@@ -67,12 +68,31 @@ pub(crate) struct AttachRule {
     /// `device`, off otherwise.
     #[serde(default)]
     pub(crate) follow: Option<bool>,
+    /// `auto` (the default): answer enumeration from the server's descriptor
+    /// snapshot and pipeline mass storage, where the server is usbwire;
+    /// `off`: relay every transfer as it comes (`attach --accelerate`).
+    #[serde(default)]
+    pub(crate) accelerate: Accelerate,
+}
+
+/// `accelerate = "auto" | "off"` of an `[[attach]]` rule.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Accelerate {
+    #[default]
+    Auto,
+    Off,
 }
 
 impl AttachRule {
     /// Whether the attachment follows the device through re-enumerations.
     pub(crate) fn follows(&self) -> bool {
         self.follow.unwrap_or(matches!(self.device, usbwire_device::Selector::BusId(_)))
+    }
+
+    /// Whether the rule's imports ask for the accelerator's extensions.
+    pub(crate) fn accelerates(&self) -> bool {
+        self.accelerate == Accelerate::Auto
     }
 
     /// Every identity the device may show up under.
@@ -169,6 +189,12 @@ mod tests {
         let explicit: ClientConfig =
             toml::from_str("[[attach]]\nserver = \"h:1\"\ndevice = \"1-1\"\nfollow = false").unwrap();
         assert!(!explicit.attach[0].follows());
+        assert!(config.attach[0].accelerates(), "accelerated unless told otherwise");
+        let off: ClientConfig =
+            toml::from_str("[[attach]]\nserver = \"h:1\"\ndevice = \"1-1\"\naccelerate = \"off\"").unwrap();
+        assert!(!off.attach[0].accelerates());
+        let wrong = toml::from_str::<ClientConfig>("[[attach]]\nserver = \"h\"\ndevice = \"1-1\"\naccelerate = \"on\"");
+        assert!(wrong.unwrap_err().to_string().contains("expected `auto` or `off`"));
         let bad = toml::from_str::<ClientConfig>("[[attach]]\nserver = \"h\"\ndevice = \"1-1\"\nalso = [\"nope\"]");
         assert!(bad.unwrap_err().to_string().contains("not a device selector"));
     }

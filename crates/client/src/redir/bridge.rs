@@ -456,16 +456,7 @@ mod tests {
                     _ => &[],
                 };
                 let data = Bytes::copy_from_slice(&data[..wanted.min(data.len())]);
-                let ret = RetSubmit {
-                    seqnum: submit.seqnum,
-                    status: Status::OK,
-                    actual_length: data.len() as u32,
-                    start_frame: 0,
-                    number_of_packets: 0,
-                    error_count: 0,
-                    data,
-                    iso_packets: Vec::new(),
-                };
+                let ret = RetSubmit::new(submit.seqnum, Status::OK, data);
                 ret.encode(&mut replies);
             }
             replies

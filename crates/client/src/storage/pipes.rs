@@ -1,10 +1,13 @@
 //! Which endpoints of the imported device carry Bulk-Only mass storage: read
-//! from the configuration descriptors the kernel fetches and the
-//! configuration it sets, as their replies pass the accelerator. Not for
+//! from the configuration descriptors (those the kernel fetches as their
+//! replies pass the accelerator, and those of the import's descriptor
+//! snapshot, which the kernel's requests may never fetch from the device)
+//! and the configuration the kernel sets. Not for
 //! anything the device's other interfaces do.
 
 use usbwire_device::descriptor::{ConfigurationInfo, InterfaceInfo};
 use usbwire_device::TransferType;
+use usbwire_proto::descriptors::{self, Snapshot};
 use usbwire_proto::urb::{CmdSubmit, RetSubmit};
 use usbwire_proto::{Direction, Status};
 
@@ -51,6 +54,18 @@ pub(super) struct Interfaces {
 }
 
 impl Interfaces {
+    /// What the configuration descriptors of an import's snapshot teach.
+    pub(super) fn from_snapshot(snapshot: Option<&Snapshot>) -> Self {
+        let mut interfaces = Self::default();
+        let configurations = snapshot.into_iter().flat_map(Snapshot::entries).filter(|entry| {
+            entry.request_type == descriptors::TO_HOST_DEVICE && (entry.value >> 8) as u8 == descriptors::CONFIGURATION
+        });
+        for entry in configurations {
+            interfaces.learn_configuration(&entry.data);
+        }
+        interfaces
+    }
+
     /// The Bulk-Only pipes a URB is on, if any.
     pub(super) fn pipes_of(&self, submit: &CmdSubmit) -> Option<Pipes> {
         self.active.iter().copied().find(|pipes| match submit.direction {
@@ -70,6 +85,20 @@ impl Interfaces {
         self.watched.push((submit.seqnum, watched));
     }
 
+    /// A whole configuration descriptor, as the device gave it (to the
+    /// kernel, or to the server's descriptor snapshot); its first 9 bytes
+    /// alone teach nothing.
+    pub(super) fn learn_configuration(&mut self, descriptor: &[u8]) {
+        let Some(total) = descriptor.get(2..4).map(|b| u16::from_le_bytes([b[0], b[1]])) else { return };
+        if descriptor.len() < usize::from(total) {
+            return;
+        }
+        let Some(info) = ConfigurationInfo::parse(descriptor) else { return };
+        let pipes = bulk_only_pipes(&info);
+        self.configurations.retain(|(value, _)| *value != info.value);
+        self.configurations.push((info.value, pipes));
+    }
+
     /// Reads a reply to a watched request; `true` when a configuration was set.
     pub(super) fn learn(&mut self, reply: &RetSubmit) -> bool {
         let Some(at) = self.watched.iter().position(|(seqnum, _)| *seqnum == reply.seqnum) else { return false };
@@ -79,14 +108,7 @@ impl Interfaces {
         }
         match watched {
             Watched::Configuration => {
-                let Some(total) = reply.data.get(2..4).map(|b| u16::from_le_bytes([b[0], b[1]])) else { return false };
-                if reply.data.len() < usize::from(total) {
-                    return false; // the first 9 bytes only
-                }
-                let Some(info) = ConfigurationInfo::parse(&reply.data) else { return false };
-                let pipes = bulk_only_pipes(&info);
-                self.configurations.retain(|(value, _)| *value != info.value);
-                self.configurations.push((info.value, pipes));
+                self.learn_configuration(&reply.data);
                 false
             }
             Watched::SetConfiguration(value) => {

@@ -107,14 +107,5 @@ pub(super) fn succeeded(done: &RetSubmit) -> bool {
 
 /// The reply of a stage that was skipped: nothing moved, [`storage::SKIPPED`].
 pub(super) fn skipped(seqnum: u32) -> RetSubmit {
-    RetSubmit {
-        seqnum,
-        status: storage::SKIPPED,
-        actual_length: 0,
-        start_frame: 0,
-        number_of_packets: 0,
-        error_count: 0,
-        data: Bytes::new(),
-        iso_packets: Vec::new(),
-    }
+    RetSubmit::new(seqnum, storage::SKIPPED, Bytes::new())
 }

@@ -1,10 +1,12 @@
 //! `OP_REQ_IMPORT`: takes the device from the registry ([`Registry::import`](crate::registry::Registry::import)),
-//! answers with its record, and turns the connection into the device's URB
+//! answers with its record (and the device's descriptor snapshot, when the
+//! client asked for one: `crate::descriptor_snapshot`), and turns the connection into the device's URB
 //! channel ([`crate::urb_channel`]) until either side ends it; then gives the
 //! device back. A bus id that cannot be one gets `ST_NODEV` at once.
 
 use std::net::SocketAddr;
 
+use bytes::BytesMut;
 use tokio::sync::watch;
 use tracing::{info, warn, Instrument};
 use usbwire_proto::op::{self, BusId, DeviceRecord, OpStatus};
@@ -13,6 +15,7 @@ use usbwire_transport::access::ClientId;
 
 use super::negotiate::Negotiated;
 use super::stream::OpStream;
+use crate::descriptor_snapshot;
 use crate::peer::Peer;
 use crate::registry::{Importer, Lease};
 use crate::resumable::Owner;
@@ -42,7 +45,21 @@ pub(crate) async fn serve(
             return;
         }
     };
-    if let Err(error) = stream.reply(|out| op::encode_import_reply(Ok(lease.record()), out)).await {
+    // Taken before the reply, and sent with it: the client reads both before any URB.
+    let snapshot = match negotiated.descriptors {
+        true => {
+            let devid = lease.record().devid();
+            Some(descriptor_snapshot::take(lease.device(), devid).await)
+        }
+        false => None,
+    };
+    let reply = |out: &mut BytesMut| {
+        op::encode_import_reply(Ok(lease.record()), out);
+        if let Some(snapshot) = &snapshot {
+            snapshot.encode(out);
+        }
+    };
+    if let Err(error) = stream.reply(reply).await {
         warn!(%busid, %error, "import reply not delivered");
         lease.release().await;
         return;

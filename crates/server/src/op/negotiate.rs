@@ -1,14 +1,15 @@
 //! What the server agrees to when a client offers transforms
 //! (`OP_REQ_TRANSFORMS`): the stream transforms it can run, resume (when the
 //! server keeps sessions: a grace period above zero), keep-alive (with resume
-//! only), and the lab reservation the offer carries. Pure: the offer and the
+//! only), the storage extension and descriptor snapshots (whenever asked),
+//! and the lab reservation the offer carries. Pure: the offer and the
 //! configuration in, the answer out; the token a granted resume gets is
 //! handed in, so the same inputs always give the same answer.
 
-use usbwire_proto::liveness;
 use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::resume::{self, Grant, Token};
 use usbwire_proto::storage;
+use usbwire_proto::{descriptors, liveness};
 use usbwire_transport::transform::TransformSpec;
 
 use crate::config::ServerConfig;
@@ -29,6 +30,9 @@ pub(crate) struct Negotiated {
     /// The storage extension: the client sends mass-storage stages without
     /// waiting and the server's stage gate runs them one at a time (§5.7).
     pub(crate) storage: bool,
+    /// Descriptor snapshots: the import reply is followed by every
+    /// descriptor the device gave (§5.8).
+    pub(crate) descriptors: bool,
 }
 
 /// Answers `offer` under `config`; a granted resume gets `token`.
@@ -62,7 +66,16 @@ pub(crate) fn negotiate(offer: &str, config: &ServerConfig, token: Token) -> Neg
         }
         answer.push_str(storage::OFFER);
     }
-    Negotiated { transforms, accepted, answer, resume, reservation: ReservationToken::from_offer(offer), storage }
+    // A snapshot is a few local requests to the device at import: granted whenever asked.
+    let descriptors = descriptors::offered(offer);
+    if descriptors {
+        if !answer.is_empty() {
+            answer.push(',');
+        }
+        answer.push_str(descriptors::OFFER);
+    }
+    let reservation = ReservationToken::from_offer(offer);
+    Negotiated { transforms, accepted, answer, resume, reservation, storage, descriptors }
 }
 
 #[cfg(test)]
@@ -134,6 +147,15 @@ mod tests {
         }
         assert_eq!(negotiate("storage", &config(Duration::ZERO), TOKEN).answer, "storage");
         assert!(!negotiate("zstd,resume", &config(Duration::from_secs(5)), TOKEN).storage);
+    }
+
+    #[test]
+    fn descriptor_snapshots_are_granted_whenever_offered_and_answered_last() {
+        let negotiated = negotiate("lz4,resume,storage,descriptors", &config(Duration::from_secs(5)), TOKEN);
+        assert!(negotiated.descriptors && negotiated.storage);
+        assert!(negotiated.answer.ends_with(",storage,descriptors"), "{}", negotiated.answer);
+        assert_eq!(negotiate("descriptors", &config(Duration::ZERO), TOKEN).answer, "descriptors");
+        assert!(!negotiate("zstd,resume,storage", &config(Duration::from_secs(5)), TOKEN).descriptors);
     }
 
     #[test]

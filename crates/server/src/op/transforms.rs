@@ -29,6 +29,7 @@ pub(crate) async fn agree(mut stream: OpStream, offer: &str, config: &ServerConf
         resume = negotiated.resume.is_some(),
         reservation = negotiated.reservation.is_some(),
         storage = negotiated.storage,
+        descriptors = negotiated.descriptors,
         "stream transforms"
     );
     let stream = if negotiated.transforms.is_empty() {

@@ -116,16 +116,9 @@ async fn first_import(
     plan: &usbwire_client::attach::Plan,
     auto_attach: bool,
 ) -> Result<Option<usbwire_client::Imported>, Failure> {
-    let usbwire_client::follow::Reimport { addr, security, transforms, busid, reservation, resumable, .. } =
-        &plan.source;
-    let imported = match reservation {
-        Some(token) => usbwire_client::import_reserved(*addr, busid, security, transforms, token).await?,
+    let imported = match &plan.source.reservation {
         None if auto_attach => return auto::first_import(&plan.source).await,
-        None if !resumable => {
-            let (stream, device) = usbwire_client::import_with(*addr, busid, security, transforms).await?;
-            usbwire_client::Imported { stream, device, resume: None, storage: false }
-        }
-        None => usbwire_client::import_resumable(*addr, busid, security, transforms).await?,
+        _ => plan.source.import_once().await?,
     };
     Ok(Some(imported))
 }
