@@ -195,7 +195,7 @@ dmesg_clean() {
   dmesg > /tmp/dmesg.out
   ! grep -iE "I/O error|EXT4-fs error|given back|critical medium|device reset" /tmp/dmesg.out > /tmp/bad.out
   check dmesg-clean $? "$(head -n 5 /tmp/bad.out)"
-  echo "@@DMESG-BEGIN"; grep -iE "usb|scsi|sd[a-z]|ext4|vhci" /tmp/dmesg.out | tail -n 60; echo "@@DMESG-END"
+  echo "@@DMESG-BEGIN"; grep -iE "usb|scsi|sd[a-z]|ext4|vhci" /tmp/dmesg.out | tail -n 100; echo "@@DMESG-END"
 }
 """
 
