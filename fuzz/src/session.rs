@@ -154,8 +154,12 @@ fn harness() -> Harness {
         server.export("mouse", Box::new(mouse));
         server.export("loopback", Box::new(usbwire_gadgets::loopback(usbwire_device::Speed::HIGH)));
         server.export("loopback", Box::new(usbwire_gadgets::loopback(usbwire_device::Speed::SUPER)));
-        let options =
-            usbwire_gadgets::DiskOptions { size: Some(1 << 20), read_only: false, speed: usbwire_device::Speed::HIGH };
+        let options = usbwire_gadgets::DiskOptions {
+            size: Some(1 << 20),
+            read_only: false,
+            speed: usbwire_device::Speed::HIGH,
+            bad_blocks: None,
+        };
         let image = disk.path().join("disk.img");
         let device = usbwire_gadgets::MassStorage::open(&image, &options).expect("a 1 MiB disk image in a temp dir");
         server.export("disk", Box::new(device));

@@ -23,6 +23,11 @@ Each time it checks, on the raw device:
   - reads right after an overwrite of a range just read return the new
     bytes (1 MiB in one piece, then 64 KiB in 4 KiB pieces), and before it
     the range held what the previous import wrote there;
+  - around the disk's bad blocks (`bad=`: 8 blocks at 60 MiB whose reads fail
+    with MEDIUM ERROR): 4 MiB read sequentially up to them (and, accelerated,
+    read ahead into them) come back without an error and with the image's
+    bytes; a read of one fails, with the same kernel errors in every mode;
+    a read after that works;
 and, accelerated and stock, through a filesystem: ext4 made with Debian's
 mkfs.ext4 on the first 32 MiB, three files (3 MiB random among them) written
 and synced, unmounted, caches dropped, mounted again: the sha256s match;
@@ -58,6 +63,8 @@ BIN = guest.BIN
 # Each way; 50 ms round trip.
 DELAY = 0.025
 MODES = ("accelerated", "off", "stock")
+# The disk's bad blocks (60 MiB in): reads of them fail with MEDIUM ERROR.
+BAD_BLOCKS = "122880-122887"
 # Debian's e2fsprogs in the guest (busybox's mke2fs makes only ext2 and has no fsck).
 E2FS = {"/usr/sbin/mkfs.ext4": "/usr/sbin/mkfs.ext4", "/usr/sbin/e2fsck": "/usr/sbin/e2fsck",
         "/etc/mke2fs.conf": "/etc/mke2fs.conf"}
@@ -191,8 +198,33 @@ detach() {
   rm -f $RELAY_LOG
 }
 
+# faults MODE: around the disk's bad blocks (LBA 122880-122887, 60 MiB in): a sequential
+# stream that ends right before them (read ahead into them when accelerated) reads without
+# an error and prints its sha256; a read of one fails, and the kernel logs a medium error
+# (the lines, and only those, are left out of dmesg_clean); a read after it works.
+touch /tmp/fault.lines
+faults() {
+  mode=$1
+  echo 3 > /proc/sys/vm/drop_caches
+  dd if=$DEV of=/tmp/stream bs=1M count=4 skip=56 iflag=direct 2> /tmp/dd.err
+  check $mode-stream-before-bad-blocks-reads $? "$(cat /tmp/dd.err)"
+  echo "@@FAULTSHA $mode $(sha256sum < /tmp/stream | cut -d' ' -f1)"
+  before=$(dmesg | wc -l)
+  dd if=$DEV of=/dev/null bs=4096 count=1 skip=15360 iflag=direct 2> /tmp/dd.err
+  [ $? != 0 ]; check $mode-read-of-a-bad-block-fails $? "$(cat /tmp/dd.err)"
+  sleep 1
+  dmesg | tail -n +$((before + 1)) > /tmp/fault-$mode.log
+  cat /tmp/fault-$mode.log >> /tmp/fault.lines
+  sed "s/^/@@FAULTLOG $mode /" /tmp/fault-$mode.log
+  grep -q "Medium Error" /tmp/fault-$mode.log && grep -q "Unrecovered read error" /tmp/fault-$mode.log
+  check $mode-kernel-logs-a-medium-error $? "$(cat /tmp/fault-$mode.log)"
+  dd if=$DEV of=/tmp/again bs=1M count=1 skip=59 iflag=direct 2> /tmp/dd.err && \
+    cmp /tmp/again /tmp/stream 0 3145728 >> /tmp/dd.err 2>&1
+  check $mode-reads-after-the-error $? "$(cat /tmp/dd.err)"
+}
+
 dmesg_clean() {
-  dmesg > /tmp/dmesg.out
+  if [ -s /tmp/fault.lines ]; then dmesg | grep -vxF -f /tmp/fault.lines; else dmesg; fi > /tmp/dmesg.out
   ! grep -iE "I/O error|EXT4-fs error|given back|critical medium|device reset" /tmp/dmesg.out > /tmp/bad.out
   check dmesg-clean $? "$(head -n 5 /tmp/bad.out)"
   echo "@@DMESG-BEGIN"; grep -iE "usb|scsi|sd[a-z]|ext4|vhci" /tmp/dmesg.out | tail -n 100; echo "@@DMESG-END"
@@ -203,13 +235,13 @@ SCRIPT = FUNCTIONS + r"""
 S=10.0.2.2:__PORT__
 BUSID=__BUSID__
 echo "@@MODE accelerated"
-attach accelerated usbwire attach -r $S -b $BUSID && uses accelerated fs
+attach accelerated usbwire attach -r $S -b $BUSID && uses accelerated fs && faults accelerated
 detach accelerated usbwire
 echo "@@MODE off"
-attach off usbwire attach --accelerate off -r $S -b $BUSID && uses off
+attach off usbwire attach --accelerate off -r $S -b $BUSID && uses off && faults off
 detach off usbwire
 echo "@@MODE stock"
-attach stock usbip --tcp-port __PORT__ attach -r 10.0.2.2 -b $BUSID && uses stock fs
+attach stock usbip --tcp-port __PORT__ attach -r 10.0.2.2 -b $BUSID && uses stock fs && faults stock
 detach stock usbip
 dmesg_clean
 echo "@@END"
@@ -222,8 +254,10 @@ PER_MODE = ["attach", "disk-appears", "device-node", "read", "write", "written-r
             "range-held-previous-bytes-1048576", "read-after-overwrite-returns-new-bytes-1048576",
             "range-held-previous-bytes-65536", "read-after-overwrite-returns-new-bytes-65536",
             "detach", "disk-gone", "relay-ended"]
+FAULTS = ["stream-before-bad-blocks-reads", "read-of-a-bad-block-fails", "kernel-logs-a-medium-error",
+          "reads-after-the-error"]
 FILESYSTEM = ["mkfs-ext4", "mount", "files-written", "umount", "files-read-back-same-sha256", "fsck-clean"]
-EXPECTED = [f"{mode}-{name}" for mode in MODES for name in PER_MODE] + \
+EXPECTED = [f"{mode}-{name}" for mode in MODES for name in PER_MODE + FAULTS] + \
     [f"{mode}-{name}" for mode in ("accelerated", "stock") for name in FILESYSTEM] + \
     [f"{mode}-reads-previous-files" for mode in MODES[1:]] + ["dmesg-clean"]
 
@@ -246,9 +280,11 @@ def busid_of_the_disk(port, server):
 
 def read_console(g, checks, expected):
     """Every line up to @@END: the guest's checks (each of `expected` must be there),
-    timings ({(mode, what): (seconds, bytes)}), relay logs ({mode: text}) and the sha256s
-    of the files it writes into filesystems ({path: hex})."""
+    timings ({(mode, what): (seconds, bytes)}), relay logs ({mode: text}), the sha256s
+    of the files it writes into filesystems ({path: hex}) and what `faults` printed
+    ({"sha": {mode: hex}, "log": {mode: kernel lines}})."""
     seen, times, relay, sums = {}, {}, {}, {}
+    faults = {"sha": {}, "log": {}}
     while True:
         line = g.wait_for("", 480)
         if "@@END" in line:
@@ -264,12 +300,18 @@ def read_console(g, checks, expected):
         elif "@@RELAYLOG " in line:
             mode, text = line.split("@@RELAYLOG ", 1)[1].split(" ", 1)
             relay[mode] = relay.get(mode, "") + text + "\n"
+        elif "@@FAULTSHA " in line:
+            mode, digest = line.split("@@FAULTSHA ", 1)[1].split()
+            faults["sha"][mode] = digest
+        elif "@@FAULTLOG " in line:
+            mode, text = (line.split("@@FAULTLOG ", 1)[1].split(" ", 1) + [""])[:2]
+            faults["log"][mode] = faults["log"].get(mode, "") + text + "\n"
         elif "@@SHA256 " in line:
             digest, path = line.split("@@SHA256 ", 1)[1].split()
             sums[path] = digest
     missing = [name for name in expected if name not in seen]
     checks.check("the guest ran every check", not missing, f"missing: {missing}")
-    return times, relay, sums
+    return times, relay, sums, faults
 
 
 def image_holds_files(checks, image, sums, what):
@@ -318,6 +360,44 @@ def relay_pipelined(checks, relay_log, who):
                  int(counts.get("commands_pipelined", 0)) > 0, relay_log[-1500:] or "no relay log")
 
 
+def make_image(image):
+    """The 64 MiB image, with random bytes where `faults` streams (56-60 MiB, right before the
+    bad blocks): their sha256."""
+    stream = os.urandom(4 << 20)
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+        f.seek(56 << 20)
+        f.write(stream)
+    return hashlib.sha256(stream).hexdigest()
+
+
+def kernel_errors(log):
+    """The kernel's error lines of a fault, without what differs from one run to the next
+    (times, tags, command ages)."""
+    lines = set()
+    for line in log.splitlines():
+        line = re.sub(r"^\[[ 0-9.]*\] ", "", line)
+        line = re.sub(r"tag#\d+ ", "", re.sub(r" cmd_age=\S+", "", line))
+        if re.search(r"Sense|medium error|I/O error|FAILED Result", line):
+            lines.add(line.strip())
+    return lines
+
+
+def faults_as_local(checks, faults, stream):
+    """Every mode read the image's own bytes up to the bad blocks, and the kernel logged
+    the same errors for the bad block with the accelerator as without it."""
+    for mode in MODES:
+        checks.check(f"{mode}: the stream up to the bad blocks read the image's bytes",
+                     faults["sha"].get(mode) == stream, (faults["sha"].get(mode), stream))
+    logs = {mode: kernel_errors(faults["log"].get(mode, "")) for mode in MODES}
+    for mode in MODES:
+        print(f"kernel on the bad block ({mode}):")
+        for line in sorted(logs[mode]):
+            print(f"  {line}")
+    checks.check("the kernel logged the same errors for the bad block, accelerated and not",
+                  bool(logs["accelerated"]) and logs["accelerated"] == logs["off"] == logs["stock"], logs)
+
+
 def main():
     guest.require(BIN)
     guest.build()
@@ -329,13 +409,14 @@ def main():
         checks.exit()
     work = guest.scratch("usbwire-wan-")
     image = os.path.join(work, "disk.img")
+    stream = make_image(image)
     sums = {}
     port = guest.free_port()
     log_path = os.path.join(guest.LOGS, "wan-storage.server.log")
     log = open(log_path, "w")
     server = subprocess.Popen([BIN, "serve", "-v", "--listen", f"127.0.0.1:{port}", "--no-advertise",
                                "--control", os.path.join(work, "c.sock"),
-                               "--virtual", f"disk={image},size=64M"],
+                               "--virtual", f"disk={image},size=64M,bad={BAD_BLOCKS}"],
                               stdout=log, stderr=subprocess.STDOUT)
     proxy = cutproxy.CutProxy(("127.0.0.1", port), delay=DELAY)
     g = None
@@ -344,9 +425,10 @@ def main():
         proxy_port = proxy.start()
         script = SCRIPT.replace("__PORT__", str(proxy_port)).replace("__BUSID__", busid)
         g = guest.Guest("wan-storage", script, files={BIN: "/usr/bin/usbwire", **E2FS}, timeout=600)
-        times, relay, sums = read_console(g, checks, EXPECTED)
+        times, relay, sums, faults = read_console(g, checks, EXPECTED)
         checks.check("guest script exit code", g.finish(60) == 0)
         print_table(times)
+        faults_as_local(checks, faults, stream)
         relay_pipelined(checks, relay.get("accelerated", ""), "accelerated")
         checks.check("the relay with --accelerate off pipelined nothing",
                      "mass storage accelerated" not in relay.get("off", ""), relay.get("off", "")[-1500:])

@@ -101,7 +101,7 @@ def main():
         proxy_port = proxy.start()
         script = ATTACH_SCRIPT.replace("__PORT__", str(proxy_port)).replace("__BUSID__", busid)
         attacher = guest.Guest("wan-storage-vhci", script, files={BIN: "/usr/bin/usbwire", **wan.E2FS}, timeout=600)
-        times, relay, sums = wan.read_console(attacher, checks, EXPECTED)
+        times, relay, sums, _ = wan.read_console(attacher, checks, EXPECTED)
         checks.check("vhci guest script exit code", attacher.finish(60) == 0)
         wan.print_table(times, ("flash",), "A real USB flash drive (QEMU usb-storage through usbfs)")
         wan.relay_pipelined(checks, relay.get("flash", ""), "flash drive's")

@@ -84,7 +84,8 @@ pub fn local_disk(size: u64) -> Result<LocalDisk, BenchError> {
     let dir = tempfile::Builder::new().prefix("usbwire-bench-").tempdir().map_err(|e| {
         BenchError::Io(std::io::Error::new(e.kind(), format!("a temporary directory for the disk image: {e}")))
     })?;
-    let options = usbwire_gadgets::DiskOptions { size: Some(size), read_only: false, speed: Speed::HIGH };
+    let options =
+        usbwire_gadgets::DiskOptions { size: Some(size), read_only: false, speed: Speed::HIGH, bad_blocks: None };
     let disk = usbwire_gadgets::MassStorage::open_no_follow(&dir.path().join("disk.img"), &options)
         .map_err(|e| BenchError::Unavailable(format!("the virtual disk: {e}")))?;
     let (busid_tx, busid_rx) = std::sync::mpsc::channel();

@@ -51,6 +51,10 @@ pub struct DiskOptions {
     pub read_only: bool,
     /// `Speed::HIGH` or `Speed::SUPER`.
     pub speed: Speed,
+    /// Blocks that cannot be read, as on a failing medium: a READ that
+    /// touches one fails with MEDIUM ERROR, unrecovered read error (what the
+    /// host does then is a real disk's error path, for tests).
+    pub bad_blocks: Option<std::ops::RangeInclusive<u64>>,
 }
 
 /// Why an image cannot be served.
@@ -207,7 +211,7 @@ impl MassStorage {
         );
         Ok(VirtualDevice::new(Self {
             descriptors,
-            disk: scsi::Disk::new(file, len / BLOCK_SIZE, options.read_only, serial),
+            disk: scsi::Disk::new(file, len / BLOCK_SIZE, options.read_only, serial, options.bad_blocks.clone()),
             phase: Phase::Command,
             waiting_in: VecDeque::new(),
             halted_in: false,
@@ -511,9 +515,16 @@ mod tests {
 
     fn disk(image: &Image, read_only: bool, speed: Speed) -> VirtualDevice<MassStorage> {
         if !image.0.exists() {
-            drop(MassStorage::open(&image.0, &DiskOptions { size: Some(1 << 20), read_only: false, speed }).unwrap());
+            drop(
+                MassStorage::open(
+                    &image.0,
+                    &DiskOptions { size: Some(1 << 20), read_only: false, speed, bad_blocks: None },
+                )
+                .unwrap(),
+            );
         }
-        let mut dev = MassStorage::open(&image.0, &DiskOptions { size: None, read_only, speed }).unwrap();
+        let mut dev =
+            MassStorage::open(&image.0, &DiskOptions { size: None, read_only, speed, bad_blocks: None }).unwrap();
         configure(&mut dev);
         dev
     }
@@ -656,6 +667,31 @@ mod tests {
     }
 
     #[test]
+    fn a_read_that_touches_a_bad_block_fails_with_a_medium_error_and_its_neighbours_read() {
+        let image = Image::new("bad");
+        drop(disk(&image, false, Speed::HIGH));
+        let options = DiskOptions { size: None, read_only: false, speed: Speed::HIGH, bad_blocks: Some(100..=103) };
+        let mut dev = MassStorage::open(&image.0, &options).unwrap();
+        configure(&mut dev);
+        let read10 = |lba: u32, blocks: u16| {
+            let [l0, l1, l2, l3] = lba.to_be_bytes();
+            let [b0, b1] = blocks.to_be_bytes();
+            [0x28, 0, l0, l1, l2, l3, 0, b0, b1, 0]
+        };
+        for (lba, blocks) in [(96, 4), (104, 8), (0, 100)] {
+            let (data, residue, status) = command_in(&mut dev, &read10(lba, blocks), u32::from(blocks) * 512);
+            assert_eq!((data.len(), residue, status), (usize::from(blocks) * 512, 0, 0), "LBA {lba}+{blocks}");
+        }
+        for (lba, blocks) in [(96, 5), (103, 1), (90, 20)] {
+            let (_, residue, status) = command_in(&mut dev, &read10(lba, blocks), u32::from(blocks) * 512);
+            assert_eq!((residue, status), (u32::from(blocks) * 512, 1), "LBA {lba}+{blocks}");
+            assert_eq!(sense(&mut dev), (0x03, 0x11), "MEDIUM ERROR, unrecovered read error");
+        }
+        // Writes are not refused: the medium takes them, only reads fail.
+        assert_eq!(command_out(&mut dev, &[0x2a, 0, 0, 0, 0, 100, 0, 0, 1, 0], &[7; 512]), (0, 0));
+    }
+
+    #[test]
     fn read_only_refuses_writes_with_data_protect() {
         let image = Image::new("ro");
         drop(disk(&image, false, Speed::HIGH));
@@ -707,15 +743,23 @@ mod tests {
     #[test]
     fn open_errors_say_what_to_do() {
         let image = Image::new("errors");
-        let missing = MassStorage::open(&image.0, &DiskOptions { size: None, read_only: false, speed: Speed::HIGH });
+        let missing = MassStorage::open(
+            &image.0,
+            &DiskOptions { size: None, read_only: false, speed: Speed::HIGH, bad_blocks: None },
+        );
         assert!(matches!(missing, Err(DiskError::Missing(_))));
         assert!(matches!(
-            MassStorage::open(&image.0, &DiskOptions { size: Some(1000), read_only: false, speed: Speed::HIGH }),
+            MassStorage::open(
+                &image.0,
+                &DiskOptions { size: Some(1000), read_only: false, speed: Speed::HIGH, bad_blocks: None }
+            ),
             Err(DiskError::BadSize(1000))
         ));
         drop(disk(&image, false, Speed::HIGH));
-        let mismatch =
-            MassStorage::open(&image.0, &DiskOptions { size: Some(4096), read_only: false, speed: Speed::HIGH });
+        let mismatch = MassStorage::open(
+            &image.0,
+            &DiskOptions { size: Some(4096), read_only: false, speed: Speed::HIGH, bad_blocks: None },
+        );
         assert!(matches!(mismatch, Err(ref e) if e.to_string().contains("drop size=")));
     }
 
@@ -725,23 +769,31 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("disk.img");
         // 2^63 bytes: no file system takes it (like size=100T on ext4, "File too large").
-        let huge = MassStorage::open(&path, &DiskOptions { size: Some(1 << 63), read_only: false, speed: Speed::HIGH });
+        let huge = MassStorage::open(
+            &path,
+            &DiskOptions { size: Some(1 << 63), read_only: false, speed: Speed::HIGH, bad_blocks: None },
+        );
         assert!(matches!(huge, Err(DiskError::Create { .. })), "{:?}", huge.err());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no image and no temporary file left");
         // So the next run with a size that fits just works, and the new image is private.
-        assert!(MassStorage::open(&path, &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH })
-            .is_ok());
+        assert!(MassStorage::open(
+            &path,
+            &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH, bad_blocks: None }
+        )
+        .is_ok());
         let meta = std::fs::metadata(&path).unwrap();
         assert_eq!((meta.len(), meta.permissions().mode() & 0o777), (1 << 20, 0o600));
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
         // An image left empty by something else is refused with what to do.
         let empty = dir.path().join("empty.img");
         std::fs::write(&empty, b"").unwrap();
-        let error =
-            MassStorage::open(&empty, &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH })
-                .err()
-                .unwrap()
-                .to_string();
+        let error = MassStorage::open(
+            &empty,
+            &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH, bad_blocks: None },
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(error.contains("0 bytes") && error.contains("remove it"), "{error}");
     }
 
@@ -754,23 +806,25 @@ mod tests {
         std::os::unix::fs::symlink(&victim.0, &link.0).unwrap();
         for size in [None, Some(1 << 20), Some(64 << 20)] {
             for read_only in [false, true] {
-                let options = DiskOptions { size, read_only, speed: Speed::HIGH };
+                let options = DiskOptions { size, read_only, speed: Speed::HIGH, bad_blocks: None };
                 let opened = MassStorage::open_no_follow(&link.0, &options);
                 assert!(matches!(opened, Err(DiskError::Symlink(_))), "{size:?} {read_only}");
             }
         }
-        let message =
-            MassStorage::open_no_follow(&link.0, &DiskOptions { size: None, read_only: false, speed: Speed::HIGH })
-                .err()
-                .unwrap()
-                .to_string();
+        let message = MassStorage::open_no_follow(
+            &link.0,
+            &DiskOptions { size: None, read_only: false, speed: Speed::HIGH, bad_blocks: None },
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(message.contains("symbolic link") && message.contains("remove it"), "{message}");
         assert_eq!(std::fs::read(&victim.0).unwrap(), content);
         // A dangling link is refused too, and nothing is created where it points.
         std::fs::remove_file(&victim.0).unwrap();
         let opened = MassStorage::open_no_follow(
             &link.0,
-            &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH },
+            &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH, bad_blocks: None },
         );
         assert!(matches!(opened, Err(DiskError::Symlink(_))));
         assert!(!victim.0.exists());
@@ -778,7 +832,7 @@ mod tests {
         let image = Image::new("no-follow-plain");
         MassStorage::open_no_follow(
             &image.0,
-            &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH },
+            &DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::HIGH, bad_blocks: None },
         )
         .unwrap();
         assert_eq!(std::fs::metadata(&image.0).unwrap().len(), 1 << 20);

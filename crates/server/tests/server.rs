@@ -335,7 +335,8 @@ async fn op_phase_rejects_garbage_and_urbs_to_missing_endpoints_stall() {
 async fn disk_sectors_over_the_network_match_the_image() {
     let dir = usbwire_testing::process::scratch("server", "disk");
     let image = dir.join("disk.img");
-    let options = usbwire_gadgets::DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::SUPER };
+    let options =
+        usbwire_gadgets::DiskOptions { size: Some(1 << 20), read_only: false, speed: Speed::SUPER, bad_blocks: None };
     let disk = usbwire_gadgets::MassStorage::open(&image, &options).unwrap();
     let pattern: Vec<u8> = (0..8192u32).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
     std::fs::write(&image, [&pattern[..], &vec![0u8; (1 << 20) - 8192][..]].concat()).unwrap();

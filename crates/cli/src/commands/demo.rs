@@ -25,7 +25,13 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Failure> {
     let serial_link = dir.join("serial");
     let specs = [
         VirtualSpec::Keyboard,
-        VirtualSpec::Disk { path: disk.clone(), size: Some(64 << 20), read_only: false, speed: SpeedChoice::High },
+        VirtualSpec::Disk {
+            path: disk.clone(),
+            size: Some(64 << 20),
+            read_only: false,
+            speed: SpeedChoice::High,
+            bad: None,
+        },
         VirtualSpec::Serial { link: Some(serial_link.clone()) },
     ];
     let control = args.control.control.clone().unwrap_or_else(default_control_path);

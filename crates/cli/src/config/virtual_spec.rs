@@ -1,6 +1,7 @@
 //! The virtual devices a server serves: `--virtual` specs (`disk:PATH`,
 //! `keyboard`, …) and `[[virtual]]` tables, parsed into [`VirtualSpec`].
 
+use std::ops::RangeInclusive;
 use std::path::PathBuf;
 
 use anyhow::bail;
@@ -48,6 +49,9 @@ pub(crate) enum VirtualSpec {
         read_only: bool,
         #[serde(default)]
         speed: SpeedChoice,
+        /// Blocks whose reads fail with MEDIUM ERROR (a failing medium, for tests).
+        #[serde(default, deserialize_with = "bad_blocks_field")]
+        bad: Option<RangeInclusive<u64>>,
     },
     Serial {
         #[serde(default)]
@@ -72,7 +76,7 @@ pub(crate) enum VirtualSpec {
 }
 
 impl VirtualSpec {
-    /// Parses `keyboard`, `mouse`, `disk=PATH[,size=64M][,ro][,speed=super]`,
+    /// Parses `keyboard`, `mouse`, `disk=PATH[,size=64M][,ro][,speed=super][,bad=LBA[-LBA]]`,
     /// `serial[=LINK]`, `loopback[,speed=super]`, `dfu=FILE[,size=1M]`, `external=unix:PATH`.
     pub(crate) fn parse(spec: &str) -> anyhow::Result<Self> {
         let mut parts = spec.split(',');
@@ -85,9 +89,11 @@ impl VirtualSpec {
         let mut size = None;
         let mut read_only = false;
         let mut speed = SpeedChoice::High;
+        let mut bad = None;
         for option in &options {
             match option.split_once('=') {
                 Some(("size", text)) => size = Some(parse_size(text)?),
+                Some(("bad", text)) => bad = Some(parse_blocks(text)?),
                 Some(("speed", text)) => speed = SpeedChoice::parse(text)?,
                 None if *option == "ro" => read_only = true,
                 _ => bail!("unknown option {option:?} in --virtual {spec:?}"),
@@ -106,10 +112,12 @@ impl VirtualSpec {
             ("keyboard", None) => allow_only(&[]).map(|()| Self::Keyboard),
             ("mouse", None) => allow_only(&[]).map(|()| Self::Mouse),
             ("disk", Some(path)) if !path.is_empty() => {
-                allow_only(&["size", "ro", "speed"])?;
-                Ok(Self::Disk { path: PathBuf::from(path), size, read_only, speed })
+                allow_only(&["size", "ro", "speed", "bad"])?;
+                Ok(Self::Disk { path: PathBuf::from(path), size, read_only, speed, bad })
             }
-            ("disk", _) => bail!("disk needs an image path: --virtual disk=PATH[,size=64M][,ro][,speed=super]"),
+            ("disk", _) => {
+                bail!("disk needs an image path: --virtual disk=PATH[,size=64M][,ro][,speed=super][,bad=LBA[-LBA]]")
+            }
             ("serial", link) => {
                 allow_only(&[])?;
                 Ok(Self::Serial { link: link.filter(|l| !l.is_empty()).map(PathBuf::from) })
@@ -149,6 +157,40 @@ impl VirtualSpec {
     }
 }
 
+/// `100` or `100-199`: a range of blocks, both ends included.
+fn parse_blocks(text: &str) -> anyhow::Result<RangeInclusive<u64>> {
+    let number = |part: &str| {
+        part.trim()
+            .parse::<u64>()
+            .map_err(|_| anyhow::anyhow!("invalid block range {text:?} (e.g. bad=100 or bad=100-199)"))
+    };
+    let (first, last) = match text.split_once('-') {
+        Some((first, last)) => (number(first)?, number(last)?),
+        None => (number(text)?, number(text)?),
+    };
+    if first > last {
+        bail!("block range {text:?} ends before it starts");
+    }
+    Ok(first..=last)
+}
+
+/// `bad = "100-199"` (or a number) in a `[[virtual]]` table.
+fn bad_blocks_field<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<RangeInclusive<u64>>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Blocks {
+        One(u64),
+        Text(String),
+    }
+    match Option::<Blocks>::deserialize(deserializer)? {
+        None => Ok(None),
+        Some(Blocks::One(lba)) => Ok(Some(lba..=lba)),
+        Some(Blocks::Text(text)) => parse_blocks(&text).map(Some).map_err(serde::de::Error::custom),
+    }
+}
+
 /// Every `[[virtual]]` kind and the keys it takes besides `kind` and
 /// `labels`: the parser checks each table's keys against this list (so a
 /// typo is reported at its own line), usbwire.toml(5) is written from it,
@@ -156,7 +198,7 @@ impl VirtualSpec {
 pub(crate) const VIRTUAL_KINDS: &[(&str, &[&str])] = &[
     ("keyboard", &[]),
     ("mouse", &[]),
-    ("disk", &["path", "size", "read_only", "speed"]),
+    ("disk", &["path", "size", "read_only", "speed", "bad"]),
     ("serial", &["link"]),
     ("loopback", &["speed"]),
     ("dfu", &["path", "size"]),
@@ -200,6 +242,14 @@ pub(crate) const VIRTUAL_KEYS: &[VirtualKey] = &[
         key: "speed",
         form: "\"high\"|\"super\"",
         meanings: &[("disk", "the speed it reports"), ("loopback", "the speed it reports")],
+    },
+    VirtualKey {
+        key: "bad",
+        form: "\"LBA\"|\"LBA-LBA\"",
+        meanings: &[(
+            "disk",
+            "blocks whose reads fail with MEDIUM ERROR, as a failing medium's (for testing error paths)",
+        )],
     },
     VirtualKey { key: "link", form: "\"PATH\"", meanings: &[("serial", "a symlink to its pseudo-terminal")] },
     VirtualKey {
@@ -334,9 +384,18 @@ mod tests {
                 path: "/tmp/d.img".into(),
                 size: Some(64 << 20),
                 read_only: true,
-                speed: SpeedChoice::Super
+                speed: SpeedChoice::Super,
+                bad: None,
             }
         );
+        assert!(matches!(
+            VirtualSpec::parse("disk=/tmp/d.img,bad=100-107").unwrap(),
+            VirtualSpec::Disk { bad: Some(range), .. } if range == (100..=107)
+        ));
+        assert!(matches!(
+            VirtualSpec::parse("disk=/tmp/d.img,bad=9").unwrap(),
+            VirtualSpec::Disk { bad: Some(range), .. } if range == (9..=9)
+        ));
         assert_eq!(VirtualSpec::parse("serial").unwrap(), VirtualSpec::Serial { link: None });
         assert_eq!(
             VirtualSpec::parse("serial=/tmp/tty").unwrap(),
@@ -369,6 +428,8 @@ mod tests {
             ("keyboard,ro", "does not apply"),
             ("webcam", "unknown virtual device"),
             ("disk=x,speed=warp", "unknown speed"),
+            ("disk=x,bad=7-3", "ends before it starts"),
+            ("disk=x,bad=seven", "invalid block range"),
             ("dfu", "needs a firmware file"),
             ("external", "needs a Unix socket path"),
             ("external=/run/x.sock", "needs a Unix socket path"),

@@ -216,7 +216,7 @@ impl Rig {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("disk.img");
         std::fs::write(&path, image).expect("image");
-        let options = DiskOptions { size: None, read_only: false, speed: Speed::HIGH };
+        let options = DiskOptions { size: None, read_only: false, speed: Speed::HIGH, bad_blocks: None };
         let inner = MassStorage::open(&path, &options).expect("disk");
         let mut server = ServerSession::new(DEVID, BytesMut::new(), Limits::default(), Budget::default());
         if accelerate {

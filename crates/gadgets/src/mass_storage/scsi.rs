@@ -3,6 +3,7 @@
 
 use std::fs::File;
 use std::io;
+use std::ops::RangeInclusive;
 use std::os::unix::fs::FileExt;
 
 use bytes::{Bytes, BytesMut};
@@ -69,11 +70,19 @@ pub(super) struct Disk {
     read_only: bool,
     serial: String,
     sense: Sense,
+    /// Blocks whose READ fails with MEDIUM ERROR.
+    bad: Option<RangeInclusive<u64>>,
 }
 
 impl Disk {
-    pub(super) fn new(file: File, blocks: u64, read_only: bool, serial: String) -> Self {
-        Self { file, blocks, read_only, serial, sense: Sense::NONE }
+    pub(super) fn new(
+        file: File,
+        blocks: u64,
+        read_only: bool,
+        serial: String,
+        bad: Option<RangeInclusive<u64>>,
+    ) -> Self {
+        Self { file, blocks, read_only, serial, sense: Sense::NONE, bad }
     }
 
     pub(super) fn blocks(&self) -> u64 {
@@ -214,6 +223,12 @@ impl Disk {
 
     fn read(&self, lba: u64, count: u64) -> Result<Outcome, Sense> {
         let (offset, len) = self.range(lba, count)?;
+        if let Some(bad) = &self.bad {
+            if count > 0 && lba <= *bad.end() && lba + count > *bad.start() {
+                debug!(lba, count, first_bad = bad.start(), "read of a bad block");
+                return Err(Sense::READ_ERROR);
+            }
+        }
         // The transport caps what it sends at the CBW's length; never read more
         // than the transfer limit into memory.
         let len = usize::try_from(len).map_err(|_| Sense::INVALID_FIELD_IN_CDB)?;

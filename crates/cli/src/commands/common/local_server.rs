@@ -77,8 +77,9 @@ pub(crate) fn build(
                 let (device, _handle) = usbwire_gadgets::mouse();
                 (server.export(spec.kind(), Box::new(device)), "mouse".to_owned())
             }
-            VirtualSpec::Disk { path, size, read_only, speed } => {
-                let options = DiskOptions { size: *size, read_only: *read_only, speed: speed.speed() };
+            VirtualSpec::Disk { path, size, read_only, speed, bad } => {
+                let options =
+                    DiskOptions { size: *size, read_only: *read_only, speed: speed.speed(), bad_blocks: bad.clone() };
                 let device = match links {
                     DiskLinks::Follow => MassStorage::open(path, &options),
                     DiskLinks::Refuse => MassStorage::open_no_follow(path, &options),
