@@ -190,3 +190,29 @@ fn step<Data>(
     };
     (discard, step)
 }
+
+#[cfg(test)]
+mod tests {
+    /// The rustls release the hand-over was reviewed against: what
+    /// `dangerous_into_kernel_connection` refuses to hand over, and what rustls may hold
+    /// (queued records, a partly deframed message) when the handshake ends.
+    const REVIEWED_RUSTLS: &str = "0.23.46";
+
+    #[test]
+    fn the_hand_over_was_reviewed_against_the_rustls_this_build_locks() {
+        let lock = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../Cargo.lock"));
+        let versions: Vec<&str> = lock
+            .split("[[package]]")
+            .filter(|package| package.contains("\nname = \"rustls\"\n"))
+            .filter_map(|package| package.lines().find_map(|line| line.strip_prefix("version = \"")))
+            .map(|version| version.trim_end_matches('"'))
+            .collect();
+        assert_eq!(
+            versions,
+            [REVIEWED_RUSTLS],
+            "rustls is not the release the TLS hand-over was reviewed against: read handshake.rs and \
+             tls_stream.rs against the new one (what it refuses to hand over, what it may still hold \
+             when the handshake ends), then set REVIEWED_RUSTLS to it"
+        );
+    }
+}

@@ -21,8 +21,12 @@ const READ_BUFFER: usize = 256 * 1024;
 /// The largest post-handshake message we reassemble, header included (rustls's limit on
 /// a handshake message).
 const MAX_HANDSHAKE_MESSAGE: usize = 4 + 0xffff;
-/// Key updates in a row with no application data between them, at most (rustls's limit).
+/// Key updates in a row with no application data between them, at most (rustls's limit;
+/// an empty application data record counts as data, as it does for rustls).
 const MAX_KEY_UPDATES_IN_A_ROW: u8 = 32;
+/// Empty records in a row, at most (rustls's `ALLOWED_CONSECUTIVE_EMPTY_FRAGMENTS_MAX`):
+/// each costs a decryption and yields nothing, so a peer could keep us busy forever.
+const MAX_EMPTY_RECORDS_IN_A_ROW: u8 = 32;
 /// Handshake message types after the handshake (RFC 8446 §4).
 const NEW_SESSION_TICKET: u8 = 4;
 const KEY_UPDATE: u8 = 24;
@@ -39,6 +43,7 @@ pub struct Reader {
     /// The start of a post-handshake message whose rest is in the next records.
     handshake: Vec<u8>,
     key_updates_in_a_row: u8,
+    empty_records_in_a_row: u8,
     /// The peer asked for a key update, not yet passed on to the send side.
     update_requested: bool,
     /// The peer's close_notify arrived.
@@ -66,6 +71,7 @@ impl Reader {
             end: held,
             handshake: Vec::new(),
             key_updates_in_a_row: 0,
+            empty_records_in_a_row: 0,
             update_requested: false,
             closed: false,
             failed: None,
@@ -161,6 +167,7 @@ impl Reader {
         let (kind, message) = if room <= buf.remaining() {
             let (kind, n) = self.rx.open_into(&self.incoming[at..at + len], buf.initialize_unfilled_to(room))?;
             self.start += len;
+            self.count_empty(n)?;
             if kind == content::APPLICATION_DATA && self.handshake.is_empty() {
                 buf.advance(n);
                 self.key_updates_in_a_row = 0;
@@ -170,6 +177,7 @@ impl Reader {
         } else {
             let (kind, range) = self.rx.open(&mut self.incoming[at..at + len])?;
             self.start += len;
+            self.count_empty(range.len())?;
             let plaintext = at + range.start..at + range.end;
             if kind == content::APPLICATION_DATA && self.handshake.is_empty() {
                 self.plain = plaintext;
@@ -179,6 +187,19 @@ impl Reader {
             (kind, self.incoming[plaintext].to_vec())
         };
         self.control(kind, &message, session)
+    }
+
+    /// Counts a record whose plaintext was `len` bytes: the 33rd empty one in a row is refused.
+    fn count_empty(&mut self, len: usize) -> Result<(), RecordError> {
+        if len > 0 {
+            self.empty_records_in_a_row = 0;
+            return Ok(());
+        }
+        if self.empty_records_in_a_row == MAX_EMPTY_RECORDS_IN_A_ROW {
+            return Err(RecordError::Unexpected("too many empty records in a row"));
+        }
+        self.empty_records_in_a_row += 1;
+        Ok(())
     }
 
     /// A record that is not application data (or application data that interrupts a
