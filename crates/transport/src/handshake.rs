@@ -38,6 +38,7 @@ pub async fn accept(
     let mut conn = rustls::server::UnbufferedServerConnection::new(config).map_err(invalid)?;
     let mut buffers = Buffers::default();
     drive(&mut tcp, &mut buffers, |incoming, outgoing, plaintext| {
+        let incoming = until_established(conn.is_handshaking(), incoming);
         step(conn.process_tls_records(incoming), outgoing, plaintext)
     })
     .await?;
@@ -56,12 +57,25 @@ pub async fn connect(
     let mut conn = rustls::client::UnbufferedClientConnection::new(config, name).map_err(invalid)?;
     let mut buffers = Buffers::default();
     drive(&mut tcp, &mut buffers, |incoming, outgoing, plaintext| {
+        let incoming = until_established(conn.is_handshaking(), incoming);
         step(conn.process_tls_records(incoming), outgoing, plaintext)
     })
     .await?;
     let (secrets, kernel) = conn.dangerous_into_kernel_connection().map_err(invalid)?;
     let established = buffers.established(Session::Client(kernel), secrets);
     TlsStream::new(tcp, established)
+}
+
+/// What rustls may read: everything while it handshakes, nothing once the handshake is
+/// done. Records after the last handshake message (a KeyUpdate in the same segment as
+/// the client's Finished, a session ticket, data) are left for our `Reader`: rustls would
+/// act on them (queue its own KeyUpdate, move its keys on) in ways the hand-over cannot
+/// carry, and a KeyUpdate it queued would be lost while its new key went on.
+fn until_established(handshaking: bool, incoming: &mut [u8]) -> &mut [u8] {
+    match handshaking {
+        true => incoming,
+        false => &mut [],
+    }
 }
 
 fn invalid(error: rustls::Error) -> io::Error {

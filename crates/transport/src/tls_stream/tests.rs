@@ -273,3 +273,62 @@ async fn a_failed_socket_write_ends_the_connection() {
     assert!(client.flush().await.is_err());
     assert!(client.shutdown().await.is_err(), "no close_notify after a failed write");
 }
+
+/// A stock rustls client driven by hand over a blocking socket: it completes its side of
+/// the handshake, asks for a key update before its Finished leaves, and sends both in one
+/// write; then sends `len` bytes and reads as many back.
+fn client_that_updates_keys_with_its_finished(
+    config: Arc<rustls::ClientConfig>,
+    addr: std::net::SocketAddr,
+    len: usize,
+) -> Result<Vec<u8>, std::io::Error> {
+    use std::io::{Read, Write};
+    let mut tcp = std::net::TcpStream::connect(addr)?;
+    let mut conn = rustls::ClientConnection::new(config, server_name()).map_err(std::io::Error::other)?;
+    while conn.is_handshaking() {
+        while conn.wants_write() {
+            conn.write_tls(&mut tcp)?;
+        }
+        conn.read_tls(&mut tcp)?;
+        conn.process_new_packets().map_err(std::io::Error::other)?;
+    }
+    conn.refresh_traffic_keys().map_err(std::io::Error::other)?;
+    conn.writer().write_all(&pattern(len, 9))?;
+    let mut segment = Vec::new();
+    while conn.wants_write() {
+        conn.write_tls(&mut segment)?;
+    }
+    tcp.write_all(&segment)?;
+    let mut got = vec![0; len];
+    let mut at = 0;
+    while at < len {
+        match conn.reader().read(&mut got[at..]) {
+            Ok(n) => at += n,
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                conn.read_tls(&mut tcp)?;
+                conn.process_new_packets().map_err(std::io::Error::other)?;
+                while conn.wants_write() {
+                    conn.write_tls(&mut tcp)?;
+                }
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(got)
+}
+
+#[tokio::test]
+async fn a_key_update_asked_for_with_the_clients_finished_is_followed() {
+    let pair = pair().await;
+    let (config, addr) = (pair.client_config.clone(), pair.listener.local_addr().unwrap());
+    let client = tokio::task::spawn_blocking(move || client_that_updates_keys_with_its_finished(config, addr, 50_000));
+    let tcp = pair.listener.accept().await.unwrap().0;
+    let (mut server, _) = handshake::accept(tcp, pair.server_config.clone()).await.unwrap();
+    let mut got = vec![0; 50_000];
+    server.read_exact(&mut got).await.unwrap();
+    assert!(got == pattern(50_000, 9), "the client's bytes, under its new key");
+    server.write_all(&got).await.unwrap();
+    server.flush().await.unwrap();
+    let echoed = client.await.unwrap().expect("the server's reply decrypts: its KeyUpdate was not lost");
+    assert!(echoed == pattern(50_000, 9));
+}
