@@ -38,8 +38,8 @@ pub async fn accept(
     let mut conn = rustls::server::UnbufferedServerConnection::new(config).map_err(invalid)?;
     let mut buffers = Buffers::default();
     drive(&mut tcp, &mut buffers, |incoming, outgoing, plaintext| {
-        let incoming = until_established(conn.is_handshaking(), incoming);
-        step(conn.process_tls_records(incoming), outgoing, plaintext)
+        let (discard, step) = step(conn.process_tls_records(incoming), outgoing, plaintext);
+        (discard, step, conn.is_handshaking())
     })
     .await?;
     let client = conn.peer_certificates().and_then(|chain| chain.first()).map(|c| c.clone().into_owned());
@@ -57,25 +57,13 @@ pub async fn connect(
     let mut conn = rustls::client::UnbufferedClientConnection::new(config, name).map_err(invalid)?;
     let mut buffers = Buffers::default();
     drive(&mut tcp, &mut buffers, |incoming, outgoing, plaintext| {
-        let incoming = until_established(conn.is_handshaking(), incoming);
-        step(conn.process_tls_records(incoming), outgoing, plaintext)
+        let (discard, step) = step(conn.process_tls_records(incoming), outgoing, plaintext);
+        (discard, step, conn.is_handshaking())
     })
     .await?;
     let (secrets, kernel) = conn.dangerous_into_kernel_connection().map_err(invalid)?;
     let established = buffers.established(Session::Client(kernel), secrets);
     TlsStream::new(tcp, established)
-}
-
-/// What rustls may read: everything while it handshakes, nothing once the handshake is
-/// done. Records after the last handshake message (a KeyUpdate in the same segment as
-/// the client's Finished, a session ticket, data) are left for our `Reader`: rustls would
-/// act on them (queue its own KeyUpdate, move its keys on) in ways the hand-over cannot
-/// carry, and a KeyUpdate it queued would be lost while its new key went on.
-fn until_established(handshaking: bool, incoming: &mut [u8]) -> &mut [u8] {
-    match handshaking {
-        true => incoming,
-        false => &mut [],
-    }
 }
 
 fn invalid(error: rustls::Error) -> io::Error {
@@ -103,18 +91,30 @@ impl Buffers {
     }
 }
 
-/// Runs `process` (one `process_tls_records` and the handling of its state) until the
-/// handshake is done, reading and writing the socket as it asks.
+/// Runs `process` (one `process_tls_records` and the handling of its state; it says
+/// whether rustls still handshakes) until the handshake is done, reading and writing the
+/// socket as it asks.
+///
+/// rustls is shown the buffered records one at a time, and none once its handshake is
+/// done: whatever follows the last handshake record (a KeyUpdate in the same segment as
+/// the client's Finished, a session ticket, data) is left for our `Reader`. rustls would
+/// act on it in ways the hand-over cannot carry: a KeyUpdate(update_requested) makes it
+/// queue its own KeyUpdate, which `dangerous_into_kernel_connection` drops, while its
+/// sending key moves on.
 async fn drive(
     tcp: &mut TcpStream,
     buffers: &mut Buffers,
-    mut process: impl FnMut(&mut [u8], &mut Vec<u8>, &mut Vec<u8>) -> (usize, Step),
+    mut process: impl FnMut(&mut [u8], &mut Vec<u8>, &mut Vec<u8>) -> (usize, Step, bool),
 ) -> io::Result<()> {
     buffers.incoming.resize(HANDSHAKE_BUFFER, 0);
     let mut failed = None;
+    let (mut handshaking, mut shown) = (true, 0);
     loop {
-        let (discard, step) =
-            process(&mut buffers.incoming[..buffers.used], &mut buffers.outgoing, &mut buffers.plaintext);
+        let offer = if handshaking { next_record_end(&buffers.incoming[..buffers.used], shown) } else { 0 };
+        let (discard, step, still) =
+            process(&mut buffers.incoming[..offer], &mut buffers.outgoing, &mut buffers.plaintext);
+        handshaking = still;
+        shown = offer - discard;
         buffers.incoming.copy_within(discard..buffers.used, 0);
         buffers.used -= discard;
         if buffers.plaintext.len() > HANDSHAKE_BUFFER {
@@ -127,6 +127,8 @@ async fn drive(
                 buffers.outgoing.clear();
             }
             Step::Read if failed.is_some() => break,
+            // The next record is buffered already: shown on the next turn.
+            Step::Read if handshaking && shown < buffers.used => {}
             Step::Read => {
                 if buffers.used == buffers.incoming.len() {
                     return Err(io::Error::new(io::ErrorKind::InvalidData, "TLS handshake message too large"));
@@ -154,13 +156,22 @@ async fn drive(
     Err(invalid(failed.unwrap_or(rustls::Error::HandshakeNotComplete)))
 }
 
+/// Where the record that starts at `from` ends in `buffered` (its end, if it is not all
+/// there yet: rustls then asks for more).
+fn next_record_end(buffered: &[u8], from: usize) -> usize {
+    match buffered.get(from + 3..from + 5) {
+        Some(len) => (from + 5 + usize::from(u16::from_be_bytes([len[0], len[1]]))).min(buffered.len()),
+        None => buffered.len(),
+    }
+}
+
 /// Handles one state of the unbuffered connection: what to discard and what to do next.
 fn step<Data>(
     status: UnbufferedStatus<'_, '_, Data>,
     outgoing: &mut Vec<u8>,
     plaintext: &mut Vec<u8>,
 ) -> (usize, Step) {
-    let UnbufferedStatus { discard, state } = status;
+    let UnbufferedStatus { mut discard, state } = status;
     let step = match state {
         Err(error) => Step::Failed(error),
         Ok(ConnectionState::EncodeTlsData(mut encode)) => {
@@ -192,7 +203,11 @@ fn step<Data>(
         Ok(ConnectionState::WriteTraffic(_)) => Step::Done,
         Ok(ConnectionState::ReadTraffic(mut traffic)) => loop {
             match traffic.next_record() {
-                Some(Ok(record)) => plaintext.extend_from_slice(record.payload),
+                // rustls: each record's `discard` MUST be added to the status's.
+                Some(Ok(record)) => {
+                    discard += record.discard;
+                    plaintext.extend_from_slice(record.payload);
+                }
                 Some(Err(error)) => break Step::Failed(error),
                 None => break Step::Again,
             }
@@ -207,6 +222,17 @@ fn step<Data>(
 
 #[cfg(test)]
 mod tests {
+    use super::next_record_end;
+
+    #[test]
+    fn records_are_shown_one_at_a_time_and_a_partial_one_whole_as_far_as_it_came() {
+        let buffered = [22, 3, 3, 0, 2, 0xaa, 0xbb, 23, 3, 3, 0, 4, 1, 2];
+        assert_eq!(next_record_end(&buffered, 0), 7);
+        assert_eq!(next_record_end(&buffered, 7), buffered.len(), "the second is not all there yet");
+        assert_eq!(next_record_end(&buffered[..9], 7), 9, "nor is its header");
+        assert_eq!(next_record_end(&buffered, buffered.len()), buffered.len());
+    }
+
     /// The rustls release the hand-over was reviewed against: what
     /// `dangerous_into_kernel_connection` refuses to hand over, and what rustls may hold
     /// (queued records, a partly deframed message) when the handshake ends.

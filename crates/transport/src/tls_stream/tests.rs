@@ -319,11 +319,20 @@ fn client_that_updates_keys_with_its_finished(
 
 #[tokio::test]
 async fn a_key_update_asked_for_with_the_clients_finished_is_followed() {
+    // With session tickets (rustls's default: its handshake ends with output to send) and without.
+    for tickets in [2, 0] {
+        key_update_with_the_clients_finished(tickets).await;
+    }
+}
+
+async fn key_update_with_the_clients_finished(tickets: usize) {
     let pair = pair().await;
+    let mut server_config = (*pair.server_config).clone();
+    server_config.send_tls13_tickets = tickets;
     let (config, addr) = (pair.client_config.clone(), pair.listener.local_addr().unwrap());
     let client = tokio::task::spawn_blocking(move || client_that_updates_keys_with_its_finished(config, addr, 50_000));
     let tcp = pair.listener.accept().await.unwrap().0;
-    let (mut server, _) = handshake::accept(tcp, pair.server_config.clone()).await.unwrap();
+    let (mut server, _) = handshake::accept(tcp, Arc::new(server_config)).await.unwrap();
     let mut got = vec![0; 50_000];
     server.read_exact(&mut got).await.unwrap();
     assert!(got == pattern(50_000, 9), "the client's bytes, under its new key");
