@@ -32,6 +32,7 @@ pub mod resume_time;
 pub mod storage;
 pub mod storage_rate;
 pub mod target;
+pub mod urb_link;
 
 use std::future::Future;
 use std::net::SocketAddr;

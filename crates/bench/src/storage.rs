@@ -1,21 +1,24 @@
-//! A Bulk-Only mass-storage host that speaks plain USB/IP the way vhci-hcd
-//! and usb-storage do: [`Host`] owns the kernel's end of a socket pair (or
-//! any byte stream), enumerates the device as the kernel does and runs SCSI
-//! commands as usb-storage runs them, one stage at a time (command block,
-//! data, status), each stage's `CMD_SUBMIT` waiting for the `RET_SUBMIT`
-//! before it. It is what the kernel relay's storage accelerator sees of a
-//! real kernel, for `usbwire bench --storage` and for tests.
+//! A Bulk-Only mass-storage host that runs URBs the way vhci-hcd and
+//! usb-storage do: [`Host`] enumerates the device as the kernel does and runs
+//! SCSI commands as usb-storage runs them, one stage at a time (command
+//! block, data, status), each stage's URB waiting for the one before to
+//! complete. Its URBs go over a [`UrbLink`]: plain USB/IP on the kernel's end
+//! of a socket pair or any byte stream ([`Wire`], what the kernel relay's
+//! storage accelerator sees of a real kernel), or a userspace
+//! `Connection` (what a usbredir guest's driver sees). For `usbwire bench
+//! --storage` and for tests.
 //!
 //! Not a SCSI initiator for real use (no command timeouts, no queueing, no
 //! retries beyond usb-storage's stall recovery), and not the accelerator
 //! itself (`usbwire_client::storage`).
 
-use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use bytes::Bytes;
+use tokio::io::{AsyncRead, AsyncWrite};
 use usbwire_device::descriptor::{ConfigurationInfo, DeviceDescriptor};
 use usbwire_device::TransferType;
-use usbwire_proto::urb::{self, CmdSubmit, ServerMessage, SubmittedShape};
-use usbwire_proto::{DecodeError, Direction, Limits, Status};
+use usbwire_proto::{Direction, Status};
+
+pub use crate::urb_link::{LinkError, Transfer, Urb, UrbLink, Wire};
 
 /// Command Block Wrapper signature, "USBC" little-endian.
 pub const CBW_SIGNATURE: u32 = 0x4342_5355;
@@ -155,18 +158,9 @@ pub struct Enumerated {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum HostError {
-    /// Reading or writing the socket failed.
-    #[error("the relay's socket failed: {0}")]
-    Io(#[from] std::io::Error),
-    /// The other end closed the socket (the relay ended): nothing more can be sent.
-    #[error("the relay closed the socket")]
-    Closed,
-    /// A reply that is not valid USB/IP, or that answers nothing outstanding.
-    #[error("invalid reply: {0}")]
-    Protocol(#[from] DecodeError),
-    /// A `RET_UNLINK` came back, though this host never unlinks.
-    #[error("a RET_UNLINK for seqnum {0}, which was never asked for")]
-    UnexpectedUnlink(u32),
+    /// A URB got no completion.
+    #[error(transparent)]
+    Link(#[from] LinkError),
     /// A control request on endpoint 0 failed.
     #[error("{request} failed with status {status}")]
     Control { request: &'static str, status: i32 },
@@ -212,34 +206,37 @@ const BULK_ONLY_RESET: u8 = 0xff;
 const DESCRIPTOR_DEVICE: u16 = 0x0100;
 const DESCRIPTOR_CONFIGURATION: u16 = 0x0200;
 
-/// A Bulk-Only host over a USB/IP byte stream (see the module docs).
+/// A Bulk-Only host over a [`UrbLink`] (see the module docs).
 #[derive(Debug)]
-pub struct Host<S> {
-    io: S,
-    devid: u32,
-    /// The last seqnum used; vhci's count from 1.
-    seqnum: u32,
+pub struct Host<L> {
+    link: L,
     /// The last CBW tag used.
     tag: u32,
-    input: BytesMut,
-    limits: Limits,
     block_len: u32,
     found: Option<Enumerated>,
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> Host<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin> Host<Wire<S>> {
     /// A host for the device `devid` (what the import's record says) on `io`.
     pub fn new(io: S, devid: u32) -> Self {
-        Self {
-            io,
-            devid,
-            seqnum: 0,
-            tag: 0,
-            input: BytesMut::with_capacity(256 * 1024),
-            limits: Limits::default(),
-            block_len: DEFAULT_BLOCK_LEN,
-            found: None,
-        }
+        Self::over(Wire::new(io, devid))
+    }
+
+    /// The stream back (to close it: dropping it detaches, as vhci's socket does).
+    pub fn into_inner(self) -> S {
+        self.link.into_inner()
+    }
+}
+
+impl<L: UrbLink> Host<L> {
+    /// A host whose URBs go over `link`.
+    pub fn over(link: L) -> Self {
+        Self { link, tag: 0, block_len: DEFAULT_BLOCK_LEN, found: None }
+    }
+
+    /// The link back.
+    pub fn into_link(self) -> L {
+        self.link
     }
 
     /// What [`enumerate`](Self::enumerate) found, once it has.
@@ -250,11 +247,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Host<S> {
     /// The block length [`read10`](Self::read10) and [`write10`](Self::write10) use.
     pub fn block_len(&self) -> u32 {
         self.block_len
-    }
-
-    /// The stream back (to close it: dropping it detaches, as vhci's socket does).
-    pub fn into_inner(self) -> S {
-        self.io
     }
 
     /// Enumerates as the kernel does: the device descriptor, the
@@ -498,8 +490,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Host<S> {
         Ok(())
     }
 
-    /// One URB: its `CMD_SUBMIT` out, then its `RET_SUBMIT` back (nothing
-    /// else is outstanding, so any other reply is the peer's mistake).
     async fn transfer(
         &mut self,
         direction: Direction,
@@ -508,39 +498,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Host<S> {
         setup: [u8; 8],
         data: Bytes,
     ) -> Result<Transfer, HostError> {
-        self.seqnum = self.seqnum.wrapping_add(1);
-        let seqnum = self.seqnum;
-        let submit = CmdSubmit::new(seqnum, self.devid, direction, ep, length, setup, data);
-        self.io.write_all(&submit.header()).await?;
-        if direction == Direction::Out && !submit.data.is_empty() {
-            self.io.write_all(&submit.data).await?;
-        }
-        self.io.flush().await?;
-        let shape = SubmittedShape { direction, transfer_buffer_length: length, iso_packets: None };
-        loop {
-            if let Some(message) =
-                urb::decode_return(&mut self.input, &self.limits, |s| (s == seqnum).then_some(shape))?
-            {
-                return match message {
-                    ServerMessage::Submit(ret) => {
-                        Ok(Transfer { status: ret.status.0, actual_length: ret.actual_length, data: ret.data })
-                    }
-                    ServerMessage::Unlink(ret) => Err(HostError::UnexpectedUnlink(ret.seqnum)),
-                };
-            }
-            self.input.reserve(64 * 1024);
-            if self.io.read_buf(&mut self.input).await? == 0 {
-                return Err(HostError::Closed);
-            }
-        }
+        Ok(self.link.transfer(Urb { direction, ep, length, setup, data }).await?)
     }
-}
-
-/// One URB's completion.
-struct Transfer {
-    status: i32,
-    actual_length: u32,
-    data: Bytes,
 }
 
 impl Transfer {
@@ -595,8 +554,10 @@ fn passed(opcode: u8, outcome: &Outcome) -> Result<(), HostError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::DuplexStream;
-    use usbwire_proto::urb::{ClientMessage, RetSubmit};
+    use bytes::BytesMut;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+    use usbwire_proto::urb::{self, ClientMessage, RetSubmit};
+    use usbwire_proto::Limits;
 
     /// One URB the scripted device expects, and its answer.
     struct Step {
@@ -657,7 +618,7 @@ mod tests {
     }
 
     /// A host whose enumeration found the disk's endpoints (0x81, 0x02).
-    fn enumerated(io: DuplexStream) -> Host<DuplexStream> {
+    fn enumerated(io: DuplexStream) -> Host<Wire<DuplexStream>> {
         let mut host = Host::new(io, 0x0001_0002);
         host.found = Some(Enumerated {
             device: DeviceDescriptor::for_speed(usbwire_device::Speed::HIGH, 0x1209, 0x0003),

@@ -23,7 +23,7 @@ use usbwire_proto::op::BusId;
 
 use crate::matrix::Progress;
 use crate::proxy::Proxy;
-use crate::storage::Host;
+use crate::storage::{Host, Wire};
 use crate::{BenchError, Direction};
 
 /// Blocks per command: usb-storage's `max_sectors` (240 × 512 B = 120 KiB).
@@ -166,7 +166,7 @@ impl Run<'_> {
     }
 
     /// Enumerates, then the reads and the writes: what each moved, in how long.
-    async fn rates(&self, host: &mut Host<UnixStream>, seconds: f64) -> Result<[Moved; 2], BenchError> {
+    async fn rates(&self, host: &mut Host<Wire<UnixStream>>, seconds: f64) -> Result<[Moved; 2], BenchError> {
         let failed = |what: &str, e: crate::storage::HostError| {
             BenchError::Unavailable(format!("{} (rtt {} ms): {what}: {e}", self.busid, self.rtt_ms))
         };

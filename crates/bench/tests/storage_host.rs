@@ -1,38 +1,46 @@
 //! The Bulk-Only host (`usbwire_bench::storage::Host`) against a real
 //! in-process server with a virtual disk, through the kernel relay as
 //! `usbwire attach` runs it, with the storage accelerator off and on (and
-//! with it, the descriptor snapshot answering the enumeration): enumeration, a megabyte written at a random block and read back,
-//! READ CAPACITY against the image's size, and a read past the end failing
-//! with the sense data a kernel expects.
+//! with it, the descriptor snapshot answering the enumeration), and through
+//! a userspace connection as the usbredir bridge runs one: enumeration, a megabyte written at a random block and read back,
+//! READ CAPACITY against the image's size, a read past the end failing
+//! with the sense data a kernel expects, and streams written and read back
+//! through a proxy that cuts the link mid-pipeline again and again.
+
+use std::net::SocketAddr;
+use std::time::Duration;
 
 use rand::{Rng, RngCore};
 use tokio::net::UnixStream;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use usbwire_bench::storage::{opcode, Data, Host, HostError};
+use usbwire_bench::proxy::Proxy;
+use usbwire_bench::storage::{opcode, Data, Host, HostError, UrbLink, Wire};
 use usbwire_bench::target::{local_disk, LocalDisk};
 use usbwire_client::relay::{RelayError, Upstream};
-use usbwire_client::{kernel_relay, Security, StorageCounters, RESUME_GIVE_UP};
+use usbwire_client::{kernel_relay, Connection, Security, StorageCounters, RESUME_GIVE_UP};
+use usbwire_proto::op::BusId;
 
 const DISK_BYTES: u64 = 8 << 20;
 
 /// Imports the disk and starts the relay on a socket pair, the accelerator
 /// as asked (and granted); the host holds the kernel's end.
-async fn attach(disk: &LocalDisk, storage: bool) -> (Host<UnixStream>, JoinHandle<Result<(), RelayError>>) {
-    let (host, relay, _) = attach_counting(disk, storage).await;
+async fn attach(disk: &LocalDisk, storage: bool) -> (Host<Wire<UnixStream>>, JoinHandle<Result<(), RelayError>>) {
+    let (host, relay, _) = attach_counting(disk.addr, &disk.busid, storage).await;
     (host, relay)
 }
 
 /// [`attach`], with the accelerator's counters as the relay publishes them.
 async fn attach_counting(
-    disk: &LocalDisk,
+    addr: SocketAddr,
+    busid: &BusId,
     storage: bool,
-) -> (Host<UnixStream>, JoinHandle<Result<(), RelayError>>, watch::Receiver<StorageCounters>) {
-    let imported = usbwire_client::import_resumable(disk.addr, &disk.busid, &Security::Plain, &[]).await.unwrap();
+) -> (Host<Wire<UnixStream>>, JoinHandle<Result<(), RelayError>>, watch::Receiver<StorageCounters>) {
+    let imported = usbwire_client::import_resumable(addr, busid, &Security::Plain, &[]).await.unwrap();
     assert!(imported.storage, "a usbwire server agrees to the storage extension");
     let devid = imported.device.devid();
     let upstream = Upstream {
-        addr: disk.addr,
+        addr,
         security: Security::Plain,
         transforms: vec![],
         resume: imported.resume,
@@ -48,14 +56,33 @@ async fn attach_counting(
 }
 
 /// Closing the kernel's end detaches: the relay ends with `Ok`.
-async fn detach(host: Host<UnixStream>, relay: JoinHandle<Result<(), RelayError>>) {
+async fn detach(host: Host<Wire<UnixStream>>, relay: JoinHandle<Result<(), RelayError>>) {
     drop(host.into_inner());
     relay.await.unwrap().unwrap();
 }
 
 async fn a_megabyte_written_at_a_random_block_reads_back_the_same(storage: bool) {
     let disk = local_disk(DISK_BYTES).unwrap();
-    let (mut host, relay, counters) = attach_counting(&disk, storage).await;
+    let (mut host, relay, counters) = attach_counting(disk.addr, &disk.busid, storage).await;
+    write_and_read_back_a_megabyte(&mut host, storage).await;
+    detach(host, relay).await;
+    // The relay's last word on what the accelerator did.
+    let done = *counters.borrow();
+    match storage {
+        true => accelerated(&done),
+        false => assert_eq!(done, StorageCounters::default(), "nothing accelerated"),
+    }
+}
+
+/// What the accelerator must have done for the megabyte's commands.
+fn accelerated(done: &StorageCounters) {
+    assert!(done.commands_pipelined >= 20, "every command went in one round trip: {done:?}");
+    assert!(done.read_ahead_hits >= 5, "the sequential megabyte was read ahead: {done:?}");
+}
+
+/// Enumerates, checks the disk's size, writes a megabyte of random bytes at
+/// a random block in usb-storage's largest commands and reads it back.
+async fn write_and_read_back_a_megabyte<L: UrbLink>(host: &mut Host<L>, storage: bool) {
     let found = host.enumerate().await.unwrap().clone();
     assert_eq!((found.bulk_in, found.bulk_out, found.max_lun), (0x81, 0x02, 0));
     let inquiry = host.inquiry().await.unwrap();
@@ -80,16 +107,6 @@ async fn a_megabyte_written_at_a_random_block_reads_back_the_same(storage: bool)
         back.extend_from_slice(&host.read10(lba + (i * 240) as u32, blocks).await.unwrap());
     }
     assert!(back == data, "storage {storage}: the megabyte at LBA {lba} did not read back the same");
-    detach(host, relay).await;
-    // The relay's last word on what the accelerator did.
-    let done = *counters.borrow();
-    match storage {
-        true => {
-            assert!(done.commands_pipelined >= 20, "every command went in one round trip: {done:?}");
-            assert!(done.read_ahead_hits >= 5, "the sequential megabyte was read ahead: {done:?}");
-        }
-        false => assert_eq!(done, StorageCounters::default(), "nothing accelerated"),
-    }
 }
 
 #[tokio::test]
@@ -105,6 +122,12 @@ async fn a_megabyte_written_at_a_random_block_reads_back_the_same_with_the_accel
 async fn a_read_past_the_end_fails_with_illegal_request_lba_out_of_range(storage: bool) {
     let disk = local_disk(DISK_BYTES).unwrap();
     let (mut host, relay) = attach(&disk, storage).await;
+    read_past_the_end(&mut host, storage).await;
+    detach(host, relay).await;
+}
+
+/// A READ past the last block fails as a local disk's does, and the disk still works after.
+async fn read_past_the_end<L: UrbLink>(host: &mut Host<L>, storage: bool) {
     host.enumerate().await.unwrap();
     let (last_lba, _) = host.read_capacity().await.unwrap();
     let [l0, l1, l2, l3] = (last_lba + 1).to_be_bytes();
@@ -118,7 +141,6 @@ async fn a_read_past_the_end_fails_with_illegal_request_lba_out_of_range(storage
     assert!(matches!(failed, Err(HostError::CommandFailed { opcode: opcode::READ_10, status: 1, .. })), "{failed:?}");
     // And the disk still works.
     assert_eq!(host.read10(last_lba, 1).await.unwrap().len(), 512);
-    detach(host, relay).await;
 }
 
 #[tokio::test]
@@ -129,6 +151,101 @@ async fn a_read_past_the_end_fails_with_illegal_request_without_the_accelerator(
 #[tokio::test]
 async fn a_read_past_the_end_fails_with_illegal_request_with_the_accelerator() {
     a_read_past_the_end_fails_with_illegal_request_lba_out_of_range(true).await;
+}
+
+/// A userspace connection to the disk, as the usbredir bridge makes for a VM
+/// (`usbwire redir`): resumable, and so accelerated by a usbwire server.
+async fn connect(addr: SocketAddr, busid: &BusId) -> Host<Connection> {
+    let (connection, _) = Connection::import_resumable(addr, busid, &Security::Plain, &[]).await.unwrap();
+    assert_eq!(
+        connection.storage_counters(),
+        Some(StorageCounters::default()),
+        "a usbwire server agrees to the storage extension: the connection runs the accelerator"
+    );
+    Host::over(connection)
+}
+
+#[tokio::test]
+async fn a_megabyte_through_a_userspace_connection_is_accelerated_and_reads_back_the_same() {
+    let disk = local_disk(DISK_BYTES).unwrap();
+    let mut host = connect(disk.addr, &disk.busid).await;
+    write_and_read_back_a_megabyte(&mut host, true).await;
+    let connection = host.into_link();
+    accelerated(&connection.storage_counters().unwrap());
+    connection.close().await;
+}
+
+#[tokio::test]
+async fn a_read_past_the_end_through_a_userspace_connection_fails_as_a_local_disks() {
+    let disk = local_disk(DISK_BYTES).unwrap();
+    let mut host = connect(disk.addr, &disk.busid).await;
+    read_past_the_end(&mut host, true).await;
+    let connection = host.into_link();
+    assert!(connection.storage_counters().unwrap().commands_pipelined > 0);
+    connection.close().await;
+}
+
+/// Writes and reads back sequential streams while `proxy` cuts the link
+/// every few milliseconds: every cut lands with commands, status reads and
+/// reads ahead in flight, the session resumes, and every byte read is the
+/// one written. Returns how many cuts there were.
+async fn streams_through_cuts<L: UrbLink>(host: &mut Host<L>, proxy: &Proxy) -> u32 {
+    host.enumerate().await.unwrap();
+    host.read_capacity().await.unwrap();
+    let mut cuts = 0;
+    let cutting = async {
+        #[allow(clippy::infinite_loop)]
+        loop {
+            tokio::time::sleep(Duration::from_millis(rand::thread_rng().gen_range(5..40))).await;
+            proxy.cut_all();
+            cuts += 1;
+        }
+    };
+    let streams = async {
+        for round in 0..4u8 {
+            // 2 MiB at a block of its own per round, in usb-storage's largest commands.
+            let lba = u32::from(round) * 4096 + 8;
+            let mut data = vec![0u8; 2 << 20];
+            rand::thread_rng().fill_bytes(&mut data);
+            for (i, chunk) in data.chunks(240 * 512).enumerate() {
+                host.write10(lba + (i * 240) as u32, chunk).await.unwrap();
+            }
+            let mut back = Vec::with_capacity(data.len());
+            for (i, chunk) in data.chunks(240 * 512).enumerate() {
+                back.extend_from_slice(&host.read10(lba + (i * 240) as u32, (chunk.len() / 512) as u16).await.unwrap());
+            }
+            assert!(back == data, "round {round}: the stream at LBA {lba} did not read back the same through the cuts");
+        }
+    };
+    tokio::select! {
+        () = streams => {}
+        () = cutting => unreachable!("the cuts go on until the streams are done"),
+    }
+    cuts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_mid_pipeline_loses_nothing_through_the_kernel_relay() {
+    let disk = local_disk(DISK_BYTES * 2).unwrap();
+    let proxy = Proxy::start(disk.addr, Duration::ZERO, Duration::ZERO).await.unwrap();
+    let (mut host, relay, counters) = attach_counting(proxy.addr, &disk.busid, true).await;
+    let cuts = streams_through_cuts(&mut host, &proxy).await;
+    assert!(cuts >= 5, "only {cuts} cuts: make the streams longer");
+    detach(host, relay).await;
+    accelerated(&counters.borrow());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_mid_pipeline_loses_nothing_through_a_userspace_connection() {
+    let disk = local_disk(DISK_BYTES * 2).unwrap();
+    let proxy = Proxy::start(disk.addr, Duration::ZERO, Duration::ZERO).await.unwrap();
+    let mut host = connect(proxy.addr, &disk.busid).await;
+    let cuts = streams_through_cuts(&mut host, &proxy).await;
+    assert!(cuts >= 5, "only {cuts} cuts: make the streams longer");
+    let connection = host.into_link();
+    assert!(connection.is_resumable());
+    accelerated(&connection.storage_counters().unwrap());
+    connection.close().await;
 }
 
 #[tokio::test]

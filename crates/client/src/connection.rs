@@ -25,10 +25,11 @@ use usbwire_proto::urb::{CmdUnlink, RetSubmit};
 use usbwire_proto::Budget;
 use usbwire_transport::PeerStream;
 
+use crate::accelerators::Accelerators;
 use crate::relay::{self, RelayError, RelayState, Upstream};
 use crate::transfer::build_submit;
 use crate::waiters::{ApiFront, Handle, Request, Shared, Waiter};
-use crate::{ClientError, Imported, Security, Transfer, TransferError, TransferQueue, TransformSpec};
+use crate::{ClientError, Imported, Security, StorageCounters, Transfer, TransferError, TransferQueue, TransformSpec};
 
 /// How long a resumable connection keeps trying to reach its server before
 /// it gives the session up (as `usbwire attach` does). A server that no
@@ -122,8 +123,8 @@ impl Connection {
             transforms: transforms.to_vec(),
             resume: imported.resume,
             give_up_after: RESUME_GIVE_UP,
-            storage: false,
-            descriptors: None,
+            storage: imported.storage,
+            descriptors: imported.descriptors,
         };
         let busid = &device.busid;
         let span = tracing::info_span!(target: "usbwire::client", "resumable", %addr, %busid, devid = device.devid());
@@ -131,7 +132,8 @@ impl Connection {
     }
 
     fn start(stream: PeerStream, devid: u32, upstream: Upstream, span: tracing::Span) -> Self {
-        let (shared, handle) = Shared::new(relay::new_session(devid, &upstream, Budget::default()));
+        let accelerators = Accelerators::new(devid, &upstream);
+        let (shared, handle) = Shared::new(relay::new_session(devid, &upstream, Budget::default()), accelerators);
         let resumable = upstream.resume.is_some();
         let (state, states) = match resumable {
             true => {
@@ -145,6 +147,7 @@ impl Connection {
         let relay = tokio::spawn(
             async move {
                 let result = relay::drive(&mut front, stream, upstream, state).await;
+                front.log_acceleration();
                 // Closes the connection: what is pending fails as disconnected.
                 drop(front);
                 let ended = match result {
@@ -188,6 +191,14 @@ impl Connection {
                 Err(_) => ConnectionEnd::Lost("the connection's relay task stopped".into()),
             }
         }
+    }
+
+    /// What the storage accelerator did: `None` unless it runs (the server
+    /// agreed to the storage extension with resume, `docs/protocol.md` §5.7).
+    /// A device's Bulk-Only commands run through it as through `usbwire
+    /// attach`'s relay, one at a time as usb-storage runs them.
+    pub fn storage_counters(&self) -> Option<StorageCounters> {
+        self.shared.storage_counters()
     }
 
     /// Whether the server granted resume (see [`Connection::import_resumable`]).

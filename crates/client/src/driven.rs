@@ -46,7 +46,7 @@ impl DrivenConnection {
     }
 
     fn with_session(devid: u32, budget: Budget, session: ClientSession<Waiter>) -> Self {
-        let (shared, handle) = Shared::new(session);
+        let (shared, handle) = Shared::new(session, None);
         let front = ApiFront::new(shared.clone());
         let input = RecvBuffer::with_capacity(READ_CHUNK);
         Self { devid, handle: Some(handle), shared, front, budget, input, wire: Outbox::default() }
@@ -67,7 +67,7 @@ impl DrivenConnection {
             None => {
                 // Ended: a queue that fails every submit, as one of a closed connection does.
                 let session = ClientSession::new(self.devid, Limits::default(), self.budget.clone());
-                let (shared, handle) = Shared::new(session);
+                let (shared, handle) = Shared::new(session, None);
                 shared.close();
                 TransferQueue::new(self.devid, handle)
             }

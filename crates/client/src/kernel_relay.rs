@@ -3,8 +3,8 @@
 //! replies back; [`run`] decodes the commands into the session the relay
 //! drives (its own, held without a lock) and encodes each reply for the
 //! kernel, answering its enumeration from the import's descriptor snapshot
-//! (`enumeration`) and its mass storage through the accelerator (`storage`)
-//! when the server agreed to them. It owns the kernel's socket and the bytes to and from it; the
+//! and its mass storage through the accelerator (`accelerators`) when the
+//! server agreed to them. It owns the kernel's socket and the bytes to and from it; the
 //! relay's loop, resume and keep-alive are `relay`'s; the userspace front is
 //! `waiters`'. Not for anything but vhci-hcd: the kernel is trusted to send
 //! well-formed isochronous descriptors (`urb::announces_iso_packets`).
@@ -22,10 +22,10 @@ use usbwire_proto::urb::{self, ClientMessage, ServerMessage};
 use usbwire_proto::{Budget, Limits, Outbox};
 use usbwire_transport::PeerStream;
 
-use crate::enumeration::Enumeration;
+use crate::accelerators::Accelerators;
 use crate::relay::{drive, new_session, Front, RelayError, RelayState, Step, Upstream, END_TIMEOUT};
 use crate::relay_wire::poll_write_all;
-use crate::storage::{Accelerator, StorageCounters};
+use crate::storage::StorageCounters;
 
 /// Replies waiting for the kernel to read them before the relay stops reading the server.
 const KERNEL_BACKLOG: usize = 8 * 1024 * 1024;
@@ -48,38 +48,21 @@ pub async fn run<K>(
 where
     K: AsyncRead + AsyncWrite + Unpin,
 {
-    let storage = upstream.storage.then(|| Accelerator::with_snapshot(devid, upstream.descriptors.as_ref()));
-    let enumeration = upstream.descriptors.clone().map(Enumeration::new);
     let front = KernelFront {
         kernel,
         kernel_in: BytesMut::with_capacity(64 * 1024),
         kernel_out: Outbox::default(),
-        storage,
-        enumeration,
+        accelerators: Accelerators::new(devid, &upstream),
         counters: counters.map(|sender| (sender, Instant::now())),
     };
     // The kernel's session is the relay's alone: held without a lock.
     let mut held = (new_session(devid, &upstream, Budget::default()), front);
     let result = drive(&mut held, stream, upstream, state).await;
-    if let Some(enumeration) = &held.1.enumeration {
-        tracing::info!(answered = enumeration.answered(), "enumeration answered from the descriptor snapshot");
-    }
-    if let Some(storage) = &held.1.storage {
-        let counters = storage.counters();
-        if let Some((sender, _)) = &held.1.counters {
+    if let Some(accelerators) = &held.1.accelerators {
+        if let (Some(counters), Some((sender, _))) = (accelerators.storage_counters(), &held.1.counters) {
             sender.send_replace(counters);
         }
-        if counters.commands_pipelined > 0 {
-            tracing::info!(
-                commands_pipelined = counters.commands_pipelined,
-                statuses_ahead = counters.statuses_ahead,
-                statuses_wasted = counters.statuses_wasted,
-                read_ahead_hits = counters.read_ahead_hits,
-                bytes_read_ahead = counters.bytes_read_ahead,
-                bytes_wasted = counters.bytes_wasted,
-                "mass storage accelerated"
-            );
-        }
+        accelerators.log_summary();
     }
     if let Err(RelayError::Reenumerated { .. }) = &result {
         // The replies before the end (a DFU_DETACH's) reach the kernel first.
@@ -109,10 +92,9 @@ struct KernelFront<K> {
     kernel_in: BytesMut,
     /// Replies for the kernel.
     kernel_out: Outbox,
-    /// Mass-storage commands in one round trip, when the server runs stages.
-    storage: Option<Accelerator>,
-    /// The kernel's `GET_DESCRIPTOR`s answered from the import's snapshot.
-    enumeration: Option<Enumeration>,
+    /// The kernel's `GET_DESCRIPTOR`s answered from the import's snapshot,
+    /// and mass-storage commands in one round trip, when the server agreed.
+    accelerators: Option<Accelerators>,
     /// Where its counters go, and when they last went.
     counters: Option<(watch::Sender<StorageCounters>, Instant)>,
 }
@@ -125,17 +107,17 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
             return Ok(Step::Idle);
         }
         let mut released = false;
-        if let (Some(storage), Some((sender, published))) = (&self.storage, &mut self.counters) {
-            let counters = storage.counters();
+        let storage = self.accelerators.as_ref().and_then(Accelerators::storage_counters);
+        if let (Some(counters), Some((sender, published))) = (storage, &mut self.counters) {
             if published.elapsed() >= COUNTERS_EVERY && *sender.borrow() != counters {
                 sender.send_replace(counters);
                 *published = Instant::now();
             }
         }
-        if let Some(storage) = &mut self.storage {
+        if let Some(accelerators) = &mut self.accelerators {
             // Commands that waited for the reads ahead in flight.
             let kernel_out = &mut self.kernel_out;
-            released = storage
+            released = accelerators
                 .release(&mut |message| to_server(session, message), &mut |reply| push_reply(kernel_out, reply))?;
         }
         // Whole commands left over from a read the session's budget cut short come first.
@@ -161,12 +143,9 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
 
     #[inline]
     fn deliver(&mut self, event: Event<()>) {
-        if let Some(enumeration) = &mut self.enumeration {
-            enumeration.server_sent(&event);
-        }
         let kernel_out = &mut self.kernel_out;
-        match (&mut self.storage, event) {
-            (Some(storage), event) => storage.server_sent(event, &mut |reply| push_reply(kernel_out, reply)),
+        match (&mut self.accelerators, event) {
+            (Some(accelerators), event) => accelerators.server_sent(event, &mut |reply| push_reply(kernel_out, reply)),
             (None, Event::Completed { reply, .. }) => kernel_out.push_ret_submit(&reply),
             (None, Event::Unlinked { reply, .. }) => kernel_out.push_ret_unlink(&reply),
         }
@@ -196,20 +175,10 @@ impl<K: AsyncRead + AsyncWrite + Unpin> KernelFront<K> {
             let message = urb::decode_command(&mut self.kernel_in, &limits, |_, _| iso)
                 .map_err(|error| RelayError::Kernel(error.to_string()))?;
             let Some(message) = message else { return Ok(()) };
-            let message = match &mut self.enumeration {
-                Some(enumeration) => {
+            match &mut self.accelerators {
+                Some(accelerators) => {
                     let kernel_out = &mut self.kernel_out;
-                    match enumeration.kernel_sent(message, &mut |reply| push_reply(kernel_out, reply)) {
-                        Some(message) => message,
-                        None => continue,
-                    }
-                }
-                None => message,
-            };
-            match &mut self.storage {
-                Some(storage) => {
-                    let kernel_out = &mut self.kernel_out;
-                    storage.kernel_sent(message, &mut |message| to_server(session, message), &mut |reply| {
+                    accelerators.host_sent(message, &mut |message| to_server(session, message), &mut |reply| {
                         push_reply(kernel_out, reply)
                     })?
                 }

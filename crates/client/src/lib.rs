@@ -24,7 +24,8 @@
 //! `op_exchange` (device list, states, transforms, import), `transfer` (what a
 //! caller asks of an endpoint), `connection` and `queue` (the URB channel's
 //! API), `waiters` (the session the callers and the relay share, replies to
-//! their waiters),
+//! their waiters), `accelerators` (the descriptor snapshot and the storage
+//! accelerator between either front, kernel or userspace, and the session),
 //! [`relay`] (the task driving the session), `error`; [`vhci`]
 //! attaches to the kernel, [`attach::Attachment`] is one device attached
 //! there and kept so (`usbwire attach` in all its forms, `usbwire client`'s
@@ -38,6 +39,7 @@
 //! session is resumable, encrypted or transformed, one end of a socket pair
 //! whose other end the [`relay`] carries.
 
+mod accelerators;
 pub mod attach;
 pub mod describe;
 mod driven;

@@ -12,8 +12,11 @@
 //! without the lock, and has the session decode what it read, each reply going
 //! to its waiter as it is decoded ([`Callers`] is the relay's front): a reply
 //! future, or a queue's [`Inbox`] (a read's replies for one queue go over
-//! together, see [`Deliveries`]). Not for the relay's loop or its I/O
-//! (`relay`), nor for how a queue batches its URBs (`queue`).
+//! together, see [`Deliveries`]). When the server agreed to the
+//! accelerators (`accelerators`), a caller's command goes through them on
+//! its way into the session, and every reply comes back to its waiter by
+//! seqnum ([`Routed`]). Not for the relay's loop or its I/O (`relay`), nor
+//! for how a queue batches its URBs (`queue`).
 //!
 //! Everything here is bounded by the connection's [`Budget`], the session's:
 //! a command goes in while the session has room for it
@@ -35,11 +38,13 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 use tracing::debug;
 use usbwire_proto::client_session::{ClientSession, ClientSessionError, Event};
-use usbwire_proto::urb::{CmdSubmit, CmdUnlink, RetSubmit};
+use usbwire_proto::urb::{ClientMessage, CmdSubmit, CmdUnlink, RetSubmit};
 use usbwire_proto::Status;
 
+use crate::accelerators::{Accelerators, Routed};
 use crate::inbox::{Deliveries, Inbox};
 use crate::relay::{Front, Hold, RelayError, Step};
+use crate::storage::StorageCounters;
 use crate::TransferError;
 
 /// A command on its way to the session.
@@ -65,6 +70,9 @@ pub(crate) enum Waiter {
     /// A [`TransferQueue`](crate::TransferQueue), by id: the reply joins its
     /// inbox's ready list. (By id, so queueing a URB takes no `Arc` clone.)
     Queue(u64),
+    /// The session's tag for what went through the accelerators: the
+    /// caller's own waiter is with [`Routed`], and so is the reply.
+    Routed,
 }
 
 impl Waiter {
@@ -81,6 +89,7 @@ impl Waiter {
                 batch.add(id, ret, queues);
                 false
             }
+            Self::Routed => false,
         }
     }
 }
@@ -135,6 +144,9 @@ pub(crate) struct Callers {
     /// The session's outbox's written count when the relay last took
     /// commands: more means its bytes were taken, which makes room too.
     taken: u64,
+    /// The accelerators the server agreed to, and the waiters of what went
+    /// through them.
+    routed: Option<Box<Routed<Waiter>>>,
 }
 
 impl Callers {
@@ -142,9 +154,19 @@ impl Callers {
     /// outbox while connected); a refusal ends the connection.
     #[inline(always)]
     fn submit(&mut self, session: &mut ClientSession<Waiter>, request: Request) {
-        let submitted = match request {
-            Request::Submit(submit, waiter) => session.submit(submit, waiter),
-            Request::Unlink(unlink) => session.unlink(unlink),
+        let submitted = match (&mut self.routed, request) {
+            (None, Request::Submit(submit, waiter)) => session.submit(submit, waiter),
+            (None, Request::Unlink(unlink)) => session.unlink(unlink),
+            (Some(routed), request) => {
+                let (message, waiter) = match request {
+                    Request::Submit(submit, waiter) => (ClientMessage::Submit(submit), Some(waiter)),
+                    Request::Unlink(unlink) => (ClientMessage::Unlink(unlink), None),
+                };
+                let (deliveries, queues, futures) = (&mut self.deliveries, &self.queues, &mut self.answered_futures);
+                routed.caller_sent(message, waiter, &mut |message| to_session(session, message), &mut |waiter, ret| {
+                    *futures |= waiter.deliver(ret, deliveries, queues)
+                })
+            }
         };
         if let Err(error) = submitted {
             self.failed.get_or_insert(error);
@@ -167,7 +189,9 @@ impl Callers {
 impl Shared {
     /// A connection whose commands go into `session` (which keeps them to
     /// its budget), with its first handle.
-    pub(crate) fn new(session: ClientSession<Waiter>) -> (Arc<Self>, Handle) {
+    /// `accelerators`, when the server agreed to any, sit between the
+    /// callers and the session.
+    pub(crate) fn new(session: ClientSession<Waiter>, accelerators: Option<Accelerators>) -> (Arc<Self>, Handle) {
         let callers = Callers {
             overflow: VecDeque::new(),
             failed: None,
@@ -180,6 +204,7 @@ impl Shared {
             answered: false,
             answered_futures: false,
             taken: 0,
+            routed: accelerators.map(|accelerators| Box::new(Routed::new(accelerators))),
         };
         let state = State { session, callers };
         let shared = Arc::new(Self {
@@ -210,6 +235,19 @@ impl Shared {
             let waiting: usize = state.callers.overflow.iter().map(Request::bytes).sum();
             (urbs + state.callers.overflow.len(), bytes + waiting)
         })
+    }
+
+    /// What the storage accelerator did, when it runs.
+    pub(crate) fn storage_counters(&self) -> Option<StorageCounters> {
+        let guard = self.state();
+        guard.as_ref()?.callers.routed.as_ref()?.accelerators().storage_counters()
+    }
+
+    /// Logs what the accelerators did (as the connection ends).
+    pub(crate) fn log_acceleration(&self) {
+        if let Some(routed) = self.state().as_ref().and_then(|state| state.callers.routed.as_ref()) {
+            routed.accelerators().log_summary();
+        }
     }
 
     /// Whether the connection is gone: nothing sent now will be answered.
@@ -252,6 +290,12 @@ impl Shared {
         if force {
             callers.overflow.append(requests);
         }
+        // Replies the accelerators answered at once.
+        let mut wake = Vec::new();
+        if took && callers.routed.is_some() {
+            callers.deliveries.hand_over();
+            wake.append(&mut callers.deliveries.wake);
+        }
         if let (false, Some(cx)) = (requests.is_empty(), cx) {
             if !callers.room.iter().any(|waker| waker.will_wake(cx.waker())) {
                 callers.room.push(cx.waker().clone());
@@ -262,6 +306,7 @@ impl Shared {
         if let Some(relay) = relay {
             relay.wake();
         }
+        wake.into_iter().for_each(Waker::wake);
         Ok(())
     }
 
@@ -362,6 +407,11 @@ impl ApiFront {
     pub(crate) fn new(shared: Arc<Shared>) -> Self {
         Self { shared, wake: Vec::new() }
     }
+
+    /// Logs what the accelerators did, before the connection closes.
+    pub(crate) fn log_acceleration(&self) {
+        self.shared.log_acceleration();
+    }
 }
 
 impl Hold for ApiFront {
@@ -409,7 +459,18 @@ impl Front for Callers {
         let taken = session.outbox().written();
         let room = std::mem::take(&mut self.answered) || taken != self.taken;
         self.taken = taken;
-        let admitted = room && !self.overflow.is_empty() && self.admit_overflow(session);
+        let mut admitted = room && !self.overflow.is_empty() && self.admit_overflow(session);
+        if let (true, Some(routed)) = (room, &mut self.routed) {
+            // The callers' commands that waited for reads ahead now back.
+            let (deliveries, queues, futures) = (&mut self.deliveries, &self.queues, &mut self.answered_futures);
+            let released = routed.release(&mut |message| to_session(session, message), &mut |waiter, ret| {
+                *futures |= waiter.deliver(ret, deliveries, queues)
+            });
+            match released {
+                Ok(released) => admitted |= released,
+                Err(error) => return Err(error.into()),
+            }
+        }
         if room && !self.room.is_empty() {
             // Woken as the lock is released (see `ApiFront::hold`).
             self.deliveries.wake.append(&mut self.room);
@@ -430,6 +491,10 @@ impl Front for Callers {
     #[inline(always)]
     fn deliver(&mut self, event: Event<Waiter>) {
         self.answered = true;
+        if let Some(routed) = &mut self.routed {
+            let (deliveries, queues, futures) = (&mut self.deliveries, &self.queues, &mut self.answered_futures);
+            return routed.server_sent(event, &mut |waiter, ret| *futures |= waiter.deliver(ret, deliveries, queues));
+        }
         match event {
             // The many: a queue's reply joins the others of this read (kept short, so inlined).
             Event::Completed { reply, tag: Waiter::Queue(id) } => self.deliveries.add(id, reply, &self.queues),
@@ -464,6 +529,14 @@ fn deliver_other(event: Event<Waiter>, deliveries: &mut Deliveries, queues: &[(u
                 None => false,
             }
         }
+    }
+}
+
+/// A command the accelerators send on, into the session (its reply comes back through them).
+fn to_session(session: &mut ClientSession<Waiter>, message: ClientMessage) -> Result<(), ClientSessionError> {
+    match message {
+        ClientMessage::Submit(submit) => session.submit(submit, Waiter::Routed),
+        ClientMessage::Unlink(unlink) => session.unlink(unlink),
     }
 }
 
@@ -505,7 +578,7 @@ mod tests {
     }
 
     fn connection(budget: Budget) -> (Arc<Shared>, Handle, ApiFront) {
-        let (shared, handle) = Shared::new(ClientSession::new(1, Limits::default(), budget));
+        let (shared, handle) = Shared::new(ClientSession::new(1, Limits::default(), budget), None);
         let front = ApiFront::new(shared.clone());
         (shared, handle, front)
     }
