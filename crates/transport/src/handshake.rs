@@ -9,13 +9,11 @@
 use std::io;
 use std::sync::Arc;
 
+use crate::tls_stream::{Established, Session, Socket, TlsStream};
 use rustls::pki_types::{CertificateDer, ServerName};
 use rustls::unbuffered::{ConnectionState, EncodeError, UnbufferedStatus};
 use rustls::{ClientConfig, ServerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
-
-use crate::tls_stream::{Established, Session, TlsStream};
 
 /// Handshake bytes buffered at most (rustls limits a handshake message to 64 KiB).
 const HANDSHAKE_BUFFER: usize = 80 * 1024;
@@ -31,10 +29,10 @@ enum Step {
 
 /// Accepts a TLS client on `tcp`. Returns the stream and the client's certificate (the
 /// first of its chain; `None` if it sent none, which our server config never allows).
-pub async fn accept(
-    mut tcp: TcpStream,
+pub async fn accept<S: Socket>(
+    mut tcp: S,
     config: Arc<ServerConfig>,
-) -> io::Result<(TlsStream, Option<CertificateDer<'static>>)> {
+) -> io::Result<(TlsStream<S>, Option<CertificateDer<'static>>)> {
     let mut conn = rustls::server::UnbufferedServerConnection::new(config).map_err(invalid)?;
     let mut buffers = Buffers::default();
     drive(&mut tcp, &mut buffers, |incoming, outgoing, plaintext| {
@@ -49,11 +47,11 @@ pub async fn accept(
 }
 
 /// Connects to a TLS server on `tcp` as `name`.
-pub async fn connect(
-    mut tcp: TcpStream,
+pub async fn connect<S: Socket>(
+    mut tcp: S,
     config: Arc<ClientConfig>,
     name: ServerName<'static>,
-) -> io::Result<TlsStream> {
+) -> io::Result<TlsStream<S>> {
     let mut conn = rustls::client::UnbufferedClientConnection::new(config, name).map_err(invalid)?;
     let mut buffers = Buffers::default();
     drive(&mut tcp, &mut buffers, |incoming, outgoing, plaintext| {
@@ -101,8 +99,8 @@ impl Buffers {
 /// act on it in ways the hand-over cannot carry: a KeyUpdate(update_requested) makes it
 /// queue its own KeyUpdate, which `dangerous_into_kernel_connection` drops, while its
 /// sending key moves on.
-async fn drive(
-    tcp: &mut TcpStream,
+async fn drive<S: Socket>(
+    tcp: &mut S,
     buffers: &mut Buffers,
     mut process: impl FnMut(&mut [u8], &mut Vec<u8>, &mut Vec<u8>) -> (usize, Step, bool),
 ) -> io::Result<()> {

@@ -42,7 +42,7 @@ pub use record::{PeerSession, RecordError, MAX_PLAINTEXT};
 pub use record_reader::Reader;
 pub use record_writer::Writer;
 pub use stream::{poll_write_outbox, write_all_parts, PeerStream};
-pub use tls_stream::TlsStream;
+pub use tls_stream::{Socket, TlsStream};
 
 /// The record layer's parts with keys of the caller's choosing, for the fuzz harnesses
 /// (`fuzz/src/tls_records.rs`, `fuzz/src/tls_pair.rs`). Not an API: connections come

@@ -156,6 +156,13 @@ impl Sealer {
         self.0.sequence
     }
 
+    /// The nonce of the next record we seal.
+    fn next_nonce(&mut self) -> Result<aead::Nonce, RecordError> {
+        #[cfg(test)]
+        testing::record_sealed(self.0.iv, self.0.sequence);
+        self.0.next_nonce()
+    }
+
     /// Seals `plaintext` (at most [`MAX_PLAINTEXT`] bytes) as one record of type `kind`
     /// at the front of `out` (at least [`wire_len`] bytes), encrypting it out of place: the
     /// plaintext is read once, by the cipher. Returns the record's length.
@@ -165,7 +172,7 @@ impl Sealer {
         let (head, rest) = out.get_mut(..len).ok_or(RecordError::Seal)?.split_at_mut(HEADER);
         head.copy_from_slice(&header);
         let (ciphertext, type_and_tag) = rest.split_at_mut(plaintext.len());
-        let nonce = self.0.next_nonce()?;
+        let nonce = self.next_nonce()?;
         self.0
             .key
             .seal_out_of_place_scatter(nonce, aead::Aad::from(header), plaintext, ciphertext, &[kind], type_and_tag)
@@ -183,7 +190,7 @@ impl Sealer {
         record[..HEADER].copy_from_slice(&header);
         record[HEADER + len] = kind;
         let (inner, tag) = record[HEADER..].split_at_mut(len + 1);
-        let nonce = self.0.next_nonce()?;
+        let nonce = self.next_nonce()?;
         let sealed = self
             .0
             .key
@@ -191,6 +198,29 @@ impl Sealer {
             .map_err(|_| RecordError::Seal)?;
         tag.copy_from_slice(sealed.as_ref());
         Ok(total)
+    }
+}
+
+/// Every (key, sequence number) this thread sealed a record under since it last took
+/// them, for tests that check none repeats. A key is known by its IV, which is derived
+/// from the same traffic secret.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::cell::RefCell;
+
+    use aws_lc_rs::aead::NONCE_LEN;
+
+    thread_local! {
+        static SEALED: RefCell<Vec<([u8; NONCE_LEN], u64)>> = const { RefCell::new(Vec::new()) };
+    }
+
+    pub(crate) fn record_sealed(iv: [u8; NONCE_LEN], sequence: u64) {
+        SEALED.with(|sealed| sealed.borrow_mut().push((iv, sequence)));
+    }
+
+    /// What was sealed since the last call, in order.
+    pub(crate) fn take_sealed() -> Vec<([u8; NONCE_LEN], u64)> {
+        SEALED.with(|sealed| std::mem::take(&mut *sealed.borrow_mut()))
     }
 }
 

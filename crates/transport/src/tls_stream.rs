@@ -1,4 +1,5 @@
-//! A TLS 1.3 connection after its handshake: the record layer over a TCP socket.
+//! A TLS 1.3 connection after its handshake: the record layer over a TCP socket (or any
+//! [`Socket`]: tests script one that takes a few bytes, would block or fails).
 //!
 //! rustls runs the handshake (`handshake`) and then hands over the traffic keys and a
 //! `KernelConnection` (the API it offers kernel TLS), which keeps what only it can do: new
@@ -83,22 +84,36 @@ pub(crate) struct Established {
     pub(crate) ciphertext: Vec<u8>,
 }
 
-/// A TLS 1.3 connection over TCP, past its handshake.
-pub struct TlsStream {
-    tcp: TcpStream,
+/// What a [`TlsStream`] runs over: a byte stream that can also take bytes at once, without
+/// waiting and without registering a wake-up (an alert on the way out of a failed read
+/// must not take the waker of a task waiting to write).
+pub trait Socket: AsyncRead + AsyncWrite + Unpin {
+    /// Writes what the socket takes now; `WouldBlock` when it takes nothing.
+    fn try_write_now(&mut self, buf: &[u8]) -> io::Result<usize>;
+}
+
+impl Socket for TcpStream {
+    fn try_write_now(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.try_write(buf)
+    }
+}
+
+/// A TLS 1.3 connection over TCP (or another [`Socket`]), past its handshake.
+pub struct TlsStream<S = TcpStream> {
+    tcp: S,
     session: Session,
     tx: Writer,
     rx: Reader,
 }
 
-impl std::fmt::Debug for TlsStream {
+impl<S: std::fmt::Debug> std::fmt::Debug for TlsStream<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TlsStream").field("tcp", &self.tcp).field("tx_sequence", &self.tx.sequence()).finish()
     }
 }
 
-impl TlsStream {
-    pub(crate) fn new(tcp: TcpStream, established: Established) -> io::Result<Self> {
+impl<S: Socket> TlsStream<S> {
+    pub(crate) fn new(tcp: S, established: Established) -> io::Result<Self> {
         let Established { session, tx, rx, plaintext, ciphertext } = established;
         let limit = match session.suite() {
             SupportedCipherSuite::Tls13(suite) => suite.common.confidentiality_limit,
@@ -109,8 +124,8 @@ impl TlsStream {
         Ok(Self { tcp, session, tx: Writer::new(tx, limit)?, rx: Reader::new(rx, &plaintext, &ciphertext)? })
     }
 
-    /// The TCP socket underneath.
-    pub fn get_ref(&self) -> &TcpStream {
+    /// The socket underneath.
+    pub fn get_ref(&self) -> &S {
         &self.tcp
     }
 
@@ -132,7 +147,7 @@ impl TlsStream {
                 tracing::debug!(?alert, "TLS alert sent");
             }
             while !self.tx.pending().is_empty() {
-                match self.tcp.try_write(self.tx.pending()) {
+                match self.tcp.try_write_now(self.tx.pending()) {
                     Ok(n) if n > 0 => self.tx.sent(n),
                     _ => break,
                 }
@@ -162,7 +177,7 @@ impl TlsStream {
     }
 }
 
-impl AsyncRead for TlsStream {
+impl<S: Socket> AsyncRead for TlsStream<S> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         loop {
@@ -180,7 +195,7 @@ impl AsyncRead for TlsStream {
     }
 }
 
-impl AsyncWrite for TlsStream {
+impl<S: Socket> AsyncWrite for TlsStream<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
     }

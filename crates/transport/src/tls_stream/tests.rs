@@ -341,3 +341,5 @@ async fn key_update_with_the_clients_finished(tickets: usize) {
     let echoed = client.await.unwrap().expect("the server's reply decrypts: its KeyUpdate was not lost");
     assert!(echoed == pattern(50_000, 9));
 }
+
+mod schedules;
