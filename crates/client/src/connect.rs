@@ -130,7 +130,7 @@ pub(crate) async fn connect(addr: SocketAddr, security: &Security) -> Result<Pee
         .map_err(|e| ClientError::Tls { addr: key.clone(), reason: e.to_string() })?;
     let handshake = tokio::time::timeout(
         OP_TIMEOUT,
-        usbwire_transport::handshake::connect(tcp, config, usbwire_transport::tls::server_name()),
+        usbwire_transport::connect_tls(tcp, config, usbwire_transport::tls::server_name()),
     );
     let stream = match handshake.await {
         Err(_) => return Err(ClientError::Timeout { addr: key }),
@@ -161,7 +161,7 @@ pub(crate) async fn connect(addr: SocketAddr, security: &Security) -> Result<Pee
             pin(&tls.known, &key, fingerprint)?;
         }
     }
-    Ok(PeerStream::Tls(Box::new(stream)))
+    Ok(stream)
 }
 
 fn pin(known: &KnownServers, key: &str, fingerprint: Fingerprint) -> Result<(), ClientError> {

@@ -91,9 +91,7 @@ async fn secure(
         return None;
     };
     let (stream, leaf) =
-        match tokio::time::timeout(limits.handshake_timeout, usbwire_transport::handshake::accept(tcp, tls.clone()))
-            .await
-        {
+        match tokio::time::timeout(limits.handshake_timeout, usbwire_transport::accept_tls(tcp, tls.clone())).await {
             Ok(Ok(accepted)) => accepted,
             Ok(Err(error)) => {
                 // A refused identity was logged, with its fingerprint, when it was refused.
@@ -125,7 +123,7 @@ async fn secure(
     // The handshake admitted it (tls::server_config); this names it.
     let client = security.admission.identify(&leaf?).ok()?;
     info!(%client, "TLS client authenticated");
-    Some((PeerStream::Tls(Box::new(stream)), client))
+    Some((stream, client))
 }
 
 /// TCP_NODELAY (48-byte headers must not wait for Nagle) and keepalive

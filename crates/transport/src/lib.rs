@@ -41,7 +41,7 @@ pub use identity::{Fingerprint, Identity, IdentityError};
 pub use record::{PeerSession, RecordError, MAX_PLAINTEXT};
 pub use record_reader::Reader;
 pub use record_writer::Writer;
-pub use stream::{poll_write_outbox, write_all_parts, PeerStream};
+pub use stream::{accept_tls, connect_tls, poll_write_outbox, write_all_parts, PeerStream, RECORD_LAYER_VARIABLE};
 pub use tls_stream::{Socket, TlsStream};
 
 /// The record layer's parts with keys of the caller's choosing, for the fuzz harnesses
