@@ -40,6 +40,7 @@ mod redir_host;
 pub mod seeds;
 mod session;
 mod storage;
+mod tls_differential;
 mod tls_pair;
 mod tls_records;
 
@@ -51,6 +52,7 @@ pub use redir_bridge::redir_bridge;
 pub use redir_host::redir_host;
 pub use session::{server_session, CountingAllocator};
 pub use storage::storage_accelerator;
+pub use tls_differential::tls_differential;
 pub use tls_pair::tls_pair;
 pub use tls_records::tls_records;
 
@@ -58,7 +60,7 @@ pub use tls_records::tls_records;
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 14] = [
+pub const TARGETS: [(&str, Harness); 15] = [
     ("decode_command", decode_command),
     ("decode_return", decode_return),
     ("op_phase", op_phase),
@@ -72,6 +74,7 @@ pub const TARGETS: [(&str, Harness); 14] = [
     ("external_frames", external_frames),
     ("tls_records", tls_records),
     ("tls_pair", tls_pair),
+    ("tls_differential", tls_differential),
     ("storage_accelerator", storage_accelerator),
 ];
 

@@ -123,10 +123,16 @@ pub fn all() -> Vec<Seed> {
     dfu_seeds(&mut add);
     redir_bridge_seeds(&mut add);
     external_seeds(&mut add);
-    crate::tls_records::tls_records_seeds(&mut add);
-    crate::tls_pair::tls_pair_seeds(&mut add);
+    tls_seeds(&mut add);
     crate::storage::storage_seeds(&mut add);
     seeds
+}
+
+/// The TLS record layer's targets.
+fn tls_seeds(add: &mut impl FnMut(&'static str, &str, &[u8], Vec<u8>)) {
+    crate::tls_records::tls_records_seeds(add);
+    crate::tls_differential::tls_differential_seeds(add);
+    crate::tls_pair::tls_pair_seeds(add);
 }
 
 /// redir_packets: `[chunking, caps]`; what QEMU's usb-redir sends after its hello:

@@ -87,16 +87,40 @@ impl PeerSession for Session {
     }
 }
 
-/// The peer's byte stream for `ops`, and the application data it sealed, in order.
-fn peer_bytes(mut ops: &[u8], chacha: bool) -> (Vec<u8>, Vec<u8>) {
-    let mut peer = Peer { sealer: sealer(0, chacha), generation: 0, wire: Vec::new(), data: Vec::new() };
+/// Appends to `wire` a record sealed by `sealer` whose inner plaintext is `inner` exactly
+/// (its last byte the content type; empty: nothing to seal).
+pub(crate) fn seal_record(sealer: &mut Sealer, inner: &[u8], wire: &mut Vec<u8>) {
+    let Some((&last, rest)) = inner.split_last() else { return };
+    let mut record = vec![0; wire_len(rest.len())];
+    if let Err(error) = sealer.seal_from(last, rest, &mut record) {
+        panic!("sealing {} bytes: {error}", inner.len());
+    }
+    wire.extend_from_slice(&record);
+}
+
+/// One thing a peer sends, as the input describes it (see the module docs).
+pub(crate) enum PeerOp<'a> {
+    /// Raw bytes on the wire.
+    Raw(&'a [u8]),
+    /// A record around this inner plaintext (content, then its type unless 0, then padding).
+    Inner(Vec<u8>),
+    /// A KeyUpdate (`request` its byte), after which the peer seals with its next key.
+    KeyUpdate(u8),
+    /// An alert record.
+    Alert(u8, u8),
+    /// A post-handshake message of type `kind`, in one record or cut in two at `at`.
+    Handshake { kind: u8, message: Vec<u8>, at: usize },
+}
+
+/// The peer's ops in `input`, in order.
+pub(crate) fn peer_ops(mut ops: &[u8]) -> Vec<PeerOp<'_>> {
+    let mut out = Vec::new();
     while let Some((&op, rest)) = ops.split_first() {
         ops = rest;
-        match op % 5 {
+        out.push(match op % 5 {
             0 => {
                 let n = take(&mut ops, 1).first().copied().unwrap_or(0);
-                let bytes = take(&mut ops, usize::from(n));
-                peer.wire.extend_from_slice(bytes);
+                PeerOp::Raw(take(&mut ops, usize::from(n)))
             }
             1 => {
                 let &[kind, pad, high, low, n] = take(&mut ops, 5) else { break };
@@ -108,23 +132,39 @@ fn peer_bytes(mut ops: &[u8], chacha: bool) -> (Vec<u8>, Vec<u8>) {
                     inner.push(kind);
                 }
                 inner.resize(inner.len() + 2 * usize::from(pad), 0);
-                peer.seal(&inner);
+                PeerOp::Inner(inner)
             }
-            2 => {
-                let request = take(&mut ops, 1).first().copied().unwrap_or(1);
-                peer.seal(&[24, 0, 0, 1, request, content::HANDSHAKE]);
-                peer.generation = peer.generation.wrapping_add(1);
-                peer.sealer = sealer(peer.generation, chacha);
-            }
+            2 => PeerOp::KeyUpdate(take(&mut ops, 1).first().copied().unwrap_or(1)),
             3 => {
                 let &[level, description] = take(&mut ops, 2) else { break };
-                peer.seal(&[level, description, content::ALERT]);
+                PeerOp::Alert(level, description)
             }
             _ => {
                 let &[kind, split, n] = take(&mut ops, 3) else { break };
                 let body = take(&mut ops, usize::from(n));
                 let message = [&[kind, 0, 0, n][..], body].concat();
                 let at = usize::from(split) % (message.len() + 1);
+                PeerOp::Handshake { kind, message, at }
+            }
+        });
+    }
+    out
+}
+
+/// The peer's byte stream for `ops`, and the application data it sealed, in order.
+fn peer_bytes(ops: &[u8], chacha: bool) -> (Vec<u8>, Vec<u8>) {
+    let mut peer = Peer { sealer: sealer(0, chacha), generation: 0, wire: Vec::new(), data: Vec::new() };
+    for op in peer_ops(ops) {
+        match op {
+            PeerOp::Raw(bytes) => peer.wire.extend_from_slice(bytes),
+            PeerOp::Inner(inner) => peer.seal(&inner),
+            PeerOp::KeyUpdate(request) => {
+                peer.seal(&[24, 0, 0, 1, request, content::HANDSHAKE]);
+                peer.generation = peer.generation.wrapping_add(1);
+                peer.sealer = sealer(peer.generation, chacha);
+            }
+            PeerOp::Alert(level, description) => peer.seal(&[level, description, content::ALERT]),
+            PeerOp::Handshake { message, at, .. } => {
                 for part in [&message[..at], &message[at..]] {
                     if !part.is_empty() {
                         peer.seal(&[part, &[content::HANDSHAKE]].concat());
@@ -159,12 +199,7 @@ struct Peer {
 impl Peer {
     /// Seals a record whose inner plaintext is `inner` exactly (empty: nothing to seal).
     fn seal(&mut self, inner: &[u8]) {
-        let Some((&last, rest)) = inner.split_last() else { return };
-        let mut record = vec![0; wire_len(rest.len())];
-        if let Err(error) = self.sealer.seal_from(last, rest, &mut record) {
-            panic!("sealing {} bytes: {error}", inner.len());
-        }
-        self.wire.extend_from_slice(&record);
+        seal_record(&mut self.sealer, inner, &mut self.wire);
         // What a reader makes of it (RFC 8446 §5.4), said independently of the reader.
         if let Some(end) = inner.iter().rposition(|&b| b != 0) {
             if inner[end] == content::APPLICATION_DATA {

@@ -28,6 +28,11 @@ Each time it checks, on the raw device:
     read ahead into them) come back without an error and with the image's
     bytes; a read of one fails, with the same kernel errors in every mode;
     a read after that works;
+  - a second disk (on a server of its own, behind a delaying proxy of its own), streamed
+    with O_DIRECT, goes away 2 s in (its server stops and ends its sessions, as a
+    server whose device was unplugged does; accelerated, reads ahead are in flight): the
+    stream ends early with an error, every byte it read is the image's, the kernel logs
+    the disconnect and no bug, warning or hung task (its lines are printed per mode);
 and, accelerated and stock, through a filesystem: ext4 made with Debian's
 mkfs.ext4 on the first 32 MiB, three files (3 MiB random among them) written
 and synced, unmounted, caches dropped, mounted again: the sha256s match;
@@ -223,6 +228,33 @@ faults() {
   check $mode-reads-after-the-error $? "$(cat /tmp/dd.err)"
 }
 
+# unplug MODE COMMAND...: attaches the mode's second disk with COMMAND, streams it with
+# O_DIRECT and, 2 s in (accelerated: with reads ahead in flight), asks the host to take it
+# away (@@UNPLUG): the read ends, the disk and its relay go, and what was read is printed
+# (@@UNPLUGGED: dd's exit code, bytes, sha256) with the kernel's lines meanwhile.
+unplug() {
+  mode=$1; shift
+  before=$(scsi_lines)
+  "$@" > /tmp/attach2.out 2>&1; check $mode-unplug-disk-attach $? "$(cat /tmp/attach2.out)"
+  wait_for '[ $(scsi_lines) -gt $before ]' 600; check $mode-unplug-disk-appears $?
+  U=""
+  for d in /sys/block/sd*; do [ /dev/$(basename $d) != $DEV ] && U=/dev/$(basename $d); done
+  wait_path "$U" 100; check $mode-unplug-disk-node $? "$U"
+  echo 3 > /proc/sys/vm/drop_caches
+  mark=$(dmesg | wc -l)
+  dd if=$U of=/tmp/partial bs=1M iflag=direct 2> /tmp/unplug.err & pid=$!
+  sleep 2
+  echo "@@UNPLUG $mode"
+  wait $pid; rc=$?
+  wait_gone $U; check $mode-unplugged-disk-gone $?
+  echo "@@UNPLUGGED $mode $rc $(stat -c %s /tmp/partial) $(sha256sum < /tmp/partial | cut -d' ' -f1)"
+  sleep 1
+  dmesg | tail -n +$((mark + 1)) > /tmp/unplug-$mode.log
+  cat /tmp/unplug-$mode.log >> /tmp/fault.lines
+  sed "s/^/@@UNPLUGLOG $mode /" /tmp/unplug-$mode.log
+  rm -f /tmp/partial
+}
+
 dmesg_clean() {
   if [ -s /tmp/fault.lines ]; then dmesg | grep -vxF -f /tmp/fault.lines; else dmesg; fi > /tmp/dmesg.out
   ! grep -iE "I/O error|EXT4-fs error|given back|critical medium|device reset" /tmp/dmesg.out > /tmp/bad.out
@@ -235,13 +267,16 @@ SCRIPT = FUNCTIONS + r"""
 S=10.0.2.2:__PORT__
 BUSID=__BUSID__
 echo "@@MODE accelerated"
-attach accelerated usbwire attach -r $S -b $BUSID && uses accelerated fs && faults accelerated
+attach accelerated usbwire attach -r $S -b $BUSID && uses accelerated fs && faults accelerated && \
+  unplug accelerated usbwire attach -r 10.0.2.2:__UNPLUG_accelerated__ -b 0-1
 detach accelerated usbwire
 echo "@@MODE off"
-attach off usbwire attach --accelerate off -r $S -b $BUSID && uses off && faults off
+attach off usbwire attach --accelerate off -r $S -b $BUSID && uses off && faults off && \
+  unplug off usbwire attach --accelerate off -r 10.0.2.2:__UNPLUG_off__ -b 0-1
 detach off usbwire
 echo "@@MODE stock"
-attach stock usbip --tcp-port __PORT__ attach -r 10.0.2.2 -b $BUSID && uses stock fs && faults stock
+attach stock usbip --tcp-port __PORT__ attach -r 10.0.2.2 -b $BUSID && uses stock fs && faults stock && \
+  unplug stock usbip --tcp-port __UNPLUG_stock__ attach -r 10.0.2.2 -b 0-1
 detach stock usbip
 dmesg_clean
 echo "@@END"
@@ -255,7 +290,8 @@ PER_MODE = ["attach", "disk-appears", "device-node", "read", "write", "written-r
             "range-held-previous-bytes-65536", "read-after-overwrite-returns-new-bytes-65536",
             "detach", "disk-gone", "relay-ended"]
 FAULTS = ["stream-before-bad-blocks-reads", "read-of-a-bad-block-fails", "kernel-logs-a-medium-error",
-          "reads-after-the-error"]
+          "reads-after-the-error", "unplug-disk-attach", "unplug-disk-appears", "unplug-disk-node",
+          "unplugged-disk-gone"]
 FILESYSTEM = ["mkfs-ext4", "mount", "files-written", "umount", "files-read-back-same-sha256", "fsck-clean"]
 EXPECTED = [f"{mode}-{name}" for mode in MODES for name in PER_MODE + FAULTS] + \
     [f"{mode}-{name}" for mode in ("accelerated", "stock") for name in FILESYSTEM] + \
@@ -278,15 +314,18 @@ def busid_of_the_disk(port, server):
     raise RuntimeError("usbwire serve did not answer `list -r` within 30 s")
 
 
-def read_console(g, checks, expected):
+def read_console(g, checks, expected, on_line=None):
     """Every line up to @@END: the guest's checks (each of `expected` must be there),
     timings ({(mode, what): (seconds, bytes)}), relay logs ({mode: text}), the sha256s
     of the files it writes into filesystems ({path: hex}) and what `faults` printed
-    ({"sha": {mode: hex}, "log": {mode: kernel lines}})."""
+    ({"sha": {mode: hex}, "log": {mode: kernel lines}, "unplugged": {mode: (rc, bytes, hex)},
+    "unplug_log": {mode: kernel lines}}). `on_line` sees every line first."""
     seen, times, relay, sums = {}, {}, {}, {}
-    faults = {"sha": {}, "log": {}}
+    faults = {"sha": {}, "log": {}, "unplugged": {}, "unplug_log": {}}
     while True:
         line = g.wait_for("", 480)
+        if on_line:
+            on_line(line)
         if "@@END" in line:
             break
         if "@@CHECK " in line:
@@ -303,6 +342,12 @@ def read_console(g, checks, expected):
         elif "@@FAULTSHA " in line:
             mode, digest = line.split("@@FAULTSHA ", 1)[1].split()
             faults["sha"][mode] = digest
+        elif "@@UNPLUGGED " in line:
+            mode, rc, size, digest = line.split("@@UNPLUGGED ", 1)[1].split()
+            faults["unplugged"][mode] = (int(rc), int(size), digest)
+        elif "@@UNPLUGLOG " in line:
+            mode, text = (line.split("@@UNPLUGLOG ", 1)[1].split(" ", 1) + [""])[:2]
+            faults["unplug_log"][mode] = faults["unplug_log"].get(mode, "") + text + "\n"
         elif "@@FAULTLOG " in line:
             mode, text = (line.split("@@FAULTLOG ", 1)[1].split(" ", 1) + [""])[:2]
             faults["log"][mode] = faults["log"].get(mode, "") + text + "\n"
@@ -398,6 +443,53 @@ def faults_as_local(checks, faults, stream):
                   bool(logs["accelerated"]) and logs["accelerated"] == logs["off"] == logs["stock"], logs)
 
 
+# Each mode's second disk, withdrawn from the server while the guest streams it.
+UNPLUG_BYTES = 64 << 20
+UNPLUG_RANDOM = 32 << 20
+
+
+def make_unplug_image(path):
+    """A disk whose first 32 MiB are random, the rest zeros (a stream reads well into it
+    before its disk goes): its bytes, to check what the guest read against."""
+    data = os.urandom(UNPLUG_RANDOM) + bytes(UNPLUG_BYTES - UNPLUG_RANDOM)
+    with open(path, "wb") as f:
+        f.write(data)
+    return data
+
+
+def unplug_kernel_lines(log):
+    """The kernel's lines about a disk going away, without what differs from one run to the
+    next (times, device numbers, sectors, counts)."""
+    lines = set()
+    for line in log.splitlines():
+        line = re.sub(r"^\[[ 0-9.]*\] ", "", line)
+        if re.search(r"disconnect|I/O error|rejecting|Result:|offline|removed", line):
+            lines.add(re.sub(r"\b(sd[a-z]+|\d+(-\d+)*)\b", "N", line).strip())
+    return lines
+
+
+def unplugs_as_local(checks, faults, images):
+    """In every mode the stream of a disk withdrawn mid-read ended early with an error, every
+    byte it read was the image's, and the kernel saw the device go and nothing worse."""
+    for mode in MODES:
+        rc, size, digest = faults["unplugged"].get(mode, (None, 0, ""))
+        image = images[mode]
+        checks.check(f"{mode}: the stream of the withdrawn disk ended early with an error",
+                     rc not in (None, 0) and size < UNPLUG_BYTES, (rc, size))
+        checks.check(f"{mode}: it read the image's bytes up to where it stopped ({size} bytes)",
+                     0 < size <= len(image) and hashlib.sha256(image[:size]).hexdigest() == digest, (size, digest))
+        log = faults["unplug_log"].get(mode, "")
+        checks.check(f"{mode}: the kernel saw the device disconnect", "USB disconnect" in log, log[-1500:])
+        bad = [line for line in log.splitlines() if re.search(r"BUG|Oops|WARNING:|hung_task|blocked for more", line)]
+        checks.check(f"{mode}: no kernel bug, warning or hung task as the disk went", not bad, bad)
+        print(f"kernel as the disk went ({mode}, read {size} bytes, dd exit {rc}):")
+        for line in sorted(unplug_kernel_lines(log)):
+            print(f"  {line}")
+    lines = {mode: unplug_kernel_lines(faults["unplug_log"].get(mode, "")) for mode in MODES}
+    checks.check("the kernel logged the same lines as the disk went, accelerated and not",
+                 bool(lines["accelerated"]) and lines["accelerated"] == lines["off"] == lines["stock"], lines)
+
+
 def main():
     guest.require(BIN)
     guest.build()
@@ -410,6 +502,18 @@ def main():
     work = guest.scratch("usbwire-wan-")
     image = os.path.join(work, "disk.img")
     stream = make_image(image)
+    unplug_images = {mode: make_unplug_image(os.path.join(work, f"unplug-{mode}.img")) for mode in MODES}
+    # Each mode's second disk on a server of its own behind a delaying proxy of its own.
+    unplug_servers = {}
+    for mode in MODES:
+        unplug_port = guest.free_port()
+        unplug_log = open(os.path.join(guest.LOGS, f"wan-storage.unplug-{mode}.log"), "w")
+        unplug_servers[mode] = (
+            subprocess.Popen([BIN, "serve", "-v", "--listen", f"127.0.0.1:{unplug_port}", "--no-advertise",
+                              "--control", os.path.join(work, f"c-{mode}.sock"),
+                              "--virtual", f"disk={os.path.join(work, f'unplug-{mode}.img')},size=64M"],
+                             stdout=unplug_log, stderr=subprocess.STDOUT),
+            cutproxy.CutProxy(("127.0.0.1", unplug_port), delay=DELAY))
     sums = {}
     port = guest.free_port()
     log_path = os.path.join(guest.LOGS, "wan-storage.server.log")
@@ -424,11 +528,27 @@ def main():
         busid = busid_of_the_disk(port, server)
         proxy_port = proxy.start()
         script = SCRIPT.replace("__PORT__", str(proxy_port)).replace("__BUSID__", busid)
+        for mode in MODES:
+            script = script.replace(f"__UNPLUG_{mode}__", str(unplug_servers[mode][1].start()))
+
+        def withdraw(line):
+            """The guest is streaming its second disk: its server goes (SIGTERM: it ends
+            its sessions, as a server whose device was unplugged does), the disk with it."""
+            if "@@UNPLUG " in line:
+                mode = line.split("@@UNPLUG ", 1)[1].split()[0]
+                gone = unplug_servers[mode][0]
+                gone.terminate()
+                try:
+                    stopped = gone.wait(20) is not None
+                except subprocess.TimeoutExpired:
+                    stopped = False
+                checks.check(f"{mode}: the second disk's server stopped", stopped)
         g = guest.Guest("wan-storage", script, files={BIN: "/usr/bin/usbwire", **E2FS}, timeout=600)
-        times, relay, sums, faults = read_console(g, checks, EXPECTED)
+        times, relay, sums, faults = read_console(g, checks, EXPECTED, withdraw)
         checks.check("guest script exit code", g.finish(60) == 0)
         print_table(times)
         faults_as_local(checks, faults, stream)
+        unplugs_as_local(checks, faults, unplug_images)
         relay_pipelined(checks, relay.get("accelerated", ""), "accelerated")
         checks.check("the relay with --accelerate off pipelined nothing",
                      "mass storage accelerated" not in relay.get("off", ""), relay.get("off", "")[-1500:])
@@ -455,6 +575,9 @@ def main():
         if g:
             g.kill()
         proxy.stop()
+        for unplug_server, unplug_proxy in unplug_servers.values():
+            unplug_proxy.stop()
+            guest.stop([unplug_server])
         guest.stop([server])
         log.close()
     image_holds_files(checks, image, sums, "the virtual disk's image")

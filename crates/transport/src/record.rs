@@ -295,6 +295,14 @@ pub(crate) const fn plaintext_room(len: usize) -> usize {
 /// The length of the whole record at the start of `buf`, once its header is there;
 /// `Ok(None)` until then.
 pub(crate) fn record_len(buf: &[u8]) -> Result<Option<usize>, RecordError> {
+    // A header that cannot become a record fails as soon as its first bytes are here, as
+    // rustls's does: a content type no TLS version defines, a version other than 3.x.
+    if buf.first().is_some_and(|kind| !(20..=24).contains(kind)) {
+        return Err(RecordError::Unexpected("a record of an unknown content type"));
+    }
+    if buf.get(1).is_some_and(|&major| major != 3) {
+        return Err(RecordError::Malformed("not a TLS record"));
+    }
     let [kind, major, _, high, low, ..] = *buf else { return Ok(None) };
     // RFC 8446 §5: after the handshake every record is protected (outer type
     // application_data); anything else, a change_cipher_spec included (§5), is
@@ -320,6 +328,16 @@ pub(crate) fn record_len(buf: &[u8]) -> Result<Option<usize>, RecordError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// As rustls's: a header fails as soon as its first bytes show it cannot be a record.
+    #[test]
+    fn a_header_that_cannot_become_a_record_fails_at_its_first_bytes() {
+        assert!(matches!(record_len(&[0x00]), Err(RecordError::Unexpected(_))), "no content type 0");
+        assert!(matches!(record_len(&[0x17]), Ok(None)));
+        assert!(matches!(record_len(&[0x17, 0x02]), Err(RecordError::Malformed(_))), "not TLS 3.x");
+        assert!(matches!(record_len(&[0x15, 0x03, 0x03]), Ok(None)), "a known type waits for its header");
+        assert!(matches!(record_len(&[0x15, 0x03, 0x03, 0, 20]), Err(RecordError::Unexpected(_))), "unprotected");
+    }
     use rustls::crypto::cipher::{AeadKey, Iv};
 
     fn secrets(byte: u8) -> ConnectionTrafficSecrets {

@@ -27,6 +27,11 @@ const MAX_KEY_UPDATES_IN_A_ROW: u8 = 32;
 /// Empty records in a row, at most (rustls's `ALLOWED_CONSECUTIVE_EMPTY_FRAGMENTS_MAX`):
 /// each costs a decryption and yields nothing, so a peer could keep us busy forever.
 const MAX_EMPTY_RECORDS_IN_A_ROW: u8 = 32;
+/// Warning-level alerts over the connection's life, at most (rustls's `allowed_warning_alerts`).
+const MAX_WARNING_ALERTS: u8 = 4;
+/// An alert's level byte: a warning, or fatal (RFC 8446 §6).
+const WARNING: u8 = 1;
+const FATAL: u8 = 2;
 /// Handshake message types after the handshake (RFC 8446 §4).
 const NEW_SESSION_TICKET: u8 = 4;
 const KEY_UPDATE: u8 = 24;
@@ -44,6 +49,7 @@ pub struct Reader {
     handshake: Vec<u8>,
     key_updates_in_a_row: u8,
     empty_records_in_a_row: u8,
+    warning_alerts: u8,
     /// The peer asked for a key update, not yet passed on to the send side.
     update_requested: bool,
     /// The peer's close_notify arrived.
@@ -72,6 +78,7 @@ impl Reader {
             handshake: Vec::new(),
             key_updates_in_a_row: 0,
             empty_records_in_a_row: 0,
+            warning_alerts: 0,
             update_requested: false,
             closed: false,
             failed: None,
@@ -106,16 +113,26 @@ impl Reader {
 
     /// Hands out application data into `buf`, opening whole records, until `buf` is full,
     /// the next record is not all there, or the peer closed. `Ok(true)`: nothing handed out
-    /// and more bytes are needed. An error ends the connection (see [`RecordError::alert`]).
+    /// and more bytes are needed. An error ends the connection (see [`RecordError::alert`]);
+    /// data opened before it in the same call is handed out first, the error with the next.
     pub fn read(&mut self, session: &mut impl PeerSession, buf: &mut ReadBuf<'_>) -> Result<bool, RecordError> {
         if let Some(error) = &self.failed {
             return Err(error.clone());
         }
-        let result = self.read_records(session, buf);
-        if let Err(error) = &result {
-            self.failed = Some(error.clone());
+        let before = buf.filled().len();
+        match self.read_records(session, buf) {
+            // What was opened before the failure is handed out first, as rustls does; the
+            // failure is the next read's.
+            Err(error) if buf.filled().len() > before => {
+                self.failed = Some(error);
+                Ok(false)
+            }
+            Err(error) => {
+                self.failed = Some(error.clone());
+                Err(error)
+            }
+            read => read,
         }
-        result
     }
 
     /// The peer asked for a key update since the last call: the send side owes one
@@ -219,25 +236,43 @@ impl Reader {
 
     fn alert(&mut self, message: &[u8]) -> Result<(), RecordError> {
         // RFC 8446 §5.1: one alert per record, never fragmented nor coalesced.
-        let &[_level, description] = message else {
+        let &[level, description] = message else {
             return Err(RecordError::Malformed("an alert record of the wrong size"));
         };
         let description = AlertDescription::from(description);
-        // RFC 8446 §6.1: close_notify ends the stream; §6.2: any other alert, whatever its
-        // level, is an error.
+        // RFC 8446 §6: a level other than warning or fatal is the peer's error, whatever
+        // the alert (rustls refuses it too).
+        if !matches!(level, WARNING | FATAL) {
+            return Err(RecordError::AlertReceived(description));
+        }
+        // §6.1: close_notify ends the stream.
         if description == AlertDescription::CloseNotify {
             tracing::trace!("TLS close_notify received");
             self.closed = true;
             return Ok(());
+        }
+        // §6.1: user_canceled is a closure alert, not an error; as warning rustls lets it
+        // pass (a few warnings a connection), and so do we. §6.2: any other alert is an
+        // error, whatever its level.
+        if level == WARNING {
+            self.warning_alerts += 1;
+            if self.warning_alerts > MAX_WARNING_ALERTS {
+                return Err(RecordError::Unexpected("too many warning alerts"));
+            }
+            if description == AlertDescription::UserCanceled {
+                tracing::debug!("TLS user_canceled received (a warning; the stream goes on)");
+                return Ok(());
+            }
         }
         Err(RecordError::AlertReceived(description))
     }
 
     /// Post-handshake messages, reassembled when fragmented (RFC 8446 §5.1 allows it).
     fn handshake_record(&mut self, message: &[u8], session: &mut impl PeerSession) -> Result<(), RecordError> {
-        // RFC 8446 §5.1: no zero-length handshake records.
+        // RFC 8446 §5.1: a peer must not send zero-length handshake records; one that
+        // does has its passed over as rustls does, counted among the empty records in a row.
         if message.is_empty() {
-            return Err(RecordError::Malformed("a zero-length handshake record"));
+            return Ok(());
         }
         let mut joined = std::mem::take(&mut self.handshake);
         let mut rest = if joined.is_empty() {

@@ -118,8 +118,9 @@ fn rfc8446_5_4_padding_is_stripped_and_the_type_is_the_last_non_zero_byte() {
 
 #[test]
 fn rfc8446_5_4_an_all_zero_inner_plaintext_is_unexpected_message() {
-    // The error comes at once: the data of the same read is not handed out.
-    let (_, error, ..) = run(&Peer::new().record(content::APPLICATION_DATA, b"ok").inner(&[0; 9]).wire.clone());
+    // The data before it is handed out first, as rustls does; then the error.
+    let (data, error, ..) = run(&Peer::new().record(content::APPLICATION_DATA, b"ok").inner(&[0; 9]).wire.clone());
+    assert_eq!(data, b"ok");
     assert_eq!(alert_of(error), Some(AlertDescription::UnexpectedMessage));
 }
 
@@ -187,9 +188,19 @@ fn thirty_two_empty_records_in_a_row_are_read_and_the_thirty_third_is_unexpected
 }
 
 #[test]
-fn rfc8446_5_1_a_zero_length_handshake_record_is_decode_error() {
-    let (_, error, ..) = run(&Peer::new().record(content::HANDSHAKE, b"").wire.clone());
-    assert_eq!(alert_of(error), Some(AlertDescription::DecodeError));
+fn rfc8446_5_1_a_zero_length_handshake_record_is_passed_over_as_rustls_does_and_counts_as_empty() {
+    let mut peer = Peer::new();
+    peer.record(content::APPLICATION_DATA, b"a")
+        .record(content::HANDSHAKE, b"")
+        .record(content::APPLICATION_DATA, b"b");
+    let (data, error, ..) = run(&peer.wire.clone());
+    assert!(error.is_none(), "{error:?}");
+    assert_eq!(data, b"ab");
+    for _ in 0..33 {
+        peer.record(content::HANDSHAKE, b"");
+    }
+    let (_, error, ..) = run(&peer.wire);
+    assert_eq!(alert_of(error), Some(AlertDescription::UnexpectedMessage), "the 33rd empty record in a row");
 }
 
 #[test]
@@ -298,13 +309,36 @@ fn rfc8446_6_close_notify_ends_the_stream_and_any_other_alert_is_fatal() {
     let (data, error, reader, _) = run(&wire);
     assert!(error.is_none() && reader.closed());
     assert_eq!(data, b"last");
-    // A warning-level alert other than close_notify is fatal too (§6.2), and we answer none.
-    let (_, error, ..) = run(&Peer::new().record(content::ALERT, &[1, 90]).wire.clone());
+    // A warning-level alert other than close_notify and user_canceled is fatal too (§6.2),
+    // and we answer none.
+    let (_, error, ..) = run(&Peer::new().record(content::ALERT, &[1, 40]).wire.clone());
     let error = error.expect("fatal");
-    assert!(matches!(error, RecordError::AlertReceived(AlertDescription::UserCanceled)));
+    assert!(matches!(error, RecordError::AlertReceived(AlertDescription::HandshakeFailure)));
     assert_eq!(error.alert(), None);
+    // user_canceled is a closure alert (§6.1): fatal it ends the stream, a warning passes.
+    let (_, error, ..) = run(&Peer::new().record(content::ALERT, &[2, 90]).wire.clone());
+    assert!(matches!(error, Some(RecordError::AlertReceived(AlertDescription::UserCanceled))));
     let (_, error, ..) = run(&Peer::new().record(content::ALERT, &[2, 0, 0]).wire.clone());
     assert_eq!(alert_of(error), Some(AlertDescription::DecodeError));
+}
+
+/// As rustls: a user_canceled warning lets the stream go on, four warnings a connection
+/// at most, the fifth an error.
+#[test]
+fn rfc8446_6_1_a_user_canceled_warning_passes_four_times_a_connection() {
+    let mut peer = Peer::new();
+    for round in 0..4u8 {
+        peer.record(content::APPLICATION_DATA, &[b'a' + round]).record(content::ALERT, &[1, 90]);
+    }
+    let (data, error, reader, _) = run(&peer.wire.clone());
+    assert!(error.is_none() && !reader.closed(), "{error:?}");
+    assert_eq!(data, b"abcd");
+    peer.record(content::APPLICATION_DATA, b"e")
+        .record(content::ALERT, &[1, 90])
+        .record(content::APPLICATION_DATA, b"f");
+    let (data, error, ..) = run(&peer.wire);
+    assert_eq!(data, b"abcde", "the data before the fifth warning, nothing after it");
+    assert_eq!(alert_of(error), Some(AlertDescription::UnexpectedMessage));
 }
 
 #[test]
