@@ -58,6 +58,12 @@ pub enum RecordError {
     Exhausted,
     #[error("the cipher refused to seal a TLS record; reconnect")]
     Seal,
+    /// rustls handed over an AES-GCM sending key it had already sealed records under.
+    #[error(
+        "the TLS handshake handed over a sending key already used for {0} records; the record layer takes \
+         AES-GCM keys fresh (a server must send no session tickets)"
+    )]
+    KeyInUse(u64),
     /// A write after close_notify, after a fatal alert, or after a write that failed.
     #[error("the TLS connection is closed for writing")]
     Closed,
@@ -78,7 +84,12 @@ impl RecordError {
             Self::IllegalParameter(_) => Some(A::IllegalParameter),
             Self::Session(rustls::Error::InvalidMessage(_)) => Some(A::DecodeError),
             Self::Session(_) | Self::Exhausted => Some(A::InternalError),
-            Self::UnsupportedSuite | Self::AlertReceived(_) | Self::Truncated(_) | Self::Seal | Self::Closed => None,
+            Self::UnsupportedSuite
+            | Self::KeyInUse(_)
+            | Self::AlertReceived(_)
+            | Self::Truncated(_)
+            | Self::Seal
+            | Self::Closed => None,
         }
     }
 }
@@ -110,30 +121,29 @@ pub trait PeerSession {
     fn new_session_ticket(&mut self, body: &[u8]) -> Result<(), RecordError>;
 }
 
-/// One direction's key, IV and next sequence number.
-struct Keys {
-    key: aead::LessSafeKey,
+/// A traffic secret's AEAD algorithm, key and IV.
+fn parts(secrets: &ConnectionTrafficSecrets) -> Result<(&'static aead::Algorithm, &[u8], Nonces), RecordError> {
+    let (algorithm, key, iv) = match secrets {
+        ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&aead::AES_128_GCM, key, iv),
+        ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&aead::AES_256_GCM, key, iv),
+        ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (&aead::CHACHA20_POLY1305, key, iv),
+        _ => return Err(RecordError::UnsupportedSuite),
+    };
+    let iv: [u8; aead::NONCE_LEN] = iv.as_ref().try_into().map_err(|_| RecordError::UnsupportedSuite)?;
+    Ok((algorithm, key.as_ref(), Nonces { iv, sequence: 0 }))
+}
+
+/// One direction's IV and next sequence number.
+struct Nonces {
     iv: [u8; aead::NONCE_LEN],
     sequence: u64,
 }
 
-impl Keys {
-    fn new(sequence: u64, secrets: ConnectionTrafficSecrets) -> Result<Self, RecordError> {
-        let (algorithm, key, iv) = match &secrets {
-            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&aead::AES_128_GCM, key, iv),
-            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&aead::AES_256_GCM, key, iv),
-            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (&aead::CHACHA20_POLY1305, key, iv),
-            _ => return Err(RecordError::UnsupportedSuite),
-        };
-        let key = aead::UnboundKey::new(algorithm, key.as_ref()).map_err(|_| RecordError::UnsupportedSuite)?;
-        let iv: [u8; aead::NONCE_LEN] = iv.as_ref().try_into().map_err(|_| RecordError::UnsupportedSuite)?;
-        Ok(Self { key: aead::LessSafeKey::new(key), iv, sequence })
-    }
-
+impl Nonces {
     /// The per-record nonce: the IV XOR the sequence number left-padded to the IV's length
     /// (RFC 8446 §5.3), then the sequence moves on. It never wraps: the record that would
     /// take sequence number 2^64 - 1 is refused, which ends the connection (§5.3).
-    fn next_nonce(&mut self) -> Result<aead::Nonce, RecordError> {
+    fn next(&mut self) -> Result<aead::Nonce, RecordError> {
         let mut nonce = self.iv;
         for (byte, seq) in nonce[aead::NONCE_LEN - 8..].iter_mut().zip(self.sequence.to_be_bytes()) {
             *byte ^= seq;
@@ -143,24 +153,52 @@ impl Keys {
     }
 }
 
+/// Our sending key.
+enum SealingKey {
+    /// AES-GCM: aws-lc's TLS 1.3 record key, which refuses a nonce that does not move
+    /// forward (its first must be sequence 0), so a repeated nonce fails in the library
+    /// even if our counting were wrong.
+    Gcm(aead::TlsRecordSealingKey),
+    /// ChaCha20-Poly1305, which that key type does not take: our counting alone.
+    ChaCha(aead::LessSafeKey),
+}
+
 /// Protects records we send.
-pub struct Sealer(Keys);
+pub struct Sealer {
+    key: SealingKey,
+    nonces: Nonces,
+}
 
 impl Sealer {
+    /// Our key from `secrets`, the next record to be sealed under it being number
+    /// `sequence`. An AES-GCM key must be fresh (`sequence` 0: our servers send no session
+    /// tickets, and a key update starts at 0), since the library counts from its first use.
     pub fn new(sequence: u64, secrets: ConnectionTrafficSecrets) -> Result<Self, RecordError> {
-        Keys::new(sequence, secrets).map(Self)
+        let (algorithm, key, mut nonces) = parts(&secrets)?;
+        nonces.sequence = sequence;
+        let key = if algorithm == &aead::CHACHA20_POLY1305 {
+            let key = aead::UnboundKey::new(algorithm, key).map_err(|_| RecordError::UnsupportedSuite)?;
+            SealingKey::ChaCha(aead::LessSafeKey::new(key))
+        } else if sequence != 0 {
+            return Err(RecordError::KeyInUse(sequence));
+        } else {
+            let key = aead::TlsRecordSealingKey::new(algorithm, aead::TlsProtocolId::TLS13, key)
+                .map_err(|_| RecordError::UnsupportedSuite)?;
+            SealingKey::Gcm(key)
+        };
+        Ok(Self { key, nonces })
     }
 
     /// Records sealed under this key so far (counting from where rustls left off).
     pub(crate) fn sequence(&self) -> u64 {
-        self.0.sequence
+        self.nonces.sequence
     }
 
     /// The nonce of the next record we seal.
     fn next_nonce(&mut self) -> Result<aead::Nonce, RecordError> {
         #[cfg(test)]
-        testing::record_sealed(self.0.iv, self.0.sequence);
-        self.0.next_nonce()
+        testing::record_sealed(self.nonces.iv, self.nonces.sequence);
+        self.nonces.next()
     }
 
     /// Seals `plaintext` (at most [`MAX_PLAINTEXT`] bytes) as one record of type `kind`
@@ -173,10 +211,16 @@ impl Sealer {
         head.copy_from_slice(&header);
         let (ciphertext, type_and_tag) = rest.split_at_mut(plaintext.len());
         let nonce = self.next_nonce()?;
-        self.0
-            .key
-            .seal_out_of_place_scatter(nonce, aead::Aad::from(header), plaintext, ciphertext, &[kind], type_and_tag)
-            .map_err(|_| RecordError::Seal)?;
+        let aad = aead::Aad::from(header);
+        let sealed = match &mut self.key {
+            SealingKey::Gcm(key) => {
+                key.seal_out_of_place_scatter(nonce, aad, plaintext, ciphertext, &[kind], type_and_tag)
+            }
+            SealingKey::ChaCha(key) => {
+                key.seal_out_of_place_scatter(nonce, aad, plaintext, ciphertext, &[kind], type_and_tag)
+            }
+        };
+        sealed.map_err(|_| RecordError::Seal)?;
         Ok(len)
     }
 
@@ -191,13 +235,19 @@ impl Sealer {
         record[HEADER + len] = kind;
         let (inner, tag) = record[HEADER..].split_at_mut(len + 1);
         let nonce = self.next_nonce()?;
-        let sealed = self
-            .0
-            .key
-            .seal_in_place_separate_tag(nonce, aead::Aad::from(header), inner)
-            .map_err(|_| RecordError::Seal)?;
-        tag.copy_from_slice(sealed.as_ref());
+        let aad = aead::Aad::from(header);
+        let sealed = match &mut self.key {
+            SealingKey::Gcm(key) => key.seal_in_place_separate_tag(nonce, aad, inner),
+            SealingKey::ChaCha(key) => key.seal_in_place_separate_tag(nonce, aad, inner),
+        };
+        tag.copy_from_slice(sealed.map_err(|_| RecordError::Seal)?.as_ref());
         Ok(total)
+    }
+
+    /// Moves the sequence number back, as a counting bug would: the next seal repeats a nonce.
+    #[cfg(test)]
+    fn rewind(&mut self, records: u64) {
+        self.nonces.sequence -= records;
     }
 }
 
@@ -236,11 +286,17 @@ fn header(total: usize) -> Result<[u8; HEADER], RecordError> {
 }
 
 /// Opens records we receive.
-pub(crate) struct Opener(Keys);
+pub(crate) struct Opener {
+    key: aead::LessSafeKey,
+    nonces: Nonces,
+}
 
 impl Opener {
     pub(crate) fn new(sequence: u64, secrets: ConnectionTrafficSecrets) -> Result<Self, RecordError> {
-        Keys::new(sequence, secrets).map(Self)
+        let (algorithm, key, mut nonces) = parts(&secrets)?;
+        nonces.sequence = sequence;
+        let key = aead::UnboundKey::new(algorithm, key).map_err(|_| RecordError::UnsupportedSuite)?;
+        Ok(Self { key: aead::LessSafeKey::new(key), nonces })
     }
 
     /// Decrypts the record `record` (a whole one, see [`record_len`]) in place. Returns its
@@ -248,10 +304,10 @@ impl Opener {
     pub(crate) fn open(&mut self, record: &mut [u8]) -> Result<(u8, Range<usize>), RecordError> {
         let (header, body) = record.split_at_mut(HEADER);
         let header: [u8; HEADER] = [header[0], header[1], header[2], header[3], header[4]];
-        let nonce = self.0.next_nonce()?;
+        let nonce = self.nonces.next()?;
         // RFC 8446 §5.2: a record that fails authentication is bad_record_mac.
         let inner =
-            self.0.key.open_in_place(nonce, aead::Aad::from(header), body).map_err(|_| RecordError::Authentication)?;
+            self.key.open_in_place(nonce, aead::Aad::from(header), body).map_err(|_| RecordError::Authentication)?;
         let (kind, len) = unpad(inner)?;
         Ok((kind, HEADER..HEADER + len))
     }
@@ -264,8 +320,8 @@ impl Opener {
         let body = &record[HEADER..];
         let (ciphertext, tag) = body.split_at(body.len().checked_sub(TAG).ok_or(RecordError::Authentication)?);
         let inner = out.get_mut(..ciphertext.len()).ok_or(RecordError::Malformed("no room"))?;
-        let nonce = self.0.next_nonce()?;
-        if self.0.key.open_separate_gather(nonce, aead::Aad::from(header), ciphertext, tag, inner).is_err() {
+        let nonce = self.nonces.next()?;
+        if self.key.open_separate_gather(nonce, aead::Aad::from(header), ciphertext, tag, inner).is_err() {
             // Leave no unauthenticated plaintext in the caller's buffer.
             inner.fill(0);
             return Err(RecordError::Authentication);
@@ -344,6 +400,10 @@ mod tests {
         ConnectionTrafficSecrets::Aes256Gcm { key: AeadKey::from([byte; 32]), iv: Iv::new([byte; 12]) }
     }
 
+    fn chacha(byte: u8) -> ConnectionTrafficSecrets {
+        ConnectionTrafficSecrets::Chacha20Poly1305 { key: AeadKey::from([byte; 32]), iv: Iv::new([byte; 12]) }
+    }
+
     /// Sealed out of place, or (`in_place`) from a copy in the record's own buffer.
     fn sealed(sealer: &mut Sealer, plaintext: &[u8], in_place: bool) -> Vec<u8> {
         let mut out = vec![0; wire_len(plaintext.len())];
@@ -359,22 +419,63 @@ mod tests {
 
     #[test]
     fn a_sealed_record_opens_to_its_plaintext_in_sequence() {
-        let (mut sealer, mut opener) = (Sealer::new(7, secrets(1)).unwrap(), Opener::new(7, secrets(1)).unwrap());
-        for (i, plaintext) in [&b"hello"[..], &[0u8; 0], &[0xa5; MAX_PLAINTEXT], b"four"].into_iter().enumerate() {
-            let mut record = sealed(&mut sealer, plaintext, i % 2 == 1);
-            assert_eq!(record_len(&record).unwrap(), Some(record.len()));
-            assert_eq!(record.len(), HEADER + plaintext.len() + 1 + TAG);
-            if i < 2 {
-                let (kind, range) = opener.open(&mut record).unwrap();
-                assert_eq!(kind, content::APPLICATION_DATA);
-                assert_eq!(&record[range], plaintext);
-            } else {
-                let mut out = vec![0xff; plaintext_room(record.len())];
-                let (kind, len) = opener.open_into(&record, &mut out).unwrap();
-                assert_eq!((kind, &out[..len]), (content::APPLICATION_DATA, plaintext));
+        // AES-GCM keys start fresh; a ChaCha20 key may be handed over mid-sequence.
+        for (start, secrets) in [(0, secrets as fn(u8) -> ConnectionTrafficSecrets), (7, chacha)] {
+            let (mut sealer, mut opener) =
+                (Sealer::new(start, secrets(1)).unwrap(), Opener::new(start, secrets(1)).unwrap());
+            for (i, plaintext) in [&b"hello"[..], &[0u8; 0], &[0xa5; MAX_PLAINTEXT], b"four"].into_iter().enumerate() {
+                let mut record = sealed(&mut sealer, plaintext, i % 2 == 1);
+                assert_eq!(record_len(&record).unwrap(), Some(record.len()));
+                assert_eq!(record.len(), HEADER + plaintext.len() + 1 + TAG);
+                if i < 2 {
+                    let (kind, range) = opener.open(&mut record).unwrap();
+                    assert_eq!(kind, content::APPLICATION_DATA);
+                    assert_eq!(&record[range], plaintext);
+                } else {
+                    let mut out = vec![0xff; plaintext_room(record.len())];
+                    let (kind, len) = opener.open_into(&record, &mut out).unwrap();
+                    assert_eq!((kind, &out[..len]), (content::APPLICATION_DATA, plaintext));
+                }
             }
+            assert_eq!(sealer.sequence(), start + 4);
         }
-        assert_eq!(sealer.sequence(), 11);
+    }
+
+    #[test]
+    fn an_aes_gcm_key_already_used_is_refused_at_the_hand_over() {
+        assert!(matches!(Sealer::new(2, secrets(1)), Err(RecordError::KeyInUse(2))));
+        let error = RecordError::KeyInUse(2).to_string();
+        assert!(error.contains("2 records") && error.contains("session tickets"), "{error}");
+    }
+
+    /// Item 6 of the TLS proof: were our counting ever wrong, the library itself refuses
+    /// to seal an AES-GCM record under a nonce that does not move forward.
+    #[test]
+    fn the_cipher_refuses_a_repeated_or_decreasing_aes_gcm_nonce() {
+        for in_place in [false, true] {
+            let mut sealer = Sealer::new(0, secrets(1)).unwrap();
+            for _ in 0..3 {
+                sealed(&mut sealer, b"record", in_place);
+            }
+            sealer.rewind(1);
+            let mut out = vec![0; wire_len(6)];
+            out[HEADER..HEADER + 6].copy_from_slice(b"record");
+            let repeated = if in_place {
+                sealer.seal_in_place(content::APPLICATION_DATA, 6, &mut out)
+            } else {
+                sealer.seal_from(content::APPLICATION_DATA, b"record", &mut out)
+            };
+            assert!(matches!(repeated, Err(RecordError::Seal)), "sequence 2 again");
+            // The refused record took sequence 2; 1 is behind the library's count too.
+            sealer.rewind(2);
+            assert!(matches!(sealer.seal_from(content::APPLICATION_DATA, b"x", &mut out), Err(RecordError::Seal)));
+        }
+        // ChaCha20 has no such guard in the library: our count is all (tested by the schedules).
+        let mut sealer = Sealer::new(0, chacha(1)).unwrap();
+        let mut out = vec![0; wire_len(1)];
+        sealer.seal_from(content::APPLICATION_DATA, b"x", &mut out).unwrap();
+        sealer.rewind(1);
+        assert!(sealer.seal_from(content::APPLICATION_DATA, b"x", &mut out).is_ok());
     }
 
     #[test]
@@ -404,11 +505,11 @@ mod tests {
 
     #[test]
     fn rfc8446_5_3_the_sequence_number_never_wraps() {
-        let mut sealer = Sealer::new(u64::MAX - 1, secrets(1)).unwrap();
+        let mut sealer = Sealer::new(u64::MAX - 1, chacha(1)).unwrap();
         let mut out = vec![0; wire_len(1)];
         assert!(sealer.seal_from(content::APPLICATION_DATA, b"x", &mut out).is_ok());
         assert!(matches!(sealer.seal_from(content::APPLICATION_DATA, b"x", &mut out), Err(RecordError::Exhausted)));
-        let mut opener = Opener::new(u64::MAX, secrets(1)).unwrap();
+        let mut opener = Opener::new(u64::MAX, chacha(1)).unwrap();
         assert!(matches!(opener.open(&mut out), Err(RecordError::Exhausted)));
     }
 

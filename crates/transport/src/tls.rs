@@ -39,6 +39,10 @@ pub fn server_config(identity: &Identity, admission: Admission) -> Result<Arc<ru
         .with_client_cert_verifier(Arc::new(AdmittedClients { admission, algorithms: algorithms() }))
         .with_single_cert(vec![identity.certificate.clone()], identity.key.clone_key())?;
     config.enable_secret_extraction = true;
+    // No session tickets: our clients never resume a TLS session (a usbwire session
+    // resumes over a fresh handshake), and our record layer takes an AES-GCM key
+    // before any record went under it (`record::Sealer`).
+    config.send_tls13_tickets = 0;
     Ok(Arc::new(config))
 }
 

@@ -317,22 +317,15 @@ fn client_that_updates_keys_with_its_finished(
     Ok(got)
 }
 
+/// The client's KeyUpdate(update_requested) arrives with its Finished: rustls's handshake
+/// ends with our KeyUpdate to send, which the hand-over carries.
 #[tokio::test]
 async fn a_key_update_asked_for_with_the_clients_finished_is_followed() {
-    // With session tickets (rustls's default: its handshake ends with output to send) and without.
-    for tickets in [2, 0] {
-        key_update_with_the_clients_finished(tickets).await;
-    }
-}
-
-async fn key_update_with_the_clients_finished(tickets: usize) {
     let pair = pair().await;
-    let mut server_config = (*pair.server_config).clone();
-    server_config.send_tls13_tickets = tickets;
     let (config, addr) = (pair.client_config.clone(), pair.listener.local_addr().unwrap());
     let client = tokio::task::spawn_blocking(move || client_that_updates_keys_with_its_finished(config, addr, 50_000));
     let tcp = pair.listener.accept().await.unwrap().0;
-    let (mut server, _) = handshake::accept(tcp, Arc::new(server_config)).await.unwrap();
+    let (mut server, _) = handshake::accept(tcp, pair.server_config.clone()).await.unwrap();
     let mut got = vec![0; 50_000];
     server.read_exact(&mut got).await.unwrap();
     assert!(got == pattern(50_000, 9), "the client's bytes, under its new key");
@@ -340,6 +333,22 @@ async fn key_update_with_the_clients_finished(tickets: usize) {
     server.flush().await.unwrap();
     let echoed = client.await.unwrap().expect("the server's reply decrypts: its KeyUpdate was not lost");
     assert!(echoed == pattern(50_000, 9));
+}
+
+/// A server configured to send session tickets (ours sends none) would hand our record
+/// layer an AES-GCM key rustls already sealed under: refused with an error that says so.
+#[tokio::test]
+async fn a_server_that_sent_session_tickets_is_refused_at_the_hand_over() {
+    let pair = pair().await;
+    let mut server_config = (*pair.server_config).clone();
+    assert_eq!(server_config.send_tls13_tickets, 0, "ours sends none");
+    server_config.send_tls13_tickets = 2;
+    let (config, addr) = (pair.client_config.clone(), pair.listener.local_addr().unwrap());
+    let client = tokio::task::spawn_blocking(move || client_that_updates_keys_with_its_finished(config, addr, 10));
+    let tcp = pair.listener.accept().await.unwrap().0;
+    let Err(error) = handshake::accept(tcp, Arc::new(server_config)).await else { panic!("not refused") };
+    assert!(error.to_string().contains("session tickets"), "{error}");
+    drop(client);
 }
 
 mod schedules;
