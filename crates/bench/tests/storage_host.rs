@@ -5,14 +5,19 @@
 //! a userspace connection as the usbredir bridge runs one: enumeration, a megabyte written at a random block and read back,
 //! READ CAPACITY against the image's size, a read past the end failing
 //! with the sense data a kernel expects, and streams written and read back
-//! through a proxy that cuts the link mid-pipeline again and again.
+//! through a proxy that cuts the link mid-pipeline again and again; a
+//! connection closed with reads ahead still coming ends its session cleanly
+//! through a proxy that passes resets on, as QEMU's user networking does.
 
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rand::{Rng, RngCore};
-use tokio::net::UnixStream;
-use tokio::sync::watch;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UnixStream};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use usbwire_bench::proxy::Proxy;
 use usbwire_bench::storage::{opcode, Data, Host, HostError, UrbLink, Wire};
@@ -246,6 +251,90 @@ async fn a_cut_mid_pipeline_loses_nothing_through_a_userspace_connection() {
     assert!(connection.is_resumable());
     accelerated(&connection.storage_counters().unwrap());
     connection.close().await;
+}
+
+/// A proxy that holds what the client sends for `delay` and, like QEMU's user
+/// networking, passes a reset on: when the client's side resets, what it still
+/// holds for the server is dropped and the server's side is reset. Counts the
+/// client's resets.
+async fn resetting_proxy(target: SocketAddr, delay: Duration) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let resets = Arc::new(AtomicUsize::new(0));
+    let counted = resets.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = TcpStream::connect(target).await.unwrap();
+            let resets = counted.clone();
+            tokio::spawn(async move {
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                let (held_tx, mut held) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+                let take = async {
+                    let mut buf = vec![0; 64 * 1024];
+                    loop {
+                        let n = cr.read(&mut buf).await?;
+                        if n == 0 {
+                            drop(held_tx);
+                            return Ok::<_, std::io::Error>(());
+                        }
+                        let _ = held_tx.send((Instant::now() + delay, buf[..n].to_vec()));
+                    }
+                };
+                let pass_on = async {
+                    while let Some((at, chunk)) = held.recv().await {
+                        tokio::time::sleep_until(at.into()).await;
+                        sw.write_all(&chunk).await?;
+                    }
+                    sw.shutdown().await
+                };
+                let down = async {
+                    tokio::io::copy(&mut sr, &mut cw).await?;
+                    cw.shutdown().await
+                };
+                if tokio::try_join!(take, pass_on, down).is_err() {
+                    resets.fetch_add(1, Ordering::Relaxed);
+                    if let Ok(server) = sr.reunite(sw) {
+                        let _ = server.set_zero_linger();
+                    }
+                }
+            });
+        }
+    });
+    (addr, resets)
+}
+
+/// A userspace connection closed while reads ahead still stream in (a VM
+/// letting a disk go mid-read through the usbredir bridge) ends its session:
+/// the server releases the disk at once rather than hold it for a resume. The
+/// client reads its link to the server's close instead of resetting it, so a
+/// proxy that passes resets on cannot drop the end on its way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_with_reads_ahead_coming_the_session_ends_and_the_disk_is_free_again() {
+    let disk = local_disk(DISK_BYTES).unwrap();
+    let (proxy, resets) = resetting_proxy(disk.addr, Duration::from_millis(25)).await;
+    let mut host = connect(proxy, &disk.busid).await;
+    host.enumerate().await.unwrap();
+    host.read_capacity().await.unwrap();
+    for i in 0..24u32 {
+        host.read10(i * 240, 240).await.unwrap();
+    }
+    let connection = host.into_link();
+    let counters = connection.storage_counters().unwrap();
+    assert!(counters.read_ahead_hits >= 10, "a sequential stream is read ahead: {counters:?}");
+    connection.close().await;
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let state = loop {
+        let states = usbwire_client::device_states(disk.addr, &Security::Plain).await.unwrap().unwrap();
+        let state = states.into_iter().find(|entry| entry.busid == disk.busid.to_string()).unwrap();
+        if state.state == "available" || Instant::now() > deadline {
+            break state;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(resets.load(Ordering::Relaxed), 0, "the client reset its link");
+    assert_eq!(state.state, "available", "the server still holds the disk: {state:?}");
+    assert_eq!(state.resuming_since, None);
 }
 
 #[tokio::test]

@@ -404,7 +404,14 @@ async fn end_session<H: Hold>(link: &mut Link, held: &mut H) {
             }
         })
         .await?;
-        tokio::io::AsyncWriteExt::shutdown(server).await
+        tokio::io::AsyncWriteExt::shutdown(server).await?;
+        // Replies still come (reads ahead, say) until the server reads the end and closes.
+        // Read them, unwanted, to its close: a socket closed with bytes unread resets the
+        // connection, and a reset can reach the server before it has read the end, which
+        // then holds the device for a resume that never comes.
+        let mut unwanted = vec![0; 64 * 1024];
+        while tokio::io::AsyncReadExt::read(server, &mut unwanted).await? > 0 {}
+        Ok::<_, io::Error>(())
     })
     .await;
     if !matches!(flushed, Ok(Ok(()))) {
