@@ -30,6 +30,8 @@ use usbwire_transport::RecordError;
 
 /// Bytes written per input at most, so each run stays short.
 const MAX_WRITTEN: usize = 8 << 20;
+/// Bytes the application reads at a time at most (the buffer is kept between reads).
+const READ_AT_MOST: usize = 64 << 10;
 
 pub fn tls_pair(data: &[u8]) {
     let Some((&flags, mut ops)) = data.split_first() else { return };
@@ -90,9 +92,11 @@ fn take<'a>(ops: &mut &'a [u8], n: usize) -> &'a [u8] {
     taken
 }
 
-/// Byte `at` of the stream the writer is given.
-fn stream_byte(at: usize) -> u8 {
-    (at % 251) as u8 ^ (at >> 16) as u8
+/// The stream the writer is given (its first [`MAX_WRITTEN`] bytes), made once: every
+/// write borrows from it and every read is compared with it.
+fn stream() -> &'static [u8] {
+    static STREAM: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    STREAM.get_or_init(|| (0..MAX_WRITTEN).map(|at| (at % 251) as u8 ^ (at >> 16) as u8).collect())
 }
 
 /// The keys of generation `n` (0 after the handshake, then one more per KeyUpdate).
@@ -143,6 +147,8 @@ struct Pair {
     closed: bool,
     /// The writer's key generation and sequence number after its last seal.
     last_sealed: (u32, u64),
+    /// The application's read buffer.
+    out: Vec<u8>,
 }
 
 impl Pair {
@@ -153,7 +159,17 @@ impl Pair {
             panic!("fixed keys")
         };
         let keys = Keys { tx: 0, rx: 0, chacha };
-        Self { writer, reader, keys, written: 0, read: 0, failed: false, closed: false, last_sealed: (0, 0) }
+        Self {
+            writer,
+            reader,
+            keys,
+            written: 0,
+            read: 0,
+            failed: false,
+            closed: false,
+            last_sealed: (0, 0),
+            out: Vec::new(),
+        }
     }
 
     fn write(&mut self, sizes: &[usize]) {
@@ -161,15 +177,14 @@ impl Pair {
         if self.written + total > MAX_WRITTEN {
             return;
         }
-        let parts: Vec<Vec<u8>> = sizes
+        let slices: Vec<IoSlice<'_>> = sizes
             .iter()
             .scan(self.written, |at, &len| {
-                let part = (*at..*at + len).map(stream_byte).collect();
+                let part = IoSlice::new(&stream()[*at..*at + len]);
                 *at += len;
                 Some(part)
             })
             .collect();
-        let slices: Vec<IoSlice<'_>> = parts.iter().map(|p| IoSlice::new(p)).collect();
         match self.writer.seal(&mut self.keys, &slices) {
             Ok(taken) => {
                 assert!(!self.failed && !self.closed, "a write after close_notify or a failure was taken");
@@ -205,9 +220,15 @@ impl Pair {
 
     /// Reads until the reader wants more bytes; every byte is checked against the stream.
     fn read(&mut self, size: usize) {
-        let mut out = vec![0; size];
+        let mut out = std::mem::take(&mut self.out);
+        out.resize(size.min(READ_AT_MOST), 0);
+        self.read_into(&mut out);
+        self.out = out;
+    }
+
+    fn read_into(&mut self, out: &mut [u8]) {
         loop {
-            let mut buf = ReadBuf::new(&mut out);
+            let mut buf = ReadBuf::new(out);
             match self.reader.read(&mut self.keys, &mut buf) {
                 Err(error) => panic!("the reader failed on what the writer sealed: {error}"),
                 Ok(true) => return,
@@ -216,11 +237,14 @@ impl Pair {
                     return;
                 }
                 Ok(false) => {
-                    for (i, &byte) in buf.filled().iter().enumerate() {
-                        assert_eq!(byte, stream_byte(self.read + i), "byte {} differs", self.read + i);
+                    let got = buf.filled();
+                    assert!(self.read + got.len() <= self.written, "more handed out than was written");
+                    let expected = &stream()[self.read..self.read + got.len()];
+                    if got != expected {
+                        let at = got.iter().zip(expected).position(|(a, b)| a != b).unwrap_or(0);
+                        panic!("byte {} differs", self.read + at);
                     }
-                    self.read += buf.filled().len();
-                    assert!(self.read <= self.written, "more handed out than was written");
+                    self.read += got.len();
                 }
             }
         }
