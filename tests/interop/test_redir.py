@@ -12,7 +12,8 @@ dials QEMU's listening chardev (`--connect`). The guest's own kernel drives the 
 plugged in: no usbip in the guest.
 
 Checked: the guest mounts the disk (ext4), writes a file and reads it back
-past its page cache, and the file is in the host's image afterwards; typed
+past its page cache, and the file is in the host's image afterwards (through the
+bridge's storage accelerator and descriptor snapshot, which each import's end logs); typed
 keys arrive as key presses; the serial port moves bytes both ways. Then the
 disk's usb-redir device is unplugged from QEMU and plugged in again twice
 (QMP device_del / chardev-add / device_add): the bridge releases its
@@ -320,6 +321,10 @@ def main():
             guest_check(f"unplug-{n}-gone", 120)
             released = disk_log.wait_count("guest disconnected; device released", n, 30)
             checks.check(f"unplug {n}: the bridge released its import", released, disk_log.tail())
+            # The import that ended ran the guest's usb-storage through the accelerators.
+            accelerated = disk_log.wait_count("mass storage accelerated", n, 10)
+            checks.check(f"unplug {n}: the bridge ran the guest's disk commands through the storage accelerator",
+                         accelerated, disk_log.tail())
             deadline = time.time() + 15
             while time.time() < deadline and not disk_available(port, ids["disk"], tls):
                 time.sleep(0.2)

@@ -192,8 +192,13 @@ def main():
                 deadline = time.time() + 15
                 while time.time() < deadline and (listed(port) or {}).get("state", "available") != "available":
                     time.sleep(0.2)
-                checks.check("the exporter lists the drive available again",
-                             (listed(port) or {}).get("state", "available") == "available", "")
+                seen = listed(port) or {}
+                if seen.get("state", "available") != "available":
+                    _, serve_log = remote.run("grep -v -e 'device list' -e 'device state' /tmp/serve.log | tail -n 40")
+                    checks.check("the exporter lists the drive available again", False,
+                                 f"listed {seen}; the exporter's serve log: {serve_log}")
+                else:
+                    checks.check("the exporter lists the drive available again", True, "")
         consumer.wait_for("@@PLUG audio", 120)
         plugged = monitor.plug_redir("redir-audio", "rd-audio", audio_socket)
         checks.check("audio: QEMU plugged the usb-redir device", plugged == "", plugged)

@@ -387,7 +387,7 @@ impl<'a> DeviceSide<'a> {
             resumable: true,
             reservation: None,
             persistence: crate::follow::Persistence::Bounded,
-            accelerate: false,
+            accelerate: true,
         };
         let back = async move {
             let end = match end {
@@ -439,15 +439,7 @@ async fn import_while_guest_waits(
     let mut backoff = Retry::PATIENT.backoff();
     loop {
         let imported = match source.device.resolve(source.addr, &source.security).await {
-            // Not accelerated yet: with reads ahead in flight when a guest lets a real
-            // (usbfs) device go, the exporter did not list it available again in time.
-            Ok(busid) => {
-                crate::import_for_relay(source.addr, &busid, &source.security, &source.transforms, None, false)
-                    .await
-                    .map(|imported| {
-                        Connection::from_imported(imported, source.addr, &source.security, &source.transforms)
-                    })
-            }
+            Ok(busid) => Connection::import_resumable(source.addr, &busid, &source.security, &source.transforms).await,
             Err(error) => Err(error),
         };
         match imported {
