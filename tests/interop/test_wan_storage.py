@@ -196,6 +196,7 @@ uses() {
 detach() {
   mode=$1; tool=$2
   port=$(usbwire port --json | tr ',{}' '\n\n\n' | sed -n 's/.*"port":\([0-9]*\).*/\1/p' | head -n 1)
+  [ $tool = usbwire ] && usbwire port --prometheus | sed "s/^/@@PROM $mode /"
   $tool detach -p "$port" > /tmp/detach.out 2>&1; check $mode-detach $? "$(cat /tmp/detach.out)"
   wait_gone $DEV; check $mode-disk-gone $?
   wait_for '! pidof usbwire > /dev/null' 300; check $mode-relay-ended $? "$(ps | grep '[u]sbwire')"
@@ -319,9 +320,10 @@ def read_console(g, checks, expected, on_line=None):
     timings ({(mode, what): (seconds, bytes)}), relay logs ({mode: text}), the sha256s
     of the files it writes into filesystems ({path: hex}) and what `faults` printed
     ({"sha": {mode: hex}, "log": {mode: kernel lines}, "unplugged": {mode: (rc, bytes, hex)},
-    "unplug_log": {mode: kernel lines}}). `on_line` sees every line first."""
+    "unplug_log": {mode: kernel lines}}), and `usbwire port --prometheus` before each detach
+    ({"prometheus": {mode: text}}). `on_line` sees every line first."""
     seen, times, relay, sums = {}, {}, {}, {}
-    faults = {"sha": {}, "log": {}, "unplugged": {}, "unplug_log": {}}
+    faults = {"sha": {}, "log": {}, "unplugged": {}, "unplug_log": {}, "prometheus": {}}
     while True:
         line = g.wait_for("", 480)
         if on_line:
@@ -351,6 +353,9 @@ def read_console(g, checks, expected, on_line=None):
         elif "@@FAULTLOG " in line:
             mode, text = (line.split("@@FAULTLOG ", 1)[1].split(" ", 1) + [""])[:2]
             faults["log"][mode] = faults["log"].get(mode, "") + text + "\n"
+        elif "@@PROM " in line:
+            mode, text = (line.split("@@PROM ", 1)[1].split(" ", 1) + [""])[:2]
+            faults["prometheus"][mode] = faults["prometheus"].get(mode, "") + text + "\n"
         elif "@@SHA256 " in line:
             digest, path = line.split("@@SHA256 ", 1)[1].split()
             sums[path] = digest
@@ -403,6 +408,20 @@ def relay_pipelined(checks, relay_log, who):
     print(f"relay ({who}): {line.group(0) if line else 'no mass storage accelerated line'}")
     checks.check(f"the {who} relay pipelined commands (commands_pipelined > 0)",
                  int(counts.get("commands_pipelined", 0)) > 0, relay_log[-1500:] or "no relay log")
+
+
+def port_metrics(checks, text):
+    """`usbwire port --prometheus` while the accelerated disk was attached: promtool accepts
+    it, and it counts what the accelerator did."""
+    lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    checks.check("promtool check metrics accepts `usbwire port --prometheus`", lint.returncode == 0,
+                 lint.stdout + lint.stderr + text[-1500:])
+    for metric in ("usbwire_port_storage_commands_pipelined_total", "usbwire_port_storage_read_ahead_hits_total"):
+        sample = re.search(rf"^{metric}{{port=\"\d+\",server=\"10\.0\.2\.2:\d+\",busid=\"[^\"]+\"}} (\d+)$", text, re.M)
+        checks.check(f"`usbwire port --prometheus` has the accelerated disk's {metric} > 0",
+                     sample is not None and int(sample.group(1)) > 0, text[-1500:] or "nothing printed")
+    connected = re.search(r"^usbwire_port_relay_connected\{.*\} 1$", text, re.M)
+    checks.check("`usbwire port --prometheus` has the relay connected", connected is not None, text[-1500:])
 
 
 def make_image(image):
@@ -557,6 +576,7 @@ def main():
         faults_as_local(checks, faults, stream)
         unplugs_as_local(checks, faults, unplug_images)
         relay_pipelined(checks, relay.get("accelerated", ""), "accelerated")
+        port_metrics(checks, faults["prometheus"].get("accelerated", ""))
         checks.check("the relay with --accelerate off pipelined nothing",
                      "mass storage accelerated" not in relay.get("off", ""), relay.get("off", "")[-1500:])
         log.flush()

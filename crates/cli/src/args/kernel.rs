@@ -79,6 +79,11 @@ pub(crate) struct PortArgs {
     /// Machine-readable output: one JSON document with `schema_version` (docs/json.md).
     #[arg(long)]
     pub(crate) json: bool,
+    /// Each relayed port's counters in the Prometheus text format, for node_exporter's textfile
+    /// collector: the relay's state and what the storage accelerator did (commands pipelined,
+    /// read-ahead hits, bytes read ahead and wasted).
+    #[arg(long, conflicts_with = "json")]
+    pub(crate) prometheus: bool,
 }
 
 #[derive(Args, Debug)]

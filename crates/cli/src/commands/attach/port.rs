@@ -5,6 +5,7 @@ use serde_json::json;
 use usbwire_client::vhci;
 use usbwire_device::record::DeviceJson;
 
+use self::prometheus::RelayedPort;
 use super::status_file::relay_status;
 use crate::args::PortArgs;
 use crate::commands::common::stdout::outln;
@@ -46,6 +47,18 @@ fn port_json(p: &vhci::PortStatus, here: &[usbwire_host::LocalDevice], names: &U
 pub(crate) fn run(args: PortArgs) -> Result<(), Failure> {
     let ports = vhci::ports()?;
     let used: Vec<_> = ports.iter().filter(|p| !p.is_free()).collect();
+    if args.prometheus {
+        let relayed: Vec<RelayedPort> = used
+            .iter()
+            .filter_map(|p| {
+                let relay = relay_status(p.port)?;
+                let busid = vhci::read_record(p.port).map(|r| r.busid).unwrap_or_default();
+                Some(RelayedPort { port: p.port, busid, relay })
+            })
+            .collect();
+        outln!("{}", prometheus::render(&relayed).trim_end())?;
+        return Ok(());
+    }
     if args.json {
         let here = usbwire_host::list().unwrap_or_default();
         let names = crate::commands::common::usb_names::UsbIds::load();
@@ -92,3 +105,5 @@ pub(crate) fn run(args: PortArgs) -> Result<(), Failure> {
     }
     Ok(())
 }
+
+mod prometheus;
