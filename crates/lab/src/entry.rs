@@ -7,6 +7,7 @@
 //! PREFIX/devices/SERVER/BUSID                DeviceEntry       lease: the server's
 //! PREFIX/reservations/SERVER/BUSID           ReservationEntry  lease: the holder's
 //! PREFIX/index/KIND/VALUE/SERVER/BUSID       its availability  lease: the server's
+//! PREFIX/index/free/KIND/VALUE/BB/SERVER/BUSID  `available`     lease: the server's
 //! ```
 //!
 //! SERVER is the address clients import from (`HOST:PORT`). A reservation is
@@ -17,8 +18,11 @@
 //! reading the fleet: one key per device and label (`label/nucleo`), VID:PID
 //! (`id/0483:374b`), class of the device or an interface (`class/08`) and
 //! serial (`serial/…`), whose value is the device's [`Availability`] word.
-//! Its server keeps it current (imports, releases, the reservations it sees),
-//! so a reservation reads a few bytes per matching device.
+//! Its server keeps it current (imports, releases, the reservations it sees).
+//! Beside it, the free devices: under `index/free/`, a key per term for each
+//! device that is available and not reserved, spread over 256 buckets `BB`
+//! (a hash of server and bus id), so a reservation reads one short page from
+//! a random bucket instead of every matching device.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -93,22 +97,39 @@ impl Keys {
     /// Every index key of a device (its labels, VID:PID, classes, serial).
     pub fn index_entries(&self, device: &DeviceEntry) -> Vec<String> {
         let (server, busid) = (&device.server, &device.record.busid);
-        let mut keys: Vec<String> =
-            device.labels.iter().map(|label| self.index_entry("label", label, server, busid)).collect();
-        keys.push(self.index_entry(
-            "id",
-            &format!("{}:{}", device.record.vendor_id, device.record.product_id),
-            server,
-            busid,
-        ));
-        let mut classes: Vec<&String> = std::iter::once(&device.class).chain(&device.interface_classes).collect();
-        classes.sort();
-        classes.dedup();
-        keys.extend(classes.into_iter().map(|class| self.index_entry("class", class, server, busid)));
-        if let Some(serial) = &device.record.serial {
-            keys.push(self.index_entry("serial", serial, server, busid));
-        }
-        keys
+        index_terms(device).into_iter().map(|(kind, value)| self.index_entry(kind, &value, server, busid)).collect()
+    }
+
+    /// The free-device prefix of one term: a key per device under it that
+    /// is available and not reserved, and none for any other.
+    pub fn free_of(&self, kind: &str, value: &str) -> String {
+        format!("{}index/free/{kind}/{}/", self.root, key_part(value))
+    }
+
+    /// A device's key among the free devices of one term: under the term's
+    /// prefix, its bucket (two hex digits of a hash of server and bus id, so
+    /// that a read from a random bucket lands on a random device), then
+    /// server and bus id.
+    pub fn free_entry(&self, kind: &str, value: &str, server: &str, busid: &str) -> String {
+        self.free_entry_under(&self.free_of(kind, value), server, busid)
+    }
+
+    /// The same under a prefix [`Keys::free_of`] made.
+    pub fn free_entry_under(&self, prefix: &str, server: &str, busid: &str) -> String {
+        format!("{prefix}{}/{server}/{busid}", bucket(server, busid))
+    }
+
+    /// Every free-device key of a device, one per term it has an index key for.
+    pub fn free_entries(&self, device: &DeviceEntry) -> Vec<String> {
+        let (server, busid) = (&device.server, &device.record.busid);
+        index_terms(device).into_iter().map(|(kind, value)| self.free_entry(kind, &value, server, busid)).collect()
+    }
+
+    /// The (server, bus id) a free-device key under `prefix` names.
+    pub fn parse_free_entry(&self, prefix: &str, key: &[u8]) -> Option<(String, String)> {
+        let rest = std::str::from_utf8(key).ok()?.strip_prefix(prefix)?;
+        let (_bucket, rest) = rest.split_once('/')?;
+        rest.rsplit_once('/').map(|(server, busid)| (server.to_owned(), busid.to_owned()))
     }
 
     /// The (server, bus id) an index key under `prefix` names.
@@ -212,6 +233,36 @@ impl Availability {
             other => other,
         }
     }
+}
+
+/// The index terms of a device, as (kind, value): its labels, VID:PID, the
+/// classes of the device and its interfaces, its serial.
+fn index_terms(device: &DeviceEntry) -> Vec<(&'static str, String)> {
+    let mut terms: Vec<(&'static str, String)> = device.labels.iter().map(|label| ("label", label.clone())).collect();
+    terms.push(("id", format!("{}:{}", device.record.vendor_id, device.record.product_id)));
+    let mut classes: Vec<&String> = std::iter::once(&device.class).chain(&device.interface_classes).collect();
+    classes.sort();
+    classes.dedup();
+    terms.extend(classes.into_iter().map(|class| ("class", class.clone())));
+    if let Some(serial) = &device.record.serial {
+        terms.push(("serial", serial.clone()));
+    }
+    terms
+}
+
+/// How many buckets the free-device keys of a term spread over.
+pub const BUCKETS: u32 = 256;
+
+/// A device's bucket among the free devices: the top byte of the 32-bit
+/// FNV-1a hash of `SERVER/BUSID`, in hex. Every server and client computes
+/// the same, whatever their version.
+fn bucket(server: &str, busid: &str) -> String {
+    let hash = server
+        .bytes()
+        .chain(std::iter::once(b'/'))
+        .chain(busid.bytes())
+        .fold(0x811c_9dc5_u32, |hash, byte| (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193));
+    format!("{:02x}", hash >> 24)
 }
 
 /// A value as one part of a key: `/` and `%` escaped.
@@ -392,15 +443,25 @@ impl Want {
     /// The index prefixes of the terms that have one (all but bus id and
     /// server); a device the selector matches is under every one of them.
     pub fn index_prefixes(&self, keys: &Keys) -> Vec<String> {
+        self.index_terms().into_iter().map(|(kind, value)| keys.index_of(kind, &value)).collect()
+    }
+
+    /// The free-device prefixes of the same terms, in the same order.
+    pub fn free_prefixes(&self, keys: &Keys) -> Vec<String> {
+        self.index_terms().into_iter().map(|(kind, value)| keys.free_of(kind, &value)).collect()
+    }
+
+    /// The terms that have an index, as (kind, value).
+    fn index_terms(&self) -> Vec<(&'static str, String)> {
         self.terms
             .iter()
             .filter_map(|term| match term {
-                Term::Label(label) => Some(keys.index_of("label", label)),
+                Term::Label(label) => Some(("label", label.clone())),
                 Term::Device(Selector::VidPid { vendor_id, product_id }) => {
-                    Some(keys.index_of("id", &format!("{vendor_id:04x}:{product_id:04x}")))
+                    Some(("id", format!("{vendor_id:04x}:{product_id:04x}")))
                 }
-                Term::Device(Selector::Class(class)) => Some(keys.index_of("class", &format!("{class:02x}"))),
-                Term::Device(Selector::Serial(serial)) => Some(keys.index_of("serial", serial)),
+                Term::Device(Selector::Class(class)) => Some(("class", format!("{class:02x}"))),
+                Term::Device(Selector::Serial(serial)) => Some(("serial", serial.clone())),
                 Term::Device(Selector::BusId(_)) | Term::Server(_) => None,
             })
             .collect()
@@ -444,6 +505,38 @@ impl AsDeviceFacts for DeviceEntry {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    #[test]
+    fn a_device_has_a_free_key_per_indexed_term_in_a_bucket_every_version_computes_alike() {
+        let keys = Keys::new("lab");
+        let entry = device("10.0.0.5:3240", "1-1.2", &["nucleo"]);
+        let free = keys.free_entries(&entry);
+        let index = keys.index_entries(&entry);
+        assert_eq!(free.len(), index.len(), "one per indexed term: {free:?}");
+        // FNV-1a 32 of "10.0.0.5:3240/1-1.2" is 0xfc520eee: bucket fc.
+        assert_eq!(free[0], "lab/index/free/label/nucleo/fc/10.0.0.5:3240/1-1.2");
+        assert!(free.iter().all(|key| key.contains("/fc/10.0.0.5:3240/1-1.2")));
+        let want: Want = "label=nucleo,1209:0003".parse().unwrap();
+        let prefixes = want.free_prefixes(&keys);
+        assert_eq!(prefixes, ["lab/index/free/label/nucleo/", "lab/index/free/id/1209:0003/"]);
+        for prefix in &prefixes {
+            let key = keys.free_entry_under(prefix, "10.0.0.5:3240", "1-1.2");
+            assert!(free.contains(&key), "{key} among {free:?}");
+            assert_eq!(
+                keys.parse_free_entry(prefix, key.as_bytes()),
+                Some(("10.0.0.5:3240".to_owned(), "1-1.2".to_owned()))
+            );
+        }
+        // The free keys are not read as the index's, nor as a record.
+        assert!(!keys.index_of("label", "nucleo").starts_with(&keys.free_of("label", "nucleo")));
+        assert_eq!(keys.parse(free[0].as_bytes()), None);
+        // Buckets spread: 1 000 devices of one server land in most of the 256.
+        let buckets: std::collections::BTreeSet<String> = (0..1000)
+            .map(|i| keys.free_entry("label", "x", "10.0.0.5:3240", &format!("1-{i}")))
+            .map(|key| key.split('/').nth(5).unwrap_or_default().to_owned())
+            .collect();
+        assert!(buckets.len() > 200, "{} buckets", buckets.len());
+    }
 
     pub(crate) fn device(server: &str, busid: &str, labels: &[&str]) -> DeviceEntry {
         DeviceEntry {

@@ -2,34 +2,43 @@
 //!
 //! Requests per operation (what grows with the lab): [`Lab::fleet`] reads
 //! three prefixes a page at a time (its size grows with the devices); a
-//! reservation reads the index under each of its selector's terms (a few
-//! bytes per matching device, not the fleet), then one lease grant and one
-//! transaction per device tried (one when uncontended; candidates are tried
-//! in random order so racing clients spread out); holding it costs one
-//! renewal every third of the lease's time to live; a release is one lease
-//! revocation.
+//! reservation (`take`) reads one page of free devices, then one lease grant
+//! and one transaction per device tried; holding it costs one renewal every
+//! third of the lease's time to live; a release is one lease revocation.
 
 use std::time::{Duration, SystemTime};
 
 use etcd_client::{
-    Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
-    WatchOptions,
+    Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
-use rand::seq::SliceRandom as _;
 use tokio::task::JoinHandle;
 use usbwire_proto::reservation::ReservationToken;
 
-use crate::entry::{
-    decode, timestamp, Availability, DeviceEntry, Fleet, Key, Keys, ReservationEntry, ServerEntry, Want, SCHEMA_VERSION,
-};
+use crate::entry::{decode, DeviceEntry, Fleet, Key, Keys, ReservationEntry, ServerEntry};
 use crate::error::LabError;
-use crate::etcd::{keep_alive, Endpoint};
+use crate::etcd::Endpoint;
 
 /// A connection to the lab registry.
 pub struct Lab {
-    endpoint: Endpoint,
-    client: Client,
-    keys: Keys,
+    pub(crate) endpoint: Endpoint,
+    pub(crate) client: Client,
+    pub(crate) keys: Keys,
+    pub(crate) reads: Reads,
+}
+
+/// The range requests a [`Lab`] made and the bytes they brought back (keys
+/// and values): what its operations cost etcd, for benchmarks and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reads {
+    pub requests: u64,
+    pub bytes: u64,
+}
+
+impl Reads {
+    pub(crate) fn count(&mut self, response: &etcd_client::GetResponse) {
+        self.requests += 1;
+        self.bytes += response.kvs().iter().map(|kv| (kv.key().len() + kv.value().len()) as u64).sum::<u64>();
+    }
 }
 
 /// How long a reservation lasts.
@@ -53,62 +62,23 @@ pub struct Reservation {
     /// What the import must carry.
     pub token: ReservationToken,
     pub lease: i64,
-    client: Client,
-    renewing: Option<JoinHandle<LabError>>,
+    pub(crate) client: Client,
+    pub(crate) renewing: Option<JoinHandle<LabError>>,
 }
 
 /// How many keys one range request returns at most.
 const PAGE: i64 = 2000;
 
-/// What one read of the index showed: the free candidates (shuffled, so
-/// racing clients spread out) and the counts an error reports.
-struct Seen {
-    free: Vec<Candidate>,
-    matching: usize,
-    reserved: usize,
-    in_use: usize,
-}
-
-impl Seen {
-    fn of(candidates: Vec<Candidate>) -> Self {
-        let matching = candidates.len();
-        let reserved = candidates.iter().filter(|c| c.availability == Availability::RESERVED).count();
-        let mut free: Vec<Candidate> =
-            candidates.into_iter().filter(|c| c.availability == Availability::AVAILABLE).collect();
-        free.shuffle(&mut rand::thread_rng());
-        let in_use = matching - reserved - free.len();
-        Self { free, matching, reserved, in_use }
-    }
-
-    fn none_free(&self, want: &Want) -> LabError {
-        LabError::NoneFree {
-            want: want.to_string(),
-            matching: self.matching,
-            reserved: self.reserved + self.free.len(),
-            in_use: self.in_use,
-        }
-    }
-}
-
-/// A device a selector matches, as the index shows it.
-struct Candidate {
-    server: String,
-    busid: String,
-    /// The index entry the reservation's transaction checks.
-    index_key: String,
-    availability: String,
-}
-
 /// Whether a server's and a device's records name the server and bus id of
 /// the keys they were read from (`servers/SERVER`, `devices/SERVER/BUSID`).
 /// A client imports from the address and pins the key the records name, so
 /// records that name another server are not taken.
-fn names_its_key(server: &ServerEntry, device: &DeviceEntry, key_server: &str, key_busid: &str) -> bool {
+pub(crate) fn names_its_key(server: &ServerEntry, device: &DeviceEntry, key_server: &str, key_busid: &str) -> bool {
     server.address == key_server && device.server == key_server && device.record.busid == key_busid
 }
 
 /// The first key after every key that starts with `prefix`.
-fn prefix_end(prefix: &str) -> Vec<u8> {
+pub(crate) fn prefix_end(prefix: &str) -> Vec<u8> {
     let mut end = prefix.as_bytes().to_vec();
     while let Some(last) = end.pop() {
         if last < 0xff {
@@ -142,11 +112,16 @@ impl Lab {
     pub async fn connect(endpoint: Endpoint) -> Result<Self, LabError> {
         let client = endpoint.connect().await?;
         let keys = Keys::new(&endpoint.url.prefix);
-        Ok(Self { endpoint, client, keys })
+        Ok(Self { endpoint, client, keys, reads: Reads::default() })
     }
 
     pub fn endpoint(&self) -> &Endpoint {
         &self.endpoint
+    }
+
+    /// What this connection has read so far.
+    pub fn reads(&self) -> Reads {
+        self.reads
     }
 
     /// Every server and device, and who holds what: the three prefixes at
@@ -165,7 +140,7 @@ impl Lab {
 
     /// Every key under `prefix` (and its value unless `keys_only`), in pages
     /// of [`PAGE`], at `revision` (the first page's when `None`).
-    async fn range(
+    pub(crate) async fn range(
         &mut self,
         prefix: &str,
         revision: Option<i64>,
@@ -184,6 +159,7 @@ impl Lab {
                 options = options.with_keys_only();
             }
             let mut response = self.client.get(from.clone(), Some(options)).await?;
+            self.reads.count(&response);
             revision = revision.or(response.header().map(|h| h.revision()));
             let more = response.more();
             let mut page = response.take_kvs();
@@ -203,167 +179,6 @@ impl Lab {
         let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
         let stream = self.client.watch(self.keys.all(), Some(options)).await?;
         Ok(FleetWatch { stream, keys: self.keys.clone() })
-    }
-
-    /// Takes a free device that matches `want`. The candidates come from the
-    /// index (a few bytes per device under each term, at one revision),
-    /// filtered by bus id and server; they are tried in random order, each
-    /// with a transaction that succeeds only if the device has no reservation
-    /// and its index entry still says available. Fails with
-    /// [`LabError::NoMatch`] or [`LabError::NoneFree`].
-    pub async fn reserve(&mut self, want: &Want, hold: Hold, client: &str) -> Result<Reservation, LabError> {
-        let mut seen = Seen::of(self.candidates(want).await?);
-        if seen.matching == 0 {
-            return Err(LabError::NoMatch { want: want.to_string() });
-        }
-        if seen.free.is_empty() {
-            return Err(seen.none_free(want));
-        }
-        let (ttl, until) = match hold {
-            Hold::WhileRunning { ttl, until } => (ttl, until),
-            Hold::For(duration) => (duration, Some(SystemTime::now() + duration)),
-        };
-        let ttl_secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
-        let lease = self.client.lease_grant(ttl_secs, None).await?.id();
-        let token = ReservationToken(rand::random());
-        let entry = ReservationEntry {
-            schema_version: SCHEMA_VERSION,
-            holder: holder_name(),
-            client: client.to_owned(),
-            pid: std::process::id(),
-            token_sha256: hex(&usbwire_server::reservation::digest(&token)),
-            since_at: timestamp(SystemTime::now()),
-            until_at: until.map(timestamp),
-        };
-        let json = serde_json::to_string(&entry).unwrap_or_default();
-        // Taken by someone faster since the read: after two such, read the index
-        // again rather than walk a stale list (racing clients find out at once
-        // when none is left). Bounded, in case devices keep changing.
-        let mut tried = 0;
-        let mut lost_since_read = 0;
-        let attempts = 2 * seen.matching + 8;
-        while let Some(candidate) = seen.free.pop() {
-            tried += 1;
-            if tried > attempts {
-                break;
-            }
-            let key = self.keys.reservation(&candidate.server, &candidate.busid);
-            let txn = Txn::new()
-                .when([
-                    Compare::create_revision(key.clone(), CompareOp::Equal, 0),
-                    Compare::value(candidate.index_key.clone(), CompareOp::Equal, Availability::AVAILABLE),
-                ])
-                .and_then([
-                    TxnOp::put(key, json.clone(), Some(PutOptions::new().with_lease(lease))),
-                    TxnOp::get(self.keys.device(&candidate.server, &candidate.busid), None),
-                    TxnOp::get(self.keys.server(&candidate.server), None),
-                ]);
-            let response = match self.client.txn(txn).await {
-                Ok(response) if response.succeeded() => response,
-                Ok(_) => {
-                    lost_since_read += 1;
-                    if lost_since_read >= 2 || seen.free.is_empty() {
-                        lost_since_read = 0;
-                        match self.candidates(want).await {
-                            Ok(candidates) => seen = Seen::of(candidates),
-                            Err(error) => {
-                                let _ = self.client.lease_revoke(lease).await;
-                                return Err(error);
-                            }
-                        }
-                    }
-                    continue;
-                }
-                Err(error) => {
-                    let _ = self.client.lease_revoke(lease).await;
-                    return Err(error.into());
-                }
-            };
-            let mut read = response.op_responses().into_iter().filter_map(|op| match op {
-                TxnOpResponse::Get(got) => got.kvs().first().map(|kv| kv.value().to_vec()),
-                _ => None,
-            });
-            let device = read.next().and_then(|v| decode::<DeviceEntry>(&v));
-            let server = read.next().and_then(|v| decode::<ServerEntry>(&v));
-            let (Some(device), Some(server)) = (device, server) else {
-                // Its server went between the index read and now: give it back, try another.
-                let _ = self.client.delete(self.keys.reservation(&candidate.server, &candidate.busid), None).await;
-                continue;
-            };
-            if !names_its_key(&server, &device, &candidate.server, &candidate.busid) {
-                // Records under one server's keys that name another: a client would
-                // import from (and pin the key of) a server other than the one reserved.
-                tracing::warn!(server = %candidate.server, busid = %candidate.busid, named_server = %server.address,
-                    named_device = %format!("{} {}", device.server, device.record.busid),
-                    "skipped: its registry records name another server or device than their keys");
-                let _ = self.client.delete(self.keys.reservation(&candidate.server, &candidate.busid), None).await;
-                continue;
-            }
-            let renewing = matches!(hold, Hold::WhileRunning { .. })
-                .then(|| tokio::spawn(keep_alive(self.endpoint.clone(), self.client.clone(), lease, ttl)));
-            tracing::debug!(server = %device.server, busid = %device.record.busid, lease = format_args!("{lease:x}"), tried, "reserved");
-            return Ok(Reservation { server, device, entry, token, lease, client: self.client.clone(), renewing });
-        }
-        // Every free one was taken by someone faster.
-        let _ = self.client.lease_revoke(lease).await;
-        Err(seen.none_free(want))
-    }
-
-    /// The devices `want` matches, with their availability: from the index
-    /// of each term that has one (their intersection), else the device list.
-    async fn candidates(&mut self, want: &Want) -> Result<Vec<Candidate>, LabError> {
-        let prefixes = want.index_prefixes(&self.keys);
-        if prefixes.is_empty() {
-            // Only a bus id or a server: read the device entries themselves.
-            let fleet = self.fleet().await?;
-            return Ok(fleet
-                .devices
-                .iter()
-                .filter(|d| want.matches(&d.device))
-                .map(|d| {
-                    let reserved = d.reservation.is_some();
-                    let availability = Availability::of(d.device.state(), reserved).to_owned();
-                    let index_key = self.keys.index_entry(
-                        "id",
-                        &format!("{}:{}", d.device.record.vendor_id, d.device.record.product_id),
-                        &d.device.server,
-                        &d.device.record.busid,
-                    );
-                    Candidate {
-                        server: d.device.server.clone(),
-                        busid: d.device.record.busid.clone(),
-                        index_key,
-                        availability,
-                    }
-                })
-                .collect());
-        }
-        let mut revision = None;
-        let mut found: Option<Vec<Candidate>> = None;
-        for prefix in &prefixes {
-            let (at, kvs) = self.range(prefix, revision, false).await?;
-            revision = Some(at);
-            let here: Vec<Candidate> = kvs
-                .iter()
-                .filter_map(|kv| {
-                    let (server, busid) = self.keys.parse_index_entry(prefix, kv.key())?;
-                    want.matches_place(&server, &busid).then(|| Candidate {
-                        server,
-                        busid,
-                        index_key: String::from_utf8_lossy(kv.key()).into_owned(),
-                        availability: String::from_utf8_lossy(kv.value()).into_owned(),
-                    })
-                })
-                .collect();
-            found = Some(match found {
-                None => here,
-                Some(before) => before
-                    .into_iter()
-                    .filter(|c| here.iter().any(|h| h.server == c.server && h.busid == c.busid))
-                    .collect(),
-            });
-        }
-        Ok(found.unwrap_or_default())
     }
 
     /// Deletes every key under the registry's prefix (servers, devices,
@@ -503,7 +318,7 @@ impl FleetWatch {
 }
 
 /// `user@host`, for others to see who holds a device.
-fn holder_name() -> String {
+pub(crate) fn holder_name() -> String {
     let user = std::env::var("USER")
         .or_else(|_| std::env::var("LOGNAME"))
         .ok()
@@ -526,13 +341,16 @@ fn user_of_this_process() -> Option<String> {
     Some(name.unwrap_or_else(|| format!("uid {uid}")))
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]
 mod tests {
+    use etcd_client::PutOptions;
+
     use super::*;
+    use crate::entry::{timestamp, Availability, Want, SCHEMA_VERSION};
     use crate::testing::Cluster;
 
     fn device(server: &str, busid: &str) -> DeviceEntry {
@@ -722,7 +540,12 @@ mod tests {
 
         // A client: reads the fleet, reserves, cannot plant a server or a device.
         let mut client = login("lab-client", "client-pw").await;
-        let mut lab = Lab { endpoint: cluster.endpoint(&[0]), client: client.clone(), keys: keys.clone() };
+        let mut lab = Lab {
+            endpoint: cluster.endpoint(&[0]),
+            client: client.clone(),
+            keys: keys.clone(),
+            reads: Reads::default(),
+        };
         let fleet = lab.fleet().await.expect("a client reads the fleet");
         assert_eq!((fleet.servers.len(), fleet.devices.len()), (1, 1));
         let want: Want = "label=kbd".parse().unwrap();

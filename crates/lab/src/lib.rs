@@ -23,6 +23,7 @@ mod error;
 mod etcd;
 mod lab;
 pub mod publish;
+mod take;
 #[cfg(test)]
 mod testing;
 pub mod url;
@@ -30,5 +31,5 @@ pub mod url;
 pub use entry::{DeviceEntry, Fleet, FleetDevice, ReservationEntry, ServerEntry, Want, WantError, SCHEMA_VERSION};
 pub use error::LabError;
 pub use etcd::{Endpoint, EtcdTls, DEFAULT_TTL};
-pub use lab::{Hold, Lab, Reservation};
+pub use lab::{Hold, Lab, Reads, Reservation};
 pub use url::{RegistryUrl, UrlError};

@@ -307,6 +307,11 @@ impl Session {
             for key in self.keys.index_entries(&entry) {
                 now.insert(key, availability.to_owned());
             }
+            if availability == Availability::AVAILABLE {
+                for key in self.keys.free_entries(&entry) {
+                    now.insert(key, Availability::AVAILABLE.to_owned());
+                }
+            }
             now.insert(
                 self.keys.device(address, &entry.record.busid),
                 serde_json::to_string(&entry).unwrap_or_default(),

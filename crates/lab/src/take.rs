@@ -1,0 +1,344 @@
+//! Taking a device: [`Lab::reserve`].
+//!
+//! A reservation reads one short page of the free devices under the first of
+//! its selector's indexed terms (`index/free/…`, see [`crate::entry`]), from
+//! a random bucket so racing clients spread over the lab, and tries those
+//! devices in random order. Each try is one transaction that succeeds only if
+//! the device has no reservation and is still free under every indexed term
+//! of the selector (so it matches all of them). Uncontended, a reservation
+//! reads [`FREE_PAGE`] keys and runs one lease grant and one transaction,
+//! whatever the lab's size. When the free pages hold nothing it can take (a
+//! selector of a bus id or a server alone, every matching device taken,
+//! servers that do not publish free keys), it reads the index in full, as it
+//! did before the free keys: that read also says why none is free. Not for
+//! holding or giving back a reservation (`lab`).
+
+use std::time::SystemTime;
+
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
+use rand::seq::SliceRandom as _;
+use usbwire_proto::reservation::ReservationToken;
+
+use crate::entry::BUCKETS;
+use crate::entry::{decode, timestamp, Availability, DeviceEntry, ReservationEntry, ServerEntry, Want, SCHEMA_VERSION};
+use crate::error::LabError;
+use crate::etcd::keep_alive;
+use crate::lab::{hex, holder_name, names_its_key, prefix_end, Hold, Lab, Reservation};
+
+/// Free-device keys one page reads.
+pub(crate) const FREE_PAGE: i64 = 32;
+/// Pages read from random buckets before the full index is read (each tried
+/// until two of its devices were lost to faster clients).
+const FREE_PAGES: usize = 4;
+
+impl Lab {
+    /// Takes a free device that matches `want` (see the module docs). Fails
+    /// with [`LabError::NoMatch`] or [`LabError::NoneFree`].
+    pub async fn reserve(&mut self, want: &Want, hold: Hold, client: &str) -> Result<Reservation, LabError> {
+        let mut taking = Taking::new(hold, client);
+        let taken = self.take(want, &mut taking).await;
+        if let (Err(_), Some(lease)) = (&taken, taking.lease) {
+            let _ = self.client.lease_revoke(lease).await;
+        }
+        taken
+    }
+
+    async fn take(&mut self, want: &Want, taking: &mut Taking) -> Result<Reservation, LabError> {
+        let free = want.free_prefixes(&self.keys);
+        if let Some(first) = free.first() {
+            for _ in 0..FREE_PAGES {
+                let page = self.free_page(first, want, &free).await?;
+                if page.is_empty() {
+                    break;
+                }
+                // A free key goes only once its server has seen the reservation: after
+                // two lost, the page is likely stale where racing clients took from it.
+                let mut lost = 0;
+                for candidate in &page {
+                    match self.try_take(candidate, taking).await? {
+                        Tried::Taken(reservation) => return Ok(*reservation),
+                        Tried::Skipped => {}
+                        Tried::Lost => lost += 1,
+                    }
+                    if lost >= 2 {
+                        break;
+                    }
+                }
+            }
+        }
+        self.take_from_the_index(want, taking).await
+    }
+
+    /// Up to [`FREE_PAGE`] devices free under `first` (from a random bucket
+    /// on, wrapping to the prefix's start), that the bus id and server terms
+    /// allow, in random order; each to be taken only while free under every
+    /// prefix of `free`.
+    async fn free_page(&mut self, first: &str, want: &Want, free: &[String]) -> Result<Vec<Candidate>, LabError> {
+        let bucket = format!("{first}{:02x}", rand::random::<u32>() % BUCKETS);
+        let mut kvs = self.keys_between(bucket.as_bytes().to_vec(), prefix_end(first), FREE_PAGE).await?;
+        let short = FREE_PAGE - i64::try_from(kvs.len()).unwrap_or(FREE_PAGE);
+        if short > 0 {
+            kvs.extend(self.keys_between(first.as_bytes().to_vec(), bucket.into_bytes(), short).await?);
+        }
+        let mut page: Vec<Candidate> = kvs
+            .iter()
+            .filter_map(|key| self.keys.parse_free_entry(first, key))
+            .filter(|(server, busid)| want.matches_place(server, busid))
+            .map(|(server, busid)| {
+                let conditions = free
+                    .iter()
+                    .map(|prefix| {
+                        let key = self.keys.free_entry_under(prefix, &server, &busid);
+                        Compare::create_revision(key, CompareOp::NotEqual, 0)
+                    })
+                    .collect();
+                Candidate { server, busid, conditions, availability: Availability::AVAILABLE.to_owned() }
+            })
+            .collect();
+        page.shuffle(&mut rand::thread_rng());
+        Ok(page)
+    }
+
+    /// Up to `limit` keys in `[from, to)`, without their values.
+    async fn keys_between(&mut self, from: Vec<u8>, to: Vec<u8>, limit: i64) -> Result<Vec<Vec<u8>>, LabError> {
+        let options = GetOptions::new().with_range(to).with_limit(limit).with_keys_only();
+        let mut response = self.client.get(from, Some(options)).await?;
+        self.reads.count(&response);
+        Ok(response.take_kvs().into_iter().map(|kv| kv.key().to_vec()).collect())
+    }
+
+    /// The full read: every matching device from the index, tried in random
+    /// order; after two lost to someone faster the index is read again rather
+    /// than a stale list walked (racing clients find out at once when none is
+    /// left). Bounded, in case devices keep changing.
+    async fn take_from_the_index(&mut self, want: &Want, taking: &mut Taking) -> Result<Reservation, LabError> {
+        let mut seen = Seen::of(self.candidates(want).await?);
+        if seen.matching == 0 {
+            return Err(LabError::NoMatch { want: want.to_string() });
+        }
+        let attempts = 2 * seen.matching + 8;
+        let mut tried = 0;
+        let mut lost_since_read = 0;
+        while let Some(candidate) = seen.free.pop() {
+            tried += 1;
+            if tried > attempts {
+                break;
+            }
+            match self.try_take(&candidate, taking).await? {
+                Tried::Taken(reservation) => return Ok(*reservation),
+                Tried::Skipped => {}
+                Tried::Lost => {
+                    lost_since_read += 1;
+                    if lost_since_read >= 2 || seen.free.is_empty() {
+                        lost_since_read = 0;
+                        seen = Seen::of(self.candidates(want).await?);
+                    }
+                }
+            }
+        }
+        Err(seen.none_free(want))
+    }
+
+    /// The devices `want` matches, with their availability: from the index
+    /// of each term that has one (their intersection), else the device list.
+    async fn candidates(&mut self, want: &Want) -> Result<Vec<Candidate>, LabError> {
+        let prefixes = want.index_prefixes(&self.keys);
+        if prefixes.is_empty() {
+            // Only a bus id or a server: read the device entries themselves.
+            let fleet = self.fleet().await?;
+            return Ok(fleet
+                .devices
+                .iter()
+                .filter(|d| want.matches(&d.device))
+                .map(|d| {
+                    let reserved = d.reservation.is_some();
+                    let availability = Availability::of(d.device.state(), reserved).to_owned();
+                    let index_key = self.keys.index_entry(
+                        "id",
+                        &format!("{}:{}", d.device.record.vendor_id, d.device.record.product_id),
+                        &d.device.server,
+                        &d.device.record.busid,
+                    );
+                    Candidate {
+                        server: d.device.server.clone(),
+                        busid: d.device.record.busid.clone(),
+                        conditions: vec![still_available(index_key)],
+                        availability,
+                    }
+                })
+                .collect());
+        }
+        let mut revision = None;
+        let mut found: Option<Vec<Candidate>> = None;
+        for prefix in &prefixes {
+            let (at, kvs) = self.range(prefix, revision, false).await?;
+            revision = Some(at);
+            let here: Vec<Candidate> = kvs
+                .iter()
+                .filter_map(|kv| {
+                    let (server, busid) = self.keys.parse_index_entry(prefix, kv.key())?;
+                    want.matches_place(&server, &busid).then(|| Candidate {
+                        server,
+                        busid,
+                        conditions: vec![still_available(String::from_utf8_lossy(kv.key()).into_owned())],
+                        availability: String::from_utf8_lossy(kv.value()).into_owned(),
+                    })
+                })
+                .collect();
+            found = Some(match found {
+                None => here,
+                Some(before) => before
+                    .into_iter()
+                    .filter(|c| here.iter().any(|h| h.server == c.server && h.busid == c.busid))
+                    .collect(),
+            });
+        }
+        Ok(found.unwrap_or_default())
+    }
+
+    /// One transaction: the reservation of `candidate`, if it has none and
+    /// its conditions hold, with its device and server entries read back.
+    async fn try_take(&mut self, candidate: &Candidate, taking: &mut Taking) -> Result<Tried, LabError> {
+        let lease = match taking.lease {
+            Some(lease) => lease,
+            None => *taking.lease.insert(self.client.lease_grant(taking.ttl_secs, None).await?.id()),
+        };
+        let key = self.keys.reservation(&candidate.server, &candidate.busid);
+        let mut conditions = vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)];
+        conditions.extend(candidate.conditions.iter().cloned());
+        let txn = Txn::new().when(conditions).and_then([
+            TxnOp::put(key.clone(), taking.json.clone(), Some(PutOptions::new().with_lease(lease))),
+            TxnOp::get(self.keys.device(&candidate.server, &candidate.busid), None),
+            TxnOp::get(self.keys.server(&candidate.server), None),
+        ]);
+        let response = self.client.txn(txn).await?;
+        if !response.succeeded() {
+            return Ok(Tried::Lost);
+        }
+        let mut read = response.op_responses().into_iter().filter_map(|op| match op {
+            TxnOpResponse::Get(got) => got.kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        });
+        let device = read.next().and_then(|v| decode::<DeviceEntry>(&v));
+        let server = read.next().and_then(|v| decode::<ServerEntry>(&v));
+        let (Some(device), Some(server)) = (device, server) else {
+            // Its server went between the read and now: give it back, try another.
+            let _ = self.client.delete(key, None).await;
+            return Ok(Tried::Skipped);
+        };
+        if !names_its_key(&server, &device, &candidate.server, &candidate.busid) {
+            // Records under one server's keys that name another: a client would
+            // import from (and pin the key of) a server other than the one reserved.
+            tracing::warn!(server = %candidate.server, busid = %candidate.busid, named_server = %server.address,
+                named_device = %format!("{} {}", device.server, device.record.busid),
+                "skipped: its registry records name another server or device than their keys");
+            let _ = self.client.delete(key, None).await;
+            return Ok(Tried::Skipped);
+        }
+        let renewing = matches!(taking.hold, Hold::WhileRunning { .. })
+            .then(|| tokio::spawn(keep_alive(self.endpoint.clone(), self.client.clone(), lease, taking.ttl)));
+        tracing::debug!(server = %device.server, busid = %device.record.busid, lease = format_args!("{lease:x}"), "reserved");
+        // Taken: the lease is the reservation's now.
+        taking.lease = None;
+        Ok(Tried::Taken(Box::new(Reservation {
+            server,
+            device,
+            entry: taking.entry.clone(),
+            token: taking.token,
+            lease,
+            client: self.client.clone(),
+            renewing,
+        })))
+    }
+}
+
+/// A reservation being taken: its record, and its lease once granted (revoked
+/// if none is taken).
+struct Taking {
+    hold: Hold,
+    ttl: std::time::Duration,
+    ttl_secs: i64,
+    token: ReservationToken,
+    entry: ReservationEntry,
+    json: String,
+    lease: Option<i64>,
+}
+
+impl Taking {
+    fn new(hold: Hold, client: &str) -> Self {
+        let (ttl, until) = match hold {
+            Hold::WhileRunning { ttl, until } => (ttl, until),
+            Hold::For(duration) => (duration, Some(SystemTime::now() + duration)),
+        };
+        let token = ReservationToken(rand::random());
+        let entry = ReservationEntry {
+            schema_version: SCHEMA_VERSION,
+            holder: holder_name(),
+            client: client.to_owned(),
+            pid: std::process::id(),
+            token_sha256: hex(&usbwire_server::reservation::digest(&token)),
+            since_at: timestamp(SystemTime::now()),
+            until_at: until.map(timestamp),
+        };
+        let json = serde_json::to_string(&entry).unwrap_or_default();
+        let ttl_secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        Self { hold, ttl, ttl_secs, token, entry, json, lease: None }
+    }
+}
+
+/// The condition of a device found in the index: its entry there still says available.
+fn still_available(index_key: String) -> Compare {
+    Compare::value(index_key, CompareOp::Equal, Availability::AVAILABLE)
+}
+
+/// What one try came to.
+enum Tried {
+    Taken(Box<Reservation>),
+    /// Someone was faster (or the device is no longer free).
+    Lost,
+    /// Its records were gone or named another server: given back.
+    Skipped,
+}
+
+/// What one read of the index showed: the free candidates (shuffled, so
+/// racing clients spread out) and the counts an error reports.
+struct Seen {
+    free: Vec<Candidate>,
+    matching: usize,
+    reserved: usize,
+    in_use: usize,
+}
+
+impl Seen {
+    fn of(candidates: Vec<Candidate>) -> Self {
+        let matching = candidates.len();
+        let reserved = candidates.iter().filter(|c| c.availability == Availability::RESERVED).count();
+        let mut free: Vec<Candidate> =
+            candidates.into_iter().filter(|c| c.availability == Availability::AVAILABLE).collect();
+        free.shuffle(&mut rand::thread_rng());
+        let in_use = matching - reserved - free.len();
+        Self { free, matching, reserved, in_use }
+    }
+
+    fn none_free(&self, want: &Want) -> LabError {
+        LabError::NoneFree {
+            want: want.to_string(),
+            matching: self.matching,
+            reserved: self.reserved + self.free.len(),
+            in_use: self.in_use,
+        }
+    }
+}
+
+/// A device a selector matches.
+pub(crate) struct Candidate {
+    pub(crate) server: String,
+    pub(crate) busid: String,
+    /// What the reservation's transaction checks besides the reservation's absence.
+    pub(crate) conditions: Vec<Compare>,
+    /// Its availability word when it was read.
+    pub(crate) availability: String,
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,300 @@
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use etcd_client::{Client, GetOptions, PutOptions, Txn, TxnOp};
+use rand::{Rng, SeedableRng};
+
+use crate::entry::{timestamp, DeviceEntry, Keys, ServerEntry, Want, SCHEMA_VERSION};
+use crate::lab::{Hold, Lab, Reservation};
+use crate::publish::{publish, Registration};
+use crate::testing::Cluster;
+use crate::LabError;
+
+const LEASE: Duration = Duration::from_secs(2);
+
+fn server_entry(address: &str) -> ServerEntry {
+    ServerEntry {
+        schema_version: SCHEMA_VERSION,
+        address: address.to_owned(),
+        tls_fingerprint: None,
+        plain: true,
+        implementation: "usbwire".to_owned(),
+        version: "test".to_owned(),
+        started_at: timestamp(std::time::SystemTime::now()),
+    }
+}
+
+/// A usbwire server exporting `devices` loopback devices, registered at
+/// `address` while its task runs (aborted: its entries expire with its lease).
+struct Publisher {
+    address: String,
+    server: usbwire_server::Server,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Publisher {
+    fn new(address: &str, devices: usize) -> Self {
+        let mut server = usbwire_server::Server::new(usbwire_server::ServerConfig::default());
+        for _ in 0..devices {
+            server.export("loopback", Box::new(usbwire_gadgets::loopback(usbwire_device::Speed::HIGH)));
+        }
+        Self { address: address.to_owned(), server, task: None }
+    }
+
+    fn start(&mut self, cluster: &Cluster) {
+        let registration = Registration {
+            endpoint: cluster.endpoint(&[0]),
+            ttl: LEASE,
+            server: server_entry(&self.address),
+            labels: vec![("1209:0005".parse().unwrap(), vec!["bench".into()])],
+        };
+        let registry = self.server.registry().clone();
+        self.task = Some(tokio::spawn(publish(registration, registry, std::future::pending())));
+    }
+
+    /// Dies without a word: its lease runs out.
+    fn kill(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// What the registry says: device entries (server, busid) → state, reservations,
+/// and the free-device keys as (prefix kind/value, server, busid).
+struct Snapshot {
+    devices: HashMap<(String, String), DeviceEntry>,
+    reserved: BTreeSet<(String, String)>,
+    free: BTreeSet<String>,
+}
+
+async fn snapshot(client: &mut Client, keys: &Keys) -> Snapshot {
+    let all = client.get(keys.all(), Some(GetOptions::new().with_prefix())).await.expect("read the registry");
+    let mut snapshot = Snapshot { devices: HashMap::new(), reserved: BTreeSet::new(), free: BTreeSet::new() };
+    let free_root = format!("{}index/free/", keys.all());
+    for kv in all.kvs() {
+        let key = String::from_utf8_lossy(kv.key()).into_owned();
+        if key.starts_with(&free_root) {
+            snapshot.free.insert(key);
+            continue;
+        }
+        match keys.parse(kv.key()) {
+            Some(crate::entry::Key::Device { server, busid }) => {
+                let entry: DeviceEntry = serde_json::from_slice(kv.value()).expect("a device entry");
+                snapshot.devices.insert((server, busid), entry);
+            }
+            Some(crate::entry::Key::Reservation { server, busid }) => {
+                snapshot.reserved.insert((server, busid));
+            }
+            _ => {}
+        }
+    }
+    snapshot
+}
+
+/// The free-device keys the registry should hold: every term's key of each
+/// device that is available and not reserved, and no other.
+fn expected_free(snapshot: &Snapshot, keys: &Keys) -> BTreeSet<String> {
+    snapshot
+        .devices
+        .iter()
+        .filter(|(place, entry)| entry.state() == "available" && !snapshot.reserved.contains(*place))
+        .flat_map(|(_, entry)| keys.free_entries(entry))
+        .collect()
+}
+
+/// Waits (up to 10 s) for the free-device keys to agree with the device
+/// entries and reservations, and returns the snapshot they agree in.
+async fn index_agrees(client: &mut Client, keys: &Keys, step: &str) -> Snapshot {
+    let mut last = String::new();
+    for _ in 0..100 {
+        let now = snapshot(client, keys).await;
+        let expected = expected_free(&now, keys);
+        if now.free == expected {
+            return now;
+        }
+        last = format!(
+            "stale free keys {:?}, missing {:?}",
+            now.free.difference(&expected).collect::<Vec<_>>(),
+            expected.difference(&now.free).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("after {step}: the free-device index does not agree with the devices and reservations: {last}");
+}
+
+/// Waits (up to 10 s) for `devices` device entries, and the index to agree with them.
+async fn all_registered(client: &mut Client, keys: &Keys, devices: usize, step: &str) -> Snapshot {
+    for _ in 0..100 {
+        let now = index_agrees(client, keys, step).await;
+        if now.devices.len() == devices {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("after {step}: {devices} devices not registered within 10 s");
+}
+
+/// Issue 36: the free-device index stays true while servers die and come
+/// back, reservations are taken (several at once), released and left to
+/// expire; no device is ever held twice, and a reservation reads a page of
+/// the index, not every matching device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_free_index_stays_true_and_no_device_is_held_twice() {
+    let Some(cluster) = Cluster::start(1, "free_index").await else { return };
+    let keys = Keys::new("test");
+    let mut publishers: Vec<Publisher> =
+        (0..3).map(|i| Publisher::new(&format!("127.0.0.{}:3240", i + 1), 3 + i)).collect();
+    for publisher in &mut publishers {
+        publisher.start(&cluster);
+    }
+    let mut client = cluster.client(0).await;
+    let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
+    let first = all_registered(&mut client, &keys, 12, "registration").await;
+    assert_eq!(first.free.len(), 12 * keys.free_entries(first.devices.values().next().unwrap()).len());
+    let want: Want = "label=bench".parse().unwrap();
+    let hold = Hold::WhileRunning { ttl: LEASE, until: None };
+    let mut held: Vec<Reservation> = Vec::new();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    let mut steps = Vec::new();
+    for step in 0..24 {
+        let action = rng.gen_range(0..6);
+        let what = match action {
+            // Several clients at once.
+            0 | 1 => {
+                let racing = rng.gen_range(1..5);
+                let mut racers = Vec::new();
+                for _ in 0..racing {
+                    let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
+                    let want = want.clone();
+                    racers.push(tokio::spawn(async move { lab.reserve(&want, hold, "test").await }));
+                }
+                for racer in racers {
+                    match racer.await.unwrap() {
+                        Ok(reservation) => held.push(reservation),
+                        // All taken, or every server dead.
+                        Err(LabError::NoneFree { .. } | LabError::NoMatch { .. }) => {}
+                        Err(error) => panic!("step {step}: reserving failed: {error}"),
+                    }
+                }
+                format!("{racing} reserve")
+            }
+            2 if !held.is_empty() => {
+                let reservation = held.swap_remove(rng.gen_range(0..held.len()));
+                reservation.release().await.unwrap();
+                "release".to_owned()
+            }
+            3 if !held.is_empty() => {
+                // Its holder died: the reservation expires with its lease.
+                drop(held.swap_remove(rng.gen_range(0..held.len())));
+                tokio::time::sleep(LEASE + Duration::from_secs(1)).await;
+                "expire".to_owned()
+            }
+            4 => {
+                let i = rng.gen_range(0..publishers.len());
+                if publishers[i].task.is_some() {
+                    publishers[i].kill();
+                    tokio::time::sleep(LEASE + Duration::from_secs(1)).await;
+                    // Reservations of its devices outlive it; the device entries went.
+                    format!("kill {}", publishers[i].address)
+                } else {
+                    publishers[i].start(&cluster);
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    format!("restart {}", publishers[i].address)
+                }
+            }
+            _ => "nothing".to_owned(),
+        };
+        steps.push(what);
+        let now = index_agrees(&mut client, &keys, &steps.join(", ")).await;
+        // No device held twice: every reservation we hold is ours alone and still there.
+        let mut places = BTreeSet::new();
+        held.retain(|r| now.reserved.contains(&(r.server.address.clone(), r.device.record.busid.clone())));
+        for reservation in &held {
+            let place = (reservation.server.address.clone(), reservation.device.record.busid.clone());
+            assert!(places.insert(place.clone()), "after {steps:?}: {place:?} held twice");
+            // (A device whose server died is gone with it; its reservation stays until it ends.)
+            if now.devices.contains_key(&place) {
+                let mine = lab.still_held(&place.0, &place.1, &reservation.token).await.unwrap();
+                assert!(mine.is_some(), "after {steps:?}: {place:?} is no longer ours");
+            }
+        }
+    }
+    // One reservation, uncontended, reads one short page.
+    while let Some(reservation) = held.pop() {
+        reservation.release().await.unwrap();
+    }
+    for publisher in publishers.iter_mut().filter(|p| p.task.is_none()) {
+        publisher.start(&cluster);
+    }
+    all_registered(&mut client, &keys, 12, "all back").await;
+    let before = lab.reads();
+    let reservation = lab.reserve(&want, hold, "test").await.unwrap();
+    let read = lab.reads();
+    // A page from a random bucket on, and the rest of it from the start when it is short.
+    assert!(read.requests - before.requests <= 2, "one page of free devices: {:?} then {read:?}", before);
+    reservation.release().await.unwrap();
+    for publisher in &mut publishers {
+        publisher.kill();
+    }
+}
+
+/// Puts `devices` devices of one server straight into the registry, with their
+/// index and free-device keys (as a server would), in transactions of 128 puts.
+async fn plant(client: &mut Client, keys: &Keys, server: &str, devices: usize) {
+    let lease = client.lease_grant(60, None).await.unwrap().id();
+    let on_lease = || Some(PutOptions::new().with_lease(lease));
+    client.put(keys.server(server), serde_json::to_string(&server_entry(server)).unwrap(), on_lease()).await.unwrap();
+    let mut ops = Vec::new();
+    for i in 0..devices {
+        let busid = format!("{}-{}", 1 + i / 100, 1 + i % 100);
+        let mut entry: DeviceEntry = serde_json::from_value(serde_json::json!({
+            "schema_version": SCHEMA_VERSION, "server": server, "busid": busid,
+            "vendor_id": "0483", "product_id": "374b", "state": "available",
+            "labels": ["nucleo"], "class": "ef", "interface_classes": ["02", "0a"]
+        }))
+        .unwrap();
+        entry.server = server.to_owned();
+        ops.push(TxnOp::put(keys.device(server, &busid), serde_json::to_string(&entry).unwrap(), on_lease()));
+        for key in keys.index_entries(&entry) {
+            ops.push(TxnOp::put(key, "available", on_lease()));
+        }
+        for key in keys.free_entries(&entry) {
+            ops.push(TxnOp::put(key, "available", on_lease()));
+        }
+    }
+    for batch in ops.chunks(128) {
+        client.txn(Txn::new().and_then(batch.to_vec())).await.unwrap();
+    }
+}
+
+/// A reservation among thousands of matching devices reads one page of the
+/// free-device index (a few KiB), where reading the index in full (the way
+/// for a selector without an indexed term) reads every matching device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_among_thousands_reads_one_page() {
+    let Some(cluster) = Cluster::start(1, "one_page").await else { return };
+    let keys = Keys::new("test");
+    let mut client = cluster.client(0).await;
+    for server in ["10.0.0.1:3240", "10.0.0.2:3240"] {
+        plant(&mut client, &keys, server, 1500).await;
+    }
+    let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
+    let hold = Hold::WhileRunning { ttl: Duration::from_secs(5), until: None };
+    let mut taken = BTreeSet::new();
+    for _ in 0..20 {
+        let before = lab.reads();
+        let reservation = lab.reserve(&"label=nucleo,0483:374b".parse().unwrap(), hold, "test").await.unwrap();
+        let read = lab.reads();
+        let (requests, bytes) = (read.requests - before.requests, read.bytes - before.bytes);
+        assert!(requests <= 2 && bytes < 10 * 1024, "{requests} range requests, {bytes} bytes for one reservation");
+        assert!(taken.insert((reservation.server.address.clone(), reservation.device.record.busid.clone())));
+        reservation.keep();
+    }
+    // The full read, for comparison: a server term alone has no index.
+    let before = lab.reads();
+    let reservation = lab.reserve(&"server=10.0.0.1:3240".parse().unwrap(), hold, "test").await.unwrap();
+    let full = lab.reads().bytes - before.bytes;
+    assert!(full > 500 * 1024, "the full read took {full} bytes");
+    reservation.keep();
+}
