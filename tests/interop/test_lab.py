@@ -15,7 +15,8 @@ it, each with virtual devices and labels.
   back the host's marker; while attached, `who` shows the reservation held
   by `usbwire attach`; detach gives it back. Then `usbwire client` with a
   `server = "registry"` rule attaches it, reserved, until SIGTERM.
-- `list --registry --json` shows every server and device with labels;
+- `list --registry --json` shows every server and device with labels, and
+  `list --registry --device label=nucleo` exactly those labelled so;
   `list --registry --watch --json` follows the changes live.
 - 20 clients race (`usbwire reserve --for`) for the 10 devices labelled
   `nucleo`: each device is held by exactly one client, the other ten are told
@@ -506,6 +507,11 @@ def main():
         text = usbwire("list", "--registry", registry, env=env).stdout
         checks.check("list --registry text names servers, devices and labels",
                      "6 server(s), 16 device(s), 16 free" in text and "nucleo" in text and "usbwire disk" in text, text)
+        filtered = usbwire("list", "--registry", registry, "--device", "label=nucleo", "--json", env=env)
+        places = sorted((d["server"], d["busid"]) for d in json.loads(filtered.stdout or "{}").get("devices", []))
+        checks.check("list --registry --device label=nucleo lists exactly the 10 nucleo devices",
+                     filtered.returncode == 0 and places == sorted((d["server"], d["busid"]) for d in nucleo),
+                     f"{places} {filtered.stderr.strip()}")
 
         # ---- Planted entries: a plain server, and an intruder's TLS server under another's key ----
         disk_server = next(e for e in view["servers"] if e["address"] == f"10.0.2.2:{servers.ports[5]}")

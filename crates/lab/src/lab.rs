@@ -6,6 +6,7 @@
 //! and one transaction per device tried; holding it costs one renewal every
 //! third of the lease's time to live; a release is one lease revocation.
 
+use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime};
 
 use etcd_client::{
@@ -14,7 +15,7 @@ use etcd_client::{
 use tokio::task::JoinHandle;
 use usbwire_proto::reservation::ReservationToken;
 
-use crate::entry::{decode, DeviceEntry, Fleet, Key, Keys, ReservationEntry, ServerEntry};
+use crate::entry::{decode, DeviceEntry, Fleet, Key, Keys, ReservationEntry, ServerEntry, Want};
 use crate::error::LabError;
 use crate::etcd::Endpoint;
 
@@ -68,6 +69,8 @@ pub struct Reservation {
 
 /// How many keys one range request returns at most.
 const PAGE: i64 = 2000;
+/// How many reads one transaction carries at most (etcd's `--max-txn-ops` is 128 by default).
+const GETS_PER_TXN: usize = 128;
 
 /// Whether a server's and a device's records name the server and bus id of
 /// the keys they were read from (`servers/SERVER`, `devices/SERVER/BUSID`).
@@ -136,6 +139,65 @@ impl Lab {
         }
         let pairs = kvs.iter().map(|kv| (kv.key(), kv.value(), kv.mod_revision()));
         Ok(Fleet::from_pairs(&self.keys, revision.unwrap_or(0), pairs))
+    }
+
+    /// The servers and devices `want` matches, and who holds them, at one
+    /// revision: the keys of the index under its indexed terms (intersected,
+    /// then filtered by its bus id and server terms), then only those
+    /// devices' records, their reservations and their servers' entries, in
+    /// transactions of [`GETS_PER_TXN`] reads. Its cost grows with the
+    /// devices that match, not with the lab. A selector without an indexed
+    /// term (a bus id or a server alone) reads the fleet and filters it.
+    pub async fn fleet_matching(&mut self, want: &Want) -> Result<Fleet, LabError> {
+        let prefixes = want.index_prefixes(&self.keys);
+        if prefixes.is_empty() {
+            let mut fleet = self.fleet().await?;
+            fleet.devices.retain(|d| want.matches(&d.device));
+            let devices = &fleet.devices;
+            fleet.servers.retain(|server| devices.iter().any(|d| d.device.server == server.address));
+            return Ok(fleet);
+        }
+        let mut revision = None;
+        let mut found: Option<BTreeSet<(String, String)>> = None;
+        for prefix in &prefixes {
+            let (at, kvs) = self.range(prefix, revision, true).await?;
+            revision = Some(at);
+            let here: BTreeSet<(String, String)> = kvs
+                .iter()
+                .filter_map(|kv| self.keys.parse_index_entry(prefix, kv.key()))
+                .filter(|(server, busid)| want.matches_place(server, busid))
+                .collect();
+            found = Some(match found {
+                None => here,
+                Some(before) => before.intersection(&here).cloned().collect(),
+            });
+        }
+        let revision = revision.unwrap_or(0);
+        let found = found.unwrap_or_default();
+        let servers: BTreeSet<&String> = found.iter().map(|(server, _)| server).collect();
+        let mut keys: Vec<String> = servers.into_iter().map(|server| self.keys.server(server)).collect();
+        for (server, busid) in &found {
+            keys.push(self.keys.device(server, busid));
+            keys.push(self.keys.reservation(server, busid));
+        }
+        let mut pairs = Vec::new();
+        for batch in keys.chunks(GETS_PER_TXN) {
+            let at = || Some(GetOptions::new().with_revision(revision));
+            let reads: Vec<TxnOp> = batch.iter().map(|key| TxnOp::get(key.clone(), at())).collect();
+            let response = self.client.txn(Txn::new().and_then(reads)).await?;
+            for op in response.op_responses() {
+                if let TxnOpResponse::Get(got) = op {
+                    self.reads.count(&got);
+                    pairs
+                        .extend(got.kvs().iter().map(|kv| (kv.key().to_vec(), kv.value().to_vec(), kv.mod_revision())));
+                }
+            }
+        }
+        let pairs = pairs.iter().map(|(key, value, modified)| (key.as_slice(), value.as_slice(), *modified));
+        let mut fleet = Fleet::from_pairs(&self.keys, revision, pairs);
+        // The index is its servers' word; the records decide.
+        fleet.devices.retain(|d| want.matches(&d.device));
+        Ok(fleet)
     }
 
     /// Every key under `prefix` (and its value unless `keys_only`), in pages
@@ -350,7 +412,7 @@ mod tests {
     use etcd_client::PutOptions;
 
     use super::*;
-    use crate::entry::{timestamp, Availability, Want, SCHEMA_VERSION};
+    use crate::entry::{timestamp, Availability, SCHEMA_VERSION};
     use crate::testing::Cluster;
 
     fn device(server: &str, busid: &str) -> DeviceEntry {
@@ -451,6 +513,44 @@ mod tests {
     /// (Users log in with passwords here; the README's log in by certificate.)
     /// `delete_all` empties its own prefix and leaves a neighbour's alone,
     /// even one whose name starts the same.
+    /// Issue 36 item 2: a filtered list reads the index and the matching
+    /// devices' records only, and shows exactly what a filtered fleet shows.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_filtered_list_reads_only_what_the_index_points_at() {
+        let Some(cluster) = Cluster::start(1, "filtered_list").await else { return };
+        let keys = Keys::new("test");
+        let mut client = cluster.client(0).await;
+        for server in ["10.0.0.1:3240", "10.0.0.2:3240"] {
+            crate::testing::plant(&mut client, &keys, server, 1000, 20).await;
+        }
+        let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
+        let hold = Hold::WhileRunning { ttl: Duration::from_secs(5), until: None };
+        let taken = lab.reserve(&"label=nucleo".parse().unwrap(), hold, "test").await.unwrap();
+        let everything = lab.fleet().await.unwrap();
+        for selector in
+            ["label=nucleo", "label=nucleo,server=10.0.0.2:3240", "0483:374b,label=nucleo", "2-7", "label=none"]
+        {
+            let want: Want = selector.parse().unwrap();
+            let before = lab.reads();
+            let filtered = lab.fleet_matching(&want).await.unwrap();
+            let read = lab.reads().bytes - before.bytes;
+            let expected: Vec<_> = everything.devices.iter().filter(|d| want.matches(&d.device)).collect();
+            let got: Vec<_> = filtered.devices.iter().collect();
+            assert_eq!(got, expected, "{selector}");
+            let servers: BTreeSet<_> = expected.iter().map(|d| d.device.server.clone()).collect();
+            assert_eq!(filtered.servers.iter().map(|s| s.address.clone()).collect::<BTreeSet<_>>(), servers);
+            if selector.starts_with("label=nucleo") {
+                assert!(read < 60 * 1024, "{selector}: read {read} bytes");
+            }
+        }
+        let mine = lab.fleet_matching(&"label=nucleo".parse().unwrap()).await.unwrap();
+        let held: Vec<_> = mine.devices.iter().filter(|d| d.reservation.is_some()).collect();
+        assert_eq!(held.len(), 1, "the reservation is shown");
+        assert_eq!(held[0].device.record.busid, taken.device.record.busid);
+        assert_eq!(mine.devices.len(), 100);
+        taken.release().await.unwrap();
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn delete_all_removes_its_prefix_and_nothing_beside_it() {
         let Some(cluster) = Cluster::start(1, "delete_all").await else { return };

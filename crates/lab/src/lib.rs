@@ -31,5 +31,5 @@ pub mod url;
 pub use entry::{DeviceEntry, Fleet, FleetDevice, ReservationEntry, ServerEntry, Want, WantError, SCHEMA_VERSION};
 pub use error::LabError;
 pub use etcd::{Endpoint, EtcdTls, DEFAULT_TTL};
-pub use lab::{Hold, Lab, Reads, Reservation};
+pub use lab::{FleetChange, Hold, Lab, Reads, Reservation};
 pub use url::{RegistryUrl, UrlError};

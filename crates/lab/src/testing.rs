@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use etcd_client::Client;
+use etcd_client::{Client, PutOptions, Txn, TxnOp};
+
+use crate::entry::{timestamp, DeviceEntry, Keys, ServerEntry, SCHEMA_VERSION};
 
 use crate::etcd::Endpoint;
 
@@ -159,4 +161,47 @@ fn etcd_binary() -> Option<PathBuf> {
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port()
+}
+
+/// A plain usbwire server's entry at `address`.
+pub(crate) fn server_entry(address: &str) -> ServerEntry {
+    ServerEntry {
+        schema_version: SCHEMA_VERSION,
+        address: address.to_owned(),
+        tls_fingerprint: None,
+        plain: true,
+        implementation: "usbwire".to_owned(),
+        version: "test".to_owned(),
+        started_at: timestamp(std::time::SystemTime::now()),
+    }
+}
+
+/// Puts `devices` devices of one server straight into the registry (every
+/// `every`th labelled `nucleo`, the others `other`), with their
+/// index and free-device keys (as a server would), in transactions of 128 puts.
+pub(crate) async fn plant(client: &mut Client, keys: &Keys, server: &str, devices: usize, every: usize) {
+    let lease = client.lease_grant(60, None).await.unwrap().id();
+    let on_lease = || Some(PutOptions::new().with_lease(lease));
+    client.put(keys.server(server), serde_json::to_string(&server_entry(server)).unwrap(), on_lease()).await.unwrap();
+    let mut ops = Vec::new();
+    for i in 0..devices {
+        let busid = format!("{}-{}", 1 + i / 100, 1 + i % 100);
+        let mut entry: DeviceEntry = serde_json::from_value(serde_json::json!({
+            "schema_version": SCHEMA_VERSION, "server": server, "busid": busid,
+            "vendor_id": "0483", "product_id": "374b", "state": "available",
+            "labels": [if i % every == 0 { "nucleo" } else { "other" }], "class": "ef", "interface_classes": ["02", "0a"]
+        }))
+        .unwrap();
+        entry.server = server.to_owned();
+        ops.push(TxnOp::put(keys.device(server, &busid), serde_json::to_string(&entry).unwrap(), on_lease()));
+        for key in keys.index_entries(&entry) {
+            ops.push(TxnOp::put(key, "available", on_lease()));
+        }
+        for key in keys.free_entries(&entry) {
+            ops.push(TxnOp::put(key, "available", on_lease()));
+        }
+    }
+    for batch in ops.chunks(128) {
+        client.txn(Txn::new().and_then(batch.to_vec())).await.unwrap();
+    }
 }

@@ -33,6 +33,10 @@ pub(crate) struct ListArgs {
     /// With --registry: then follow the changes live, one line (or JSON object) each.
     #[arg(long, requires = "registry")]
     pub(crate) watch: bool,
+    /// With --registry: only the devices this selector matches (as `attach --device`), read from
+    /// the registry's index rather than the whole fleet; with --watch, only their changes.
+    #[arg(long, value_name = "SELECTOR", requires = "registry")]
+    pub(crate) device: Option<String>,
     /// Port, as `usbip --tcp-port` (when HOST has none).
     #[arg(long = "tcp-port", value_name = "PORT")]
     pub(crate) tcp_port: Option<u16>,

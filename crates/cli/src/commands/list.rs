@@ -7,7 +7,7 @@ use anyhow::anyhow;
 use serde_json::json;
 use usbwire_device::devstate::DeviceStateEntry;
 use usbwire_device::record::DeviceJson;
-use usbwire_lab::{Endpoint, Fleet, FleetDevice, Lab};
+use usbwire_lab::{Endpoint, Fleet, FleetChange, FleetDevice, Lab, Want};
 use usbwire_proto::display::escape;
 
 use super::common::device_json::{listed, local};
@@ -22,7 +22,7 @@ use crate::exit::Failure;
 
 pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     if args.registry.registry.is_some() {
-        return registry_list(&args.registry, args.json, args.watch).await;
+        return registry_list(&args.registry, args.device.as_deref(), args.json, args.watch).await;
     }
     if args.discover {
         return discovered(&args).await;
@@ -279,10 +279,14 @@ fn local_devices(json: bool, parsable: bool) -> Result<(), Failure> {
     Ok(())
 }
 
-/// `usbwire list --registry URL [--json] [--watch]`.
-async fn registry_list(args: &RegistryArgs, json: bool, watch: bool) -> Result<(), Failure> {
+/// `usbwire list --registry URL [--device SELECTOR] [--json] [--watch]`.
+async fn registry_list(args: &RegistryArgs, device: Option<&str>, json: bool, watch: bool) -> Result<(), Failure> {
+    let want = device.map(super::common::registry::want).transpose()?;
     let mut lab = Lab::connect(required(args)?).await.map_err(failure)?;
-    let fleet = lab.fleet().await.map_err(failure)?;
+    let fleet = match &want {
+        Some(want) => lab.fleet_matching(want).await.map_err(failure)?,
+        None => lab.fleet().await.map_err(failure)?,
+    };
     if json && watch {
         // One JSON document per line: the fleet, then each change.
         print_json(&fleet, false)?;
@@ -305,7 +309,8 @@ async fn registry_list(args: &RegistryArgs, json: bool, watch: bool) -> Result<(
         let Some(batch) = next else {
             return Err(Failure::unavailable(anyhow!("the lab registry ended the watch; run the command again")));
         };
-        for change in batch {
+        for change in batch.into_iter().filter(|change| want.as_ref().is_none_or(|want| concerns(change, want, &fleet)))
+        {
             if json {
                 print_json(&change, false)?;
             } else {
@@ -319,6 +324,22 @@ async fn registry_list(args: &RegistryArgs, json: bool, watch: bool) -> Result<(
                 }
             }
         }
+    }
+}
+
+/// Whether a change is about what a filtered list shows: a device it listed
+/// (or its reservation, or its server), or a device entry that matches.
+fn concerns(change: &FleetChange, want: &Want, listed: &Fleet) -> bool {
+    let listed_here =
+        |busid: &str| listed.devices.iter().any(|d| d.device.server == change.server && d.device.record.busid == busid);
+    match &change.busid {
+        None => listed.servers.iter().any(|server| server.address == change.server),
+        Some(busid) if listed_here(busid) => true,
+        Some(_) => change
+            .entry
+            .as_ref()
+            .and_then(|entry| serde_json::from_value::<usbwire_lab::DeviceEntry>(entry.clone()).ok())
+            .is_some_and(|device| change.what == "device" && want.matches(&device)),
     }
 }
 

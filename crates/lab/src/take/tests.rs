@@ -1,28 +1,16 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
-use etcd_client::{Client, GetOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{Client, GetOptions};
 use rand::{Rng, SeedableRng};
 
-use crate::entry::{timestamp, DeviceEntry, Keys, ServerEntry, Want, SCHEMA_VERSION};
+use crate::entry::{DeviceEntry, Keys, Want};
 use crate::lab::{Hold, Lab, Reservation};
 use crate::publish::{publish, Registration};
-use crate::testing::Cluster;
+use crate::testing::{plant, server_entry, Cluster};
 use crate::LabError;
 
 const LEASE: Duration = Duration::from_secs(2);
-
-fn server_entry(address: &str) -> ServerEntry {
-    ServerEntry {
-        schema_version: SCHEMA_VERSION,
-        address: address.to_owned(),
-        tls_fingerprint: None,
-        plain: true,
-        implementation: "usbwire".to_owned(),
-        version: "test".to_owned(),
-        started_at: timestamp(std::time::SystemTime::now()),
-    }
-}
 
 /// A usbwire server exporting `devices` loopback devices, registered at
 /// `address` while its task runs (aborted: its entries expire with its lease).
@@ -239,35 +227,6 @@ async fn the_free_index_stays_true_and_no_device_is_held_twice() {
     }
 }
 
-/// Puts `devices` devices of one server straight into the registry, with their
-/// index and free-device keys (as a server would), in transactions of 128 puts.
-async fn plant(client: &mut Client, keys: &Keys, server: &str, devices: usize) {
-    let lease = client.lease_grant(60, None).await.unwrap().id();
-    let on_lease = || Some(PutOptions::new().with_lease(lease));
-    client.put(keys.server(server), serde_json::to_string(&server_entry(server)).unwrap(), on_lease()).await.unwrap();
-    let mut ops = Vec::new();
-    for i in 0..devices {
-        let busid = format!("{}-{}", 1 + i / 100, 1 + i % 100);
-        let mut entry: DeviceEntry = serde_json::from_value(serde_json::json!({
-            "schema_version": SCHEMA_VERSION, "server": server, "busid": busid,
-            "vendor_id": "0483", "product_id": "374b", "state": "available",
-            "labels": ["nucleo"], "class": "ef", "interface_classes": ["02", "0a"]
-        }))
-        .unwrap();
-        entry.server = server.to_owned();
-        ops.push(TxnOp::put(keys.device(server, &busid), serde_json::to_string(&entry).unwrap(), on_lease()));
-        for key in keys.index_entries(&entry) {
-            ops.push(TxnOp::put(key, "available", on_lease()));
-        }
-        for key in keys.free_entries(&entry) {
-            ops.push(TxnOp::put(key, "available", on_lease()));
-        }
-    }
-    for batch in ops.chunks(128) {
-        client.txn(Txn::new().and_then(batch.to_vec())).await.unwrap();
-    }
-}
-
 /// A reservation among thousands of matching devices reads one page of the
 /// free-device index (a few KiB), where reading the index in full (the way
 /// for a selector without an indexed term) reads every matching device.
@@ -277,7 +236,7 @@ async fn a_reservation_among_thousands_reads_one_page() {
     let keys = Keys::new("test");
     let mut client = cluster.client(0).await;
     for server in ["10.0.0.1:3240", "10.0.0.2:3240"] {
-        plant(&mut client, &keys, server, 1500).await;
+        plant(&mut client, &keys, server, 1500, 1).await;
     }
     let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
     let hold = Hold::WhileRunning { ttl: Duration::from_secs(5), until: None };
