@@ -2,7 +2,9 @@
 //! alive and current, and enforce the reservations made there.
 //!
 //! One task per server ([`publish`]). It grants a lease, puts the server's
-//! entry and one entry per exported device under it, then follows three
+//! entry and one entry per exported device under it (with the device's index
+//! keys, and its free-device keys while it is available and not reserved:
+//! `entry`), then follows three
 //! things at once: the server's device list (each change is published as it
 //! happens), the lease (renewed every third of its time to live, through
 //! another member when one goes away) and the reservations of this server's
