@@ -12,6 +12,8 @@ use usbwire_client::vhci;
 /// attached it again), for `usbwire port`. Moves with a followed device to
 /// its new port; removed when the relay ends.
 pub(super) struct RelayStatusFile {
+    /// Where the files go: [`vhci::RECORD_DIR`] (another directory in tests).
+    dir: std::path::PathBuf,
     path: std::path::PathBuf,
     server: String,
     followed: Option<String>,
@@ -26,8 +28,18 @@ impl RelayStatusFile {
         server: std::net::SocketAddr,
         followed: Option<(&usbwire_proto::op::BusId, bool)>,
     ) -> Self {
+        Self::create_in(std::path::Path::new(vhci::RECORD_DIR), first, server, followed)
+    }
+
+    fn create_in(
+        dir: &std::path::Path,
+        first: FollowStatus,
+        server: std::net::SocketAddr,
+        followed: Option<(&usbwire_proto::op::BusId, bool)>,
+    ) -> Self {
         let mut file = Self {
-            path: relay_status_path(first.port),
+            dir: dir.to_owned(),
+            path: relay_status_path(dir, first.port),
             server: server.to_string(),
             followed: followed.map(|(busid, _)| busid.to_string()),
             auto_attach: followed.is_some_and(|(_, forever)| forever),
@@ -37,7 +49,7 @@ impl RelayStatusFile {
     }
 
     pub(super) fn write(&mut self, status: FollowStatus) {
-        let path = relay_status_path(status.port);
+        let path = relay_status_path(&self.dir, status.port);
         // Away, the port may be someone else's soon: nothing to say about it until attached again.
         if path != self.path || !status.attached {
             let _ = std::fs::remove_file(&self.path);
@@ -70,10 +82,7 @@ impl RelayStatusFile {
         if let Some(storage) = status.storage {
             body["storage"] = json!(storage);
         }
-        let temporary = self.path.with_extension("tmp");
-        if std::fs::write(&temporary, body.to_string()).is_ok() {
-            let _ = std::fs::rename(&temporary, &self.path);
-        }
+        let _ = replace_file(&self.path, body.to_string().as_bytes());
     }
 }
 
@@ -83,15 +92,46 @@ impl Drop for RelayStatusFile {
     }
 }
 
-fn relay_status_path(port: u32) -> std::path::PathBuf {
-    std::path::Path::new(vhci::RECORD_DIR).join(format!("usbwire-port{port}.json"))
+/// Writes `bytes` to a new file beside `path` (`O_EXCL | O_NOFOLLOW`, 0644: `usbwire port`
+/// reads it as any user, as vhci-hcd's own records) and renames it over `path`: a link
+/// planted at either name is replaced, never followed.
+fn replace_file(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let temporary = path.with_extension(format!("{}.tmp", std::process::id()));
+    let _ = std::fs::remove_file(&temporary);
+    let written = (|| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&temporary)?;
+        file.write_all(bytes)?;
+        std::fs::rename(&temporary, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+    written
+}
+
+fn relay_status_path(dir: &std::path::Path, port: u32) -> std::path::PathBuf {
+    dir.join(format!("usbwire-port{port}.json"))
 }
 
 /// The relay status of a port, if a live relay serves it.
 pub(super) fn relay_status(port: u32) -> Option<serde_json::Value> {
-    let text = std::fs::read_to_string(relay_status_path(port)).ok()?;
+    relay_status_in(std::path::Path::new(vhci::RECORD_DIR), port)
+}
+
+fn relay_status_in(dir: &std::path::Path, port: u32) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(relay_status_path(dir, port)).ok()?;
     let status: serde_json::Value = serde_json::from_str(&text).ok()?;
     let pid = status.get("pid")?.as_u64()?;
     // A relay that died without cleaning up left a stale file.
     std::path::Path::new(&format!("/proc/{pid}")).exists().then_some(status)
 }
+
+#[cfg(test)]
+mod tests;
