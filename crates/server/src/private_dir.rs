@@ -161,13 +161,22 @@ fn check_parent(dir: &Path) -> Result<(), PrivateDirError> {
 /// planted at `path` is replaced, never followed, and a reader sees the old
 /// file or the new one, never half of one.
 pub fn write_private_file(path: &Path, contents: &[u8]) -> io::Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
     let dir = match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
         _ => Path::new("."),
     };
     ensure_private_dir(dir).map_err(|error| io::Error::new(io::ErrorKind::PermissionDenied, error.to_string()))?;
+    replace_file(path, contents, 0o600)
+}
+
+/// Writes `contents` to a new file of `mode` beside `path` (`O_EXCL |
+/// O_NOFOLLOW`, synced) and renames it over `path`: a symlink planted at
+/// `path` or at the new file's name is replaced, never followed, and a
+/// reader sees the old file or the new one, never half of one. The directory
+/// is the caller's to vouch for ([`write_private_file`] checks it).
+pub fn replace_file(path: &Path, contents: &[u8], mode: u32) -> io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
     let mut name = path.file_name().unwrap_or_default().to_owned();
     name.push(format!(".{}.new", std::process::id()));
     let new = path.with_file_name(name);
@@ -176,7 +185,7 @@ pub fn write_private_file(path: &Path, contents: &[u8]) -> io::Result<()> {
         let mut file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o600)
+            .mode(mode)
             .custom_flags(libc::O_NOFOLLOW)
             .open(&new)?;
         file.write_all(contents)?;

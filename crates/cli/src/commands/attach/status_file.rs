@@ -82,7 +82,8 @@ impl RelayStatusFile {
         if let Some(storage) = status.storage {
             body["storage"] = json!(storage);
         }
-        let _ = replace_file(&self.path, body.to_string().as_bytes());
+        // 0644: `usbwire port` reads it as any user, as vhci-hcd's own records.
+        let _ = usbwire_server::private_dir::replace_file(&self.path, body.to_string().as_bytes(), 0o644);
     }
 }
 
@@ -90,30 +91,6 @@ impl Drop for RelayStatusFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
-}
-
-/// Writes `bytes` to a new file beside `path` (`O_EXCL | O_NOFOLLOW`, 0644: `usbwire port`
-/// reads it as any user, as vhci-hcd's own records) and renames it over `path`: a link
-/// planted at either name is replaced, never followed.
-fn replace_file(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let temporary = path.with_extension(format!("{}.tmp", std::process::id()));
-    let _ = std::fs::remove_file(&temporary);
-    let written = (|| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&temporary)?;
-        file.write_all(bytes)?;
-        std::fs::rename(&temporary, path)
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&temporary);
-    }
-    written
 }
 
 fn relay_status_path(dir: &std::path::Path, port: u32) -> std::path::PathBuf {

@@ -5,7 +5,6 @@
 //! entry, plain only when allowed), and the tokens of this user's
 //! reservations, kept so a later `attach` can use what `reserve --for` took.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
@@ -267,30 +266,14 @@ impl TokenStore {
     /// private directory and renames it over its place: a symlink planted
     /// there is replaced, never followed.
     fn write(&self, saved: &SavedToken) -> std::io::Result<()> {
-        use std::os::unix::fs::OpenOptionsExt as _;
-        usbwire_server::private_dir::ensure_private_dir(&self.dir).map_err(|error| {
-            std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("reservation tokens: {error}"))
-        })?;
         let path = self.path(&saved.registry, &saved.server, &saved.busid);
-        let mut name = path.file_name().unwrap_or_default().to_owned();
-        name.push(format!(".{}.new", std::process::id()));
-        let new = path.with_file_name(name);
-        let _ = std::fs::remove_file(&new); // one of ours left by a crash
-        let written = (|| {
-            let mut file = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&new)?;
-            file.write_all(serde_json::to_string(saved).map_err(std::io::Error::other)?.as_bytes())?;
-            file.sync_all()?;
-            std::fs::rename(&new, &path)
-        })();
-        if written.is_err() {
-            let _ = std::fs::remove_file(&new);
-        }
-        written
+        let json = serde_json::to_string(saved).map_err(std::io::Error::other)?;
+        usbwire_server::private_dir::write_private_file(&path, json.as_bytes()).map_err(|error| match error.kind() {
+            std::io::ErrorKind::PermissionDenied => {
+                std::io::Error::new(error.kind(), format!("reservation tokens: {error}"))
+            }
+            _ => error,
+        })
     }
 
     /// The saved tokens for `registry` that have not run out; run-out ones are deleted.

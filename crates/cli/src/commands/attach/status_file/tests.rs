@@ -26,7 +26,7 @@ fn a_planted_link_is_replaced_not_followed_and_the_file_is_gone_with_the_relay()
     std::fs::write(&victim, "precious").unwrap();
     let status_path = dir.path().join("usbwire-port3.json");
     std::os::unix::fs::symlink(&victim, &status_path).unwrap();
-    for name in ["usbwire-port3.tmp", &format!("usbwire-port3.{}.tmp", std::process::id())] {
+    for name in ["usbwire-port3.tmp", &format!("usbwire-port3.json.{}.new", std::process::id())] {
         let _ = std::os::unix::fs::symlink(&victim, dir.path().join(name));
     }
     let server = "10.0.0.5:3240".parse().unwrap();
