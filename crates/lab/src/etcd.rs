@@ -7,6 +7,7 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper, TlsOptions};
 use tokio::time::Instant;
 use tracing::debug;
+use usbwire_proto::retry::Retry;
 
 use crate::error::LabError;
 use crate::url::RegistryUrl;
@@ -44,16 +45,31 @@ impl Endpoint {
     /// request (tried in random order, so clients spread over the members).
     /// Each member serves the whole cluster; one client per member, because
     /// a client balancing over several sends requests to a member that is
-    /// down as readily as to one that is up.
+    /// down as readily as to one that is up. Its requests' deadline is
+    /// [`REQUEST_TIMEOUT`].
     pub(crate) async fn connect(&self) -> Result<Client, LabError> {
+        self.connect_with(REQUEST_TIMEOUT).await
+    }
+
+    /// [`Endpoint::connect`] with a request deadline of `deadline`. A longer
+    /// one is for writes that must not be sent twice while the first may
+    /// still be queued (a server's registration: in a storm, etcd applies
+    /// writes seconds behind, every read and lease renewal waits for that,
+    /// and a write timed out and sent again only lengthens the queue). The
+    /// member that is tried first then gets `deadline` too when the quick
+    /// pass over all of them found none answering.
+    pub(crate) async fn connect_with(&self, deadline: Duration) -> Result<Client, LabError> {
         use rand::seq::SliceRandom as _;
         let mut urls = self.url.endpoint_urls(self.tls.is_some());
         urls.shuffle(&mut rand::thread_rng());
         // Several members: do not wait long on one that does not answer.
-        let timeout = if urls.len() > 1 { MEMBER_TIMEOUT } else { REQUEST_TIMEOUT };
+        let several = urls.len() > 1;
+        let timeout = if several { MEMBER_TIMEOUT } else { deadline.min(REQUEST_TIMEOUT) };
         let mut failures = Vec::new();
-        for url in urls {
-            match self.connect_to(&url, timeout).await {
+        let patient = urls.first().filter(|_| deadline > timeout).cloned();
+        let passes = urls.iter().map(|url| (url.clone(), timeout)).chain(patient.map(|url| (url, deadline)));
+        for (url, timeout) in passes {
+            match self.connect_to(&url, timeout, deadline).await {
                 Ok(client) => {
                     debug!(member = %url, "using etcd member");
                     return Ok(client);
@@ -67,10 +83,12 @@ impl Endpoint {
         Err(LabError::Unreachable { url: self.url.to_string(), reason: failures.join("; "), tls: self.tls.is_some() })
     }
 
-    async fn connect_to(&self, url: &str, timeout: Duration) -> Result<Client, String> {
+    /// A client of the member at `url` whose requests have `deadline`, once
+    /// it has answered one within `timeout`.
+    async fn connect_to(&self, url: &str, timeout: Duration, deadline: Duration) -> Result<Client, String> {
         let mut options = ConnectOptions::new()
-            .with_connect_timeout(timeout)
-            .with_timeout(REQUEST_TIMEOUT)
+            .with_connect_timeout(timeout.min(REQUEST_TIMEOUT))
+            .with_timeout(deadline)
             .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5));
         if let Some(tls) = &self.tls {
             options = options.with_tls(tls_options(tls).map_err(|e| format!("TLS files: {e}"))?);
@@ -141,6 +159,9 @@ pub(crate) async fn keep_alive(endpoint: Endpoint, mut client: Client, lease: i6
     let every = (ttl / 3).max(Duration::from_millis(500));
     // The caller has just granted the lease, or checked it is alive.
     let mut renewed = Instant::now();
+    let mut backoff = Retry::SOON.backoff();
+    backoff.next_delay();
+    let several_members = endpoint.url.endpoint_urls(false).len() > 1;
     loop {
         let expires = renewed + ttl;
         let why = match tokio::time::timeout_at(
@@ -151,6 +172,8 @@ pub(crate) async fn keep_alive(endpoint: Endpoint, mut client: Client, lease: i6
         {
             Ok(Ok((mut keeper, mut answers))) => {
                 renewed = Instant::now();
+                backoff.reset();
+                backoff.next_delay();
                 match renew(&mut keeper, &mut answers, every, &mut renewed).await {
                     Renewals::Expired => return expired(lease),
                     Renewals::Broken(why) => why,
@@ -164,9 +187,13 @@ pub(crate) async fn keep_alive(endpoint: Endpoint, mut client: Client, lease: i6
             return LabError::LeaseLost { lease, reason: format!("not renewed within its time to live ({why})") };
         }
         debug!(lease, reason = %why, "lease renewal interrupted; setting it up again, through another member if need be");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        if let Ok(Ok(other)) = tokio::time::timeout_at(renewed + ttl, endpoint.connect()).await {
-            client = other;
+        tokio::time::sleep(backoff.next_delay()).await;
+        // One member: its connection reconnects by itself; a new one would
+        // only add a connection's set-up to a member that is already slow.
+        if several_members {
+            if let Ok(Ok(other)) = tokio::time::timeout_at(renewed + ttl, endpoint.connect_with(ttl)).await {
+                client = other;
+            }
         }
     }
 }

@@ -18,6 +18,7 @@ use usbwire_proto::reservation::ReservationToken;
 use crate::entry::{decode, DeviceEntry, Fleet, Key, Keys, ReservationEntry, ServerEntry, Want};
 use crate::error::LabError;
 use crate::etcd::Endpoint;
+use crate::request;
 
 /// A connection to the lab registry.
 pub struct Lab {
@@ -184,7 +185,7 @@ impl Lab {
         for batch in keys.chunks(GETS_PER_TXN) {
             let at = || Some(GetOptions::new().with_revision(revision));
             let reads: Vec<TxnOp> = batch.iter().map(|key| TxnOp::get(key.clone(), at())).collect();
-            let response = self.client.txn(Txn::new().and_then(reads)).await?;
+            let response = request::txn(&self.client, Txn::new().and_then(reads)).await?;
             for op in response.op_responses() {
                 if let TxnOpResponse::Get(got) = op {
                     self.reads.count(&got);
@@ -220,7 +221,7 @@ impl Lab {
             if keys_only {
                 options = options.with_keys_only();
             }
-            let mut response = self.client.get(from.clone(), Some(options)).await?;
+            let mut response = request::get(&self.client, from.clone(), Some(options)).await?;
             self.reads.count(&response);
             revision = revision.or(response.header().map(|h| h.revision()));
             let more = response.more();
@@ -238,7 +239,9 @@ impl Lab {
 
     /// Changes after `revision` (a [`Fleet`]'s), as they happen.
     pub async fn watch(&mut self, revision: i64) -> Result<FleetWatch, LabError> {
-        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
+        // Fragments: a watch that falls behind gets up to a thousand revisions
+        // in one answer, more than gRPC's 4 MiB message limit in a large lab.
+        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1).with_fragment();
         let stream = self.client.watch(self.keys.all(), Some(options)).await?;
         Ok(FleetWatch { stream, keys: self.keys.clone() })
     }
@@ -248,7 +251,7 @@ impl Lab {
     /// of its own that a run is done with, such as `usbwire bench
     /// --registry`'s. Publishers still running there put their keys back.
     pub async fn delete_all(&mut self) -> Result<i64, LabError> {
-        let deleted = self.client.delete(self.keys.all(), Some(DeleteOptions::new().with_prefix())).await?;
+        let deleted = request::delete(&self.client, self.keys.all(), Some(DeleteOptions::new().with_prefix())).await?;
         Ok(deleted.deleted())
     }
 
@@ -266,7 +269,7 @@ impl Lab {
             TxnOp::get(self.keys.device(server, busid), None),
             TxnOp::get(self.keys.server(server), None),
         ]);
-        let response = self.client.txn(read).await?;
+        let response = request::txn(&self.client, read).await?;
         let mut values = response.op_responses().into_iter().map(|op| match op {
             TxnOpResponse::Get(got) => got.kvs().first().map(|kv| kv.value().to_vec()),
             _ => None,
@@ -288,7 +291,7 @@ impl Lab {
     ) -> Result<ReservationEntry, LabError> {
         let key = self.keys.reservation(server, busid);
         let what = format!("{busid} on {server}");
-        let response = self.client.get(key.clone(), None).await?;
+        let response = request::get(&self.client, key.clone(), None).await?;
         let Some(kv) = response.kvs().first() else {
             return Err(LabError::NotReserved { what, by: String::new() });
         };
@@ -299,11 +302,15 @@ impl Lab {
                 return Err(LabError::NotReserved { what, by: format!(" by you (held by {})", entry.holder) });
             }
         }
-        // Only if it is still the one read (not a new holder's since).
+        // Only if it is still the one read (not a new holder's since); gone
+        // is ended too (a try whose answer was lost, or its lease ran out).
         let txn = Txn::new()
             .when([Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision())])
-            .and_then([TxnOp::delete(key, None)]);
-        if !self.client.txn(txn).await?.succeeded() {
+            .and_then([TxnOp::delete(key.clone(), None)])
+            .or_else([TxnOp::get(key, Some(GetOptions::new().with_count_only()))]);
+        let response = request::txn(&self.client, txn).await?;
+        let gone = response.op_responses().iter().any(|op| matches!(op, TxnOpResponse::Get(got) if got.count() == 0));
+        if !response.succeeded() && !gone {
             return Err(LabError::NotReserved { what, by: " any more (it changed meanwhile)".into() });
         }
         Ok(entry)
@@ -327,7 +334,7 @@ impl Reservation {
         if let Some(task) = self.renewing.take() {
             task.abort();
         }
-        self.client.lease_revoke(self.lease).await?;
+        request::lease_revoke(&self.client, self.lease).await?;
         tracing::debug!(server = %self.device.server, busid = %self.device.record.busid, "reservation released");
         Ok(())
     }

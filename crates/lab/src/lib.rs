@@ -23,6 +23,7 @@ mod error;
 mod etcd;
 mod lab;
 pub mod publish;
+mod request;
 mod take;
 #[cfg(test)]
 mod testing;

@@ -35,9 +35,10 @@ use usbwire_server::{state_entry, ExportInfo, Registry, Reservation};
 use crate::entry::{decode, Availability, DeviceEntry, Key, Keys, ReservationEntry, ServerEntry, SCHEMA_VERSION};
 use crate::error::LabError;
 use crate::etcd::{keep_alive, Endpoint};
+use crate::request;
 
 /// etcd's default limit on operations in one transaction is 128.
-const OPS_PER_TXN: usize = 100;
+const OPS_PER_TXN: usize = 25;
 /// A registration that ended sooner than this counts as a failed attempt, so a
 /// registry that accepts and drops at once is retried with [`Retry::PATIENT`]'s
 /// waits, not in a tight loop.
@@ -45,6 +46,11 @@ const SETTLED: Duration = Duration::from_secs(1);
 /// How long a stopping server tries to revoke its lease: an unreachable
 /// registry must not hold the shutdown up (the lease then expires by itself).
 const DEREGISTER_WITHIN: Duration = Duration::from_secs(2);
+/// The deadline of the server's requests: long, so that in a registration
+/// storm (every server of a lab starting at once) a write is waited for
+/// while etcd works through the queue, never sent again meanwhile (see
+/// [`Endpoint::connect_with`]).
+const WRITE_DEADLINE: Duration = Duration::from_secs(30);
 /// What [`Session::sync`] remembers of a put whose transaction failed: no
 /// value equals it, so the next sync puts the key again (or deletes it).
 const UNKNOWN: &str = "\0unknown";
@@ -142,7 +148,13 @@ impl Lease {
         if self.renewing.is_finished() {
             return Ok(false);
         }
-        Ok(client.lease_time_to_live(self.id, None).await?.ttl() > 0)
+        let id = self.id;
+        let alive = request::retried("lease time to live", || {
+            let mut client = client.clone();
+            async move { client.lease_time_to_live(id, None).await }
+        })
+        .await?;
+        Ok(alive.ttl() > 0)
     }
 
     /// Ends the registration now: through the latest session's member, else
@@ -186,6 +198,8 @@ struct Session {
     devices: usize,
     reservations: HashMap<String, Reservation>,
     revision: i64,
+    /// The reservations' changes after `revision`, set up by `start`.
+    watch: Option<etcd_client::WatchStream>,
 }
 
 impl Session {
@@ -196,7 +210,7 @@ impl Session {
         registry: &Registry,
         lease: &'l mut Option<Lease>,
     ) -> Result<(Self, &'l mut Lease), LabError> {
-        let mut client = registration.endpoint.connect().await?;
+        let mut client = registration.endpoint.connect_with(WRITE_DEADLINE).await?;
         let keys = Keys::new(&registration.endpoint.url.prefix);
         let alive = match lease.as_ref() {
             Some(held) => held.alive(&mut client).await?,
@@ -212,7 +226,7 @@ impl Session {
                 // Dropping the old one stops its renewal.
                 *lease = None;
                 let ttl = i64::try_from(registration.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
-                let id = client.lease_grant(ttl, None).await?.id();
+                let id = request::lease_grant(&client, ttl).await?;
                 let renewing =
                     tokio::spawn(keep_alive(registration.endpoint.clone(), client.clone(), id, registration.ttl));
                 lease.insert(Lease { id, client: client.clone(), renewing, published: HashMap::new() })
@@ -229,30 +243,40 @@ impl Session {
                 Compare::lease(key.clone(), CompareOp::Equal, held.id),
             ])
             .or_else([TxnOp::put(key, entry, Some(PutOptions::new().with_lease(held.id)))]);
-        client.txn(put).await?;
-        let mut session = Self { client, keys, devices: 0, reservations: HashMap::new(), revision: 0 };
+        request::txn(&client, put).await?;
+        let mut session = Self { client, keys, devices: 0, reservations: HashMap::new(), revision: 0, watch: None };
         // Reservations now (the index shows them), then every change after them.
-        let reserved = session
-            .client
-            .get(session.keys.reservations_of(&server.address), Some(GetOptions::new().with_prefix()))
-            .await?;
+        let reserved = request::get(
+            &session.client,
+            session.keys.reservations_of(&server.address),
+            Some(GetOptions::new().with_prefix()),
+        )
+        .await?;
         session.revision = reserved.header().map_or(0, |h| h.revision());
         for kv in reserved.kvs() {
             session.reservation_changed(kv.key(), Some(kv.value()));
         }
         registry.set_reservations(session.reservations.clone());
+        // Watched from right after that read, before the devices are put: a
+        // watch that starts far behind the current revision makes etcd scan
+        // every change since (a storm's worth of other servers' writes),
+        // which holds up every write and every lease renewal meanwhile.
+        let options = WatchOptions::new().with_prefix().with_start_revision(session.revision + 1);
+        let watch = session.client.watch(session.keys.reservations_of(&server.address), Some(options)).await?;
+        session.watch = Some(watch);
         session.sync(registration, registry, held).await?;
         Ok((session, held))
     }
 
     /// Follows the device list, the lease and the reservations until one of them fails.
     async fn run(&mut self, registration: &Registration, registry: &Registry, lease: &mut Lease) -> LabError {
-        let address = &registration.server.address;
         let mut changes = registry.changes();
-        let options = WatchOptions::new().with_prefix().with_start_revision(self.revision + 1);
-        let mut watch = match self.client.watch(self.keys.reservations_of(address), Some(options)).await {
-            Ok(watch) => watch,
-            Err(error) => return error.into(),
+        let Some(mut watch) = self.watch.take() else {
+            return LabError::Unreachable {
+                url: registration.endpoint.url.to_string(),
+                reason: "no reservation watch".into(),
+                tls: false,
+            };
         };
         loop {
             tokio::select! {
@@ -338,7 +362,7 @@ impl Session {
                     None => TxnOp::delete(key.clone(), None),
                 })
                 .collect();
-            let done = self.client.txn(Txn::new().and_then(ops)).await;
+            let done = request::txn(&self.client, Txn::new().and_then(ops)).await;
             for (key, value) in batch {
                 match (value, &done) {
                     (Some(value), Ok(_)) => lease.published.insert(key.clone(), value.clone()),

@@ -15,15 +15,17 @@
 
 use std::time::SystemTime;
 
-use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse};
 use rand::seq::SliceRandom as _;
 use usbwire_proto::reservation::ReservationToken;
+use usbwire_proto::retry::Retry;
 
 use crate::entry::BUCKETS;
 use crate::entry::{decode, timestamp, Availability, DeviceEntry, ReservationEntry, ServerEntry, Want, SCHEMA_VERSION};
 use crate::error::LabError;
 use crate::etcd::keep_alive;
 use crate::lab::{hex, holder_name, names_its_key, prefix_end, Hold, Lab, Reservation};
+use crate::request::{self, transient, RETRY_WITHIN};
 
 /// Free-device keys one page reads.
 pub(crate) const FREE_PAGE: i64 = 32;
@@ -38,7 +40,7 @@ impl Lab {
         let mut taking = Taking::new(hold, client);
         let taken = self.take(want, &mut taking).await;
         if let (Err(_), Some(lease)) = (&taken, taking.lease) {
-            let _ = self.client.lease_revoke(lease).await;
+            let _ = request::lease_revoke(&self.client, lease).await;
         }
         taken
     }
@@ -102,7 +104,7 @@ impl Lab {
     /// Up to `limit` keys in `[from, to)`, without their values.
     async fn keys_between(&mut self, from: Vec<u8>, to: Vec<u8>, limit: i64) -> Result<Vec<Vec<u8>>, LabError> {
         let options = GetOptions::new().with_range(to).with_limit(limit).with_keys_only();
-        let mut response = self.client.get(from, Some(options)).await?;
+        let mut response = request::get(&self.client, from, Some(options)).await?;
         self.reads.count(&response);
         Ok(response.take_kvs().into_iter().map(|kv| kv.key().to_vec()).collect())
     }
@@ -201,17 +203,21 @@ impl Lab {
     async fn try_take(&mut self, candidate: &Candidate, taking: &mut Taking) -> Result<Tried, LabError> {
         let lease = match taking.lease {
             Some(lease) => lease,
-            None => *taking.lease.insert(self.client.lease_grant(taking.ttl_secs, None).await?.id()),
+            None => *taking.lease.insert(request::lease_grant(&self.client, taking.ttl_secs).await?),
         };
         let key = self.keys.reservation(&candidate.server, &candidate.busid);
         let mut conditions = vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)];
         conditions.extend(candidate.conditions.iter().cloned());
-        let txn = Txn::new().when(conditions).and_then([
-            TxnOp::put(key.clone(), taking.json.clone(), Some(PutOptions::new().with_lease(lease))),
+        let reads = [
             TxnOp::get(self.keys.device(&candidate.server, &candidate.busid), None),
             TxnOp::get(self.keys.server(&candidate.server), None),
-        ]);
-        let response = self.client.txn(txn).await?;
+        ];
+        let put = TxnOp::put(key.clone(), taking.json.clone(), Some(PutOptions::new().with_lease(lease)));
+        let take = Txn::new().when(conditions).and_then([&[put], &reads[..]].concat());
+        // If a try's answer is lost, the reservation may be ours already.
+        let landed =
+            Txn::new().when([Compare::value(key.clone(), CompareOp::Equal, taking.json.clone())]).and_then(reads);
+        let response = self.take_once(take, landed, taking).await?;
         if !response.succeeded() {
             return Ok(Tried::Lost);
         }
@@ -223,7 +229,7 @@ impl Lab {
         let server = read.next().and_then(|v| decode::<ServerEntry>(&v));
         let (Some(device), Some(server)) = (device, server) else {
             // Its server went between the read and now: give it back, try another.
-            let _ = self.client.delete(key, None).await;
+            let _ = request::delete(&self.client, key, None).await;
             return Ok(Tried::Skipped);
         };
         if !names_its_key(&server, &device, &candidate.server, &candidate.busid) {
@@ -232,8 +238,11 @@ impl Lab {
             tracing::warn!(server = %candidate.server, busid = %candidate.busid, named_server = %server.address,
                 named_device = %format!("{} {}", device.server, device.record.busid),
                 "skipped: its registry records name another server or device than their keys");
-            let _ = self.client.delete(key, None).await;
+            let _ = request::delete(&self.client, key, None).await;
             return Ok(Tried::Skipped);
+        }
+        if taking.answers_lost {
+            self.give_back_all_but(lease, &key).await?;
         }
         let renewing = matches!(taking.hold, Hold::WhileRunning { .. })
             .then(|| tokio::spawn(keep_alive(self.endpoint.clone(), self.client.clone(), lease, taking.ttl)));
@@ -250,6 +259,51 @@ impl Lab {
             renewing,
         })))
     }
+
+    /// Runs `take` (a reservation's transaction) once; when its answer is
+    /// lost to a transient failure, asks with `landed` whether it took
+    /// effect (the reservation is ours: its record is unique to this try's
+    /// token) before running it again, with the client's retry waits, for
+    /// at most [`RETRY_WITHIN`]. Never two reservations from one try.
+    async fn take_once(&mut self, take: Txn, landed: Txn, taking: &mut Taking) -> Result<TxnResponse, LabError> {
+        let started = tokio::time::Instant::now();
+        let mut backoff = Retry::PATIENT.backoff();
+        backoff.next_delay();
+        let mut last = self.client.txn(take.clone()).await;
+        loop {
+            let error = match last {
+                Err(error) if transient(&error) && started.elapsed() + backoff.upcoming() < RETRY_WITHIN => error,
+                outcome => return Ok(outcome?),
+            };
+            tracing::debug!(%error, "a reservation's answer was lost; asking whether it landed");
+            taking.answers_lost = true;
+            tokio::time::sleep(backoff.next_delay()).await;
+            let ours = request::txn(&self.client, landed.clone()).await?;
+            if ours.succeeded() {
+                return Ok(ours);
+            }
+            last = self.client.txn(take.clone()).await;
+        }
+    }
+
+    /// Deletes every key under `lease` but `kept`: a reservation whose
+    /// answer was lost and that landed after it was asked about (then
+    /// counted as lost to someone else) would otherwise hold its device for
+    /// as long as the lease lives.
+    async fn give_back_all_but(&mut self, lease: i64, kept: &str) -> Result<(), LabError> {
+        let options = etcd_client::LeaseTimeToLiveOptions::new().with_keys();
+        let attached = request::retried("lease keys", || {
+            let mut client = self.client.clone();
+            let options = options.clone();
+            async move { client.lease_time_to_live(lease, Some(options)).await }
+        })
+        .await?;
+        for key in attached.keys().iter().filter(|key| key.as_slice() != kept.as_bytes()) {
+            tracing::debug!(key = %String::from_utf8_lossy(key), "gave back a reservation whose answer was lost");
+            request::delete(&self.client, key.clone(), None).await?;
+        }
+        Ok(())
+    }
 }
 
 /// A reservation being taken: its record, and its lease once granted (revoked
@@ -262,6 +316,9 @@ struct Taking {
     entry: ReservationEntry,
     json: String,
     lease: Option<i64>,
+    /// Whether a try's answer was lost: it may have landed after it was
+    /// asked about, and hold a device under the lease besides the one taken.
+    answers_lost: bool,
 }
 
 impl Taking {
@@ -282,7 +339,7 @@ impl Taking {
         };
         let json = serde_json::to_string(&entry).unwrap_or_default();
         let ttl_secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
-        Self { hold, ttl, ttl_secs, token, entry, json, lease: None }
+        Self { hold, ttl, ttl_secs, token, entry, json, lease: None, answers_lost: false }
     }
 }
 

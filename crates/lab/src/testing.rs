@@ -134,6 +134,14 @@ impl Cluster {
         }
     }
 
+    /// Stops member `i` (SIGSTOP) or lets it go on (SIGCONT): a member too
+    /// busy to answer, with its connections open.
+    pub(crate) fn signal(&self, i: usize, signal: &str) {
+        let pid = self.members[i].process.as_ref().expect("member running").id();
+        let sent = Command::new("kill").args([signal, &pid.to_string()]).status().expect("kill runs");
+        assert!(sent.success(), "kill {signal} {pid}");
+    }
+
     /// Starts member `i` again on its data, and waits until it answers.
     pub(crate) async fn restart(&mut self, i: usize) {
         self.kill(i);

@@ -30,7 +30,8 @@ pub(super) async fn run(
 ) -> Result<Report, LabBenchError> {
     let mut observer = Lab::connect(endpoint.clone()).await?;
     let mut phases = Vec::new();
-    let (registration, matching) = register(&mut observer, endpoint, metrics, fleet, scale, progress).await?;
+    let (registration, matching, registration_lost) =
+        register(&mut observer, endpoint, metrics, fleet, scale, progress).await?;
     phases.push(registration);
     phases.push(list(&mut observer, metrics).await?);
     let (connect, labs) = connect(endpoint, metrics, scale.clients, progress).await?;
@@ -52,6 +53,7 @@ pub(super) async fn run(
         want: want.to_string(),
         matching,
         reserved,
+        registration_lost,
         reserved_ms: reserving.reserved_ms,
         reserve_seconds: reserving.seconds,
         none_free: reserving.none_free,
@@ -63,7 +65,9 @@ pub(super) async fn run(
 
 /// Registration: from spawning every publisher at once until a watch has
 /// seen each server and each of its devices (event-driven, so the bench adds
-/// no polling load to what it measures). Also how many devices carry the label.
+/// no polling load to what it measures). Also how many devices carry the
+/// label, and how many entries left the registry meanwhile (a server whose
+/// lease ran out before it was done, which then registers again).
 async fn register(
     observer: &mut Lab,
     endpoint: &Endpoint,
@@ -71,7 +75,7 @@ async fn register(
     fleet: &mut SimulatedFleet,
     scale: Scale,
     progress: &dyn Progress,
-) -> Result<(Phase, usize), LabBenchError> {
+) -> Result<(Phase, usize, usize), LabBenchError> {
     let Scale { servers, devices_per_server: per_server, .. } = scale;
     let devices = servers * per_server;
     let (registrations, matching) = fleet.build(endpoint, servers, per_server);
@@ -85,6 +89,7 @@ async fn register(
     let mut seen: HashSet<(String, String)> = HashSet::new();
     let mut per_server_seen: HashMap<String, usize> = HashMap::new();
     let mut server_done_ms = Vec::with_capacity(servers);
+    let mut lost = 0;
     while seen.len() < devices || registered.len() < servers {
         let next = tokio::time::timeout(REGISTRATION_TIMEOUT.saturating_sub(started.elapsed()), watch.next()).await;
         let Ok(batch) = next else {
@@ -97,7 +102,11 @@ async fn register(
         let Some(batch) = batch? else {
             return Err(LabBenchError::Unavailable("the lab registry ended the watch during registration".to_owned()));
         };
-        for change in batch.into_iter().filter(|change| change.entry.is_some()) {
+        for change in batch {
+            if change.entry.is_none() {
+                lost += usize::from(change.what != "reservation");
+                continue;
+            }
             match change.what {
                 "server" => {
                     registered.insert(change.server);
@@ -141,7 +150,7 @@ async fn register(
             listed.devices.len()
         )));
     }
-    Ok((phase, matching))
+    Ok((phase, matching, lost))
 }
 
 /// List latency: one client, one call after another.

@@ -70,6 +70,9 @@ pub struct Report {
     pub(crate) want: String,
     pub(crate) matching: usize,
     pub(crate) reserved: usize,
+    /// Server and device entries that left the registry while the fleet
+    /// registered: leases that ran out under the load (0 in a storm survived).
+    pub(crate) registration_lost: usize,
     /// Milliseconds each successful `reserve` took.
     pub(crate) reserved_ms: Vec<f64>,
     pub(crate) reserve_seconds: f64,
@@ -95,6 +98,7 @@ impl Report {
             "want": self.want,
             "matching": self.matching,
             "reserved": self.reserved,
+            "registration_lost": self.registration_lost,
             "reservations_per_second": self.reserved as f64 / self.reserve_seconds.max(1e-9),
             "reserved_latency_ms": latency_json(&self.reserved_ms),
             "none_free": self.none_free,
@@ -132,6 +136,11 @@ impl Report {
         for (error, count) in &self.errors {
             let _ = writeln!(out, "  {count} x {error}");
         }
+        let _ = writeln!(
+            out,
+            "while registering, {} server and device entries left the registry (leases that ran out) and were put again",
+            self.registration_lost
+        );
         let _ = writeln!(
             out,
             "\n{:<13} {:>7} {:<12} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}",
@@ -290,6 +299,7 @@ mod tests {
             want: "class=03".to_owned(),
             matching: 4,
             reserved: 1,
+            registration_lost: 0,
             reserved_ms: vec![5.0],
             reserve_seconds: 0.5,
             none_free: 0,
