@@ -15,7 +15,8 @@ it, each with virtual devices and labels.
   back the host's marker; while attached, `who` shows the reservation held
   by `usbwire attach`; detach gives it back. Then `usbwire client` with a
   `server = "registry"` rule attaches it, reserved, until SIGTERM.
-- `list --registry --json` shows every server and device with labels, and
+- `list --registry --json` shows every server and device with labels (`--json-lines`
+  the same, one object a line), and
   `list --registry --device label=nucleo` exactly those labelled so;
   `list --registry --watch --json` follows the changes live.
 - 20 clients race (`usbwire reserve --for`) for the 10 devices labelled
@@ -507,6 +508,17 @@ def main():
         text = usbwire("list", "--registry", registry, env=env).stdout
         checks.check("list --registry text names servers, devices and labels",
                      "6 server(s), 16 device(s), 16 free" in text and "nucleo" in text and "usbwire disk" in text, text)
+        streamed = usbwire("list", "--registry", registry, "--json-lines", env=env)
+        try:
+            objects = [json.loads(line) for line in streamed.stdout.splitlines()]
+        except ValueError:
+            objects = []
+        kinds = [o.get("what") for o in objects]
+        checks.check("list --registry --json-lines: the revision, 6 servers, 16 devices, then the counts",
+                     streamed.returncode == 0 and kinds[:2] == ["fleet", "server"] and kinds[-1:] == ["listed"]
+                     and kinds.count("server") == 6 and kinds.count("device") == 16
+                     and objects[-1].get("devices") == 16 and objects[0].get("revision") == objects[-1].get("revision"),
+                     f"{kinds} {streamed.stderr.strip()}")
         filtered = usbwire("list", "--registry", registry, "--device", "label=nucleo", "--json", env=env)
         places = sorted((d["server"], d["busid"]) for d in json.loads(filtered.stdout or "{}").get("devices", []))
         checks.check("list --registry --device label=nucleo lists exactly the 10 nucleo devices",

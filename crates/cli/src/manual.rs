@@ -77,6 +77,10 @@ pub(crate) fn examples(verb: Option<&str>) -> &'static [Example] {
                 command: "usbwire list --registry --json",
                 what: "the lab registry's fleet, as JSON (docs/json.md)",
             },
+            Example {
+                command: "usbwire list --registry --json-lines --watch",
+                what: "the fleet one JSON object per line as it is read, then every change from that revision",
+            },
         ],
         Some("describe") => &[Example {
             command: "usbwire describe -r 192.168.1.5 -b 0-2",

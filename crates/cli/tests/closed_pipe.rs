@@ -290,6 +290,8 @@ fn lab_registry_reports_end_quietly() {
         &["list", "--registry", &url, "--json"],
         &["list", "--registry", &url, "--watch"],
         &["list", "--registry", &url, "--watch", "--json"],
+        &["list", "--registry", &url, "--json-lines"],
+        &["list", "--registry", &url, "--watch", "--json-lines"],
         &["who", "--registry", &url, "--json"],
         &["reserve", "--registry", &url, "--device", "0-1", "--for", "1m"],
         &["who", "--registry", &url],

@@ -217,6 +217,47 @@ fn json_when(args: &[&str], done: impl Fn(&Value) -> bool) -> Value {
     }
 }
 
+/// `list --registry URL [--device SEL] --json-lines`: the header, each server before its devices,
+/// the counts last (those two with the document's `schema_version`), and every server and device
+/// the `--json` document's record with `what` beside it.
+fn json_lines_match_the_document(registry: &str, fleet: &Value) {
+    let mut args = vec!["list", "--registry"];
+    args.extend(registry.split(' '));
+    args.push("--json-lines");
+    let out = usbwire(&args);
+    assert!(out.status.success(), "usbwire {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{args:?}: {line:?} is not JSON ({e})")))
+        .collect();
+    let what: Vec<&str> = lines.iter().map(|line| line["what"].as_str().unwrap_or("?")).collect();
+    let filtered = registry.contains("--device");
+    let expected: &[&str] = if filtered {
+        &["fleet", "server", "device", "listed"]
+    } else {
+        &["fleet", "server", "device", "device", "listed"]
+    };
+    assert_eq!(what, expected, "{args:?}");
+    let last = &lines[lines.len() - 1];
+    assert_eq!(
+        (&lines[0]["schema_version"], &last["schema_version"]),
+        (&fleet["schema_version"], &fleet["schema_version"])
+    );
+    let record = |line: &Value| {
+        let mut line = line.clone();
+        if let Some(fields) = line.as_object_mut() {
+            fields.remove("what");
+        }
+        line
+    };
+    assert_eq!(record(&lines[1]), fleet["servers"][0], "{args:?}");
+    assert_eq!(record(&lines[2]), fleet["devices"][0], "{args:?}");
+    let devices = if filtered { 1 } else { 2 };
+    assert_eq!((last["servers"].as_u64(), last["devices"].as_u64()), (Some(1), Some(devices)), "{args:?}");
+    assert_eq!(lines[0]["revision"], last["revision"], "{args:?}: one revision");
+    assert!(last["revision"].as_i64() >= fleet["revision"].as_i64(), "{args:?}");
+}
+
 #[test]
 fn lab_registry_documents_match_their_golden_files() {
     let dir = scratch("golden", "lab");
@@ -227,6 +268,8 @@ fn lab_registry_documents_match_their_golden_files() {
         fleet["devices"].as_array().is_some_and(|devices| devices.len() == 2)
     });
     assert_records("list --registry", &fleet["devices"]);
+    json_lines_match_the_document(&url, &fleet);
+    json_lines_match_the_document(&format!("{url} --device 1209:0001"), &fleet);
     golden("list_registry", fleet, &dir);
     let reserved = json_of(&["reserve", "--registry", &url, "--device", "1209:0001", "--for", "1m", "--json"]);
     assert_records("reserve", &Value::Array(vec![reserved["device"].clone()]));

@@ -5,9 +5,10 @@
 //!   import, release) as it happens; a server that dies leaves the registry
 //!   when its lease expires. They follow the reservations of their devices
 //!   and refuse imports that do not carry the reservation's token.
-//! * Clients ([`Lab`]) list the fleet, follow it live, and reserve a free
-//!   matching device with an etcd transaction under their own lease, so two
-//!   clients never hold the same device; a reservation ends on release, at
+//! * Clients ([`Lab`]) list the fleet (a page at a time: [`FleetPages`]),
+//!   follow it live, and reserve a free matching device with an etcd
+//!   transaction under their own lease, so two clients never hold the same
+//!   device; a reservation ends on release, at
 //!   the end of `--for`, or when its holder dies (its lease expires). A
 //!   [`Reservation`] carries its server's entry, whose TLS key the client
 //!   pins when it imports: the registry names servers but does not vouch
@@ -22,6 +23,7 @@ pub mod entry;
 mod error;
 mod etcd;
 mod lab;
+mod pages;
 pub mod publish;
 mod request;
 mod take;
@@ -33,4 +35,5 @@ pub use entry::{DeviceEntry, Fleet, FleetDevice, ReservationEntry, ServerEntry, 
 pub use error::LabError;
 pub use etcd::{Endpoint, EtcdTls, DEFAULT_TTL};
 pub use lab::{FleetChange, Hold, Lab, Reads, Reservation};
+pub use pages::{FleetPages, Listed};
 pub use url::{RegistryUrl, UrlError};

@@ -37,6 +37,11 @@ pub(crate) struct ListArgs {
     /// the registry's index rather than the whole fleet; with --watch, only their changes.
     #[arg(long, value_name = "SELECTOR", requires = "registry")]
     pub(crate) device: Option<String>,
+    /// With --registry: one JSON object per line, printed as the fleet is read: `what` is `fleet`
+    /// (with its `revision`), then `server` and `device` (each server before its devices), then
+    /// `listed` (the counts); with --watch, the changes after it, one per line.
+    #[arg(long = "json-lines", requires = "registry", conflicts_with = "json")]
+    pub(crate) json_lines: bool,
     /// Port, as `usbip --tcp-port` (when HOST has none).
     #[arg(long = "tcp-port", value_name = "PORT")]
     pub(crate) tcp_port: Option<u16>,

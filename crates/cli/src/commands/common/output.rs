@@ -14,12 +14,17 @@ use usbwire_proto::display::needs_escape;
 /// made terminal-safe, on one line (`pretty`: indented). A report: see
 /// [`super::stdout`] for what a closed stdout does.
 pub(crate) fn print_json(value: &impl serde::Serialize, pretty: bool) -> Result<(), crate::exit::Failure> {
+    super::stdout::outln!("{}", json_text(value, pretty))
+}
+
+/// The text [`print_json`] prints, without its line break.
+pub(crate) fn json_text(value: &impl serde::Serialize, pretty: bool) -> String {
     let mut value = serde_json::to_value(value).unwrap_or(serde_json::Value::Null);
     if let Some(object) = value.as_object_mut() {
         object.insert("schema_version".into(), JSON_SCHEMA_VERSION.into());
     }
     let text = if pretty { serde_json::to_string_pretty(&value) } else { serde_json::to_string(&value) };
-    super::stdout::outln!("{}", terminal_safe_json(text.unwrap_or_default()))
+    terminal_safe_json(text.unwrap_or_default())
 }
 
 /// RFC 3339 (UTC, to the second) for a Unix time.

@@ -1,28 +1,35 @@
 //! `usbwire list -r HOST`: a server's exported devices, printed the way
 //! `usbip list -r` prints them (names from usb.ids when the system has it);
 //! `list -l` for this machine's devices, `list -d` for servers found by
-//! mDNS, `list --registry [--watch]` for the lab registry's fleet.
+//! mDNS, `list --registry [--watch]` for the lab registry's fleet
+//! ([`registry`]).
 
 use anyhow::anyhow;
 use serde_json::json;
 use usbwire_device::devstate::DeviceStateEntry;
 use usbwire_device::record::DeviceJson;
-use usbwire_lab::{Endpoint, Fleet, FleetChange, FleetDevice, Lab, Want};
 use usbwire_proto::display::escape;
 
 use super::common::device_json::{listed, local};
 use super::common::output::print_json;
 use super::common::peer::resolve;
-use super::common::registry::{failure, required};
 use super::common::stdout::{out, outln};
 use super::common::usb_names::{class_name, display_name, format_like_usbip, UsbIds};
 use crate::args::ListArgs;
-use crate::args::RegistryArgs;
 use crate::exit::Failure;
+
+mod registry;
+
+use registry::Shape;
 
 pub(crate) async fn run(args: ListArgs) -> Result<(), Failure> {
     if args.registry.registry.is_some() {
-        return registry_list(&args.registry, args.device.as_deref(), args.json, args.watch).await;
+        let shape = match (args.json_lines, args.json) {
+            (true, _) => Shape::Lines,
+            (false, true) => Shape::Document,
+            (false, false) => Shape::Table,
+        };
+        return registry::list(&args.registry, args.device.as_deref(), shape, args.watch).await;
     }
     if args.discover {
         return discovered(&args).await;
@@ -277,145 +284,6 @@ fn local_devices(json: bool, parsable: bool) -> Result<(), Failure> {
         outln!()?;
     }
     Ok(())
-}
-
-/// `usbwire list --registry URL [--device SELECTOR] [--json] [--watch]`.
-async fn registry_list(args: &RegistryArgs, device: Option<&str>, json: bool, watch: bool) -> Result<(), Failure> {
-    let want = device.map(super::common::registry::want).transpose()?;
-    let mut lab = Lab::connect(required(args)?).await.map_err(failure)?;
-    let fleet = match &want {
-        Some(want) => lab.fleet_matching(want).await.map_err(failure)?,
-        None => lab.fleet().await.map_err(failure)?,
-    };
-    if json && watch {
-        // One JSON document per line: the fleet, then each change.
-        print_json(&fleet, false)?;
-    } else if json {
-        print_json(&fleet, true)?;
-    } else {
-        print_fleet(lab.endpoint(), &fleet)?;
-    }
-    if !watch {
-        return Ok(());
-    }
-    let mut changes = lab.watch(fleet.revision).await.map_err(failure)?;
-    let stop = super::common::process::shutdown_signal();
-    tokio::pin!(stop);
-    loop {
-        let next = tokio::select! {
-            next = changes.next() => next.map_err(failure)?,
-            () = &mut stop => return Ok(()),
-        };
-        let Some(batch) = next else {
-            return Err(Failure::unavailable(anyhow!("the lab registry ended the watch; run the command again")));
-        };
-        for change in batch.into_iter().filter(|change| want.as_ref().is_none_or(|want| concerns(change, want, &fleet)))
-        {
-            if json {
-                print_json(&change, false)?;
-            } else {
-                let what = match &change.busid {
-                    Some(busid) => format!("{} {} {}", change.what, escape(&change.server), escape(busid)),
-                    None => format!("{} {}", change.what, escape(&change.server)),
-                };
-                match &change.entry {
-                    None => outln!("- {what} removed")?,
-                    Some(entry) => outln!("+ {what}: {}", summary(entry))?,
-                }
-            }
-        }
-    }
-}
-
-/// Whether a change is about what a filtered list shows: a device it listed
-/// (or its reservation, or its server), or a device entry that matches.
-fn concerns(change: &FleetChange, want: &Want, listed: &Fleet) -> bool {
-    let listed_here =
-        |busid: &str| listed.devices.iter().any(|d| d.device.server == change.server && d.device.record.busid == busid);
-    match &change.busid {
-        None => listed.servers.iter().any(|server| server.address == change.server),
-        Some(busid) if listed_here(busid) => true,
-        Some(_) => change
-            .entry
-            .as_ref()
-            .and_then(|entry| serde_json::from_value::<usbwire_lab::DeviceEntry>(entry.clone()).ok())
-            .is_some_and(|device| change.what == "device" && want.matches(&device)),
-    }
-}
-
-/// One line about a changed record.
-fn summary(entry: &serde_json::Value) -> String {
-    let field = |name: &str| entry.get(name).and_then(serde_json::Value::as_str).map(|s| escape(s).to_string());
-    if let Some(state) = field("state") {
-        let mut line = state;
-        if let Some(holder) = field("holder") {
-            line.push_str(&format!(" by {holder}"));
-        }
-        return line;
-    }
-    if let Some(holder) = field("holder") {
-        let until = field("until_at").map(|u| format!(" until {u}")).unwrap_or_default();
-        return format!("reserved by {holder}{until}");
-    }
-    match field("implementation") {
-        Some(implementation) => format!("{implementation} {}", field("version").unwrap_or_default()),
-        None => "changed".to_owned(),
-    }
-}
-
-fn print_fleet(endpoint: &Endpoint, fleet: &Fleet) -> Result<(), Failure> {
-    let free = fleet.devices.iter().filter(|d| d.is_free()).count();
-    outln!(
-        "lab registry {}: {} server(s), {} device(s), {free} free",
-        endpoint.url,
-        fleet.servers.len(),
-        fleet.devices.len()
-    )?;
-    for server in &fleet.servers {
-        let security = match (&server.tls_fingerprint, server.plain) {
-            (Some(fingerprint), true) => format!("TLS {}, plain too", escape(fingerprint)),
-            (Some(fingerprint), false) => format!("TLS only, {}", escape(fingerprint)),
-            (None, _) => "plain".to_owned(),
-        };
-        outln!(
-            "{}  {} {} ({security})",
-            escape(&server.address),
-            escape(&server.implementation),
-            escape(&server.version)
-        )?;
-        for device in fleet.devices.iter().filter(|d| d.device.server == server.address) {
-            outln!("    {}", device_line(device))?;
-        }
-    }
-    Ok(())
-}
-
-fn device_line(device: &FleetDevice) -> String {
-    let entry = &device.device;
-    let name = entry.name();
-    let mut line = format!(
-        "{:<6} {}:{}  {:<22} {:<6} {}",
-        escape(&entry.record.busid),
-        escape(&entry.record.vendor_id),
-        escape(&entry.record.product_id),
-        escape(name),
-        escape(&entry.record.speed),
-        escape(entry.state()).to_string().replace('_', " ")
-    );
-    if let Some(holder) = &entry.record.holder {
-        line.push_str(&format!(" by {}", escape(holder)));
-    }
-    if let Some(reservation) = &device.reservation {
-        line.push_str(&format!("; reserved by {} ({})", escape(&reservation.holder), escape(&reservation.client)));
-        if let Some(until) = &reservation.until_at {
-            line.push_str(&format!(" until {}", escape(until)));
-        }
-    }
-    if !entry.labels.is_empty() {
-        let labels: Vec<String> = entry.labels.iter().map(|l| escape(l).to_string()).collect();
-        line.push_str(&format!("  [{}]", labels.join(", ")));
-    }
-    line
 }
 
 #[cfg(test)]
