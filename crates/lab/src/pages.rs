@@ -28,6 +28,7 @@ use tokio::task::JoinHandle;
 use crate::entry::{decode, DeviceEntry, FleetDevice, Key, ReservationEntry, ServerEntry};
 use crate::error::LabError;
 use crate::lab::{prefix_end, Lab};
+use crate::request;
 
 /// How many device keys one page holds (as many as `Lab::range` reads at once).
 pub(crate) const PAGE: i64 = 2000;
@@ -155,10 +156,10 @@ impl FleetPages<'_> {
 
     /// Starts reading the page of devices that begins at key `from`.
     fn request_devices(&mut self, from: Vec<u8>) {
-        let mut client = self.lab.client.clone();
+        let client = self.lab.client.clone();
         let options =
             GetOptions::new().with_range(self.devices_end.clone()).with_limit(self.page).with_revision(self.revision);
-        self.next = Some(tokio::spawn(async move { client.get(from, Some(options)).await }));
+        self.next = Some(tokio::spawn(async move { request::get(&client, from, Some(options)).await }));
     }
 
     /// The devices of a page this view shows, each with the part of its key
@@ -198,7 +199,7 @@ impl FleetPages<'_> {
         let mut at = 0;
         while self.reservations_from < end {
             let options = GetOptions::new().with_range(end.clone()).with_limit(self.page).with_revision(self.revision);
-            let mut response = self.lab.client.get(self.reservations_from.clone(), Some(options)).await?;
+            let mut response = request::get(&self.lab.client, self.reservations_from.clone(), Some(options)).await?;
             self.lab.reads.count(&response);
             let kvs = response.take_kvs();
             self.reservations_from = match (response.more(), kvs.last()) {
