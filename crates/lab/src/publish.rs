@@ -143,11 +143,13 @@ struct Lease {
 }
 
 impl Lease {
-    /// Whether etcd still keeps it (asked through `client`).
+    /// Whether etcd still keeps it (asked through `client`), even when its
+    /// renewal gave up: answers that came too late for the renewal (etcd
+    /// answers a renewal only once it has applied what it committed, seconds
+    /// behind in a storm) may still have kept it alive, and a server that
+    /// took a new lease then would put everything again while its old
+    /// entries stay until the old lease expires.
     async fn alive(&self, client: &mut Client) -> Result<bool, LabError> {
-        if self.renewing.is_finished() {
-            return Ok(false);
-        }
         let id = self.id;
         let alive = request::retried("lease time to live", || {
             let mut client = client.clone();
@@ -220,6 +222,14 @@ impl Session {
         let held = match kept {
             Some(mut held) => {
                 held.client = client.clone();
+                if held.renewing.is_finished() {
+                    held.renewing = tokio::spawn(keep_alive(
+                        registration.endpoint.clone(),
+                        client.clone(),
+                        held.id,
+                        registration.ttl,
+                    ));
+                }
                 lease.insert(held)
             }
             None => {
