@@ -55,12 +55,22 @@ impl Lab {
                 }
                 // A free key goes only once its server has seen the reservation: after
                 // two lost, the page is likely stale where racing clients took from it.
+                // A lost try also says which others of the page are reserved by then.
                 let mut lost = 0;
-                for candidate in &page {
-                    match self.try_take(candidate, taking).await? {
+                let mut reserved = vec![false; page.len()];
+                for (i, candidate) in page.iter().enumerate() {
+                    if reserved[i] {
+                        continue;
+                    }
+                    match self.try_take(candidate, &page[i + 1..], taking).await? {
                         Tried::Taken(reservation) => return Ok(*reservation),
                         Tried::Skipped => {}
-                        Tried::Lost => lost += 1,
+                        Tried::Lost(also) => {
+                            lost += 1;
+                            for (flag, taken) in reserved[i + 1..].iter_mut().zip(also) {
+                                *flag |= taken;
+                            }
+                        }
                     }
                     if lost >= 2 {
                         break;
@@ -126,10 +136,10 @@ impl Lab {
             if tried > attempts {
                 break;
             }
-            match self.try_take(&candidate, taking).await? {
+            match self.try_take(&candidate, &[], taking).await? {
                 Tried::Taken(reservation) => return Ok(*reservation),
                 Tried::Skipped => {}
-                Tried::Lost => {
+                Tried::Lost(_) => {
                     lost_since_read += 1;
                     if lost_since_read >= 2 || seen.free.is_empty() {
                         lost_since_read = 0;
@@ -200,7 +210,12 @@ impl Lab {
 
     /// One transaction: the reservation of `candidate`, if it has none and
     /// its conditions hold, with its device and server entries read back.
-    async fn try_take(&mut self, candidate: &Candidate, taking: &mut Taking) -> Result<Tried, LabError> {
+    async fn try_take(
+        &mut self,
+        candidate: &Candidate,
+        rest: &[Candidate],
+        taking: &mut Taking,
+    ) -> Result<Tried, LabError> {
         let lease = match taking.lease {
             Some(lease) => lease,
             None => *taking.lease.insert(request::lease_grant(&self.client, taking.ttl_secs).await?),
@@ -213,13 +228,24 @@ impl Lab {
             TxnOp::get(self.keys.server(&candidate.server), None),
         ];
         let put = TxnOp::put(key.clone(), taking.json.clone(), Some(PutOptions::new().with_lease(lease)));
-        let take = Txn::new().when(conditions).and_then([&[put], &reads[..]].concat());
+        // Lost, it tells which of `rest` are reserved by then (count only: nothing else is read).
+        let who_else = rest.iter().map(|other| {
+            let key = self.keys.reservation(&other.server, &other.busid);
+            TxnOp::get(key, Some(GetOptions::new().with_count_only()))
+        });
+        let take =
+            Txn::new().when(conditions).and_then([&[put], &reads[..]].concat()).or_else(who_else.collect::<Vec<_>>());
         // If a try's answer is lost, the reservation may be ours already.
         let landed =
             Txn::new().when([Compare::value(key.clone(), CompareOp::Equal, taking.json.clone())]).and_then(reads);
         let response = self.take_once(take, landed, taking).await?;
         if !response.succeeded() {
-            return Ok(Tried::Lost);
+            let reserved = response
+                .op_responses()
+                .iter()
+                .map(|op| matches!(op, TxnOpResponse::Get(got) if got.count() > 0))
+                .collect();
+            return Ok(Tried::Lost(reserved));
         }
         let mut read = response.op_responses().into_iter().filter_map(|op| match op {
             TxnOpResponse::Get(got) => got.kvs().first().map(|kv| kv.value().to_vec()),
@@ -351,8 +377,9 @@ fn still_available(index_key: String) -> Compare {
 /// What one try came to.
 enum Tried {
     Taken(Box<Reservation>),
-    /// Someone was faster (or the device is no longer free).
-    Lost,
+    /// Someone was faster (or the device is no longer free); for each of
+    /// the other candidates the try was given, whether it was reserved then.
+    Lost(Vec<bool>),
     /// Its records were gone or named another server: given back.
     Skipped,
 }

@@ -257,3 +257,37 @@ async fn a_reservation_among_thousands_reads_one_page() {
     assert!(full > 500 * 1024, "the full read took {full} bytes");
     reservation.keep();
 }
+
+/// Racing clients leave free keys behind until their servers see the
+/// reservations: a try lost on one device also says which others of the page
+/// are reserved by then, so a client skips them rather than losing to each
+/// in turn (and reading page after page).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_try_tells_which_others_of_the_page_are_reserved() {
+    let Some(cluster) = Cluster::start(1, "lost_try").await else { return };
+    let keys = Keys::new("test");
+    let mut client = cluster.client(0).await;
+    let server = "10.0.0.1:3240";
+    // 30 matching devices: one page holds them all.
+    plant(&mut client, &keys, server, 30, 1).await;
+    // 25 reserved by others whose server has not caught up: their free keys are still there.
+    let busids: Vec<String> = (0..30).map(|i| format!("1-{}", 1 + i)).collect();
+    for busid in &busids[..25] {
+        client.put(keys.reservation(server, busid), "someone else's", None).await.unwrap();
+    }
+    let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
+    let hold = Hold::WhileRunning { ttl: Duration::from_secs(5), until: None };
+    let mut taken = BTreeSet::new();
+    for _ in 0..5 {
+        let before = lab.reads();
+        let reservation = lab.reserve(&"label=nucleo".parse().unwrap(), hold, "test").await.unwrap();
+        let requests = lab.reads().requests - before.requests;
+        assert!(requests <= 2, "{requests} range requests: more than the one page");
+        let busid = reservation.device.record.busid.clone();
+        assert!(busids[25..].contains(&busid), "took {busid}, reserved by someone else");
+        assert!(taken.insert(busid));
+        reservation.keep();
+    }
+    let none = lab.reserve(&"label=nucleo".parse().unwrap(), hold, "test").await;
+    assert!(matches!(none, Err(LabError::NoneFree { .. })), "{:?}", none.err());
+}
