@@ -140,6 +140,23 @@ impl Cluster {
         let pid = self.members[i].process.as_ref().expect("member running").id();
         let sent = Command::new("kill").args([signal, &pid.to_string()]).status().expect("kill runs");
         assert!(sent.success(), "kill {signal} {pid}");
+        if signal == "-STOP" {
+            // kill returns once the signal is sent; a thread already running
+            // may answer one more request before it stops: wait until all have.
+            let stopped = || {
+                let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the member's threads");
+                tasks.flatten().all(|task| {
+                    let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+                    let state = stat.rsplit_once(") ").map(|(_, rest)| rest.chars().next());
+                    matches!(state, Some(Some('T' | 't')) | None)
+                })
+            };
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while !stopped() {
+                assert!(std::time::Instant::now() < deadline, "etcd {pid} did not stop");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
     }
 
     /// Starts member `i` again on its data, and waits until it answers.
