@@ -34,6 +34,7 @@ mod descriptors;
 mod dfu;
 mod external;
 mod model_server;
+mod recording;
 mod redir;
 mod redir_bridge;
 mod redir_host;
@@ -47,6 +48,7 @@ mod tls_records;
 pub use client::client_session;
 pub use dfu::dfu_control;
 pub use external::external_frames;
+pub use recording::recording;
 pub use redir::redir_packets;
 pub use redir_bridge::redir_bridge;
 pub use redir_host::redir_host;
@@ -60,7 +62,7 @@ pub use tls_records::tls_records;
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 15] = [
+pub const TARGETS: [(&str, Harness); 16] = [
     ("decode_command", decode_command),
     ("decode_return", decode_return),
     ("op_phase", op_phase),
@@ -76,6 +78,7 @@ pub const TARGETS: [(&str, Harness); 15] = [
     ("tls_pair", tls_pair),
     ("tls_differential", tls_differential),
     ("storage_accelerator", storage_accelerator),
+    ("recording", recording),
 ];
 
 /// Server side: `[chunking, limits, iso_mode] ++ stream` through `urb::decode_command`.

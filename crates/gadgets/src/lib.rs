@@ -18,6 +18,9 @@
 //! | `0x0005` | [`loopback`] | source, sink and loop endpoints for tests and benchmarks |
 //! | `0x0006`, `0x0007` | [`DfuDevice::open`] | DFU 1.1 runtime mode, and the DFU mode it re-enumerates into |
 //!
+//! [`ReplayDevice`] is none of these: it serves back a device recorded by a
+//! server's capture (`--virtual replay=FILE`), with the recorded ids.
+//!
 //! These are pid.codes' shared test ids, so a device is told apart by its
 //! own strings too (`usbwire list -r` names it by them). The project's
 //! devices outside this crate keep clear of these ids: the Python echo
@@ -42,6 +45,7 @@ pub mod hid;
 mod identity;
 pub mod loopback;
 pub mod mass_storage;
+pub mod replay;
 pub mod serial;
 #[cfg(test)]
 mod testing;
@@ -51,4 +55,5 @@ pub use hid::{keyboard, mouse, Keyboard, KeyboardHandle, Mouse, MouseHandle, Typ
 pub use identity::VENDOR_ID;
 pub use loopback::{loopback, Loopback};
 pub use mass_storage::{DiskError, DiskOptions, MassStorage};
+pub use replay::{ReplayDevice, ReplayOptions};
 pub use serial::{serial, CdcAcm, LineCoding, SerialError};

@@ -18,7 +18,15 @@
 //! reaches its bound is rotated (the previous one kept as `.1`), and all
 //! capture files in the directory together stay under
 //! [`CaptureConfig::max_bytes`]: the oldest are deleted first.
+//!
+//! What a replay needs besides the URBs (`docs/recording.md`): every file,
+//! a rotated one too, starts with the device's descriptors as the server
+//! took them at import (its descriptor snapshot), as completed
+//! `GET_DESCRIPTOR` records with URB id 0, and its interface block carries
+//! the device's speed (`if_speed`). A client that answers the kernel's
+//! enumeration from the snapshot never sends those requests as URBs.
 
+mod ledger;
 mod pcapng;
 
 use std::collections::HashMap;
@@ -36,11 +44,14 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 use usbwire_device::sync::lock;
 use usbwire_device::{Completion, TransferType, Urb};
+use usbwire_proto::descriptors::Snapshot;
+use usbwire_proto::op::DeviceRecord;
 use usbwire_proto::urb::TransferFlags;
 use usbwire_proto::Direction;
 
 use crate::private_dir::{ensure_private_dir, PrivateDirError};
-use pcapng::{write_headers, write_packet, Usbmon, EINPROGRESS, USBMON_HEADER_LEN};
+use ledger::Ledger;
+use pcapng::{descriptor_records, speed_bps, write_headers, write_packet, Usbmon, EINPROGRESS, USBMON_HEADER_LEN};
 
 /// Bytes of records waiting for the writer thread, every capture together:
 /// what capture may add to the server's memory (with one write buffer per file).
@@ -108,6 +119,11 @@ impl CaptureSwitch {
         }
     }
 
+    /// Whether imports are captured now.
+    pub(crate) fn is_on(&self) -> bool {
+        self.setting.borrow().is_some()
+    }
+
     /// The capture setting, and its changes from now on.
     pub(crate) fn watch(&self) -> watch::Receiver<Option<CaptureConfig>> {
         self.setting.subscribe()
@@ -127,31 +143,27 @@ pub(crate) struct Capture {
 }
 
 impl Capture {
-    /// Starts the capture of `busid` imported by `peer`, in a new file.
+    /// Starts the capture of `device` imported by `peer`, in a new file
+    /// that starts with `descriptors` (the import's snapshot, if one was taken).
     pub(crate) fn start(
         config: &CaptureConfig,
-        busid: &str,
-        (busnum, devnum): (u32, u32),
+        device: &DeviceRecord,
+        descriptors: Option<&Snapshot>,
         peer: SocketAddr,
     ) -> io::Result<Self> {
+        let (busid, busnum, devnum) = (device.busid.as_str(), device.busnum, device.devnum);
         config.prepare().map_err(|error| io::Error::new(io::ErrorKind::PermissionDenied, error))?;
         let unix = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let peer_name = peer.to_string().replace([':', '[', ']'], "_");
         let (path, file) = create_unique(&config.dir, &format!("usbwire-{busid}-{unix}-{peer_name}"))?;
         let writer = WriterHandle::get()?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        let file = Rotating::new(path.clone(), file, config.max_file_bytes)?;
+        let (busnum, devnum) = (u16::try_from(busnum).unwrap_or(u16::MAX), u8::try_from(devnum).unwrap_or(u8::MAX));
+        let head = Head { speed: speed_bps(device.speed), records: descriptor_records(descriptors, busnum, devnum) };
+        let file = Rotating::new(path.clone(), file, config.max_file_bytes, head)?;
         writer.send(Message::Open { id, file, dir: config.dir.clone(), max_bytes: config.max_bytes })?;
         info!(path = %path.display(), "capturing this import");
-        Ok(Self {
-            writer,
-            id,
-            in_flight: HashMap::new(),
-            busnum: u16::try_from(busnum).unwrap_or(u16::MAX),
-            devnum: u8::try_from(devnum).unwrap_or(u8::MAX),
-            dropped: 0,
-            path,
-        })
+        Ok(Self { writer, id, in_flight: HashMap::new(), busnum, devnum, dropped: 0, path })
     }
 
     pub(crate) fn submitted(&mut self, urb: &Urb, transfer: TransferType) {
@@ -379,7 +391,7 @@ impl Writer {
     fn handle(&mut self, message: Message) {
         match message {
             Message::Open { id, file, dir, max_bytes } => {
-                let ledger = self.dirs.entry(dir.clone()).or_insert_with(|| Ledger::scan(&dir));
+                let ledger = self.dirs.entry(dir.clone()).or_insert_with(|| Ledger::scan(&dir, DEFAULT_MAX_BYTES));
                 ledger.max_bytes = max_bytes;
                 ledger.opened(&file.path, file.written);
                 self.files.insert(id, file);
@@ -444,8 +456,8 @@ impl Writer {
             let rotated = ledger.oldest(true).and_then(|oldest| {
                 let path = ledger.entries[oldest].path.clone();
                 let file = self.files.values_mut().find(|f| f.path == path)?;
-                // A file holding only its headers cannot shrink further.
-                (file.written > HEADERS_LEN).then(|| file.rotate(ledger))
+                // A file holding only its head cannot shrink further.
+                (file.written > file.head_len).then(|| file.rotate(ledger))
             });
             match rotated {
                 Some(Ok(())) => {}
@@ -459,102 +471,40 @@ impl Writer {
     }
 }
 
-/// The capture files of one directory, oldest first, and their bytes.
-struct Ledger {
-    entries: Vec<Entry>,
-    total: u64,
-    max_bytes: u64,
-}
-
-struct Entry {
-    path: PathBuf,
-    bytes: u64,
-    /// When it was begun (rotation keeps the time): the oldest go first.
-    created: SystemTime,
-    open: bool,
-}
-
-impl Ledger {
-    /// The capture files already in `dir` (earlier imports, earlier runs).
-    fn scan(dir: &Path) -> Self {
-        let mut ledger = Self { entries: Vec::new(), total: 0, max_bytes: DEFAULT_MAX_BYTES };
-        let Ok(listing) = std::fs::read_dir(dir) else { return ledger };
-        for item in listing.flatten() {
-            let name = item.file_name();
-            let name = name.to_string_lossy();
-            if !name.starts_with("usbwire-") || !name.contains(".pcapng") {
-                continue;
-            }
-            let Ok(meta) = item.metadata() else { continue };
-            if meta.is_file() {
-                let created = meta.modified().unwrap_or(UNIX_EPOCH);
-                ledger.entries.push(Entry { path: item.path(), bytes: meta.len(), created, open: false });
-                ledger.total += meta.len();
-            }
-        }
-        ledger
-    }
-
-    fn opened(&mut self, path: &Path, bytes: u64) {
-        if let Some(entry) = self.entries.iter_mut().find(|e| e.path == path) {
-            self.total -= entry.bytes;
-            entry.bytes = bytes;
-            entry.open = true;
-        } else {
-            self.entries.push(Entry { path: path.to_path_buf(), bytes, created: SystemTime::now(), open: true });
-        }
-        self.total += bytes;
-    }
-
-    fn grew(&mut self, path: &Path, bytes: u64) {
-        if let Some(entry) = self.entries.iter_mut().find(|e| e.path == path) {
-            entry.bytes += bytes;
-            self.total += bytes;
-        }
-    }
-
-    fn closed(&mut self, path: &Path) {
-        if let Some(entry) = self.entries.iter_mut().find(|e| e.path == path) {
-            entry.open = false;
-        }
-    }
-
-    /// `path` became `to` (rotation): what was at `to` is gone, `path` starts over.
-    fn renamed(&mut self, path: &Path, to: &Path, headers: u64) {
-        if let Some(replaced) = self.entries.iter().position(|e| e.path == to) {
-            let entry = self.entries.remove(replaced);
-            self.total -= entry.bytes;
-        }
-        if let Some(entry) = self.entries.iter_mut().find(|e| e.path == path) {
-            entry.path = to.to_path_buf();
-            entry.open = false;
-        }
-        self.entries.push(Entry { path: path.to_path_buf(), bytes: headers, created: SystemTime::now(), open: true });
-        self.total += headers;
-    }
-
-    /// The oldest entry that is open (or closed).
-    fn oldest(&self, open: bool) -> Option<usize> {
-        self.entries.iter().enumerate().filter(|(_, e)| e.open == open).min_by_key(|(_, e)| e.created).map(|(i, _)| i)
-    }
-}
-
 /// A pcapng file that starts over (keeping the previous one as `.1`) past its bound.
 struct Rotating {
     path: PathBuf,
     file: BufWriter<File>,
     written: u64,
     max: u64,
+    head: Head,
+    /// The bytes of [`Head`] written: what a file that starts over holds.
+    head_len: u64,
 }
 
-/// The section header and interface blocks every file starts with.
-const HEADERS_LEN: u64 = 28 + 20;
+/// What every file of a capture starts with, rotated ones too.
+struct Head {
+    /// The device's speed in bits per second (the interface's `if_speed`).
+    speed: Option<u64>,
+    /// Usbmon records of the device's descriptors.
+    records: Vec<Vec<u8>>,
+}
+
+impl Head {
+    fn write(&self, out: &mut impl io::Write) -> io::Result<u64> {
+        let mut written = write_headers(out, self.speed)?;
+        for record in &self.records {
+            written += write_packet(out, record)?;
+        }
+        Ok(written)
+    }
+}
 
 impl Rotating {
-    fn new(path: PathBuf, file: File, max: u64) -> io::Result<Self> {
+    fn new(path: PathBuf, file: File, max: u64, head: Head) -> io::Result<Self> {
         let mut file = BufWriter::with_capacity(WRITE_BUFFER, file);
-        let written = write_headers(&mut file)?;
-        Ok(Self { path, file, written, max })
+        let written = head.write(&mut file)?;
+        Ok(Self { path, file, written, max, head, head_len: written })
     }
 
     fn dir(&self) -> PathBuf {
@@ -567,7 +517,7 @@ impl Rotating {
         let old = append_extension(&self.path, "1");
         std::fs::rename(&self.path, &old)?;
         self.file = BufWriter::with_capacity(WRITE_BUFFER, create_private(&self.path)?);
-        self.written = write_headers(&mut self.file)?;
+        self.written = self.head.write(&mut self.file)?;
         ledger.renamed(&self.path, &old, self.written);
         Ok(())
     }

@@ -9,12 +9,10 @@
 //! never holds up ep0 or a bulk stream, and nothing is shared with other
 //! connections.
 //!
-//! A resumable session outlives its connection: when the link drops, the
-//! device keeps running, its completions are held, and the session parks
-//! ([`crate::resumable`]) for the grace period, whose clock is the sans-I/O
-//! [`Grace`] (`cores/park.rs`). A client that comes back
-//! with the session's token gets `OP_REP_RESUME` and the replies it missed,
-//! and the loop goes on with the new connection.
+//! A resumable session outlives its connection: when the link drops, the device keeps running,
+//! its completions are held, and the session parks ([`crate::resumable`]) for the grace period,
+//! whose clock is the sans-I/O [`Grace`] (`cores/park.rs`). A client that comes back with the
+//! session's token gets `OP_REP_RESUME` and the replies it missed, and the loop goes on.
 
 use std::io;
 use std::pin::Pin;
@@ -92,6 +90,8 @@ pub(crate) struct Agreed {
     pub(crate) resumable: Option<Resumable>,
     /// The storage extension: flagged stages run one at a time ([`ServerSession::storage`]).
     pub(crate) storage: bool,
+    /// The descriptor snapshot taken at import, which every capture file starts with.
+    pub(crate) descriptors: Option<usbwire_proto::descriptors::Snapshot>,
 }
 
 pub(crate) async fn run(
@@ -103,12 +103,12 @@ pub(crate) async fn run(
     agreed: Agreed,
     peer: std::net::SocketAddr,
 ) -> Result<End, ChannelError> {
-    let Agreed { resumable, storage } = agreed;
+    let Agreed { resumable, storage, descriptors } = agreed;
     let record = lease.record().clone();
     let mut capture_setting = state.capture.watch();
     // Captured from the start if the server captures now; `usbwire capture` switches it later.
     let start_capture = |setting: &CaptureConfig| {
-        Capture::start(setting, record.busid.as_str(), (record.busnum, record.devnum), peer)
+        Capture::start(setting, &record, descriptors.as_ref(), peer)
             .inspect_err(|error| warn!(%error, dir = %setting.dir.display(), "cannot capture this import"))
             .ok()
     };

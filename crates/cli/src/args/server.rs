@@ -36,7 +36,7 @@ pub(crate) struct ServeArgs {
     /// With --tls: trust client identities issued by this private CA (its directory or ca.crt).
     #[arg(long = "ca", value_name = "PATH")]
     pub(crate) ca: Option<PathBuf>,
-    /// A virtual device: keyboard, mouse, disk=PATH[,size=64M][,ro][,speed=super], serial[=LINK], loopback[,speed=super], dfu=FILE[,size=1M], external=unix:PATH (a device served by a process connected there). Repeatable.
+    /// A virtual device: keyboard, mouse, disk=PATH[,size=64M][,ro][,speed=super], serial[=LINK], loopback[,speed=super], dfu=FILE[,size=1M], external=unix:PATH (a device served by a process connected there), replay=FILE[,mode=strict|lenient][,timing=asap|recorded][,report=PATH] (a device recorded by --capture, served back). Repeatable.
     #[arg(long = "virtual", value_name = "SPEC")]
     pub(crate) virtual_devices: Vec<String>,
     /// Do not announce this server with mDNS/DNS-SD (`_usbip._tcp`).

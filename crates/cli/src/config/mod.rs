@@ -20,4 +20,6 @@ pub(crate) use redir::{group_id, RedirListen, RedirRule};
 pub(crate) use server::FileConfig;
 pub(crate) use units::parse_size;
 pub(crate) use user::{user_config_path, UserConfig, REGISTRY_ENV};
-pub(crate) use virtual_spec::{SpeedChoice, VirtualKey, VirtualSpec, VIRTUAL_KEYS, VIRTUAL_KINDS};
+pub(crate) use virtual_spec::{
+    ReplayMode, ReplayTiming, SpeedChoice, VirtualKey, VirtualSpec, VIRTUAL_KEYS, VIRTUAL_KINDS,
+};

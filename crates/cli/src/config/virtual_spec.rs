@@ -35,6 +35,24 @@ impl SpeedChoice {
     }
 }
 
+/// What a replay does with a request its recording lacks (`mode=`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum ReplayMode {
+    #[default]
+    Strict,
+    Lenient,
+}
+
+/// When a replay gives IN data (`timing=`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum ReplayTiming {
+    #[default]
+    Asap,
+    Recorded,
+}
+
 /// One virtual device to export.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
@@ -73,11 +91,23 @@ pub(crate) enum VirtualSpec {
     External {
         socket: PathBuf,
     },
+    /// A device recorded by a server's capture, served back
+    /// (`usbwire_gadgets::replay`); each import's report goes to `report`.
+    Replay {
+        path: PathBuf,
+        #[serde(default)]
+        mode: ReplayMode,
+        #[serde(default)]
+        timing: ReplayTiming,
+        #[serde(default)]
+        report: Option<PathBuf>,
+    },
 }
 
 impl VirtualSpec {
     /// Parses `keyboard`, `mouse`, `disk=PATH[,size=64M][,ro][,speed=super][,bad=LBA[-LBA]]`,
-    /// `serial[=LINK]`, `loopback[,speed=super]`, `dfu=FILE[,size=1M]`, `external=unix:PATH`.
+    /// `serial[=LINK]`, `loopback[,speed=super]`, `dfu=FILE[,size=1M]`, `external=unix:PATH`,
+    /// `replay=FILE[,mode=strict|lenient][,timing=asap|recorded][,report=PATH]`.
     pub(crate) fn parse(spec: &str) -> anyhow::Result<Self> {
         let mut parts = spec.split(',');
         let head = parts.next().unwrap_or_default();
@@ -90,8 +120,17 @@ impl VirtualSpec {
         let mut read_only = false;
         let mut speed = SpeedChoice::High;
         let mut bad = None;
+        let (mut mode, mut timing, mut report) = (ReplayMode::Strict, ReplayTiming::Asap, None);
         for option in &options {
             match option.split_once('=') {
+                Some(("mode", "strict")) => mode = ReplayMode::Strict,
+                Some(("mode", "lenient")) => mode = ReplayMode::Lenient,
+                Some(("timing", "asap")) => timing = ReplayTiming::Asap,
+                Some(("timing", "recorded")) => timing = ReplayTiming::Recorded,
+                Some(("report", path)) if !path.is_empty() => report = Some(PathBuf::from(path)),
+                Some((name @ ("mode" | "timing" | "report"), value)) => {
+                    bail!("invalid {name}={value:?} in --virtual {spec:?} (mode=strict|lenient, timing=asap|recorded, report=PATH)")
+                }
                 Some(("size", text)) => size = Some(parse_size(text)?),
                 Some(("bad", text)) => bad = Some(parse_blocks(text)?),
                 Some(("speed", text)) => speed = SpeedChoice::parse(text)?,
@@ -136,9 +175,14 @@ impl VirtualSpec {
                 }
             }
             ("external", None) => bail!("external needs a Unix socket path: --virtual external=unix:PATH"),
+            ("replay", Some(path)) if !path.is_empty() => {
+                allow_only(&["mode", "timing", "report"])?;
+                Ok(Self::Replay { path: PathBuf::from(path), mode, timing, report })
+            }
+            ("replay", _) => bail!("replay needs a recording: --virtual replay=FILE[,mode=strict|lenient]"),
             _ => bail!(
                 "unknown virtual device {spec:?} (keyboard, mouse, disk=PATH, serial[=LINK], loopback, dfu=FILE, \
-                 external=unix:PATH)"
+                 external=unix:PATH, replay=FILE)"
             ),
         }
     }
@@ -153,6 +197,7 @@ impl VirtualSpec {
             Self::Loopback { .. } => "loopback",
             Self::Dfu { .. } => "dfu",
             Self::External { .. } => "external",
+            Self::Replay { .. } => "replay",
         }
     }
 }
@@ -203,6 +248,7 @@ pub(crate) const VIRTUAL_KINDS: &[(&str, &[&str])] = &[
     ("loopback", &["speed"]),
     ("dfu", &["path", "size"]),
     ("external", &["socket"]),
+    ("replay", &["path", "mode", "timing", "report"]),
 ];
 
 /// The keys of a `[[virtual]]` table besides each kind's own.
@@ -227,6 +273,7 @@ pub(crate) const VIRTUAL_KEYS: &[VirtualKey] = &[
         meanings: &[
             ("disk", "its image file (created with size if missing)"),
             ("dfu", "its firmware image, written by each flash"),
+            ("replay", "the recording: a capture file of `serve --capture` (docs/recording.md)"),
         ],
     },
     VirtualKey {
@@ -250,6 +297,24 @@ pub(crate) const VIRTUAL_KEYS: &[VirtualKey] = &[
             "disk",
             "blocks whose reads fail with MEDIUM ERROR, as a failing medium's (for testing error paths)",
         )],
+    },
+    VirtualKey {
+        key: "mode",
+        form: "\"strict\"|\"lenient\"",
+        meanings: &[(
+            "replay",
+            "what a request the recording lacks gets: strict stalls it (default), lenient answers from the recording",
+        )],
+    },
+    VirtualKey {
+        key: "timing",
+        form: "\"asap\"|\"recorded\"",
+        meanings: &[("replay", "IN data at once (default), or after the time the recorded device took")],
+    },
+    VirtualKey {
+        key: "report",
+        form: "\"PATH\"",
+        meanings: &[("replay", "a JSON file (0600) with each import's report, replaced when the next one ends")],
     },
     VirtualKey { key: "link", form: "\"PATH\"", meanings: &[("serial", "a symlink to its pseudo-terminal")] },
     VirtualKey {
@@ -374,6 +439,40 @@ fn quoted(names: impl Iterator<Item = impl std::fmt::Display>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replay_specs_parse_with_their_options_and_refuse_others() {
+        assert_eq!(
+            VirtualSpec::parse("replay=kbd.pcapng").unwrap(),
+            VirtualSpec::Replay {
+                path: "kbd.pcapng".into(),
+                mode: ReplayMode::Strict,
+                timing: ReplayTiming::Asap,
+                report: None
+            }
+        );
+        assert_eq!(
+            VirtualSpec::parse("replay=kbd.pcapng,mode=lenient,timing=recorded,report=out/r.json").unwrap(),
+            VirtualSpec::Replay {
+                path: "kbd.pcapng".into(),
+                mode: ReplayMode::Lenient,
+                timing: ReplayTiming::Recorded,
+                report: Some("out/r.json".into())
+            }
+        );
+        for (spec, says) in [
+            ("replay", "needs a recording"),
+            ("replay=k.pcapng,mode=loose", "invalid mode=\"loose\""),
+            ("replay=k.pcapng,size=1M", "does not apply to replay"),
+            ("keyboard,mode=strict", "does not apply to keyboard"),
+        ] {
+            let error = VirtualSpec::parse(spec).unwrap_err().to_string();
+            assert!(error.contains(says), "{spec}: {error}");
+        }
+        let table: VirtualEntry =
+            toml::from_str("kind = \"replay\"\npath = \"k.pcapng\"\nmode = \"lenient\"\nreport = \"r.json\"").unwrap();
+        assert!(matches!(table.spec, VirtualSpec::Replay { mode: ReplayMode::Lenient, report: Some(_), .. }));
+    }
 
     #[test]
     fn specs_parse() {

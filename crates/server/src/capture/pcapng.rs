@@ -1,12 +1,17 @@
 //! The bytes of a capture file: usbmon records (`struct usbmon_packet`, as
 //! the Linux usbmon binary interface gives them) in pcapng blocks (a section
 //! header, one interface of type `LINKTYPE_USB_LINUX_MMAPPED`, one enhanced
-//! packet block per record). Encoding only: which files, when and how much
-//! is `capture.rs`'s business.
+//! packet block per record), and the records that carry a device's
+//! descriptors at the head of each file (`docs/recording.md`). Encoding
+//! only: which files, when and how much is `capture.rs`'s business.
 
 use std::io;
 
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use usbwire_proto::descriptors::{Snapshot, GET_DESCRIPTOR};
 use usbwire_proto::urb::TransferFlags;
+use usbwire_proto::Speed;
 
 /// pcapng link type of usbmon's binary (mmap) records.
 const LINKTYPE_USB_LINUX_MMAPPED: u16 = 220;
@@ -86,8 +91,62 @@ pub(crate) fn block(out: &mut impl io::Write, kind: u32, body: &[u8]) -> io::Res
     Ok(u64::from(total))
 }
 
-/// The section header and the one interface (usbmon, microsecond timestamps).
-pub(crate) fn write_headers(out: &mut impl io::Write) -> io::Result<u64> {
+/// pcapng's interface option `if_speed` (bits per second, u64).
+const IF_SPEED: u16 = 8;
+
+/// A device's speed as `if_speed` gives it: its signalling rate.
+pub(crate) fn speed_bps(speed: Speed) -> Option<u64> {
+    match speed {
+        Speed::LOW => Some(1_500_000),
+        Speed::FULL => Some(12_000_000),
+        Speed::HIGH => Some(480_000_000),
+        Speed::SUPER => Some(5_000_000_000),
+        Speed::SUPER_PLUS => Some(10_000_000_000),
+        _ => None,
+    }
+}
+
+/// Each descriptor of `snapshot` as a `GET_DESCRIPTOR` the device answered:
+/// a submission (URB id 0, `wLength` the bytes taken, or 0xffff when the
+/// device had no more to give) and its completion with the descriptor.
+pub(crate) fn descriptor_records(snapshot: Option<&Snapshot>, busnum: u16, devnum: u8) -> Vec<Vec<u8>> {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    let mut records = Vec::new();
+    for entry in snapshot.map(Snapshot::entries).unwrap_or_default() {
+        let length = if entry.complete { u16::MAX } else { entry.data.len() as u16 };
+        let [value_lo, value_hi] = entry.value.to_le_bytes();
+        let [index_lo, index_hi] = entry.index.to_le_bytes();
+        let [length_lo, length_hi] = length.to_le_bytes();
+        let mut head = Usbmon {
+            id: 0,
+            kind: b'S',
+            transfer: 2,
+            endpoint: 0x80,
+            devnum,
+            busnum,
+            flag_setup: 0,
+            flag_data: b'<',
+            sec: now.as_secs() as i64,
+            usec: now.subsec_micros() as i32,
+            status: EINPROGRESS,
+            length: u32::from(length),
+            setup: [entry.request_type, GET_DESCRIPTOR, value_lo, value_hi, index_lo, index_hi, length_lo, length_hi],
+            iso: None,
+            interval: 0,
+            start_frame: 0,
+            flags: TransferFlags(TransferFlags::DIR_IN),
+        };
+        records.push(head.encode(&[], &[]));
+        (head.kind, head.flag_setup, head.flag_data, head.status) = (b'C', b'-', 0, 0);
+        head.length = entry.data.len() as u32;
+        records.push(head.encode(&[], &entry.data));
+    }
+    records
+}
+
+/// The section header and the one interface (usbmon, microsecond
+/// timestamps, the device's speed when known).
+pub(crate) fn write_headers(out: &mut impl io::Write, speed: Option<u64>) -> io::Result<u64> {
     let mut section = Vec::new();
     section.extend_from_slice(&0x1A2B_3C4Du32.to_le_bytes());
     section.extend_from_slice(&1u16.to_le_bytes());
@@ -97,6 +156,12 @@ pub(crate) fn write_headers(out: &mut impl io::Write) -> io::Result<u64> {
     interface.extend_from_slice(&LINKTYPE_USB_LINUX_MMAPPED.to_le_bytes());
     interface.extend_from_slice(&0u16.to_le_bytes());
     interface.extend_from_slice(&0u32.to_le_bytes()); // no snap length
+    if let Some(speed) = speed {
+        interface.extend_from_slice(&IF_SPEED.to_le_bytes());
+        interface.extend_from_slice(&8u16.to_le_bytes());
+        interface.extend_from_slice(&speed.to_le_bytes());
+        interface.extend_from_slice(&[0; 4]); // opt_endofopt
+    }
     Ok(block(out, 0x0A0D_0D0A, &section)? + block(out, 1, &interface)?)
 }
 

@@ -55,6 +55,27 @@ fn a_control_submit_is_a_usbmon_record_with_its_setup() {
     assert_eq!(&record[96..], b"abc");
 }
 
+/// What the server lists for bus id `busid` (bus 1, device 2, high speed).
+fn record(busid: &str) -> DeviceRecord {
+    DeviceRecord {
+        path: String::new(),
+        busid: usbwire_proto::op::BusId::new(busid).unwrap(),
+        busnum: 1,
+        devnum: 2,
+        speed: usbwire_proto::Speed::HIGH,
+        id_vendor: 0x1209,
+        id_product: 5,
+        bcd_device: 0,
+        b_device_class: 0,
+        b_device_sub_class: 0,
+        b_device_protocol: 0,
+        b_configuration_value: 1,
+        b_num_configurations: 1,
+        interfaces: Vec::new(),
+        b_num_interfaces: 0,
+    }
+}
+
 /// An empty directory for one test, removed when the guard is dropped.
 fn scratch(name: &str) -> tempfile::TempDir {
     tempfile::Builder::new().prefix(&format!("usbwire-capture-{name}-")).tempdir().unwrap()
@@ -69,7 +90,8 @@ fn writer_with(dir: &Path, name: &str, max_file: u64, max_bytes: u64) -> Writer 
 
 fn open(writer: &mut Writer, id: u64, dir: &Path, name: &str, max_file: u64, max_bytes: u64) {
     let path = dir.join(name);
-    let file = Rotating::new(path.clone(), create_private(&path).unwrap(), max_file).unwrap();
+    let head = Head { speed: None, records: Vec::new() };
+    let file = Rotating::new(path.clone(), create_private(&path).unwrap(), max_file, head).unwrap();
     writer.handle(Message::Open { id, file, dir: dir.to_path_buf(), max_bytes });
 }
 
@@ -157,14 +179,14 @@ fn the_directory_is_made_0700_and_files_0600() {
     std::fs::set_permissions(base, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let config = CaptureConfig::new(base.join("capture"));
     let peer: SocketAddr = "127.0.0.1:4000".parse().unwrap();
-    let capture = Capture::start(&config, "1-1", (1, 2), peer).unwrap();
+    let capture = Capture::start(&config, &record("1-1"), None, peer).unwrap();
     let path = capture.path.clone();
     drop(capture);
     use std::os::unix::fs::MetadataExt as _;
     assert_eq!(std::fs::metadata(&config.dir).unwrap().mode() & 0o777, 0o700);
     assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
     // The same name again (same second, same peer): a new file beside it, not the old one reused.
-    let again = Capture::start(&config, "1-1", (1, 2), peer).unwrap();
+    let again = Capture::start(&config, &record("1-1"), None, peer).unwrap();
     assert_ne!(again.path, path);
     let _ = std::fs::remove_dir_all(base);
 }
@@ -180,7 +202,7 @@ fn a_planted_symlink_is_not_followed_for_the_directory_or_a_file() {
     std::os::unix::fs::symlink(&elsewhere, base.join("capture")).unwrap();
     let config = CaptureConfig::new(base.join("capture"));
     let peer: SocketAddr = "127.0.0.1:4000".parse().unwrap();
-    let error = Capture::start(&config, "1-1", (1, 2), peer).err().unwrap();
+    let error = Capture::start(&config, &record("1-1"), None, peer).err().unwrap();
     assert!(error.to_string().contains("symbolic link"), "{error}");
     assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0, "nothing written through the link");
 
@@ -227,4 +249,47 @@ fn the_queue_is_bounded_in_bytes_and_what_does_not_fit_is_dropped_and_counted() 
         .sum();
     assert_eq!(held, queued, "the count is what the queue holds");
     assert_eq!(capture.dropped, 100 - (QUEUE_BYTES / ((1 << 20) + USBMON_HEADER_LEN)) as u64);
+}
+
+#[test]
+fn golden_the_interface_block_carries_the_devices_speed() {
+    let mut out = Vec::new();
+    assert_eq!(write_headers(&mut out, speed_bps(usbwire_proto::Speed::HIGH)).unwrap(), 28 + 36);
+    let interface = &out[28..];
+    assert_eq!(
+        interface,
+        &[
+            1, 0, 0, 0, 36, 0, 0, 0, 220, 0, 0, 0, 0, 0, 0, 0, // type, length, link type, snap length
+            8, 0, 8, 0, 0x00, 0x38, 0x9c, 0x1c, 0, 0, 0, 0, // if_speed: 480 000 000
+            0, 0, 0, 0, 36, 0, 0, 0, // end of options, length
+        ][..]
+    );
+}
+
+#[tokio::test]
+async fn every_file_starts_with_the_descriptors_a_replay_needs() {
+    let base = scratch("descriptors");
+    let config = CaptureConfig::new(base.path().join("capture"));
+    let (mut keyboard, _keys) = usbwire_gadgets::keyboard();
+    let snapshot = crate::descriptor_snapshot::take(&mut keyboard, 0x10002).await;
+    let peer: SocketAddr = "127.0.0.1:4000".parse().unwrap();
+    let capture = Capture::start(&config, &record("1-1"), Some(&snapshot), peer).unwrap();
+    let path = capture.path.clone();
+    drop(capture);
+    let mut read = Err(None);
+    for _ in 0..200 {
+        match usbwire_gadgets::replay::Recording::open(&path) {
+            Ok(recording) => {
+                read = Ok(recording);
+                break;
+            }
+            Err(error) => read = Err(Some(error.to_string())),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let recording = read.unwrap_or_else(|error| panic!("the capture is a recording: {error:?}"));
+    assert_eq!(recording.speed, usbwire_proto::Speed::HIGH);
+    assert_eq!((recording.device.vendor_id, recording.device.product_id), (0x1209, 0x0001));
+    assert_eq!(recording.descriptors, snapshot, "every descriptor of the snapshot, as taken");
+    assert_eq!(recording.urbs(), 0, "the descriptors are no URBs to replay");
 }

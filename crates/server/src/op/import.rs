@@ -45,8 +45,10 @@ pub(crate) async fn serve(
             return;
         }
     };
-    // Taken before the reply, and sent with it: the client reads both before any URB.
-    let snapshot = match negotiated.descriptors {
+    // Taken before the reply, and sent with it: the client reads both before
+    // any URB. Taken for a capture too, whose files start with it (a client
+    // answering the enumeration from it sends none of those requests).
+    let snapshot = match negotiated.descriptors || state.capture.is_on() {
         true => {
             let devid = lease.record().devid();
             Some(descriptor_snapshot::take(lease.device(), devid).await)
@@ -55,7 +57,7 @@ pub(crate) async fn serve(
     };
     let reply = |out: &mut BytesMut| {
         op::encode_import_reply(Ok(lease.record()), out);
-        if let Some(snapshot) = &snapshot {
+        if let Some(snapshot) = snapshot.as_ref().filter(|_| negotiated.descriptors) {
             snapshot.encode(out);
         }
     };
@@ -72,7 +74,7 @@ pub(crate) async fn serve(
         parked: state.parked.clone(),
         grace: state.config.resume_grace,
     });
-    let agreed = Agreed { resumable, storage: negotiated.storage };
+    let agreed = Agreed { resumable, storage: negotiated.storage, descriptors: snapshot };
     urb_phase(stream, &mut lease, agreed, addr, state, stop).await;
     // Resets the device (on a blocking thread) and makes it available again.
     lease.release().await;

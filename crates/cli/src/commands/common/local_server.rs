@@ -10,7 +10,7 @@ use usbwire_device::Device as _;
 use usbwire_gadgets::{DiskOptions, KeyboardHandle, MassStorage, TypeError};
 use usbwire_server::{PlainPolicy, Security, Server, ServerConfig, TextInput, TypeRefusal};
 
-use crate::config::VirtualSpec;
+use crate::config::{ReplayMode, ReplayTiming, VirtualSpec};
 use crate::exit::Failure;
 
 /// A usbredir guest socket at `path`: 0600, or 0660 for `group`, in a
@@ -119,6 +119,20 @@ pub(crate) fn build(
                 );
                 (server.export(spec.kind(), Box::new(device)), detail)
             }
+            VirtualSpec::Replay { path, mode, timing, report } => {
+                let device = replay(path, *mode, *timing, report.clone())?;
+                let summary = device.summary();
+                let detail = format!(
+                    "replay of {} ({:04x}:{:04x} {}, {} speed, {} mode)",
+                    path.display(),
+                    summary.vendor_id,
+                    summary.product_id,
+                    summary.product,
+                    summary.speed.name(),
+                    if *mode == ReplayMode::Strict { "strict" } else { "lenient" },
+                );
+                (server.export(spec.kind(), Box::new(device)), detail)
+            }
             VirtualSpec::External { socket } => {
                 let busid = server.export_external(socket.clone(), usbwire_server::ExternalOptions::default());
                 (busid, format!("device served by the process connected to {} (listed while one is)", socket.display()))
@@ -127,6 +141,32 @@ pub(crate) fn build(
         lines.push(format!("{busid:<5} {detail}"));
     }
     Ok((server, lines))
+}
+
+/// A replay of the recording at `path`, its reports written to `report`; a
+/// recording that cannot be read or used is a configuration error (78).
+fn replay(
+    path: &std::path::Path,
+    mode: ReplayMode,
+    timing: ReplayTiming,
+    report: Option<PathBuf>,
+) -> Result<usbwire_gadgets::ReplayDevice, Failure> {
+    use usbwire_gadgets::replay::{Mode, ReplayOptions, Report, ReportSink, Timing};
+    let on_report = report.map(|report_path| -> ReportSink {
+        Box::new(move |report: &Report| {
+            let written = serde_json::to_vec_pretty(report).map_err(std::io::Error::other).and_then(|mut json| {
+                json.push(b'\n');
+                usbwire_server::private_dir::replace_file(&report_path, &json, 0o600)
+            });
+            if let Err(error) = written {
+                tracing::warn!(path = %report_path.display(), %error, "cannot write the replay report");
+            }
+        })
+    });
+    let mode = if mode == ReplayMode::Strict { Mode::Strict } else { Mode::Lenient };
+    let timing = if timing == ReplayTiming::Asap { Timing::Asap } else { Timing::Recorded };
+    usbwire_gadgets::ReplayDevice::open(path, ReplayOptions { mode, timing, on_report })
+        .map_err(|error| Failure::config(anyhow::Error::from(error).context(format!("replay {}", path.display()))))
 }
 
 /// A disk image that cannot be made (73), or is missing, unusable or the
