@@ -47,13 +47,21 @@ async fn workload(addr: SocketAddr, payloads: &[&[u8]]) -> Seen {
     seen
 }
 
-/// The capture file of the one import in `dir`, once it reads as a recording of `urbs` URBs.
+/// Whether every URB of `recording` has its completion written (the capture
+/// writer may still be behind the last one).
+fn complete(recording: &Recording) -> bool {
+    let mut exchanges = recording.control.iter().chain(recording.endpoints.iter().flat_map(|(_, urbs)| urbs));
+    exchanges.all(|exchange| exchange.completion.is_some())
+}
+
+/// The capture file of the one import in `dir`, once it reads as a recording
+/// of `urbs` URBs, each with its completion.
 async fn recorded(dir: &Path, urbs: usize) -> PathBuf {
     for _ in 0..300 {
         let files: Vec<PathBuf> =
             std::fs::read_dir(dir).map_or(Vec::new(), |d| d.flatten().map(|e| e.path()).collect());
         if let [file] = &files[..] {
-            if Recording::open(file).is_ok_and(|r| r.urbs() == urbs) {
+            if Recording::open(file).is_ok_and(|r| r.urbs() == urbs && complete(&r)) {
                 return file.clone();
             }
         }
