@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A lab coming back after a power cut (issue 36): every server of the lab
 registers at the same moment on one etcd member (Debian's etcd-server), at a
-scale two cores afford, with `usbwire bench --registry` — 1 000 servers of 30
+scale two cores afford, with `usbwire bench --registry` — 1 000 servers of 10
 devices, each server with its own publisher and etcd connection, all started at
 once, then 1 000 clients reserving at once.
 
@@ -31,7 +31,7 @@ import guest  # noqa: E402
 BIN = guest.BIN
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 SERVERS = 1000
-DEVICES_PER_SERVER = 30
+DEVICES_PER_SERVER = 10
 CLIENTS = 1000
 
 
