@@ -167,19 +167,23 @@ fn the_endpoint_serves_metrics_only() {
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
 }
 
-/// Enhanced packet blocks in a pcapng file.
-fn packets_in(path: &std::path::Path) -> usize {
+/// The usbmon ids of the enhanced packet blocks in a pcapng file, in order
+/// (the descriptor snapshot's records carry id 0, a URB's its seqnum).
+fn usbmon_ids_in(path: &std::path::Path) -> Vec<u64> {
     let bytes = std::fs::read(path).unwrap();
     let mut at = 0;
-    let mut packets = 0;
+    let mut ids = Vec::new();
     while at + 12 <= bytes.len() {
         let kind = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
         let len = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().unwrap()) as usize;
         assert!(len >= 12 && at + len <= bytes.len(), "a cut or malformed block at {at}");
-        packets += usize::from(kind == 6);
+        if kind == 6 {
+            assert!(len >= 28 + 64, "an enhanced packet block shorter than a usbmon header at {at}");
+            ids.push(u64::from_le_bytes(bytes[at + 28..at + 36].try_into().unwrap()));
+        }
         at += len;
     }
-    packets
+    ids
 }
 
 #[tokio::test]
@@ -212,7 +216,11 @@ async fn usbwire_capture_switches_a_running_import_on_and_off() {
     }
     connection.close().await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(packets_in(&file), 10, "a submit and a completion for each of the 5 URBs made while capturing");
+    let ids = usbmon_ids_in(&file);
+    let snapshot = ids.iter().take_while(|id| **id == 0).count();
+    assert!(snapshot > 0 && snapshot % 2 == 0, "the file starts with the descriptor snapshot, in pairs: {ids:?}");
+    assert_eq!(ids.len() - snapshot, 10, "a submit and a completion for each of the 5 URBs made while capturing: {ids:?}");
+    assert!(ids[snapshot..].iter().all(|id| *id != 0), "snapshot records after the URBs: {ids:?}");
 }
 
 /// Sixteen 512-byte bulk OUT URBs to the sink, all at once.
