@@ -219,7 +219,11 @@ async fn usbwire_capture_switches_a_running_import_on_and_off() {
     let ids = usbmon_ids_in(&file);
     let snapshot = ids.iter().take_while(|id| **id == 0).count();
     assert!(snapshot > 0 && snapshot % 2 == 0, "the file starts with the descriptor snapshot, in pairs: {ids:?}");
-    assert_eq!(ids.len() - snapshot, 10, "a submit and a completion for each of the 5 URBs made while capturing: {ids:?}");
+    assert_eq!(
+        ids.len() - snapshot,
+        10,
+        "a submit and a completion for each of the 5 URBs made while capturing: {ids:?}"
+    );
     assert!(ids[snapshot..].iter().all(|id| *id != 0), "snapshot records after the URBs: {ids:?}");
 }
 

@@ -21,6 +21,11 @@ use super::pipes::Pipes;
 pub(super) const BUDGET_BYTES: u32 = 8 << 20;
 /// Commands ahead once a sequential stream is seen; doubles with every hit.
 const FIRST_WINDOW: usize = 2;
+/// Sequential READs in a row that no read ahead served, past which the
+/// stream counts as unpredictable (sizes that vary from READ to READ) and
+/// one command at a time is read ahead: a stream opening and a split
+/// request's last command miss at most twice in a row.
+const PREDICTABLE_MISSES: u32 = 2;
 /// Tags of our own command blocks: told apart from the kernel's in captures.
 const TAG_BASE: u32 = 0x5a00_0000;
 
@@ -107,6 +112,8 @@ pub(super) struct ReadAhead {
     /// The last LBA of each LUN, from READ CAPACITY: nothing is read ahead past it.
     last_lba: [Option<u64>; 16],
     tag: u32,
+    /// Sequential READs in a row that no read ahead served.
+    sequential_misses: u32,
 }
 
 impl ReadAhead {
@@ -150,10 +157,14 @@ impl ReadAhead {
         });
         // The next read ahead not here yet: the kernel will wait for it.
         let next_late = self.queue.front().is_none_or(|next| next.results[1].is_none());
+        self.sequential_misses = if !hit && sequential { self.sequential_misses.saturating_add(1) } else { 0 };
         self.window = match (served, sequential) {
             (Served::Waited, _) => (self.window * 2).clamp(FIRST_WINDOW, most),
             (Served::Ready, _) if next_late => (self.window * 2).clamp(FIRST_WINDOW, most),
             (Served::Ready, _) => self.window.clamp(FIRST_WINDOW, most),
+            // Sizes that keep changing: every read ahead would be wasted; one
+            // at a time finds out whether the stream settles (a hit doubles it).
+            (Served::No, true) if self.sequential_misses > PREDICTABLE_MISSES => 1,
             // The same stream in another size (a split request's last command): as wide as before.
             (Served::No, true) => self.window.max(FIRST_WINDOW).min(most),
             (Served::No, false) => 0,
@@ -378,6 +389,51 @@ mod tests {
         ahead.observe(read(&next).expect("a read"), &next, PIPES, Served::Waited);
         assert!(ahead.next().is_none(), "160..200 is past the last LBA, 159");
         assert!(ahead.take_match(&cbw(READ_10, 80, 40)).is_some(), "the same command block but for the tag");
+    }
+
+    /// Issues reads ahead while the window allows; how many.
+    fn issue_all(ahead: &mut ReadAhead, seqnum: &mut u32) -> usize {
+        let mut issued = 0;
+        while let Some((cbw, length, _)) = ahead.next() {
+            *seqnum += 3;
+            ahead.issued(Speculation {
+                cbw,
+                length,
+                seqnums: [*seqnum - 2, *seqnum - 1, *seqnum],
+                results: Default::default(),
+            });
+            issued += 1;
+        }
+        issued
+    }
+
+    #[test]
+    fn a_stream_whose_sizes_keep_changing_is_read_ahead_one_command_at_a_time() {
+        let mut ahead = ReadAhead::default();
+        let mut capacity = cbw(0x25, 0, 0);
+        capacity[14] = 10;
+        ahead.learn_capacity(&capacity, &[0, 0x01, 0, 0, 0, 0, 2, 0]);
+        let mut ignored = HashSet::new();
+        let (mut lba, mut seqnum, mut wasted) = (0u32, 0u32, 0u64);
+        // What vhci-hcd's 32 segments make of O_DIRECT reads of 1 MiB: sizes
+        // that change from command to command, none as predicted.
+        let mut issued_per_read = Vec::new();
+        for blocks in [256u16, 296, 272, 264, 448, 256, 296, 264, 272, 448, 296, 256] {
+            let kernel = cbw(READ_10, lba, blocks);
+            assert!(ahead.take_match(&kernel).is_none(), "no read ahead has this size");
+            wasted += ahead.drop_all(&mut ignored).0;
+            ahead.observe(read(&kernel).expect("a read"), &kernel, PIPES, Served::No);
+            issued_per_read.push(issue_all(&mut ahead, &mut seqnum));
+            lba += u32::from(blocks);
+        }
+        assert_eq!(issued_per_read[..4], [0, 2, 2, 1], "opened at 2, then one at a time");
+        assert!(issued_per_read[4..].iter().all(|&n| n == 1), "{issued_per_read:?}");
+        assert!(wasted <= 24 * 448 * 512, "wasted {wasted} bytes for {lba} blocks read");
+        // The stream settles: a hit opens the window again.
+        let (next, ..) = ahead.queue.front().map(|s| (s.cbw, s.length)).expect("one read ahead");
+        let served = ahead.take_match(&next).expect("the kernel asks for it");
+        ahead.observe(read(&served.cbw).expect("a read"), &served.cbw, PIPES, Served::Waited);
+        assert_eq!(issue_all(&mut ahead, &mut seqnum), 2, "a hit doubles the window again");
     }
 
     #[test]

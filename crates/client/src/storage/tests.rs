@@ -48,6 +48,12 @@ enum Op {
         blocks: u16,
         count: u8,
     },
+    /// READs one after the other from `lba`, of sizes that change from one
+    /// to the next (as vhci-hcd's segment limit makes of large requests).
+    Ragged {
+        lba: u32,
+        sizes: Vec<u16>,
+    },
     /// A stream, then a write just past its end (where it was read ahead),
     /// then the stream going on over what was written.
     Overwrite {
@@ -482,6 +488,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         2 => (lba(), 1u16..24).prop_map(|(lba, blocks)| Op::Read { lba, blocks }),
         4 => (lba(), prop_oneof![Just(8u16), Just(16)], 2u8..8).prop_map(|(lba, blocks, count)| Op::Run { lba, blocks, count }),
+        2 => (lba(), proptest::collection::vec(1u16..12, 3..8)).prop_map(|(lba, sizes)| Op::Ragged { lba, sizes }),
         3 => (lba(), 1u16..24, any::<u8>()).prop_map(|(lba, blocks, fill)| Op::Write { lba, blocks, fill }),
         2 => (0..BLOCKS / 8 - 40, 2u8..6, 0u8..3, any::<u8>())
             .prop_map(|(at, count, past, fill)| Op::Overwrite { lba: at * 8, count, past, fill }),
@@ -529,6 +536,15 @@ fn run(accelerate: bool, ops: &[Op], faults: &HashMap<u32, Fault>, seed: u64) ->
                     let outcome = rig.read_write(false, at, blocks, 0);
                     check(&outcome, None, at, blocks);
                     outcomes.push(outcome);
+                }
+            }
+            Op::Ragged { lba, ref sizes } => {
+                let mut at = lba;
+                for &blocks in sizes {
+                    let outcome = rig.read_write(false, at, blocks, 0);
+                    check(&outcome, None, at, blocks);
+                    outcomes.push(outcome);
+                    at += u32::from(blocks);
                 }
             }
             Op::Write { lba, blocks, fill } => {
