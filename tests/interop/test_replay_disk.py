@@ -45,7 +45,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import guest  # noqa: E402
-from test_replay_kernel import listening  # noqa: E402
+from test_replay_kernel import listening, replay_lines  # noqa: E402
 
 BIN = guest.BIN
 ACCELERATE = os.environ.get("USBWIRE_REPLAY_ACCELERATE", "off")
@@ -219,10 +219,7 @@ def main():
         servers = []
         for phase in PHASES[1:]:
             logs[phase].close()
-            log_text = open(log_paths[phase], errors="replace").read()
-            ended = [line for line in log_text.splitlines()
-                     if "replay ended as recorded" in line or "replay diverged" in line]
-            print(f"{phase} replay server:\n" + ("\n".join(ended) or "(no replay line)"), flush=True)
+            ended, log_text = replay_lines(log_paths[phase], f"{phase} replay server")
             checks.check(f"the {phase} replay server logs `replay ended as recorded`",
                          any("replay ended as recorded" in line for line in ended), log_text[-3000:])
     except Exception as error:  # a wait that timed out is a failure with a reason

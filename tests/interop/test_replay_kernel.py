@@ -105,6 +105,15 @@ def listening(port, server, timeout=30):
     return False
 
 
+def replay_lines(log_path, who):
+    """The replay server's end-of-import lines (`replay ended as recorded` or `replay diverged`)
+    in its log, printed under `who`, and the log's text."""
+    log_text = open(log_path, errors="replace").read()
+    ended = [line for line in log_text.splitlines() if "replay ended as recorded" in line or "replay diverged" in line]
+    print(f"{who}:\n" + ("\n".join(ended) or "(no replay line)"), flush=True)
+    return ended, log_text
+
+
 def main():
     guest.require(BIN)
     guest.build()
@@ -229,9 +238,7 @@ def main():
         guest.stop(servers)
         servers = []
         logs["replay"].close()
-        log_text = open(log_paths["replay"], errors="replace").read()
-        ended = [line for line in log_text.splitlines() if "replay ended as recorded" in line or "replay diverged" in line]
-        print("replay server:\n" + ("\n".join(ended) or "(no replay line)"), flush=True)
+        ended, log_text = replay_lines(log_paths["replay"], "replay server")
         for name in DEVICES:
             checks.check(f"the replay server logs `replay ended as recorded` for the {name}",
                          any("replay ended as recorded" in line and recordings[name] in line for line in ended),
