@@ -477,8 +477,10 @@ def make_unplug_image(path):
     return data
 
 
-# Kernel lines about a dead device that appear or not with the timing of the next request.
-TIMING_DEPENDENT = r"rejecting I/O to dead device|I/O error"
+# Kernel lines about a dead device that appear or not with the timing of the next request:
+# SCSI's refusal of a request sent after the device went, and the block layer's report of
+# it ("device offline error" on 6.x kernels, "I/O error" on older ones).
+TIMING_DEPENDENT = r"rejecting I/O to dead device|I/O error|device offline error"
 
 
 def unplug_kernel_lines(log):
