@@ -26,8 +26,8 @@
 //!
 //! On a sequential stream of READs it also reads ahead ([`ahead`]): the next
 //! ranges' commands go to the device behind the kernel's, and a READ the
-//! kernel then sends is answered from them at once, the CSW with the
-//! kernel's tag. Whatever is not known to be read-only drops every read
+//! kernel then sends is answered from them (one of them, or slices of those
+//! that hold its range), the CSW with the kernel's tag. Whatever is not known to be read-only drops every read
 //! ahead before it is sent, and replies still to come for them are ignored:
 //! nothing read before a write is served after it.
 //!
@@ -39,6 +39,7 @@
 mod ahead;
 mod command;
 mod pipes;
+mod sending;
 mod unlinks;
 mod wrappers;
 
@@ -51,7 +52,7 @@ use usbwire_proto::storage::{AFTER_SUCCESS, STAGE};
 use usbwire_proto::urb::{ClientMessage, CmdSubmit, RetSubmit, ServerMessage, TransferFlags};
 use usbwire_proto::{Direction, Status};
 
-use ahead::{ReadAhead, Served, Speculation};
+use ahead::{ReadAhead, Served, Speculation, Taken};
 use command::{command_is_sent_whole, Ahead, Claim, Command};
 use pipes::{Interfaces, Pipes};
 use wrappers::{answer, answer_to, command_block, done, retag, tag_of, CommandBlock, CBW_LEN, CSW_LEN};
@@ -144,6 +145,9 @@ impl Accelerator {
         if self.cancel_held(&message, kernel) {
             return Ok(());
         }
+        if self.held.is_empty() {
+            self.complete_reads_ahead(&message, server)?;
+        }
         if !self.held.is_empty() || self.waits(&message) {
             self.held.push_back(message);
             return Ok(());
@@ -160,28 +164,30 @@ impl Accelerator {
         kernel: &mut impl FnMut(ServerMessage),
     ) -> Result<bool, E> {
         let mut released = false;
-        while let Some(message) = self.held.front() {
-            if self.waits(message) {
+        while let Some(message) = self.held.pop_front() {
+            self.complete_reads_ahead(&message, server)?;
+            if self.waits(&message) {
+                self.held.push_front(message);
                 break;
             }
-            if let Some(message) = self.held.pop_front() {
-                self.take(message, server, kernel)?;
-                released = true;
-            }
+            self.take(message, server, kernel)?;
+            released = true;
         }
         Ok(released)
     }
 
-    /// Whether `message` is a command block the first read ahead does not
-    /// serve while reads ahead are in flight: it waits for them, so that one
-    /// that failed is known (and the device recovered) before it goes.
+    /// Whether `message` is a command block the reads ahead do not serve
+    /// now while some are in flight: it waits for them. So one whose range
+    /// they hold in slices is served once those came back whole, and before
+    /// any other goes, a read ahead that failed is known (and the device
+    /// recovered).
     fn waits(&self, message: &ClientMessage) -> bool {
         let ClientMessage::Submit(submit) = message else { return false };
         if !self.ahead.in_flight() {
             return false;
         }
         let Some(pipes) = self.interfaces.pipes_of(submit) else { return false };
-        command_block(submit, pipes).is_some() && !self.ahead.matches(&submit.data)
+        command_block(submit, pipes).is_some() && !self.ahead.serves(&submit.data)
     }
 
     fn take<E>(
@@ -227,8 +233,7 @@ impl Accelerator {
         if let Some(block) = command_block(&submit, pipes) {
             if !ahead::is_read_only(submit.data[15]) {
                 self.drop_reads_ahead();
-            } else if !self.ahead.matches(&submit.data) && (ahead::read(&submit.data).is_some() || self.ahead.failed())
-            {
+            } else if !self.ahead.serves(&submit.data) && (ahead::read(&submit.data).is_some() || self.ahead.failed()) {
                 // A seek (the stream may start again from here), or a read
                 // ahead failed and the device wants recovering first.
                 let (wasted, failed) = self.ahead.drop_all(&mut self.ignored);
@@ -307,17 +312,25 @@ impl Accelerator {
             status: None,
             void: false,
         };
-        let served = read.and_then(|_| self.ahead.take_match(&cbw));
+        let served = read.and_then(|_| self.ahead.take(&cbw));
         if let Some(read) = read {
             let how = match &served {
                 None => Served::No,
-                Some(speculation) if speculation.results[1].is_some() => Served::Ready,
-                Some(_) => Served::Waited,
+                Some(Taken::Exact(speculation)) if speculation.results[1].is_none() => Served::Waited,
+                Some(_) => Served::Ready,
             };
             self.ahead.observe(read, &cbw, pipes, how);
         }
         match served {
-            Some(speculation) => {
+            Some(Taken::Slices { data, status, seqnums: [data_seqnum, status_seqnum] }) => {
+                self.counters.read_ahead_hits += 1;
+                self.counters.bytes_read_ahead += u64::from(data.actual_length);
+                command.data_ahead = Some(Ahead { seqnum: data_seqnum, result: Some(data), claimed: None });
+                command.status = Some(Ahead { seqnum: status_seqnum, result: Some(status), claimed: None });
+                command.cbw_replied = true;
+                self.command = Some(command);
+            }
+            Some(Taken::Exact(speculation)) => {
                 self.counters.read_ahead_hits += 1;
                 self.counters.bytes_read_ahead += u64::from(speculation.length);
                 let Speculation { seqnums, results: [block, data, status], .. } = speculation;
@@ -345,18 +358,6 @@ impl Accelerator {
         }
         if command_is_sent_whole(&self.command) {
             self.read_ahead(server)?;
-        }
-        Ok(())
-    }
-
-    /// Sends the reads ahead the window allows, behind everything sent so far.
-    fn read_ahead<E>(&mut self, server: &mut impl FnMut(ClientMessage) -> Result<(), E>) -> Result<(), E> {
-        while let Some((cbw, length, pipes)) = self.ahead.next() {
-            let seqnums = [self.own_seqnum(), self.own_seqnum(), self.own_seqnum()];
-            for stage in wrappers::read_ahead_stages(seqnums, self.devid, pipes, &cbw, length) {
-                server(ClientMessage::Submit(stage))?;
-            }
-            self.ahead.issued(Speculation { cbw, length, seqnums, results: Default::default() });
         }
         Ok(())
     }

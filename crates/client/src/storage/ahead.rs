@@ -1,8 +1,11 @@
 //! Read-ahead for the storage accelerator: when the kernel reads a LUN
 //! sequentially (READ(10) or READ(16), each starting where the last ended),
-//! commands for the next ranges go to the device before the kernel asks, and
-//! a kernel READ identical to the first of them (the same command block but
-//! for the tag) is answered from what they brought. This module owns the
+//! commands for the next ranges go to the device before the kernel asks. A
+//! kernel READ identical to the first of them (the same command block but
+//! for the tag) is answered from what they brought, as they bring it; a READ
+//! of another size that starts where the last one served stopped is answered
+//! from slices of the first ones once every one it needs came back whole and
+//! passed (its CSW is theirs, with the kernel's tag). This module owns the
 //! queue of those commands, the stream they follow, the window and each
 //! LUN's capacity; the accelerator (`storage`) decides when to match, issue
 //! and drop them. It is not for writes: anything that is not known to be
@@ -11,6 +14,7 @@
 
 use std::collections::{HashSet, VecDeque};
 
+use bytes::{Bytes, BytesMut};
 use usbwire_proto::storage;
 use usbwire_proto::urb::RetSubmit;
 use usbwire_proto::Status;
@@ -59,9 +63,75 @@ pub(super) struct Speculation {
     pub(super) length: u32,
     pub(super) seqnums: [u32; 3],
     pub(super) results: [Option<RetSubmit>; 3],
+    /// Its first blocks already served as slices to kernel READs of other sizes.
+    pub(super) served_blocks: u32,
+}
+
+/// How the reads ahead stand to a kernel READ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Cover {
+    /// The first read ahead is the kernel's command but for the tag.
+    Exact,
+    /// The first `count` reads ahead hold the kernel's range, from where the
+    /// last READ served stopped; `ready` once each came back whole and passed.
+    Slices { count: usize, ready: bool },
+    /// The kernel's range starts where the last READ served stopped, but
+    /// `blocks` of it from `from` (where the last read ahead ends) are not
+    /// asked for yet.
+    Short { from: u64, blocks: u32 },
+}
+
+/// A kernel READ answered from reads ahead.
+#[derive(Debug)]
+pub(super) enum Taken {
+    /// The first read ahead, whose replies are the kernel's command's.
+    Exact(Speculation),
+    /// Slices of the first ones, every one of which passed: the data stage's
+    /// reply, the CSW (the last of them's), and two seqnums of theirs that
+    /// no reply will come for any more.
+    Slices { data: RetSubmit, status: RetSubmit, seqnums: [u32; 2] },
 }
 
 impl Speculation {
+    pub(super) fn new(cbw: [u8; 31], length: u32, seqnums: [u32; 3]) -> Self {
+        Self { cbw, length, seqnums, results: Default::default(), served_blocks: 0 }
+    }
+
+    /// Its blocks not yet served, from the first: (LUN, LBA, blocks, block length).
+    fn unserved(&self) -> Option<(u8, u64, u32, u32)> {
+        let range = read(&self.cbw)?;
+        let block_length = self.length.checked_div(range.blocks)?;
+        let blocks = range.blocks.checked_sub(self.served_blocks)?;
+        Some((range.lun, range.lba + u64::from(self.served_blocks), blocks, block_length))
+    }
+
+    /// Whether each reply that came is what a command that passed whole
+    /// gives: the block taken, every byte asked for, a CSW with status 0 and
+    /// no residue. `None` for a stage still to come.
+    fn stages_whole(&self) -> [Option<bool>; 3] {
+        let [block, data, csw] = &self.results;
+        [
+            block.as_ref().map(|block| block.status == Status::OK),
+            data.as_ref().map(|data| data.status == Status::OK && data.data.len() == self.length as usize),
+            csw.as_ref().map(|csw| {
+                csw.status == Status::OK
+                    && csw.data.len() == 13
+                    && csw.data.starts_with(b"USBS")
+                    && csw.data[8..13] == [0; 5]
+            }),
+        ]
+    }
+
+    /// Whether every stage came back and the command passed whole.
+    fn passed_whole(&self) -> bool {
+        self.stages_whole() == [Some(true); 3]
+    }
+
+    /// Whether a reply came that rules it out of serving slices.
+    fn spoiled(&self) -> bool {
+        self.stages_whole().contains(&Some(false))
+    }
+
     /// Whether a stage of it failed on the device (not merely skipped),
     /// leaving it halted or owing a status.
     fn failed(&self) -> bool {
@@ -117,18 +187,109 @@ pub(super) struct ReadAhead {
 }
 
 impl ReadAhead {
-    /// The first read ahead, if the kernel's command block `cbw` asks exactly for it.
-    pub(super) fn take_match(&mut self, cbw: &[u8]) -> Option<Speculation> {
-        if !self.matches(cbw) {
+    /// How the reads ahead stand to the kernel's command block `cbw`: the
+    /// first is that command but for the tag (and not refused); or the first
+    /// ones hold its range from where the last READ served stopped, none of
+    /// them spoiled, and it is their command in all but tag and range.
+    pub(super) fn cover(&self, cbw: &[u8]) -> Option<Cover> {
+        let front = self.queue.front()?;
+        if cbw.len() != 31 {
             return None;
         }
-        self.queue.pop_front()
+        if front.served_blocks == 0 && front.cbw[8..] == cbw[8..] && !front.is_dead() {
+            return Some(Cover::Exact);
+        }
+        let wanted = read(cbw)?;
+        let (lun, mut lba, _, _) = front.unserved()?;
+        let front_range = read(&front.cbw)?;
+        let same_command = with_range(&front.cbw, front_range.blocks, wanted.lba, wanted.blocks)?;
+        if same_command[8..] != cbw[8..] || (lun, lba) != (wanted.lun, wanted.lba) {
+            return None;
+        }
+        let (mut held, mut ready) = (0u64, true);
+        for (count, speculation) in self.queue.iter().enumerate() {
+            let (its_lun, its_lba, blocks, _) = speculation.unserved()?;
+            if its_lun != lun || its_lba != lba || speculation.spoiled() {
+                return None;
+            }
+            ready &= speculation.passed_whole();
+            held += u64::from(blocks);
+            lba += u64::from(blocks);
+            if held >= u64::from(wanted.blocks) {
+                return Some(Cover::Slices { count: count + 1, ready });
+            }
+        }
+        let blocks = u32::try_from(u64::from(wanted.blocks) - held).ok()?;
+        Some(Cover::Short { from: lba, blocks })
     }
 
-    /// Whether the first read ahead is what the kernel's command block `cbw`
-    /// asks for: the same command block but for the tag, and not refused.
-    pub(super) fn matches(&self, cbw: &[u8]) -> bool {
-        self.queue.front().is_some_and(|front| cbw.len() == 31 && front.cbw[8..] == cbw[8..] && !front.is_dead())
+    /// The read ahead that completes what the reads ahead hold of the
+    /// kernel's READ `cbw`, when they hold its start but not its end (a READ
+    /// longer than theirs): its command block (with a fresh tag), length and
+    /// pipes. The kernel's READ then waits for it and is served in slices,
+    /// rather than dropping what was read ahead for it.
+    pub(super) fn complete(&mut self, cbw: &[u8]) -> Option<([u8; 31], u32, Pipes)> {
+        let Some(Cover::Short { from, blocks }) = self.cover(cbw) else { return None };
+        let stream = self.stream.as_mut()?;
+        let last = self.last_lba[usize::from(stream.read.lun & 0x0f)]?;
+        let end = from.checked_add(u64::from(blocks))?;
+        if stream.next_lba != from || end - 1 > last {
+            return None;
+        }
+        let cbw = with_range(&stream.template, stream.blocks, from, blocks)?;
+        stream.next_lba = end;
+        let pipes = stream.pipes;
+        Some(self.tagged(cbw, pipes))
+    }
+
+    /// Whether the reads ahead answer the kernel's command block `cbw` now
+    /// (see [`Self::cover`]): the first is that command, or the slices it
+    /// needs all came back whole.
+    pub(super) fn serves(&self, cbw: &[u8]) -> bool {
+        matches!(self.cover(cbw), Some(Cover::Exact | Cover::Slices { ready: true, .. }))
+    }
+
+    /// The answer to the kernel's command block `cbw` from the reads ahead,
+    /// taking what it used: the first read ahead itself, or slices of the
+    /// first ones when all came back whole.
+    pub(super) fn take(&mut self, cbw: &[u8]) -> Option<Taken> {
+        match self.cover(cbw)? {
+            Cover::Exact => self.queue.pop_front().map(Taken::Exact),
+            Cover::Slices { ready: false, .. } | Cover::Short { .. } => None,
+            Cover::Slices { count, ready: true } => {
+                let wanted = read(cbw)?;
+                let mut left = wanted.blocks;
+                let mut pieces: Vec<Bytes> = Vec::with_capacity(count);
+                let mut status = None;
+                let mut seqnums = None;
+                while left > 0 {
+                    let front = self.queue.front_mut()?;
+                    let (_, _, blocks, block_length) = front.unserved()?;
+                    let [_, Some(data), Some(csw)] = &front.results else { return None };
+                    let taken = blocks.min(left);
+                    let from = (front.served_blocks * block_length) as usize;
+                    pieces.push(data.data.slice(from..from + (taken * block_length) as usize));
+                    status = Some(csw.clone());
+                    seqnums.get_or_insert([front.seqnums[1], front.seqnums[2]]);
+                    front.served_blocks += taken;
+                    left -= taken;
+                    if taken == blocks {
+                        self.queue.pop_front();
+                    }
+                }
+                let data = match pieces.as_slice() {
+                    [one] => one.clone(),
+                    _ => pieces
+                        .iter()
+                        .fold(BytesMut::new(), |mut all, piece| {
+                            all.extend_from_slice(piece);
+                            all
+                        })
+                        .freeze(),
+                };
+                Some(Taken::Slices { data: RetSubmit::new(0, Status::OK, data), status: status?, seqnums: seqnums? })
+            }
+        }
     }
 
     /// Whether a read ahead failed on the device (not merely skipped).
@@ -224,13 +385,18 @@ impl ReadAhead {
         if blocks == 0 || end - 1 > last {
             return None;
         }
-        let mut cbw = with_range(&stream.template, stream.blocks, stream.next_lba, blocks)?;
-        self.tag = self.tag.wrapping_add(1);
-        cbw[4..8].copy_from_slice(&(TAG_BASE | (self.tag & 0x00ff_ffff)).to_le_bytes());
+        let cbw = with_range(&stream.template, stream.blocks, stream.next_lba, blocks)?;
         stream.next_lba = end;
         stream.longs_issued = if short.is_some() { 0 } else { stream.longs_issued + 1 };
-        let length = u32::from_le_bytes([cbw[8], cbw[9], cbw[10], cbw[11]]);
-        Some((cbw, length, stream.pipes))
+        let pipes = stream.pipes;
+        Some(self.tagged(cbw, pipes))
+    }
+
+    /// A read ahead's command block with a tag of ours, its length, its pipes.
+    fn tagged(&mut self, mut cbw: [u8; 31], pipes: Pipes) -> ([u8; 31], u32, Pipes) {
+        self.tag = self.tag.wrapping_add(1);
+        cbw[4..8].copy_from_slice(&(TAG_BASE | (self.tag & 0x00ff_ffff)).to_le_bytes());
+        (cbw, template_length(&cbw), pipes)
     }
 
     pub(super) fn issued(&mut self, speculation: Speculation) {
@@ -255,7 +421,9 @@ impl ReadAhead {
     pub(super) fn drop_all(&mut self, ignored: &mut HashSet<u32>) -> (u64, bool) {
         let (mut wasted, mut failed) = (0, false);
         for speculation in self.queue.drain(..) {
-            wasted += u64::from(speculation.length);
+            wasted += speculation.unserved().map_or(u64::from(speculation.length), |(_, _, blocks, block_length)| {
+                u64::from(blocks) * u64::from(block_length)
+            });
             for (seqnum, result) in speculation.seqnums.iter().zip(&speculation.results) {
                 if result.is_none() {
                     ignored.insert(*seqnum);
@@ -382,13 +550,16 @@ mod tests {
         ahead.observe(read(&second).expect("a read"), &second, PIPES, Served::No);
         let (next, length, _) = ahead.next().expect("reads ahead from 80");
         assert_eq!((read(&next).map(|r| (r.lba, r.blocks)), length), (Some((80, 40)), 40 * 512));
-        ahead.issued(Speculation { cbw: next, length, seqnums: [1, 2, 3], results: Default::default() });
+        ahead.issued(Speculation::new(next, length, [1, 2, 3]));
         let (second, ..) = ahead.next().expect("and from 120, the window being 2");
-        ahead.issued(Speculation { cbw: second, length, seqnums: [4, 5, 6], results: Default::default() });
+        ahead.issued(Speculation::new(second, length, [4, 5, 6]));
         assert!(ahead.next().is_none(), "the window is full");
         ahead.observe(read(&next).expect("a read"), &next, PIPES, Served::Waited);
         assert!(ahead.next().is_none(), "160..200 is past the last LBA, 159");
-        assert!(ahead.take_match(&cbw(READ_10, 80, 40)).is_some(), "the same command block but for the tag");
+        assert!(
+            matches!(ahead.take(&cbw(READ_10, 80, 40)), Some(Taken::Exact(_))),
+            "the same command block but for the tag"
+        );
     }
 
     /// Issues reads ahead while the window allows; how many.
@@ -396,12 +567,7 @@ mod tests {
         let mut issued = 0;
         while let Some((cbw, length, _)) = ahead.next() {
             *seqnum += 3;
-            ahead.issued(Speculation {
-                cbw,
-                length,
-                seqnums: [*seqnum - 2, *seqnum - 1, *seqnum],
-                results: Default::default(),
-            });
+            ahead.issued(Speculation::new(cbw, length, [*seqnum - 2, *seqnum - 1, *seqnum]));
             issued += 1;
         }
         issued
@@ -420,7 +586,7 @@ mod tests {
         let mut issued_per_read = Vec::new();
         for blocks in [256u16, 296, 272, 264, 448, 256, 296, 264, 272, 448, 296, 256] {
             let kernel = cbw(READ_10, lba, blocks);
-            assert!(ahead.take_match(&kernel).is_none(), "no read ahead has this size");
+            assert!(ahead.take(&kernel).is_none(), "no read ahead came back to serve it");
             wasted += ahead.drop_all(&mut ignored).0;
             ahead.observe(read(&kernel).expect("a read"), &kernel, PIPES, Served::No);
             issued_per_read.push(issue_all(&mut ahead, &mut seqnum));
@@ -431,7 +597,7 @@ mod tests {
         assert!(wasted <= 24 * 448 * 512, "wasted {wasted} bytes for {lba} blocks read");
         // The stream settles: a hit opens the window again.
         let (next, ..) = ahead.queue.front().map(|s| (s.cbw, s.length)).expect("one read ahead");
-        let served = ahead.take_match(&next).expect("the kernel asks for it");
+        let Some(Taken::Exact(served)) = ahead.take(&next) else { panic!("the kernel asks for it") };
         ahead.observe(read(&served.cbw).expect("a read"), &served.cbw, PIPES, Served::Waited);
         assert_eq!(issue_all(&mut ahead, &mut seqnum), 2, "a hit doubles the window again");
     }
