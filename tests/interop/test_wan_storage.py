@@ -120,6 +120,10 @@ attach() {
   echo "@@TIME $mode attached $(awk "BEGIN { printf \"%.3f\", $t1 - $t0 }") 0"
   DEV=/dev/$(disk_name)
   wait_path $DEV 100; check $mode-device-node $? "$DEV"
+  # The command size: an accelerated usbwire disk's is raised to 1 MiB by the relay, soon after.
+  q=/sys/block/$(disk_name)/queue/max_sectors_kb
+  [ $mode != accelerated ] || wait_for "[ \"\$(cat $q)\" = 1024 ]" 100
+  echo "@@LIMITS $mode $(cat $q)"
 }
 
 # timed NAME BYTES COMMAND...: runs COMMAND (a dd), checks its exit code, prints the time.
@@ -321,10 +325,10 @@ def read_console(g, checks, expected, on_line=None):
     timings ({(mode, what): (seconds, bytes)}), relay logs ({mode: text}), the sha256s
     of the files it writes into filesystems ({path: hex}) and what `faults` printed
     ({"sha": {mode: hex}, "log": {mode: kernel lines}, "unplugged": {mode: (rc, bytes, hex)},
-    "unplug_log": {mode: kernel lines}}), and `usbwire port --prometheus` before each detach
-    ({"prometheus": {mode: text}}). `on_line` sees every line first."""
+    "unplug_log": {mode: kernel lines}}), `usbwire port --prometheus` before each detach
+    ({"prometheus": {mode: text}}) and each disk's max_sectors_kb ({"limits": {mode: KiB}}). `on_line` sees every line first."""
     seen, times, relay, sums = {}, {}, {}, {}
-    faults = {"sha": {}, "log": {}, "unplugged": {}, "unplug_log": {}, "prometheus": {}}
+    faults = {"sha": {}, "log": {}, "unplugged": {}, "unplug_log": {}, "prometheus": {}, "limits": {}}
     while True:
         line = g.wait_for("", 480)
         if on_line:
@@ -357,6 +361,9 @@ def read_console(g, checks, expected, on_line=None):
         elif "@@PROM " in line:
             mode, text = (line.split("@@PROM ", 1)[1].split(" ", 1) + [""])[:2]
             faults["prometheus"][mode] = faults["prometheus"].get(mode, "") + text + "\n"
+        elif "@@LIMITS " in line:
+            mode, kib = line.split("@@LIMITS ", 1)[1].split()
+            faults["limits"][mode] = int(kib)
         elif "@@SHA256 " in line:
             digest, path = line.split("@@SHA256 ", 1)[1].split()
             sums[path] = digest
@@ -579,6 +586,8 @@ def main():
         faults_as_local(checks, faults, stream)
         unplugs_as_local(checks, faults, unplug_images)
         relay_pipelined(checks, relay.get("accelerated", ""), "accelerated")
+        checks.check("command-size: the accelerated disk takes 1 MiB commands, the others usb-storage's 120 KiB",
+                     faults["limits"] == {"accelerated": 1024, "off": 120, "stock": 120}, faults["limits"])
         port_metrics(checks, faults["prometheus"].get("accelerated", ""))
         checks.check("the relay with --accelerate off pipelined nothing",
                      "mass storage accelerated" not in relay.get("off", ""), relay.get("off", "")[-1500:])

@@ -269,6 +269,10 @@ pub(crate) async fn relay_reporting(
     let (counters_tx, mut counters) = watch::channel(StorageCounters::default());
     let accelerated = upstream.storage;
     status.send_modify(|status| status.storage = accelerated.then(StorageCounters::default));
+    let (port, vendor_id, product_id) = {
+        let now = status.borrow();
+        (now.port, now.vendor_id, now.product_id)
+    };
     let relay = kernel_relay::run(kernel, stream, devid, upstream, Some(state_tx), Some(counters_tx));
     let reporting = async {
         loop {
@@ -289,9 +293,17 @@ pub(crate) async fn relay_reporting(
         // The relay dropped its sender: it has ended, and the other branch has its result.
         std::future::pending::<std::convert::Infallible>().await
     };
+    // An accelerated disk known to take 1 MiB commands gets them once the kernel made it.
+    let raising = async {
+        if accelerated {
+            crate::disk_limits::raise_when_attached(port, vendor_id, product_id).await;
+        }
+        std::future::pending::<std::convert::Infallible>().await
+    };
     tokio::select! {
         ended = relay => ended,
         never = reporting => match never {},
+        never = raising => match never {},
     }
 }
 

@@ -32,7 +32,8 @@
 //! rules), [`follow`] keeps a kernel attachment through the
 //! device's re-enumerations, [`reattach`] keeps a device imported across drops,
 //! [`redir`] bridges it to a usbredir guest, [`describe`] reads a device's
-//! descriptors; [`DrivenConnection`] is a connection stepped by its caller
+//! descriptors, `disk_limits` raises an accelerated virtual disk's command
+//! size; [`DrivenConnection`] is a connection stepped by its caller
 //! (tests, fuzzing). The
 //! kernel attach path ([`vhci`]) imports the same way and then hands the
 //! socket to vhci-hcd instead of keeping a [`Connection`] — or, when the
@@ -42,6 +43,7 @@
 mod accelerators;
 pub mod attach;
 pub mod describe;
+mod disk_limits;
 mod driven;
 mod enumeration;
 pub mod follow;
