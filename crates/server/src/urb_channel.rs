@@ -23,12 +23,14 @@ use bytes::BytesMut;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 use tokio_util::io::poll_read_buf;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 use usbwire_device::{Device, TransferType, Urb};
 use usbwire_proto::op::{self, DeviceRecord, OpStatus};
 use usbwire_proto::resume::{EndReason, Token};
 use usbwire_proto::server_session::{DeviceCall, ServerSession, SessionError};
 use usbwire_transport::{poll_write_outbox, PeerStream};
+
+mod goodbye;
 
 use crate::capture::{Capture, CaptureConfig};
 use crate::cores::park::{Grace, ParkEvent};
@@ -37,9 +39,6 @@ use crate::peer::Peer;
 use crate::registry::{Holder, Lease};
 use crate::resumable::{Handover, Parked, Parking};
 use crate::state::ServerState;
-
-/// How long a shutting-down server tries to deliver a resumable client's last replies and the end.
-const GOODBYE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// How long an unplugged device has to answer the URBs it had in flight
 /// (-ESHUTDOWN) once its export is withdrawn; the channel then ends anyway.
@@ -149,7 +148,7 @@ pub(crate) async fn run(
             }
             () = crate::shutdown::stopped(&mut stop) => {
                 if resumable.is_some() {
-                    channel.say_goodbye(EndReason::DONE).await;
+                    goodbye::linger(channel.say_goodbye(EndReason::DONE).await).await;
                 }
                 return Ok(End::Shutdown);
             }
@@ -171,7 +170,7 @@ pub(crate) async fn run(
         if let Ok(End::Reenumerated { .. }) = &outcome {
             // The replies already collected (the request that made the device
             // switch) reach the client; a resumable one learns why it ends.
-            channel.say_goodbye(EndReason::REENUMERATED).await;
+            tokio::spawn(goodbye::linger(channel.say_goodbye(EndReason::REENUMERATED).await));
             return outcome;
         }
         let (Some(resumable), Some(parking)) = (&resumable, &mut parking) else { return outcome };
@@ -440,26 +439,6 @@ impl Taps<'_> {
 impl Channel<'_> {
     fn taps(&mut self) -> Taps<'_> {
         Taps { meter: self.meter, capture: self.capture, enumeration: self.enumeration }
-    }
-
-    /// The session ends on this side (the server shuts down, the device
-    /// re-enumerated): writes the replies already queued, then tells a
-    /// resumable client there is no session to resume and why, so it does
-    /// not retry for its whole give-up time; then closes.
-    async fn say_goodbye(&mut self, reason: EndReason) {
-        self.session.end_for(reason);
-        let said = tokio::time::timeout(GOODBYE_TIMEOUT, async {
-            while !self.session.outbox().is_empty() {
-                if !std::future::poll_fn(|cx| poll_write_outbox(self.session.outbox(), cx, &mut self.stream)).await? {
-                    break;
-                }
-            }
-            self.stream.shutdown().await
-        })
-        .await;
-        if !matches!(said, Ok(Ok(()))) {
-            debug!("could not tell the client the session ended");
-        }
     }
 
     /// The export was withdrawn. If because the device was unplugged, which

@@ -101,6 +101,27 @@ async fn detach_and_manifestation_end_the_import_as_a_reenumeration_and_reexport
 }
 
 #[tokio::test]
+async fn after_the_end_the_server_reads_on_until_the_client_closes_so_it_never_resets_the_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = scratch("linger");
+    let addr = dfu_server(&dir.join("fw.bin")).await;
+    let mut runtime = resumable(addr).await;
+    detach(&mut runtime).await;
+    let mut stream = runtime.into_stream();
+    // A client that sent on before it read the end: a server that closed
+    // with these unread would reset the connection, and a proxy on the way
+    // would drop the end it still held.
+    let late = vec![0u8; 64 * 1024];
+    stream.write_all(&late).await.expect("the server still reads");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stream.write_all(&late).await.expect("the server still reads 200 ms later: no reset came back");
+    stream.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut rest)).await;
+    assert!(matches!(read, Ok(Ok(0))), "a plain close after the end, no reset: {read:?}");
+}
+
+#[tokio::test]
 async fn a_stock_importer_gets_the_detach_reply_then_an_ordinary_close() {
     let dir = scratch("stock");
     let firmware = dir.join("fw.bin");

@@ -54,6 +54,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> UrbHost<S> {
         self.devid
     }
 
+    /// The stream, once nothing more is to be read as URBs (after the end).
+    pub fn into_stream(self) -> S {
+        self.stream
+    }
+
     /// Sends one control request on ep0 and reads what comes back for it.
     pub async fn control(&mut self, setup: [u8; 8], data: &[u8]) -> Reply {
         self.seqnum += 1;
