@@ -113,6 +113,9 @@ pub struct Accelerator {
     /// to finish before a command that drops them: a read ahead that failed
     /// leaves the device wanting a reset recovery first.
     held: VecDeque<ClientMessage>,
+    /// The message being taken waited in `held`: a READ served then had to
+    /// wait for its reads ahead, as much as one whose data is still coming.
+    taking_held: bool,
     last_kernel_seqnum: u32,
     own_seqnums: u32,
     counters: StorageCounters,
@@ -170,7 +173,10 @@ impl Accelerator {
                 self.held.push_front(message);
                 break;
             }
-            self.take(message, server, kernel)?;
+            self.taking_held = true;
+            let taken = self.take(message, server, kernel);
+            self.taking_held = false;
+            taken?;
             released = true;
         }
         Ok(released)
@@ -317,6 +323,7 @@ impl Accelerator {
             let how = match &served {
                 None => Served::No,
                 Some(Taken::Exact(speculation)) if speculation.results[1].is_none() => Served::Waited,
+                Some(_) if self.taking_held => Served::Waited,
                 Some(_) => Served::Ready,
             };
             self.ahead.observe(read, &cbw, pipes, how);

@@ -399,6 +399,12 @@ impl ReadAhead {
         (cbw, template_length(&cbw), pipes)
     }
 
+    /// Reads ahead allowed now.
+    #[cfg(test)]
+    pub(super) fn window(&self) -> usize {
+        self.window
+    }
+
     pub(super) fn issued(&mut self, speculation: Speculation) {
         self.queue.push_back(speculation);
     }

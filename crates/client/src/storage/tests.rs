@@ -651,6 +651,24 @@ fn reads_of_changing_sizes_are_served_from_slices_of_the_reads_ahead() {
 }
 
 #[test]
+fn a_read_that_waited_for_its_slices_widens_the_window_as_one_that_waited_for_its_read_ahead() {
+    // Sizes that never repeat: every READ is served in slices, after
+    // waiting for the reads ahead that hold it (nothing arrives before the
+    // kernel asks here). The window must grow as the kernel keeps waiting.
+    let image: Vec<u8> = (0..BLOCKS as usize * BLOCK).map(|at| at as u8).collect();
+    let mut rig = Rig::new(true, HashMap::new(), 57, &image);
+    rig.enumerate();
+    let (mut lba, mut widest) = (8u32, 0);
+    for blocks in [8u16, 9, 7, 12, 8, 10, 9, 11, 8, 7, 12, 9, 10, 8, 11, 7] {
+        let outcome = rig.read_write(false, lba, blocks, 0);
+        assert!(matches!(outcome, Outcome::Done { status: 0, residue: 0, .. }), "{outcome:?}");
+        lba += u32::from(blocks);
+        widest = widest.max(rig.accelerator.as_ref().map_or(0, |a| a.ahead.window()));
+    }
+    assert!(widest >= 8, "the window stayed at {widest}");
+}
+
+#[test]
 fn a_read_longer_than_what_is_read_ahead_waits_for_the_rest_instead_of_dropping_it() {
     // READs that grow past what the reads ahead (of the stream's first
     // size) hold: the rest is read ahead for each, nothing is dropped.
