@@ -39,6 +39,7 @@ use crate::peer::Peer;
 use crate::registry::{Holder, Lease};
 use crate::resumable::{Handover, Parked, Parking};
 use crate::state::ServerState;
+use goodbye::{linger, say_goodbye};
 
 /// How long an unplugged device has to answer the URBs it had in flight
 /// (-ESHUTDOWN) once its export is withdrawn; the channel then ends anyway.
@@ -148,7 +149,7 @@ pub(crate) async fn run(
             }
             () = crate::shutdown::stopped(&mut stop) => {
                 if resumable.is_some() {
-                    goodbye::linger(channel.say_goodbye(EndReason::DONE).await).await;
+                    linger(say_goodbye(channel.session, channel.stream, EndReason::DONE).await).await;
                 }
                 return Ok(End::Shutdown);
             }
@@ -168,9 +169,9 @@ pub(crate) async fn run(
         };
         let outcome = followed(outcome, &holder);
         if let Ok(End::Reenumerated { .. }) = &outcome {
-            // The replies already collected (the request that made the device
-            // switch) reach the client; a resumable one learns why it ends.
-            tokio::spawn(goodbye::linger(channel.say_goodbye(EndReason::REENUMERATED).await));
+            // The replies already collected (the request that made the device switch)
+            // reach the client; a resumable one learns why it ends. The bus id is free at once.
+            tokio::spawn(linger(say_goodbye(channel.session, channel.stream, EndReason::REENUMERATED).await));
             return outcome;
         }
         let (Some(resumable), Some(parking)) = (&resumable, &mut parking) else { return outcome };

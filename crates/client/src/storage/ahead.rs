@@ -227,7 +227,8 @@ impl ReadAhead {
     /// kernel's READ `cbw`, when they hold its start but not its end (a READ
     /// longer than theirs): its command block (with a fresh tag), length and
     /// pipes. The kernel's READ then waits for it and is served in slices,
-    /// rather than dropping what was read ahead for it.
+    /// rather than dropping what was read ahead for it. Never more than
+    /// [`BUDGET_BYTES`] at once.
     pub(super) fn complete(&mut self, cbw: &[u8]) -> Option<([u8; 31], u32, Pipes)> {
         let Some(Cover::Short { from, blocks }) = self.cover(cbw) else { return None };
         let stream = self.stream.as_mut()?;
@@ -237,6 +238,10 @@ impl ReadAhead {
             return None;
         }
         let cbw = with_range(&stream.template, stream.blocks, from, blocks)?;
+        if template_length(&cbw) > BUDGET_BYTES {
+            // Larger than a device's reads ahead may hold: the READ goes to the device itself.
+            return None;
+        }
         stream.next_lba = end;
         let pipes = stream.pipes;
         Some(self.tagged(cbw, pipes))

@@ -8,34 +8,31 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tracing::debug;
 use usbwire_proto::resume::EndReason;
+use usbwire_proto::server_session::ServerSession;
 use usbwire_transport::{poll_write_outbox, PeerStream};
-
-use super::Channel;
 
 /// How long a shutting-down server tries to deliver a resumable client's last replies and the end.
 const GOODBYE_TIMEOUT: Duration = Duration::from_secs(1);
 
-impl Channel<'_> {
-    /// The session ends on this side (the server shuts down, the device
-    /// re-enumerated): writes the replies already queued, then tells a
-    /// resumable client there is no session to resume and why, so it does
-    /// not retry for its whole give-up time. Returns the connection, for [`linger`].
-    pub(super) async fn say_goodbye(mut self, reason: EndReason) -> PeerStream {
-        self.session.end_for(reason);
-        let said = tokio::time::timeout(GOODBYE_TIMEOUT, async {
-            while !self.session.outbox().is_empty() {
-                if !std::future::poll_fn(|cx| poll_write_outbox(self.session.outbox(), cx, &mut self.stream)).await? {
-                    break;
-                }
+/// The session ends on this side (the server shuts down, the device
+/// re-enumerated): writes the replies already queued, then tells a resumable
+/// client there is no session to resume and why, so it does not retry for its
+/// whole give-up time. Returns the connection, for [`linger`].
+pub(super) async fn say_goodbye(session: &mut ServerSession, mut stream: PeerStream, reason: EndReason) -> PeerStream {
+    session.end_for(reason);
+    let said = tokio::time::timeout(GOODBYE_TIMEOUT, async {
+        while !session.outbox().is_empty() {
+            if !std::future::poll_fn(|cx| poll_write_outbox(session.outbox(), cx, &mut stream)).await? {
+                break;
             }
-            self.stream.shutdown().await
-        })
-        .await;
-        if !matches!(said, Ok(Ok(()))) {
-            debug!("could not tell the client the session ended");
         }
-        self.stream
+        stream.shutdown().await
+    })
+    .await;
+    if !matches!(said, Ok(Ok(()))) {
+        debug!("could not tell the client the session ended");
     }
+    stream
 }
 
 /// After the end was said: reads and drops what the client still sends
