@@ -429,7 +429,9 @@ impl Urbs {
         let device = wanted(0x0100, 18)
             .and_then(|bytes| DeviceDescriptor::parse(&bytes))
             .ok_or(RecordingError::Missing("device descriptor"))?;
-        let header = wanted(0x0200, 9).ok_or(RecordingError::Missing("configuration descriptor"))?;
+        let header = wanted(0x0200, 9)
+            .filter(|bytes| bytes.len() >= 4)
+            .ok_or(RecordingError::Missing("configuration descriptor"))?;
         let total = u16::from_le_bytes([header[2], header[3]]);
         let configuration = wanted(0x0200, total)
             .filter(|bytes| bytes.len() == usize::from(total) && ConfigurationInfo::parse(bytes).is_some())

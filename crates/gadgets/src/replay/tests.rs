@@ -347,12 +347,21 @@ fn golden_the_smallest_recording() {
             0xff, 0xff, 0xff, 28, 0, 0, 0, 1, 0, 0, 0, 20, 0, 0, 0, 220, 0, 0, 0, 0, 0, 0, 0, 20, 0, 0, 0
         ][..]
     );
-    let device = [18, 1, 0, 2, 0, 0, 0, 64, 0x34, 0x12, 0x78, 0x56, 0, 1, 0, 0, 0, 1];
     let configuration = [9, 2, 9, 0, 0, 1, 0, 0x80, 50];
-    for (id, setup, data) in [
-        (1, [0x80, 6, 0, 1, 0, 0, 0xff, 0xff], &device[..]),
-        (2, [0x80, 6, 0, 2, 0, 0, 0xff, 0xff], &configuration[..]),
-    ] {
+    descriptors_answered(&mut bytes, &configuration);
+    let recording = Recording::parse(Bytes::from(bytes)).unwrap();
+    assert_eq!((recording.device.vendor_id, recording.device.product_id), (0x1234, 0x5678));
+    assert_eq!(recording.speed, Speed::HIGH, "no if_speed: from bcdUSB 2.00");
+    assert_eq!(recording.configuration, configuration);
+    assert_eq!(recording.urbs(), 0);
+}
+
+/// A device descriptor (URB 1) and `configuration` (URB 2) answered.
+fn descriptors_answered(bytes: &mut Vec<u8>, configuration: &[u8]) {
+    let device = [18, 1, 0, 2, 0, 0, 0, 64, 0x34, 0x12, 0x78, 0x56, 0, 1, 0, 0, 0, 1];
+    for (id, setup, data) in
+        [(1, [0x80, 6, 0, 1, 0, 0, 0xff, 0xff], &device[..]), (2, [0x80, 6, 0, 2, 0, 0, 0xff, 0xff], configuration)]
+    {
         let base = Record {
             kind: b'S',
             id,
@@ -364,14 +373,19 @@ fn golden_the_smallest_recording() {
             micros: 5,
             data: &[],
         };
-        base.write(&mut bytes);
-        Record { kind: b'C', setup: None, status: 0, length: data.len() as u32, data, ..base }.write(&mut bytes);
+        base.write(bytes);
+        Record { kind: b'C', setup: None, status: 0, length: data.len() as u32, data, ..base }.write(bytes);
     }
-    let recording = Recording::parse(Bytes::from(bytes)).unwrap();
-    assert_eq!((recording.device.vendor_id, recording.device.product_id), (0x1234, 0x5678));
-    assert_eq!(recording.speed, Speed::HIGH, "no if_speed: from bcdUSB 2.00");
-    assert_eq!(recording.configuration, configuration);
-    assert_eq!(recording.urbs(), 0);
+}
+
+#[test]
+fn a_configuration_answer_too_short_to_hold_its_length_is_refused_by_name() {
+    for short in [&[9u8][..], &[9, 2], &[9, 2, 9]] {
+        let mut bytes = headers();
+        descriptors_answered(&mut bytes, short);
+        let error = Recording::parse(Bytes::from(bytes)).unwrap_err();
+        assert!(error.to_string().contains("no configuration descriptor"), "{short:?}: {error}");
+    }
 }
 
 proptest! {
