@@ -14,7 +14,9 @@
 //! - `4, k, status, hi, lo, fill, csw`: the server answers the `k`-th command outstanding
 //!   there with a status (0 or an error), up to `hi, lo` bytes (`csw`: a CSW-shaped
 //!   13 bytes, with status `fill % 3`);
-//! - `5`: the accelerator releases what waits.
+//! - `5`: the accelerator releases what waits (and sends the scan ahead's commands due);
+//! - `6`: the kernel asks for the LUNs (GET_MAX_LUN): a scan ahead follows its answer;
+//! - `7, t`: `t` tenths of a second pass (the scan ahead's answers age).
 //!
 //! Invariants: no panic; every reply to the kernel answers one of its URBs still
 //! unanswered (a RET_SUBMIT its URB, a RET_UNLINK its unlink), once, never with more
@@ -23,6 +25,7 @@
 //! more than its budget of reads ahead.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use usbwire_client::fuzzing::Accelerator;
@@ -56,6 +59,8 @@ struct Harness {
     server: Vec<(u32, Direction, u32, Option<u32>)>,
     /// The direction of the last command block's data.
     data_in: bool,
+    /// The virtual clock.
+    now: Instant,
 }
 
 impl Harness {
@@ -72,15 +77,18 @@ impl Harness {
         let (kernel, server) = (&mut self.kernel, &mut self.server);
         let result = self
             .accelerator
-            .kernel_sent(message, &mut |message| to_server(server, message), &mut |reply| to_kernel(kernel, reply));
+            .kernel_sent(message, self.now, &mut |message| to_server(server, message), &mut |reply| {
+                to_kernel(kernel, reply)
+            });
         result.unwrap_or_else(|()| unreachable!());
         assert!(self.server.len() <= MOST_OUTSTANDING, "reads ahead past their budget: {}", self.server.len());
     }
 
     fn release(&mut self) {
         let (kernel, server) = (&mut self.kernel, &mut self.server);
-        let result =
-            self.accelerator.release(&mut |message| to_server(server, message), &mut |reply| to_kernel(kernel, reply));
+        let result = self.accelerator.release(self.now, &mut |message| to_server(server, message), &mut |reply| {
+            to_kernel(kernel, reply)
+        });
         result.unwrap_or_else(|()| unreachable!());
     }
 
@@ -187,12 +195,13 @@ pub fn storage_accelerator(data: &[u8]) {
         kernel: HashMap::new(),
         server: Vec::new(),
         data_in: true,
+        now: Instant::now(),
     };
     enumerate(&mut harness);
     let mut bytes = data.iter().copied();
     let mut next = || bytes.next();
     while let Some(op) = next() {
-        match op % 6 {
+        match op % 8 {
             0 => {
                 let (Some(opcode), Some(lba), Some(blocks), Some(dir), Some(lun)) =
                     (next(), next(), next(), next(), next())
@@ -207,7 +216,8 @@ pub fn storage_accelerator(data: &[u8]) {
                 cbw[8..12].copy_from_slice(&(u32::from(blocks) * 512).to_le_bytes());
                 cbw[12] = if harness.data_in { 0x80 } else { 0 };
                 cbw[13] = lun & 0x0f;
-                cbw[14] = 10;
+                // Six-byte commands as the SCSI scan sends them (the scan ahead matches whole blocks).
+                cbw[14] = if matches!(opcode, 0x00 | 0x03 | 0x12 | 0x1a) { 6 } else { 10 };
                 cbw[15] = opcode;
                 cbw[17..21].copy_from_slice(&u32::from(lba).to_be_bytes());
                 cbw[22..24].copy_from_slice(&u16::from(blocks).to_be_bytes());
@@ -252,7 +262,12 @@ pub fn storage_accelerator(data: &[u8]) {
                 let length = u32::from(u16::from_be_bytes([hi, lo]));
                 harness.answer(usize::from(k), status, length, fill, csw & 1 == 1);
             }
-            _ => harness.release(),
+            5 => harness.release(),
+            6 => harness.submit(0, Direction::In, [0xa1, 0xfe, 0, 0, 0, 0, 1, 0], 1, Bytes::new()),
+            _ => {
+                let Some(tenths) = next() else { break };
+                harness.now += Duration::from_millis(100 * u64::from(tenths));
+            }
         }
     }
     // The server answers everything left: then every URB of the kernel has its answer.

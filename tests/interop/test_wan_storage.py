@@ -424,7 +424,9 @@ def port_metrics(checks, text):
     lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     checks.check("promtool check metrics accepts `usbwire port --prometheus`", lint.returncode == 0,
                  lint.stdout + lint.stderr + text[-1500:])
-    for metric in ("usbwire_port_storage_commands_pipelined_total", "usbwire_port_storage_read_ahead_hits_total"):
+    # The scan ahead answered the kernel's scan of the new disk (INQUIRY, READ CAPACITY, …).
+    for metric in ("usbwire_port_storage_commands_pipelined_total", "usbwire_port_storage_read_ahead_hits_total",
+                   "usbwire_port_storage_scan_ahead_hits_total"):
         sample = re.search(rf"^{metric}{{port=\"\d+\",server=\"10\.0\.2\.2:\d+\",busid=\"[^\"]+\"}} (\d+)$", text, re.M)
         checks.check(f"`usbwire port --prometheus` has the accelerated disk's {metric} > 0",
                      sample is not None and int(sample.group(1)) > 0, text[-1500:] or "nothing printed")

@@ -9,6 +9,7 @@
 //! relay's I/O.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use bytes::Bytes;
 use usbwire_proto::client_session::Event;
@@ -34,11 +35,12 @@ impl Accelerators {
         (storage.is_some() || enumeration.is_some()).then_some(Self { enumeration, storage })
     }
 
-    /// A command from the host: `server` takes what goes on, `host` what is
-    /// answered here.
+    /// A command from the host at `now`: `server` takes what goes on, `host`
+    /// what is answered here.
     pub(crate) fn host_sent<E>(
         &mut self,
         message: ClientMessage,
+        now: Instant,
         server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
         host: &mut impl FnMut(ServerMessage),
     ) -> Result<(), E> {
@@ -50,7 +52,7 @@ impl Accelerators {
             None => message,
         };
         match &mut self.storage {
-            Some(storage) => storage.kernel_sent(message, server, host),
+            Some(storage) => storage.kernel_sent(message, now, server, host),
             None => server(message),
         }
     }
@@ -69,14 +71,16 @@ impl Accelerators {
     }
 
     /// Sends on the host's commands that waited for reads ahead to come
-    /// back; says whether any went. Call it after replies were delivered.
+    /// back (and the storage accelerator's own that are due); says whether
+    /// any of the host's went. Call it after replies were delivered, with the time.
     pub(crate) fn release<E>(
         &mut self,
+        now: Instant,
         server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
         host: &mut impl FnMut(ServerMessage),
     ) -> Result<bool, E> {
         match &mut self.storage {
-            Some(storage) => storage.release(server, host),
+            Some(storage) => storage.release(now, server, host),
             None => Ok(false),
         }
     }
@@ -100,6 +104,7 @@ impl Accelerators {
                 read_ahead_hits = counters.read_ahead_hits,
                 bytes_read_ahead = counters.bytes_read_ahead,
                 bytes_wasted = counters.bytes_wasted,
+                scan_hits = counters.scan_hits,
                 "mass storage accelerated"
             );
         }
@@ -130,6 +135,7 @@ impl<W> Routed<W> {
         &mut self,
         message: ClientMessage,
         waiter: Option<W>,
+        now: Instant,
         server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
         deliver: &mut impl FnMut(W, RetSubmit),
     ) -> Result<(), E> {
@@ -143,7 +149,7 @@ impl<W> Routed<W> {
             (ClientMessage::Submit(_), None) => {}
         }
         let Self { accelerators, waiters, unlinks } = self;
-        accelerators.host_sent(message, server, &mut |reply| route(waiters, unlinks, deliver, reply))
+        accelerators.host_sent(message, now, server, &mut |reply| route(waiters, unlinks, deliver, reply))
     }
 
     /// A reply from the server; the session's tags are not used.
@@ -161,11 +167,12 @@ impl<W> Routed<W> {
     /// [`Accelerators::release`], replies routed.
     pub(crate) fn release<E>(
         &mut self,
+        now: Instant,
         server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
         deliver: &mut impl FnMut(W, RetSubmit),
     ) -> Result<bool, E> {
         let Self { accelerators, waiters, unlinks } = self;
-        accelerators.release(server, &mut |reply| route(waiters, unlinks, deliver, reply))
+        accelerators.release(now, server, &mut |reply| route(waiters, unlinks, deliver, reply))
     }
 
     pub(crate) fn accelerators(&self) -> &Accelerators {
@@ -247,6 +254,7 @@ mod tests {
             .caller_sent(
                 message,
                 waiter,
+                Instant::now(),
                 &mut |message| {
                     sent.push(message);
                     Ok::<(), ()>(())

@@ -117,8 +117,10 @@ impl<K: AsyncRead + AsyncWrite + Unpin> Front for KernelFront<K> {
         if let Some(accelerators) = &mut self.accelerators {
             // Commands that waited for the reads ahead in flight.
             let kernel_out = &mut self.kernel_out;
-            released = accelerators
-                .release(&mut |message| to_server(session, message), &mut |reply| push_reply(kernel_out, reply))?;
+            released =
+                accelerators.release(Instant::now(), &mut |message| to_server(session, message), &mut |reply| {
+                    push_reply(kernel_out, reply)
+                })?;
         }
         // Whole commands left over from a read the session's budget cut short come first.
         let before = session.outstanding();
@@ -178,9 +180,12 @@ impl<K: AsyncRead + AsyncWrite + Unpin> KernelFront<K> {
             match &mut self.accelerators {
                 Some(accelerators) => {
                     let kernel_out = &mut self.kernel_out;
-                    accelerators.host_sent(message, &mut |message| to_server(session, message), &mut |reply| {
-                        push_reply(kernel_out, reply)
-                    })?
+                    accelerators.host_sent(
+                        message,
+                        Instant::now(),
+                        &mut |message| to_server(session, message),
+                        &mut |reply| push_reply(kernel_out, reply),
+                    )?
                 }
                 None => to_server(session, message)?,
             }

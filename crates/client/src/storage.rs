@@ -39,23 +39,26 @@
 mod ahead;
 mod command;
 mod pipes;
+mod replies;
+mod scan;
 mod sending;
 mod unlinks;
 mod wrappers;
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Instant;
 
 use bytes::Bytes;
-use usbwire_proto::client_session::Event;
 use usbwire_proto::descriptors::Snapshot;
 use usbwire_proto::storage::{AFTER_SUCCESS, STAGE};
-use usbwire_proto::urb::{ClientMessage, CmdSubmit, RetSubmit, ServerMessage, TransferFlags};
+use usbwire_proto::urb::{ClientMessage, CmdSubmit, ServerMessage, TransferFlags};
 use usbwire_proto::{Direction, Status};
 
 use ahead::{ReadAhead, Served, Speculation, Taken};
 use command::{command_is_sent_whole, Ahead, Claim, Command};
 use pipes::{Interfaces, Pipes};
-use wrappers::{answer, answer_to, command_block, done, retag, tag_of, CommandBlock, CBW_LEN, CSW_LEN};
+use scan::ScanAhead;
+use wrappers::{answer, command_block, done, short_as_asked, tag_of, CommandBlock, CBW_LEN, CSW_LEN};
 
 /// How far from the kernel's seqnums ours are: vhci numbers its URBs one by
 /// one, so it reaches these only 2^31 URBs later; ours count up from there as
@@ -83,6 +86,8 @@ pub struct StorageCounters {
     pub bytes_read_ahead: u64,
     /// Bytes read ahead and dropped (a write, a seek, an error).
     pub bytes_wasted: u64,
+    /// Commands of the kernel's scan of a new disk answered from the scan ahead.
+    pub scan_hits: u64,
 }
 
 #[derive(Debug, Default)]
@@ -91,6 +96,9 @@ pub struct Accelerator {
     interfaces: Interfaces,
     command: Option<Command>,
     ahead: ReadAhead,
+    scan: ScanAhead,
+    /// The time the kernel's latest command (or the latest release) came.
+    now: Option<Instant>,
     /// Our own URBs (and unlinks) whose replies nobody waits for any more.
     ignored: HashSet<u32>,
     /// The kernel's latest URBs answered here as they came: an unlink of one
@@ -137,14 +145,16 @@ impl Accelerator {
         self.counters
     }
 
-    /// A command from the kernel: `server` takes what goes on, `kernel` what
-    /// is answered here.
+    /// A command from the kernel at `now`: `server` takes what goes on,
+    /// `kernel` what is answered here.
     pub fn kernel_sent<E>(
         &mut self,
         message: ClientMessage,
+        now: Instant,
         server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
         kernel: &mut impl FnMut(ServerMessage),
     ) -> Result<(), E> {
+        self.now = Some(now);
         if self.cancel_held(&message, kernel) {
             return Ok(());
         }
@@ -158,14 +168,18 @@ impl Accelerator {
         self.take(message, server, kernel)
     }
 
-    /// Sends on the kernel's messages that waited, once the reads ahead they
-    /// waited for are all back. Says whether it sent any. Call it after
-    /// replies were delivered.
+    /// Sends the scan ahead's commands when they are due, and the kernel's
+    /// messages that waited, once the reads ahead they waited for are all
+    /// back. Says whether it sent any of the kernel's. Call it after replies
+    /// were delivered, with the time.
     pub fn release<E>(
         &mut self,
+        now: Instant,
         server: &mut impl FnMut(ClientMessage) -> Result<(), E>,
         kernel: &mut impl FnMut(ServerMessage),
     ) -> Result<bool, E> {
+        self.now = Some(now);
+        self.scan_ahead(server)?;
         let mut released = false;
         while let Some(message) = self.held.pop_front() {
             self.complete_reads_ahead(&message, server)?;
@@ -189,11 +203,17 @@ impl Accelerator {
     /// recovered).
     fn waits(&self, message: &ClientMessage) -> bool {
         let ClientMessage::Submit(submit) = message else { return false };
-        if !self.ahead.in_flight() {
+        if !self.ahead.in_flight() && !self.scan.in_flight() {
             return false;
         }
+        if submit.ep == 0 {
+            // A new probe ends the scan ahead: once what it sent is known.
+            return scan::is_get_max_lun(submit) && self.scan.in_flight();
+        }
         let Some(pipes) = self.interfaces.pipes_of(submit) else { return false };
-        command_block(submit, pipes).is_some() && !self.ahead.serves(&submit.data)
+        command_block(submit, pipes).is_some()
+            && !self.ahead.serves(&submit.data)
+            && !self.scan.serves(&submit.data, self.now)
     }
 
     fn take<E>(
@@ -232,19 +252,19 @@ impl Accelerator {
         self.last_kernel_seqnum = submit.seqnum;
         if submit.ep == 0 {
             self.interfaces.watch(&submit);
+            if scan::is_get_max_lun(&submit) {
+                // usb-storage probes the interface: its scan follows.
+                self.drop_scan();
+                self.scan.asked(&submit, &self.interfaces);
+            }
             return server(ClientMessage::Submit(submit));
         }
         let Some(pipes) = self.interfaces.pipes_of(&submit) else { return server(ClientMessage::Submit(submit)) };
         submit.transfer_flags.0 |= STAGE;
         if let Some(block) = command_block(&submit, pipes) {
-            if !ahead::is_read_only(submit.data[15]) {
-                self.drop_reads_ahead();
-            } else if !self.ahead.serves(&submit.data) && (ahead::read(&submit.data).is_some() || self.ahead.failed()) {
-                // A seek (the stream may start again from here), or a read
-                // ahead failed and the device wants recovering first.
-                let (wasted, failed) = self.ahead.drop_all(&mut self.ignored);
-                self.counters.bytes_wasted += wasted;
-                self.recover |= failed;
+            // A command the scan ahead answers never reaches the device: the reads ahead stay as they are.
+            if !self.scan.serves(&submit.data, self.now) {
+                self.before_device_command(&submit.data);
             }
             self.recover(pipes, server)?;
             return self.command_block(submit, block, pipes, server, kernel);
@@ -256,7 +276,9 @@ impl Accelerator {
                 if let Some(data) = &mut command.data_ahead {
                     // Served from a read ahead: the kernel's data URB never goes out.
                     match data.result.take() {
-                        Some(result) => kernel(ServerMessage::Submit(answer(result, &submit, None))),
+                        Some(result) => {
+                            kernel(ServerMessage::Submit(answer(short_as_asked(result, &submit), &submit, None)))
+                        }
                         None => data.claimed = Some((submit.seqnum, submit.transfer_buffer_length)),
                     }
                     self.command = Some(command);
@@ -318,8 +340,10 @@ impl Accelerator {
             status: None,
             void: false,
         };
-        let served = read.and_then(|_| self.ahead.take(&cbw));
-        if let Some(read) = read {
+        let scanned = self.scan.take(&cbw, self.now);
+        let from_scan = scanned.is_some();
+        let served = scanned.map(Taken::Exact).or_else(|| read.and_then(|_| self.ahead.take(&cbw)));
+        if let Some(read) = read.filter(|_| !from_scan) {
             let how = match &served {
                 None => Served::No,
                 Some(Taken::Exact(speculation)) if speculation.results[1].is_none() => Served::Waited,
@@ -338,14 +362,21 @@ impl Accelerator {
                 self.command = Some(command);
             }
             Some(Taken::Exact(speculation)) => {
-                self.counters.read_ahead_hits += 1;
-                self.counters.bytes_read_ahead += u64::from(speculation.length);
-                let Speculation { seqnums, results: [block, data, status], .. } = speculation;
+                if from_scan {
+                    self.counters.scan_hits += 1;
+                } else {
+                    self.counters.read_ahead_hits += 1;
+                    self.counters.bytes_read_ahead += u64::from(speculation.length);
+                }
+                let Speculation { seqnums, results: [block, data, status], length, .. } = speculation;
+                if let (true, Some(data)) = (matches!(cbw[15], READ_CAPACITY_10 | SERVICE_ACTION_IN_16), &data) {
+                    self.ahead.learn_capacity(&cbw, &data.data);
+                }
                 if block.is_none() {
                     // Its failure, if it fails, shows on the data stage, skipped.
                     self.ignored.insert(seqnums[0]);
                 }
-                command.data_ahead = Some(Ahead { seqnum: seqnums[1], result: data, claimed: None });
+                command.data_ahead = (length > 0).then_some(Ahead { seqnum: seqnums[1], result: data, claimed: None });
                 command.void =
                     command.data_ahead.as_ref().and_then(|d| d.result.as_ref()).is_some_and(|d| d.status != Status::OK);
                 command.status = Some(Ahead { seqnum: seqnums[2], result: status, claimed: None });
@@ -363,10 +394,30 @@ impl Accelerator {
                 }
             }
         }
-        if command_is_sent_whole(&self.command) {
+        if command_is_sent_whole(&self.command) && !from_scan {
             self.read_ahead(server)?;
         }
         Ok(())
+    }
+
+    /// What a command block `cbw` the device will run ends first: anything
+    /// that could change the medium, every read ahead and the scan ahead; a
+    /// read-only command off the scan's script, the scan ahead; a READ the
+    /// reads ahead do not serve (a seek), or any command after a read ahead
+    /// failed (the device wants recovering first), the reads ahead.
+    fn before_device_command(&mut self, cbw: &[u8]) {
+        let opcode = cbw[15];
+        if !ahead::keeps_medium(opcode) {
+            return self.drop_reads_ahead();
+        }
+        if ahead::is_read_only(opcode) || self.scan.failed() {
+            self.drop_scan();
+        }
+        if !self.ahead.serves(cbw) && (ahead::read(cbw).is_some() || self.ahead.failed()) {
+            let (wasted, failed) = self.ahead.drop_all(&mut self.ignored);
+            self.counters.bytes_wasted += wasted;
+            self.recover |= failed;
+        }
     }
 
     /// The kernel reads the CSW: answered from the read sent ahead when it
@@ -427,114 +478,22 @@ impl Accelerator {
         seqnum
     }
 
-    /// A reply from the server, as the session decoded it.
-    pub fn server_sent(&mut self, event: Event<()>, kernel: &mut impl FnMut(ServerMessage)) {
-        match event {
-            Event::Completed { reply, .. } => self.completed(reply, kernel),
-            Event::Unlinked { reply, cancelled, .. } => {
-                if self.ignored.remove(&reply.seqnum) {
-                    return;
-                }
-                if let (Some((target, ())), Some(command)) = (cancelled, &mut self.command) {
-                    if command.data_seqnums.contains(&target) {
-                        command.void = true;
-                    }
-                }
-                kernel(ServerMessage::Unlink(reply));
-            }
-        }
-    }
-
-    fn completed(&mut self, mut reply: RetSubmit, kernel: &mut impl FnMut(ServerMessage)) {
-        // A reply to a URB of the kernel's goes to it; one to ours only as an answer.
-        let ours = self.own.remove(&reply.seqnum);
-        if self.ignored.remove(&reply.seqnum) {
-            return;
-        }
-        if let Some(claim) = self.answers.remove(&reply.seqnum) {
-            return kernel(ServerMessage::Submit(answer_to(reply, claim.seqnum, claim.length, claim.tag)));
-        }
-        if self.interfaces.learn(&reply) {
-            // A configuration was set: the device starts afresh.
-            self.abandon();
-            self.drop_reads_ahead();
-        }
-        if let Some((seqnum, tag)) = self.retag {
-            if seqnum == reply.seqnum {
-                self.retag = None;
-                retag(&mut reply, tag);
-                return kernel(ServerMessage::Submit(reply));
-            }
-        }
-        let reply = match self.ahead.store(reply) {
-            Ok(()) => return,
-            Err(reply) => reply,
-        };
-        let Some(command) = self.command.as_mut() else {
-            if !ours {
-                kernel(ServerMessage::Submit(reply));
-            }
-            return;
-        };
-        if reply.seqnum == command.cbw_seqnum && !command.cbw_replied {
-            // Answered when it was sent; a failure shows on the stage after it.
-            command.cbw_replied = true;
-            return;
-        }
-        if command.data_seqnums.contains(&reply.seqnum) {
-            if reply.status != Status::OK {
-                command.void = true;
-            } else if matches!(command.cbw[15], READ_CAPACITY_10 | SERVICE_ACTION_IN_16) {
-                self.ahead.learn_capacity(&command.cbw, &reply.data);
-            }
-            return kernel(ServerMessage::Submit(reply));
-        }
-        if let Some(data) = command.data_ahead.as_mut().filter(|data| data.seqnum == reply.seqnum) {
-            if reply.status != Status::OK {
-                command.void = true;
-            }
-            match data.claimed.take() {
-                Some((claimer, length)) => kernel(ServerMessage::Submit(answer_to(reply, claimer, length, None))),
-                None => data.result = Some(reply),
-            }
-            return;
-        }
-        let tag = tag_of(&command.cbw);
-        let Some(status) = command.status.as_mut().filter(|status| status.seqnum == reply.seqnum) else {
-            if !ours {
-                kernel(ServerMessage::Submit(reply));
-            }
-            return;
-        };
-        if let (true, None) = (command.void, status.claimed) {
-            self.counters.statuses_wasted += 1;
-            status.result = Some(reply);
-        } else if let Some((claimer, length)) = status.claimed.take() {
-            self.counters.statuses_ahead += 1;
-            if let Some(command) = self.command.take() {
-                self.finished(&command);
-            }
-            self.after_status(&reply);
-            kernel(ServerMessage::Submit(answer_to(reply, claimer, length, Some(tag))));
-        } else {
-            status.result = Some(reply);
-        }
-    }
-
-    /// A command's CSW reached the kernel: after a failed command the reads
-    /// ahead behind it were skipped on the server.
-    fn after_status(&mut self, csw: &RetSubmit) {
-        if csw.status != Status::OK || csw.data.get(12).is_some_and(|&status| status != 0) {
-            self.drop_reads_ahead();
-        }
-    }
-
-    /// Drops every read ahead and the stream they followed.
+    /// Drops every read ahead and the stream they followed, and ends the scan ahead.
     fn drop_reads_ahead(&mut self) {
         let (wasted, failed) = self.ahead.drop_all(&mut self.ignored);
         self.ahead.forget_stream();
         self.counters.bytes_wasted += wasted;
         self.recover |= failed;
+        self.drop_scan();
+    }
+
+    /// Ends the scan ahead.
+    fn drop_scan(&mut self) {
+        if self.scan.is_on() {
+            let (wasted, failed) = self.scan.drop_all(&mut self.ignored);
+            self.counters.bytes_wasted += wasted;
+            self.recover |= failed;
+        }
     }
 
     /// After a read ahead that failed and was never served: the reset

@@ -33,6 +33,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
+use std::time::Instant;
 
 use bytes::Bytes;
 use tokio::sync::oneshot;
@@ -163,9 +164,13 @@ impl Callers {
                     Request::Unlink(unlink) => (ClientMessage::Unlink(unlink), None),
                 };
                 let (deliveries, queues, futures) = (&mut self.deliveries, &self.queues, &mut self.answered_futures);
-                routed.caller_sent(message, waiter, &mut |message| to_session(session, message), &mut |waiter, ret| {
-                    *futures |= waiter.deliver(ret, deliveries, queues)
-                })
+                routed.caller_sent(
+                    message,
+                    waiter,
+                    Instant::now(),
+                    &mut |message| to_session(session, message),
+                    &mut |waiter, ret| *futures |= waiter.deliver(ret, deliveries, queues),
+                )
             }
         };
         if let Err(error) = submitted {
@@ -463,9 +468,10 @@ impl Front for Callers {
         if let (true, Some(routed)) = (room, &mut self.routed) {
             // The callers' commands that waited for reads ahead now back.
             let (deliveries, queues, futures) = (&mut self.deliveries, &self.queues, &mut self.answered_futures);
-            let released = routed.release(&mut |message| to_session(session, message), &mut |waiter, ret| {
-                *futures |= waiter.deliver(ret, deliveries, queues)
-            });
+            let released =
+                routed.release(Instant::now(), &mut |message| to_session(session, message), &mut |waiter, ret| {
+                    *futures |= waiter.deliver(ret, deliveries, queues)
+                });
             match released {
                 Ok(released) => admitted |= released,
                 Err(error) => return Err(error.into()),

@@ -286,7 +286,7 @@ impl MassStorage {
             self.fail_waiting_in();
             return;
         };
-        trace!(tag = cbw.tag, opcode = cbw.cdb.first(), len = cbw.data_length, "CBW");
+        trace!(tag = cbw.tag, cdb = ?cbw.cdb, flags = raw[12], len = cbw.data_length, "CBW");
         let outcome = if cbw.lun != 0 { self.disk.no_such_lun() } else { self.disk.execute(&cbw.cdb) };
         let expected = cbw.data_length;
         self.phase = if expected == 0 {

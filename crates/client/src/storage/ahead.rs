@@ -97,6 +97,13 @@ impl Speculation {
         Self { cbw, length, seqnums, results: Default::default(), served_blocks: 0 }
     }
 
+    /// A command without a data stage: two URBs, the command block's and
+    /// the CSW's; its data stage counts as passed, empty.
+    pub(super) fn without_data(cbw: [u8; 31], [block, status]: [u32; 2]) -> Self {
+        let no_data = RetSubmit::new(block, Status::OK, Bytes::new());
+        Self { cbw, length: 0, seqnums: [block, block, status], results: [None, Some(no_data), None], served_blocks: 0 }
+    }
+
     /// Its blocks not yet served, from the first: (LUN, LBA, blocks, block length).
     fn unserved(&self) -> Option<(u8, u64, u32, u32)> {
         let range = read(&self.cbw)?;
@@ -134,7 +141,7 @@ impl Speculation {
 
     /// Whether a stage of it failed on the device (not merely skipped),
     /// leaving it halted or owing a status.
-    fn failed(&self) -> bool {
+    pub(super) fn failed(&self) -> bool {
         self.results.iter().flatten().any(|reply| ![Status::OK, storage::SKIPPED].contains(&reply.status))
     }
 
@@ -414,15 +421,9 @@ impl ReadAhead {
         self.queue.push_back(speculation);
     }
 
-    /// Keeps a reply to one of the reads ahead; `false` if it is not one of theirs.
+    /// Keeps a reply to one of the reads ahead; `Err` if it is not one of theirs.
     pub(super) fn store(&mut self, reply: RetSubmit) -> Result<(), RetSubmit> {
-        for speculation in &mut self.queue {
-            if let Some(at) = speculation.seqnums.iter().position(|&seqnum| seqnum == reply.seqnum) {
-                speculation.results[at] = Some(reply);
-                return Ok(());
-            }
-        }
-        Err(reply)
+        store_reply(&mut self.queue, reply)
     }
 
     /// Drops every read ahead: replies still to come go to `ignored`. Returns
@@ -462,6 +463,20 @@ impl ReadAhead {
         };
         self.last_lba[lun] = Some(last);
     }
+}
+
+/// Keeps a reply to one of `speculations`' URBs with it; `Err` if it is none of theirs.
+pub(super) fn store_reply<'a>(
+    speculations: impl IntoIterator<Item = &'a mut Speculation>,
+    reply: RetSubmit,
+) -> Result<(), RetSubmit> {
+    for speculation in speculations {
+        if let Some(at) = speculation.seqnums.iter().position(|&seqnum| seqnum == reply.seqnum) {
+            speculation.results[at] = Some(reply);
+            return Ok(());
+        }
+    }
+    Err(reply)
 }
 
 /// The READ a command block asks for: READ(10) or READ(16), data in.
@@ -510,7 +525,15 @@ fn with_range(template: &[u8; 31], template_blocks: u32, lba: u64, blocks: u32) 
 }
 
 /// Whether a SCSI command leaves the medium and everything read ahead as it
-/// was. Anything else drops the reads ahead before it is sent.
+/// was, though it reads nothing: PREVENT ALLOW MEDIUM REMOVAL locks or
+/// unlocks the medium where it is (Linux sends it around a partition scan).
+pub(super) fn keeps_medium(opcode: u8) -> bool {
+    is_read_only(opcode) || opcode == 0x1e
+}
+
+/// Whether a SCSI command only reads: it leaves the medium and everything
+/// read ahead as it was. Anything else that does not [`keeps_medium`] drops
+/// the reads ahead before it is sent.
 pub(super) fn is_read_only(opcode: u8) -> bool {
     matches!(
         opcode,

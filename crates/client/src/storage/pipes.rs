@@ -74,6 +74,11 @@ impl Interfaces {
         })
     }
 
+    /// The pipes of the active configuration's Bulk-Only interface `number`.
+    pub(super) fn active_interface(&self, number: u8) -> Option<Pipes> {
+        self.active.iter().copied().find(|pipes| pipes.interface == number)
+    }
+
     /// Notes a control request whose reply says something of the pipes.
     pub(super) fn watch(&mut self, submit: &CmdSubmit) {
         let [request_type, request, value_low, value_high, ..] = submit.setup;

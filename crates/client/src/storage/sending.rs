@@ -1,14 +1,14 @@
-//! The accelerator's reads ahead going out: those the window allows behind
-//! a command, and the one that completes a READ longer than what was read
-//! ahead for it. Not for what is read ahead (`ahead`) nor for serving them
-//! (`storage`).
+//! The accelerator's own commands going out: the reads ahead the window
+//! allows behind a command, the one that completes a READ longer than what
+//! was read ahead for it, and the scan ahead's. Not for what is read or
+//! scanned ahead (`ahead`, `scan`) nor for serving them (`storage`).
 
 use usbwire_proto::urb::ClientMessage;
 
 use super::ahead::Speculation;
 use super::command::command_is_sent_whole;
 use super::pipes::Pipes;
-use super::wrappers::{self, command_block};
+use super::wrappers::{self, command_block, command_stages};
 use super::Accelerator;
 
 impl Accelerator {
@@ -32,6 +32,30 @@ impl Accelerator {
             server(ClientMessage::Submit(stage))?;
         }
         self.ahead.issued(Speculation::new(cbw, length, seqnums));
+        Ok(())
+    }
+
+    /// Sends the scan ahead's commands that are due, between the kernel's commands.
+    pub(super) fn scan_ahead<E>(&mut self, server: &mut impl FnMut(ClientMessage) -> Result<(), E>) -> Result<(), E> {
+        let Some(now) = self.now else { return Ok(()) };
+        if !command_is_sent_whole(&self.command) {
+            return Ok(());
+        }
+        let Some((pipes, commands)) = self.scan.due(now) else { return Ok(()) };
+        self.recover(pipes, server)?;
+        for cbw in commands {
+            let length = u32::from_le_bytes([cbw[8], cbw[9], cbw[10], cbw[11]]);
+            let block = self.own_seqnum();
+            let data = if length > 0 { self.own_seqnum() } else { block };
+            let seqnums = [block, data, self.own_seqnum()];
+            for stage in command_stages(seqnums, self.devid, pipes, &cbw, length) {
+                server(ClientMessage::Submit(stage))?;
+            }
+            self.scan.issued(match length {
+                0 => Speculation::without_data(cbw, [block, seqnums[2]]),
+                _ => Speculation::new(cbw, length, seqnums),
+            });
+        }
         Ok(())
     }
 

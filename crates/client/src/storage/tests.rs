@@ -9,6 +9,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
@@ -25,6 +26,8 @@ const DEVID: u32 = 0x0001_0002;
 const BLOCKS: u32 = 512;
 const BLOCK: usize = BLOCK_SIZE as usize;
 const BLOCK_BYTES: u32 = BLOCK_SIZE as u32;
+/// usb-storage's GET_MAX_LUN to interface 0.
+const GET_MAX_LUN: [u8; 8] = [0xa1, 0xfe, 0, 0, 0, 0, 1, 0];
 
 /// A fault the disk shows on one command.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,6 +73,12 @@ enum Op {
     TestUnitReady,
     /// A READ(10) whose end is past the disk's: CHECK CONDITION.
     ReadPastEnd,
+    /// usb-storage probes the interface again (GET_MAX_LUN): a scan ahead starts.
+    Probe,
+    /// The commands Linux sends a disk that just appeared, in its order.
+    Scan,
+    /// Six seconds with nothing sent.
+    Idle,
 }
 
 /// What the kernel makes of one command.
@@ -212,6 +221,9 @@ struct Rig {
     seqnum: u32,
     tag: u32,
     schedule: Schedule,
+    /// The virtual clock: a microsecond a step, from `start`.
+    start: Instant,
+    ticks: u64,
     _image: tempfile::TempDir,
 }
 
@@ -254,12 +266,15 @@ impl Rig {
             seqnum: 0,
             tag: 0,
             schedule: Schedule(seed | 1),
+            start: Instant::now(),
+            ticks: 0,
             _image: dir,
         }
     }
 
     /// One move of one part, chosen by the schedule; bytes cross the link in random pieces.
     fn step(&mut self) {
+        self.ticks += 1;
         match self.schedule.next(5) {
             0 => drain(self.client.outbox(), &mut self.up),
             1 => {
@@ -311,8 +326,10 @@ impl Rig {
                     .expect("the client takes the server's bytes");
                 if let Some(accelerator) = &mut self.accelerator {
                     let (client, replies) = (&mut self.client, &mut self.replies);
+                    let now = self.start + Duration::from_micros(self.ticks);
                     accelerator
                         .release(
+                            now,
                             &mut |message| {
                                 to_server(client, message);
                                 Ok::<_, ()>(())
@@ -341,10 +358,12 @@ impl Rig {
         let submit = CmdSubmit::new(seqnum, DEVID, direction, ep, length, setup, data);
         let message = ClientMessage::Submit(submit);
         let (client, replies) = (&mut self.client, &mut self.replies);
+        let now = self.start + Duration::from_micros(self.ticks);
         match &mut self.accelerator {
             Some(accelerator) => accelerator
                 .kernel_sent(
                     message,
+                    now,
                     &mut |message| {
                         to_server(client, message);
                         Ok::<_, ()>(())
@@ -379,9 +398,41 @@ impl Rig {
         let [low, high] = total.to_le_bytes();
         assert_eq!(self.control([0x80, 6, 0, 2, 0, 0, low, high]).status, Status::OK);
         assert_eq!(self.control([0x00, 9, 1, 0, 0, 0, 0, 0]).status, Status::OK);
+        assert_eq!(self.control(GET_MAX_LUN).status, Status::OK);
         // As usb-storage and the SCSI disk driver do before any READ.
         let capacity = self.command(&[0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0], Some(8), None);
         assert!(matches!(capacity, Outcome::Done { status: 0, .. }), "{capacity:?}");
+    }
+
+    /// Linux's scan of a new disk, as usb-storage sent it to a 64 MiB disk:
+    /// each command's outcome, and the READs' ranges (LBA, blocks).
+    fn scan(&mut self) -> Vec<(Outcome, Option<(u32, u16)>)> {
+        let inquiry = (&[0x12, 0, 0, 0, 36, 0][..], 36);
+        let ready = (&[0u8; 6][..], 0);
+        let capacity = (&[0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0][..], 8);
+        let sense = (&[0x1a, 0, 0x3f, 0, 192, 0][..], 192);
+        let zero = (&[0x28, 0, 0, 0, 0, 0, 0, 0, 1, 0][..], BLOCK_BYTES);
+        let revalidate = [ready, capacity, zero, sense, sense];
+        let mut script = vec![inquiry];
+        script.extend(revalidate);
+        script.push(ready);
+        script.extend(revalidate);
+        script.push((&[0x1e, 0, 0, 0, 1, 0][..], 0));
+        let pages: [&[u8]; 3] = [
+            &[0x28, 0, 0, 0, 0, 0, 0, 0, 8, 0],
+            &[0x28, 0, 0, 0, 0, 8, 0, 0, 8, 0],
+            &[0x28, 0, 0, 0, 0, 24, 0, 0, 8, 0],
+        ];
+        script.extend(pages.map(|page| (page, 8 * BLOCK_BYTES)));
+        script.extend([(&[0x1e, 0, 0, 0, 0, 0][..], 0), ready]);
+        script
+            .into_iter()
+            .map(|(cdb, length)| {
+                let read =
+                    (cdb[0] == 0x28).then(|| (u32::from_be_bytes([cdb[2], cdb[3], cdb[4], cdb[5]]), cdb[8].into()));
+                (self.command(cdb, (length > 0).then_some(length), None), read)
+            })
+            .collect()
     }
 
     fn clear_halt(&mut self, endpoint: u8) {
@@ -500,6 +551,9 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(at, count, past, fill)| Op::Overwrite { lba: at * 8, count, past, fill }),
         1 => Just(Op::TestUnitReady),
         1 => Just(Op::ReadPastEnd),
+        1 => Just(Op::Probe),
+        2 => Just(Op::Scan),
+        1 => Just(Op::Idle),
     ]
 }
 
@@ -569,6 +623,16 @@ fn run(accelerate: bool, ops: &[Op], faults: &HashMap<u32, Fault>, seed: u64) ->
                 }
             }
             Op::TestUnitReady => outcomes.push(rig.command(&[0; 6], None, None)),
+            Op::Probe => assert_eq!(rig.control(GET_MAX_LUN).status, Status::OK),
+            Op::Idle => rig.ticks += 6_000_000,
+            Op::Scan => {
+                for (outcome, read) in rig.scan() {
+                    if let Some((lba, blocks)) = read {
+                        check(&outcome, None, lba, blocks);
+                    }
+                    outcomes.push(outcome);
+                }
+            }
             Op::ReadPastEnd => outcomes.push(rig.read_write(false, BLOCKS - 1, 2, 0)),
         }
     }
@@ -708,4 +772,48 @@ fn stalls_show_as_they_do_without_the_accelerator() {
     assert_eq!(plain[1], Outcome::TransportError);
     assert!(plain[2..].iter().all(|o| matches!(o, Outcome::Done { status: 0, .. })), "{plain:?}");
     assert!(tally.statuses_wasted >= 2, "the status reads behind the stalls were not used: {tally:?}");
+}
+
+#[test]
+fn the_scan_of_a_new_disk_is_answered_from_the_scan_ahead() {
+    let ops = [Op::Probe, Op::Scan];
+    let (plain, _) = run(false, &ops, &HashMap::new(), 41);
+    let (accelerated, tally) = run(true, &ops, &HashMap::new(), 43);
+    assert_eq!(accelerated, plain);
+    assert!(plain.iter().all(|o| matches!(o, Outcome::Done { status: 0, .. })), "{plain:?}");
+    // All but PREVENT and ALLOW MEDIUM REMOVAL, which go to the device; and
+    // the rig's READ CAPACITY, from the scan ahead of its enumeration.
+    assert_eq!(tally.scan_hits, 16 + 1, "{tally:?}");
+}
+
+#[test]
+fn a_write_before_the_scan_sends_its_reads_to_the_device_and_they_see_the_new_bytes() {
+    // `run` checks every READ's bytes against the reference disk, written here.
+    let ops = [Op::Probe, Op::Write { lba: 0, blocks: 32, fill: 5 }, Op::Scan];
+    let (plain, _) = run(false, &ops, &HashMap::new(), 51);
+    let (accelerated, tally) = run(true, &ops, &HashMap::new(), 53);
+    assert_eq!(accelerated, plain);
+    assert_eq!(tally.scan_hits, 1, "the enumeration's READ CAPACITY alone: the write ended the scan ahead: {tally:?}");
+}
+
+#[test]
+fn answers_older_than_their_time_are_not_served() {
+    let ops = [Op::Probe, Op::Idle, Op::Scan];
+    let (plain, _) = run(false, &ops, &HashMap::new(), 61);
+    let (accelerated, tally) = run(true, &ops, &HashMap::new(), 63);
+    assert_eq!(accelerated, plain);
+    assert_eq!(tally.scan_hits, 1, "the enumeration's READ CAPACITY alone: sent six seconds before: {tally:?}");
+}
+
+#[test]
+fn a_scan_command_that_fails_on_the_device_ends_the_scan_ahead_after_a_recovery() {
+    // Block zero's READ stalls its command block: the scan's later commands
+    // are skipped, the device recovered before the kernel's next command,
+    // which then sees what it sees without the accelerator.
+    let faults = HashMap::from([(0, Fault::StallCommand)]);
+    let ops = [Op::Probe, Op::Scan, Op::Read { lba: 40, blocks: 8 }];
+    let (plain, _) = run(false, &ops, &faults, 71);
+    let (accelerated, tally) = run(true, &ops, &faults, 73);
+    assert_eq!(accelerated, plain);
+    assert!(tally.scan_hits < 16 + 1, "{tally:?}");
 }

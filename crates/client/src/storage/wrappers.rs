@@ -5,7 +5,7 @@
 
 use bytes::Bytes;
 use usbwire_proto::storage::{AFTER_SUCCESS, STAGE};
-use usbwire_proto::urb::{CmdSubmit, RetSubmit};
+use usbwire_proto::urb::{CmdSubmit, RetSubmit, TransferFlags};
 use usbwire_proto::{Direction, Status};
 
 use super::pipes::Pipes;
@@ -77,6 +77,19 @@ pub(super) fn answer_to(mut reply: RetSubmit, seqnum: u32, length: u32, tag: Opt
     reply
 }
 
+/// A reply of ours to an IN data stage as the host controller gives it to
+/// the kernel's URB `submit`: a short read is `-EREMOTEIO` exactly when that
+/// URB asks for it (`URB_SHORT_NOT_OK`). Ours never ask, so that the status
+/// read behind a short data stage still runs.
+pub(super) fn short_as_asked(mut reply: RetSubmit, submit: &CmdSubmit) -> RetSubmit {
+    let short = reply.actual_length < submit.transfer_buffer_length;
+    if submit.direction == Direction::In && short && matches!(reply.status, Status::OK | Status::EREMOTEIO) {
+        let asked = submit.transfer_flags.contains(TransferFlags::SHORT_NOT_OK);
+        reply.status = if asked { Status::EREMOTEIO } else { Status::OK };
+    }
+    reply
+}
+
 /// Puts the kernel's tag in a CSW read for it.
 pub(super) fn retag(reply: &mut RetSubmit, tag: [u8; 4]) {
     if reply.data.len() == CSW_LEN as usize && reply.data.starts_with(b"USBS") && reply.data[4..8] != tag {
@@ -105,4 +118,18 @@ pub(super) fn read_ahead_stages(
         stage.transfer_flags.0 |= STAGE | AFTER_SUCCESS;
     }
     stages
+}
+
+/// A command of ours as its stages: the command block, the data (none
+/// when `length` is 0) and the status, each run only after the one before
+/// succeeded. `seqnums` are the three stages' (the data's unused without one).
+pub(super) fn command_stages(
+    seqnums: [u32; 3],
+    devid: u32,
+    pipes: Pipes,
+    cbw: &[u8; 31],
+    length: u32,
+) -> impl Iterator<Item = CmdSubmit> {
+    let [block, data, status] = read_ahead_stages(seqnums, devid, pipes, cbw, length);
+    [Some(block), (length > 0).then_some(data), Some(status)].into_iter().flatten()
 }

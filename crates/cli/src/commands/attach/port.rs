@@ -94,11 +94,12 @@ pub(crate) fn run(args: PortArgs) -> Result<(), Failure> {
                 let count = |name: &str| storage.get(name).and_then(serde_json::Value::as_u64).unwrap_or(0);
                 let mib = |name: &str| count(name) as f64 / (1024.0 * 1024.0);
                 outln!(
-                    "       storage accelerated: {} commands pipelined, {} read-ahead hits ({:.1} MiB), {:.1} MiB read ahead for nothing",
+                    "       storage accelerated: {} commands pipelined, {} read-ahead hits ({:.1} MiB), {:.1} MiB read ahead for nothing, {} scan-ahead hits",
                     count("commands_pipelined"),
                     count("read_ahead_hits"),
                     mib("bytes_read_ahead"),
-                    mib("bytes_wasted")
+                    mib("bytes_wasted"),
+                    count("scan_hits")
                 )?;
             }
         }

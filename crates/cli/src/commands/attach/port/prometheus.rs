@@ -15,7 +15,7 @@ pub(crate) struct RelayedPort {
 }
 
 /// The storage accelerator's counters: (name in the status file, metric, help).
-const STORAGE: [(&str, &str, &str); 6] = [
+const STORAGE: [(&str, &str, &str); 7] = [
     (
         "commands_pipelined",
         "usbwire_port_storage_commands_pipelined_total",
@@ -37,6 +37,11 @@ const STORAGE: [(&str, &str, &str); 6] = [
         "bytes_wasted",
         "usbwire_port_storage_read_ahead_wasted_bytes_total",
         "Bytes read ahead and dropped (a write, a seek, an error).",
+    ),
+    (
+        "scan_hits",
+        "usbwire_port_storage_scan_ahead_hits_total",
+        "Commands of the kernel's scan of a new disk answered from the scan ahead.",
     ),
 ];
 

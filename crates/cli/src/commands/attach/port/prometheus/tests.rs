@@ -12,7 +12,8 @@ fn each_relayed_port_has_its_state_and_the_accelerated_ones_their_counters() {
                 "pid": 7, "server": "10.0.2.2:3240", "state": "connected",
                 "storage": {
                     "commands_pipelined": 119, "statuses_ahead": 118, "statuses_wasted": 1,
-                    "read_ahead_hits": 93, "bytes_read_ahead": 97517568, "bytes_wasted": 16787456
+                    "read_ahead_hits": 93, "bytes_read_ahead": 97517568, "bytes_wasted": 16787456,
+                    "scan_hits": 16
                 }
             }),
         },
@@ -42,6 +43,7 @@ fn each_relayed_port_has_its_state_and_the_accelerated_ones_their_counters() {
         ("usbwire_port_storage_read_ahead_hits_total", 93),
         ("usbwire_port_storage_read_ahead_bytes_total", 97_517_568),
         ("usbwire_port_storage_read_ahead_wasted_bytes_total", 16_787_456),
+        ("usbwire_port_storage_scan_ahead_hits_total", 16),
     ] {
         let sample = format!("{metric}{{port=\"0\",server=\"10.0.2.2:3240\",busid=\"1-1\"}} {value}");
         assert!(text.lines().any(|line| line == sample), "{sample} missing from\n{text}");
@@ -50,7 +52,7 @@ fn each_relayed_port_has_its_state_and_the_accelerated_ones_their_counters() {
     // The port without the accelerator has no storage samples.
     assert_eq!(text.matches("port=\"8\"").count(), 1, "{text}");
     // Every family is announced once, every sample line is `name{labels} value`.
-    assert_eq!(text.matches("# TYPE ").count(), 7);
+    assert_eq!(text.matches("# TYPE ").count(), 8);
     for line in text.lines().filter(|line| !line.starts_with('#')) {
         let (_, value) = line.rsplit_once(' ').unwrap();
         assert!(value.parse::<u64>().is_ok(), "{line}");
@@ -61,5 +63,5 @@ fn each_relayed_port_has_its_state_and_the_accelerated_ones_their_counters() {
 fn no_relayed_port_is_the_families_alone() {
     let text = render(&[]);
     assert_eq!(text.lines().filter(|line| !line.starts_with('#')).count(), 0, "{text}");
-    assert_eq!(text.matches("# TYPE ").count(), 7);
+    assert_eq!(text.matches("# TYPE ").count(), 8);
 }
