@@ -133,8 +133,10 @@ struct Extensions {
 const RESUMABLE: Extensions = Extensions { resume: true, accelerate: true };
 
 /// Offers stream transforms (usbwire servers only), and the `extensions`,
-/// and wraps the stream in the transforms the
-/// server accepted. An empty offer sends nothing.
+/// and wraps the stream in the transforms the server accepted. An empty
+/// offer sends nothing. The `next` request goes right behind the offer when
+/// it offers no stream transforms (none can be agreed, so what follows the
+/// answer is plain whatever it says): a round trip less. Says whether `next` went.
 async fn negotiate(
     stream: PeerStream,
     offer: &[TransformSpec],
@@ -142,11 +144,13 @@ async fn negotiate(
     reservation: Option<&ReservationToken>,
     addr: SocketAddr,
     security: &Security,
-) -> Result<(PeerStream, Agreed), ClientError> {
+    next: Option<&OpRequest>,
+) -> Result<((PeerStream, Agreed), bool), ClientError> {
     let Extensions { resume, accelerate } = extensions;
     if offer.is_empty() && !resume && reservation.is_none() {
-        return Ok((stream, Agreed::default()));
+        return Ok(((stream, Agreed::default()), false));
     }
+    let next = next.filter(|_| offer.is_empty());
     let mut entries = vec![TransformSpec::list_text(offer)];
     if resume {
         entries.push(resume::OFFER.to_owned());
@@ -169,6 +173,9 @@ async fn negotiate(
     let exchange = async {
         let mut out = BytesMut::new();
         OpRequest::Transforms { offer: offer_text.clone() }.encode(&mut out);
+        if let Some(next) = next {
+            next.encode(&mut out);
+        }
         stream.write_all(&out).await?;
         stream.flush().await?;
         // Exactly the answer: the framed stream starts right after it.
@@ -208,11 +215,12 @@ async fn negotiate(
         descriptors = agreed.descriptors,
         "stream transforms"
     );
+    let sent = next.is_some();
     if specs.is_empty() {
-        return Ok((stream, agreed));
+        return Ok(((stream, agreed), sent));
     }
     let stream = PeerStream::Transformed(Box::new(TransformedStream::new(stream, Pipeline::new(&specs, Side::Client))));
-    Ok((stream, agreed))
+    Ok(((stream, agreed), sent))
 }
 
 /// An imported device's URB channel, and the token to resume it by when the
@@ -288,7 +296,7 @@ pub async fn resume_session(
 ) -> Result<(PeerStream, u64), ClientError> {
     let stream = connect(addr, security).await?;
     // The same extensions as the import: a relay keeps using what it agreed to then.
-    let (mut stream, _new_token) = negotiate(stream, transforms, RESUMABLE, None, addr, security).await?;
+    let ((mut stream, _new_token), _) = negotiate(stream, transforms, RESUMABLE, None, addr, security, None).await?;
     let exchange = async {
         let mut out = BytesMut::new();
         OpRequest::Resume { token: *token, replies_received }.encode(&mut out);
@@ -341,8 +349,10 @@ async fn import_inner(
     reservation: Option<&ReservationToken>,
 ) -> Result<Imported, ClientError> {
     let stream = connect(addr, security).await?;
-    let (stream, agreed) = negotiate(stream, transforms, extensions, reservation, addr, security).await?;
-    match import_on(stream, addr, busid, security).await {
+    let import = OpRequest::Import { busid: busid.clone() };
+    let ((stream, agreed), sent) =
+        negotiate(stream, transforms, extensions, reservation, addr, security, Some(&import)).await?;
+    match import_on(stream, addr, busid, security, sent).await {
         Ok((mut stream, device)) => {
             let descriptors = match agreed.descriptors {
                 true => Some(read_snapshot(&mut stream, addr).await?),
@@ -376,7 +386,7 @@ async fn why_refused(addr: SocketAddr, busid: &BusId, security: &Security) -> Op
 /// refusal is not explained, as that server has nothing to explain it with.
 async fn import_plain(addr: SocketAddr, busid: &BusId, security: &Security) -> Result<Imported, ClientError> {
     let stream = connect(addr, security).await?;
-    let (stream, device) = import_on(stream, addr, busid, security).await?;
+    let (stream, device) = import_on(stream, addr, busid, security, false).await?;
     Ok(Imported { stream, device, resume: None, storage: false, descriptors: None })
 }
 
@@ -395,18 +405,22 @@ async fn read_snapshot(stream: &mut PeerStream, addr: SocketAddr) -> Result<Snap
     tokio::time::timeout(OP_TIMEOUT, exchange).await.map_err(|_| ClientError::Timeout { addr: addr.to_string() })?
 }
 
-/// `OP_REQ_IMPORT` on a connected (and negotiated) stream.
+/// `OP_REQ_IMPORT` on a connected (and negotiated) stream, unless it was
+/// `sent` already (behind the offer): its reply.
 async fn import_on(
     mut stream: PeerStream,
     addr: SocketAddr,
     busid: &BusId,
     security: &Security,
+    sent: bool,
 ) -> Result<(PeerStream, DeviceRecord), ClientError> {
     let exchange = async {
-        let mut out = BytesMut::new();
-        OpRequest::Import { busid: busid.clone() }.encode(&mut out);
-        stream.write_all(&out).await?;
-        stream.flush().await?;
+        if !sent {
+            let mut out = BytesMut::new();
+            OpRequest::Import { busid: busid.clone() }.encode(&mut out);
+            stream.write_all(&out).await?;
+            stream.flush().await?;
+        }
         // Read exactly the reply, no further: URB traffic follows on this socket.
         let mut header = [0u8; op::OP_HEADER_LEN];
         if let Err(error) = stream.read_exact(&mut header).await {

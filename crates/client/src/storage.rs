@@ -197,7 +197,7 @@ impl Accelerator {
     }
 
     /// Whether `message` is a command block the reads ahead do not serve
-    /// now while some are in flight: it waits for them. So one whose range
+    /// now while some are in flight, or a SET_CONFIGURATION: it waits for them. So one whose range
     /// they hold in slices is served once those came back whole, and before
     /// any other goes, a read ahead that failed is known (and the device
     /// recovered).
@@ -207,8 +207,8 @@ impl Accelerator {
             return false;
         }
         if submit.ep == 0 {
-            // A new probe ends the scan ahead: once what it sent is known.
-            return scan::is_get_max_lun(submit) && self.scan.in_flight();
+            // A new configuration ends our commands: once they are back, not under them.
+            return submit.setup[..2] == [0x00, 0x09];
         }
         let Some(pipes) = self.interfaces.pipes_of(submit) else { return false };
         command_block(submit, pipes).is_some()
@@ -254,7 +254,6 @@ impl Accelerator {
             self.interfaces.watch(&submit);
             if scan::is_get_max_lun(&submit) {
                 // usb-storage probes the interface: its scan follows.
-                self.drop_scan();
                 self.scan.asked(&submit, &self.interfaces);
             }
             return server(ClientMessage::Submit(submit));

@@ -448,3 +448,38 @@ async fn a_sniffed_plain_resume_token_from_another_address_is_refused() {
         usbwire_client::resume_session(addr, &Security::Plain, &[], &token, 0).await.expect("the owner resumes");
     assert_eq!(commands_received, 0);
 }
+
+/// An import written right behind a transform offer that offers no stream
+/// transforms is served (the client saves a round trip); behind an offer of
+/// stream transforms it cannot be, as it was not transformed: the server
+/// answers the offer and closes.
+#[tokio::test]
+async fn an_import_behind_an_offer_without_stream_transforms_is_served_and_behind_one_with_them_is_not() {
+    use usbwire_proto::op::{self, OpRequest};
+    let addr = start().await;
+    // A resumable import keeps its device held after the close: one device each.
+    for (offer, id, served) in [("resume", "0-2", true), ("zstd", "0-1", false)] {
+        let mut out = BytesMut::new();
+        OpRequest::Transforms { offer: offer.into() }.encode(&mut out);
+        OpRequest::Import { busid: busid(id) }.encode(&mut out);
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream.write_all(&out).await.unwrap();
+        let mut head = [0u8; op::OP_HEADER_LEN + 4];
+        stream.read_exact(&mut head).await.unwrap();
+        let mut answer = BytesMut::from(&head[..]);
+        answer.resize(head.len() + u32::from_be_bytes([head[8], head[9], head[10], head[11]]) as usize, 0);
+        stream.read_exact(&mut answer[head.len()..]).await.unwrap();
+        let accepted = op::decode_transforms_reply(&mut answer).unwrap().unwrap();
+        assert!(accepted.contains(offer), "{offer}: {accepted}");
+        if served {
+            let mut reply = vec![0u8; op::OP_HEADER_LEN + op::DEVICE_RECORD_LEN];
+            stream.read_exact(&mut reply).await.unwrap();
+            let mut reply = BytesMut::from(&reply[..]);
+            let device = op::decode_import_reply(&mut reply).unwrap().unwrap().unwrap();
+            assert_eq!(device.busid.as_str(), id);
+        } else {
+            assert!(read_to_end_within(&mut stream).await.is_empty(), "{offer}: closed after the answer");
+            wait_listed(addr, id).await;
+        }
+    }
+}

@@ -50,7 +50,12 @@ pub(super) struct Interfaces {
     configurations: Vec<(u8, Vec<Pipes>)>,
     /// Those of the configuration set.
     active: Vec<Pipes>,
+    /// Interfaces (by configuration) with a UAS alternate setting: a host may
+    /// drive them with UAS, not Bulk-Only.
+    uas: Vec<(u8, u8)>,
     watched: Vec<(u32, Watched)>,
+    /// The configuration set.
+    active_value: Option<u8>,
 }
 
 impl Interfaces {
@@ -72,6 +77,13 @@ impl Interfaces {
             Direction::Out => pipes.bulk_out == submit.ep,
             Direction::In => pipes.bulk_in == submit.ep,
         })
+    }
+
+    /// The active configuration's first Bulk-Only interface that only
+    /// Bulk-Only drives (no UAS alternate): what usb-storage will scan.
+    pub(super) fn bulk_only_alone(&self) -> Option<Pipes> {
+        let value = self.active_value?;
+        self.active.iter().copied().find(|pipes| !self.uas.contains(&(value, pipes.interface)))
     }
 
     /// The pipes of the active configuration's Bulk-Only interface `number`.
@@ -102,6 +114,9 @@ impl Interfaces {
         let pipes = bulk_only_pipes(&info);
         self.configurations.retain(|(value, _)| *value != info.value);
         self.configurations.push((info.value, pipes));
+        self.uas.retain(|(value, _)| *value != info.value);
+        let uas = info.interfaces.iter().filter(|i| (i.class, i.subclass, i.protocol) == (0x08, 0x06, 0x62));
+        self.uas.extend(uas.map(|i| (info.value, i.number)));
     }
 
     /// Reads a reply to a watched request; `true` when a configuration was set.
@@ -117,6 +132,7 @@ impl Interfaces {
                 false
             }
             Watched::SetConfiguration(value) => {
+                self.active_value = Some(value);
                 self.active = self
                     .configurations
                     .iter()

@@ -43,6 +43,10 @@ impl Accelerator {
             // A configuration was set: the device starts afresh.
             self.abandon();
             self.drop_reads_ahead();
+            if let Some(pipes) = self.interfaces.bulk_only_alone() {
+                // usb-storage scans the disk after its `delay_use`: the scan ahead starts now.
+                self.scan.configured(pipes);
+            }
         }
         if let Some((seqnum, tag)) = self.retag {
             if seqnum == reply.seqnum {

@@ -1,10 +1,12 @@
 //! Scan ahead: the commands Linux sends a Bulk-Only disk that just appeared
 //! (the SCSI scan's INQUIRY; the disk driver's TEST UNIT READY, READ
 //! CAPACITY(10), block-zero READ and MODE SENSE, twice; the partition scan's
-//! first pages), sent to LUN 0 by the accelerator as soon as the kernel's
-//! GET_MAX_LUN comes back. usb-storage then waits (`delay_use`, 1 s by
-//! default) before it scans, so by the time each of those commands comes it
-//! is answered at once instead of a round trip later.
+//! first pages), sent to LUN 0 by the accelerator as soon as the kernel set
+//! a configuration with a Bulk-Only interface (or, for an interface a host
+//! may drive with UAS, once usb-storage's GET_MAX_LUN came back).
+//! usb-storage waits (`delay_use`, 1 s by default) before it scans, so by
+//! the time each of those commands comes it is answered at once instead of
+//! a round trip later.
 //!
 //! A kernel command is answered from one of them only if it is that command
 //! but for the tag; the device passed it whole (every byte, a CSW with status
@@ -82,9 +84,21 @@ pub(super) fn is_get_max_lun(submit: &CmdSubmit) -> bool {
 }
 
 impl ScanAhead {
-    /// The kernel asked a Bulk-Only interface for its LUNs (`submit`): its
-    /// scan follows the reply. Call it with nothing left of an earlier scan.
+    /// The kernel set a configuration whose Bulk-Only interface `pipes`
+    /// usb-storage will drive: it waits (`delay_use`), asks for the LUNs,
+    /// then scans. The scan ahead starts now. Call it with nothing left of an
+    /// earlier scan.
+    pub(super) fn configured(&mut self, pipes: Pipes) {
+        self.phase = Phase::Wanted(pipes);
+    }
+
+    /// The kernel asked a Bulk-Only interface for its LUNs (`submit`) with
+    /// no scan ahead on (usb-storage probing again, without a new
+    /// configuration): its scan follows the reply.
     pub(super) fn asked(&mut self, submit: &CmdSubmit, interfaces: &Interfaces) {
+        if self.is_on() {
+            return;
+        }
         self.phase = match interfaces.active_interface(submit.setup[4]) {
             Some(pipes) => Phase::Asked(submit.seqnum, pipes),
             None => Phase::Off,

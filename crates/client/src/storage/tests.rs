@@ -73,7 +73,8 @@ enum Op {
     TestUnitReady,
     /// A READ(10) whose end is past the disk's: CHECK CONDITION.
     ReadPastEnd,
-    /// usb-storage probes the interface again (GET_MAX_LUN): a scan ahead starts.
+    /// The kernel sets the configuration again and usb-storage probes the
+    /// interface (GET_MAX_LUN): a scan ahead starts.
     Probe,
     /// The commands Linux sends a disk that just appeared, in its order.
     Scan,
@@ -623,7 +624,10 @@ fn run(accelerate: bool, ops: &[Op], faults: &HashMap<u32, Fault>, seed: u64) ->
                 }
             }
             Op::TestUnitReady => outcomes.push(rig.command(&[0; 6], None, None)),
-            Op::Probe => assert_eq!(rig.control(GET_MAX_LUN).status, Status::OK),
+            Op::Probe => {
+                assert_eq!(rig.control([0x00, 9, 1, 0, 0, 0, 0, 0]).status, Status::OK);
+                assert_eq!(rig.control(GET_MAX_LUN).status, Status::OK);
+            }
             Op::Idle => rig.ticks += 6_000_000,
             Op::Scan => {
                 for (outcome, read) in rig.scan() {

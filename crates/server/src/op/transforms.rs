@@ -15,7 +15,10 @@ use crate::config::ServerConfig;
 pub(crate) async fn agree(mut stream: OpStream, offer: &str, config: &ServerConfig) -> Option<(OpStream, Negotiated)> {
     let negotiated = negotiate(offer, config, Token(rand::random()));
     stream.reply(|out| op::encode_transforms_reply(&negotiated.answer, out)).await.ok()?;
-    if stream.has_leftover() {
+    if stream.has_leftover() && !negotiated.transforms.is_empty() {
+        // Bytes read before the transforms were put under the stream: not
+        // transformed as the client must send them. Without transforms, they
+        // are the next request, sent behind the offer.
         warn!("client sent more before the transform answer; closing");
         return None;
     }
