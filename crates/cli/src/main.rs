@@ -35,6 +35,9 @@ fn main() -> std::process::ExitCode {
     let quiet = quiet || matches!(command, args::Command::Bench(_));
     init_logging(verbose, quiet);
     commands::set_verbosity(verbose);
+    if let Some(code) = commands::before_runtime(&command) {
+        return code;
+    }
     let runtime = match runtime_for(&command).enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {

@@ -86,7 +86,7 @@ pub struct StorageCounters {
     pub bytes_read_ahead: u64,
     /// Bytes read ahead and dropped (a write, a seek, an error).
     pub bytes_wasted: u64,
-    /// Commands of the kernel's scan of a new disk answered from the scan ahead.
+    /// Requests of the kernel's scan of a new disk (GET_MAX_LUN and SCSI commands) answered from the scan ahead.
     pub scan_hits: u64,
 }
 
@@ -124,6 +124,10 @@ pub struct Accelerator {
     /// The message being taken waited in `held`: a READ served then had to
     /// wait for its reads ahead, as much as one whose data is still coming.
     taking_held: bool,
+    /// The kernel's ep0 URBs on their way to the device: a control request
+    /// answered here while one is out would overtake it (a device completes
+    /// control transfers in order).
+    kernel_ep0: HashSet<u32>,
     last_kernel_seqnum: u32,
     own_seqnums: u32,
     counters: StorageCounters,
@@ -253,9 +257,19 @@ impl Accelerator {
         if submit.ep == 0 {
             self.interfaces.watch(&submit);
             if scan::is_get_max_lun(&submit) {
+                let answered_ahead = match self.kernel_ep0.is_empty() {
+                    true => self.scan.take_max_lun(&submit, self.now),
+                    false => None,
+                };
+                if let Some(reply) = answered_ahead {
+                    self.counters.scan_hits += 1;
+                    kernel(ServerMessage::Submit(answer(reply, &submit, None)));
+                    return Ok(());
+                }
                 // usb-storage probes the interface: its scan follows.
                 self.scan.asked(&submit, &self.interfaces);
             }
+            self.kernel_ep0.insert(submit.seqnum);
             return server(ClientMessage::Submit(submit));
         }
         let Some(pipes) = self.interfaces.pipes_of(&submit) else { return server(ClientMessage::Submit(submit)) };

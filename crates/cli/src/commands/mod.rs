@@ -34,6 +34,15 @@ pub(crate) use common::process::set_verbosity;
 use crate::args::Command;
 use crate::exit::Failure;
 
+/// What a command does before the async runtime exists, while the process has
+/// one thread: `attach` forks its relay. `Some(code)` when the process is done.
+pub(crate) fn before_runtime(command: &Command) -> Option<std::process::ExitCode> {
+    match command {
+        Command::Attach(args) => attach::fork_if_backgrounded(args),
+        _ => None,
+    }
+}
+
 pub(crate) async fn run(command: Command) -> Result<(), Failure> {
     match command {
         Command::Serve(args) => serve::run(args).await,

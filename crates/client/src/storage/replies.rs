@@ -19,6 +19,9 @@ impl Accelerator {
                 if self.ignored.remove(&reply.seqnum) {
                     return;
                 }
+                if let Some((target, ())) = cancelled {
+                    self.kernel_ep0.remove(&target);
+                }
                 if let (Some((target, ())), Some(command)) = (cancelled, &mut self.command) {
                     if command.data_seqnums.contains(&target) {
                         command.void = true;
@@ -32,6 +35,7 @@ impl Accelerator {
     fn completed(&mut self, mut reply: RetSubmit, kernel: &mut impl FnMut(ServerMessage)) {
         // A reply to a URB of the kernel's goes to it; one to ours only as an answer.
         let ours = self.own.remove(&reply.seqnum);
+        self.kernel_ep0.remove(&reply.seqnum);
         if self.ignored.remove(&reply.seqnum) {
             return;
         }

@@ -1,12 +1,15 @@
-//! Scan ahead: the commands Linux sends a Bulk-Only disk that just appeared
-//! (the SCSI scan's INQUIRY; the disk driver's TEST UNIT READY, READ
+//! Scan ahead: the requests Linux sends a Bulk-Only disk that just appeared
+//! (usb-storage's GET_MAX_LUN; the SCSI scan's INQUIRY; the disk driver's TEST UNIT READY, READ
 //! CAPACITY(10), block-zero READ and MODE SENSE, twice; the partition scan's
 //! first pages), sent to LUN 0 by the accelerator as soon as the kernel set
 //! a configuration with a Bulk-Only interface (or, for an interface a host
-//! may drive with UAS, once usb-storage's GET_MAX_LUN came back).
-//! usb-storage waits (`delay_use`, 1 s by default) before it scans, so by
-//! the time each of those commands comes it is answered at once instead of
-//! a round trip later.
+//! may drive with UAS, once usb-storage's GET_MAX_LUN came back: then that
+//! one is not asked ahead). usb-storage waits (`delay_use`, 1 s by default)
+//! before it asks for the LUNs and scans, so by the time each of those
+//! requests comes it is answered at once instead of a round trip later. The
+//! GET_MAX_LUN ahead answers the kernel's when the device answered it with
+//! its one byte, at most [`FRESH`] before, for the same interface, with no
+//! new configuration since; a device that stalls it (one LUN) stalls the kernel's own.
 //!
 //! A kernel command is answered from one of them only if it is that command
 //! but for the tag; the device passed it whole (every byte, a CSW with status
@@ -62,8 +65,9 @@ enum Phase {
     Off,
     /// The kernel's GET_MAX_LUN (its seqnum) is out.
     Asked(u32, Pipes),
-    /// It came back: the first commands go out next.
-    Wanted(Pipes),
+    /// It came back, or (`ask_luns`) the kernel set the configuration: the
+    /// first commands go out next, and the GET_MAX_LUN ahead with them if asked.
+    Wanted { pipes: Pipes, ask_luns: bool },
     /// The first commands went out at `at`; those that need the block
     /// length follow once READ CAPACITY passed.
     First { pipes: Pipes, at: Instant },
@@ -75,7 +79,24 @@ enum Phase {
 pub(super) struct ScanAhead {
     phase: Phase,
     entries: Vec<Speculation>,
+    /// The GET_MAX_LUN ahead: its seqnum, its interface and the device's reply once here.
+    max_lun: Option<MaxLunAhead>,
     tag: u32,
+}
+
+#[derive(Debug)]
+struct MaxLunAhead {
+    seqnum: u32,
+    interface: u8,
+    reply: Option<RetSubmit>,
+}
+
+/// What the scan ahead sends now: its command blocks to `pipes`, and with the
+/// first of them the GET_MAX_LUN ahead (its setup packet) when it is asked.
+pub(super) struct Due {
+    pub(super) pipes: Pipes,
+    pub(super) commands: Vec<[u8; 31]>,
+    pub(super) max_lun: Option<[u8; 8]>,
 }
 
 /// Whether a control request is usb-storage's GET_MAX_LUN.
@@ -89,7 +110,7 @@ impl ScanAhead {
     /// then scans. The scan ahead starts now. Call it with nothing left of an
     /// earlier scan.
     pub(super) fn configured(&mut self, pipes: Pipes) {
-        self.phase = Phase::Wanted(pipes);
+        self.phase = Phase::Wanted { pipes, ask_luns: true };
     }
 
     /// The kernel asked a Bulk-Only interface for its LUNs (`submit`) with
@@ -110,31 +131,56 @@ impl ScanAhead {
         if let Phase::Asked(seqnum, pipes) = self.phase {
             if reply.seqnum == seqnum {
                 let answered = reply.status == Status::OK && reply.data.len() == 1;
-                self.phase = if answered { Phase::Wanted(pipes) } else { Phase::Off };
+                self.phase = if answered { Phase::Wanted { pipes, ask_luns: false } } else { Phase::Off };
             }
         }
     }
 
-    /// The command blocks to send now, and their pipes: the first ones once
-    /// the GET_MAX_LUN came back, the rest once READ CAPACITY passed.
-    pub(super) fn due(&mut self, now: Instant) -> Option<(Pipes, Vec<[u8; 31]>)> {
+    /// What to send now: the first command blocks (and the GET_MAX_LUN
+    /// ahead) once the configuration was set or the kernel's GET_MAX_LUN came
+    /// back, the rest once READ CAPACITY passed.
+    pub(super) fn due(&mut self, now: Instant) -> Option<Due> {
         match self.phase {
-            Phase::Wanted(pipes) => {
+            Phase::Wanted { pipes, ask_luns } => {
                 self.phase = Phase::First { pipes, at: now };
                 let mut commands = vec![self.command(INQUIRY, 36)];
                 commands.extend((0..4).map(|_| self.command(TEST_UNIT_READY, 0)));
                 commands.extend((0..2).map(|_| self.command(READ_CAPACITY_10, 8)));
                 commands.extend((0..4).map(|_| self.command(MODE_SENSE_ALL, 192)));
-                Some((pipes, commands))
+                let [interface_low, interface_high] = u16::from(pipes.interface).to_le_bytes();
+                let max_lun =
+                    ask_luns.then_some([GET_MAX_LUN[0], GET_MAX_LUN[1], 0, 0, interface_low, interface_high, 1, 0]);
+                Some(Due { pipes, commands, max_lun })
             }
             Phase::First { pipes, at } => {
                 let capacity = self.entries.iter().find(|entry| entry.cbw[15] == 0x25 && passed(entry))?;
                 let data = capacity.results[1].as_ref().map(|reply| reply.data.clone())?;
                 self.phase = Phase::Second { at };
-                Some((pipes, self.reads(&data)))
+                Some(Due { pipes, commands: self.reads(&data), max_lun: None })
             }
             _ => None,
         }
+    }
+
+    /// The GET_MAX_LUN ahead went out as `seqnum` to `interface`.
+    pub(super) fn asked_luns(&mut self, seqnum: u32, interface: u8) {
+        self.max_lun = Some(MaxLunAhead { seqnum, interface, reply: None });
+    }
+
+    /// The device's answer to the GET_MAX_LUN ahead that answers the kernel's
+    /// `submit` now, taken: one byte, fresh, for the same interface.
+    pub(super) fn take_max_lun(&mut self, submit: &CmdSubmit, now: Option<Instant>) -> Option<RetSubmit> {
+        let (Phase::First { at: sent, .. } | Phase::Second { at: sent }) = self.phase else { return None };
+        if now?.saturating_duration_since(sent) > FRESH || !is_get_max_lun(submit) {
+            return None;
+        }
+        let asked = self.max_lun.as_ref()?;
+        let reply = asked.reply.as_ref()?;
+        let answers = asked.interface == submit.setup[4]
+            && submit.setup[2..6] == [0, 0, asked.interface, 0]
+            && reply.status == Status::OK
+            && reply.data.len() == 1;
+        answers.then(|| self.max_lun.take().and_then(|asked| asked.reply))?
     }
 
     /// The READs that need the block length (from READ CAPACITY(10)'s
@@ -180,8 +226,12 @@ impl ScanAhead {
         self.entries.push(speculation);
     }
 
-    /// Keeps a reply to one of the scan's commands; `Err` if it is not one of theirs.
+    /// Keeps a reply to one of the scan's requests; `Err` if it is not one of theirs.
     pub(super) fn store(&mut self, reply: RetSubmit) -> Result<(), RetSubmit> {
+        if let Some(asked) = self.max_lun.as_mut().filter(|asked| asked.seqnum == reply.seqnum) {
+            asked.reply = Some(reply);
+            return Ok(());
+        }
         ahead::store_reply(&mut self.entries, reply)
     }
 
@@ -195,9 +245,10 @@ impl ScanAhead {
         self.entries.iter().any(Speculation::failed)
     }
 
-    /// Whether a command of the scan still waits for a reply.
+    /// Whether a request of the scan still waits for a reply.
     pub(super) fn in_flight(&self) -> bool {
-        self.entries.iter().any(|entry| entry.results.iter().any(Option::is_none))
+        self.max_lun.as_ref().is_some_and(|asked| asked.reply.is_none())
+            || self.entries.iter().any(|entry| entry.results.iter().any(Option::is_none))
     }
 
     /// Whether the scan ahead is under way (asked for, or holding commands).
@@ -230,6 +281,9 @@ impl ScanAhead {
     /// device (it then wants a reset recovery).
     pub(super) fn drop_all(&mut self, ignored: &mut HashSet<u32>) -> (u64, bool) {
         self.phase = Phase::Off;
+        if let Some(asked) = self.max_lun.take().filter(|asked| asked.reply.is_none()) {
+            ignored.insert(asked.seqnum);
+        }
         let (mut wasted, mut failed) = (0, false);
         for entry in self.entries.drain(..) {
             wasted += u64::from(entry.length);
@@ -305,6 +359,50 @@ mod tests {
         assert_eq!(scan.reads(&[0, 0, 0, 7, 0, 0, 2, 0]).len(), 3, "an 8-block disk: block zero and its first page");
         assert_eq!(scan.reads(&[0, 0, 0, 6, 0, 0, 2, 0]).len(), 2, "7 blocks: block zero alone");
         assert!(scan.reads(&[0, 1, 0xff, 0xff, 0, 0, 2, 1]).is_empty(), "513-byte blocks: nothing guessed");
+    }
+
+    #[test]
+    fn the_get_max_lun_ahead_answers_the_kernels_once_when_the_device_gave_its_byte_in_time() {
+        let pipes = Pipes { interface: 2, bulk_out: 1, bulk_in: 2 };
+        let kernels = |interface: u8| {
+            CmdSubmit::new(
+                9,
+                1,
+                usbwire_proto::Direction::In,
+                0,
+                1,
+                [0xa1, 0xfe, 0, 0, interface, 0, 1, 0],
+                bytes::Bytes::new(),
+            )
+        };
+        let start = Instant::now();
+        let asked = |reply: RetSubmit| {
+            let mut scan = ScanAhead::default();
+            scan.configured(pipes);
+            let due = scan.due(start).expect("the first requests are due at the configuration");
+            assert_eq!(due.max_lun, Some([0xa1, 0xfe, 0, 0, 2, 0, 1, 0]), "to the Bulk-Only interface");
+            scan.asked_luns(reply.seqnum, pipes.interface);
+            assert!(scan.in_flight());
+            assert_eq!(scan.store(reply), Ok(()));
+            scan
+        };
+        let byte = RetSubmit::new(0x8000_0001, Status::OK, bytes::Bytes::from_static(&[3]));
+        let second = Some(start + Duration::from_secs(1));
+
+        let mut scan = asked(byte.clone());
+        assert_eq!(scan.take_max_lun(&kernels(0), second), None, "another interface's");
+        assert_eq!(scan.take_max_lun(&kernels(2), second).map(|reply| reply.data), Some(byte.data.clone()));
+        assert_eq!(scan.take_max_lun(&kernels(2), second), None, "used once");
+
+        let mut scan = asked(byte.clone());
+        assert_eq!(scan.take_max_lun(&kernels(2), Some(start + FRESH + Duration::from_millis(1))), None, "too old");
+
+        let stalled = RetSubmit::new(0x8000_0001, Status::EPIPE, bytes::Bytes::new());
+        assert_eq!(asked(stalled).take_max_lun(&kernels(2), second), None, "a stall goes to the device again");
+
+        let mut scan = asked(byte);
+        scan.drop_all(&mut HashSet::new());
+        assert_eq!(scan.take_max_lun(&kernels(2), second), None, "the scan ahead ended (a new configuration)");
     }
 
     #[test]

@@ -1,13 +1,16 @@
 //! The accelerator's own commands going out: the reads ahead the window
 //! allows behind a command, the one that completes a READ longer than what
-//! was read ahead for it, and the scan ahead's. Not for what is read or
+//! was read ahead for it, and the scan ahead's (with its GET_MAX_LUN). Not for what is read or
 //! scanned ahead (`ahead`, `scan`) nor for serving them (`storage`).
 
-use usbwire_proto::urb::ClientMessage;
+use bytes::Bytes;
+use usbwire_proto::urb::{ClientMessage, CmdSubmit};
+use usbwire_proto::Direction;
 
 use super::ahead::Speculation;
 use super::command::command_is_sent_whole;
 use super::pipes::Pipes;
+use super::scan;
 use super::wrappers::{self, command_block, command_stages};
 use super::Accelerator;
 
@@ -41,8 +44,21 @@ impl Accelerator {
         if !command_is_sent_whole(&self.command) {
             return Ok(());
         }
-        let Some((pipes, commands)) = self.scan.due(now) else { return Ok(()) };
+        let Some(scan::Due { pipes, commands, max_lun }) = self.scan.due(now) else { return Ok(()) };
         self.recover(pipes, server)?;
+        if let Some(setup) = max_lun {
+            let seqnum = self.own_seqnum();
+            server(ClientMessage::Submit(CmdSubmit::new(
+                seqnum,
+                self.devid,
+                Direction::In,
+                0,
+                1,
+                setup,
+                Bytes::new(),
+            )))?;
+            self.scan.asked_luns(seqnum, pipes.interface);
+        }
         for cbw in commands {
             let length = u32::from_le_bytes([cbw[8], cbw[9], cbw[10], cbw[11]]);
             let block = self.own_seqnum();

@@ -4,8 +4,8 @@
 //! A plain import without resume hands the TCP socket to the kernel, as
 //! `usbip attach` does. Otherwise (a usbwire server that resumes sessions,
 //! TLS, transforms) the kernel gets one end of a socket pair and a relay
-//! ([`usbwire_client::relay`]) carries the URB channel; `attach` then starts
-//! itself again in the background and returns once the device is attached,
+//! ([`usbwire_client::relay`]) carries the URB channel, in a process `attach`
+//! forked before the import; `attach` returns once the device is attached,
 //! and `port` shows each relay's state from `/var/run/vhci_hcd/usbwire-portN.json`.
 //!
 //! `attach --registry` reserves the device in the lab registry and imports it
@@ -34,7 +34,7 @@ use usbwire_proto::op::BusId;
 use super::common::stdout::outln;
 use crate::args::AttachArgs;
 use crate::exit::Failure;
-use background::{attach_in_background, RELAY_LOG_ENV};
+pub(crate) use background::fork_if_backgrounded;
 
 pub(crate) async fn run(args: AttachArgs) -> Result<(), Failure> {
     let wanted = match (&args.registry.registry, &args.device) {
@@ -53,14 +53,10 @@ pub(crate) async fn run(args: AttachArgs) -> Result<(), Failure> {
     // Check vhci before asking the server, so a missing module costs nothing remote.
     vhci::ports()?;
     let transforms = super::common::peer::transforms(args.compress.as_deref(), args.jitter_buffer);
-    // A reservation lives as long as the process that holds it: the relay.
+    // A reservation lives as long as the process that holds it: the relay, which
+    // `background::fork_if_backgrounded` started before the runtime (an auto-attach
+    // runs until stopped, in the foreground, as usbipd-win's).
     let following = args.follow || args.auto_attach;
-    let may_relay = wanted.is_some() || following || !args.no_resume || args.security.tls || !transforms.is_empty();
-    // An auto-attach runs until stopped, in the foreground (as usbipd-win's).
-    let foreground = args.foreground || args.auto_attach;
-    if may_relay && !foreground && std::env::var_os(RELAY_LOG_ENV).is_none() {
-        return attach_in_background();
-    }
     let (addr, busid, security, taken) = source(&args, wanted.as_deref(), named_busid).await?;
     let source = usbwire_client::follow::Reimport {
         addr,

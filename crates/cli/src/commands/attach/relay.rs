@@ -8,7 +8,7 @@ use anyhow::anyhow;
 use usbwire_client::attach::{Attachment, Lost};
 use usbwire_client::follow::Persistence;
 
-use super::background::{detach_output, RELAY_LOG_ENV};
+use super::background::{detach_output, relay_log};
 use super::status_file::RelayStatusFile;
 use crate::commands::common::registry::Taken;
 use crate::commands::common::stdout::status_line;
@@ -53,7 +53,7 @@ fn print_relayed(attachment: &Attachment, taken: Option<&Taken>) {
 /// Keeps `attachment` (relayed: the kernel holds one end of a socket pair, the
 /// relay the other) until the kernel lets go or the relay ends, mirroring its
 /// state into the port's status file. With `--foreground` the relay is this
-/// process; started by [`super::background::attach_in_background`], it points
+/// process; forked by [`super::background::fork_if_backgrounded`], it points
 /// its output at the relay log once attached. SIGINT/SIGTERM, a lost
 /// reservation or the reservation's end detach the port first.
 pub(super) async fn relay_attached(mut attachment: Attachment, taken: Option<Taken>) -> Result<(), Failure> {
@@ -64,8 +64,8 @@ pub(super) async fn relay_attached(mut attachment: Attachment, taken: Option<Tak
     let source = &plan.source;
     let followed = plan.follow.then_some((&source.busid, source.persistence == Persistence::Forever));
     let mut status = RelayStatusFile::create(*statuses.borrow_and_update(), source.addr, followed);
-    if let Some(log) = std::env::var_os(RELAY_LOG_ENV) {
-        detach_output(std::path::Path::new(&log));
+    if let Some(log) = relay_log() {
+        detach_output(log);
     }
     let reporting = async {
         while statuses.changed().await.is_ok() {

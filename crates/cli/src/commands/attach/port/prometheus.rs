@@ -41,7 +41,7 @@ const STORAGE: [(&str, &str, &str); 7] = [
     (
         "scan_hits",
         "usbwire_port_storage_scan_ahead_hits_total",
-        "Commands of the kernel's scan of a new disk answered from the scan ahead.",
+        "Requests of the kernel's scan of a new disk (GET_MAX_LUN and SCSI commands) answered from the scan ahead.",
     ),
 ];
 
