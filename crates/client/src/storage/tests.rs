@@ -507,7 +507,37 @@ impl Rig {
         }
     }
 
+    /// Submits a URB as vhci does without waiting for it; its seqnum.
+    fn send(&mut self, ep: u8, direction: Direction, setup: [u8; 8], length: u32) -> u32 {
+        self.seqnum += 1;
+        let submit = CmdSubmit::new(self.seqnum, DEVID, direction, ep, length, setup, Bytes::new());
+        let now = self.start + Duration::from_micros(self.ticks);
+        let (client, replies) = (&mut self.client, &mut self.replies);
+        let accelerator = self.accelerator.as_mut().expect("an accelerated rig");
+        accelerator
+            .kernel_sent(
+                ClientMessage::Submit(submit),
+                now,
+                &mut |message| {
+                    to_server(client, message);
+                    Ok::<_, ()>(())
+                },
+                &mut |reply| replies.push(reply),
+            )
+            .expect("taken");
+        self.seqnum
+    }
+
     /// Lets everything in flight arrive; then no reply may be left over.
+    /// Lets everything in flight arrive, `expected` replies for the test to read.
+    fn settle_taking(&mut self, expected: usize) {
+        for _ in 0..10_000 {
+            self.step();
+        }
+        assert_eq!(self.replies.len(), expected, "{:?}", self.replies);
+        assert_eq!(self.client.outstanding(), 0, "every URB answered");
+    }
+
     fn settle(&mut self) {
         for _ in 0..10_000 {
             self.step();
@@ -792,6 +822,30 @@ fn the_scan_of_a_new_disk_is_answered_from_the_scan_ahead() {
     // All but PREVENT and ALLOW MEDIUM REMOVAL, which go to the device; the
     // GET_MAX_LUN; and the rig's READ CAPACITY, from the scan ahead of its enumeration.
     assert_eq!(tally.scan_hits, 16 + 1 + 1, "{tally:?}");
+}
+
+#[test]
+fn the_get_max_lun_ahead_never_overtakes_a_control_request_of_the_kernels_on_its_way() {
+    // Another driver's GET_STATUS to the device is out when usb-storage asks
+    // for the LUNs: a device completes control transfers in order, so the
+    // answer ahead is not used, and the kernel's GET_MAX_LUN goes to the device behind it.
+    let mut rig = Rig::new(true, HashMap::new(), 81, &vec![0; BLOCKS as usize * BLOCK]);
+    rig.enumerate();
+    assert_eq!(rig.control([0x00, 9, 1, 0, 0, 0, 0, 0]).status, Status::OK);
+    rig.settle();
+    rig.ticks += 1_000_000;
+    let status = rig.send(0, Direction::In, [0x80, 0, 0, 0, 0, 0, 2, 0], 2);
+    let luns = rig.send(0, Direction::In, GET_MAX_LUN, 1);
+    assert!(rig.replies.is_empty(), "nothing answered before the GET_STATUS came back: {:?}", rig.replies);
+    rig.settle_taking(2);
+    let order: Vec<u32> = rig
+        .replies
+        .iter()
+        .filter_map(|r| if let ServerMessage::Submit(r) = r { Some(r.seqnum) } else { None })
+        .collect();
+    assert_eq!(order, [status, luns]);
+    let hits = rig.accelerator.as_ref().map(|a| a.counters().scan_hits);
+    assert_eq!(hits, Some(1), "the enumeration's READ CAPACITY alone");
 }
 
 #[test]
