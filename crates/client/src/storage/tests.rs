@@ -354,26 +354,7 @@ impl Rig {
 
     /// Submits a URB as vhci does and waits for its completion.
     fn urb(&mut self, ep: u8, direction: Direction, setup: [u8; 8], length: u32, data: Bytes) -> RetSubmit {
-        self.seqnum += 1;
-        let seqnum = self.seqnum;
-        let submit = CmdSubmit::new(seqnum, DEVID, direction, ep, length, setup, data);
-        let message = ClientMessage::Submit(submit);
-        let (client, replies) = (&mut self.client, &mut self.replies);
-        let now = self.start + Duration::from_micros(self.ticks);
-        match &mut self.accelerator {
-            Some(accelerator) => accelerator
-                .kernel_sent(
-                    message,
-                    now,
-                    &mut |message| {
-                        to_server(client, message);
-                        Ok::<_, ()>(())
-                    },
-                    &mut |reply| replies.push(reply),
-                )
-                .expect("taken"),
-            None => to_server(client, message),
-        }
+        let seqnum = self.send(ep, direction, setup, length, data);
         for _ in 0..200_000 {
             if let Some(at) =
                 self.replies.iter().position(|r| matches!(r, ServerMessage::Submit(r) if r.seqnum == seqnum))
@@ -507,42 +488,41 @@ impl Rig {
         }
     }
 
-    /// Submits a URB as vhci does without waiting for it; its seqnum.
-    fn send(&mut self, ep: u8, direction: Direction, setup: [u8; 8], length: u32) -> u32 {
+    /// Submits a URB as vhci does, without waiting for it; its seqnum.
+    fn send(&mut self, ep: u8, direction: Direction, setup: [u8; 8], length: u32, data: Bytes) -> u32 {
         self.seqnum += 1;
-        let submit = CmdSubmit::new(self.seqnum, DEVID, direction, ep, length, setup, Bytes::new());
-        let now = self.start + Duration::from_micros(self.ticks);
+        let submit = CmdSubmit::new(self.seqnum, DEVID, direction, ep, length, setup, data);
+        let message = ClientMessage::Submit(submit);
         let (client, replies) = (&mut self.client, &mut self.replies);
-        let accelerator = self.accelerator.as_mut().expect("an accelerated rig");
-        accelerator
-            .kernel_sent(
-                ClientMessage::Submit(submit),
-                now,
-                &mut |message| {
-                    to_server(client, message);
-                    Ok::<_, ()>(())
-                },
-                &mut |reply| replies.push(reply),
-            )
-            .expect("taken");
+        let now = self.start + Duration::from_micros(self.ticks);
+        match &mut self.accelerator {
+            Some(accelerator) => accelerator
+                .kernel_sent(
+                    message,
+                    now,
+                    &mut |message| {
+                        to_server(client, message);
+                        Ok::<_, ()>(())
+                    },
+                    &mut |reply| replies.push(reply),
+                )
+                .expect("taken"),
+            None => to_server(client, message),
+        }
         self.seqnum
     }
 
     /// Lets everything in flight arrive; then no reply may be left over.
-    /// Lets everything in flight arrive, `expected` replies for the test to read.
+    fn settle(&mut self) {
+        self.settle_taking(0);
+    }
+
+    /// Lets everything in flight arrive, leaving `expected` replies for the test to read.
     fn settle_taking(&mut self, expected: usize) {
         for _ in 0..10_000 {
             self.step();
         }
-        assert_eq!(self.replies.len(), expected, "{:?}", self.replies);
-        assert_eq!(self.client.outstanding(), 0, "every URB answered");
-    }
-
-    fn settle(&mut self) {
-        for _ in 0..10_000 {
-            self.step();
-        }
-        assert!(self.replies.is_empty(), "replies nobody asked for: {:?}", self.replies);
+        assert_eq!(self.replies.len(), expected, "replies nobody asked for: {:?}", self.replies);
         assert!(self.up.is_empty() && self.down.is_empty() && self.server.is_idle(), "the link went quiet");
         assert_eq!(self.client.outstanding(), 0, "every URB answered");
     }
@@ -834,8 +814,8 @@ fn the_get_max_lun_ahead_never_overtakes_a_control_request_of_the_kernels_on_its
     assert_eq!(rig.control([0x00, 9, 1, 0, 0, 0, 0, 0]).status, Status::OK);
     rig.settle();
     rig.ticks += 1_000_000;
-    let status = rig.send(0, Direction::In, [0x80, 0, 0, 0, 0, 0, 2, 0], 2);
-    let luns = rig.send(0, Direction::In, GET_MAX_LUN, 1);
+    let status = rig.send(0, Direction::In, [0x80, 0, 0, 0, 0, 0, 2, 0], 2, Bytes::new());
+    let luns = rig.send(0, Direction::In, GET_MAX_LUN, 1, Bytes::new());
     assert!(rig.replies.is_empty(), "nothing answered before the GET_STATUS came back: {:?}", rig.replies);
     rig.settle_taking(2);
     let order: Vec<u32> = rig
