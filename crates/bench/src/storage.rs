@@ -15,7 +15,6 @@
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite};
 use usbwire_device::descriptor::{ConfigurationInfo, DeviceDescriptor};
-use usbwire_device::TransferType;
 use usbwire_proto::{Direction, Status};
 
 pub use crate::urb_link::{LinkError, Transfer, Urb, UrbLink, Wire};
@@ -280,16 +279,9 @@ impl<L: UrbLink> Host<L> {
         let interface = configuration
             .interfaces
             .iter()
-            .find(|i| i.class == 0x08 && i.subclass == 0x06 && i.protocol == 0x50)
+            .find(|i| i.is_bulk_only_storage())
             .ok_or_else(|| HostError::Descriptor("no Bulk-Only SCSI interface (08/06/50)".into()))?;
-        let bulk = |is_in: bool| {
-            interface
-                .endpoints
-                .iter()
-                .find(|e| e.transfer_type == TransferType::Bulk && (e.address & 0x80 != 0) == is_in)
-                .map(|e| e.address)
-        };
-        let (Some(bulk_in), Some(bulk_out)) = (bulk(true), bulk(false)) else {
+        let (Some(bulk_in), Some(bulk_out)) = (interface.bulk_endpoint(true), interface.bulk_endpoint(false)) else {
             return Err(HostError::Descriptor(format!(
                 "interface {} lacks a bulk IN or OUT endpoint",
                 interface.number

@@ -9,7 +9,6 @@
 use bytes::Bytes;
 use usbwire_client::{Connection, Security, Transfer};
 use usbwire_device::descriptor::ConfigurationInfo;
-use usbwire_device::TransferType;
 use usbwire_proto::op::BusId;
 
 const SECTOR: u32 = 512;
@@ -61,18 +60,11 @@ async fn main() -> anyhow::Result<()> {
     let storage = info
         .interfaces
         .iter()
-        .find(|i| i.class == 0x08 && i.protocol == 0x50)
+        .find(|i| i.is_bulk_only_storage())
         .ok_or_else(|| anyhow::anyhow!("not a Bulk-Only mass-storage device"))?;
-    let bulk = |dir_in: bool| {
-        storage
-            .endpoints
-            .iter()
-            .find(|e| e.transfer_type == TransferType::Bulk && (e.address & 0x80 != 0) == dir_in)
-            .map(|e| e.address)
-    };
     let (ep_in, ep_out) = (
-        bulk(true).ok_or_else(|| anyhow::anyhow!("no bulk IN"))?,
-        bulk(false).ok_or_else(|| anyhow::anyhow!("no bulk OUT"))?,
+        storage.bulk_endpoint(true).ok_or_else(|| anyhow::anyhow!("no bulk IN"))?,
+        storage.bulk_endpoint(false).ok_or_else(|| anyhow::anyhow!("no bulk OUT"))?,
     );
     let set = conn.transfer(Transfer::control_out([0, 9, info.value, 0, 0, 0, 0, 0], Bytes::new())).await?;
     anyhow::ensure!(set.status.is_ok(), "SET_CONFIGURATION failed: {}", set.status);

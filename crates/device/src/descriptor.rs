@@ -299,6 +299,21 @@ pub struct InterfaceInfo {
     pub endpoints: Vec<EndpointInfo>,
 }
 
+impl InterfaceInfo {
+    /// Whether this is mass storage over Bulk-Only Transport with SCSI (08/06/50).
+    pub fn is_bulk_only_storage(&self) -> bool {
+        (self.class, self.subclass, self.protocol) == (0x08, 0x06, 0x50)
+    }
+
+    /// The address of the first bulk endpoint of this direction (IN when `inward`).
+    pub fn bulk_endpoint(&self, inward: bool) -> Option<u8> {
+        self.endpoints
+            .iter()
+            .find(|e| e.transfer_type == TransferType::Bulk && (e.address & 0x80 != 0) == inward)
+            .map(|e| e.address)
+    }
+}
+
 /// An endpoint found in a configuration descriptor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EndpointInfo {

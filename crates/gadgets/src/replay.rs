@@ -12,6 +12,10 @@
 //! * a URB the recorded device never completed (still in flight, or
 //!   cancelled) is held until cancelled, as is an IN past the recording's end.
 //!
+//! On a Bulk-Only mass-storage interface a command block matches in all but
+//! its tag, and a TEST UNIT READY the recording lacks is answered as the
+//! last recorded one when that passed ([`bulk_only`]).
+//!
 //! A request that differs is a divergence: in [`Mode::Strict`] it is
 //! stalled and the recording's place is kept; in [`Mode::Lenient`] it gets
 //! what the recording has. Each import's [`Report`] is logged in one line
@@ -24,6 +28,7 @@
 //! Isochronous transfers are answered in order like bulk (their packets as
 //! recorded); the recording keeps one configuration.
 
+mod bulk_only;
 mod options;
 pub mod recording;
 mod report;
@@ -45,6 +50,7 @@ pub use options::{Mode, ReplayOptions, ReportSink, Timing};
 pub use recording::{Recording, RecordingError};
 pub use report::{Divergence, Report, Side, Unasked, MAX_LISTED};
 
+use bulk_only::{BulkOnly, Unplaced};
 use recording::{Exchange, Recorded};
 use report::describe;
 
@@ -78,7 +84,7 @@ impl ReplayDevice {
             max_power: 0,
             interfaces: Vec::new(),
         });
-        let session = Session::new(&recording, options.mode);
+        let session = Session::new(&recording, options.mode, &configuration);
         Self {
             recording: Arc::new(recording),
             name,
@@ -98,7 +104,8 @@ impl ReplayDevice {
     /// Ends the import's account: lists what was never asked, logs it and
     /// hands it on; the next import starts from the recording's beginning.
     fn finish(&mut self) {
-        let mut ended = std::mem::replace(&mut self.session, Session::new(&self.recording, self.mode));
+        let fresh = Session::new(&self.recording, self.mode, &self.configuration);
+        let mut ended = std::mem::replace(&mut self.session, fresh);
         if ended.report.requests == 0 {
             return;
         }
@@ -132,7 +139,11 @@ impl ReplayDevice {
     /// What a request on a data endpoint gets.
     fn answer_data(&mut self, urb: &Urb, position: u64) -> Answer {
         let address = urb.endpoint_address();
-        let Some((_, list)) = self.recording.endpoints.iter().find(|(a, _)| *a == address) else {
+        if let Some(status) = urb.is_in().then(|| self.session.bulk_only.made_status(address)).flatten() {
+            return Answer::Now(urb.complete_in(status));
+        }
+        let recording = Arc::clone(&self.recording);
+        let Some((_, list)) = recording.endpoints.iter().find(|(a, _)| *a == address) else {
             return self.session.diverge(
                 self.mode,
                 urb,
@@ -141,12 +152,28 @@ impl ReplayDevice {
                 "the recording has no request on this endpoint",
             );
         };
-        let next = self.session.next.entry(address).or_default();
-        let index = *next;
+        let mut index = self.session.next.get(&address).copied().unwrap_or(0);
+        if urb.is_in() {
+            index += self.session.bulk_only.skips_in(address);
+            self.session.next.insert(address, index);
+        }
+        if !urb.is_in() {
+            let recorded = list.iter().skip(index).map(|exchange| &exchange.out[..]);
+            let checks = self.session.bulk_only.passes_over(address, recorded, &urb.data);
+            if checks > 0 {
+                self.session.report.ready_checks_passed_over += checks as u64;
+                index += checks;
+                self.session.next.insert(address, index);
+            }
+        }
         let Some(exchange) = list.get(index) else {
             if urb.is_in() {
                 self.session.report.held_past_end += 1;
                 return Answer::Held;
+            }
+            if let Unplaced::ReadyAnswered = self.session.bulk_only.unplaced_out(address, &urb.data) {
+                self.session.report.ready_checks_answered += 1;
+                return Answer::Now(urb.complete_out());
             }
             return self.session.diverge(self.mode, urb, position, None, "past the end of the recording");
         };
@@ -154,8 +181,44 @@ impl ReplayDevice {
             let fits = exchange.completion.as_ref().is_none_or(|done| done.data.len() <= urb.length as usize);
             (!fits).then(|| format!("asks {} bytes, the recorded answer has more", urb.length))
         } else {
-            (exchange.out != urb.data).then(|| differs(&exchange.out, &urb.data))
+            let same = self.session.bulk_only.same_out(address, &exchange.out, &urb.data);
+            (!same).then(|| differs(&exchange.out, &urb.data))
         };
+        if reason.is_some() && !urb.is_in() {
+            if let Unplaced::ReadyAnswered = self.session.bulk_only.unplaced_out(address, &urb.data) {
+                self.session.report.ready_checks_answered += 1;
+                return Answer::Now(urb.complete_out());
+            }
+        }
+        if !urb.is_in() && (reason.is_none() || self.mode == Mode::Lenient) {
+            self.session.bulk_only.matched_out(address, &exchange.out, &urb.data);
+        }
+        let answer = self.answer_data_from(urb, position, (exchange, index), reason);
+        match answer {
+            Answer::Now(done) => Answer::Now(self.bulk_only_in(address, done)),
+            Answer::At(due, done) => Answer::At(due, self.bulk_only_in(address, done)),
+            Answer::Held => Answer::Held,
+        }
+    }
+
+    /// An IN completion as the host gets it: a CSW with the host's tag.
+    fn bulk_only_in(&mut self, address: u8, mut done: Completion) -> Completion {
+        if address & 0x80 != 0 && done.status == Status::OK {
+            done.data = self.session.bulk_only.answered_in(address, std::mem::take(&mut done.data));
+        }
+        done
+    }
+
+    /// What a data request gets from the recorded `exchange` it was
+    /// compared with, `reason` saying how it differs.
+    fn answer_data_from(
+        &mut self,
+        urb: &Urb,
+        position: u64,
+        (exchange, index): (&Exchange, usize),
+        reason: Option<String>,
+    ) -> Answer {
+        let next = self.session.next.entry(urb.endpoint_address()).or_default();
         match reason {
             Some(reason) if self.mode == Mode::Strict => {
                 self.session.diverge(self.mode, urb, position, Some((exchange, index)), &reason)
@@ -296,6 +359,7 @@ struct Session {
     next: HashMap<u8, usize>,
     /// URBs waiting for their answer, by endpoint (ep0 is 0): each completes in order.
     queues: BTreeMap<u8, VecDeque<(Urb, Answer)>>,
+    bulk_only: BulkOnly,
     cancelled: VecDeque<Completion>,
     timer: Option<Pin<Box<Sleep>>>,
     waker: Option<Waker>,
@@ -303,7 +367,7 @@ struct Session {
 }
 
 impl Session {
-    fn new(recording: &Recording, mode: Mode) -> Self {
+    fn new(recording: &Recording, mode: Mode, configuration: &ConfigurationInfo) -> Self {
         let mut control_left: HashMap<[u8; 8], VecDeque<usize>> = HashMap::new();
         for (index, exchange) in recording.control.iter().enumerate() {
             control_left.entry(exchange.setup).or_default().push_back(index);
@@ -312,6 +376,7 @@ impl Session {
             control_left,
             next: HashMap::new(),
             queues: BTreeMap::new(),
+            bulk_only: BulkOnly::of(configuration),
             cancelled: VecDeque::new(),
             timer: None,
             waker: None,
@@ -482,3 +547,6 @@ fn empty() -> Completion {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod bulk_only_tests;

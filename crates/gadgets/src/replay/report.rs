@@ -27,6 +27,13 @@ pub struct Report {
     /// IN requests past the end of an endpoint's recording: held, as a
     /// device with nothing to send holds them, until cancelled.
     pub held_past_end: u64,
+    /// TEST UNIT READYs on a Bulk-Only interface that the recording has not
+    /// at their place (media polling), answered good as the last recorded
+    /// one of their LUN was, without moving the recording on.
+    pub ready_checks_answered: u64,
+    /// Recorded TEST UNIT READYs that passed, the host did not send at their
+    /// place (the recorded host's polling): passed over with their CSW.
+    pub ready_checks_passed_over: u64,
     pub divergences: u64,
     /// The first [`MAX_LISTED`] divergences, in order.
     pub first_divergences: Vec<Divergence>,

@@ -71,19 +71,19 @@ impl Record<'_> {
 }
 
 /// A device driven by hand whose URBs are written down as a server's capture writes them.
-struct Recorder<D> {
+pub(super) struct Recorder<D> {
     device: D,
-    out: Vec<u8>,
+    pub(super) out: Vec<u8>,
     micros: u64,
     in_flight: HashMap<u32, (u8, u8)>,
 }
 
 impl<D: Device> Recorder<D> {
-    fn new(device: D) -> Self {
+    pub(super) fn new(device: D) -> Self {
         Self { device, out: headers(), micros: 1_000_000, in_flight: HashMap::new() }
     }
 
-    fn submit(&mut self, urb: Urb) {
+    pub(super) fn submit(&mut self, urb: Urb) {
         let transfer = match self.device.endpoint_type(urb.direction, urb.endpoint) {
             Some(TransferType::Isochronous) => 0,
             Some(TransferType::Interrupt) => 1,
@@ -100,7 +100,7 @@ impl<D: Device> Recorder<D> {
     }
 
     /// The next completion, written down `took` µs after the last record.
-    fn complete(&mut self, took: u64) -> Completion {
+    pub(super) fn complete(&mut self, took: u64) -> Completion {
         let done = next(&mut self.device).expect("the loopback completes at once");
         self.micros += took;
         let (transfer, endpoint) = self.in_flight.remove(&done.seqnum).expect("submitted");
