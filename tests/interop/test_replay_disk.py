@@ -59,12 +59,12 @@ PHASES = ["record", "lenient", "strict"]
 
 GUEST_SCRIPT = r"""
 set -u
-# phase NAME PORT: import the disk (0-1) of the server at PORT, mount it read-only, hash its files,
-# unmount and detach.
+# phase NAME PORT [BUSID]: import the disk (BUSID, 0-1 unless named) of the server at PORT, mount
+# it read-only, hash its files, unmount and detach.
 phase() {
-  N=$1; S=10.0.2.2:$2
-  wait_for "usbwire list -r $S 2>/dev/null | grep -q ' 0-1: '" 1800; check $N-listed $?
-  usbwire attach -r $S -b 0-1 __ACCELERATE__ > /tmp/attach.out 2>&1; check $N-attach $? "$(cat /tmp/attach.out)"
+  N=$1; S=10.0.2.2:$2; B=${3:-0-1}
+  wait_for "usbwire list -r $S 2>/dev/null | grep -q ' $B: '" 1800; check $N-listed $?
+  usbwire attach -r $S -b $B __ACCELERATE__ > /tmp/attach.out 2>&1; check $N-attach $? "$(cat /tmp/attach.out)"
   wait_for '[ -e /sys/block/sda ] && [ -e /dev/sda ] && [ "$(cat /sys/block/sda/size)" != 0 ]' 600; check $N-disk $?
   # The recording is made without media polling; each replay polls every 500 ms (as udev sets
   # 2 s) and holds the disk 2 s longer, so its polls are not the recording's.
