@@ -115,6 +115,25 @@ def hashes(text):
     return out
 
 
+def run_phase(g, checks, name):
+    """The guest's `phase NAME` (GUEST_SCRIPT) against one server, checked step by step; returns
+    the files' SHA-256 as it read them."""
+    phase_started = time.time()
+    for step in ["listed", "attach", "disk", None, "media-polling", "mount"]:
+        if step is None:
+            print(g.wait_for(f"@@{name}-DISK", 60), flush=True)
+            continue
+        line = g.wait_for(f"@@CHECK {name}-{step} ", 300)
+        checks.check(f"guest: {name}-{step}", " PASS" in line, line)
+    got = hashes(g.collect(f"@@{name}-SHA-BEGIN", f"@@{name}-SHA-END", 180))
+    for step in ["umount", "detach", "disk-gone"]:
+        line = g.wait_for(f"@@CHECK {name}-{step} ", 180)
+        checks.check(f"guest: {name}-{step}", " PASS" in line, line)
+    g.wait_for(f"@@{name}-DETACHED", 60)
+    print(f"{name}: {time.time() - phase_started:.1f} s, SHA-256 {got}", flush=True)
+    return got
+
+
 def main():
     guest.require(BIN)
     guest.build()
@@ -148,25 +167,8 @@ def main():
         g.wait_for("@@BOOTED", 180)
         print(f"guest booted in {time.time() - g.started:.1f} s", flush=True)
 
-        def run_phase(name):
-            """The guest's workload against one server; returns the files' SHA-256 as it read them."""
-            phase_started = time.time()
-            for step in ["listed", "attach", "disk", None, "media-polling", "mount"]:
-                if step is None:
-                    print(g.wait_for(f"@@{name}-DISK", 30), flush=True)
-                    continue
-                line = g.wait_for(f"@@CHECK {name}-{step} ", 180)
-                checks.check(f"guest: {name}-{step}", " PASS" in line, line)
-            got = hashes(g.collect(f"@@{name}-SHA-BEGIN", f"@@{name}-SHA-END", 120))
-            for step in ["umount", "detach", "disk-gone"]:
-                line = g.wait_for(f"@@CHECK {name}-{step} ", 120)
-                checks.check(f"guest: {name}-{step}", " PASS" in line, line)
-            g.wait_for(f"@@{name}-DETACHED", 30)
-            print(f"{name}: {time.time() - phase_started:.1f} s, SHA-256 {got}", flush=True)
-            return got
-
         # Phase 1: record the disk while usb-storage mounts it and ext4 reads the files.
-        recorded = run_phase("record")
+        recorded = run_phase(g, checks, "record")
         checks.check("record: the files' SHA-256 are the image's", recorded == expected,
                      f"expected {expected}, got {recorded}")
         # A capture is complete once the server has stopped.
@@ -189,7 +191,7 @@ def main():
                 stdout=logs[phase], stderr=subprocess.STDOUT))
             checks.check(f"the {phase} replay server listens", listening(ports[phase], servers[-1]), log_paths[phase])
         for phase in PHASES[1:]:
-            replayed = run_phase(phase)
+            replayed = run_phase(g, checks, phase)
             checks.check(f"{phase} replay: the files' SHA-256 are the recorded ones",
                          replayed == recorded and len(replayed) == len(FILES),
                          f"recorded {recorded}, replayed {replayed}")

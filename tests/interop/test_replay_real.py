@@ -86,22 +86,6 @@ class Signal:
         self.sock.close()
 
 
-def run_phase(g, checks, name):
-    """The vhci guest's workload in one phase; the files' SHA-256 as it read them."""
-    for step in ["listed", "attach", "disk", None, "media-polling", "mount"]:
-        if step is None:
-            print(g.wait_for(f"@@{name}-DISK", 60), flush=True)
-            continue
-        line = g.wait_for(f"@@CHECK {name}-{step} ", 300)
-        checks.check(f"guest: {name}-{step}", " PASS" in line, line)
-    got = disk.hashes(g.collect(f"@@{name}-SHA-BEGIN", f"@@{name}-SHA-END", 180))
-    for step in ["umount", "detach", "disk-gone"]:
-        line = g.wait_for(f"@@CHECK {name}-{step} ", 180)
-        checks.check(f"guest: {name}-{step}", " PASS" in line, line)
-    g.wait_for(f"@@{name}-DETACHED", 60)
-    return got
-
-
 def main():
     guest.require(BIN)
     guest.build()
@@ -128,14 +112,14 @@ def main():
                            files={BIN: "/usr/bin/usbwire"}, timeout=900)
         vhci.wait_for("@@BOOTED", 180)
 
-        recorded = run_phase(vhci, checks, "record")
+        recorded = disk.run_phase(vhci, checks, "record")
         checks.check("record: the files' SHA-256 from the drive are the image's", recorded == expected,
                      f"expected {expected}, got {recorded}")
         recorded_signal.give()
         print(exporter.wait_for("@@CAPTURE", 120), flush=True)
         exporter.wait_for("@@REPLAY-UP", 60)
 
-        replayed = run_phase(vhci, checks, "strict")
+        replayed = disk.run_phase(vhci, checks, "strict")
         checks.check("strict replay: the files' SHA-256 are the recorded ones",
                      replayed == recorded and len(replayed) == len(disk.FILES),
                      f"recorded {recorded}, replayed {replayed}")
