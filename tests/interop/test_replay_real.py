@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""A real USB flash drive recorded once and replayed to the real kernel's usb-storage, with no
-drive behind the replay.
+"""A real USB flash drive and a real keyboard recorded once and replayed to the real kernel's
+usb-storage and usbhid, with no device behind the replay.
 
 An exporter guest has QEMU's `usb-storage` on xHCI, removable as flash drives are (a 16 MiB
 ext4 image made on the host with three files), and runs `usbwire serve --bind 46f4:0001
@@ -9,12 +9,16 @@ vhci-hcd guest attaches it, mounts it read-only, hashes the files, unmounts and 
 (test_replay_disk.py's `phase`). The exporter then stops that server and serves the recording
 with `--virtual replay=CAPTURE,mode=strict` on the same port; the same vhci guest runs the same
 workload against it, polling the medium every 500 ms and holding the disk 2 s longer, as a
-replay on a machine with udev would.
+replay on a machine with udev would. The exporter's QEMU also has a `usb-kbd`, exported the same
+way: the vhci guest reads its input events while the host types "usb" on it (QEMU's `sendkey`),
+and the replay (`timing=recorded`, nobody typing) gives the same key presses.
 
 Checked: the disk appears and mounts in both phases; the files' SHA-256 are the image's from
 the drive and the same from the replay; the replay's report has 0 divergences, nothing of the
 recording unasked, and the block layer's polls answered (`ready_checks_answered` > 0); the
-replay server logs `replay ended as recorded`; dmesg has no `given back`, I/O error or reset.
+replay server logs `replay ended as recorded` for each; the keyboard's presses are KEY_U, KEY_S,
+KEY_B when typed and when replayed, and its replay report has 0 divergences; dmesg has no `given
+back`, I/O error or reset.
 About 30 seconds.
 
 Run: python3 tests/interop/test_replay_real.py   (USBWIRE_BIN=path/to/usbwire)
@@ -31,6 +35,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import guest  # noqa: E402
 import test_replay_disk as disk  # noqa: E402
+import test_replay_kernel as replay_kernel  # noqa: E402
+from test_real_devices import qemu_monitor  # noqa: E402
 from test_wan_storage_real import exported_flash_drive  # noqa: E402
 
 BIN = guest.BIN
@@ -40,25 +46,59 @@ set -u
 # until_host PORT: waits until the host listens on PORT (it says a step is done).
 until_host() { i=0; while [ $i -lt 2400 ]; do nc -w 1 10.0.2.2 $1 </dev/null >/dev/null 2>&1 && return 0; sleep 0.5; i=$((i+1)); done; return 1; }
 mkdir -m 700 /tmp/capture
-usbwire serve -v --listen 0.0.0.0:3240 --no-advertise --bind 46f4:0001 --capture /tmp/capture > /tmp/record.log 2>&1 &
+usbwire serve -v --listen 0.0.0.0:3240 --no-advertise --bind 46f4:0001 --bind 0627:0001 \
+  --capture /tmp/capture > /tmp/record.log 2>&1 &
 RECORDER=$!
 echo "@@SERVER-UP"
 until_host __RECORDED__
 kill $RECORDER; wait $RECORDER
-CAPTURE=$(ls /tmp/capture/*.pcapng | head -n 1)
-echo "@@CAPTURE $CAPTURE $(wc -c < $CAPTURE) bytes, $(ls /tmp/capture | wc -l) file(s)"
+# Each capture is named for the bus id it recorded: which is the drive, which the keyboard.
+for f in /tmp/capture/*.pcapng; do
+  busid=$(basename $f | sed 's/^usbwire-\([0-9]*-[0-9.]*\)-.*/\1/')
+  case $(cat /sys/bus/usb/devices/$busid/idVendor) in 46f4) DRIVE=$f ;; 0627) KEYBOARD=$f ;; esac
+  echo "@@CAPTURE $f $(wc -c < $f) bytes"
+done
 usbwire serve -v --listen 0.0.0.0:3240 --no-advertise --control /tmp/replay.sock \
-  --virtual "replay=$CAPTURE,mode=strict,report=/tmp/strict.json" > /tmp/replay.log 2>&1 &
+  --virtual "replay=$DRIVE,mode=strict,report=/tmp/strict.json" \
+  --virtual "replay=$KEYBOARD,mode=strict,timing=recorded,report=/tmp/keyboard.json" > /tmp/replay.log 2>&1 &
 REPLAY=$!
 echo "@@REPLAY-UP"
 until_host __DONE__
 kill $REPLAY; wait $REPLAY
 echo "@@REPORT-BEGIN"; cat /tmp/strict.json; echo; echo "@@REPORT-END"
+echo "@@KEYBOARD-REPORT-BEGIN"; cat /tmp/keyboard.json; echo; echo "@@KEYBOARD-REPORT-END"
 echo "@@REPLAY-LOG-BEGIN"; cat /tmp/replay.log; echo "@@REPLAY-LOG-END"
 exit 0
 """
 
-VHCI_SCRIPT = disk.GUEST_SCRIPT.replace("__ACCELERATE__", "--accelerate off").replace("__FILES__", " ".join(disk.FILES))
+KEYBOARD_PHASE = r"""
+kbd() { grep -q "QEMU USB Keyboard" /proc/bus/input/devices; }
+# keyboard NAME PORT BUSID: import the keyboard, read its input events for a while (the host types
+# once READY-FOR-TYPE is out), print them and detach.
+keyboard() {
+  N=$1; S=10.0.2.2:$2; B=$3
+  wait_for "usbwire list -r $S 2>/dev/null | grep -q ' $B: '" 1800; check $N-listed $?
+  usbwire attach -r $S -b $B --accelerate off > /tmp/attach.out 2>&1; check $N-attach $? "$(cat /tmp/attach.out)"
+  wait_for kbd 300; check $N-input-device $?
+  EV=$(awk '/QEMU USB Keyboard/ {f=1} f && /Handlers=/ {for (i=1;i<=NF;i++) if ($i ~ /^event/) {print $i; exit}}' /proc/bus/input/devices)
+  (timeout 12 cat /dev/input/$EV > /tmp/$N.events) &
+  sleep 3
+  echo "@@$N-READY-FOR-TYPE"
+  wait
+  echo "@@$N-EVENTS-BEGIN"; od -A n -t x1 -v /tmp/$N.events; echo "@@$N-EVENTS-END"
+  rc=0
+  for p in $(usbwire port --json | tr ',{}' '\n\n\n' | sed -n 's/.*"port":\([0-9]*\).*/\1/p'); do usbwire detach -p $p || rc=1; done
+  check $N-detach $rc
+  wait_for '! kbd' 300; check $N-gone $?
+  echo "@@$N-DETACHED"
+}
+"""
+
+VHCI_SCRIPT = (disk.GUEST_SCRIPT.replace("__ACCELERATE__", "--accelerate off").replace("__FILES__", " ".join(disk.FILES))
+               .replace("__PHASES__", KEYBOARD_PHASE + "__PHASES__"))
+# The keys the host types while recording, and the presses they give (KEY_U, KEY_S, KEY_B).
+TYPED = "usb"
+PRESSES = [22, 31, 48]
 
 
 class Signal:
@@ -86,6 +126,25 @@ class Signal:
         self.sock.close()
 
 
+def keyboard_phase(vhci, checks, name, monitor):
+    """The vhci guest's `keyboard NAME`: types TYPED on the exporter's keyboard through QEMU's
+    monitor when `monitor` is given; returns the key presses the guest read."""
+    for step in ["listed", "attach", "input-device"]:
+        line = vhci.wait_for(f"@@CHECK {name}-{step} ", 300)
+        checks.check(f"guest: {name}-{step}", " PASS" in line, line)
+    vhci.wait_for(f"@@{name}-READY-FOR-TYPE", 60)
+    if monitor:
+        for key in TYPED:
+            qemu_monitor(monitor, f"sendkey {key}")
+    got, span = replay_kernel.events(vhci.collect(f"@@{name}-EVENTS-BEGIN", f"@@{name}-EVENTS-END", 60).splitlines())
+    for step in ["detach", "gone"]:
+        line = vhci.wait_for(f"@@CHECK {name}-{step} ", 180)
+        checks.check(f"guest: {name}-{step}", " PASS" in line, line)
+    vhci.wait_for(f"@@{name}-DETACHED", 60)
+    print(f"{name}: {len(got)} key events over {span:.3f} s, presses {replay_kernel.presses(got)}", flush=True)
+    return replay_kernel.presses(got)
+
+
 def main():
     guest.require(BIN)
     guest.build()
@@ -94,6 +153,7 @@ def main():
     image = disk.make_image(work)
     expected = {name: hashlib.sha256(data).hexdigest() for name, data in disk.FILES.items()}
     port = guest.free_port()
+    monitor = os.path.join(work, "monitor.sock")
     recorded_signal, done_signal = Signal(), Signal()
     exporter = vhci = None
     started = time.time()
@@ -103,11 +163,14 @@ def main():
         exporter = guest.Guest(
             "replay-real-exporter", script, files={BIN: "/usr/bin/usbwire"}, hostfwd={3240: port}, timeout=900,
             qemu_args=["-device", "qemu-xhci,id=xhci", "-drive", f"if=none,id=flash,format=raw,file={image}",
-                       "-device", "usb-storage,bus=xhci.0,drive=flash,removable=on"])
+                       "-device", "usb-storage,bus=xhci.0,drive=flash,removable=on",
+                       "-device", "usb-kbd,bus=xhci.0", "-monitor", f"unix:{monitor},server=on,wait=off"])
         exporter.wait_for("@@SERVER-UP", 180)
         busid = exported_flash_drive(port, exporter)
-        print(f"the exporter lists the flash drive as {busid}", flush=True)
-        phases = f"phase record {port} {busid}\nphase strict {port} 0-1"
+        keyboard = exported_flash_drive(port, exporter, device_id=("0627", "0001"))
+        print(f"the exporter lists the flash drive as {busid}, the keyboard as {keyboard}", flush=True)
+        phases = (f"phase record {port} {busid}\nkeyboard kbd-record {port} {keyboard}\n"
+                  f"phase strict {port} 0-1\nkeyboard kbd-replay {port} 0-2")
         vhci = guest.Guest("replay-real-vhci", VHCI_SCRIPT.replace("__PHASES__", phases),
                            files={BIN: "/usr/bin/usbwire"}, timeout=900)
         vhci.wait_for("@@BOOTED", 180)
@@ -115,6 +178,8 @@ def main():
         recorded = disk.run_phase(vhci, checks, "record")
         checks.check("record: the files' SHA-256 from the drive are the image's", recorded == expected,
                      f"expected {expected}, got {recorded}")
+        typed = keyboard_phase(vhci, checks, "kbd-record", monitor)
+        checks.check("record: the keys typed on the real keyboard arrive as presses", typed == PRESSES, typed)
         recorded_signal.give()
         print(exporter.wait_for("@@CAPTURE", 120), flush=True)
         exporter.wait_for("@@REPLAY-UP", 60)
@@ -123,6 +188,8 @@ def main():
         checks.check("strict replay: the files' SHA-256 are the recorded ones",
                      replayed == recorded and len(replayed) == len(disk.FILES),
                      f"recorded {recorded}, replayed {replayed}")
+        again = keyboard_phase(vhci, checks, "kbd-replay", None)
+        checks.check("replay: the keyboard gives the recorded presses with nobody typing", again == typed, again)
         dmesg = vhci.collect("@@DMESG-BEGIN", "@@DMESG-END", 60)
         print(f"vhci guest dmesg (USB and disk lines):\n{dmesg}", flush=True)
         checks.check("no 'already given back' in dmesg", "given back" not in dmesg, dmesg)
@@ -142,9 +209,14 @@ def main():
                          json.dumps(report.get("first_never_asked"), indent=1))
             checks.check("the replay answered the block layer's media polls (ready_checks_answered > 0)",
                          report.get("ready_checks_answered", 0) > 0, str(report.get("ready_checks_answered")))
+        text = exporter.collect("@@KEYBOARD-REPORT-BEGIN", "@@KEYBOARD-REPORT-END", 60)
+        print(f"keyboard replay report:\n{text}", flush=True)
+        report = json.loads(text) if text.strip() else {}
+        checks.check("the keyboard's replay report has 0 divergences", report.get("divergences") == 0,
+                     json.dumps(report.get("first_divergences"), indent=1))
         log = exporter.collect("@@REPLAY-LOG-BEGIN", "@@REPLAY-LOG-END", 60)
-        checks.check("the replay server logs `replay ended as recorded`", "replay ended as recorded" in log,
-                     log[-3000:])
+        checks.check("the replay server logs `replay ended as recorded` for the drive and the keyboard",
+                     log.count("replay ended as recorded") == 2, log[-3000:])
         checks.check("exporter guest exit code", exporter.finish(60) == 0)
     except Exception as error:  # noqa: BLE001 - a wait that timed out is a failure with a reason
         checks.check("the test ran to the end", False, error)

@@ -61,9 +61,10 @@ exit 0
 EXPECTED = [f"flash-{name}" for name in wan.PER_MODE + wan.FILESYSTEM] + ["dmesg-clean"]
 
 
-def exported_flash_drive(port, exporter, timeout=180):
-    """The bus id under which the exporter's server lists the flash drive. Under TCG on a
-    loaded machine the exporter's kernel may take long to enumerate it."""
+def exported_flash_drive(port, exporter, timeout=180, device_id=FLASH_ID):
+    """The bus id under which the exporter's server lists the flash drive (or the device of
+    `device_id`, VID and PID). Under TCG on a loaded machine the exporter's kernel may take long
+    to enumerate it."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if exporter.proc.poll() is not None:
@@ -71,10 +72,10 @@ def exported_flash_drive(port, exporter, timeout=180):
         out = subprocess.run([BIN, "list", "-r", f"127.0.0.1:{port}", "--json"], capture_output=True, text=True)
         if out.returncode == 0:
             for device in json.loads(out.stdout)["devices"]:
-                if (device["vendor_id"], device["product_id"]) == FLASH_ID:
+                if (device["vendor_id"], device["product_id"]) == device_id:
                     return device["busid"]
         time.sleep(1)
-    raise RuntimeError(f"the exporter's server did not list the flash drive within {timeout} s")
+    raise RuntimeError(f"the exporter's server did not list {':'.join(device_id)} within {timeout} s")
 
 
 def main():
