@@ -13,7 +13,11 @@ replay on a machine with udev would. The exporter's QEMU also has a `usb-kbd`, e
 way: the vhci guest reads its input events while the host types "usb" on it (QEMU's `sendkey`),
 and the replay (`timing=recorded`, nobody typing) gives the same key presses. Its `usb-serial`
 (an FTDI adapter, its chardev a socket the host answers on) carries a line from the guest and the
-host's answer back; the replay gives the guest the same answer with nobody on the host.
+host's answer back; the replay gives the guest the same answer with nobody on the host. The same
+recording replayed to other workloads reports the first divergent request: at 9600 baud instead
+of 115200, strict mode stalls ftdi_sio's baud rate request (recorded once, at open, and now
+asked again); with another line sent, lenient mode answers the differing OUT from the recording
+and goes on to give the guest the recorded answer.
 
 Checked: the disk appears and mounts in both phases; the files' SHA-256 are the image's from
 the drive and the same from the replay; the replay's report has 0 divergences, nothing of the
@@ -64,14 +68,19 @@ done
 usbwire serve -v --listen 0.0.0.0:3240 --no-advertise --control /tmp/replay.sock \
   --virtual "replay=$DRIVE,mode=strict,report=/tmp/strict.json" \
   --virtual "replay=$KEYBOARD,mode=strict,timing=recorded,report=/tmp/keyboard.json" \
-  --virtual "replay=$SERIAL,mode=strict,timing=recorded,report=/tmp/serial.json" > /tmp/replay.log 2>&1 &
+  --virtual "replay=$SERIAL,mode=strict,timing=recorded,report=/tmp/serial.json" \
+  --virtual "replay=$SERIAL,mode=strict,timing=recorded,report=/tmp/serial-9600-strict.json" \
+  --virtual "replay=$SERIAL,mode=lenient,timing=recorded,report=/tmp/serial-other-line-lenient.json" \
+  > /tmp/replay.log 2>&1 &
 REPLAY=$!
 echo "@@REPLAY-UP"
 until_host __DONE__
 kill $REPLAY; wait $REPLAY
 echo "@@REPORT-BEGIN"; cat /tmp/strict.json; echo; echo "@@REPORT-END"
 echo "@@KEYBOARD-REPORT-BEGIN"; cat /tmp/keyboard.json; echo; echo "@@KEYBOARD-REPORT-END"
-echo "@@SERIAL-REPORT-BEGIN"; cat /tmp/serial.json; echo; echo "@@SERIAL-REPORT-END"
+for r in serial serial-9600-strict serial-other-line-lenient; do
+  echo "@@$r-REPORT-BEGIN"; cat /tmp/$r.json; echo; echo "@@$r-REPORT-END"
+done
 echo "@@REPLAY-LOG-BEGIN"; cat /tmp/replay.log; echo "@@REPLAY-LOG-END"
 exit 0
 """
@@ -97,17 +106,18 @@ keyboard() {
   wait_for '! kbd' 300; check $N-gone $?
   echo "@@$N-DETACHED"
 }
-# serial NAME PORT BUSID: import the serial adapter, send a line through it and read the answer.
+# serial NAME PORT BUSID [BAUD [LINE]]: import the serial adapter, send LINE (ping-from-guest
+# unless named) through it at BAUD (115200 unless named) and read the answer.
 serial() {
-  N=$1; S=10.0.2.2:$2; B=$3
+  N=$1; S=10.0.2.2:$2; B=$3; BAUD=${4:-115200}; LINE=${5:-ping-from-guest}
   wait_for "usbwire list -r $S 2>/dev/null | grep -q ' $B: '" 1800; check $N-listed $?
   usbwire attach -r $S -b $B --accelerate off > /tmp/attach.out 2>&1; check $N-attach $? "$(cat /tmp/attach.out)"
   wait_path /dev/ttyUSB0 300; check $N-tty $?
-  stty -F /dev/ttyUSB0 raw -echo 115200
+  stty -F /dev/ttyUSB0 raw -echo $BAUD
   (timeout 20 head -n 1 /dev/ttyUSB0 > /tmp/$N.in) &
   sleep 0.5
   echo "@@$N-READY"
-  echo "ping-from-guest" > /dev/ttyUSB0
+  echo "$LINE" > /dev/ttyUSB0
   wait
   echo "@@$N-IN $(cat /tmp/$N.in)"
   rc=0
@@ -253,7 +263,8 @@ def main():
         print(f"the serial adapter as {adapter}", flush=True)
         phases = (f"phase record {port} {busid}\nkeyboard kbd-record {port} {keyboard}\n"
                   f"serial ser-record {port} {adapter}\n"
-                  f"phase strict {port} 0-1\nkeyboard kbd-replay {port} 0-2\nserial ser-replay {port} 0-3")
+                  f"phase strict {port} 0-1\nkeyboard kbd-replay {port} 0-2\nserial ser-replay {port} 0-3\n"
+                  f"serial ser-9600-strict {port} 0-4 9600\nserial ser-other-line-lenient {port} 0-5 115200 hello-there")
         vhci = guest.Guest("replay-real-vhci", VHCI_SCRIPT.replace("__PHASES__", phases),
                            files={BIN: "/usr/bin/usbwire"}, timeout=900)
         vhci.wait_for("@@BOOTED", 180)
@@ -280,6 +291,10 @@ def main():
         answer = serial_phase(vhci, checks, "ser-replay")
         checks.check("replay: the serial adapter gives the recorded answer with nobody on the host",
                      answer == ANSWER, answer)
+        serial_phase(vhci, checks, "ser-9600-strict")
+        lenient_answer = serial_phase(vhci, checks, "ser-other-line-lenient")
+        checks.check("lenient replay of another workload: the guest still gets the recorded answer",
+                     lenient_answer == ANSWER, lenient_answer)
         dmesg = vhci.collect("@@DMESG-BEGIN", "@@DMESG-END", 60)
         print(f"vhci guest dmesg (USB and disk lines):\n{dmesg}", flush=True)
         checks.check("no 'already given back' in dmesg", "given back" not in dmesg, dmesg)
@@ -304,11 +319,23 @@ def main():
         report = json.loads(text) if text.strip() else {}
         checks.check("the keyboard's replay report has 0 divergences", report.get("divergences") == 0,
                      json.dumps(report.get("first_divergences"), indent=1))
-        text = exporter.collect("@@SERIAL-REPORT-BEGIN", "@@SERIAL-REPORT-END", 60)
+        text = exporter.collect("@@serial-REPORT-BEGIN", "@@serial-REPORT-END", 60)
         print(f"serial adapter replay report:\n{text}", flush=True)
         report = json.loads(text) if text.strip() else {}
         checks.check("the serial adapter's replay report has 0 divergences", report.get("divergences") == 0,
                      json.dumps(report.get("first_divergences"), indent=1))
+        # FTDI's SET_BAUDRATE is vendor request 3 to the device (bmRequestType 0x40); the line
+        # goes out on the bulk OUT endpoint.
+        for workload, start, answered in (("9600-strict", "control 40 03", "stall"),
+                                          ("other-line-lenient", "OUT ", "recorded")):
+            text = exporter.collect(f"@@serial-{workload}-REPORT-BEGIN", f"@@serial-{workload}-REPORT-END", 60)
+            report = json.loads(text) if text.strip() else {}
+            first = (report.get("first_divergences") or [{}])[0]
+            print(f"serial {workload}: {report.get('divergences')} divergence(s), first {json.dumps(first)}",
+                  flush=True)
+            checks.check(f"serial {workload}: the first divergence is `{start}…`, answered {answered}",
+                         first.get("request", "").startswith(start) and first.get("answered") == answered,
+                         json.dumps(report, indent=1)[-2000:])
         log = exporter.collect("@@REPLAY-LOG-BEGIN", "@@REPLAY-LOG-END", 60)
         checks.check("the replay server logs `replay ended as recorded` for each device",
                      log.count("replay ended as recorded") == 3, log[-3000:])
