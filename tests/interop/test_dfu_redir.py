@@ -81,16 +81,9 @@ def main():
             stdout=server_log, stderr=subprocess.STDOUT))
         follower = LogFollower(server_log_path)
         # By bus id, so the bridge follows the board (the default; no flag needed).
-        processes.append(subprocess.Popen(
-            [BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", "0-1", "--listen", f"unix:{socket_path}"],
-            stdout=bridge_log, stderr=subprocess.STDOUT))
-        deadline = time.time() + 20
-        while not os.path.exists(socket_path) and time.time() < deadline:
-            time.sleep(0.1)
+        bridge, qemu_args = guest.redir_bridge(port, "0-1", socket_path, bridge_log)
+        processes.append(bridge)
         checks.check("the bridge listens", os.path.exists(socket_path))
-        qemu_args = ["-device", "qemu-xhci,id=xhci",
-                     "-chardev", f"socket,id=rd,path={socket_path},reconnect=2",
-                     "-device", "usb-redir,chardev=rd,id=redir,bus=xhci.0"]
         script = (SCRIPT.replace("__RUNTIME__", RUNTIME).replace("__RUNTIME_PID__", RUNTIME.split(":")[1]))
         g = guest.Guest("dfu-redir", script, files={image: "/fw.bin"}, timeout=900, qemu_args=qemu_args)
         while True:
