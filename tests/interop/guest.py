@@ -442,20 +442,20 @@ def stop(processes):
             proc.kill()
 
 
-def redir_bridge(port, busid, socket_path, log, wait=20):
+def redir_bridge(port, busid, socket_path, log, wait=20, tag=""):
     """A `usbwire redir` bridge importing `busid` from the server on 127.0.0.1:`port` and
     listening on the Unix socket `socket_path` for QEMU (its output to the file `log`), and the
-    QEMU arguments of an xHCI controller with a usb-redir device dialling it. The socket exists
-    on return unless the bridge failed to listen within `wait` seconds."""
+    QEMU arguments of a usb-redir device on the xHCI controller `xhci` dialling it (ids
+    `rd`+`tag`, `redir`+`tag`). The socket exists on return unless the bridge failed to listen
+    within `wait` seconds."""
     proc = subprocess.Popen(
         [BIN, "redir", "-v", "-r", f"127.0.0.1:{port}", "-b", busid, "--listen", f"unix:{socket_path}"],
         stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + wait
     while not os.path.exists(socket_path) and time.time() < deadline:
         time.sleep(0.1)
-    qemu_args = ["-device", "qemu-xhci,id=xhci",
-                 "-chardev", f"socket,id=rd,path={socket_path},reconnect=2",
-                 "-device", "usb-redir,chardev=rd,id=redir,bus=xhci.0"]
+    qemu_args = ["-chardev", f"socket,id=rd{tag},path={socket_path},reconnect=2",
+                 "-device", f"usb-redir,chardev=rd{tag},id=redir{tag},bus=xhci.0"]
     return proc, qemu_args
 
 

@@ -81,7 +81,8 @@ def main():
             stdout=server_log, stderr=subprocess.STDOUT))
         follower = LogFollower(server_log_path)
         # By bus id, so the bridge follows the board (the default; no flag needed).
-        bridge, qemu_args = guest.redir_bridge(port, "0-1", socket_path, bridge_log)
+        bridge, redir_args = guest.redir_bridge(port, "0-1", socket_path, bridge_log)
+        qemu_args = ["-device", "qemu-xhci,id=xhci"] + redir_args
         processes.append(bridge)
         checks.check("the bridge listens", os.path.exists(socket_path))
         script = (SCRIPT.replace("__RUNTIME__", RUNTIME).replace("__RUNTIME_PID__", RUNTIME.split(":")[1]))
