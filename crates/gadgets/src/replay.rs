@@ -547,6 +547,3 @@ fn empty() -> Completion {
 
 #[cfg(test)]
 mod tests;
-
-#[cfg(test)]
-mod bulk_only_tests;

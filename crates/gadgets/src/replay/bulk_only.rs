@@ -198,3 +198,6 @@ fn is_cbw(data: &[u8]) -> bool {
 fn tag(cbw: &[u8]) -> [u8; 4] {
     [cbw[4], cbw[5], cbw[6], cbw[7]]
 }
+
+#[cfg(test)]
+mod tests;

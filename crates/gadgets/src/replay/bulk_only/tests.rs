@@ -4,11 +4,12 @@
 
 use bytes::Bytes;
 use usbwire_device::descriptor::ConfigurationInfo;
-use usbwire_device::{Completion, Speed, Status, Urb};
+use usbwire_device::{Completion, Device as _, Speed, Status, Urb};
 
-use super::tests::Recorder;
-use super::*;
+use super::{BulkOnly, Unplaced};
 use crate::mass_storage::{DiskOptions, MassStorage, BULK_IN, BULK_OUT};
+use crate::replay::tests::Recorder;
+use crate::replay::{Mode, Recording, ReplayDevice, ReplayOptions, Report, Timing};
 use crate::testing::{control, data_in, data_out, next};
 
 const TEST_UNIT_READY: &[u8] = &[0; 6];
@@ -172,7 +173,7 @@ fn another_command_off_the_recording_still_diverges() {
 fn a_ready_check_that_failed_is_not_answered_again() {
     let (recording, _) = recorded();
     let configuration = ConfigurationInfo::parse(&recording.configuration).expect("the disk's configuration");
-    let mut bulk_only = bulk_only::BulkOnly::of(&configuration);
+    let mut bulk_only = BulkOnly::of(&configuration);
     let check = cbw(9, TEST_UNIT_READY, 0);
     let csw = |status: u8| {
         let mut csw = [0u8; 13];
@@ -181,13 +182,13 @@ fn a_ready_check_that_failed_is_not_answered_again() {
         csw[12] = status;
         Bytes::copy_from_slice(&csw)
     };
-    assert!(matches!(bulk_only.unplaced_out(BULK_OUT, &check), bulk_only::Unplaced::Diverges), "none recorded yet");
+    assert!(matches!(bulk_only.unplaced_out(BULK_OUT, &check), Unplaced::Diverges), "none recorded yet");
     bulk_only.matched_out(BULK_OUT, &check, &check);
     assert_eq!(bulk_only.answered_in(BULK_IN, csw(1)), csw(1));
-    assert!(matches!(bulk_only.unplaced_out(BULK_OUT, &check), bulk_only::Unplaced::Diverges), "the last one failed");
+    assert!(matches!(bulk_only.unplaced_out(BULK_OUT, &check), Unplaced::Diverges), "the last one failed");
     bulk_only.matched_out(BULK_OUT, &check, &check);
     bulk_only.answered_in(BULK_IN, csw(0));
-    assert!(matches!(bulk_only.unplaced_out(BULK_OUT, &check), bulk_only::Unplaced::ReadyAnswered));
+    assert!(matches!(bulk_only.unplaced_out(BULK_OUT, &check), Unplaced::ReadyAnswered));
     assert_eq!(bulk_only.made_status(BULK_IN), Some(csw(0)));
     assert!(!bulk_only.same_out(BULK_IN, &check, &cbw(10, TEST_UNIT_READY, 0)), "not a Bulk-Only OUT pipe");
     assert!(bulk_only.same_out(BULK_OUT, &check, &cbw(10, TEST_UNIT_READY, 0)));
@@ -226,7 +227,7 @@ fn the_recorded_hosts_polling_is_passed_over_when_this_host_does_not_poll() {
 fn a_command_off_the_recording_after_recorded_checks_passes_none_over() {
     let polled: [(u32, &[u8], u32); 3] = [(1, TEST_UNIT_READY, 0), (2, TEST_UNIT_READY, 0), (3, INQUIRY, 36)];
     let (recording, _) = recorded_running(&polled);
-    let mut bulk_only = bulk_only::BulkOnly::of(&ConfigurationInfo::parse(&recording.configuration).expect("parsed"));
+    let mut bulk_only = BulkOnly::of(&ConfigurationInfo::parse(&recording.configuration).expect("parsed"));
     let outs: Vec<Bytes> = polled.iter().map(|&(tag, cdb, length)| cbw(tag, cdb, length)).collect();
     let read = cbw(3, READ_BLOCK_ZERO, 512);
     assert_eq!(bulk_only.passes_over(BULK_OUT, outs.iter().map(|out| &out[..]), &read), 0, "no READ recorded");
