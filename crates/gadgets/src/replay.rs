@@ -25,8 +25,8 @@
 //! It owns the matching and the report; the file's format is
 //! [`recording`]'s. It is not an emulator: a workload other than the
 //! recorded one gets stalls (or stale data), never new behaviour.
-//! Isochronous transfers are answered in order like bulk (their packets as
-//! recorded); the recording keeps one configuration.
+//! Isochronous transfers are answered in order like bulk, each packet with
+//! its recorded status and length; the recording keeps one configuration.
 
 mod bulk_only;
 mod options;
@@ -44,7 +44,7 @@ use bytes::Bytes;
 use tokio::time::{Instant, Sleep};
 use tracing::{debug, info, warn};
 use usbwire_device::descriptor::{parse_string, ConfigurationInfo};
-use usbwire_device::{Completion, Device, DeviceSummary, Direction, Status, TransferType, Urb};
+use usbwire_device::{Completion, Device, DeviceSummary, Direction, IsoPacketDescriptor, Status, TransferType, Urb};
 
 pub use options::{Mode, ReplayOptions, ReportSink, Timing};
 pub use recording::{Recording, RecordingError};
@@ -177,7 +177,10 @@ impl ReplayDevice {
             }
             return self.session.diverge(self.mode, urb, position, None, "past the end of the recording");
         };
-        let reason = if urb.is_in() {
+        let recorded_packets = exchange.completion.as_ref().map_or(0, |done| done.iso_packets.len());
+        let reason = if urb.iso_packets.len() != recorded_packets && exchange.completion.is_some() {
+            Some(format!("{} isochronous packets, the recording has {recorded_packets}", urb.iso_packets.len()))
+        } else if urb.is_in() {
             let fits = exchange.completion.as_ref().is_none_or(|done| done.data.len() <= urb.length as usize);
             (!fits).then(|| format!("asks {} bytes, the recorded answer has more", urb.length))
         } else {
@@ -521,6 +524,19 @@ fn completion(urb: &Urb, done: &Recorded) -> Completion {
     } else {
         completion.actual_length = done.actual_length.min(urb.data.len() as u32);
     }
+    // An isochronous URB's packets: where and how long the host asked them, what moved and how.
+    completion.iso_packets = urb
+        .iso_packets
+        .iter()
+        .zip(&done.iso_packets)
+        .map(|(asked, recorded)| IsoPacketDescriptor {
+            offset: asked.offset,
+            length: asked.length,
+            actual_length: recorded.actual_length.min(asked.length),
+            status: recorded.status,
+        })
+        .collect();
+    completion.error_count = if completion.iso_packets.is_empty() { 0 } else { done.error_count };
     completion
 }
 

@@ -85,6 +85,18 @@ pub struct Recorded {
     /// IN data as captured.
     pub data: Bytes,
     pub completed_at: Duration,
+    /// An isochronous URB's packets as they completed: status, offset, bytes moved.
+    pub iso_packets: Vec<RecordedPacket>,
+    /// An isochronous URB's count of packets that failed.
+    pub error_count: i32,
+}
+
+/// One packet of a recorded isochronous completion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordedPacket {
+    pub status: Status,
+    pub offset: u32,
+    pub actual_length: u32,
 }
 
 /// A device as recorded.
@@ -302,6 +314,8 @@ struct Usbmon {
     length: u32,
     setup: [u8; 8],
     data: Bytes,
+    iso_packets: Vec<RecordedPacket>,
+    error_count: i32,
 }
 
 impl Usbmon {
@@ -333,6 +347,15 @@ impl Usbmon {
                 record.len().saturating_sub(start)
             ))
         })?;
+        // usbmon's isochronous descriptors: status, offset, length, padding; 16 bytes each.
+        let iso_packets = (0..packets as usize)
+            .map(|n| USBMON_HEADER + n * 16)
+            .map(|at| RecordedPacket {
+                status: Status(field(at) as i32),
+                offset: field(at + 4),
+                actual_length: field(at + 8),
+            })
+            .collect();
         let sec = le64(record, 16).unwrap_or_default() as i64;
         let mut setup = [0; 8];
         setup.copy_from_slice(&record[40..48]);
@@ -347,6 +370,8 @@ impl Usbmon {
             length: field(32),
             setup: if transfer == TransferType::Control && record[14] == 0 { setup } else { [0; 8] },
             data: record.slice_ref(data),
+            iso_packets,
+            error_count: if transfer == TransferType::Isochronous { field(40) as i32 } else { 0 },
         })
     }
 }
@@ -400,6 +425,8 @@ impl Urbs {
             actual_length: usbmon.length,
             data: if is_in { usbmon.data } else { Bytes::new() },
             completed_at: since,
+            iso_packets: usbmon.iso_packets,
+            error_count: usbmon.error_count,
         });
         Ok(())
     }
