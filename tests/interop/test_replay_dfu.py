@@ -5,12 +5,16 @@ test_dfu.py does (DFU_DETACH, the bootloader, manifestation: three imports, one 
 each). The server stops, and a replay server serves each recording twice, strictly
 (`--virtual replay=…,mode=strict`). The guest attaches the first replay of the bootloader
 (1209:0007) and runs the same `dfu-util -a 0 -D` of the same image; then the second, with
-another image.
+another image. Then a VM with no usbip (its own xHCI controller, a `usb-redir` device dialling
+a `usbwire redir` bridge that imports a third replay of the bootloader) runs the same download
+of the same image.
 
 Checked: the recording's flash worked (FILE holds the image); dfu-util downloads the same
 image to the replayed bootloader with exit status 0 and the replay's report has 0 divergences;
 with another image the report's first divergence is a DFU_DNLOAD whose data differs from the
-recording (`control 21 01 …`), stalled, and dfu-util fails.
+recording (`control 21 01 …`), stalled, and dfu-util fails; through the bridge the VM's dfu-util
+flashes the replayed bootloader as the recorded one (test_dfu_redir's measure of success) and
+that replay's report has 0 divergences.
 
 Run: python3 tests/interop/test_replay_dfu.py   (USBWIRE_BIN=path/to/usbwire)
 """
@@ -25,6 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import guest  # noqa: E402
 from test_dfu import BOOTLOADER, PRELUDE, RUNTIME  # noqa: E402
+from test_dfu_redir import download_succeeded  # noqa: E402
 from test_replay_kernel import listening  # noqa: E402
 
 BIN = guest.BIN
@@ -60,6 +65,55 @@ kill $WATCH
 echo "@@DONE"
 exit 0
 """
+
+# The bridge's VM: dfu-util downloads the same image to the bootloader its xHCI controller sees.
+BRIDGE_SCRIPT = PRELUDE + r"""
+wait_device __BOOTLOADER__; check bridge-bootloader $?
+dfu-util -a 0 -D /fw.bin > /tmp/bridge.out 2>&1; rc=$?
+echo "@@bridge-BEGIN"; cat /tmp/bridge.out; echo "@@bridge-END"
+echo "@@bridge-RC $rc"
+kill $WATCH
+echo "@@DONE"
+exit 0
+"""
+
+
+def through_the_bridge(checks, work, replay_port, busid, image, report):
+    """A fresh VM flashes `image` to the replayed bootloader `busid` through a usbredir bridge;
+    the replay's report (`report`, written as the bridge's import ends) has no divergence."""
+    socket_path = os.path.join(work, "bridge.sock")
+    bridge = None
+    g = None
+    try:
+        with open(os.path.join(guest.LOGS, "replay-dfu.bridge.log"), "w") as out:
+            bridge, redir_args = guest.redir_bridge(replay_port, busid, socket_path, out, wait=30)
+        checks.check("bridge: the bridge listens", os.path.exists(socket_path), socket_path)
+        g = guest.Guest("replay-dfu-redir", BRIDGE_SCRIPT.replace("__BOOTLOADER__", BOOTLOADER),
+                        files={image: "/fw.bin"}, timeout=600,
+                        qemu_args=["-device", "qemu-xhci,id=xhci"] + redir_args)
+        for step in ["udevd", "bridge-bootloader"]:
+            line = g.wait_for(f"@@CHECK {step} ", 300)
+            checks.check(f"bridge guest: {step}", " PASS" in line, line)
+        said = g.collect("@@bridge-BEGIN", "@@bridge-END", 300)
+        rc = int(g.wait_for("@@bridge-RC", 60).split()[-1])
+        print(f"dfu-util -D through the bridge, exit {rc}:\n{said}", flush=True)
+        ok, why = download_succeeded(rc, said)
+        checks.check("bridge: dfu-util in the VM flashes the replayed bootloader", ok, why)
+        g.wait_for("@@DONE", 120)
+        checks.check("bridge guest script exit code", g.finish(60) == 0)
+    finally:
+        if g:
+            g.kill()
+        # The bridge's import ends: the replay writes its report.
+        guest.stop([bridge] if bridge else [])
+    deadline = time.time() + 10
+    while not os.path.exists(report) and time.time() < deadline:
+        time.sleep(0.1)
+    text = open(report).read() if os.path.exists(report) else ""
+    print(f"through the bridge, replay report:\n{text}", flush=True)
+    loaded = json.loads(text) if text else {}
+    checks.check("bridge: the replay's report has 0 divergences", loaded.get("divergences") == 0,
+                 json.dumps(loaded.get("first_divergences"), indent=1) if loaded else "no report")
 
 
 def main():
@@ -103,7 +157,7 @@ def main():
         checks.check("one recording per import: runtime, bootloader, runtime", len(files) == 3, files)
         reports = []
         replays = []
-        for copy in range(2):
+        for copy in range(3):
             for i, name in enumerate(files):
                 reports.append(os.path.join(work, f"report-{copy}-{i}.json"))
                 replays += ["--virtual", f"replay={os.path.join(capture_dir, name)},mode=strict,report={reports[-1]}"]
@@ -115,7 +169,7 @@ def main():
         line = g.wait_for("@@CHECK replay-listed ", 300)
         checks.check("guest: replay-listed", " PASS" in line, line)
         busids = g.wait_for("@@BOOTLOADERS", 60).split()[1:]
-        checks.check("the replay server lists the recorded bootloader twice", len(busids) == 2, busids)
+        checks.check("the replay server lists the recorded bootloader three times", len(busids) == 3, busids)
         results = {}
         for name in ("same", "other"):
             for step in ["attach", "bootloader"]:
@@ -126,6 +180,11 @@ def main():
             print(f"dfu-util -D, {name} image, exit {rc}:\n{said}", flush=True)
             results[name] = rc
         g.wait_for("@@DONE", 120)
+        checks.check("guest script exit code", g.finish(60) == 0)
+        g.kill()
+        g = None
+        through_the_bridge(checks, work, replay_port, busids[2], image,
+                           reports[int(busids[2].split("-")[1]) - 1])
         guest.stop(servers)
         servers = []
         # The replay server numbers its devices 0-1, 0-2, … in the order of `replays`, as `reports`.
@@ -144,7 +203,6 @@ def main():
                      first.get("request", "").startswith("control 21 01") and first.get("answered") == "stall"
                      and "differs" in first.get("reason", ""), json.dumps(first))
         checks.check("another image: dfu-util fails", results.get("other", 0) != 0, results)
-        checks.check("guest script exit code", g.finish(60) == 0)
     except Exception as error:  # noqa: BLE001 - a wait that timed out is a failure with a reason
         checks.check("the test ran to the end", False, error)
     finally:

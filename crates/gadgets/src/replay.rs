@@ -248,6 +248,15 @@ impl ReplayDevice {
         }
         let queue = self.session.control_left.get_mut(&urb.setup);
         let Some(index) = queue.as_ref().and_then(|q| q.front().copied()) else {
+            if is_port_reset(&urb.setup) {
+                self.session.report.resets += 1;
+                self.session.configuration_value = 0;
+                return Answer::Now(urb.complete_out());
+            }
+            if urb.setup == GET_CONFIGURATION {
+                self.session.report.configuration_answered += 1;
+                return Answer::Now(urb.complete_in(Bytes::from(vec![self.session.configuration_value])));
+            }
             let seen = self.recording.control.iter().any(|e| e.setup == urb.setup);
             let reason = if seen { "asked more often than recorded" } else { "not in the recording" };
             return self.session.diverge(self.mode, urb, position, None, reason);
@@ -262,6 +271,9 @@ impl ReplayDevice {
             queue.pop_front();
         }
         let answer = replayed(urb, exchange, Timing::Asap);
+        if is_set_configuration(&urb.setup) && matches!(&answer, Answer::Now(done) if done.status == Status::OK) {
+            self.session.configuration_value = urb.setup[2];
+        }
         match differ {
             Some(reason) => self.session.diverge_answered(urb, position, (exchange, index), &reason, &answer),
             None => self.session.report.matched += 1,
@@ -345,6 +357,21 @@ impl Drop for ReplayDevice {
     }
 }
 
+/// The standard `GET_CONFIGURATION` request (one byte).
+const GET_CONFIGURATION: [u8; 8] = [0x80, 0x08, 0, 0, 0, 0, 1, 0];
+
+/// A standard `SET_CONFIGURATION` to the device.
+fn is_set_configuration(setup: &[u8; 8]) -> bool {
+    setup[0] == 0x00 && setup[1] == 0x09
+}
+
+/// The hub class's `SET_FEATURE(PORT_RESET)`: on the wire to a device, the
+/// host's request to reset it (Linux's usbip-host resets the device on it;
+/// it never reaches one).
+fn is_port_reset(setup: &[u8; 8]) -> bool {
+    setup[..4] == [0x23, 0x03, 0x04, 0x00]
+}
+
 /// What a submitted URB gets.
 enum Answer {
     Now(Completion),
@@ -367,6 +394,9 @@ struct Session {
     timer: Option<Pin<Box<Sleep>>>,
     waker: Option<Waker>,
     report: Report,
+    /// The configuration the host set (by a recorded `SET_CONFIGURATION`
+    /// answered good), 0 at first and after a port reset.
+    configuration_value: u8,
 }
 
 impl Session {
@@ -384,6 +414,7 @@ impl Session {
             timer: None,
             waker: None,
             report: Report { mode: mode.name().to_owned(), ..Report::default() },
+            configuration_value: 0,
         }
     }
 

@@ -34,6 +34,15 @@ pub struct Report {
     /// Recorded TEST UNIT READYs that passed, the host did not send at their
     /// place (the recorded host's polling): passed over with their CSW.
     pub ready_checks_passed_over: u64,
+    /// Port resets the host asked for (`SET_FEATURE(PORT_RESET)`, what a
+    /// usbredir bridge or a usbip-win client sends) that the recording has
+    /// not at their place: the device is unconfigured, the recording keeps
+    /// its place.
+    pub resets: u64,
+    /// `GET_CONFIGURATION`s the recording has not at their place, answered
+    /// with the configuration the replay is in (the last `SET_CONFIGURATION`
+    /// it answered; 0 before one and after a reset).
+    pub configuration_answered: u64,
     pub divergences: u64,
     /// The first [`MAX_LISTED`] divergences, in order.
     pub first_divergences: Vec<Divergence>,

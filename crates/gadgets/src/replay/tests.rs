@@ -257,6 +257,36 @@ fn a_request_never_recorded_stalls_and_an_in_past_the_end_is_held_until_cancelle
     assert_eq!(device.report().first_divergences[0].reason, "not in the recording");
 }
 
+#[test]
+fn a_port_reset_and_get_configuration_the_recording_lacks_are_answered_from_the_devices_state() {
+    // As through a usbredir bridge: the guest asks GET_CONFIGURATION, then resets the port.
+    let (mut device, reports) = replay(Mode::Strict, Timing::Asap);
+    let get_configuration = [0x80, 8, 0, 0, 0, 0, 1, 0];
+    device.submit(control(1, get_configuration, &[]));
+    assert_eq!(&next(&mut device).unwrap().data[..], [0], "unconfigured before a SET_CONFIGURATION");
+    device.submit(control(2, [0x00, 9, 1, 0, 0, 0, 0, 0], &[]));
+    assert_eq!(next(&mut device).unwrap().status, Status::OK);
+    device.submit(control(3, get_configuration, &[]));
+    assert_eq!(&next(&mut device).unwrap().data[..], [1], "the configuration the host set");
+    device.submit(control(4, [0x23, 3, 4, 0, 1, 0, 0, 0], &[]));
+    assert_eq!(next(&mut device).unwrap().status, Status::OK, "a port reset is taken, not stalled");
+    device.submit(control(5, get_configuration, &[]));
+    assert_eq!(&next(&mut device).unwrap().data[..], [0], "a reset unconfigures the device");
+    // The recording keeps its place: GET_STATUS is still its next control request.
+    device.submit(control(6, [0x80, 0, 0, 0, 0, 0, 2, 0], &[]));
+    assert_eq!(next(&mut device).unwrap().status, Status::OK);
+    // A SET_CONFIGURATION the recording holds no more of is a divergence, and stays unset.
+    device.submit(control(7, [0x00, 9, 1, 0, 0, 0, 0, 0], &[]));
+    assert_eq!(next(&mut device).unwrap().status, Status::EPIPE);
+    device.submit(control(8, get_configuration, &[]));
+    assert_eq!(&next(&mut device).unwrap().data[..], [0]);
+    device.reset();
+    let report = reports.lock().unwrap().pop().unwrap();
+    assert_eq!((report.resets, report.configuration_answered, report.matched), (1, 4, 2));
+    assert_eq!(report.divergences, 1);
+    assert_eq!(report.first_divergences[0].reason, "asked more often than recorded");
+}
+
 #[tokio::test(start_paused = true)]
 async fn recorded_timing_keeps_the_recorded_wait_of_an_interrupt_in() {
     let mut recorder = Recorder::new(crate::loopback(Speed::HIGH));
