@@ -4,13 +4,14 @@ under QEMU) imports `usbwire serve --virtual keyboard --virtual serial=LINK` wit
 the host. usbhid binds the keyboard and the guest reads its raw input events while the host types
 a word (`usbwire type`); cdc_acm binds the serial port, the guest writes a line to /dev/ttyACM0
 and reads the line the host answers on the pty. The server stops, and `usbwire serve --virtual
-replay=CAPTURE,timing=recorded,report=JSON` serves each recording back: the same guest attaches
-both the same way and runs the same workload, with nobody typing or answering on the host.
+replay=CAPTURE,timing=recorded,report=JSON` serves each recording back twice: the same guest
+attaches the first replays the same way and runs the same workload, with nobody typing or
+answering on the host; then the second replays with Debian's `usbip attach` instead.
 
 Checked: both devices enumerate and their drivers bind in both phases; the key events (type,
 code, value, without the timestamps) are the same in both, not empty, and press the typed word's
 keys; the bytes the guest reads from ttyACM0 are the same in both; each replay's report has 0
-divergences (printed whole, with what diverged if anything did) and the server logs `replay
+divergences (with either client) (printed whole, with what diverged if anything did) and the server logs `replay
 ended as recorded` for each; dmesg has no `given back` or short HID report.
 
 Run: python3 tests/interop/test_replay_kernel.py   (USBWIRE_BIN=path/to/usbwire)
@@ -42,17 +43,20 @@ READ_SECONDS = 14
 LEAD_SECONDS = 3
 # The devices in the order the servers list them (bus ids 0-1, 0-2), recorded and replayed.
 DEVICES = ["keyboard", "serial"]
+# The replay phases: the recordings imported by `usbwire attach`, then by Debian's `usbip attach`.
+REPLAYS = ["replay", "stock"]
 
 GUEST_SCRIPT = r"""
 set -u
 kbd() { grep -q "usbwire keyboard" /proc/bus/input/devices; }
 bound() { ls /sys/bus/usb/drivers/$1 2>/dev/null | grep -q ':'; }
-# phase NAME PORT: import the keyboard (0-1) and the serial port (0-2) of the server at PORT,
-# read the keyboard's events for a while, a line through the serial port, and detach both.
+# phase NAME PORT KEYBOARD SERIAL ATTACH...: import the keyboard and the serial port (bus ids
+# KEYBOARD, SERIAL) of the server at PORT with ATTACH (a command taking -b BUSID), read the
+# keyboard's events for a while, a line through the serial port, and detach both.
 phase() {
-  N=$1; S=10.0.2.2:$2
-  wait_for "usbwire list -r $S 2>/dev/null | grep -q ' 0-2: '" 1800; check $N-listed $?
-  usbwire attach -r $S -b 0-1 > /tmp/attach.out 2>&1; check $N-keyboard-attach $? "$(cat /tmp/attach.out)"
+  N=$1; S=10.0.2.2:$2; KB=$3; SER=$4; shift 4
+  wait_for "usbwire list -r $S 2>/dev/null | grep -q ' $SER: '" 1800; check $N-listed $?
+  "$@" -b $KB > /tmp/attach.out 2>&1; check $N-keyboard-attach $? "$(cat /tmp/attach.out)"
   wait_for kbd 300; check $N-keyboard-input-device $?
   wait_for "bound usbhid" 100; check $N-keyboard-usbhid-bound $?
   EV=$(awk '/usbwire keyboard/ {f=1} f && /Handlers=/ {for (i=1;i<=NF;i++) if ($i ~ /^event/) {print $i; exit}}' /proc/bus/input/devices)
@@ -62,7 +66,7 @@ phase() {
   echo "@@$N-READY-FOR-TYPE"
   wait
   echo "@@$N-EVENTS-BEGIN"; od -A n -t x1 -v /tmp/$N.events; echo "@@$N-EVENTS-END"
-  usbwire attach -r $S -b 0-2 > /tmp/attach.out 2>&1; check $N-serial-attach $? "$(cat /tmp/attach.out)"
+  "$@" -b $SER > /tmp/attach.out 2>&1; check $N-serial-attach $? "$(cat /tmp/attach.out)"
   wait_path /dev/ttyACM0; check $N-serial-tty $?
   wait_for "bound cdc_acm" 100; check $N-serial-cdc_acm-bound $?
   echo "@@$N-SERIAL cdc_acm: $(ls /sys/bus/usb/drivers/cdc_acm | grep ':' | tr '\n' ' ')"
@@ -74,8 +78,9 @@ __SERIAL_PING__
   wait_for '! kbd && [ ! -e /dev/ttyACM0 ]' 300; check $N-devices-gone $?
   echo "@@$N-DETACHED"
 }
-phase record __PORT1__
-phase replay __PORT2__
+phase record __PORT1__ 0-1 0-2 usbwire attach -r 10.0.2.2:__PORT1__
+phase replay __PORT2__ 0-1 0-2 usbwire attach -r 10.0.2.2:__PORT2__
+phase stock __PORT2__ 0-3 0-4 usbip --tcp-port __PORT2__ attach -r 10.0.2.2
 echo "@@DMESG-BEGIN"
 dmesg | grep -iE "vhci_hcd.0: (devid|Device)|vhci_hcd: disconnect|usb 1-|input: usbwire|hid-generic|cdc_acm|given back|too short|error|reset"
 echo "@@DMESG-END"
@@ -105,6 +110,27 @@ def listening(port, server, timeout=30):
     return False
 
 
+def check_reports(checks, phase, paths):
+    """Each device's replay report (written when its import ends, at the detach) has 0
+    divergences and answered the kernel from the recording."""
+    deadline = time.time() + 30
+    while not all(os.path.exists(p) for p in paths.values()) and time.time() < deadline:
+        time.sleep(0.2)
+    for name, path in paths.items():
+        report = None
+        if os.path.exists(path):
+            text = open(path).read()
+            print(f"{phase}: replay report of the {name}:\n{text}", flush=True)
+            report = json.loads(text)
+        checks.check(f"{phase}: the {name}'s replay wrote its report", report is not None, path)
+        if report is not None:
+            checks.check(f"{phase}: the {name}'s replay report has 0 divergences", report.get("divergences") == 0,
+                         json.dumps(report.get("first_divergences"), indent=1))
+            checks.check(f"{phase}: the {name}'s replay answered the kernel's requests from the recording",
+                         report.get("requests", 0) > 0 and report.get("matched", 0) > 0,
+                         f"requests {report.get('requests')}, matched {report.get('matched')}")
+
+
 def replay_lines(log_path, who):
     """The replay server's end-of-import lines (`replay ended as recorded` or `replay diverged`)
     in its log, printed under `who`, and the log's text."""
@@ -126,7 +152,9 @@ def main():
     capture_dir = os.path.join(work, "capture")
     link = os.path.join(work, "ttyUSBWIRE")
     control = os.path.join(work, "record.sock")
-    reports = {name: os.path.join(work, f"{name}.report.json") for name in DEVICES}
+    # Each recording is served twice: for `usbwire attach` (replay) and for `usbip attach` (stock).
+    reports = {(phase, name): os.path.join(work, f"{phase}-{name}.report.json")
+               for phase in REPLAYS for name in DEVICES}
     log_paths = {phase: os.path.join(guest.LOGS, f"replay-kernel.{phase}.log") for phase in ("record", "replay")}
     logs = {phase: open(path, "w") for phase, path in log_paths.items()}
     servers = [subprocess.Popen(
@@ -140,7 +168,7 @@ def main():
         script = (GUEST_SCRIPT.replace("__PORT1__", str(port1)).replace("__PORT2__", str(port2))
                   .replace("__READ__", str(READ_SECONDS)).replace("__LEAD__", str(LEAD_SECONDS))
                   .replace("__SERIAL_PING__\n", GUEST_SERIAL_PING))
-        g = guest.Guest("replay-kernel", script, files={BIN: "/usr/bin/usbwire"}, timeout=420)
+        g = guest.Guest("replay-kernel", script, files={BIN: "/usr/bin/usbwire"}, timeout=600)
         g.wait_for("@@BOOTED", 180)
         print(f"guest booted in {time.time() - g.started:.1f} s", flush=True)
 
@@ -199,36 +227,21 @@ def main():
         # Phase 2: the recordings served back; nobody types or answers.
         command = [BIN, "serve", "-v", "--listen", f"127.0.0.1:{port2}", "--no-advertise",
                    "--control", os.path.join(work, "replay.sock")]
-        for name in DEVICES:
-            command += ["--virtual", f"replay={recordings[name]},timing=recorded,report={reports[name]}"]
+        for phase in REPLAYS:
+            for name in DEVICES:
+                command += ["--virtual", f"replay={recordings[name]},timing=recorded,report={reports[phase, name]}"]
         servers = [subprocess.Popen(command, stdout=logs["replay"], stderr=subprocess.STDOUT)]
         checks.check("the replay server listens", listening(port2, servers[0]), log_paths["replay"])
-        replayed, replayed_serial = run_phase("replay", False)
-        checks.check("replay: the typed word's key presses arrive", presses(replayed) == expected,
-                     f"expected {expected}, got {presses(replayed)}")
-        checks.check("replay: the key events (type, code, value) are the recorded ones",
-                     len(replayed) > 0 and replayed == recorded, f"\nrecorded {recorded}\nreplayed {replayed}")
-        checks.check("replay: ttyACM0 reads the recorded bytes",
-                     replayed_serial != "" and replayed_serial == recorded_serial,
-                     f"recorded {recorded_serial!r}, replayed {replayed_serial!r}")
-
-        # A report is written when its import ends (the detach).
-        deadline = time.time() + 30
-        while not all(os.path.exists(p) for p in reports.values()) and time.time() < deadline:
-            time.sleep(0.2)
-        for name in DEVICES:
-            report = None
-            if os.path.exists(reports[name]):
-                text = open(reports[name]).read()
-                print(f"replay report of the {name}:\n{text}", flush=True)
-                report = json.loads(text)
-            checks.check(f"the {name}'s replay wrote its report", report is not None, reports[name])
-            if report is not None:
-                checks.check(f"the {name}'s replay report has 0 divergences", report.get("divergences") == 0,
-                             json.dumps(report.get("first_divergences"), indent=1))
-                checks.check(f"the {name}'s replay answered the kernel's requests from the recording",
-                             report.get("requests", 0) > 0 and report.get("matched", 0) > 0,
-                             f"requests {report.get('requests')}, matched {report.get('matched')}")
+        for phase in REPLAYS:
+            replayed, replayed_serial = run_phase(phase, False)
+            checks.check(f"{phase}: the typed word's key presses arrive", presses(replayed) == expected,
+                         f"expected {expected}, got {presses(replayed)}")
+            checks.check(f"{phase}: the key events (type, code, value) are the recorded ones",
+                         len(replayed) > 0 and replayed == recorded, f"\nrecorded {recorded}\nreplayed {replayed}")
+            checks.check(f"{phase}: ttyACM0 reads the recorded bytes",
+                         replayed_serial != "" and replayed_serial == recorded_serial,
+                         f"recorded {recorded_serial!r}, replayed {replayed_serial!r}")
+            check_reports(checks, phase, {name: reports[phase, name] for name in DEVICES})
 
         dmesg = g.collect("@@DMESG-BEGIN", "@@DMESG-END", 60)
         print(f"guest dmesg (USB lines):\n{dmesg}", flush=True)
@@ -240,9 +253,9 @@ def main():
         logs["replay"].close()
         ended, log_text = replay_lines(log_paths["replay"], "replay server")
         for name in DEVICES:
-            checks.check(f"the replay server logs `replay ended as recorded` for the {name}",
-                         any("replay ended as recorded" in line and recordings[name] in line for line in ended),
-                         log_text[-3000:])
+            checks.check(f"the replay server logs `replay ended as recorded` for the {name}, for each client",
+                         sum("replay ended as recorded" in line and recordings[name] in line for line in ended)
+                         == len(REPLAYS), log_text[-3000:])
     except Exception as error:  # a wait that timed out is a failure with a reason
         checks.check("test ran to the end", False, str(error))
     finally:
