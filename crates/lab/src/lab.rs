@@ -29,11 +29,14 @@ pub struct Lab {
 }
 
 /// The range requests a [`Lab`] made and the bytes they brought back (keys
-/// and values): what its operations cost etcd, for benchmarks and tests.
+/// and values), and the reservation transactions it ran: what its
+/// operations cost etcd, for benchmarks and tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Reads {
     pub requests: u64,
     pub bytes: u64,
+    /// Reservation transactions run (a chain's try is one).
+    pub transactions: u64,
 }
 
 impl Reads {

@@ -3,11 +3,15 @@
 //! A reservation reads one short page of the free devices under the first of
 //! its selector's indexed terms (`index/free/…`, see [`crate::entry`]), from
 //! a random bucket so racing clients spread over the lab, and tries those
-//! devices in random order. Each try is one transaction that succeeds only if
-//! the device has no reservation and is still free under every indexed term
-//! of the selector (so it matches all of them). Uncontended, a reservation
-//! reads [`FREE_PAGE`] keys and runs one lease grant and one transaction,
-//! whatever the lab's size. When the free pages hold nothing it can take (a
+//! devices in random order, [`CHAIN`] at a time: each try is one transaction
+//! that reserves the first of its devices that has no reservation and is
+//! still free under every indexed term of the selector (so it matches all of
+//! them), each device's test and reservation nested in the previous one's
+//! failure branch (etcd ≥ 3.3). A free key goes only once its server has seen
+//! the reservation, so racing clients read keys of devices already taken: a
+//! chain still takes one of its other devices in the same transaction.
+//! Uncontended, a reservation reads [`FREE_PAGE`] keys and runs one lease
+//! grant and one transaction, whatever the lab's size. When the free pages hold nothing it can take (a
 //! selector of a bus id or a server alone, every matching device taken,
 //! servers that do not publish free keys), it reads the index in full, as it
 //! did before the free keys: that read also says why none is free. Not for
@@ -30,8 +34,11 @@ use crate::request::{self, transient, RETRY_WITHIN};
 /// Free-device keys one page reads.
 pub(crate) const FREE_PAGE: i64 = 32;
 /// Pages read from random buckets before the full index is read (each tried
-/// until two of its devices were lost to faster clients).
+/// until two of its chains were lost to faster clients).
 const FREE_PAGES: usize = 4;
+/// Devices one transaction tries, in order (each nested in the failure
+/// branch of the one before).
+pub(crate) const CHAIN: usize = 8;
 
 impl Lab {
     /// Takes a free device that matches `want` (see the module docs). Fails
@@ -54,26 +61,23 @@ impl Lab {
                     break;
                 }
                 // A free key goes only once its server has seen the reservation: after
-                // two lost, the page is likely stale where racing clients took from it.
-                // A lost try also says which others of the page are reserved by then.
+                // two chains lost, the page is likely stale where racing clients took
+                // from it. A lost chain also says which others of the page are reserved.
                 let mut lost = 0;
-                let mut reserved = vec![false; page.len()];
-                for (i, candidate) in page.iter().enumerate() {
-                    if reserved[i] {
-                        continue;
-                    }
-                    match self.try_take(candidate, &page[i + 1..], taking).await? {
+                let mut left = page;
+                while !left.is_empty() && lost < 2 {
+                    let rest = left.split_off(left.len().min(CHAIN));
+                    match self.try_take(&left, &rest, taking).await? {
                         Tried::Taken(reservation) => return Ok(*reservation),
-                        Tried::Skipped => {}
-                        Tried::Lost(also) => {
-                            lost += 1;
-                            for (flag, taken) in reserved[i + 1..].iter_mut().zip(also) {
-                                *flag |= taken;
-                            }
+                        Tried::Skipped(at) => {
+                            // The chain's devices after the skipped one were not tried.
+                            left.drain(..=at);
+                            left.extend(rest);
                         }
-                    }
-                    if lost >= 2 {
-                        break;
+                        Tried::Lost(reserved) => {
+                            lost += 1;
+                            left = rest.into_iter().zip(reserved).filter(|(_, r)| !r).map(|(c, _)| c).collect();
+                        }
                     }
                 }
             }
@@ -131,14 +135,18 @@ impl Lab {
         let attempts = 2 * seen.matching + 8;
         let mut tried = 0;
         let mut lost_since_read = 0;
-        while let Some(candidate) = seen.free.pop() {
-            tried += 1;
+        while !seen.free.is_empty() {
+            let mut chain = seen.free.split_off(seen.free.len().saturating_sub(CHAIN));
+            tried += chain.len();
             if tried > attempts {
                 break;
             }
-            match self.try_take(&candidate, &[], taking).await? {
+            match self.try_take(&chain, &[], taking).await? {
                 Tried::Taken(reservation) => return Ok(*reservation),
-                Tried::Skipped => {}
+                Tried::Skipped(at) => {
+                    chain.drain(..=at);
+                    seen.free.extend(chain);
+                }
                 Tried::Lost(_) => {
                     lost_since_read += 1;
                     if lost_since_read >= 2 || seen.free.is_empty() {
@@ -208,11 +216,12 @@ impl Lab {
         Ok(found.unwrap_or_default())
     }
 
-    /// One transaction: the reservation of `candidate`, if it has none and
-    /// its conditions hold, with its device and server entries read back.
+    /// One transaction: the reservation of the first device of `chain` that
+    /// has none and whose conditions hold, with its device and server entries
+    /// read back; lost, it counts the reservations of `rest`.
     async fn try_take(
         &mut self,
-        candidate: &Candidate,
+        chain: &[Candidate],
         rest: &[Candidate],
         taking: &mut Taking,
     ) -> Result<Tried, LabError> {
@@ -220,34 +229,45 @@ impl Lab {
             Some(lease) => lease,
             None => *taking.lease.insert(request::lease_grant(&self.client, taking.ttl_secs).await?),
         };
-        let key = self.keys.reservation(&candidate.server, &candidate.busid);
-        let mut conditions = vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)];
-        conditions.extend(candidate.conditions.iter().cloned());
-        let reads = [
-            TxnOp::get(self.keys.device(&candidate.server, &candidate.busid), None),
-            TxnOp::get(self.keys.server(&candidate.server), None),
-        ];
-        let put = TxnOp::put(key.clone(), taking.json.clone(), Some(PutOptions::new().with_lease(lease)));
+        let reads = |candidate: &Candidate| {
+            [
+                TxnOp::get(self.keys.device(&candidate.server, &candidate.busid), None),
+                TxnOp::get(self.keys.server(&candidate.server), None),
+            ]
+        };
         // Lost, it tells which of `rest` are reserved by then (count only: nothing else is read).
-        let who_else = rest.iter().map(|other| {
-            let key = self.keys.reservation(&other.server, &other.busid);
-            TxnOp::get(key, Some(GetOptions::new().with_count_only()))
-        });
-        let take =
-            Txn::new().when(conditions).and_then([&[put], &reads[..]].concat()).or_else(who_else.collect::<Vec<_>>());
-        // If a try's answer is lost, the reservation may be ours already.
-        let landed =
-            Txn::new().when([Compare::value(key.clone(), CompareOp::Equal, taking.json.clone())]).and_then(reads);
-        let response = self.take_once(take, landed, taking).await?;
-        if !response.succeeded() {
-            let reserved = response
-                .op_responses()
-                .iter()
-                .map(|op| matches!(op, TxnOpResponse::Get(got) if got.count() > 0))
-                .collect();
-            return Ok(Tried::Lost(reserved));
+        let who_else: Vec<TxnOp> = rest
+            .iter()
+            .map(|other| {
+                let key = self.keys.reservation(&other.server, &other.busid);
+                TxnOp::get(key, Some(GetOptions::new().with_count_only()))
+            })
+            .collect();
+        // Built from the chain's last device on: each in the failure branch of the one before.
+        let (mut take, mut landed): (Option<Txn>, Option<Txn>) = (None, None);
+        for candidate in chain.iter().rev() {
+            let key = self.keys.reservation(&candidate.server, &candidate.busid);
+            let mut conditions = vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)];
+            conditions.extend(candidate.conditions.iter().cloned());
+            let put = TxnOp::put(key.clone(), taking.json.clone(), Some(PutOptions::new().with_lease(lease)));
+            let otherwise = take.take().map_or_else(|| who_else.clone(), |inner| vec![TxnOp::txn(inner)]);
+            let then = [&[put], &reads(candidate)[..]].concat();
+            take = Some(Txn::new().when(conditions).and_then(then).or_else(otherwise));
+            // If a try's answer is lost, the reservation may be ours already.
+            let ours = Compare::value(key, CompareOp::Equal, taking.json.clone());
+            let otherwise = landed.take().map(|inner| vec![TxnOp::txn(inner)]).unwrap_or_default();
+            landed = Some(Txn::new().when([ours]).and_then(reads(candidate)).or_else(otherwise));
         }
-        let mut read = response.op_responses().into_iter().filter_map(|op| match op {
+        let (Some(take), Some(landed)) = (take, landed) else { return Ok(Tried::Lost(vec![false; rest.len()])) };
+        self.reads.transactions += 1;
+        let response = self.take_once(take, landed, taking).await?;
+        let (depth, answered) = branch_taken(response);
+        let Some(candidate) = chain.get(depth) else {
+            let reserved = answered.iter().map(|op| matches!(op, TxnOpResponse::Get(got) if got.count() > 0)).collect();
+            return Ok(Tried::Lost(reserved));
+        };
+        let key = self.keys.reservation(&candidate.server, &candidate.busid);
+        let mut read = answered.into_iter().filter_map(|op| match op {
             TxnOpResponse::Get(got) => got.kvs().first().map(|kv| kv.value().to_vec()),
             _ => None,
         });
@@ -256,7 +276,7 @@ impl Lab {
         let (Some(device), Some(server)) = (device, server) else {
             // Its server went between the read and now: give it back, try another.
             let _ = request::delete(&self.client, key, None).await;
-            return Ok(Tried::Skipped);
+            return Ok(Tried::Skipped(depth));
         };
         if !names_its_key(&server, &device, &candidate.server, &candidate.busid) {
             // Records under one server's keys that name another: a client would
@@ -265,7 +285,7 @@ impl Lab {
                 named_device = %format!("{} {}", device.server, device.record.busid),
                 "skipped: its registry records name another server or device than their keys");
             let _ = request::delete(&self.client, key, None).await;
-            return Ok(Tried::Skipped);
+            return Ok(Tried::Skipped(depth));
         }
         if taking.answers_lost {
             self.give_back_all_but(lease, &key).await?;
@@ -288,9 +308,10 @@ impl Lab {
 
     /// Runs `take` (a reservation's transaction) once; when its answer is
     /// lost to a transient failure, asks with `landed` whether it took
-    /// effect (the reservation is ours: its record is unique to this try's
-    /// token) before running it again, with the client's retry waits, for
-    /// at most [`RETRY_WITHIN`]. Never two reservations from one try.
+    /// effect on any device of its chain (the reservation is ours: its record
+    /// is unique to this try's token) before running it again, with the
+    /// client's retry waits, for at most [`RETRY_WITHIN`]. Never two
+    /// reservations from one try.
     async fn take_once(&mut self, take: Txn, landed: Txn, taking: &mut Taking) -> Result<TxnResponse, LabError> {
         let started = tokio::time::Instant::now();
         let mut backoff = Retry::PATIENT.backoff();
@@ -305,7 +326,7 @@ impl Lab {
             taking.answers_lost = true;
             tokio::time::sleep(backoff.next_delay()).await;
             let ours = request::txn(&self.client, landed.clone()).await?;
-            if ours.succeeded() {
+            if branch_taken(ours.clone()).0 != usize::MAX {
                 return Ok(ours);
             }
             last = self.client.txn(take.clone()).await;
@@ -369,6 +390,31 @@ impl Taking {
     }
 }
 
+/// Which device of a chain's transaction (or of its "landed" question) took
+/// its success branch, counted from 0 down the nested failure branches, and
+/// that branch's answers; `usize::MAX` when none did, with the innermost
+/// failure branch's answers.
+fn branch_taken(response: TxnResponse) -> (usize, Vec<TxnOpResponse>) {
+    let mut depth = 0;
+    let mut response = response;
+    loop {
+        let mut answers = response.op_responses();
+        if response.succeeded() {
+            return (depth, answers);
+        }
+        match answers.pop() {
+            Some(TxnOpResponse::Txn(inner)) if answers.is_empty() => {
+                depth += 1;
+                response = inner;
+            }
+            last => {
+                answers.extend(last);
+                return (usize::MAX, answers);
+            }
+        }
+    }
+}
+
 /// The condition of a device found in the index: its entry there still says available.
 fn still_available(index_key: String) -> Compare {
     Compare::value(index_key, CompareOp::Equal, Availability::AVAILABLE)
@@ -377,11 +423,14 @@ fn still_available(index_key: String) -> Compare {
 /// What one try came to.
 enum Tried {
     Taken(Box<Reservation>),
-    /// Someone was faster (or the device is no longer free); for each of
-    /// the other candidates the try was given, whether it was reserved then.
+    /// Someone was faster on every device of the chain (or they are no
+    /// longer free); for each of the other candidates the try was given,
+    /// whether it was reserved then.
     Lost(Vec<bool>),
-    /// Its records were gone or named another server: given back.
-    Skipped,
+    /// The chain's device at this place was taken, but its records were
+    /// gone or named another server: given back (the devices after it in
+    /// the chain were not tried).
+    Skipped(usize),
 }
 
 /// What one read of the index showed: the free candidates (shuffled, so

@@ -1,5 +1,5 @@
 //! The phases of a lab bench run, one function each, in the order they run:
-//! registration, list, connect, reserve, release. Each measures its own
+//! registration, list (whole, then filtered), connect, reserve, release. Each measures its own
 //! operations and reads etcd's counters around them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -33,12 +33,13 @@ pub(super) async fn run(
     let (registration, matching, registration_lost) =
         register(&mut observer, endpoint, metrics, fleet, scale, progress).await?;
     phases.push(registration);
-    phases.push(list(&mut observer, metrics).await?);
-    let (connect, labs) = connect(endpoint, metrics, scale.clients, progress).await?;
-    phases.push(connect);
     let want: Want = format!("label={LABEL}")
         .parse()
         .map_err(|e: usbwire_lab::WantError| LabBenchError::Inconsistent(e.to_string()))?;
+    phases.push(list(&mut observer, metrics, None).await?);
+    phases.push(list(&mut observer, metrics, Some(&want)).await?);
+    let (connect, labs) = connect(endpoint, metrics, scale.clients, progress).await?;
+    phases.push(connect);
     let (reserve, reserving) = reserve(labs, &want, metrics, progress).await?;
     phases.push(reserve);
     check_exclusive(&reserving.held, &mut observer).await?;
@@ -153,19 +154,24 @@ async fn register(
     Ok((phase, matching, lost))
 }
 
-/// List latency: one client, one call after another.
-async fn list(observer: &mut Lab, metrics: &Metrics) -> Result<Phase, LabBenchError> {
+/// List latency: one client, one call after another; the whole fleet, or
+/// with `want` the devices it matches (`list --registry --device`, read
+/// from the index).
+async fn list(observer: &mut Lab, metrics: &Metrics, want: Option<&Want>) -> Result<Phase, LabBenchError> {
     let before = metrics.begin().await;
     let started = Instant::now();
     let mut list_ms = Vec::with_capacity(LIST_CALLS);
     for _ in 0..LIST_CALLS {
         let call = Instant::now();
-        let listed = observer.fleet().await?;
+        let listed = match want {
+            Some(want) => observer.fleet_matching(want).await?,
+            None => observer.fleet().await?,
+        };
         list_ms.push(millis(call));
         std::hint::black_box(listed);
     }
     Ok(Phase {
-        name: "list",
+        name: if want.is_some() { "list-filtered" } else { "list" },
         unit: "list",
         ops: LIST_CALLS,
         seconds: started.elapsed().as_secs_f64(),

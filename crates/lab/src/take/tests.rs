@@ -259,9 +259,10 @@ async fn a_reservation_among_thousands_reads_one_page() {
 }
 
 /// Racing clients leave free keys behind until their servers see the
-/// reservations: a try lost on one device also says which others of the page
-/// are reserved by then, so a client skips them rather than losing to each
-/// in turn (and reading page after page).
+/// reservations: a transaction tries a chain of the page's devices, and a
+/// chain lost also says which others of the page are reserved by then, so a
+/// client skips them rather than losing to each in turn (and reading page
+/// after page).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_try_tells_which_others_of_the_page_are_reserved() {
     let Some(cluster) = Cluster::start(1, "lost_try").await else { return };
@@ -283,6 +284,9 @@ async fn a_lost_try_tells_which_others_of_the_page_are_reserved() {
         let reservation = lab.reserve(&"label=nucleo".parse().unwrap(), hold, "test").await.unwrap();
         let requests = lab.reads().requests - before.requests;
         assert!(requests <= 2, "{requests} range requests: more than the one page");
+        // A chain of 8 of the page's devices, then one of those a lost chain said are free.
+        let transactions = lab.reads().transactions - before.transactions;
+        assert!(transactions <= 2, "{transactions} transactions for one reservation");
         let busid = reservation.device.record.busid.clone();
         assert!(busids[25..].contains(&busid), "took {busid}, reserved by someone else");
         assert!(taken.insert(busid));
@@ -290,4 +294,37 @@ async fn a_lost_try_tells_which_others_of_the_page_are_reserved() {
     }
     let none = lab.reserve(&"label=nucleo".parse().unwrap(), hold, "test").await;
     assert!(matches!(none, Err(LabError::NoneFree { .. })), "{:?}", none.err());
+}
+
+/// One transaction takes the first free device of its chain: with every
+/// device of a page but one reserved by others (their free keys still
+/// there), a reservation of a page that fits in one chain takes that one in
+/// a single transaction, and the chain's answer says which device it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_takes_its_one_free_device_in_one_transaction() {
+    let Some(cluster) = Cluster::start(1, "chain").await else { return };
+    let keys = Keys::new("test");
+    let mut client = cluster.client(0).await;
+    let server = "10.0.0.1:3240";
+    plant(&mut client, &keys, server, super::CHAIN, 1).await;
+    let busids: Vec<String> = (0..super::CHAIN).map(|i| format!("1-{}", 1 + i)).collect();
+    let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
+    let hold = Hold::WhileRunning { ttl: Duration::from_secs(5), until: None };
+    for free in 0..super::CHAIN {
+        for (i, busid) in busids.iter().enumerate() {
+            let key = keys.reservation(server, busid);
+            if i == free {
+                client.delete(key, None).await.unwrap();
+            } else {
+                client.put(key, "someone else's", None).await.unwrap();
+            }
+        }
+        let before = lab.reads();
+        let reservation = lab.reserve(&"label=nucleo".parse().unwrap(), hold, "test").await.unwrap();
+        assert_eq!(reservation.device.record.busid, busids[free], "took a device reserved by someone else");
+        assert_eq!(lab.reads().transactions - before.transactions, 1);
+        let held = client.get(keys.reservation(server, &busids[free]), None).await.unwrap();
+        assert_ne!(held.kvs()[0].value(), b"someone else's");
+        reservation.keep();
+    }
 }
