@@ -201,6 +201,9 @@ struct Session {
     keys: Keys,
     devices: usize,
     reservations: HashMap<String, Reservation>,
+    /// Each device's keys and values as the last sync made them (by bus id):
+    /// a reservation's change recomputes only its device's.
+    desired: HashMap<String, HashMap<String, String>>,
     revision: i64,
     /// The reservations' changes after `revision`, set up by `start`.
     watch: Option<etcd_client::WatchStream>,
@@ -256,7 +259,15 @@ impl Session {
             ])
             .or_else([TxnOp::put(key, entry, Some(PutOptions::new().with_lease(held.id)))]);
         request::txn(&client, put).await?;
-        let mut session = Self { client, keys, devices: 0, reservations: HashMap::new(), revision: 0, watch: None };
+        let mut session = Self {
+            client,
+            keys,
+            devices: 0,
+            reservations: HashMap::new(),
+            desired: HashMap::new(),
+            revision: 0,
+            watch: None,
+        };
         // Reservations now (the index shows them), then every change after them.
         let reserved = request::get(
             &session.client,
@@ -312,14 +323,15 @@ impl Session {
                     if response.canceled() {
                         return LabError::Unreachable { url: registration.endpoint.url.to_string(), reason: format!("the reservation watch was cancelled: {}", response.cancel_reason()), tls: false };
                     }
+                    let mut reserved_or_not = Vec::new();
                     for event in response.events() {
                         let Some(kv) = event.kv() else { continue };
                         let value = (event.event_type() == EventType::Put).then(|| kv.value());
-                        self.reservation_changed(kv.key(), value);
+                        reserved_or_not.extend(self.reservation_changed(kv.key(), value));
                     }
                     registry.set_reservations(self.reservations.clone());
-                    // The index says which devices are reserved.
-                    if let Err(error) = self.sync(registration, registry, lease).await {
+                    // The index says which devices are reserved: only theirs change.
+                    if let Err(error) = self.sync_devices(registration, registry, lease, &reserved_or_not).await {
                         return error;
                     }
                 }
@@ -336,35 +348,76 @@ impl Session {
         registry: &Registry,
         lease: &mut Lease,
     ) -> Result<(), LabError> {
-        let address = &registration.server.address;
-        let mut now: HashMap<String, String> = HashMap::new();
         let exports = registry.list();
-        for export in &exports {
-            let entry = device_entry(address, export, &registration.labels);
-            let availability = Availability::of(entry.state(), self.reservations.contains_key(&entry.record.busid));
-            for key in self.keys.index_entries(&entry) {
-                now.insert(key, availability.to_owned());
-            }
-            if availability == Availability::AVAILABLE {
-                for key in self.keys.free_entries(&entry) {
-                    now.insert(key, Availability::AVAILABLE.to_owned());
-                }
-            }
-            now.insert(
-                self.keys.device(address, &entry.record.busid),
-                serde_json::to_string(&entry).unwrap_or_default(),
-            );
-        }
+        self.desired = exports
+            .iter()
+            .map(|export| (export.record.busid.as_str().to_owned(), self.keys_of(registration, export)))
+            .collect();
         // Key → the value to put, or `None` to delete it.
         let mut changes: Vec<(String, Option<String>)> = Vec::new();
-        for (key, value) in &now {
+        for (key, value) in self.desired.values().flatten() {
             if lease.published.get(key) != Some(value) {
                 changes.push((key.clone(), Some(value.clone())));
             }
         }
-        for key in lease.published.keys().filter(|key| !now.contains_key(*key)) {
+        let now: std::collections::HashSet<&String> = self.desired.values().flat_map(|keys| keys.keys()).collect();
+        for key in lease.published.keys().filter(|key| !now.contains(key)) {
             changes.push((key.clone(), None));
         }
+        self.devices = exports.len();
+        self.write(changes, lease).await
+    }
+
+    /// [`Session::sync`] for the devices `busids` alone (their reservations
+    /// changed): their keys are made again and what changed is written; the
+    /// other devices' are as the last sync left them.
+    async fn sync_devices(
+        &mut self,
+        registration: &Registration,
+        registry: &Registry,
+        lease: &mut Lease,
+        busids: &[String],
+    ) -> Result<(), LabError> {
+        let exports = registry.list();
+        let mut changes: Vec<(String, Option<String>)> = Vec::new();
+        for busid in busids {
+            let Some(export) = exports.iter().find(|export| export.record.busid.as_str() == busid) else { continue };
+            let keys = self.keys_of(registration, export);
+            let before = self.desired.remove(busid).unwrap_or_default();
+            for (key, value) in &keys {
+                if lease.published.get(key) != Some(value) {
+                    changes.push((key.clone(), Some(value.clone())));
+                }
+            }
+            for key in before.keys().filter(|key| !keys.contains_key(*key) && lease.published.contains_key(*key)) {
+                changes.push((key.clone(), None));
+            }
+            self.desired.insert(busid.clone(), keys);
+        }
+        self.write(changes, lease).await
+    }
+
+    /// A device's keys and values: its entry, its index keys with its
+    /// availability, and its free keys while it is available.
+    fn keys_of(&self, registration: &Registration, export: &ExportInfo) -> HashMap<String, String> {
+        let address = &registration.server.address;
+        let entry = device_entry(address, export, &registration.labels);
+        let availability = Availability::of(entry.state(), self.reservations.contains_key(&entry.record.busid));
+        let mut keys: HashMap<String, String> =
+            self.keys.index_entries(&entry).into_iter().map(|key| (key, availability.to_owned())).collect();
+        if availability == Availability::AVAILABLE {
+            keys.extend(
+                self.keys.free_entries(&entry).into_iter().map(|key| (key, Availability::AVAILABLE.to_owned())),
+            );
+        }
+        keys.insert(self.keys.device(address, &entry.record.busid), serde_json::to_string(&entry).unwrap_or_default());
+        keys
+    }
+
+    /// Writes `changes` (a key's new value, or `None` to delete it) under
+    /// `lease`, [`OPS_PER_TXN`] to a transaction, and notes what was
+    /// published.
+    async fn write(&mut self, changes: Vec<(String, Option<String>)>, lease: &mut Lease) -> Result<(), LabError> {
         let count = changes.len();
         for batch in changes.chunks(OPS_PER_TXN) {
             let ops: Vec<TxnOp> = batch
@@ -389,12 +442,13 @@ impl Session {
         if count > 0 {
             debug!(changed = count, "published device changes");
         }
-        self.devices = exports.len();
         Ok(())
     }
 
-    fn reservation_changed(&mut self, key: &[u8], value: Option<&[u8]>) {
-        let Some(Key::Reservation { busid, .. }) = self.keys.parse(key) else { return };
+    /// Takes in a change of a reservation of this server's: the device's bus
+    /// id, if the key is one.
+    fn reservation_changed(&mut self, key: &[u8], value: Option<&[u8]>) -> Option<String> {
+        let Some(Key::Reservation { busid, .. }) = self.keys.parse(key) else { return None };
         let reservation = value.and_then(decode::<ReservationEntry>).and_then(|entry| {
             let digest = digest_from_hex(&entry.token_sha256)?;
             let ReservationEntry { holder, client, since_at, until_at, .. } = entry;
@@ -406,7 +460,7 @@ impl Session {
         match reservation {
             Some(reservation) => {
                 info!(%busid, holder = %reservation.reserved_for.holder, "device reserved in the lab registry");
-                self.reservations.insert(busid, reservation);
+                self.reservations.insert(busid.clone(), reservation);
             }
             // Gone; an unreadable one counts as none (and is logged).
             None => {
@@ -418,6 +472,7 @@ impl Session {
                 }
             }
         }
+        Some(busid)
     }
 }
 

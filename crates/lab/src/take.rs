@@ -10,8 +10,8 @@
 //! failure branch (etcd ≥ 3.3). A free key goes only once its server has seen
 //! the reservation, so racing clients read keys of devices already taken: a
 //! chain still takes one of its other devices in the same transaction.
-//! Uncontended, a reservation reads [`FREE_PAGE`] keys and runs one lease
-//! grant and one transaction, whatever the lab's size. When the free pages hold nothing it can take (a
+//! Uncontended, a reservation reads [`FREE_PAGE`] keys, with one lease grant
+//! at the same time, and runs one transaction, whatever the lab's size. When the free pages hold nothing it can take (a
 //! selector of a bus id or a server alone, every matching device taken,
 //! servers that do not publish free keys), it reads the index in full, as it
 //! did before the free keys: that read also says why none is free. Not for
@@ -55,8 +55,17 @@ impl Lab {
     async fn take(&mut self, want: &Want, taking: &mut Taking) -> Result<Reservation, LabError> {
         let free = want.free_prefixes(&self.keys);
         if let Some(first) = free.first() {
-            for _ in 0..FREE_PAGES {
-                let page = self.free_page(first, want, &free).await?;
+            for round in 0..FREE_PAGES {
+                let page = if round == 0 && taking.lease.is_none() {
+                    // The reservation's lease is granted while the first page is read.
+                    let (client, ttl) = (self.client.clone(), taking.ttl_secs);
+                    let granting = async move { request::lease_grant(&client, ttl).await };
+                    let (page, lease) = tokio::join!(self.free_page(first, want, &free), granting);
+                    taking.lease = Some(lease?);
+                    page?
+                } else {
+                    self.free_page(first, want, &free).await?
+                };
                 if page.is_empty() {
                     break;
                 }
