@@ -33,6 +33,11 @@ use crate::request::{self, transient, RETRY_WITHIN};
 
 /// Free-device keys one page reads.
 pub(crate) const FREE_PAGE: i64 = 32;
+/// Buckets a page's first read spans, from a random one: etcd 3.4 walks its
+/// index over a range's every key whatever the limit (3.5 stops at the
+/// limit), so a read to the prefix's end would cost etcd O(matching devices).
+/// 16 of 256 buckets hold 32 free keys once 512 devices are free.
+const WINDOW: u32 = 16;
 /// Pages read from random buckets before the full index is read (each tried
 /// until two of its chains were lost to faster clients).
 const FREE_PAGES: usize = 4;
@@ -95,15 +100,18 @@ impl Lab {
     }
 
     /// Up to [`FREE_PAGE`] devices free under `first` (from a random bucket
-    /// on, wrapping to the prefix's start), that the bus id and server terms
+    /// on, [`WINDOW`] buckets first, wrapping to the prefix's start), that the bus id and server terms
     /// allow, in random order; each to be taken only while free under every
     /// prefix of `free`.
     async fn free_page(&mut self, first: &str, want: &Want, free: &[String]) -> Result<Vec<Candidate>, LabError> {
-        let bucket = format!("{first}{:02x}", rand::random::<u32>() % BUCKETS);
-        let mut kvs = self.keys_between(bucket.as_bytes().to_vec(), prefix_end(first), FREE_PAGE).await?;
+        let start = rand::random::<u32>() % BUCKETS;
+        let window = start + WINDOW;
+        // The window first; then, when it holds too few (a small lab, or most taken),
+        // the rest of the prefix from its end on, wrapping to the prefix's start.
+        let mut kvs = self.keys_in_buckets(first, start, window, FREE_PAGE).await?;
         let short = FREE_PAGE - i64::try_from(kvs.len()).unwrap_or(FREE_PAGE);
         if short > 0 {
-            kvs.extend(self.keys_between(first.as_bytes().to_vec(), bucket.into_bytes(), short).await?);
+            kvs.extend(self.keys_in_buckets(first, window, start + BUCKETS, short).await?);
         }
         let mut page: Vec<Candidate> = kvs
             .iter()
@@ -122,6 +130,21 @@ impl Lab {
             .collect();
         page.shuffle(&mut rand::thread_rng());
         Ok(page)
+    }
+
+    /// Up to `limit` keys of the free prefix `first` in the buckets
+    /// `[from, to)`, counted on past the last bucket to wrap to the first
+    /// (two ranges then).
+    async fn keys_in_buckets(&mut self, first: &str, from: u32, to: u32, limit: i64) -> Result<Vec<Vec<u8>>, LabError> {
+        let (from, to) = if from >= BUCKETS { (from - BUCKETS, to - BUCKETS) } else { (from, to) };
+        let bucket = |b: u32| format!("{first}{b:02x}").into_bytes();
+        let end = |b: u32| if b >= BUCKETS { prefix_end(first) } else { bucket(b) };
+        let mut kvs = self.keys_between(bucket(from), end(to), limit).await?;
+        let short = limit - i64::try_from(kvs.len()).unwrap_or(limit);
+        if to > BUCKETS && short > 0 {
+            kvs.extend(self.keys_between(bucket(0), end(to - BUCKETS), short).await?);
+        }
+        Ok(kvs)
     }
 
     /// Up to `limit` keys in `[from, to)`, without their values.

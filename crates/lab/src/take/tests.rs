@@ -219,8 +219,9 @@ async fn the_free_index_stays_true_and_no_device_is_held_twice() {
     let before = lab.reads();
     let reservation = lab.reserve(&want, hold, "test").await.unwrap();
     let read = lab.reads();
-    // A page from a random bucket on, and the rest of it from the start when it is short.
-    assert!(read.requests - before.requests <= 2, "one page of free devices: {:?} then {read:?}", before);
+    // A page: a window of buckets from a random one on, and the rest of the prefix when the
+    // window is short, as in a lab this small (each two ranges when it wraps).
+    assert!(read.requests - before.requests <= 4, "one page of free devices: {:?} then {read:?}", before);
     reservation.release().await.unwrap();
     for publisher in &mut publishers {
         publisher.kill();
@@ -283,7 +284,8 @@ async fn a_lost_try_tells_which_others_of_the_page_are_reserved() {
         let before = lab.reads();
         let reservation = lab.reserve(&"label=nucleo".parse().unwrap(), hold, "test").await.unwrap();
         let requests = lab.reads().requests - before.requests;
-        assert!(requests <= 2, "{requests} range requests: more than the one page");
+        // One page of a small lab: its window, then the rest of the prefix (each two ranges when it wraps).
+        assert!(requests <= 4, "{requests} range requests: more than the one page");
         // A chain of 8 of the page's devices, then one of those a lost chain said are free.
         let transactions = lab.reads().transactions - before.transactions;
         assert!(transactions <= 2, "{transactions} transactions for one reservation");
