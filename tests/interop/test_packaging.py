@@ -24,11 +24,12 @@ BIN = guest.BIN
 CONTRIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "contrib")
 MAX_EXPOSURE = 5.0
 # What the release binary may weigh: a budget against a heavy dependency slipping in,
-# not a target. 19.9 MiB at c2c2d91 and 20.6 MiB at ebbb78b (2026-11-28): the growth is
-# spread over code thin LTO inlined (the server's session and URB futures, tokio's task
-# polls, the device's submit), not one new dependency; 22 MiB leaves that room and still
-# fails on the next gRPC-sized addition.
-MAX_BYTES = 22 << 20
+# not a target. 19.9 MiB at c2c2d91 and 20.6 MiB at ebbb78b (2026-11-28), 22.04 MiB at
+# ef656a0 (2026-11-30): the growth is spread over code thin LTO inlined (the server's
+# session and URB futures, tokio's task polls, the device's submit; the storage
+# accelerator, replay, the lab's reservation chains), not one new dependency; 23 MiB
+# leaves that room and still fails on the next gRPC-sized addition.
+MAX_BYTES = 23 << 20
 FONT_LIBRARIES = ("libfontconfig", "libfreetype", "libpng", "libbrotli", "libexpat")
 
 
