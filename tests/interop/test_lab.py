@@ -337,11 +337,17 @@ def quiet_phase(checks, cluster, servers, registry, prefix, env, first_leases):
     now = leases(cluster.client_ports[1], f"{prefix}/servers/")
     checks.check("quiet fleet: every server is still under the lease it registered with at the start",
                  now == first_leases, (first_leases, now))
-    devices = leases(cluster.client_ports[1], f"{prefix}/devices/")
+    keyed = leases(cluster.client_ports[1], f"{prefix}/devices/")
+    devices = {key: lease for key, lease in keyed.items() if "/!catalog/" not in key}
+    catalogs = {key: lease for key, lease in keyed.items() if "/!catalog/" in key}
     by_server = {key.rsplit("/", 1)[-1]: lease for key, lease in now.items()}
     checks.check("quiet fleet: and so is every device it registered",
                  len(devices) == 16 and all(by_server.get(key.split("/")[-2]) == lease for key, lease in devices.items()),
                  devices)
+    checks.check("quiet fleet: and so is each server's catalog of them",
+                 {key.split("/")[-3] for key in catalogs} == {key.split("/")[-2] for key in devices}
+                 and all(by_server.get(key.split("/")[-3]) == lease for key, lease in catalogs.items()),
+                 catalogs)
 
 
 def make_certificates(work):

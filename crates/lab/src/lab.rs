@@ -1,7 +1,9 @@
 //! The client's side: read the fleet, follow it, take and give back reservations.
 //!
 //! Requests per operation (what grows with the lab): [`Lab::fleet`] reads
-//! three prefixes a page at a time (its size grows with the devices); a
+//! the servers, their catalogs (a transaction per 16 servers) and the
+//! reservations, a page at a time (`pages`; its size grows with the
+//! devices); a
 //! reservation (`take`) reads one page of free devices, then one lease grant
 //! and one transaction per device tried; holding it costs one renewal every
 //! third of the lease's time to live; a release is one lease revocation.
@@ -44,6 +46,12 @@ impl Reads {
         self.requests += 1;
         self.bytes += response.kvs().iter().map(|kv| (kv.key().len() + kv.value().len()) as u64).sum::<u64>();
     }
+
+    pub(crate) fn add(&mut self, other: Self) {
+        self.requests += other.requests;
+        self.bytes += other.bytes;
+        self.transactions += other.transactions;
+    }
 }
 
 /// How long a reservation lasts.
@@ -75,6 +83,8 @@ pub struct Reservation {
 const PAGE: i64 = 2000;
 /// How many reads one transaction carries at most (etcd's `--max-txn-ops` is 128 by default).
 const GETS_PER_TXN: usize = 128;
+/// How many of a filtered list's transactions are in flight at once.
+const TXNS_IN_FLIGHT: usize = 8;
 
 /// Whether a server's and a device's records name the server and bus id of
 /// the keys they were read from (`servers/SERVER`, `devices/SERVER/BUSID`).
@@ -131,20 +141,6 @@ impl Lab {
         self.reads
     }
 
-    /// Every server and device, and who holds what: the three prefixes at
-    /// one revision, read a page at a time (any fleet size fits).
-    pub async fn fleet(&mut self) -> Result<Fleet, LabError> {
-        let mut revision = None;
-        let mut kvs = Vec::new();
-        for prefix in self.keys.fleet_prefixes() {
-            let (at, mut page) = self.range(&prefix, revision, false).await?;
-            revision = Some(at);
-            kvs.append(&mut page);
-        }
-        let pairs = kvs.iter().map(|kv| (kv.key(), kv.value(), kv.mod_revision()));
-        Ok(Fleet::from_pairs(&self.keys, revision.unwrap_or(0), pairs))
-    }
-
     /// The servers and devices `want` matches, and who holds them, at one
     /// revision: the keys of the index under its indexed terms (intersected,
     /// then filtered by its bus id and server terms), then only those
@@ -184,20 +180,38 @@ impl Lab {
             keys.push(self.keys.device(server, busid));
             keys.push(self.keys.reservation(server, busid));
         }
-        let mut pairs = Vec::new();
-        for batch in keys.chunks(GETS_PER_TXN) {
+        // Transactions in flight at once: their round trips overlap, and etcd
+        // serves reads on all its cores.
+        let mut reading = tokio::task::JoinSet::new();
+        let mut responses = Vec::new();
+        for (n, batch) in keys.chunks(GETS_PER_TXN).enumerate() {
+            if reading.len() == TXNS_IN_FLIGHT {
+                responses.extend(reading.join_next().await);
+            }
             let at = || Some(GetOptions::new().with_revision(revision));
             let reads: Vec<TxnOp> = batch.iter().map(|key| TxnOp::get(key.clone(), at())).collect();
-            let response = request::txn(&self.client, Txn::new().and_then(reads)).await?;
+            let client = self.client.clone();
+            reading.spawn(async move { (n, request::txn(&client, Txn::new().and_then(reads)).await) });
+        }
+        while let Some(done) = reading.join_next().await {
+            responses.push(done);
+        }
+        let mut answered = Vec::with_capacity(responses.len());
+        for response in responses {
+            let (n, response) = response.map_err(|error| etcd_client::Error::IoError(error.into()))?;
+            answered.push((n, response?));
+        }
+        answered.sort_by_key(|(n, _)| *n);
+        let mut pairs = Vec::new();
+        for (_, response) in &answered {
             for op in response.op_responses() {
                 if let TxnOpResponse::Get(got) = op {
                     self.reads.count(&got);
-                    pairs
-                        .extend(got.kvs().iter().map(|kv| (kv.key().to_vec(), kv.value().to_vec(), kv.mod_revision())));
+                    pairs.extend(got.kvs().iter().map(|kv| (kv.key().to_vec(), kv.value().to_vec())));
                 }
             }
         }
-        let pairs = pairs.iter().map(|(key, value, modified)| (key.as_slice(), value.as_slice(), *modified));
+        let pairs = pairs.iter().map(|(key, value)| (key.as_slice(), value.as_slice()));
         let mut fleet = Fleet::from_pairs(&self.keys, revision, pairs);
         // The index is its servers' word; the records decide.
         fleet.devices.retain(|d| want.matches(&d.device));
@@ -454,6 +468,7 @@ mod tests {
             implementation: "usbwire".into(),
             version: "0.1.0".into(),
             started_at: timestamp(SystemTime::now()),
+            catalog: false,
         }
     }
 

@@ -1,9 +1,14 @@
 //! The fleet read a page at a time: [`Lab::fleet_pages`] and [`FleetPages`].
 //!
 //! What `usbwire list --registry` prints as it reads. Every registered server
-//! first (servers are few: one read), then the devices in pages of [`PAGE`]
-//! keys, all at the revision of that first read, so a key written meanwhile
-//! is not shown (a watch from [`FleetPages::revision`] shows it). Each device
+//! first (servers are few: one read), then their devices, all at the
+//! revision of that first read, so a key written meanwhile is not shown (a
+//! watch from [`FleetPages::revision`] shows it). When every server publishes
+//! a catalog (`catalog`), a page is 16 servers' catalogs (`catalogs`),
+//! read in one transaction (a range per server): a key per 64 devices, so
+//! etcd's work and bytes are a fraction of the device keys'. Otherwise (a
+//! server from before catalogs is registered) the device keys are read, in
+//! pages of [`PAGE`] keys. Each device
 //! comes joined with its server's entry and its reservation: device keys
 //! (`devices/SERVER/BUSID`) and reservation keys (`reservations/SERVER/BUSID`)
 //! sort alike, so the reservations of a page are those up to its last key,
@@ -11,9 +16,10 @@
 //! just before its first device (a server without devices where its devices
 //! would be), and what [`Fleet::from_pairs`](crate::Fleet::from_pairs) leaves
 //! out is left out here too: devices of unregistered servers, unreadable
-//! records. What it holds is the servers and two pages (the next page is
-//! requested as soon as this one arrives, so it travels while the caller
-//! prints), never the fleet.
+//! records. What it holds is the servers and a few pages (device keys: the
+//! next page is requested as soon as this one arrives, so it travels while
+//! the caller prints; catalogs: two pages are read and decoded ahead), never
+//! the fleet.
 //!
 //! Not for a filtered list ([`Lab::fleet_matching`] reads the index), taking a
 //! device (`take`), or following changes ([`Lab::watch`]). An etcd that
@@ -25,10 +31,13 @@ use std::sync::Arc;
 use etcd_client::{GetOptions, GetResponse, KeyValue};
 use tokio::task::JoinHandle;
 
-use crate::entry::{decode, DeviceEntry, FleetDevice, Key, ReservationEntry, ServerEntry};
+use crate::entry::{decode, DeviceEntry, Fleet, FleetDevice, Key, ReservationEntry, ServerEntry};
 use crate::error::LabError;
 use crate::lab::{prefix_end, Lab};
 use crate::request;
+
+mod catalogs;
+use catalogs::{CatalogPage, Catalogs};
 
 /// How many device keys one page holds (as many as `Lab::range` reads at once).
 pub(crate) const PAGE: i64 = 2000;
@@ -61,8 +70,11 @@ pub struct FleetPages<'a> {
     reservations_prefix: Vec<u8>,
     /// Where the next read of reservations starts: every key before it has been merged.
     reservations_from: Vec<u8>,
-    /// The next page of devices, under way; `None` after the last.
+    /// The next page of device keys, under way; `None` after the last,
+    /// and when the catalogs are read.
     next: Option<JoinHandle<Result<GetResponse, etcd_client::Error>>>,
+    /// The pages of catalogs under way, when every server has one.
+    catalogs: Option<Catalogs>,
 }
 
 impl Lab {
@@ -70,6 +82,27 @@ impl Lab {
     /// servers'): see [`crate::pages`]. Its requests count in [`Lab::reads`].
     pub async fn fleet_pages(&mut self) -> Result<FleetPages<'_>, LabError> {
         self.fleet_pages_of(PAGE).await
+    }
+
+    /// Every server and device, and who holds what, at one revision: the
+    /// pages of [`Lab::fleet_pages`], gathered (any fleet size fits).
+    pub async fn fleet(&mut self) -> Result<Fleet, LabError> {
+        let mut pages = self.fleet_pages().await?;
+        let revision = pages.revision();
+        let (mut servers, mut devices) = (Vec::new(), Vec::new());
+        while let Some(page) = pages.next_page().await? {
+            for listed in page {
+                match listed {
+                    Listed::Server(entry) => servers.push(Arc::unwrap_or_clone(entry)),
+                    Listed::Device { device, .. } => devices.push(device),
+                }
+            }
+        }
+        servers.sort_by(|a: &ServerEntry, b| a.address.cmp(&b.address));
+        devices.sort_by(|a: &FleetDevice, b| {
+            (&a.device.server, &a.device.record.busid).cmp(&(&b.device.server, &b.device.record.busid))
+        });
+        Ok(Fleet { revision, servers, devices })
     }
 
     /// The same, in pages of `page` device keys.
@@ -98,8 +131,15 @@ impl Lab {
             reservations_from: reservations_prefix.clone().into_bytes(),
             reservations_prefix: reservations_prefix.into_bytes(),
             next: None,
+            catalogs: None,
         };
-        pages.request_devices(devices_prefix.into_bytes());
+        if pages.servers.values().all(|server| server.catalog) {
+            let mut catalogs = Catalogs::new(pages.lab.client.clone(), pages.lab.keys.clone(), revision);
+            catalogs.top_up(&mut pages.unlisted);
+            pages.catalogs = Some(catalogs);
+        } else {
+            pages.request_devices(devices_prefix.into_bytes());
+        }
         Ok(pages)
     }
 }
@@ -119,6 +159,9 @@ impl FleetPages<'_> {
     /// first device; `None` once the fleet has been read. A page may be
     /// empty when none of its keys is a device this view shows.
     pub async fn next_page(&mut self) -> Result<Option<Vec<Listed>>, LabError> {
+        if self.catalogs.as_ref().is_some_and(Catalogs::pending) {
+            return self.catalog_page().await;
+        }
         let Some(under_way) = self.next.take() else {
             return Ok(self.remaining_servers());
         };
@@ -162,6 +205,28 @@ impl FleetPages<'_> {
         self.next = Some(tokio::spawn(async move { request::get(&client, from, Some(options)).await }));
     }
 
+    /// A page of servers with catalogs (read and decoded ahead: `catalogs`):
+    /// each server, then its devices in bus id order with their reservations.
+    async fn catalog_page(&mut self) -> Result<Option<Vec<Listed>>, LabError> {
+        let Some(catalogs) = self.catalogs.as_mut() else { return Ok(None) };
+        let Some(page) = catalogs.next().await else { return Ok(None) };
+        catalogs.top_up(&mut self.unlisted);
+        let CatalogPage { servers, mut devices, reads } = page?;
+        self.lab.reads.add(reads);
+        if let Some(through) = devices.last().map(|(suffix, ..)| suffix.clone()) {
+            self.merge_reservations(&through, &mut devices).await?;
+        }
+        let mut listed = Vec::with_capacity(servers.len() + devices.len());
+        let mut devices = devices.into_iter().peekable();
+        for (before, entry) in servers {
+            listed.push(Listed::Server(Arc::clone(&entry)));
+            while let Some((_, _, device)) = devices.next_if(|(suffix, ..)| suffix.starts_with(before.as_bytes())) {
+                listed.push(Listed::Device { server: Arc::clone(&entry), device });
+            }
+        }
+        Ok(Some(listed))
+    }
+
     /// The devices of a page this view shows, each with the part of its key
     /// after `devices/` (`SERVER/BUSID`) and its server's entry.
     fn devices<'k>(&self, kvs: &'k [KeyValue]) -> Vec<(&'k [u8], Arc<ServerEntry>, FleetDevice)> {
@@ -178,7 +243,7 @@ impl FleetPages<'_> {
                     Arc::clone(entry)
                 }
             };
-            let device = FleetDevice { device, reservation: None, mod_revision: kv.mod_revision() };
+            let device = FleetDevice { device, reservation: None };
             shown.push((after(kv.key(), self.devices_prefix), entry, device));
         }
         shown
@@ -188,10 +253,10 @@ impl FleetPages<'_> {
     /// page's last key, after `devices/`), in pages, and gives each to the
     /// device of the same `SERVER/BUSID`. Both lists are in key order, so one
     /// pass over each does it; a reservation of no device shown is dropped.
-    async fn merge_reservations(
+    async fn merge_reservations<K: AsRef<[u8]>>(
         &mut self,
         through: &[u8],
-        devices: &mut [(&[u8], Arc<ServerEntry>, FleetDevice)],
+        devices: &mut [(K, Arc<ServerEntry>, FleetDevice)],
     ) -> Result<(), LabError> {
         let mut end = self.reservations_prefix.clone();
         end.extend_from_slice(through);
@@ -208,11 +273,11 @@ impl FleetPages<'_> {
             };
             for kv in &kvs {
                 let suffix = after(kv.key(), self.reservations_prefix.len());
-                while devices.get(at).is_some_and(|(key, _, _)| *key < suffix) {
+                while devices.get(at).is_some_and(|(key, _, _)| key.as_ref() < suffix) {
                     at += 1;
                 }
                 let Some((key, _, device)) = devices.get_mut(at) else { break };
-                if *key == suffix {
+                if key.as_ref() == suffix {
                     device.reservation = decode::<ReservationEntry>(kv.value()).as_ref().map(Into::into);
                 }
             }

@@ -59,7 +59,7 @@ const DEREGISTER_WITHIN: Duration = Duration::from_secs(2);
 const WRITE_DEADLINE: Duration = Duration::from_secs(30);
 /// What [`Session::sync`] remembers of a put whose transaction failed: no
 /// value equals it, so the next sync puts the key again (or deletes it).
-const UNKNOWN: &str = "\0unknown";
+const UNKNOWN: &[u8] = b"\0unknown";
 
 /// What a server registers, and where.
 #[derive(Clone, Debug)]
@@ -144,8 +144,8 @@ struct Lease {
     client: Client,
     /// Renews the lease; ends, saying why, when it is lost.
     renewing: JoinHandle<LabError>,
-    /// Key → value of every device entry and index entry put under it.
-    published: HashMap<String, String>,
+    /// Key → value of every device entry, index entry and catalog chunk put under it.
+    published: HashMap<String, Vec<u8>>,
 }
 
 impl Lease {
@@ -207,7 +207,7 @@ struct Session {
     reservations: HashMap<String, Reservation>,
     /// Each device's keys and values as the last sync made them (by bus id):
     /// a reservation's change recomputes only its device's.
-    desired: HashMap<String, HashMap<String, String>>,
+    desired: HashMap<String, HashMap<String, Vec<u8>>>,
     revision: i64,
     /// The reservations' changes after `revision`, set up by `start`.
     watch: Option<etcd_client::WatchStream>,
@@ -251,7 +251,8 @@ impl Session {
                 lease.insert(Lease { id, client: client.clone(), renewing, published: HashMap::new() })
             }
         };
-        let server = &registration.server;
+        // Its devices go in a catalog too (`catalog`), which lists read.
+        let server = &ServerEntry { catalog: true, ..registration.server.clone() };
         let key = keys.server(&server.address);
         let entry = serde_json::to_string(server).unwrap_or_default();
         // Put only if not already there under this lease (a connection set up
@@ -357,19 +358,53 @@ impl Session {
             .iter()
             .map(|export| (export.record.busid.as_str().to_owned(), self.keys_of(registration, export)))
             .collect();
+        // The catalog before the device keys it repeats: see `catalog`.
+        let catalog = self.catalog_changes(registration, lease);
+        self.write(catalog, lease).await?;
         // Key → the value to put, or `None` to delete it.
-        let mut changes: Vec<(String, Option<String>)> = Vec::new();
+        let mut changes: Vec<(String, Option<Vec<u8>>)> = Vec::new();
         for (key, value) in self.desired.values().flatten() {
             if lease.published.get(key) != Some(value) {
                 changes.push((key.clone(), Some(value.clone())));
             }
         }
         let now: std::collections::HashSet<&String> = self.desired.values().flat_map(|keys| keys.keys()).collect();
-        for key in lease.published.keys().filter(|key| !now.contains(key)) {
+        let catalog_of = self.keys.catalog_of(&registration.server.address);
+        for key in lease.published.keys().filter(|key| !now.contains(key) && !key.starts_with(&catalog_of)) {
             changes.push((key.clone(), None));
         }
         self.devices = exports.len();
         self.write(changes, lease).await
+    }
+
+    /// What to write of the catalog (`catalog`) for the device entries of
+    /// `desired`: the chunks that changed, and the chunks beyond the last
+    /// to delete.
+    fn catalog_changes(&self, registration: &Registration, lease: &Lease) -> Vec<(String, Option<Vec<u8>>)> {
+        let address = &registration.server.address;
+        let mut busids: Vec<&String> = self.desired.keys().collect();
+        busids.sort();
+        let entries = busids.into_iter().filter_map(|busid| {
+            self.desired.get(busid).and_then(|keys| keys.get(&self.keys.device(address, busid))).map(Vec::as_slice)
+        });
+        let chunks = crate::catalog::chunks(entries);
+        let mut changes = Vec::new();
+        let count = chunks.len();
+        for (n, chunk) in chunks.into_iter().enumerate() {
+            let key = self.keys.catalog_chunk(address, n);
+            if lease.published.get(&key) != Some(&chunk) {
+                changes.push((key, Some(chunk)));
+            }
+        }
+        let catalog_of = self.keys.catalog_of(address);
+        let mut beyond: Vec<&String> = lease
+            .published
+            .keys()
+            .filter(|key| key.starts_with(&catalog_of) && *key >= &self.keys.catalog_chunk(address, count))
+            .collect();
+        beyond.sort();
+        changes.extend(beyond.into_iter().map(|key| (key.clone(), None)));
+        changes
     }
 
     /// [`Session::sync`] for the devices `busids` alone (their reservations
@@ -383,7 +418,7 @@ impl Session {
         busids: &[String],
     ) -> Result<(), LabError> {
         let exports = registry.list();
-        let mut changes: Vec<(String, Option<String>)> = Vec::new();
+        let mut changes: Vec<(String, Option<Vec<u8>>)> = Vec::new();
         for busid in busids {
             let Some(export) = exports.iter().find(|export| export.record.busid.as_str() == busid) else { continue };
             let keys = self.keys_of(registration, export);
@@ -398,30 +433,42 @@ impl Session {
             }
             self.desired.insert(busid.clone(), keys);
         }
+        // An entry that changed changes its chunk, written first.
+        let address = &registration.server.address;
+        if busids.iter().any(|busid| {
+            let key = self.keys.device(address, busid);
+            changes.iter().any(|(changed, _)| *changed == key)
+        }) {
+            let catalog = self.catalog_changes(registration, lease);
+            self.write(catalog, lease).await?;
+        }
         self.write(changes, lease).await
     }
 
     /// A device's keys and values: its entry, its index keys with its
     /// availability, and its free keys while it is available.
-    fn keys_of(&self, registration: &Registration, export: &ExportInfo) -> HashMap<String, String> {
+    fn keys_of(&self, registration: &Registration, export: &ExportInfo) -> HashMap<String, Vec<u8>> {
         let address = &registration.server.address;
         let entry = device_entry(address, export, &registration.labels);
         let availability = Availability::of(entry.state(), self.reservations.contains_key(&entry.record.busid));
-        let mut keys: HashMap<String, String> =
-            self.keys.index_entries(&entry).into_iter().map(|key| (key, availability.to_owned())).collect();
+        let mut keys: HashMap<String, Vec<u8>> =
+            self.keys.index_entries(&entry).into_iter().map(|key| (key, availability.as_bytes().to_vec())).collect();
         if availability == Availability::AVAILABLE {
             keys.extend(
-                self.keys.free_entries(&entry).into_iter().map(|key| (key, Availability::AVAILABLE.to_owned())),
+                self.keys
+                    .free_entries(&entry)
+                    .into_iter()
+                    .map(|key| (key, Availability::AVAILABLE.as_bytes().to_vec())),
             );
         }
-        keys.insert(self.keys.device(address, &entry.record.busid), serde_json::to_string(&entry).unwrap_or_default());
+        keys.insert(self.keys.device(address, &entry.record.busid), serde_json::to_vec(&entry).unwrap_or_default());
         keys
     }
 
     /// Writes `changes` (a key's new value, or `None` to delete it) under
     /// `lease`, [`OPS_PER_TXN`] to a transaction, and notes what was
     /// published.
-    async fn write(&mut self, changes: Vec<(String, Option<String>)>, lease: &mut Lease) -> Result<(), LabError> {
+    async fn write(&mut self, changes: Vec<(String, Option<Vec<u8>>)>, lease: &mut Lease) -> Result<(), LabError> {
         let count = changes.len();
         for batch in changes.chunks(OPS_PER_TXN) {
             let ops: Vec<TxnOp> = batch
@@ -435,7 +482,7 @@ impl Session {
             for (key, value) in batch {
                 match (value, &done) {
                     (Some(value), Ok(_)) => lease.published.insert(key.clone(), value.clone()),
-                    (Some(_), Err(_)) => lease.published.insert(key.clone(), UNKNOWN.to_owned()),
+                    (Some(_), Err(_)) => lease.published.insert(key.clone(), UNKNOWN.to_vec()),
                     (None, Ok(_)) => lease.published.remove(key),
                     // Still listed: deleted again next time.
                     (None, Err(_)) => None,
@@ -534,6 +581,7 @@ mod tests {
                 implementation: "usbwire".to_owned(),
                 version: "test".to_owned(),
                 started_at: timestamp(std::time::SystemTime::now()),
+                catalog: false,
             },
             labels: Vec::new(),
         }
@@ -556,9 +604,9 @@ mod tests {
     async fn registered(client: &mut Client, devices: usize) -> Vec<(String, i64, i64)> {
         for _ in 0..100 {
             let keys = published(client).await;
-            if keys.iter().filter(|(key, ..)| key.starts_with("test/devices/")).count() == devices
-                && keys.iter().any(|(key, ..)| key.starts_with("test/servers/"))
-            {
+            let device_keys =
+                keys.iter().filter(|(key, ..)| key.starts_with("test/devices/") && !key.contains("/!catalog/"));
+            if device_keys.count() == devices && keys.iter().any(|(key, ..)| key.starts_with("test/servers/")) {
                 return keys;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -624,9 +672,60 @@ mod tests {
         server.export("loopback", loopback());
         let now = registered(&mut client, 2).await;
         assert_eq!(one_lease(&now), lease, "the same lease after the connection came back");
-        for entry in &first {
+        // The catalog's chunk changed with the second device; nothing else did.
+        for entry in first.iter().filter(|(key, ..)| !key.contains("/!catalog/")) {
             assert!(now.contains(entry), "{entry:?} put again: {now:?}");
         }
+        publishing.abort();
+    }
+
+    /// Waits (up to 10 s) for the server's catalog to be `chunks` chunks
+    /// that hold its device entries, in key order, and its entry to say so.
+    async fn catalog_agrees(client: &mut Client, chunks: usize) {
+        let keys = Keys::new("test");
+        let mut last = String::new();
+        for _ in 0..100 {
+            let all = client.get("test/devices/", Some(GetOptions::new().with_prefix())).await.expect("read");
+            let (catalog, devices): (Vec<_>, Vec<_>) =
+                all.kvs().iter().partition(|kv| kv.key().starts_with(keys.catalog_of("127.0.0.1:3240").as_bytes()));
+            let listed: Vec<DeviceEntry> =
+                catalog.iter().flat_map(|kv| crate::catalog::read_chunk("127.0.0.1:3240", kv.value())).collect();
+            let keyed: Vec<DeviceEntry> =
+                devices.iter().map(|kv| serde_json::from_slice(kv.value()).expect("an entry")).collect();
+            let server = client.get(keys.server("127.0.0.1:3240"), None).await.expect("read");
+            let entry: Option<ServerEntry> = server.kvs().first().and_then(|kv| decode(kv.value()));
+            if catalog.len() == chunks && listed == keyed && entry.is_some_and(|entry| entry.catalog) {
+                return;
+            }
+            last = format!("{} chunks with {} entries, {} device keys", catalog.len(), listed.len(), keyed.len());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("the catalog is not {chunks} chunk(s) of the device entries: {last}");
+    }
+
+    /// Issue 36: a server's catalog repeats its device entries, 64 a chunk,
+    /// in bus id order, as devices come: 60 in one chunk, then 70 in two
+    /// (devices `0-61`… sort among the first chunk's, which changes too).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_catalog_repeats_the_device_entries_as_devices_come() {
+        let Some(cluster) = Cluster::start(1, "catalog").await else { return };
+        let mut server = usbwire_server::Server::new(usbwire_server::ServerConfig::default());
+        for _ in 0..60 {
+            server.export("loopback", loopback());
+        }
+        let publishing = tokio::spawn(publish(
+            registration(cluster.endpoint(&[0]), Duration::from_secs(6)),
+            server.registry().clone(),
+            std::future::pending(),
+        ));
+        let mut client = cluster.client(0).await;
+        registered(&mut client, 60).await;
+        catalog_agrees(&mut client, 1).await;
+        for _ in 0..10 {
+            server.export("loopback", loopback());
+        }
+        registered(&mut client, 70).await;
+        catalog_agrees(&mut client, 2).await;
         publishing.abort();
     }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use etcd_client::{Client, PutOptions, Txn, TxnOp};
 
-use crate::entry::{timestamp, DeviceEntry, Keys, ServerEntry, SCHEMA_VERSION};
+use crate::entry::{timestamp, DeviceEntry, Fleet, Keys, ServerEntry, SCHEMA_VERSION};
 
 use crate::etcd::Endpoint;
 
@@ -198,17 +198,58 @@ pub(crate) fn server_entry(address: &str) -> ServerEntry {
         implementation: "usbwire".to_owned(),
         version: "test".to_owned(),
         started_at: timestamp(std::time::SystemTime::now()),
+        catalog: false,
     }
+}
+
+/// The fleet as its device keys say, at `revision`: every key under the
+/// prefix, through [`Fleet::from_pairs`]. What lists are checked against.
+pub(crate) async fn fleet_from_keys(client: &mut Client, keys: &Keys, revision: i64) -> Fleet {
+    let mut kvs = Vec::new();
+    for prefix in keys.fleet_prefixes() {
+        let end = crate::lab::prefix_end(&prefix);
+        let mut from = prefix.into_bytes();
+        loop {
+            let options =
+                etcd_client::GetOptions::new().with_range(end.clone()).with_limit(1000).with_revision(revision);
+            let mut page = client.get(from.clone(), Some(options)).await.expect("read the registry");
+            let more = page.more();
+            let mut got = page.take_kvs();
+            if let Some(last) = got.last() {
+                from = [last.key(), &[0]].concat();
+            }
+            kvs.append(&mut got);
+            if !more {
+                break;
+            }
+        }
+    }
+    Fleet::from_pairs(keys, revision, kvs.iter().map(|kv| (kv.key(), kv.value())))
 }
 
 /// Puts `devices` devices of one server straight into the registry (every
 /// `every`th labelled `nucleo`, the others `other`), with their
-/// index and free-device keys (as a server would), in transactions of 128 puts.
+/// index and free-device keys (as a server before catalogs would), in
+/// transactions of 128 puts.
 pub(crate) async fn plant(client: &mut Client, keys: &Keys, server: &str, devices: usize, every: usize) {
+    plant_as(client, keys, server, devices, every, false).await;
+}
+
+/// The same, and with `catalog` the server's catalog too (as a server does now).
+pub(crate) async fn plant_as(
+    client: &mut Client,
+    keys: &Keys,
+    server: &str,
+    devices: usize,
+    every: usize,
+    catalog: bool,
+) {
     let lease = client.lease_grant(60, None).await.unwrap().id();
     let on_lease = || Some(PutOptions::new().with_lease(lease));
-    client.put(keys.server(server), serde_json::to_string(&server_entry(server)).unwrap(), on_lease()).await.unwrap();
+    let entry = ServerEntry { catalog, ..server_entry(server) };
+    client.put(keys.server(server), serde_json::to_string(&entry).unwrap(), on_lease()).await.unwrap();
     let mut ops = Vec::new();
+    let mut entries = std::collections::BTreeMap::new();
     for i in 0..devices {
         let busid = format!("{}-{}", 1 + i / 100, 1 + i % 100);
         let mut entry: DeviceEntry = serde_json::from_value(serde_json::json!({
@@ -219,11 +260,17 @@ pub(crate) async fn plant(client: &mut Client, keys: &Keys, server: &str, device
         .unwrap();
         entry.server = server.to_owned();
         ops.push(TxnOp::put(keys.device(server, &busid), serde_json::to_string(&entry).unwrap(), on_lease()));
+        entries.insert(busid.clone(), serde_json::to_vec(&entry).unwrap());
         for key in keys.index_entries(&entry) {
             ops.push(TxnOp::put(key, "available", on_lease()));
         }
         for key in keys.free_entries(&entry) {
             ops.push(TxnOp::put(key, "available", on_lease()));
+        }
+    }
+    if catalog {
+        for (n, chunk) in crate::catalog::chunks(entries.values().map(Vec::as_slice)).into_iter().enumerate() {
+            ops.push(TxnOp::put(keys.catalog_chunk(server, n), chunk, on_lease()));
         }
     }
     for batch in ops.chunks(128) {

@@ -62,6 +62,7 @@ impl SimulatedFleet {
                     implementation: "usbwire".to_owned(),
                     version: env!("CARGO_PKG_VERSION").to_owned(),
                     started_at: usbwire_lab::entry::timestamp(std::time::SystemTime::now()),
+                    catalog: true,
                 },
                 labels,
             });

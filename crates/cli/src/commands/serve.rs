@@ -245,6 +245,7 @@ impl Registering {
                 implementation: "usbwire".to_owned(),
                 version: crate::version::VERSION.to_owned(),
                 started_at: usbwire_lab::entry::timestamp(std::time::SystemTime::now()),
+                catalog: true,
             },
             labels,
         })

@@ -5,7 +5,7 @@ use etcd_client::{Client, GetOptions};
 
 use super::*;
 use crate::entry::{timestamp, Fleet, Keys, SCHEMA_VERSION};
-use crate::testing::{plant, server_entry, Cluster};
+use crate::testing::{fleet_from_keys, plant, plant_as, server_entry, Cluster};
 
 /// A reservation of `busid` on `server` by `holder`, put straight into the registry.
 async fn reserve(client: &mut Client, keys: &Keys, server: &str, busid: &str, holder: &str) {
@@ -28,11 +28,24 @@ async fn device_keys(client: &mut Client, keys: &Keys) -> Vec<(String, String)> 
     response
         .kvs()
         .iter()
+        .filter(|kv| !kv.key().windows(10).any(|part| part == b"/!catalog/"))
         .map(|kv| match keys.parse(kv.key()) {
             Some(Key::Device { server, busid }) => (server, busid),
             other => panic!("not a device key: {other:?}"),
         })
         .collect()
+}
+
+/// [`Lab::fleet`], checked against what the device keys say at its revision.
+async fn checked_fleet(lab: &mut Lab, client: &mut Client, keys: &Keys) -> Fleet {
+    let fleet = lab.fleet().await.unwrap();
+    let reference = fleet_from_keys(client, keys, fleet.revision).await;
+    assert_eq!(fleet.servers, reference.servers);
+    assert_eq!(fleet.devices.len(), reference.devices.len());
+    for (listed, keyed) in fleet.devices.iter().zip(&reference.devices) {
+        assert_eq!(listed, keyed);
+    }
+    fleet
 }
 
 /// Everything a stream in pages of `page` yields, page by page.
@@ -101,7 +114,7 @@ async fn a_fleet_across_pages_lists_every_device_once_with_its_server_and_reserv
         reserve(&mut client, &keys, server, busid, "nobody@lab").await;
     }
     let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
-    let fleet = lab.fleet().await.unwrap();
+    let fleet = checked_fleet(&mut lab, &mut client, &keys).await;
     let whole = lab.reads();
     let (revision, pages) = read_all(&mut lab, PAGE).await;
     let streamed = lab.reads().bytes - whole.bytes;
@@ -150,7 +163,7 @@ async fn every_page_size_lists_the_same_fleet() {
         }
     }
     let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
-    let fleet = lab.fleet().await.unwrap();
+    let fleet = checked_fleet(&mut lab, &mut client, &keys).await;
     for page in 1..=22 {
         let (revision, pages) = read_all(&mut lab, page).await;
         assert_eq!(revision, fleet.revision);
@@ -176,7 +189,7 @@ async fn keys_changed_between_pages_do_not_show_and_a_watch_from_its_revision_do
     let mut client = cluster.client(0).await;
     plant(&mut client, &keys, "10.0.0.1:3240", 60, 2).await;
     let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
-    let before = lab.fleet().await.unwrap();
+    let before = checked_fleet(&mut lab, &mut client, &keys).await;
     let keyed = device_keys(&mut client, &keys).await;
     let mut pages = lab.fleet_pages_of(10).await.unwrap();
     let mut read = vec![pages.next_page().await.unwrap().unwrap()];
@@ -199,7 +212,7 @@ async fn keys_changed_between_pages_do_not_show_and_a_watch_from_its_revision_do
     drop(pages);
     assert_eq!(revision, before.revision);
     assert_same(&read, &before);
-    let after = lab.fleet().await.unwrap();
+    let after = checked_fleet(&mut lab, &mut client, &keys).await;
     assert_eq!(after.devices.len(), 60 + 3, "one gone, one added, three of a new server");
     // The watch from the stream's revision starts with the first change made.
     let mut watch = lab.watch(revision).await.unwrap();
@@ -216,4 +229,46 @@ async fn keys_changed_between_pages_do_not_show_and_a_watch_from_its_revision_do
             ("reservation", Some(taken.1.clone()), true),
         ]
     );
+}
+
+/// Issue 36 item 2: servers that publish catalogs are listed from them, 16
+/// servers a page (a transaction), with what their device keys say: the
+/// same servers, devices and reservations, each device once and after its
+/// server, a server of more chunks than one read takes included; etcd sends a
+/// fraction of the device keys' bytes. A fleet where one server has no
+/// catalog (a server from before them) is listed from the device keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_with_catalogs_list_what_their_device_keys_say() {
+    let Some(cluster) = Cluster::start(1, "fleet_catalogs").await else { return };
+    let keys = Keys::new("test");
+    let mut client = cluster.client(0).await;
+    // 2 100 devices: 33 chunks, one more than a page reads of a server.
+    plant_as(&mut client, &keys, "10.0.0.1:3240", 2100, 7, true).await;
+    for i in 2..22 {
+        plant_as(&mut client, &keys, &format!("10.0.0.{i}:3240"), i % 5 * 30, 2, true).await;
+    }
+    for (i, (server, busid)) in device_keys(&mut client, &keys).await.iter().enumerate() {
+        if i % 7 == 3 {
+            reserve(&mut client, &keys, server, busid, &format!("h{i}@lab")).await;
+        }
+    }
+    reserve(&mut client, &keys, "10.0.0.2:3240", "77-7", "nobody@lab").await;
+    let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
+    let before = lab.reads();
+    let (revision, pages) = read_all(&mut lab, PAGE).await;
+    let read = lab.reads().bytes - before.bytes;
+    let reference = fleet_from_keys(&mut client, &keys, revision).await;
+    assert_same(&pages, &reference);
+    assert_eq!(pages.len(), 2, "21 servers, 16 a page");
+    assert_eq!(reference.devices.len(), 2100 + (2..22).map(|i| i % 5 * 30).sum::<usize>());
+    assert!(reference.devices.iter().filter(|d| d.reservation.is_some()).count() > 300);
+    let entries: u64 = reference.devices.iter().map(|d| serde_json::to_vec(&d.device).unwrap().len() as u64).sum();
+    assert!(read * 5 < entries, "the catalogs took {read} bytes, the entries are {entries}");
+    checked_fleet(&mut lab, &mut client, &keys).await;
+
+    plant(&mut client, &keys, "10.0.0.99:3240", 5, 1).await;
+    let (revision, pages) = read_all(&mut lab, PAGE).await;
+    let reference = fleet_from_keys(&mut client, &keys, revision).await;
+    assert_same(&pages, &reference);
+    assert!(reference.devices.iter().any(|d| d.device.server == "10.0.0.99:3240"));
 }

@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng};
 use crate::entry::{DeviceEntry, Keys, Want};
 use crate::lab::{Hold, Lab, Reservation};
 use crate::publish::{publish, Registration};
-use crate::testing::{plant, server_entry, Cluster};
+use crate::testing::{fleet_from_keys, plant, server_entry, Cluster};
 use crate::LabError;
 
 const LEASE: Duration = Duration::from_secs(2);
@@ -111,6 +111,30 @@ async fn index_agrees(client: &mut Client, keys: &Keys, step: &str) -> Snapshot 
     panic!("after {step}: the free-device index does not agree with the devices and reservations: {last}");
 }
 
+/// Waits (up to 10 s) for the list ([`Lab::fleet`], from the servers'
+/// catalogs) to show what the device keys and reservations say at its
+/// revision (a server writes a chunk just before the keys it repeats).
+async fn list_agrees(lab: &mut Lab, client: &mut Client, keys: &Keys, step: &str) {
+    let mut last = String::new();
+    for _ in 0..100 {
+        let fleet = lab.fleet().await.unwrap();
+        let reference = fleet_from_keys(client, keys, fleet.revision).await;
+        if fleet.servers == reference.servers && fleet.devices == reference.devices {
+            return;
+        }
+        let names = |fleet: &crate::entry::Fleet| -> Vec<String> {
+            fleet
+                .devices
+                .iter()
+                .map(|d| format!("{}/{} {:?}", d.device.server, d.device.record.busid, d.reservation.is_some()))
+                .collect()
+        };
+        last = format!("listed {:?}, the keys say {:?}", names(&fleet), names(&reference));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("after {step}: the list does not show what the device keys say: {last}");
+}
+
 /// Waits (up to 10 s) for `devices` device entries, and the index to agree with them.
 async fn all_registered(client: &mut Client, keys: &Keys, devices: usize, step: &str) -> Snapshot {
     for _ in 0..100 {
@@ -195,6 +219,7 @@ async fn the_free_index_stays_true_and_no_device_is_held_twice() {
         };
         steps.push(what);
         let now = index_agrees(&mut client, &keys, &steps.join(", ")).await;
+        list_agrees(&mut lab, &mut client, &keys, &steps.join(", ")).await;
         // No device held twice: every reservation we hold is ours alone and still there.
         let mut places = BTreeSet::new();
         held.retain(|r| now.reserved.contains(&(r.server.address.clone(), r.device.record.busid.clone())));

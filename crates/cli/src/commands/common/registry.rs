@@ -350,6 +350,7 @@ mod tests {
             implementation: "usbwire".into(),
             version: "0.1.0".into(),
             started_at: "2026-01-01T00:00:00Z".into(),
+            catalog: false,
         }
     }
 

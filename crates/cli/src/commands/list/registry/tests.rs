@@ -15,6 +15,7 @@ fn server(address: &str, fingerprint: Option<&str>) -> ServerEntry {
         implementation: "usbwire".into(),
         version: "0.1.0".into(),
         started_at: "2026-11-18T11:06:40Z".into(),
+        catalog: false,
     }
 }
 
@@ -43,7 +44,6 @@ fn device(server: &str, busid: &str, product: &str, reserved: bool) -> FleetDevi
             since_at: "2026-11-18T11:06:40Z".into(),
             until_at: None,
         }),
-        mod_revision: 3,
     }
 }
 
