@@ -4,8 +4,8 @@
 //! first (servers are few: one read), then their devices, all at the
 //! revision of that first read, so a key written meanwhile is not shown (a
 //! watch from [`FleetPages::revision`] shows it). When every server publishes
-//! a catalog (`catalog`), a page is 16 servers' catalogs (`catalogs`),
-//! read in one transaction (a range per server): a key per 64 devices, so
+//! a catalog (`catalog`), a page is 16 servers' catalogs (the first page
+//! one server's: `catalogs`), read in one transaction (a range per server): a key per 64 devices, so
 //! etcd's work and bytes are a fraction of the device keys'. Otherwise (a
 //! server from before catalogs is registered) the device keys are read, in
 //! pages of [`PAGE`] keys. Each device

@@ -18,8 +18,10 @@ use crate::error::LabError;
 use crate::lab::{prefix_end, Reads};
 use crate::request;
 
-/// How many servers' catalogs one page holds (a range each, in one transaction).
-pub(super) const SERVERS_PER_PAGE: usize = 16;
+/// How many servers' catalogs one page holds (a range each, in one
+/// transaction); the first page holds one, so that the first line shows
+/// before 16 servers' devices are decoded (16 000 of them take 0.2 s).
+const SERVERS_PER_PAGE: usize = 16;
 /// How many chunks of a server's catalog its page reads (2 048 devices);
 /// a bigger server's are read on in ranges of as many.
 const CHUNKS_PER_READ: i64 = 32;
@@ -45,11 +47,13 @@ pub(super) struct Catalogs {
     keys: Keys,
     revision: i64,
     ahead: VecDeque<JoinHandle<Result<CatalogPage, LabError>>>,
+    /// Pages requested so far.
+    requested: usize,
 }
 
 impl Catalogs {
     pub(super) fn new(client: Client, keys: Keys, revision: i64) -> Self {
-        Self { client, keys, revision, ahead: VecDeque::new() }
+        Self { client, keys, revision, ahead: VecDeque::new(), requested: 0 }
     }
 
     /// Whether a page is under way.
@@ -61,7 +65,8 @@ impl Catalogs {
     /// are under way or none is left.
     pub(super) fn top_up(&mut self, unlisted: &mut VecDeque<(String, Arc<ServerEntry>)>) {
         while self.ahead.len() < AHEAD && !unlisted.is_empty() {
-            let count = unlisted.len().min(SERVERS_PER_PAGE);
+            let count = unlisted.len().min(if self.requested == 0 { 1 } else { SERVERS_PER_PAGE });
+            self.requested += 1;
             let servers: Vec<(String, Arc<ServerEntry>)> = unlisted.drain(..count).collect();
             let (client, keys, revision) = (self.client.clone(), self.keys.clone(), self.revision);
             self.ahead.push_back(tokio::spawn(read_page(client, keys, revision, servers)));

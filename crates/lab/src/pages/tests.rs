@@ -259,7 +259,8 @@ async fn servers_with_catalogs_list_what_their_device_keys_say() {
     let read = lab.reads().bytes - before.bytes;
     let reference = fleet_from_keys(&mut client, &keys, revision).await;
     assert_same(&pages, &reference);
-    assert_eq!(pages.len(), 2, "21 servers, 16 a page");
+    assert_eq!(pages.len(), 3, "21 servers: one first, then 16 a page");
+    assert_eq!(pages[0].iter().filter(|listed| matches!(listed, Listed::Server(_))).count(), 1);
     assert_eq!(reference.devices.len(), 2100 + (2..22).map(|i| i % 5 * 30).sum::<usize>());
     assert!(reference.devices.iter().filter(|d| d.reservation.is_some()).count() > 300);
     let entries: u64 = reference.devices.iter().map(|d| serde_json::to_vec(&d.device).unwrap().len() as u64).sum();
