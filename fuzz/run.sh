@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 seconds="${FUZZ_SECONDS:-20}"
-targets="${FUZZ_TARGETS:-decode_command decode_return op_phase transform_frames server_session client_session redir_packets redir_host dfu_control redir_bridge external_frames tls_records tls_pair tls_differential storage_accelerator recording}"
+targets="${FUZZ_TARGETS:-decode_command decode_return op_phase transform_frames server_session client_session redir_packets redir_host dfu_control redir_bridge external_frames tls_records tls_pair tls_differential storage_accelerator recording lab_catalog}"
 mode="${FUZZ_MODE:-auto}"
 
 run_replay() {

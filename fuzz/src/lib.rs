@@ -33,6 +33,7 @@ mod client;
 mod descriptors;
 mod dfu;
 mod external;
+mod lab;
 mod model_server;
 mod recording;
 mod redir;
@@ -48,6 +49,7 @@ mod tls_records;
 pub use client::client_session;
 pub use dfu::dfu_control;
 pub use external::external_frames;
+pub use lab::lab_catalog;
 pub use recording::recording;
 pub use redir::redir_packets;
 pub use redir_bridge::redir_bridge;
@@ -62,7 +64,7 @@ pub use tls_records::tls_records;
 pub type Harness = fn(&[u8]);
 
 /// The fuzz targets, by name.
-pub const TARGETS: [(&str, Harness); 16] = [
+pub const TARGETS: [(&str, Harness); 17] = [
     ("decode_command", decode_command),
     ("decode_return", decode_return),
     ("op_phase", op_phase),
@@ -79,6 +81,7 @@ pub const TARGETS: [(&str, Harness); 16] = [
     ("tls_differential", tls_differential),
     ("storage_accelerator", storage_accelerator),
     ("recording", recording),
+    ("lab_catalog", lab_catalog),
 ];
 
 /// Server side: `[chunking, limits, iso_mode] ++ stream` through `urb::decode_command`.

@@ -125,6 +125,7 @@ pub fn all() -> Vec<Seed> {
     external_seeds(&mut add);
     tls_seeds(&mut add);
     crate::storage::storage_seeds(&mut add);
+    crate::lab::lab_seeds(&mut add);
     seeds
 }
 

@@ -16,7 +16,7 @@ use crate::entry::{decode_str, DeviceEntry};
 
 /// Devices in one chunk: a chunk of typical entries is 36 KB of JSON,
 /// a few KiB compressed.
-pub(crate) const PER_CHUNK: usize = 64;
+pub const PER_CHUNK: usize = 64;
 
 /// The most a chunk may take when decompressed: what a hostile value can
 /// make a reader hold (64 entries of 256 KiB, far beyond any device's).
@@ -26,7 +26,7 @@ const MAX_CHUNK_BYTES: usize = 16 << 20;
 const LEVEL: i32 = 3;
 
 /// The chunks of a server's device entries (their JSON, in bus id order).
-pub(crate) fn chunks<'a>(entries: impl IntoIterator<Item = &'a [u8]>) -> Vec<Vec<u8>> {
+pub fn chunks<'a>(entries: impl IntoIterator<Item = &'a [u8]>) -> Vec<Vec<u8>> {
     let entries: Vec<&[u8]> = entries.into_iter().collect();
     entries
         .chunks(PER_CHUNK)
@@ -50,15 +50,28 @@ pub(crate) fn chunks<'a>(entries: impl IntoIterator<Item = &'a [u8]>) -> Vec<Vec
 /// The entries of a chunk that `server` published: entries that cannot be
 /// read, are of a newer schema or name another server are left out; a
 /// value that is no chunk gives none.
-pub(crate) fn read_chunk(server: &str, value: &[u8]) -> Vec<DeviceEntry> {
-    let Ok(json) = zstd::bulk::decompress(value, MAX_CHUNK_BYTES) else { return Vec::new() };
-    let Ok(json) = std::str::from_utf8(&json) else { return Vec::new() };
-    let Ok(entries) = serde_json::from_str::<Vec<&RawValue>>(json) else { return Vec::new() };
+pub fn read_chunk(server: &str, value: &[u8]) -> Vec<DeviceEntry> {
+    let Some(json) = chunk_json(value) else { return Vec::new() };
+    let Ok(entries) = serde_json::from_str::<Vec<&RawValue>>(&json) else { return Vec::new() };
     entries
         .into_iter()
         .filter_map(|entry| decode_str::<DeviceEntry>(entry.get()))
         .filter(|entry| entry.server == server)
         .collect()
+}
+
+/// A chunk's text, if it is a zstd stream of UTF-8 of at most
+/// [`MAX_CHUNK_BYTES`] (the buffer grows as the stream does, not to the
+/// budget at once).
+pub fn chunk_json(value: &[u8]) -> Option<String> {
+    use std::io::Read;
+    let decoder = zstd::stream::read::Decoder::with_buffer(value).ok()?;
+    let mut json = Vec::new();
+    decoder.take(MAX_CHUNK_BYTES as u64 + 1).read_to_end(&mut json).ok()?;
+    if json.len() > MAX_CHUNK_BYTES {
+        return None;
+    }
+    String::from_utf8(json).ok()
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@
 //! only lays out keys and records ([`entry`]). It is not needed to serve or
 //! import directly: a server whose registry is unreachable keeps serving.
 
-mod catalog;
+pub mod catalog;
 pub mod entry;
 mod error;
 mod etcd;
