@@ -7,12 +7,21 @@
 //! (`publish`), so a list at a revision and a watch of the device keys from
 //! the next one miss nothing. No I/O.
 //!
+//! Beside the catalog of all its devices, a server keeps one per term of the
+//! kinds in [`TERM_KINDS`] (`label/nucleo`, `id/0483:374b`, `class/08`): the
+//! entries of its devices with that term, chunked alike, so a filtered list
+//! reads only the matching entries. A server rewrites a catalog's chunks in
+//! [`write_order`], so that at no revision between two of its writes is a
+//! device that stays missing from every chunk.
+//!
 //! Not the truth a reservation goes by: that is each device's own key
 //! (`take` reads it), which the catalog repeats.
 
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
 use serde_json::value::RawValue;
 
-use crate::entry::{decode_str, DeviceEntry};
+use crate::entry::{decode_str, index_terms, DeviceEntry, Keys};
 
 /// Devices in one chunk: a chunk of typical entries is 36 KB of JSON,
 /// a few KiB compressed.
@@ -24,6 +33,127 @@ const MAX_CHUNK_BYTES: usize = 16 << 20;
 
 /// zstd's level: fast, and as small as higher levels on these records.
 const LEVEL: i32 = 3;
+
+/// The kinds of index term a server keeps a catalog of each term of.
+/// Serials are left out: a serial names one device, which the index finds
+/// in a read or two, and a catalog each would double the server's keys.
+pub const TERM_KINDS: [&str; 3] = ["label", "id", "class"];
+
+/// The term catalogs `device` is in, one prefix each, sorted.
+pub fn term_catalogs(keys: &Keys, device: &DeviceEntry) -> Vec<String> {
+    let mut prefixes: Vec<String> = index_terms(device)
+        .into_iter()
+        .filter(|(kind, _)| TERM_KINDS.contains(kind))
+        .map(|(kind, value)| keys.term_catalog_of(&device.server, kind, &value))
+        .collect();
+    prefixes.sort();
+    prefixes.dedup();
+    prefixes
+}
+
+/// Chunk `n` of the catalog under `prefix` (six digits: keys sort as chunks do).
+pub fn chunk_key(prefix: &str, n: usize) -> String {
+    format!("{prefix}{n:06}")
+}
+
+/// The order to write a catalog's chunks in (their indices: every chunk of
+/// `before` or `after`, the bus ids each holds as last written and as it is
+/// to be) so that a reader at any revision in between finds every device of
+/// both in some chunk. When a device moves to another chunk (one was added
+/// or removed before it), the chunk it moves into is written before the one
+/// it leaves. Both are in bus id order, so no two devices move against each
+/// other and an order always exists; were one missing (`before` not what
+/// the catalog holds), the chunks left go in index order.
+pub fn write_order<S: AsRef<str>>(before: &[Vec<S>], after: &[Vec<S>]) -> Vec<usize> {
+    let count = before.len().max(after.len());
+    let was: HashMap<&str, usize> =
+        before.iter().enumerate().flat_map(|(n, chunk)| chunk.iter().map(move |busid| (busid.as_ref(), n))).collect();
+    // (into, from): `into` is written before `from`.
+    let mut moves = BTreeSet::new();
+    for (into, chunk) in after.iter().enumerate() {
+        for busid in chunk {
+            match was.get(busid.as_ref()) {
+                Some(&from) if from != into => moves.insert((into, from)),
+                _ => false,
+            };
+        }
+    }
+    let mut waiting = vec![0_usize; count];
+    let mut then: Vec<Vec<usize>> = vec![Vec::new(); count];
+    for &(into, from) in &moves {
+        waiting[from] += 1;
+        then[into].push(from);
+    }
+    let mut ready: BTreeSet<usize> = (0..count).filter(|&n| waiting[n] == 0).collect();
+    let mut order = Vec::with_capacity(count);
+    let mut written = vec![false; count];
+    while let Some(n) = ready.pop_first() {
+        order.push(n);
+        written[n] = true;
+        for &from in &then[n] {
+            waiting[from] -= 1;
+            if waiting[from] == 0 {
+                ready.insert(from);
+            }
+        }
+    }
+    order.extend((0..count).filter(|&n| !written[n]));
+    order
+}
+
+/// Each catalog's chunks as last written, by the catalog's prefix: the bus
+/// ids each chunk holds.
+pub type Layouts = HashMap<String, Vec<Vec<String>>>;
+
+/// What to write (a key's value, or `None` to delete it) so that a server's
+/// catalogs, whose keys start with `catalogs_of`, hold `catalogs` (prefix →
+/// its devices' bus ids and entries, in bus id order), given what is
+/// `published` (key → value) and `layouts`, which it updates: each
+/// catalog's changed chunks in [`write_order`], then the chunks no catalog
+/// has any more (a term no device has now, a write that failed), whose
+/// devices are in other chunks by then.
+pub fn changes(
+    catalogs: &BTreeMap<&str, Vec<(&str, &[u8])>>,
+    catalogs_of: &str,
+    published: &HashMap<String, Vec<u8>>,
+    layouts: &mut Layouts,
+) -> Vec<(String, Option<Vec<u8>>)> {
+    let mut changes = Vec::new();
+    let mut written = HashSet::new();
+    let mut now = HashMap::with_capacity(catalogs.len());
+    for (prefix, entries) in catalogs {
+        let layout: Vec<Vec<String>> = entries
+            .chunks(PER_CHUNK)
+            .map(|chunk| chunk.iter().map(|(busid, _)| (*busid).to_owned()).collect())
+            .collect();
+        let chunks = chunks(entries.iter().map(|(_, entry)| *entry));
+        let before = layouts.get(*prefix).map(Vec::as_slice).unwrap_or_default();
+        for n in write_order(before, &layout) {
+            let key = chunk_key(prefix, n);
+            match chunks.get(n) {
+                Some(chunk) => {
+                    if published.get(&key) != Some(chunk) {
+                        changes.push((key.clone(), Some(chunk.clone())));
+                    }
+                    written.insert(key);
+                }
+                None if published.contains_key(&key) => changes.push((key, None)),
+                None => {}
+            }
+        }
+        now.insert((*prefix).to_owned(), layout);
+    }
+    let deleted: HashSet<&String> = changes.iter().filter(|(_, value)| value.is_none()).map(|(key, _)| key).collect();
+    let mut stale: Vec<&String> = published
+        .keys()
+        .filter(|key| key.starts_with(catalogs_of) && !written.contains(*key) && !deleted.contains(key))
+        .collect();
+    stale.sort();
+    let stale: Vec<String> = stale.into_iter().cloned().collect();
+    changes.extend(stale.into_iter().map(|key| (key, None)));
+    *layouts = now;
+    changes
+}
 
 /// The chunks of a server's device entries (their JSON, in bus id order).
 pub fn chunks<'a>(entries: impl IntoIterator<Item = &'a [u8]>) -> Vec<Vec<u8>> {
@@ -111,6 +241,84 @@ mod tests {
         assert_eq!(read_chunk("10.0.0.5:3240", &chunk), [mine]);
         assert_eq!(read_chunk("10.0.0.5:3240", b"[]"), [], "not compressed");
         assert_eq!(read_chunk("10.0.0.5:3240", &[0x28, 0xb5, 0x2f, 0xfd, 0, 0]), []);
+    }
+
+    /// Writes `after` over `before` a chunk at a time in [`write_order`],
+    /// checking after each write that every device of both is in a chunk.
+    fn rewrite(before: &[u16], after: &[u16], per_chunk: usize) -> Result<(), String> {
+        let layout = |busids: &[u16]| -> Vec<Vec<String>> {
+            busids.chunks(per_chunk).map(|chunk| chunk.iter().map(|b| format!("1-{b}")).collect()).collect()
+        };
+        let (old, new) = (layout(before), layout(after));
+        let order = write_order(&old, &new);
+        let mut sorted = order.clone();
+        sorted.sort();
+        if sorted != (0..old.len().max(new.len())).collect::<Vec<_>>() {
+            return Err(format!("{order:?} is not every chunk once"));
+        }
+        let staying: Vec<String> = before.iter().filter(|b| after.contains(b)).map(|b| format!("1-{b}")).collect();
+        let mut held: Vec<Vec<String>> = old.clone();
+        held.resize(order.len(), Vec::new());
+        for n in order.iter().copied() {
+            held[n] = new.get(n).cloned().unwrap_or_default();
+            for busid in &staying {
+                if !held.iter().any(|chunk| chunk.contains(busid)) {
+                    return Err(format!("{busid} is in no chunk after writing chunk {n} of {order:?}"));
+                }
+            }
+        }
+        if held.iter().flatten().collect::<Vec<_>>() != new.iter().flatten().collect::<Vec<_>>() {
+            return Err("the chunks written are not the new catalog".into());
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_device_moved_to_the_next_chunk_is_written_there_before_it_leaves() {
+        // One device in front: every chunk's last moves on to the next.
+        let before: Vec<u16> = (10..200).collect();
+        let mut after = before.clone();
+        after.insert(0, 1);
+        assert_eq!(write_order(&[vec!["a", "b"], vec!["c"]], &[vec!["0", "a"], vec!["b", "c"]]), [1, 0]);
+        rewrite(&before, &after, 64).unwrap();
+        // One device gone from the front: every chunk's first moves back.
+        rewrite(&after, &before, 64).unwrap();
+        assert_eq!(write_order(&[vec!["a", "b"], vec!["c"]], &[vec!["b", "c"]]), [0, 1]);
+    }
+
+    #[test]
+    fn only_changed_chunks_are_written_and_a_catalog_no_device_is_in_goes_last() {
+        let busids: Vec<String> = (10..80).map(|n| format!("1-{n}")).collect();
+        let jsons: Vec<Vec<u8>> = busids.iter().map(|busid| json(&device_entry("10.0.0.5:3240", busid, &[]))).collect();
+        let all: Vec<(&str, &[u8])> = busids.iter().zip(&jsons).map(|(b, j)| (b.as_str(), j.as_slice())).collect();
+        let catalogs = BTreeMap::from([("p/!catalog/", all.clone()), ("p/!term/label/x/", all[..3].to_vec())]);
+        let (mut published, mut layouts) = (HashMap::new(), Layouts::new());
+        let first = changes(&catalogs, "p/!", &published, &mut layouts);
+        let keys: Vec<&str> = first.iter().map(|(key, _)| key.as_str()).collect();
+        assert_eq!(keys, ["p/!catalog/000000", "p/!catalog/000001", "p/!term/label/x/000000"]);
+        published.extend(first.into_iter().map(|(key, value)| (key, value.unwrap())));
+        assert_eq!(changes(&catalogs, "p/!", &published, &mut layouts), [], "nothing changed");
+        // A device in front (every chunk's last moves on), and no device has the label now.
+        let front = json(&device_entry("10.0.0.5:3240", "1-0", &[]));
+        let mut more = vec![("1-0", front.as_slice())];
+        more.extend(all.iter().copied());
+        let second = changes(&BTreeMap::from([("p/!catalog/", more)]), "p/!", &published, &mut layouts);
+        let keys: Vec<(&str, bool)> = second.iter().map(|(key, value)| (key.as_str(), value.is_some())).collect();
+        assert_eq!(keys, [("p/!catalog/000001", true), ("p/!catalog/000000", true), ("p/!term/label/x/000000", false)]);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn no_device_of_both_catalogs_is_ever_in_no_chunk(
+            before in proptest::collection::btree_set(0_u16..400, 0..200),
+            after in proptest::collection::btree_set(0_u16..400, 0..200),
+            per_chunk in 1_usize..9,
+        ) {
+            let (before, after): (Vec<u16>, Vec<u16>) = (before.into_iter().collect(), after.into_iter().collect());
+            if let Err(error) = rewrite(&before, &after, per_chunk) {
+                proptest::prop_assert!(false, "{}", error);
+            }
+        }
     }
 
     #[test]

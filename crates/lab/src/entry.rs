@@ -6,6 +6,7 @@
 //! PREFIX/servers/SERVER                      ServerEntry       lease: the server's
 //! PREFIX/devices/SERVER/BUSID                DeviceEntry       lease: the server's
 //! PREFIX/devices/SERVER/!catalog/NNNNNN      its entries, 64 a key (`catalog`)
+//! PREFIX/devices/SERVER/!term/KIND/VALUE/NNNNNN  those with a term, alike
 //! PREFIX/reservations/SERVER/BUSID           ReservationEntry  lease: the holder's
 //! PREFIX/index/KIND/VALUE/SERVER/BUSID       its availability  lease: the server's
 //! PREFIX/index/free/KIND/VALUE/BB/SERVER/BUSID  `available`     lease: the server's
@@ -81,7 +82,25 @@ impl Keys {
 
     /// The key of a server's catalog chunk `n` (six digits: keys sort as chunks do).
     pub fn catalog_chunk(&self, server: &str, n: usize) -> String {
-        format!("{}{n:06}", self.catalog_of(server))
+        crate::catalog::chunk_key(&self.catalog_of(server), n)
+    }
+
+    /// The prefix of a server's catalog of the devices with one term
+    /// (`label`, `nucleo`; `catalog::TERM_KINDS`), beside its catalog.
+    pub fn term_catalog_of(&self, server: &str, kind: &str, value: &str) -> String {
+        format!("{}devices/{server}/{TERM_CATALOG}/{kind}/{}/", self.root, key_part(value))
+    }
+
+    /// The server whose catalog a chunk's key is under.
+    pub fn chunk_server<'k>(&self, key: &'k [u8]) -> Option<&'k str> {
+        let rest = std::str::from_utf8(key).ok()?.strip_prefix(&self.root)?.strip_prefix("devices/")?;
+        rest.split_once("/!").map(|(server, _)| server)
+    }
+
+    /// The prefix every catalog chunk of a server's starts with, and none
+    /// of its device keys (no bus id starts with `!`).
+    pub fn catalogs_of(&self, server: &str) -> String {
+        format!("{}devices/{server}/!", self.root)
     }
 
     /// The prefix of one server's reservations.
@@ -160,8 +179,9 @@ impl Keys {
         let split = || rest.rsplit_once('/').map(|(server, busid)| (server.to_owned(), busid.to_owned()));
         match kind {
             "servers" if !rest.is_empty() => Some(Key::Server { server: rest.to_owned() }),
+            // A catalog chunk's server part has a `/!` (no address has).
             "devices" => split()
-                .filter(|(server, _)| !server.ends_with(&format!("/{CATALOG}")))
+                .filter(|(server, _)| !server.contains("/!"))
                 .map(|(server, busid)| Key::Device { server, busid }),
             "reservations" => split().map(|(server, busid)| Key::Reservation { server, busid }),
             _ => None,
@@ -171,6 +191,8 @@ impl Keys {
 
 /// The key part that sets a server's catalog apart from its devices.
 const CATALOG: &str = "!catalog";
+/// The same, for its catalogs of one term.
+const TERM_CATALOG: &str = "!term";
 
 /// A server, as it registers itself.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -190,6 +212,10 @@ pub struct ServerEntry {
     /// entries, which lists read instead; servers before it do not.
     #[serde(default)]
     pub catalog: bool,
+    /// The kinds of term (`label`, `id`, `class`) it keeps a catalog of
+    /// each term of (`catalog`), which filtered lists read instead.
+    #[serde(default)]
+    pub catalog_terms: Vec<String>,
 }
 
 /// A device a server exports, with its state now: its device record
@@ -260,7 +286,7 @@ impl Availability {
 
 /// The index terms of a device, as (kind, value): its labels, VID:PID, the
 /// classes of the device and its interfaces, its serial.
-fn index_terms(device: &DeviceEntry) -> Vec<(&'static str, String)> {
+pub(crate) fn index_terms(device: &DeviceEntry) -> Vec<(&'static str, String)> {
     let mut terms: Vec<(&'static str, String)> = device.labels.iter().map(|label| ("label", label.clone())).collect();
     terms.push(("id", format!("{}:{}", device.record.vendor_id, device.record.product_id)));
     let mut classes: Vec<&String> = std::iter::once(&device.class).chain(&device.interface_classes).collect();
@@ -524,6 +550,12 @@ impl Want {
             .collect()
     }
 
+    /// The first term with a catalog per term (`catalog::TERM_KINDS`), as
+    /// (kind, value): where a filtered list can read its matching entries.
+    pub fn catalog_term(&self) -> Option<(&'static str, String)> {
+        self.index_terms().into_iter().find(|(kind, _)| crate::catalog::TERM_KINDS.contains(kind))
+    }
+
     /// Whether the bus id and server terms allow this device.
     pub fn matches_place(&self, server: &str, busid: &str) -> bool {
         self.terms.iter().all(|term| match term {
@@ -627,6 +659,7 @@ pub(crate) mod tests {
             version: "0.1.0".into(),
             started_at: timestamp(SystemTime::UNIX_EPOCH),
             catalog: false,
+            catalog_terms: Vec::new(),
         }
     }
 

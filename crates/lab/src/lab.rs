@@ -8,7 +8,6 @@
 //! and one transaction per device tried; holding it costs one renewal every
 //! third of the lease's time to live; a release is one lease revocation.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, SystemTime};
 
 use etcd_client::{
@@ -17,7 +16,7 @@ use etcd_client::{
 use tokio::task::JoinHandle;
 use usbwire_proto::reservation::ReservationToken;
 
-use crate::entry::{decode, DeviceEntry, Fleet, Key, Keys, ReservationEntry, ServerEntry, Want};
+use crate::entry::{decode, DeviceEntry, Key, Keys, ReservationEntry, ServerEntry};
 use crate::error::LabError;
 use crate::etcd::Endpoint;
 use crate::request;
@@ -80,63 +79,7 @@ pub struct Reservation {
 }
 
 /// How many keys one range request returns at most.
-const PAGE: i64 = 2000;
-/// How many reads one transaction carries at most (etcd's `--max-txn-ops` is 128 by default).
-const GETS_PER_TXN: usize = 128;
-/// How many of a filtered list's reads are in flight at once.
-const TXNS_IN_FLIGHT: usize = 8;
-/// From how many of a server's devices on a filtered list reads that
-/// server's reservations in one range instead of one key each.
-const RESERVATIONS_BY_RANGE: usize = 16;
-
-/// Key-value pairs read, and what reading them cost.
-type Pairs = (Vec<(Vec<u8>, Vec<u8>)>, Reads);
-
-/// One read of a filtered list.
-enum Read {
-    /// These keys, in one transaction.
-    Keys(Vec<String>),
-    /// Every key under this prefix, a page at a time.
-    Prefix(String),
-}
-
-impl Read {
-    async fn at(self, client: Client, revision: i64) -> Result<Pairs, etcd_client::Error> {
-        let mut reads = Reads::default();
-        let mut pairs = Vec::new();
-        let mut take = |got: &etcd_client::GetResponse| {
-            reads.count(got);
-            pairs.extend(got.kvs().iter().map(|kv| (kv.key().to_vec(), kv.value().to_vec())));
-        };
-        match self {
-            Self::Keys(keys) => {
-                let at = || Some(GetOptions::new().with_revision(revision));
-                let gets: Vec<TxnOp> = keys.into_iter().map(|key| TxnOp::get(key, at())).collect();
-                let response = request::txn(&client, Txn::new().and_then(gets)).await?;
-                for op in response.op_responses() {
-                    if let TxnOpResponse::Get(got) = op {
-                        take(&got);
-                    }
-                }
-            }
-            Self::Prefix(prefix) => {
-                let end = prefix_end(&prefix);
-                let mut from = prefix.into_bytes();
-                loop {
-                    let options = GetOptions::new().with_range(end.clone()).with_limit(PAGE).with_revision(revision);
-                    let got = request::get(&client, from.clone(), Some(options)).await?;
-                    take(&got);
-                    match got.kvs().last() {
-                        Some(last) if got.more() => from = [last.key(), &[0]].concat(),
-                        _ => break,
-                    }
-                }
-            }
-        }
-        Ok((pairs, reads))
-    }
-}
-
+pub(crate) const PAGE: i64 = 2000;
 /// Whether a server's and a device's records name the server and bus id of
 /// the keys they were read from (`servers/SERVER`, `devices/SERVER/BUSID`).
 /// A client imports from the address and pins the key the records name, so
@@ -190,89 +133,6 @@ impl Lab {
     /// What this connection has read so far.
     pub fn reads(&self) -> Reads {
         self.reads
-    }
-
-    /// The servers and devices `want` matches, and who holds them, at one
-    /// revision: the keys of the index under its indexed terms (intersected,
-    /// then filtered by its bus id and server terms), then only those
-    /// devices' records, their reservations (a range of a server's when
-    /// [`RESERVATIONS_BY_RANGE`] of its devices match) and their servers'
-    /// entries, in transactions of [`GETS_PER_TXN`] reads, [`TXNS_IN_FLIGHT`]
-    /// at once. Its cost grows with the
-    /// devices that match, not with the lab. A selector without an indexed
-    /// term (a bus id or a server alone) reads the fleet and filters it.
-    pub async fn fleet_matching(&mut self, want: &Want) -> Result<Fleet, LabError> {
-        let prefixes = want.index_prefixes(&self.keys);
-        if prefixes.is_empty() {
-            let mut fleet = self.fleet().await?;
-            fleet.devices.retain(|d| want.matches(&d.device));
-            let devices = &fleet.devices;
-            fleet.servers.retain(|server| devices.iter().any(|d| d.device.server == server.address));
-            return Ok(fleet);
-        }
-        let mut revision = None;
-        let mut found: Option<BTreeSet<(String, String)>> = None;
-        for prefix in &prefixes {
-            let (at, kvs) = self.range(prefix, revision, true).await?;
-            revision = Some(at);
-            let here: BTreeSet<(String, String)> = kvs
-                .iter()
-                .filter_map(|kv| self.keys.parse_index_entry(prefix, kv.key()))
-                .filter(|(server, busid)| want.matches_place(server, busid))
-                .collect();
-            found = Some(match found {
-                None => here,
-                Some(before) => before.intersection(&here).cloned().collect(),
-            });
-        }
-        let revision = revision.unwrap_or(0);
-        let found = found.unwrap_or_default();
-        // A server with many devices matching: its reservations in one range
-        // (they are at most its devices, and usually far fewer) rather than
-        // a read per device.
-        let mut per_server: BTreeMap<&str, usize> = BTreeMap::new();
-        for (server, _) in &found {
-            *per_server.entry(server).or_default() += 1;
-        }
-        let by_range = |server: &str| per_server.get(server).is_some_and(|n| *n >= RESERVATIONS_BY_RANGE);
-        let mut keys: Vec<String> = per_server.keys().map(|server| self.keys.server(server)).collect();
-        for (server, busid) in &found {
-            keys.push(self.keys.device(server, busid));
-            if !by_range(server) {
-                keys.push(self.keys.reservation(server, busid));
-            }
-        }
-        let prefixes =
-            per_server.keys().filter(|server| by_range(server)).map(|server| self.keys.reservations_of(server));
-        let reads = keys.chunks(GETS_PER_TXN).map(|batch| Read::Keys(batch.to_vec())).chain(prefixes.map(Read::Prefix));
-        // Reads in flight at once: their round trips overlap, and etcd
-        // serves reads on all its cores.
-        let mut reading = tokio::task::JoinSet::new();
-        let mut pairs = Vec::new();
-        let mut counted = Reads::default();
-        let mut take = |done: Result<Result<Pairs, etcd_client::Error>, tokio::task::JoinError>| {
-            let (mut got, reads) = done.map_err(|error| etcd_client::Error::IoError(error.into()))??;
-            pairs.append(&mut got);
-            counted.add(reads);
-            Ok::<(), LabError>(())
-        };
-        for read in reads {
-            if reading.len() == TXNS_IN_FLIGHT {
-                if let Some(done) = reading.join_next().await {
-                    take(done)?;
-                }
-            }
-            reading.spawn(read.at(self.client.clone(), revision));
-        }
-        while let Some(done) = reading.join_next().await {
-            take(done)?;
-        }
-        self.reads.add(counted);
-        let pairs = pairs.iter().map(|(key, value)| (key.as_slice(), value.as_slice()));
-        let mut fleet = Fleet::from_pairs(&self.keys, revision, pairs);
-        // The index is its servers' word; the records decide.
-        fleet.devices.retain(|d| want.matches(&d.device));
-        Ok(fleet)
     }
 
     /// Every key under `prefix` (and its value unless `keys_only`), in pages
@@ -493,7 +353,7 @@ mod tests {
     use etcd_client::PutOptions;
 
     use super::*;
-    use crate::entry::{timestamp, Availability, SCHEMA_VERSION};
+    use crate::entry::{timestamp, Availability, Want, SCHEMA_VERSION};
     use crate::testing::Cluster;
 
     fn device(server: &str, busid: &str) -> DeviceEntry {
@@ -526,6 +386,7 @@ mod tests {
             version: "0.1.0".into(),
             started_at: timestamp(SystemTime::now()),
             catalog: false,
+            catalog_terms: Vec::new(),
         }
     }
 
@@ -588,69 +449,8 @@ mod tests {
         taken.release().await.unwrap();
     }
 
-    /// The README's etcd roles ("Trusting the registry"), as etcd enforces
-    /// them: a server writes its own entry, devices and the index, and reads
-    /// its own reservations, but cannot plant another server or device, nor
-    /// reserve; a client reads everything and writes reservations only.
-    /// (Users log in with passwords here; the README's log in by certificate.)
     /// `delete_all` empties its own prefix and leaves a neighbour's alone,
     /// even one whose name starts the same.
-    /// Issue 36 item 2: a filtered list reads the index and the matching
-    /// devices' records only, and shows exactly what a filtered fleet shows.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_filtered_list_reads_only_what_the_index_points_at() {
-        let Some(cluster) = Cluster::start(1, "filtered_list").await else { return };
-        let keys = Keys::new("test");
-        let mut client = cluster.client(0).await;
-        for server in ["10.0.0.1:3240", "10.0.0.2:3240"] {
-            crate::testing::plant(&mut client, &keys, server, 1000, 20).await;
-        }
-        // Three matching devices: their reservations are read a key each, the
-        // others' (50 a server) in a range per server.
-        crate::testing::plant(&mut client, &keys, "10.0.0.3:3240", 60, 20).await;
-        let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
-        let hold = Hold::WhileRunning { ttl: Duration::from_secs(5), until: None };
-        let taken = lab.reserve(&"label=nucleo".parse().unwrap(), hold, "test").await.unwrap();
-        // Others' reservations, of matching devices and not, on each server.
-        for (server, busid) in [("10.0.0.1:3240", "1-21"), ("10.0.0.1:3240", "1-22"), ("10.0.0.3:3240", "1-41")] {
-            let entry = ReservationEntry {
-                schema_version: crate::entry::SCHEMA_VERSION,
-                holder: format!("someone@{busid}"),
-                client: "usbwire reserve".to_owned(),
-                pid: 1,
-                token_sha256: "00".repeat(32),
-                since_at: timestamp(SystemTime::now()),
-                until_at: None,
-            };
-            client.put(keys.reservation(server, busid), json(&entry), None).await.unwrap();
-        }
-        let everything = lab.fleet().await.unwrap();
-        let reserved = |fleet: &Fleet| fleet.devices.iter().filter(|d| d.reservation.is_some()).count();
-        assert_eq!(reserved(&everything), 4);
-        for selector in
-            ["label=nucleo", "label=nucleo,server=10.0.0.2:3240", "0483:374b,label=nucleo", "2-7", "label=none"]
-        {
-            let want: Want = selector.parse().unwrap();
-            let before = lab.reads();
-            let filtered = lab.fleet_matching(&want).await.unwrap();
-            let read = lab.reads().bytes - before.bytes;
-            let expected: Vec<_> = everything.devices.iter().filter(|d| want.matches(&d.device)).collect();
-            let got: Vec<_> = filtered.devices.iter().collect();
-            assert_eq!(got, expected, "{selector}");
-            let servers: BTreeSet<_> = expected.iter().map(|d| d.device.server.clone()).collect();
-            assert_eq!(filtered.servers.iter().map(|s| s.address.clone()).collect::<BTreeSet<_>>(), servers);
-            if selector.starts_with("label=nucleo") {
-                assert!(read < 60 * 1024, "{selector}: read {read} bytes");
-            }
-        }
-        let mine = lab.fleet_matching(&"label=nucleo".parse().unwrap()).await.unwrap();
-        let held: Vec<_> = mine.devices.iter().filter(|d| d.reservation.is_some()).collect();
-        assert_eq!(held.len(), 3, "the reservations of matching devices are shown");
-        assert!(held.iter().any(|d| d.device.record.busid == taken.device.record.busid));
-        assert_eq!(mine.devices.len(), 103);
-        taken.release().await.unwrap();
-    }
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn delete_all_removes_its_prefix_and_nothing_beside_it() {
         let Some(cluster) = Cluster::start(1, "delete_all").await else { return };
@@ -673,6 +473,11 @@ mod tests {
         assert_eq!(count(&mut client, neighbour.all()).await, planted, "the neighbour's keys stay");
     }
 
+    /// The README's etcd roles ("Trusting the registry"), as etcd enforces
+    /// them: a server writes its own entry, devices and the index, and reads
+    /// its own reservations, but cannot plant another server or device, nor
+    /// reserve; a client reads everything and writes reservations only.
+    /// (Users log in with passwords here; the README's log in by certificate.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_readme_roles_let_a_server_write_only_its_keys_and_a_client_only_reservations() {
         use etcd_client::{ConnectOptions, Permission};

@@ -24,6 +24,7 @@ pub mod entry;
 mod error;
 mod etcd;
 mod lab;
+mod matching;
 mod pages;
 pub mod publish;
 mod request;

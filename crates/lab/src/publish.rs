@@ -17,7 +17,7 @@
 //! again once etcd answers. Stopping the task the way [`publish`] says
 //! revokes the lease, so the server leaves the registry at once.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::future::Future;
 use std::time::Duration;
@@ -146,6 +146,8 @@ struct Lease {
     renewing: JoinHandle<LabError>,
     /// Key → value of every device entry, index entry and catalog chunk put under it.
     published: HashMap<String, Vec<u8>>,
+    /// Each catalog's chunks as last written.
+    layouts: crate::catalog::Layouts,
 }
 
 impl Lease {
@@ -208,6 +210,8 @@ struct Session {
     /// Each device's keys and values as the last sync made them (by bus id):
     /// a reservation's change recomputes only its device's.
     desired: HashMap<String, HashMap<String, Vec<u8>>>,
+    /// Each device's term catalogs (`catalog`), by bus id, as the last sync made them.
+    term_catalogs: HashMap<String, Vec<String>>,
     revision: i64,
     /// The reservations' changes after `revision`, set up by `start`.
     watch: Option<etcd_client::WatchStream>,
@@ -248,11 +252,21 @@ impl Session {
                 let id = request::lease_grant(&client, ttl).await?;
                 let renewing =
                     tokio::spawn(keep_alive(registration.endpoint.clone(), client.clone(), id, registration.ttl));
-                lease.insert(Lease { id, client: client.clone(), renewing, published: HashMap::new() })
+                lease.insert(Lease {
+                    id,
+                    client: client.clone(),
+                    renewing,
+                    published: HashMap::new(),
+                    layouts: HashMap::new(),
+                })
             }
         };
-        // Its devices go in a catalog too (`catalog`), which lists read.
-        let server = &ServerEntry { catalog: true, ..registration.server.clone() };
+        // Its devices go in catalogs too (`catalog`), which lists read.
+        let server = &ServerEntry {
+            catalog: true,
+            catalog_terms: crate::catalog::TERM_KINDS.map(String::from).to_vec(),
+            ..registration.server.clone()
+        };
         let key = keys.server(&server.address);
         let entry = serde_json::to_string(server).unwrap_or_default();
         // Put only if not already there under this lease (a connection set up
@@ -270,6 +284,7 @@ impl Session {
             devices: 0,
             reservations: HashMap::new(),
             desired: HashMap::new(),
+            term_catalogs: HashMap::new(),
             revision: 0,
             watch: None,
         };
@@ -354,10 +369,15 @@ impl Session {
         lease: &mut Lease,
     ) -> Result<(), LabError> {
         let exports = registry.list();
-        self.desired = exports
-            .iter()
-            .map(|export| (export.record.busid.as_str().to_owned(), self.keys_of(registration, export)))
-            .collect();
+        let mut desired = HashMap::with_capacity(exports.len());
+        let mut term_catalogs = HashMap::with_capacity(exports.len());
+        for export in &exports {
+            let (keys, catalogs) = self.keys_of(registration, export);
+            let busid = export.record.busid.as_str().to_owned();
+            term_catalogs.insert(busid.clone(), catalogs);
+            desired.insert(busid, keys);
+        }
+        (self.desired, self.term_catalogs) = (desired, term_catalogs);
         // The catalog before the device keys it repeats: see `catalog`.
         let catalog = self.catalog_changes(registration, lease);
         self.write(catalog, lease).await?;
@@ -369,42 +389,34 @@ impl Session {
             }
         }
         let now: std::collections::HashSet<&String> = self.desired.values().flat_map(|keys| keys.keys()).collect();
-        let catalog_of = self.keys.catalog_of(&registration.server.address);
-        for key in lease.published.keys().filter(|key| !now.contains(key) && !key.starts_with(&catalog_of)) {
+        let catalogs_of = self.keys.catalogs_of(&registration.server.address);
+        for key in lease.published.keys().filter(|key| !now.contains(key) && !key.starts_with(&catalogs_of)) {
             changes.push((key.clone(), None));
         }
         self.devices = exports.len();
         self.write(changes, lease).await
     }
 
-    /// What to write of the catalog (`catalog`) for the device entries of
-    /// `desired`: the chunks that changed, and the chunks beyond the last
-    /// to delete.
-    fn catalog_changes(&self, registration: &Registration, lease: &Lease) -> Vec<(String, Option<Vec<u8>>)> {
+    /// What to write of the catalogs (`catalog`) for the device entries of
+    /// `desired` (`catalog::changes`); notes the layouts written in `lease`.
+    fn catalog_changes(&self, registration: &Registration, lease: &mut Lease) -> Vec<(String, Option<Vec<u8>>)> {
         let address = &registration.server.address;
         let mut busids: Vec<&String> = self.desired.keys().collect();
         busids.sort();
-        let entries = busids.into_iter().filter_map(|busid| {
-            self.desired.get(busid).and_then(|keys| keys.get(&self.keys.device(address, busid))).map(Vec::as_slice)
-        });
-        let chunks = crate::catalog::chunks(entries);
-        let mut changes = Vec::new();
-        let count = chunks.len();
-        for (n, chunk) in chunks.into_iter().enumerate() {
-            let key = self.keys.catalog_chunk(address, n);
-            if lease.published.get(&key) != Some(&chunk) {
-                changes.push((key, Some(chunk)));
+        // Catalog prefix → its devices' bus ids and entries, in bus id order.
+        let all = self.keys.catalog_of(address);
+        let mut catalogs: BTreeMap<&str, Vec<(&str, &[u8])>> = BTreeMap::from([(all.as_str(), Vec::new())]);
+        for busid in busids {
+            let Some(entry) = self.desired.get(busid).and_then(|keys| keys.get(&self.keys.device(address, busid)))
+            else {
+                continue;
+            };
+            let terms = self.term_catalogs.get(busid).into_iter().flatten().map(String::as_str);
+            for prefix in std::iter::once(all.as_str()).chain(terms) {
+                catalogs.entry(prefix).or_default().push((busid.as_str(), entry.as_slice()));
             }
         }
-        let catalog_of = self.keys.catalog_of(address);
-        let mut beyond: Vec<&String> = lease
-            .published
-            .keys()
-            .filter(|key| key.starts_with(&catalog_of) && *key >= &self.keys.catalog_chunk(address, count))
-            .collect();
-        beyond.sort();
-        changes.extend(beyond.into_iter().map(|key| (key.clone(), None)));
-        changes
+        crate::catalog::changes(&catalogs, &self.keys.catalogs_of(address), &lease.published, &mut lease.layouts)
     }
 
     /// [`Session::sync`] for the devices `busids` alone (their reservations
@@ -421,7 +433,8 @@ impl Session {
         let mut changes: Vec<(String, Option<Vec<u8>>)> = Vec::new();
         for busid in busids {
             let Some(export) = exports.iter().find(|export| export.record.busid.as_str() == busid) else { continue };
-            let keys = self.keys_of(registration, export);
+            let (keys, catalogs) = self.keys_of(registration, export);
+            self.term_catalogs.insert(busid.clone(), catalogs);
             let before = self.desired.remove(busid).unwrap_or_default();
             for (key, value) in &keys {
                 if lease.published.get(key) != Some(value) {
@@ -446,8 +459,9 @@ impl Session {
     }
 
     /// A device's keys and values: its entry, its index keys with its
-    /// availability, and its free keys while it is available.
-    fn keys_of(&self, registration: &Registration, export: &ExportInfo) -> HashMap<String, Vec<u8>> {
+    /// availability, and its free keys while it is available; and the term
+    /// catalogs its entry goes in.
+    fn keys_of(&self, registration: &Registration, export: &ExportInfo) -> (HashMap<String, Vec<u8>>, Vec<String>) {
         let address = &registration.server.address;
         let entry = device_entry(address, export, &registration.labels);
         let availability = Availability::of(entry.state(), self.reservations.contains_key(&entry.record.busid));
@@ -462,7 +476,7 @@ impl Session {
             );
         }
         keys.insert(self.keys.device(address, &entry.record.busid), serde_json::to_vec(&entry).unwrap_or_default());
-        keys
+        (keys, crate::catalog::term_catalogs(&self.keys, &entry))
     }
 
     /// Writes `changes` (a key's new value, or `None` to delete it) under
@@ -582,6 +596,7 @@ mod tests {
                 version: "test".to_owned(),
                 started_at: timestamp(std::time::SystemTime::now()),
                 catalog: false,
+                catalog_terms: Vec::new(),
             },
             labels: Vec::new(),
         }
@@ -604,8 +619,7 @@ mod tests {
     async fn registered(client: &mut Client, devices: usize) -> Vec<(String, i64, i64)> {
         for _ in 0..100 {
             let keys = published(client).await;
-            let device_keys =
-                keys.iter().filter(|(key, ..)| key.starts_with("test/devices/") && !key.contains("/!catalog/"));
+            let device_keys = keys.iter().filter(|(key, ..)| key.starts_with("test/devices/") && !key.contains("/!"));
             if device_keys.count() == devices && keys.iter().any(|(key, ..)| key.starts_with("test/servers/")) {
                 return keys;
             }
@@ -673,39 +687,58 @@ mod tests {
         let now = registered(&mut client, 2).await;
         assert_eq!(one_lease(&now), lease, "the same lease after the connection came back");
         // The catalog's chunk changed with the second device; nothing else did.
-        for entry in first.iter().filter(|(key, ..)| !key.contains("/!catalog/")) {
+        for entry in first.iter().filter(|(key, ..)| !key.contains("/!")) {
             assert!(now.contains(entry), "{entry:?} put again: {now:?}");
         }
         publishing.abort();
     }
 
     /// Waits (up to 10 s) for the server's catalog to be `chunks` chunks
-    /// that hold its device entries, in key order, and its entry to say so.
+    /// that hold its device entries, in key order, its catalog of each term
+    /// to hold the entries with that term, and its entry to say so.
     async fn catalog_agrees(client: &mut Client, chunks: usize) {
         let keys = Keys::new("test");
         let mut last = String::new();
         for _ in 0..100 {
             let all = client.get("test/devices/", Some(GetOptions::new().with_prefix())).await.expect("read");
-            let (catalog, devices): (Vec<_>, Vec<_>) =
-                all.kvs().iter().partition(|kv| kv.key().starts_with(keys.catalog_of("127.0.0.1:3240").as_bytes()));
-            let listed: Vec<DeviceEntry> =
-                catalog.iter().flat_map(|kv| crate::catalog::read_chunk("127.0.0.1:3240", kv.value())).collect();
+            let (catalogs, devices): (Vec<_>, Vec<_>) =
+                all.kvs().iter().partition(|kv| kv.key().starts_with(keys.catalogs_of("127.0.0.1:3240").as_bytes()));
             let keyed: Vec<DeviceEntry> =
                 devices.iter().map(|kv| serde_json::from_slice(kv.value()).expect("an entry")).collect();
+            // Catalog prefix → the entries its chunks hold, and should.
+            let mut held: BTreeMap<String, Vec<DeviceEntry>> = BTreeMap::new();
+            for kv in &catalogs {
+                let key = String::from_utf8_lossy(kv.key());
+                let prefix = key[..key.len() - 6].to_owned();
+                held.entry(prefix).or_default().extend(crate::catalog::read_chunk("127.0.0.1:3240", kv.value()));
+            }
+            let mut expected = BTreeMap::from([(keys.catalog_of("127.0.0.1:3240"), keyed.clone())]);
+            for entry in &keyed {
+                for prefix in crate::catalog::term_catalogs(&keys, entry) {
+                    expected.entry(prefix).or_default().push(entry.clone());
+                }
+            }
+            let full = catalogs.iter().filter(|kv| kv.key().starts_with(keys.catalog_of("127.0.0.1:3240").as_bytes()));
             let server = client.get(keys.server("127.0.0.1:3240"), None).await.expect("read");
             let entry: Option<ServerEntry> = server.kvs().first().and_then(|kv| decode(kv.value()));
-            if catalog.len() == chunks && listed == keyed && entry.is_some_and(|entry| entry.catalog) {
+            let says = entry.is_some_and(|entry| entry.catalog && entry.catalog_terms == crate::catalog::TERM_KINDS);
+            if full.count() == chunks && held == expected && says {
                 return;
             }
-            last = format!("{} chunks with {} entries, {} device keys", catalog.len(), listed.len(), keyed.len());
+            let sizes = |catalogs: &BTreeMap<String, Vec<DeviceEntry>>| -> Vec<String> {
+                catalogs.iter().map(|(prefix, entries)| format!("{prefix}: {}", entries.len())).collect()
+            };
+            last = format!("the chunks hold {:?}, the device keys say {:?}", sizes(&held), sizes(&expected));
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        panic!("the catalog is not {chunks} chunk(s) of the device entries: {last}");
+        panic!("the catalogs are not {chunks} chunk(s) of the device entries and theirs of each term: {last}");
     }
 
     /// Issue 36: a server's catalog repeats its device entries, 64 a chunk,
     /// in bus id order, as devices come: 60 in one chunk, then 70 in two
-    /// (devices `0-61`… sort among the first chunk's, which changes too).
+    /// (devices `0-61`… sort among the first chunk's, which changes too);
+    /// and its catalogs of each label, VID:PID and class hold the entries
+    /// with that term.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_catalog_repeats_the_device_entries_as_devices_come() {
         let Some(cluster) = Cluster::start(1, "catalog").await else { return };
@@ -713,17 +746,16 @@ mod tests {
         for _ in 0..60 {
             server.export("loopback", loopback());
         }
-        let publishing = tokio::spawn(publish(
-            registration(cluster.endpoint(&[0]), Duration::from_secs(6)),
-            server.registry().clone(),
-            std::future::pending(),
-        ));
+        let mut registration = registration(cluster.endpoint(&[0]), Duration::from_secs(6));
+        registration.labels = vec![("class=03".parse().unwrap(), vec!["kbd".to_owned(), "desk".to_owned()])];
+        let publishing = tokio::spawn(publish(registration, server.registry().clone(), std::future::pending()));
         let mut client = cluster.client(0).await;
         registered(&mut client, 60).await;
         catalog_agrees(&mut client, 1).await;
-        for _ in 0..10 {
+        for _ in 0..9 {
             server.export("loopback", loopback());
         }
+        server.export("keyboard", Box::new(usbwire_gadgets::keyboard().0));
         registered(&mut client, 70).await;
         catalog_agrees(&mut client, 2).await;
         publishing.abort();

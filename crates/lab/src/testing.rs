@@ -199,6 +199,7 @@ pub(crate) fn server_entry(address: &str) -> ServerEntry {
         version: "test".to_owned(),
         started_at: timestamp(std::time::SystemTime::now()),
         catalog: false,
+        catalog_terms: Vec::new(),
     }
 }
 
@@ -246,7 +247,8 @@ pub(crate) async fn plant_as(
 ) {
     let lease = client.lease_grant(60, None).await.unwrap().id();
     let on_lease = || Some(PutOptions::new().with_lease(lease));
-    let entry = ServerEntry { catalog, ..server_entry(server) };
+    let catalog_terms = if catalog { crate::catalog::TERM_KINDS.map(String::from).to_vec() } else { Vec::new() };
+    let entry = ServerEntry { catalog, catalog_terms, ..server_entry(server) };
     client.put(keys.server(server), serde_json::to_string(&entry).unwrap(), on_lease()).await.unwrap();
     let mut ops = Vec::new();
     let mut entries = std::collections::BTreeMap::new();
@@ -260,7 +262,8 @@ pub(crate) async fn plant_as(
         .unwrap();
         entry.server = server.to_owned();
         ops.push(TxnOp::put(keys.device(server, &busid), serde_json::to_string(&entry).unwrap(), on_lease()));
-        entries.insert(busid.clone(), serde_json::to_vec(&entry).unwrap());
+        let json = serde_json::to_vec(&entry).unwrap();
+        entries.insert(busid.clone(), (entry.clone(), json));
         for key in keys.index_entries(&entry) {
             ops.push(TxnOp::put(key, "available", on_lease()));
         }
@@ -269,8 +272,18 @@ pub(crate) async fn plant_as(
         }
     }
     if catalog {
-        for (n, chunk) in crate::catalog::chunks(entries.values().map(Vec::as_slice)).into_iter().enumerate() {
-            ops.push(TxnOp::put(keys.catalog_chunk(server, n), chunk, on_lease()));
+        // Every entry, and those of each term, as a server writes them.
+        let mut catalogs: std::collections::BTreeMap<String, Vec<&[u8]>> = std::collections::BTreeMap::new();
+        for (entry, json) in entries.values() {
+            catalogs.entry(keys.catalog_of(server)).or_default().push(json.as_slice());
+            for prefix in crate::catalog::term_catalogs(keys, entry) {
+                catalogs.entry(prefix).or_default().push(json.as_slice());
+            }
+        }
+        for (prefix, jsons) in catalogs {
+            for (n, chunk) in crate::catalog::chunks(jsons).into_iter().enumerate() {
+                ops.push(TxnOp::put(crate::catalog::chunk_key(&prefix, n), chunk, on_lease()));
+            }
         }
     }
     for batch in ops.chunks(128) {

@@ -63,6 +63,7 @@ impl SimulatedFleet {
                     version: env!("CARGO_PKG_VERSION").to_owned(),
                     started_at: usbwire_lab::entry::timestamp(std::time::SystemTime::now()),
                     catalog: true,
+                    catalog_terms: Vec::new(),
                 },
                 labels,
             });

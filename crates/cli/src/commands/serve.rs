@@ -246,6 +246,7 @@ impl Registering {
                 version: crate::version::VERSION.to_owned(),
                 started_at: usbwire_lab::entry::timestamp(std::time::SystemTime::now()),
                 catalog: true,
+                catalog_terms: Vec::new(),
             },
             labels,
         })

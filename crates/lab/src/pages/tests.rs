@@ -28,7 +28,7 @@ async fn device_keys(client: &mut Client, keys: &Keys) -> Vec<(String, String)> 
     response
         .kvs()
         .iter()
-        .filter(|kv| !kv.key().windows(10).any(|part| part == b"/!catalog/"))
+        .filter(|kv| !kv.key().windows(2).any(|part| part == b"/!"))
         .map(|kv| match keys.parse(kv.key()) {
             Some(Key::Device { server, busid }) => (server, busid),
             other => panic!("not a device key: {other:?}"),

@@ -112,14 +112,24 @@ async fn index_agrees(client: &mut Client, keys: &Keys, step: &str) -> Snapshot 
 }
 
 /// Waits (up to 10 s) for the list ([`Lab::fleet`], from the servers'
-/// catalogs) to show what the device keys and reservations say at its
-/// revision (a server writes a chunk just before the keys it repeats).
-async fn list_agrees(lab: &mut Lab, client: &mut Client, keys: &Keys, step: &str) {
+/// catalogs) and the filtered list of `want` (from their catalogs of its
+/// term) to show what the device keys and reservations say at their
+/// revisions (a server writes a chunk just before the keys it repeats).
+async fn list_agrees(lab: &mut Lab, client: &mut Client, keys: &Keys, want: &Want, step: &str) {
     let mut last = String::new();
     for _ in 0..100 {
         let fleet = lab.fleet().await.unwrap();
         let reference = fleet_from_keys(client, keys, fleet.revision).await;
-        if fleet.servers == reference.servers && fleet.devices == reference.devices {
+        let filtered = lab.fleet_matching(want).await.unwrap();
+        let mut matching = fleet_from_keys(client, keys, filtered.revision).await;
+        matching.devices.retain(|d| want.matches(&d.device));
+        let servers: BTreeSet<&String> = matching.devices.iter().map(|d| &d.device.server).collect();
+        matching.servers.retain(|server| servers.contains(&server.address));
+        if fleet.servers == reference.servers
+            && fleet.devices == reference.devices
+            && filtered.servers == matching.servers
+            && filtered.devices == matching.devices
+        {
             return;
         }
         let names = |fleet: &crate::entry::Fleet| -> Vec<String> {
@@ -129,7 +139,13 @@ async fn list_agrees(lab: &mut Lab, client: &mut Client, keys: &Keys, step: &str
                 .map(|d| format!("{}/{} {:?}", d.device.server, d.device.record.busid, d.reservation.is_some()))
                 .collect()
         };
-        last = format!("listed {:?}, the keys say {:?}", names(&fleet), names(&reference));
+        last = format!(
+            "listed {:?}, the keys say {:?}; filtered {:?}, the keys say {:?}",
+            names(&fleet),
+            names(&reference),
+            names(&filtered),
+            names(&matching)
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     panic!("after {step}: the list does not show what the device keys say: {last}");
@@ -219,7 +235,7 @@ async fn the_free_index_stays_true_and_no_device_is_held_twice() {
         };
         steps.push(what);
         let now = index_agrees(&mut client, &keys, &steps.join(", ")).await;
-        list_agrees(&mut lab, &mut client, &keys, &steps.join(", ")).await;
+        list_agrees(&mut lab, &mut client, &keys, &want, &steps.join(", ")).await;
         // No device held twice: every reservation we hold is ours alone and still there.
         let mut places = BTreeSet::new();
         held.retain(|r| now.reserved.contains(&(r.server.address.clone(), r.device.record.busid.clone())));

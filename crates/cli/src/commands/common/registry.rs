@@ -351,6 +351,7 @@ mod tests {
             version: "0.1.0".into(),
             started_at: "2026-01-01T00:00:00Z".into(),
             catalog: false,
+            catalog_terms: Vec::new(),
         }
     }
 

@@ -16,6 +16,7 @@ fn server(address: &str, fingerprint: Option<&str>) -> ServerEntry {
         version: "0.1.0".into(),
         started_at: "2026-11-18T11:06:40Z".into(),
         catalog: false,
+        catalog_terms: Vec::new(),
     }
 }
 

@@ -1,0 +1,315 @@
+//! The filtered list: [`Lab::fleet_matching`], the servers and devices a
+//! selector matches and who holds them, at one revision, read by what points
+//! at them rather than by the fleet.
+//!
+//! * When every registered server keeps catalogs per term (`catalog`; its
+//!   entry's `catalog_terms` has the kind of the selector's first term that
+//!   has them): that term's catalog of each server, a range per server and
+//!   [`SERVERS_PER_TXN`] servers a transaction, so etcd reads a key per 64
+//!   matching devices, and each transaction's chunks are decoded on a
+//!   blocking thread as it arrives.
+//! * Otherwise (a selector of serials alone, a server from before term
+//!   catalogs): the index's keys under each indexed term, intersected, then
+//!   those devices' own keys, [`GETS_PER_TXN`] a transaction.
+//!
+//! Then the reservations of the devices found (a range of a server's when
+//! [`RESERVATIONS_BY_RANGE`] of its devices match, else a key each). Every
+//! read is at the revision of the first, [`TXNS_IN_FLIGHT`] at once. A
+//! selector without an indexed term (a bus id or a server alone) reads the
+//! fleet and filters it.
+//!
+//! Not for the whole fleet (`pages`), taking a device (`take`), or following
+//! changes ([`Lab::watch`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+
+use etcd_client::{Client, GetOptions, GetResponse, Txn, TxnOp, TxnOpResponse};
+
+use crate::entry::{decode, DeviceEntry, Fleet, FleetDevice, Key, Keys, ReservationEntry, ServerEntry, Want};
+use crate::error::LabError;
+use crate::lab::{prefix_end, Lab, Reads, PAGE};
+use crate::request;
+
+/// How many reads one transaction carries at most (etcd's `--max-txn-ops` is 128 by default).
+const GETS_PER_TXN: usize = 128;
+/// How many of a filtered list's reads are in flight at once: their round
+/// trips overlap, and etcd serves reads on all its cores.
+const TXNS_IN_FLIGHT: usize = 8;
+/// From how many of a server's devices on a filtered list reads that
+/// server's reservations in one range instead of one key each.
+const RESERVATIONS_BY_RANGE: usize = 16;
+/// How many servers' term catalogs one transaction reads (a range each).
+const SERVERS_PER_TXN: usize = 16;
+/// How many chunks one range of a term catalog returns (2 048 devices); a
+/// bigger catalog is read on in ranges of as many.
+const CHUNKS_PER_READ: i64 = 32;
+
+/// Key-value pairs read.
+type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// One read of a filtered list.
+enum Read {
+    /// These keys, in one transaction.
+    Keys(Vec<String>),
+    /// Every key under this prefix, [`PAGE`] keys a request.
+    Prefix(String),
+    /// Every key under each of these prefixes: a range each in one
+    /// transaction, [`CHUNKS_PER_READ`] keys a range, read on from the last
+    /// where there are more.
+    Chunks(Vec<String>),
+}
+
+impl Read {
+    async fn at(self, client: Client, revision: i64) -> Result<(Pairs, Reads), LabError> {
+        let mut reads = Reads::default();
+        let mut pairs = Vec::new();
+        let mut take = |got: &GetResponse| {
+            reads.count(got);
+            pairs.extend(got.kvs().iter().map(|kv| (kv.key().to_vec(), kv.value().to_vec())));
+        };
+        match self {
+            Self::Keys(keys) => {
+                let at = || Some(GetOptions::new().with_revision(revision));
+                let gets: Vec<TxnOp> = keys.into_iter().map(|key| TxnOp::get(key, at())).collect();
+                let response = request::txn(&client, Txn::new().and_then(gets)).await?;
+                for op in response.op_responses() {
+                    if let TxnOpResponse::Get(got) = op {
+                        take(&got);
+                    }
+                }
+            }
+            Self::Prefix(prefix) => {
+                read_on(&client, &prefix, prefix.as_bytes().to_vec(), PAGE, revision, &mut take).await?
+            }
+            Self::Chunks(prefixes) => {
+                let range = |prefix: &str| {
+                    GetOptions::new().with_range(prefix_end(prefix)).with_limit(CHUNKS_PER_READ).with_revision(revision)
+                };
+                let ranges: Vec<TxnOp> =
+                    prefixes.iter().map(|prefix| TxnOp::get(prefix.clone(), Some(range(prefix)))).collect();
+                let response = request::txn(&client, Txn::new().and_then(ranges)).await?;
+                for (prefix, op) in prefixes.iter().zip(response.op_responses()) {
+                    let TxnOpResponse::Get(got) = op else { continue };
+                    take(&got);
+                    if let (true, Some(last)) = (got.more(), got.kvs().last()) {
+                        let from = [last.key(), &[0]].concat();
+                        read_on(&client, prefix, from, CHUNKS_PER_READ, revision, &mut take).await?;
+                    }
+                }
+            }
+        }
+        Ok((pairs, reads))
+    }
+}
+
+/// Reads the keys under `prefix` from `from` on, `limit` a request, at
+/// `revision`, giving each response to `take`.
+async fn read_on(
+    client: &Client,
+    prefix: &str,
+    mut from: Vec<u8>,
+    limit: i64,
+    revision: i64,
+    take: &mut impl FnMut(&GetResponse),
+) -> Result<(), LabError> {
+    let end = prefix_end(prefix);
+    loop {
+        let options = GetOptions::new().with_range(end.clone()).with_limit(limit).with_revision(revision);
+        let got = request::get(client, from.clone(), Some(options)).await?;
+        take(&got);
+        match got.kvs().last() {
+            Some(last) if got.more() => from = [last.key(), &[0]].concat(),
+            _ => return Ok(()),
+        }
+    }
+}
+
+/// Runs `tasks`, [`TXNS_IN_FLIGHT`] at once, and gives their results in the
+/// order they finish; the first failure fails it all.
+async fn in_flight<T, F>(tasks: impl IntoIterator<Item = F>) -> Result<Vec<T>, LabError>
+where
+    T: Send + 'static,
+    F: Future<Output = Result<T, LabError>> + Send + 'static,
+{
+    let mut running = tokio::task::JoinSet::new();
+    let mut done = Vec::new();
+    let joined = |result: Result<Result<T, LabError>, tokio::task::JoinError>| {
+        result.map_err(|error| LabError::from(etcd_client::Error::IoError(error.into())))?
+    };
+    for task in tasks {
+        if running.len() == TXNS_IN_FLIGHT {
+            if let Some(result) = running.join_next().await {
+                done.push(joined(result)?);
+            }
+        }
+        running.spawn(task);
+    }
+    while let Some(result) = running.join_next().await {
+        done.push(joined(result)?);
+    }
+    Ok(done)
+}
+
+impl Lab {
+    /// The servers and devices `want` matches, and who holds them, at one
+    /// revision: see [`crate::matching`]. Its cost grows with the devices
+    /// that match, not with the lab.
+    pub async fn fleet_matching(&mut self, want: &Want) -> Result<Fleet, LabError> {
+        if want.index_prefixes(&self.keys).is_empty() {
+            let mut fleet = self.fleet().await?;
+            fleet.devices.retain(|d| want.matches(&d.device));
+            let devices = &fleet.devices;
+            fleet.servers.retain(|server| devices.iter().any(|d| d.device.server == server.address));
+            return Ok(fleet);
+        }
+        if let Some(fleet) = self.matching_from_term_catalogs(want).await? {
+            return Ok(fleet);
+        }
+        self.matching_from_index(want).await
+    }
+
+    /// From the servers' catalogs of the selector's first term with them;
+    /// `None` when a registered server keeps none of its kind.
+    async fn matching_from_term_catalogs(&mut self, want: &Want) -> Result<Option<Fleet>, LabError> {
+        let Some((kind, value)) = want.catalog_term() else { return Ok(None) };
+        let [servers_prefix, ..] = self.keys.fleet_prefixes();
+        let (revision, kvs) = self.range(&servers_prefix, None, false).await?;
+        let mut servers = BTreeMap::new();
+        for kv in &kvs {
+            if let (Some(Key::Server { server }), Some(entry)) =
+                (self.keys.parse(kv.key()), decode::<ServerEntry>(kv.value()))
+            {
+                servers.insert(server, entry);
+            }
+        }
+        if !servers.values().all(|entry| entry.catalog_terms.iter().any(|kept| kept == kind)) {
+            return Ok(None);
+        }
+        let names: Vec<&String> = servers.keys().collect();
+        let reading = names.chunks(SERVERS_PER_TXN).map(|batch| {
+            let prefixes = batch.iter().map(|server| self.keys.term_catalog_of(server, kind, &value)).collect();
+            let (client, keys, want) = (self.client.clone(), self.keys.clone(), want.clone());
+            async move {
+                let (pairs, reads) = Read::Chunks(prefixes).at(client, revision).await?;
+                let decoding = tokio::task::spawn_blocking(move || matching_entries(&keys, &want, &pairs));
+                let found = decoding.await.map_err(|error| etcd_client::Error::IoError(error.into()))?;
+                Ok((found, reads))
+            }
+        });
+        let mut found = BTreeMap::new();
+        for (mut entries, reads) in in_flight(reading).await? {
+            self.reads.add(reads);
+            found.append(&mut entries);
+        }
+        servers.retain(|server, _| found.keys().any(|(with, _)| with == server));
+        Ok(Some(self.with_reservations(revision, servers, found).await?))
+    }
+
+    /// From the index: the keys under each indexed term, intersected, then
+    /// the devices' own keys and their servers'.
+    async fn matching_from_index(&mut self, want: &Want) -> Result<Fleet, LabError> {
+        let mut revision = None;
+        let mut found: Option<BTreeSet<(String, String)>> = None;
+        for prefix in &want.index_prefixes(&self.keys) {
+            let (at, kvs) = self.range(prefix, revision, true).await?;
+            revision = Some(at);
+            let here: BTreeSet<(String, String)> = kvs
+                .iter()
+                .filter_map(|kv| self.keys.parse_index_entry(prefix, kv.key()))
+                .filter(|(server, busid)| want.matches_place(server, busid))
+                .collect();
+            found = Some(match found {
+                None => here,
+                Some(before) => before.intersection(&here).cloned().collect(),
+            });
+        }
+        let revision = revision.unwrap_or(0);
+        let found = found.unwrap_or_default();
+        let servers: BTreeSet<&str> = found.iter().map(|(server, _)| server.as_str()).collect();
+        let mut keys: Vec<String> = servers.iter().map(|server| self.keys.server(server)).collect();
+        keys.extend(found.iter().map(|(server, busid)| self.keys.device(server, busid)));
+        let reading =
+            keys.chunks(GETS_PER_TXN).map(|batch| Read::Keys(batch.to_vec()).at(self.client.clone(), revision));
+        let mut pairs = Vec::new();
+        for (mut got, reads) in in_flight(reading).await? {
+            self.reads.add(reads);
+            pairs.append(&mut got);
+        }
+        let (mut servers, mut devices) = (BTreeMap::new(), BTreeMap::new());
+        for (key, value) in &pairs {
+            match self.keys.parse(key) {
+                Some(Key::Server { server }) => {
+                    servers.extend(decode::<ServerEntry>(value).map(|entry| (server, entry)));
+                }
+                Some(Key::Device { server, busid }) => {
+                    // The index is its servers' word; the records decide.
+                    let device = decode::<DeviceEntry>(value).filter(|device| want.matches(device));
+                    devices.extend(device.map(|device| ((server, busid), device)));
+                }
+                _ => {}
+            }
+        }
+        devices.retain(|(server, _), _| servers.contains_key(server));
+        self.with_reservations(revision, servers, devices).await
+    }
+
+    /// The fleet of `servers` and `devices` (by the server and bus id of
+    /// their keys), with the devices' reservations read at `revision`.
+    async fn with_reservations(
+        &mut self,
+        revision: i64,
+        servers: BTreeMap<String, ServerEntry>,
+        devices: BTreeMap<(String, String), DeviceEntry>,
+    ) -> Result<Fleet, LabError> {
+        let mut per_server: BTreeMap<&str, usize> = BTreeMap::new();
+        for (server, _) in devices.keys() {
+            *per_server.entry(server).or_default() += 1;
+        }
+        let by_range = |server: &str| per_server.get(server).is_some_and(|n| *n >= RESERVATIONS_BY_RANGE);
+        let keys: Vec<String> = devices
+            .keys()
+            .filter(|(server, _)| !by_range(server))
+            .map(|(server, busid)| self.keys.reservation(server, busid))
+            .collect();
+        let ranges =
+            per_server.keys().filter(|server| by_range(server)).map(|server| self.keys.reservations_of(server));
+        let reads = keys.chunks(GETS_PER_TXN).map(|batch| Read::Keys(batch.to_vec())).chain(ranges.map(Read::Prefix));
+        let reading = reads.map(|read| read.at(self.client.clone(), revision));
+        let mut reservations = BTreeMap::new();
+        for (pairs, reads) in in_flight(reading).await? {
+            self.reads.add(reads);
+            for (key, value) in &pairs {
+                if let (Some(Key::Reservation { server, busid }), Some(entry)) =
+                    (self.keys.parse(key), decode::<ReservationEntry>(value))
+                {
+                    reservations.insert((server, busid), entry);
+                }
+            }
+        }
+        let devices = devices
+            .into_iter()
+            .map(|(at, device)| FleetDevice { device, reservation: reservations.get(&at).map(Into::into) })
+            .collect();
+        Ok(Fleet { revision, servers: servers.into_values().collect(), devices })
+    }
+}
+
+/// The entries in term catalog chunks (`pairs`) that `want` matches, by the
+/// server of the chunk's key and the bus id; an entry two chunks hold (its
+/// server was rewriting them) is kept once.
+fn matching_entries(keys: &Keys, want: &Want, pairs: &Pairs) -> BTreeMap<(String, String), DeviceEntry> {
+    let mut found = BTreeMap::new();
+    for (key, value) in pairs {
+        let Some(server) = keys.chunk_server(key) else { continue };
+        for device in crate::catalog::read_chunk(server, value) {
+            if want.matches(&device) {
+                found.insert((server.to_owned(), device.record.busid.clone()), device);
+            }
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests;
