@@ -39,7 +39,7 @@ const TXNS_IN_FLIGHT: usize = 8;
 /// From how many of a server's devices on a filtered list reads that
 /// server's reservations in one range instead of one key each.
 const RESERVATIONS_BY_RANGE: usize = 16;
-/// How many servers' term catalogs one transaction reads (a range each).
+/// How many servers' term catalogs, or reservations, one transaction reads (a range each).
 const SERVERS_PER_TXN: usize = 16;
 /// How many chunks one range of a term catalog returns (2 048 devices); a
 /// bigger catalog is read on in ranges of as many.
@@ -52,12 +52,10 @@ type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
 enum Read {
     /// These keys, in one transaction.
     Keys(Vec<String>),
-    /// Every key under this prefix, [`PAGE`] keys a request.
-    Prefix(String),
     /// Every key under each of these prefixes: a range each in one
-    /// transaction, [`CHUNKS_PER_READ`] keys a range, read on from the last
-    /// where there are more.
-    Chunks(Vec<String>),
+    /// transaction, `limit` keys a range, read on from the last where there
+    /// are more.
+    Ranges { prefixes: Vec<String>, limit: i64 },
 }
 
 impl Read {
@@ -79,12 +77,9 @@ impl Read {
                     }
                 }
             }
-            Self::Prefix(prefix) => {
-                read_on(&client, &prefix, prefix.as_bytes().to_vec(), PAGE, revision, &mut take).await?
-            }
-            Self::Chunks(prefixes) => {
+            Self::Ranges { prefixes, limit } => {
                 let range = |prefix: &str| {
-                    GetOptions::new().with_range(prefix_end(prefix)).with_limit(CHUNKS_PER_READ).with_revision(revision)
+                    GetOptions::new().with_range(prefix_end(prefix)).with_limit(limit).with_revision(revision)
                 };
                 let ranges: Vec<TxnOp> =
                     prefixes.iter().map(|prefix| TxnOp::get(prefix.clone(), Some(range(prefix)))).collect();
@@ -94,7 +89,7 @@ impl Read {
                     take(&got);
                     if let (true, Some(last)) = (got.more(), got.kvs().last()) {
                         let from = [last.key(), &[0]].concat();
-                        read_on(&client, prefix, from, CHUNKS_PER_READ, revision, &mut take).await?;
+                        read_on(&client, prefix, from, limit, revision, &mut take).await?;
                     }
                 }
             }
@@ -191,7 +186,8 @@ impl Lab {
             let prefixes = batch.iter().map(|server| self.keys.term_catalog_of(server, kind, &value)).collect();
             let (client, keys, want) = (self.client.clone(), self.keys.clone(), want.clone());
             async move {
-                let (pairs, reads) = Read::Chunks(prefixes).at(client, revision).await?;
+                let read = Read::Ranges { prefixes, limit: CHUNKS_PER_READ };
+                let (pairs, reads) = read.at(client, revision).await?;
                 let decoding = tokio::task::spawn_blocking(move || matching_entries(&keys, &want, &pairs));
                 let found = decoding.await.map_err(|error| etcd_client::Error::IoError(error.into()))?;
                 Ok((found, reads))
@@ -272,9 +268,13 @@ impl Lab {
             .filter(|(server, _)| !by_range(server))
             .map(|(server, busid)| self.keys.reservation(server, busid))
             .collect();
-        let ranges =
-            per_server.keys().filter(|server| by_range(server)).map(|server| self.keys.reservations_of(server));
-        let reads = keys.chunks(GETS_PER_TXN).map(|batch| Read::Keys(batch.to_vec())).chain(ranges.map(Read::Prefix));
+        let ranges: Vec<String> = per_server
+            .keys()
+            .filter(|server| by_range(server))
+            .map(|server| self.keys.reservations_of(server))
+            .collect();
+        let ranges = ranges.chunks(SERVERS_PER_TXN).map(|batch| Read::Ranges { prefixes: batch.to_vec(), limit: PAGE });
+        let reads = keys.chunks(GETS_PER_TXN).map(|batch| Read::Keys(batch.to_vec())).chain(ranges);
         let reading = reads.map(|read| read.at(self.client.clone(), revision));
         let mut reservations = BTreeMap::new();
         for (pairs, reads) in in_flight(reading).await? {

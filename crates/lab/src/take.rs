@@ -147,9 +147,15 @@ impl Lab {
         Ok(kvs)
     }
 
-    /// Up to `limit` keys in `[from, to)`, without their values.
+    /// Up to `limit` keys in `[from, to)`, without their values, as the
+    /// member asked has applied them (serializable: it answers at once,
+    /// where a linearizable read would wait for the leader and behind every
+    /// write a busy lab commits). A page is only where to look: a device it
+    /// still shows free after someone took it costs a transaction that finds
+    /// its free key gone, and pages that show nothing lead to the full,
+    /// linearizable read of the index.
     async fn keys_between(&mut self, from: Vec<u8>, to: Vec<u8>, limit: i64) -> Result<Vec<Vec<u8>>, LabError> {
-        let options = GetOptions::new().with_range(to).with_limit(limit).with_keys_only();
+        let options = GetOptions::new().with_range(to).with_limit(limit).with_keys_only().with_serializable();
         let mut response = request::get(&self.client, from, Some(options)).await?;
         self.reads.count(&response);
         Ok(response.take_kvs().into_iter().map(|kv| kv.key().to_vec()).collect())
