@@ -8,7 +8,7 @@
 //! the next one miss nothing. No I/O.
 //!
 //! Beside the catalog of all its devices, a server keeps one per term of the
-//! kinds in [`TERM_KINDS`] (`label/nucleo`, `id/0483:374b`, `class/08`): the
+//! kinds in [`TERM_KINDS`] (`label/nucleo`): the
 //! entries of its devices with that term, chunked alike, so a filtered list
 //! reads only the matching entries. A server rewrites a catalog's chunks in
 //! [`write_order`], so that at no revision between two of its writes is a
@@ -34,10 +34,15 @@ const MAX_CHUNK_BYTES: usize = 16 << 20;
 /// zstd's level: fast, and as small as higher levels on these records.
 const LEVEL: i32 = 3;
 
-/// The kinds of index term a server keeps a catalog of each term of.
-/// Serials are left out: a serial names one device, which the index finds
-/// in a read or two, and a catalog each would double the server's keys.
-pub const TERM_KINDS: [&str; 3] = ["label", "id", "class"];
+/// The kinds of index term a server keeps a catalog of each term of: labels,
+/// the lab's own names for what it filters by. Not VID:PID and classes: on
+/// a server of one kind of device each such catalog repeats the whole
+/// catalog, and those writes were enough to make a registration storm of
+/// 1 000 servers lose its leases on two vCPUs (BENCHMARKS.md); a filtered
+/// list of them reads the index. Not serials: a serial names one device,
+/// which the index finds in a read or two. (A reader goes by each server's
+/// `catalog_terms`, so kinds can be added without breaking it.)
+pub const TERM_KINDS: [&str; 1] = ["label"];
 
 /// The term catalogs `device` is in, one prefix each, sorted.
 pub fn term_catalogs(keys: &Keys, device: &DeviceEntry) -> Vec<String> {

@@ -6,7 +6,7 @@
 //! PREFIX/servers/SERVER                      ServerEntry       lease: the server's
 //! PREFIX/devices/SERVER/BUSID                DeviceEntry       lease: the server's
 //! PREFIX/devices/SERVER/!catalog/NNNNNN      its entries, 64 a key (`catalog`)
-//! PREFIX/devices/SERVER/!term/KIND/VALUE/NNNNNN  those with a term, alike
+//! PREFIX/devices/SERVER/!term/KIND/VALUE/NNNNNN  those with a label, alike
 //! PREFIX/reservations/SERVER/BUSID           ReservationEntry  lease: the holder's
 //! PREFIX/index/KIND/VALUE/SERVER/BUSID       its availability  lease: the server's
 //! PREFIX/index/free/KIND/VALUE/BB/SERVER/BUSID  `available`     lease: the server's
@@ -212,8 +212,8 @@ pub struct ServerEntry {
     /// entries, which lists read instead; servers before it do not.
     #[serde(default)]
     pub catalog: bool,
-    /// The kinds of term (`label`, `id`, `class`) it keeps a catalog of
-    /// each term of (`catalog`), which filtered lists read instead.
+    /// The kinds of selector term (`label`) it keeps a catalog of each term
+    /// of (`catalog`), which filtered lists read instead.
     #[serde(default)]
     pub catalog_terms: Vec<String>,
 }
@@ -550,10 +550,15 @@ impl Want {
             .collect()
     }
 
-    /// The first term with a catalog per term (`catalog::TERM_KINDS`), as
-    /// (kind, value): where a filtered list can read its matching entries.
-    pub fn catalog_term(&self) -> Option<(&'static str, String)> {
-        self.index_terms().into_iter().find(|(kind, _)| crate::catalog::TERM_KINDS.contains(kind))
+    /// Its terms of the kinds servers keep a catalog of each term of
+    /// (`catalog::TERM_KINDS`), as (kind, value), in that list's order:
+    /// where a filtered list can read its matching entries.
+    pub fn catalog_terms(&self) -> Vec<(&'static str, String)> {
+        let kinds = crate::catalog::TERM_KINDS;
+        let mut terms: Vec<(&'static str, String)> =
+            self.index_terms().into_iter().filter(|(kind, _)| kinds.contains(kind)).collect();
+        terms.sort_by_key(|(kind, _)| kinds.iter().position(|k| k == kind));
+        terms
     }
 
     /// Whether the bus id and server terms allow this device.
@@ -756,6 +761,27 @@ pub(crate) mod tests {
         for bad in ["", "label=", "server=", "nucleo", "1209:0003,,label=x", "class=zz"] {
             assert!(bad.parse::<Want>().is_err(), "{bad:?} accepted");
         }
+    }
+
+    /// A filtered list reads the catalogs of one of the selector's labels,
+    /// and each label's catalog is where its devices are.
+    #[test]
+    fn the_catalog_terms_of_a_selector_are_its_labels_and_hold_its_devices() {
+        let keys = Keys::new("usbwire");
+        let want: Want = "class=08,serial=SN-1-1,1209:0003,server=a:1,label=nucleo".parse().unwrap();
+        let terms = want.catalog_terms();
+        assert_eq!(terms, [("label", "nucleo".into())]);
+        let disk = device("a:1", "1-1", &["nucleo", "bench/3"]);
+        let catalogs = crate::catalog::term_catalogs(&keys, &disk);
+        for (kind, value) in terms {
+            assert!(catalogs.contains(&keys.term_catalog_of("a:1", kind, &value)), "{kind}={value} in {catalogs:?}");
+        }
+        assert!(catalogs.contains(&"usbwire/devices/a:1/!term/label/bench%2F3/".to_owned()), "{catalogs:?}");
+        assert_eq!(catalogs.len(), 2, "a catalog per label and no other: {catalogs:?}");
+        let chunk = crate::catalog::chunk_key(&catalogs[0], 7);
+        assert_eq!(keys.parse(chunk.as_bytes()), None, "a chunk is not a device");
+        assert_eq!(keys.chunk_server(chunk.as_bytes()), Some("a:1"));
+        assert!("serial=SN-1-1,1209:0003".parse::<Want>().unwrap().catalog_terms().is_empty());
     }
 
     #[test]

@@ -3,12 +3,12 @@
 //! at them rather than by the fleet.
 //!
 //! * When every registered server keeps catalogs per term (`catalog`; its
-//!   entry's `catalog_terms` has the kind of the selector's first term that
-//!   has them): that term's catalog of each server, a range per server and
+//!   entry's `catalog_terms` has the kind of one of the selector's terms,
+//!   `label`): that term's catalog of each server, a range per server and
 //!   [`SERVERS_PER_TXN`] servers a transaction, so etcd reads a key per 64
 //!   matching devices, and each transaction's chunks are decoded on a
 //!   blocking thread as it arrives.
-//! * Otherwise (a selector of serials alone, a server from before term
+//! * Otherwise (a selector without a label, a server from before term
 //!   catalogs): the index's keys under each indexed term, intersected, then
 //!   those devices' own keys, [`GETS_PER_TXN`] a transaction.
 //!
@@ -164,10 +164,14 @@ impl Lab {
         self.matching_from_index(want).await
     }
 
-    /// From the servers' catalogs of the selector's first term with them;
-    /// `None` when a registered server keeps none of its kind.
+    /// From the servers' catalogs of one of the selector's terms (the first
+    /// of `Want::catalog_terms` whose kind every registered server keeps);
+    /// `None` when there is none.
     async fn matching_from_term_catalogs(&mut self, want: &Want) -> Result<Option<Fleet>, LabError> {
-        let Some((kind, value)) = want.catalog_term() else { return Ok(None) };
+        let terms = want.catalog_terms();
+        if terms.is_empty() {
+            return Ok(None);
+        }
         let [servers_prefix, ..] = self.keys.fleet_prefixes();
         let (revision, kvs) = self.range(&servers_prefix, None, false).await?;
         let mut servers = BTreeMap::new();
@@ -178,9 +182,9 @@ impl Lab {
                 servers.insert(server, entry);
             }
         }
-        if !servers.values().all(|entry| entry.catalog_terms.iter().any(|kept| kept == kind)) {
-            return Ok(None);
-        }
+        let kept_by_all =
+            |kind: &str| servers.values().all(|entry| entry.catalog_terms.iter().any(|kept| kept == kind));
+        let Some((kind, value)) = terms.into_iter().find(|(kind, _)| kept_by_all(kind)) else { return Ok(None) };
         let names: Vec<&String> = servers.keys().collect();
         let reading = names.chunks(SERVERS_PER_TXN).map(|batch| {
             let prefixes = batch.iter().map(|server| self.keys.term_catalog_of(server, kind, &value)).collect();
@@ -198,7 +202,8 @@ impl Lab {
             self.reads.add(reads);
             found.append(&mut entries);
         }
-        servers.retain(|server, _| found.keys().any(|(with, _)| with == server));
+        let with_devices: BTreeSet<&String> = found.keys().map(|(server, _)| server).collect();
+        servers.retain(|server, _| with_devices.contains(server));
         Ok(Some(self.with_reservations(revision, servers, found).await?))
     }
 
