@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use serde_json::value::RawValue;
 
-use crate::entry::{decode_str, index_terms, DeviceEntry, Keys};
+use crate::entry::{chunk_key, decode_str, index_terms, DeviceEntry, Keys, Want};
 
 /// Devices in one chunk: a chunk of typical entries is 36 KB of JSON,
 /// a few KiB compressed.
@@ -56,9 +56,14 @@ pub fn term_catalogs(keys: &Keys, device: &DeviceEntry) -> Vec<String> {
     prefixes
 }
 
-/// Chunk `n` of the catalog under `prefix` (six digits: keys sort as chunks do).
-pub fn chunk_key(prefix: &str, n: usize) -> String {
-    format!("{prefix}{n:06}")
+/// The terms of `want` of the kinds servers keep a catalog of each term of
+/// ([`TERM_KINDS`]), as (kind, value), in that list's order: where a
+/// filtered list can read its matching entries.
+pub fn terms_of(want: &Want) -> Vec<(&'static str, String)> {
+    let mut terms: Vec<(&'static str, String)> =
+        want.index_terms().into_iter().filter(|(kind, _)| TERM_KINDS.contains(kind)).collect();
+    terms.sort_by_key(|(kind, _)| TERM_KINDS.iter().position(|k| k == kind));
+    terms
 }
 
 /// The order to write a catalog's chunks in (their indices: every chunk of

@@ -82,7 +82,7 @@ impl Keys {
 
     /// The key of a server's catalog chunk `n` (six digits: keys sort as chunks do).
     pub fn catalog_chunk(&self, server: &str, n: usize) -> String {
-        crate::catalog::chunk_key(&self.catalog_of(server), n)
+        chunk_key(&self.catalog_of(server), n)
     }
 
     /// The prefix of a server's catalog of the devices with one term
@@ -187,6 +187,11 @@ impl Keys {
             _ => None,
         }
     }
+}
+
+/// Chunk `n` of the catalog under `prefix` (six digits: keys sort as chunks do).
+pub fn chunk_key(prefix: &str, n: usize) -> String {
+    format!("{prefix}{n:06}")
 }
 
 /// The key part that sets a server's catalog apart from its devices.
@@ -535,7 +540,7 @@ impl Want {
     }
 
     /// The terms that have an index, as (kind, value).
-    fn index_terms(&self) -> Vec<(&'static str, String)> {
+    pub(crate) fn index_terms(&self) -> Vec<(&'static str, String)> {
         self.terms
             .iter()
             .filter_map(|term| match term {
@@ -548,17 +553,6 @@ impl Want {
                 Term::Device(Selector::BusId(_)) | Term::Server(_) => None,
             })
             .collect()
-    }
-
-    /// Its terms of the kinds servers keep a catalog of each term of
-    /// (`catalog::TERM_KINDS`), as (kind, value), in that list's order:
-    /// where a filtered list can read its matching entries.
-    pub fn catalog_terms(&self) -> Vec<(&'static str, String)> {
-        let kinds = crate::catalog::TERM_KINDS;
-        let mut terms: Vec<(&'static str, String)> =
-            self.index_terms().into_iter().filter(|(kind, _)| kinds.contains(kind)).collect();
-        terms.sort_by_key(|(kind, _)| kinds.iter().position(|k| k == kind));
-        terms
     }
 
     /// Whether the bus id and server terms allow this device.
@@ -769,7 +763,7 @@ pub(crate) mod tests {
     fn the_catalog_terms_of_a_selector_are_its_labels_and_hold_its_devices() {
         let keys = Keys::new("usbwire");
         let want: Want = "class=08,serial=SN-1-1,1209:0003,server=a:1,label=nucleo".parse().unwrap();
-        let terms = want.catalog_terms();
+        let terms = crate::catalog::terms_of(&want);
         assert_eq!(terms, [("label", "nucleo".into())]);
         let disk = device("a:1", "1-1", &["nucleo", "bench/3"]);
         let catalogs = crate::catalog::term_catalogs(&keys, &disk);
@@ -778,10 +772,10 @@ pub(crate) mod tests {
         }
         assert!(catalogs.contains(&"usbwire/devices/a:1/!term/label/bench%2F3/".to_owned()), "{catalogs:?}");
         assert_eq!(catalogs.len(), 2, "a catalog per label and no other: {catalogs:?}");
-        let chunk = crate::catalog::chunk_key(&catalogs[0], 7);
+        let chunk = chunk_key(&catalogs[0], 7);
         assert_eq!(keys.parse(chunk.as_bytes()), None, "a chunk is not a device");
         assert_eq!(keys.chunk_server(chunk.as_bytes()), Some("a:1"));
-        assert!("serial=SN-1-1,1209:0003".parse::<Want>().unwrap().catalog_terms().is_empty());
+        assert!(crate::catalog::terms_of(&"serial=SN-1-1,1209:0003".parse().unwrap()).is_empty());
     }
 
     #[test]

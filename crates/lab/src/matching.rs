@@ -165,10 +165,10 @@ impl Lab {
     }
 
     /// From the servers' catalogs of one of the selector's terms (the first
-    /// of `Want::catalog_terms` whose kind every registered server keeps);
+    /// of `catalog::terms_of` whose kind every registered server keeps);
     /// `None` when there is none.
     async fn matching_from_term_catalogs(&mut self, want: &Want) -> Result<Option<Fleet>, LabError> {
-        let terms = want.catalog_terms();
+        let terms = crate::catalog::terms_of(want);
         if terms.is_empty() {
             return Ok(None);
         }

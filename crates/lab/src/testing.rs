@@ -282,7 +282,7 @@ pub(crate) async fn plant_as(
         }
         for (prefix, jsons) in catalogs {
             for (n, chunk) in crate::catalog::chunks(jsons).into_iter().enumerate() {
-                ops.push(TxnOp::put(crate::catalog::chunk_key(&prefix, n), chunk, on_lease()));
+                ops.push(TxnOp::put(crate::entry::chunk_key(&prefix, n), chunk, on_lease()));
             }
         }
     }
