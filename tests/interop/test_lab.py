@@ -338,16 +338,20 @@ def quiet_phase(checks, cluster, servers, registry, prefix, env, first_leases):
     checks.check("quiet fleet: every server is still under the lease it registered with at the start",
                  now == first_leases, (first_leases, now))
     keyed = leases(cluster.client_ports[1], f"{prefix}/devices/")
-    devices = {key: lease for key, lease in keyed.items() if "/!catalog/" not in key}
-    catalogs = {key: lease for key, lease in keyed.items() if "/!catalog/" in key}
+    # Catalog chunks (`devices/SERVER/!catalog/…`, `devices/SERVER/!term/label/NAME/…`) beside the device keys.
+    devices = {key: lease for key, lease in keyed.items() if "/!" not in key}
+    chunks = {key: lease for key, lease in keyed.items() if "/!" in key}
     by_server = {key.rsplit("/", 1)[-1]: lease for key, lease in now.items()}
     checks.check("quiet fleet: and so is every device it registered",
                  len(devices) == 16 and all(by_server.get(key.split("/")[-2]) == lease for key, lease in devices.items()),
                  devices)
-    checks.check("quiet fleet: and so is each server's catalog of them",
-                 {key.split("/")[-3] for key in catalogs} == {key.split("/")[-2] for key in devices}
-                 and all(by_server.get(key.split("/")[-3]) == lease for key, lease in catalogs.items()),
-                 catalogs)
+    chunk_server = lambda key: key.split("/devices/", 1)[1].split("/!", 1)[0]
+    with_devices = {key.split("/")[-2] for key in devices}
+    of_kind = lambda kind: {chunk_server(key) for key in chunks if f"/!{kind}/" in key}
+    checks.check("quiet fleet: and so is each server's catalog of them, and of each label",
+                 of_kind("catalog") == with_devices and of_kind("term/label") == with_devices
+                 and all(by_server.get(chunk_server(key)) == lease for key, lease in chunks.items()),
+                 chunks)
 
 
 def make_certificates(work):
