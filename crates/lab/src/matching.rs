@@ -12,8 +12,10 @@
 //!   catalogs): the index's keys under each indexed term, intersected, then
 //!   those devices' own keys, [`GETS_PER_TXN`] a transaction.
 //!
-//! Then the reservations of the devices found (a range of a server's when
-//! [`RESERVATIONS_BY_RANGE`] of its devices match, else a key each). Every
+//! Then the reservations of the devices found: every reservation in the lab
+//! in one range when there are no more than the devices found, else a range
+//! of a server's when [`RESERVATIONS_BY_RANGE`] of its devices match and a
+//! key each for the rest. Every
 //! read is at the revision of the first, [`TXNS_IN_FLIGHT`] at once. A
 //! selector without an indexed term (a bus id or a server alone) reads the
 //! fleet and filters it.
@@ -263,6 +265,43 @@ impl Lab {
         servers: BTreeMap<String, ServerEntry>,
         devices: BTreeMap<(String, String), DeviceEntry>,
     ) -> Result<Fleet, LabError> {
+        let reservations = match self.every_reservation_within(revision, devices.len()).await? {
+            Some(every) => every,
+            None => self.reservations_of(revision, &devices).await?,
+        };
+        let devices = devices
+            .into_iter()
+            .map(|(at, device)| FleetDevice { device, reservation: reservations.get(&at).map(Into::into) })
+            .collect();
+        Ok(Fleet { revision, servers: servers.into_values().collect(), devices })
+    }
+
+    /// Every reservation in the lab at `revision`, in one range, when there
+    /// are no more than `most` (a lab's reservations are usually far fewer
+    /// than its devices); `None` when there are more, after reading `most`.
+    async fn every_reservation_within(
+        &mut self,
+        revision: i64,
+        most: usize,
+    ) -> Result<Option<BTreeMap<(String, String), ReservationEntry>>, LabError> {
+        let [_, _, prefix] = self.keys.fleet_prefixes();
+        let limit = i64::try_from(most.max(1)).unwrap_or(i64::MAX);
+        let options = GetOptions::new().with_range(prefix_end(&prefix)).with_limit(limit).with_revision(revision);
+        let got = request::get(&self.client, prefix, Some(options)).await?;
+        self.reads.count(&got);
+        if got.more() {
+            return Ok(None);
+        }
+        Ok(Some(self.reservation_entries(got.kvs().iter().map(|kv| (kv.key(), kv.value())))))
+    }
+
+    /// The reservations of `devices` at `revision`: a range of a server's
+    /// when [`RESERVATIONS_BY_RANGE`] of its devices are there, else a key each.
+    async fn reservations_of(
+        &mut self,
+        revision: i64,
+        devices: &BTreeMap<(String, String), DeviceEntry>,
+    ) -> Result<BTreeMap<(String, String), ReservationEntry>, LabError> {
         let mut per_server: BTreeMap<&str, usize> = BTreeMap::new();
         for (server, _) in devices.keys() {
             *per_server.entry(server).or_default() += 1;
@@ -284,19 +323,25 @@ impl Lab {
         let mut reservations = BTreeMap::new();
         for (pairs, reads) in in_flight(reading).await? {
             self.reads.add(reads);
-            for (key, value) in &pairs {
-                if let (Some(Key::Reservation { server, busid }), Some(entry)) =
-                    (self.keys.parse(key), decode::<ReservationEntry>(value))
-                {
-                    reservations.insert((server, busid), entry);
-                }
+            reservations.append(&mut self.reservation_entries(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice()))));
+        }
+        Ok(reservations)
+    }
+
+    /// The readable reservations among key-value pairs, by server and bus id.
+    fn reservation_entries<'a>(
+        &self,
+        pairs: impl Iterator<Item = (&'a [u8], &'a [u8])>,
+    ) -> BTreeMap<(String, String), ReservationEntry> {
+        let mut reservations = BTreeMap::new();
+        for (key, value) in pairs {
+            if let (Some(Key::Reservation { server, busid }), Some(entry)) =
+                (self.keys.parse(key), decode::<ReservationEntry>(value))
+            {
+                reservations.insert((server, busid), entry);
             }
         }
-        let devices = devices
-            .into_iter()
-            .map(|(at, device)| FleetDevice { device, reservation: reservations.get(&at).map(Into::into) })
-            .collect();
-        Ok(Fleet { revision, servers: servers.into_values().collect(), devices })
+        reservations
     }
 }
 

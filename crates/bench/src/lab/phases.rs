@@ -38,11 +38,13 @@ pub(super) async fn run(
         .map_err(|e: usbwire_lab::WantError| LabBenchError::Inconsistent(e.to_string()))?;
     phases.push(list(&mut observer, metrics, None).await?);
     phases.push(list(&mut observer, metrics, Some(&want)).await?);
+    check_filtered(&mut observer, &want).await?;
     let (connect, labs) = connect(endpoint, metrics, scale.clients, progress).await?;
     phases.push(connect);
     let (reserve, reserving) = reserve(labs, &want, metrics, progress).await?;
     phases.push(reserve);
     check_exclusive(&reserving.held, &mut observer).await?;
+    check_filtered(&mut observer, &want).await?;
     let reserved = reserving.held.len();
     phases.push(release(reserving.held, metrics, progress).await?);
     drop(reserving.labs);
@@ -86,36 +88,46 @@ async fn register(
     let started = Instant::now();
     fleet.start(registrations);
     progress.begin(devices, "devices registered");
+    // What the registry holds now, and what it has ever shown: the phase
+    // ends when every server and device is there at once, so a server whose
+    // lease ran out is waited for until it is back.
     let mut registered: HashSet<String> = HashSet::new();
+    let mut present: HashSet<(String, String)> = HashSet::new();
     let mut seen: HashSet<(String, String)> = HashSet::new();
     let mut per_server_seen: HashMap<String, usize> = HashMap::new();
     let mut server_done_ms = Vec::with_capacity(servers);
     let mut lost = 0;
-    while seen.len() < devices || registered.len() < servers {
+    while present.len() < devices || registered.len() < servers {
         let next = tokio::time::timeout(REGISTRATION_TIMEOUT.saturating_sub(started.elapsed()), watch.next()).await;
         let Ok(batch) = next else {
             return Err(LabBenchError::Unavailable(format!(
-                "only {} of {devices} devices and {} of {servers} servers registered within {REGISTRATION_TIMEOUT:?}",
-                seen.len(),
-                registered.len()
+                "only {} of {devices} devices and {} of {servers} servers were registered at once within {REGISTRATION_TIMEOUT:?} ({} devices shown at some point)",
+                present.len(),
+                registered.len(),
+                seen.len()
             )));
         };
         let Some(batch) = batch? else {
             return Err(LabBenchError::Unavailable("the lab registry ended the watch during registration".to_owned()));
         };
         for change in batch {
-            if change.entry.is_none() {
-                lost += usize::from(change.what != "reservation");
-                continue;
-            }
-            match change.what {
-                "server" => {
+            let place = change.busid.map(|busid| (change.server.clone(), busid));
+            match (change.what, change.entry.is_some(), place) {
+                ("server", true, _) => {
                     registered.insert(change.server);
                 }
-                "device" => {
-                    let Some(busid) = change.busid else { continue };
+                ("server", false, _) => {
+                    lost += 1;
+                    registered.remove(&change.server);
+                }
+                ("device", false, Some(place)) => {
+                    lost += 1;
+                    present.remove(&place);
+                }
+                ("device", true, Some(place)) => {
+                    present.insert(place.clone());
                     // A server that registers again puts its devices again: count each once.
-                    if !seen.insert((change.server.clone(), busid)) {
+                    if !seen.insert(place) {
                         continue;
                     }
                     progress.advance();
@@ -312,6 +324,41 @@ async fn check_exclusive(held: &[Reservation], observer: &mut Lab) -> Result<(),
         )));
     }
     Ok(())
+}
+
+/// How many times the filtered list and the fleet are read again when the
+/// registry changed between them (a lease that ran out, a server back).
+const SAME_REVISION_TRIES: usize = 10;
+
+/// The filtered list shows what the whole fleet, filtered here, shows at the
+/// same revision: the same servers, devices and reservations.
+async fn check_filtered(observer: &mut Lab, want: &Want) -> Result<(), LabBenchError> {
+    for _ in 0..SAME_REVISION_TRIES {
+        let matching = observer.fleet_matching(want).await?;
+        let mut fleet = observer.fleet().await?;
+        if fleet.revision != matching.revision {
+            continue;
+        }
+        fleet.devices.retain(|d| want.matches(&d.device));
+        let with_devices: HashSet<&str> = fleet.devices.iter().map(|d| d.device.server.as_str()).collect();
+        fleet.servers.retain(|server| with_devices.contains(server.address.as_str()));
+        let addresses =
+            |servers: &[usbwire_lab::ServerEntry]| servers.iter().map(|s| s.address.clone()).collect::<Vec<_>>();
+        if addresses(&fleet.servers) != addresses(&matching.servers) || fleet.devices != matching.devices {
+            return Err(LabBenchError::Inconsistent(format!(
+                "at revision {} the list of {want} shows {} devices on {} servers, the fleet filtered {} on {}",
+                fleet.revision,
+                matching.devices.len(),
+                matching.servers.len(),
+                fleet.devices.len(),
+                fleet.servers.len()
+            )));
+        }
+        return Ok(());
+    }
+    Err(LabBenchError::Unavailable(format!(
+        "the registry changed between every one of {SAME_REVISION_TRIES} filtered lists and the fleet read after it: it should be quiet after registration"
+    )))
 }
 
 /// The holders let go, all at once.

@@ -12,6 +12,19 @@ fn json<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string(value).unwrap()
 }
 
+/// A reservation by `holder`, as `usbwire reserve` writes it.
+fn reservation_by(holder: String) -> ReservationEntry {
+    ReservationEntry {
+        schema_version: crate::entry::SCHEMA_VERSION,
+        holder,
+        client: "usbwire reserve".to_owned(),
+        pid: 1,
+        token_sha256: "00".repeat(32),
+        since_at: timestamp(SystemTime::now()),
+        until_at: None,
+    }
+}
+
 /// Plants three servers (with catalogs or not), reserves, and checks that
 /// filtered lists show exactly what the filtered fleet shows; returns the
 /// bytes the `label=nucleo` list read.
@@ -35,16 +48,10 @@ async fn filtered_lists_show_what_the_fleet_shows(cluster: &Cluster, catalogs: b
     let others =
         others.map(|(server, busids)| (server, busids.into_iter().find(|busid| (server, *busid) != mine).unwrap()));
     for (server, busid) in others {
-        let entry = ReservationEntry {
-            schema_version: crate::entry::SCHEMA_VERSION,
-            holder: format!("someone@{busid}"),
-            client: "usbwire reserve".to_owned(),
-            pid: 1,
-            token_sha256: "00".repeat(32),
-            since_at: timestamp(SystemTime::now()),
-            until_at: None,
-        };
-        client.put(keys.reservation(server, busid), json(&entry), None).await.unwrap();
+        client
+            .put(keys.reservation(server, busid), json(&reservation_by(format!("someone@{busid}"))), None)
+            .await
+            .unwrap();
     }
     let everything = lab.fleet().await.unwrap();
     assert_eq!(everything.devices.len(), 2060);
@@ -77,7 +84,21 @@ async fn filtered_lists_show_what_the_fleet_shows(cluster: &Cluster, catalogs: b
             nucleo_read = read;
         }
     }
-    let mine = lab.fleet_matching(&"label=nucleo".parse().unwrap()).await.unwrap();
+    // Up to here the lab held fewer reservations than most lists match, so
+    // they were read in one range of all of them. With more reservations
+    // than matching devices, they are read by server and by key instead.
+    let not_nucleo = (1..1000).filter(|i| i % 20 != 0).take(110);
+    for i in not_nucleo {
+        let busid = format!("{}-{}", 1 + i / 100, 1 + i % 100);
+        let entry = reservation_by(format!("many@{busid}"));
+        client.put(keys.reservation("10.0.0.2:3240", &busid), json(&entry), None).await.unwrap();
+    }
+    let everything = lab.fleet().await.unwrap();
+    assert_eq!(reserved(&everything), 114);
+    let want: Want = "label=nucleo".parse().unwrap();
+    let expected: Vec<_> = everything.devices.iter().filter(|d| want.matches(&d.device)).cloned().collect();
+    let mine = lab.fleet_matching(&want).await.unwrap();
+    assert_eq!(mine.devices, expected);
     let held: Vec<_> = mine.devices.iter().filter(|d| d.reservation.is_some()).collect();
     assert_eq!(held.len(), 3, "the reservations of matching devices are shown");
     assert!(held.iter().any(|d| d.device.record.busid == taken.device.record.busid));
