@@ -25,6 +25,7 @@ mod error;
 mod etcd;
 mod lab;
 mod matching;
+mod pace;
 mod pages;
 pub mod publish;
 mod request;

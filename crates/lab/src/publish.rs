@@ -15,7 +15,9 @@
 //! replaced. When etcd cannot be reached the server serves on as if it had
 //! no registry (reservations are not enforced meanwhile) and registers
 //! again once etcd answers. Stopping the task the way [`publish`] says
-//! revokes the lease, so the server leaves the registry at once.
+//! revokes the lease, so the server leaves the registry at once. Its writes are
+//! paced by how long etcd takes to answer them (`pace`), so that a lab's
+//! servers registering all at once do not hold up each other's renewals.
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -35,6 +37,7 @@ use usbwire_server::{state_entry, ExportInfo, Registry, Reservation};
 use crate::entry::{decode, Availability, DeviceEntry, Key, Keys, ReservationEntry, ServerEntry, SCHEMA_VERSION};
 use crate::error::LabError;
 use crate::etcd::{keep_alive, Endpoint};
+use crate::pace::Pace;
 use crate::request;
 
 /// Operations in one of a server's transactions (etcd's default limit is
@@ -215,6 +218,8 @@ struct Session {
     revision: i64,
     /// The reservations' changes after `revision`, set up by `start`.
     watch: Option<etcd_client::WatchStream>,
+    /// How long to wait before each write: longer while etcd is behind (`pace`).
+    pace: Pace,
 }
 
 impl Session {
@@ -287,6 +292,7 @@ impl Session {
             term_catalogs: HashMap::new(),
             revision: 0,
             watch: None,
+            pace: Pace::new(),
         };
         // Reservations now (the index shows them), then every change after them.
         let reserved = request::get(
@@ -480,8 +486,8 @@ impl Session {
     }
 
     /// Writes `changes` (a key's new value, or `None` to delete it) under
-    /// `lease`, [`OPS_PER_TXN`] to a transaction, and notes what was
-    /// published.
+    /// `lease`, [`OPS_PER_TXN`] to a transaction, each after the pause
+    /// [`Pace`] asks for, and notes what was published.
     async fn write(&mut self, changes: Vec<(String, Option<Vec<u8>>)>, lease: &mut Lease) -> Result<(), LabError> {
         let count = changes.len();
         for batch in changes.chunks(OPS_PER_TXN) {
@@ -492,7 +498,10 @@ impl Session {
                     None => TxnOp::delete(key.clone(), None),
                 })
                 .collect();
+            tokio::time::sleep(self.pace.wait()).await;
+            let sent = tokio::time::Instant::now();
             let done = request::txn(&self.client, Txn::new().and_then(ops)).await;
+            self.pace.answered_in(sent.elapsed());
             for (key, value) in batch {
                 match (value, &done) {
                     (Some(value), Ok(_)) => lease.published.insert(key.clone(), value.clone()),
