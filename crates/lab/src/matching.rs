@@ -199,11 +199,13 @@ impl Lab {
                 Ok((found, reads))
             }
         });
-        let mut found = BTreeMap::new();
-        for (mut entries, reads) in in_flight(reading).await? {
+        let mut batches = Vec::new();
+        for (entries, reads) in in_flight(reading).await? {
             self.reads.add(reads);
-            found.append(&mut entries);
+            batches.push(entries);
         }
+        // Built once: `append` would rebuild the whole map each batch.
+        let found: BTreeMap<_, _> = batches.into_iter().flatten().collect();
         let with_devices: BTreeSet<&String> = found.keys().map(|(server, _)| server).collect();
         servers.retain(|server, _| with_devices.contains(server));
         Ok(Some(self.with_reservations(revision, servers, found).await?))
@@ -323,7 +325,7 @@ impl Lab {
         let mut reservations = BTreeMap::new();
         for (pairs, reads) in in_flight(reading).await? {
             self.reads.add(reads);
-            reservations.append(&mut self.reservation_entries(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice()))));
+            reservations.extend(self.reservation_entries(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice()))));
         }
         Ok(reservations)
     }

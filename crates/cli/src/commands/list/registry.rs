@@ -11,6 +11,8 @@
 //! reads only what the selector's index points at (`Lab::fleet_matching`) and
 //! prints it in the same shapes. Not for a server's own list (`list -r`).
 
+use std::collections::HashMap;
+
 use anyhow::anyhow;
 use serde::Serialize;
 use serde_json::Value;
@@ -143,18 +145,29 @@ impl Printer {
     /// A fleet read whole (a filtered list): the table under each server its
     /// devices, the others every server, then the devices in the fleet's order.
     fn fleet(&mut self, fleet: &Fleet) -> Result<(), Failure> {
+        self.write_fleet(fleet);
+        self.flush()
+    }
+
+    /// [`Printer::fleet`] up to the flush.
+    fn write_fleet(&mut self, fleet: &Fleet) {
         self.begin(fleet.revision);
+        let mut by_server: HashMap<&str, Vec<&FleetDevice>> = HashMap::new();
+        if self.shape == Shape::Table {
+            for device in &fleet.devices {
+                by_server.entry(device.device.server.as_str()).or_default().push(device);
+            }
+        }
         for server in &fleet.servers {
             self.server(server);
-            if self.shape == Shape::Table {
-                fleet.devices.iter().filter(|d| d.device.server == server.address).for_each(|d| self.device(d));
+            for device in by_server.get(server.address.as_str()).into_iter().flatten() {
+                self.device(device);
             }
         }
         if self.shape != Shape::Table {
             fleet.devices.iter().for_each(|d| self.device(d));
         }
         self.end();
-        self.flush()
     }
 
     fn begin(&mut self, revision: i64) {

@@ -134,3 +134,22 @@ fn the_table_prints_each_server_before_its_devices_and_the_counts_last() {
     assert!(lines[3].starts_with("10.0.0.2:3240  usbwire 0.1.0 (plain)"), "{text}");
     assert_eq!(lines[5], "lab registry etcd://127.0.0.1:2379/usbwire: 2 server(s), 3 device(s), 2 free");
 }
+
+/// A filtered list, read whole, prints each server with its devices under
+/// it, as the fleet read a page at a time does, whatever order the
+/// servers come in; its document is the fleet's.
+#[test]
+fn a_fleet_read_whole_prints_each_server_with_its_devices() {
+    let mut fleets = fleets();
+    let mut reordered = fleets[2].clone();
+    reordered.servers.reverse();
+    fleets.push(reordered);
+    for fleet in &fleets {
+        let mut table = Printer::new(Shape::Table, false, "etcd://127.0.0.1:2379/usbwire".into());
+        table.write_fleet(fleet);
+        assert_eq!(table.text, printed(Shape::Table, false, fleet));
+        let mut document = Printer::new(Shape::Document, false, "etcd://127.0.0.1:2379/usbwire".into());
+        document.write_fleet(fleet);
+        assert_eq!(document.text, json_text(fleet, true) + "\n");
+    }
+}
