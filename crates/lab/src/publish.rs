@@ -25,7 +25,6 @@ use std::future::Future;
 use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
-use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 use usbwire_device::devstate::ReservedFor;
 use usbwire_device::record::DeviceJson;
@@ -38,7 +37,10 @@ use crate::entry::{decode, Availability, DeviceEntry, Key, Keys, ReservationEntr
 use crate::error::LabError;
 use crate::etcd::{keep_alive, Endpoint};
 use crate::pace::Pace;
+
+mod lease;
 use crate::request;
+use lease::Lease;
 
 /// Operations in one of a server's transactions (etcd's default limit is
 /// 128). A thousand servers starting at once each keep one transaction in
@@ -52,9 +54,6 @@ const OPS_PER_TXN: usize = 25;
 /// registry that accepts and drops at once is retried with [`Retry::PATIENT`]'s
 /// waits, not in a tight loop.
 const SETTLED: Duration = Duration::from_secs(1);
-/// How long a stopping server tries to revoke its lease: an unreachable
-/// registry must not hold the shutdown up (the lease then expires by itself).
-const DEREGISTER_WITHIN: Duration = Duration::from_secs(2);
 /// The deadline of the server's requests: long, so that in a registration
 /// storm (every server of a lab starting at once) a write is waited for
 /// while etcd works through the queue, never sent again meanwhile (see
@@ -76,7 +75,7 @@ pub struct Registration {
 }
 
 /// Registers the server and keeps the registry current until `stop`
-/// resolves, then revokes the lease (for at most [`DEREGISTER_WITHIN`]), so
+/// resolves, then revokes the lease (for at most `lease::DEREGISTER_WITHIN`), so
 /// the server's entries leave the registry at once. Never fails: an
 /// unreachable registry is logged once and retried. Aborting the task
 /// instead leaves the entries to expire with the lease.
@@ -87,7 +86,7 @@ pub async fn publish(registration: Registration, registry: Registry, stop: impl 
         () = stop => {}
     }
     if let Some(lease) = lease {
-        lease.revoke(&registration).await;
+        lease.revoke(&registration.endpoint).await;
     }
 }
 
@@ -136,71 +135,6 @@ async fn register(registration: &Registration, registry: &Registry, lease: &mut 
             warn!(registry = %url, %error, "lab registry unreachable; serving directly and trying again");
             said_unreachable = true;
         }
-    }
-}
-
-/// The server's lease and what is published under it: kept across
-/// connections for as long as etcd keeps the lease.
-struct Lease {
-    id: i64,
-    /// The latest session's client, to revoke the lease through.
-    client: Client,
-    /// Renews the lease; ends, saying why, when it is lost.
-    renewing: JoinHandle<LabError>,
-    /// Key → value of every device entry, index entry and catalog chunk put under it.
-    published: HashMap<String, Vec<u8>>,
-    /// Each catalog's chunks as last written.
-    layouts: crate::catalog::Layouts,
-}
-
-impl Lease {
-    /// Whether etcd still keeps it (asked through `client`), even when its
-    /// renewal gave up: answers that came too late for the renewal (etcd
-    /// answers a renewal only once it has applied what it committed, seconds
-    /// behind in a storm) may still have kept it alive, and a server that
-    /// took a new lease then would put everything again while its old
-    /// entries stay until the old lease expires.
-    async fn alive(&self, client: &mut Client) -> Result<bool, LabError> {
-        let id = self.id;
-        let alive = request::retried("lease time to live", || {
-            let mut client = client.clone();
-            async move { client.lease_time_to_live(id, None).await }
-        })
-        .await?;
-        Ok(alive.ttl() > 0)
-    }
-
-    /// Ends the registration now: through the latest session's member, else
-    /// through any that answers, for at most [`DEREGISTER_WITHIN`].
-    async fn revoke(self, registration: &Registration) {
-        self.renewing.abort();
-        let url = registration.endpoint.url.to_string();
-        let id = self.id;
-        let mut client = self.client.clone();
-        let revoking = async {
-            if client.lease_revoke(id).await.is_ok() {
-                return Ok(());
-            }
-            let mut other = registration.endpoint.connect().await?;
-            other.lease_revoke(id).await?;
-            Ok::<(), LabError>(())
-        };
-        match tokio::time::timeout(DEREGISTER_WITHIN, revoking).await {
-            Ok(Ok(())) => info!(registry = %url, lease = format_args!("{id:x}"), "left the lab registry"),
-            Ok(Err(error)) => {
-                warn!(registry = %url, %error, "could not leave the lab registry; its entries expire with the lease");
-            }
-            Err(_) => warn!(
-                registry = %url,
-                "the lab registry did not answer within {DEREGISTER_WITHIN:?}; its entries expire with the lease"
-            ),
-        }
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        self.renewing.abort();
     }
 }
 
@@ -263,6 +197,7 @@ impl Session {
                     renewing,
                     published: HashMap::new(),
                     layouts: HashMap::new(),
+                    unsure: false,
                 })
             }
         };
@@ -313,6 +248,9 @@ impl Session {
         let options = WatchOptions::new().with_prefix().with_start_revision(session.revision + 1);
         let watch = session.client.watch(session.keys.reservations_of(&server.address), Some(options)).await?;
         session.watch = Some(watch);
+        if held.unsure {
+            held.read_back_catalogs(&session.client, &session.keys, &server.address).await?;
+        }
         session.sync(registration, registry, held).await?;
         Ok((session, held))
     }
@@ -510,6 +448,9 @@ impl Session {
                     // Still listed: deleted again next time.
                     (None, Err(_)) => None,
                 };
+            }
+            if done.is_err() {
+                lease.unsure = true;
             }
             done?;
         }
