@@ -338,7 +338,8 @@ def quiet_phase(checks, cluster, servers, registry, prefix, env, first_leases):
     checks.check("quiet fleet: every server is still under the lease it registered with at the start",
                  now == first_leases, (first_leases, now))
     keyed = leases(cluster.client_ports[1], f"{prefix}/devices/")
-    # Catalog chunks (`devices/SERVER/!catalog/…`, `devices/SERVER/!term/label/NAME/…`) beside the device keys.
+    # Catalog chunks (`devices/SERVER/!catalog/…`, `devices/SERVER/!term/KIND/TERM/…`, or a
+    # `…/whole` marker for a term most of a server's devices have) beside the device keys.
     devices = {key: lease for key, lease in keyed.items() if "/!" not in key}
     chunks = {key: lease for key, lease in keyed.items() if "/!" in key}
     by_server = {key.rsplit("/", 1)[-1]: lease for key, lease in now.items()}
@@ -348,8 +349,8 @@ def quiet_phase(checks, cluster, servers, registry, prefix, env, first_leases):
     chunk_server = lambda key: key.split("/devices/", 1)[1].split("/!", 1)[0]
     with_devices = {key.split("/")[-2] for key in devices}
     of_kind = lambda kind: {chunk_server(key) for key in chunks if f"/!{kind}/" in key}
-    checks.check("quiet fleet: and so is each server's catalog of them, and of each label",
-                 of_kind("catalog") == with_devices and of_kind("term/label") == with_devices
+    checks.check("quiet fleet: and so is each server's catalog of them, and of each label, VID:PID and class",
+                 all(of_kind(kind) == with_devices for kind in ("catalog", "term/label", "term/id", "term/class"))
                  and all(by_server.get(chunk_server(key)) == lease for key, lease in chunks.items()),
                  chunks)
 

@@ -8,9 +8,11 @@
 //! the next one miss nothing. No I/O.
 //!
 //! Beside the catalog of all its devices, a server keeps one per term of the
-//! kinds in [`TERM_KINDS`] (`label/nucleo`): the
+//! kinds in [`TERM_KINDS`] (`label/nucleo`, `id/0483:374b`, `class/08`): the
 //! entries of its devices with that term, chunked alike, so a filtered list
-//! reads only the matching entries. A server rewrites a catalog's chunks in
+//! reads only the matching entries; or, where more than half its devices
+//! have the term, a marker ([`READ_WHOLE`]) to read the whole catalog and
+//! filter it. A server rewrites a catalog's chunks in
 //! [`write_order`], so that at no revision between two of its writes is a
 //! device that stays missing from every chunk.
 //!
@@ -34,15 +36,26 @@ const MAX_CHUNK_BYTES: usize = 16 << 20;
 /// zstd's level: fast, and as small as higher levels on these records.
 const LEVEL: i32 = 3;
 
-/// The kinds of index term a server keeps a catalog of each term of: labels,
-/// the lab's own names for what it filters by. Not VID:PID and classes: on
-/// a server of one kind of device each such catalog repeats the whole
-/// catalog, and those writes were enough to make a registration storm of
-/// 1 000 servers lose its leases on two vCPUs (BENCHMARKS.md); a filtered
-/// list of them reads the index. Not serials: a serial names one device,
+/// The kinds of index term a server keeps a catalog of each term of:
+/// labels, VID:PIDs and classes. Not serials: a serial names one device,
 /// which the index finds in a read or two. (A reader goes by each server's
 /// `catalog_terms`, so kinds can be added without breaking it.)
-pub const TERM_KINDS: [&str; 1] = ["label"];
+pub const TERM_KINDS: [&str; 3] = ["label", "id", "class"];
+
+/// What a term catalog that would hold more than half of its server's
+/// devices holds instead of chunks: one key, `PREFIX` + this, whose value
+/// is this too, telling a reader to read the server's whole catalog and
+/// filter it, which costs it less than twice the bytes. On a server of one
+/// kind of device each VID:PID and class catalog would otherwise copy the
+/// whole catalog, and those copies made a 1 000-server registration storm
+/// lose its leases on two vCPUs (BENCHMARKS.md); this way a device is
+/// written at most once per kind beyond the whole catalog, and usually not.
+pub const READ_WHOLE: &str = "whole";
+
+/// The marker key of the term catalog under `prefix` ([`READ_WHOLE`]).
+pub fn read_whole_key(prefix: &str) -> String {
+    format!("{prefix}{READ_WHOLE}")
+}
 
 /// The term catalogs `device` is in, one prefix each, sorted.
 pub fn term_catalogs(keys: &Keys, device: &DeviceEntry) -> Vec<String> {
@@ -125,7 +138,10 @@ pub type Layouts = HashMap<String, Vec<Vec<String>>>;
 /// `published` (key → value) and `layouts`, which it updates: each
 /// catalog's changed chunks in [`write_order`], then the chunks no catalog
 /// has any more (a term no device has now, a write that failed), whose
-/// devices are in other chunks by then.
+/// devices are in other chunks by then. The whole catalog's prefix sorts
+/// before every term catalog's, so it is written before a marker that
+/// sends readers to it is put, and a term catalog's chunks before its
+/// marker goes.
 pub fn changes(
     catalogs: &BTreeMap<&str, Vec<(&str, &[u8])>>,
     catalogs_of: &str,
@@ -135,7 +151,18 @@ pub fn changes(
     let mut changes = Vec::new();
     let mut written = HashSet::new();
     let mut now = HashMap::with_capacity(catalogs.len());
+    let whole = format!("{catalogs_of}{}/", crate::entry::CATALOG.trim_start_matches('!'));
+    let devices = catalogs.get(whole.as_str()).map_or(0, Vec::len);
     for (prefix, entries) in catalogs {
+        // A term most devices have: a marker to read the whole catalog, not a copy of most of it.
+        if *prefix != whole && entries.len() * 2 > devices {
+            let key = read_whole_key(prefix);
+            if published.get(&key).map(Vec::as_slice) != Some(READ_WHOLE.as_bytes()) {
+                changes.push((key.clone(), Some(READ_WHOLE.as_bytes().to_vec())));
+            }
+            written.insert(key);
+            continue;
+        }
         let layout: Vec<Vec<String>> = entries
             .chunks(PER_CHUNK)
             .map(|chunk| chunk.iter().map(|(busid, _)| (*busid).to_owned()).collect())
@@ -387,35 +414,68 @@ mod tests {
         assert_eq!(keys, [("p/!catalog/000001", true), ("p/!catalog/000000", true), ("p/!term/label/x/000000", false)]);
     }
 
-    /// One catalog of `named` (bus id, entry) devices.
-    fn catalog(named: &[(String, Vec<u8>)]) -> BTreeMap<&'static str, Vec<(&str, &[u8])>> {
-        BTreeMap::from([("p/!catalog/", named.iter().map(|(b, j)| (b.as_str(), j.as_slice())).collect())])
+    /// The catalog of `named` (bus id, entry, labelled `t`) devices, and
+    /// the term catalog of label `t` if any device has it.
+    fn catalog(named: &[(String, Vec<u8>, bool)]) -> BTreeMap<&'static str, Vec<(&str, &[u8])>> {
+        let all = named.iter().map(|(b, j, _)| (b.as_str(), j.as_slice())).collect();
+        let labelled: Vec<(&str, &[u8])> =
+            named.iter().filter(|(.., t)| *t).map(|(b, j, _)| (b.as_str(), j.as_slice())).collect();
+        let mut catalogs = BTreeMap::from([("p/!catalog/", all)]);
+        if !labelled.is_empty() {
+            catalogs.insert("p/!term/label/t/", labelled);
+        }
+        catalogs
     }
 
-    /// The bus ids in the chunks `held`.
+    /// The bus ids in the whole catalog's chunks `held`.
     fn devices_in(held: &HashMap<String, Vec<u8>>) -> Vec<String> {
+        let whole = held.iter().filter(|(key, _)| key.starts_with("p/!catalog/"));
         let mut busids: Vec<String> =
-            held.values().flat_map(|value| read_chunk("10.0.0.5:3240", value)).map(|d| d.record.busid).collect();
+            whole.flat_map(|(_, value)| read_chunk("10.0.0.5:3240", value)).map(|d| d.record.busid).collect();
         busids.sort();
+        busids
+    }
+
+    /// The bus ids a filtered list of `label=t` finds in `held`, as
+    /// `matching` reads it: the term catalog's chunks, and the whole
+    /// catalog's devices labelled `t` if the term catalog is a marker.
+    fn labelled_in(held: &HashMap<String, Vec<u8>>) -> Vec<String> {
+        let marker = held.contains_key(&read_whole_key("p/!term/label/t/"));
+        let read = held
+            .iter()
+            .filter(|(key, _)| key.starts_with("p/!term/label/t/") || (marker && key.starts_with("p/!catalog/")));
+        let entries = read.flat_map(|(_, value)| read_chunk("10.0.0.5:3240", value));
+        let mut busids: Vec<String> =
+            entries.filter(|d| d.labels.iter().any(|l| l == "t")).map(|d| d.record.busid).collect();
+        busids.sort();
+        busids.dedup();
         busids
     }
 
     /// Writes catalog `a`, then `b` of which only the first `landed` changes
     /// land and the next one fails, landed or not (`next_landed`): what a
     /// server cannot know, so it reads its chunks back (`layouts_of`) before
-    /// it writes `c` a change at a time. After each of `c`'s changes every
-    /// device held before that `c` keeps must be in some chunk, and in the
-    /// end the chunks must hold `c`, each device once. Without the read back
-    /// (`read_back` false) the layouts are those `b` meant to write.
+    /// it writes `c` a change at a time. Each device (a number) is labelled
+    /// `t` or not, so the label's catalog is chunks, a marker or none. After
+    /// each of `c`'s changes every device held before that `c` keeps must be
+    /// in some chunk, and a filtered list of `label=t` must find every
+    /// device it found before that `c` keeps labelled; in the end the chunks
+    /// must hold `c`, each device once. Without the read back (`read_back`
+    /// false) the layouts are those `b` meant to write.
     fn rewrite_after_unknown(
-        [a, b, c]: [&[u16]; 3],
+        [a, b, c]: [&[(u16, bool)]; 3],
         landed: usize,
         next_landed: bool,
         read_back: bool,
     ) -> Result<(), String> {
-        let named = |busids: &[u16]| -> Vec<(String, Vec<u8>)> {
-            let busids = busids.iter().map(|n| format!("1-{n:03}"));
-            busids.map(|busid| (busid.clone(), json(&device_entry("10.0.0.5:3240", &busid, &[])))).collect()
+        let named = |devices: &[(u16, bool)]| -> Vec<(String, Vec<u8>, bool)> {
+            let named = devices.iter().map(|(n, t)| (format!("1-{n:03}"), *t));
+            named
+                .map(|(busid, t)| {
+                    let entry = device_entry("10.0.0.5:3240", &busid, if t { &["t"] } else { &[] });
+                    (busid, json(&entry), t)
+                })
+                .collect()
         };
         let (a, b, c) = (named(a), named(b), named(c));
         let mut held: HashMap<String, Vec<u8>> = HashMap::new();
@@ -440,22 +500,33 @@ mod tests {
             published = held.clone();
             layouts = layouts_of("10.0.0.5:3240", held.iter().map(|(k, v)| (k.as_str(), v.as_slice())));
         }
-        let wanted: Vec<String> = c.iter().map(|(busid, _)| busid.clone()).collect();
+        let wanted: Vec<String> = c.iter().map(|(busid, ..)| busid.clone()).collect();
+        let labelled: Vec<String> = c.iter().filter(|(.., t)| *t).map(|(busid, ..)| busid.clone()).collect();
         let staying: Vec<String> = devices_in(&held).into_iter().filter(|busid| wanted.contains(busid)).collect();
+        let staying_labelled: Vec<String> =
+            labelled_in(&held).into_iter().filter(|busid| labelled.contains(busid)).collect();
         let third = changes(&catalog(&c), "p/!", &published, &mut layouts);
+        let writes = || third.iter().map(|c| &c.0).collect::<Vec<_>>();
         for change in &third {
             apply(&mut held, change);
             let now = devices_in(&held);
             if let Some(lost) = staying.iter().find(|busid| !now.contains(*busid)) {
-                return Err(format!(
-                    "{lost} is in no chunk after {} of {:?}",
-                    change.0,
-                    third.iter().map(|c| &c.0).collect::<Vec<_>>()
-                ));
+                return Err(format!("{lost} is in no chunk after {} of {:?}", change.0, writes()));
+            }
+            let now = labelled_in(&held);
+            if let Some(lost) = staying_labelled.iter().find(|busid| !now.contains(*busid)) {
+                return Err(format!("label=t does not find {lost} after {} of {:?}", change.0, writes()));
             }
         }
         if devices_in(&held) != wanted {
             return Err(format!("the chunks hold {:?}, not the last catalog", devices_in(&held)));
+        }
+        if labelled_in(&held) != labelled {
+            return Err(format!("label=t finds {:?}, not the last catalog's {labelled:?}", labelled_in(&held)));
+        }
+        let marker = held.contains_key(&read_whole_key("p/!term/label/t/"));
+        if marker != (labelled.len() * 2 > wanted.len()) {
+            return Err(format!("a marker ({marker}) for {} labelled of {}", labelled.len(), wanted.len()));
         }
         Ok(())
     }
@@ -479,6 +550,7 @@ mod tests {
             318, 322, 323, 326, 329, 332, 336, 341, 348, 352, 358, 359, 361, 362, 365, 368, 371, 378, 380, 392,
         ];
         assert_eq!(b.len(), 66);
+        let [a, b, c] = [a, b, c].map(|set| set.into_iter().map(|n| (n, false)).collect::<Vec<_>>());
         // The first of `b`'s two writes (chunk 1, which 365 moves into) landed;
         // the second (chunk 0, which 365 leaves) failed and did not land.
         assert!(rewrite_after_unknown([&a, &b, &c], 1, false, false).is_err(), "the case needs the read back");
@@ -488,13 +560,13 @@ mod tests {
     proptest::proptest! {
         #[test]
         fn no_device_is_lost_after_a_catalog_write_whose_outcome_is_not_known(
-            a in proptest::collection::btree_set(0_u16..400, 0..300),
-            b in proptest::collection::btree_set(0_u16..400, 0..300),
-            c in proptest::collection::btree_set(0_u16..400, 0..300),
+            a in proptest::collection::btree_map(0_u16..400, proptest::bool::weighted(0.5), 0..300),
+            b in proptest::collection::btree_map(0_u16..400, proptest::bool::weighted(0.5), 0..300),
+            c in proptest::collection::btree_map(0_u16..400, proptest::bool::weighted(0.5), 0..300),
             landed in 0_usize..8,
             next_landed: bool,
         ) {
-            let [a, b, c] = [a, b, c].map(|set| set.into_iter().collect::<Vec<u16>>());
+            let [a, b, c] = [a, b, c].map(|map| map.into_iter().collect::<Vec<(u16, bool)>>());
             if let Err(error) = rewrite_after_unknown([&a, &b, &c], landed, next_landed, true) {
                 proptest::prop_assert!(false, "{}", error);
             }

@@ -195,7 +195,7 @@ pub fn chunk_key(prefix: &str, n: usize) -> String {
 }
 
 /// The key part that sets a server's catalog apart from its devices.
-const CATALOG: &str = "!catalog";
+pub(crate) const CATALOG: &str = "!catalog";
 /// The same, for its catalogs of one term.
 const TERM_CATALOG: &str = "!term";
 
@@ -758,24 +758,26 @@ pub(crate) mod tests {
     }
 
     /// A filtered list reads the catalogs of one of the selector's labels,
-    /// and each label's catalog is where its devices are.
+    /// VID:PIDs or classes, and each term's catalog is where its devices are.
     #[test]
     fn the_catalog_terms_of_a_selector_are_its_labels_and_hold_its_devices() {
         let keys = Keys::new("usbwire");
         let want: Want = "class=08,serial=SN-1-1,1209:0003,server=a:1,label=nucleo".parse().unwrap();
         let terms = crate::catalog::terms_of(&want);
-        assert_eq!(terms, [("label", "nucleo".into())]);
+        assert_eq!(terms, [("label", "nucleo".into()), ("id", "1209:0003".into()), ("class", "08".into())]);
         let disk = device("a:1", "1-1", &["nucleo", "bench/3"]);
         let catalogs = crate::catalog::term_catalogs(&keys, &disk);
-        for (kind, value) in terms {
-            assert!(catalogs.contains(&keys.term_catalog_of("a:1", kind, &value)), "{kind}={value} in {catalogs:?}");
+        let kept: Vec<(&str, String)> = index_terms(&disk).into_iter().filter(|(kind, _)| *kind != "serial").collect();
+        for (kind, value) in &kept {
+            assert!(catalogs.contains(&keys.term_catalog_of("a:1", kind, value)), "{kind}={value} in {catalogs:?}");
         }
         assert!(catalogs.contains(&"usbwire/devices/a:1/!term/label/bench%2F3/".to_owned()), "{catalogs:?}");
-        assert_eq!(catalogs.len(), 2, "a catalog per label and no other: {catalogs:?}");
+        assert_eq!(catalogs.len(), kept.len(), "a catalog per label, VID:PID and class, not serial: {catalogs:?}");
         let chunk = chunk_key(&catalogs[0], 7);
         assert_eq!(keys.parse(chunk.as_bytes()), None, "a chunk is not a device");
         assert_eq!(keys.chunk_server(chunk.as_bytes()), Some("a:1"));
-        assert!(crate::catalog::terms_of(&"serial=SN-1-1,1209:0003".parse().unwrap()).is_empty());
+        assert_eq!(crate::catalog::terms_of(&"serial=SN-1-1,1209:0003".parse().unwrap()), [("id", "1209:0003".into())]);
+        assert!(crate::catalog::terms_of(&"serial=SN-1-1".parse().unwrap()).is_empty());
     }
 
     #[test]

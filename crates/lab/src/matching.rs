@@ -3,12 +3,14 @@
 //! at them rather than by the fleet.
 //!
 //! * When every registered server keeps catalogs per term (`catalog`; its
-//!   entry's `catalog_terms` has the kind of one of the selector's terms,
-//!   `label`): that term's catalog of each server, a range per server and
-//!   [`SERVERS_PER_TXN`] servers a transaction, so etcd reads a key per 64
-//!   matching devices, and each transaction's chunks are decoded on a
-//!   blocking thread as it arrives.
-//! * Otherwise (a selector without a label, a server from before term
+//!   entry's `catalog_terms` has the kind of one of the selector's terms:
+//!   label, VID:PID or class): that term's catalog of each server, a range
+//!   per server and [`SERVERS_PER_TXN`] servers a transaction, so etcd reads
+//!   a key per 64 matching devices, and each transaction's chunks are
+//!   decoded on a blocking thread as it arrives; then, filtered, the whole
+//!   catalogs of the servers whose term catalog is a marker to read those
+//!   instead (`catalog::READ_WHOLE`: most of their devices have the term).
+//! * Otherwise (a selector of a serial alone, a server from before term
 //!   catalogs): the index's keys under each indexed term, intersected, then
 //!   those devices' own keys, [`GETS_PER_TXN`] a transaction.
 //!
@@ -188,19 +190,19 @@ impl Lab {
             |kind: &str| servers.values().all(|entry| entry.catalog_terms.iter().any(|kept| kept == kind));
         let Some((kind, value)) = terms.into_iter().find(|(kind, _)| kept_by_all(kind)) else { return Ok(None) };
         let names: Vec<&String> = servers.keys().collect();
-        let reading = names.chunks(SERVERS_PER_TXN).map(|batch| {
-            let prefixes = batch.iter().map(|server| self.keys.term_catalog_of(server, kind, &value)).collect();
-            let (client, keys, want) = (self.client.clone(), self.keys.clone(), want.clone());
-            async move {
-                let read = Read::Ranges { prefixes, limit: CHUNKS_PER_READ };
-                let (pairs, reads) = read.at(client, revision).await?;
-                let decoding = tokio::task::spawn_blocking(move || matching_entries(&keys, &want, &pairs));
-                let found = decoding.await.map_err(|error| etcd_client::Error::IoError(error.into()))?;
-                Ok((found, reads))
-            }
-        });
+        let term_catalogs: Vec<String> =
+            names.iter().map(|server| self.keys.term_catalog_of(server, kind, &value)).collect();
         let mut batches = Vec::new();
-        for (entries, reads) in in_flight(reading).await? {
+        // Servers most devices of which have the term keep a marker instead
+        // (`catalog::READ_WHOLE`): their whole catalogs are read and filtered then.
+        let mut whole = Vec::new();
+        for (entries, read_whole, reads) in in_flight(self.catalog_reads(&term_catalogs, want, revision)).await? {
+            self.reads.add(reads);
+            batches.push(entries);
+            whole.extend(read_whole);
+        }
+        let whole: Vec<String> = whole.iter().map(|server| self.keys.catalog_of(server)).collect();
+        for (entries, _, reads) in in_flight(self.catalog_reads(&whole, want, revision)).await? {
             self.reads.add(reads);
             batches.push(entries);
         }
@@ -209,6 +211,32 @@ impl Lab {
         let with_devices: BTreeSet<&String> = found.keys().map(|(server, _)| server).collect();
         servers.retain(|server, _| with_devices.contains(server));
         Ok(Some(self.with_reservations(revision, servers, found).await?))
+    }
+
+    /// Reads of the catalogs under `prefixes`, [`SERVERS_PER_TXN`] a
+    /// transaction, each giving the entries `want` matches, the servers whose
+    /// catalog was a marker ([`crate::catalog::READ_WHOLE`]), and what it read.
+    fn catalog_reads(
+        &self,
+        prefixes: &[String],
+        want: &Want,
+        revision: i64,
+    ) -> Vec<impl Future<Output = Result<CatalogRead, LabError>> + Send + 'static> {
+        prefixes
+            .chunks(SERVERS_PER_TXN)
+            .map(|batch| {
+                let (client, keys, want, prefixes) =
+                    (self.client.clone(), self.keys.clone(), want.clone(), batch.to_vec());
+                async move {
+                    let read = Read::Ranges { prefixes, limit: CHUNKS_PER_READ };
+                    let (pairs, reads) = read.at(client, revision).await?;
+                    let decoding = tokio::task::spawn_blocking(move || matching_entries(&keys, &want, &pairs));
+                    let (found, read_whole) =
+                        decoding.await.map_err(|error| etcd_client::Error::IoError(error.into()))?;
+                    Ok((found, read_whole, reads))
+                }
+            })
+            .collect()
     }
 
     /// From the index: the keys under each indexed term, intersected, then
@@ -347,20 +375,33 @@ impl Lab {
     }
 }
 
-/// The entries in term catalog chunks (`pairs`) that `want` matches, by the
-/// server of the chunk's key and the bus id; an entry two chunks hold (its
-/// server was rewriting them) is kept once.
-fn matching_entries(keys: &Keys, want: &Want, pairs: &Pairs) -> BTreeMap<(String, String), DeviceEntry> {
+/// Devices by the server of their key and their bus id.
+type Found = BTreeMap<(String, String), DeviceEntry>;
+
+/// What one transaction of catalog reads gives: the entries matched, the
+/// servers whose term catalog is a marker, and what it read.
+type CatalogRead = (Found, Vec<String>, Reads);
+
+/// The entries in catalog chunks (`pairs`) that `want` matches, by the
+/// server of the chunk's key and the bus id (an entry two chunks hold, its
+/// server rewriting them, is kept once); and the servers whose term catalog
+/// is a marker to read their whole catalog instead.
+fn matching_entries(keys: &Keys, want: &Want, pairs: &Pairs) -> (Found, Vec<String>) {
     let mut found = BTreeMap::new();
+    let mut read_whole = Vec::new();
     for (key, value) in pairs {
         let Some(server) = keys.chunk_server(key) else { continue };
+        if key.ends_with(crate::catalog::READ_WHOLE.as_bytes()) {
+            read_whole.push(server.to_owned());
+            continue;
+        }
         for device in crate::catalog::read_chunk(server, value) {
             if want.matches(&device) {
                 found.insert((server.to_owned(), device.record.busid.clone()), device);
             }
         }
     }
-    found
+    (found, read_whole)
 }
 
 #[cfg(test)]

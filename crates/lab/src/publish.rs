@@ -659,6 +659,13 @@ mod tests {
             let mut held: BTreeMap<String, Vec<DeviceEntry>> = BTreeMap::new();
             for kv in &catalogs {
                 let key = String::from_utf8_lossy(kv.key());
+                // A marker: the whole catalog's devices with the term, as a reader takes it.
+                if let Some(prefix) = key.strip_suffix(crate::catalog::READ_WHOLE) {
+                    let with_term =
+                        keyed.iter().filter(|e| crate::catalog::term_catalogs(&keys, e).iter().any(|p| p == prefix));
+                    held.entry(prefix.to_owned()).or_default().extend(with_term.cloned());
+                    continue;
+                }
                 let prefix = key[..key.len() - 6].to_owned();
                 held.entry(prefix).or_default().extend(crate::catalog::read_chunk("127.0.0.1:3240", kv.value()));
             }

@@ -273,17 +273,20 @@ pub(crate) async fn plant_as(
     }
     if catalog {
         // Every entry, and those of each term, as a server writes them.
-        let mut catalogs: std::collections::BTreeMap<String, Vec<&[u8]>> = std::collections::BTreeMap::new();
-        for (entry, json) in entries.values() {
-            catalogs.entry(keys.catalog_of(server)).or_default().push(json.as_slice());
-            for prefix in crate::catalog::term_catalogs(keys, entry) {
-                catalogs.entry(prefix).or_default().push(json.as_slice());
+        let prefixes: Vec<(String, Vec<String>)> = entries
+            .values()
+            .map(|(entry, _)| (entry.record.busid.clone(), crate::catalog::term_catalogs(keys, entry)))
+            .collect();
+        let whole = keys.catalog_of(server);
+        let mut catalogs: std::collections::BTreeMap<&str, Vec<(&str, &[u8])>> = std::collections::BTreeMap::new();
+        for ((_, json), (busid, terms)) in entries.values().zip(&prefixes) {
+            for prefix in std::iter::once(&whole).chain(terms) {
+                catalogs.entry(prefix.as_str()).or_default().push((busid.as_str(), json.as_slice()));
             }
         }
-        for (prefix, jsons) in catalogs {
-            for (n, chunk) in crate::catalog::chunks(jsons).into_iter().enumerate() {
-                ops.push(TxnOp::put(crate::entry::chunk_key(&prefix, n), chunk, on_lease()));
-            }
+        let (published, mut layouts) = (std::collections::HashMap::new(), crate::catalog::Layouts::new());
+        for (key, value) in crate::catalog::changes(&catalogs, &keys.catalogs_of(server), &published, &mut layouts) {
+            ops.push(TxnOp::put(key, value.unwrap_or_default(), on_lease()));
         }
     }
     for batch in ops.chunks(128) {

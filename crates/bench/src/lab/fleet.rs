@@ -1,6 +1,8 @@
 //! The simulated lab: its [`Scale`], and the [`SimulatedFleet`] of
 //! in-process servers of loopback devices, each with its own publisher task
-//! and etcd connection, every [`LABEL_EVERY`]th device labelled [`LABEL`].
+//! and etcd connection, every [`LABEL_EVERY`]th device labelled [`LABEL`],
+//! and every [`LABEL_EVERY`]th (another one) a keyboard ([`KEYBOARD`]) among
+//! loopback devices, so that a VID:PID matches a tenth of the fleet too.
 //!
 //! It sits below the phases that build, start and stop it. It is not for
 //! measuring anything (`phases`, `etcd_metrics`).
@@ -13,6 +15,8 @@ use usbwire_server::{Server, ServerConfig};
 /// Every this many devices of the fleet (counted across servers) gets the label.
 pub(super) const LABEL_EVERY: usize = 10;
 pub(super) const LABEL: &str = "nucleo";
+/// The VID:PID of the keyboards among the loopback devices.
+pub(super) const KEYBOARD: &str = "1209:0001";
 
 /// How big the simulated lab is.
 #[derive(Clone, Copy, Debug)]
@@ -45,8 +49,13 @@ impl SimulatedFleet {
             let mut server = Server::new(ServerConfig::default());
             let mut labels = Vec::new();
             for j in 0..per_server {
-                let busid = server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)));
-                if (i * per_server + j).is_multiple_of(LABEL_EVERY) {
+                let n = i * per_server + j;
+                let busid = if n % LABEL_EVERY == LABEL_EVERY / 2 {
+                    server.export("keyboard", Box::new(usbwire_gadgets::keyboard().0))
+                } else {
+                    server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)))
+                };
+                if n.is_multiple_of(LABEL_EVERY) {
                     labels.push((Selector::BusId(busid.as_str().to_owned()), vec![LABEL.to_owned()]));
                     labelled += 1;
                 }

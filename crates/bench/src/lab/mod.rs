@@ -5,7 +5,9 @@
 //! etcd connection, as N machines would have; nothing connects to their
 //! (made-up) addresses. Then, in phases: registration (until a watch has seen
 //! every device), list latency (`Lab::fleet`, one client, one call after
-//! another), K clients connecting, K clients reserving one device of
+//! another; then filtered by `label=nucleo` and by the keyboards' VID:PID,
+//! each a tenth of the fleet, and checked against the fleet filtered at the
+//! same revision), K clients connecting, K clients reserving one device of
 //! `label=nucleo` each at once, and the K releases. etcd's own request
 //! counters (`/metrics` of every member, summed) are read before and after
 //! each phase, so each phase reports what it cost etcd per operation; each

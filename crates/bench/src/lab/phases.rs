@@ -10,7 +10,7 @@ use usbwire_lab::{Endpoint, Hold, Lab, LabError, Reservation, Want};
 
 use super::error::LabBenchError;
 use super::etcd_metrics::Metrics;
-use super::fleet::{Scale, SimulatedFleet, LABEL};
+use super::fleet::{Scale, SimulatedFleet, KEYBOARD, LABEL};
 use super::progress::Progress;
 use super::report::{Phase, Report};
 
@@ -33,12 +33,14 @@ pub(super) async fn run(
     let (registration, matching, registration_lost) =
         register(&mut observer, endpoint, metrics, fleet, scale, progress).await?;
     phases.push(registration);
-    let want: Want = format!("label={LABEL}")
-        .parse()
-        .map_err(|e: usbwire_lab::WantError| LabBenchError::Inconsistent(e.to_string()))?;
-    phases.push(list(&mut observer, metrics, None).await?);
-    phases.push(list(&mut observer, metrics, Some(&want)).await?);
+    let parse =
+        |text: String| text.parse().map_err(|e: usbwire_lab::WantError| LabBenchError::Inconsistent(e.to_string()));
+    let (want, keyboards): (Want, Want) = (parse(format!("label={LABEL}"))?, parse(KEYBOARD.to_owned())?);
+    phases.push(list(&mut observer, metrics, None, "list").await?);
+    phases.push(list(&mut observer, metrics, Some(&want), "list-filtered").await?);
+    phases.push(list(&mut observer, metrics, Some(&keyboards), "list-filtered-id").await?);
     check_filtered(&mut observer, &want).await?;
+    check_filtered(&mut observer, &keyboards).await?;
     let (connect, labs) = connect(endpoint, metrics, scale.clients, progress).await?;
     phases.push(connect);
     let (reserve, reserving) = reserve(labs, &want, metrics, progress).await?;
@@ -166,10 +168,15 @@ async fn register(
     Ok((phase, matching, lost))
 }
 
-/// List latency: one client, one call after another; the whole fleet, or
-/// with `want` the devices it matches (`list --registry --device`, read
-/// from the index).
-async fn list(observer: &mut Lab, metrics: &Metrics, want: Option<&Want>) -> Result<Phase, LabBenchError> {
+/// List latency (phase `name`): one client, one call after another; the
+/// whole fleet, or with `want` the devices it matches (`list --registry
+/// --device`, read from the servers' catalogs of one of its terms).
+async fn list(
+    observer: &mut Lab,
+    metrics: &Metrics,
+    want: Option<&Want>,
+    name: &'static str,
+) -> Result<Phase, LabBenchError> {
     let before = metrics.begin().await;
     let started = Instant::now();
     let mut list_ms = Vec::with_capacity(LIST_CALLS);
@@ -183,7 +190,7 @@ async fn list(observer: &mut Lab, metrics: &Metrics, want: Option<&Want>) -> Res
         std::hint::black_box(listed);
     }
     Ok(Phase {
-        name: if want.is_some() { "list-filtered" } else { "list" },
+        name,
         unit: "list",
         ops: LIST_CALLS,
         seconds: started.elapsed().as_secs_f64(),

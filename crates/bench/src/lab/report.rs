@@ -143,7 +143,7 @@ impl Report {
         );
         let _ = writeln!(
             out,
-            "\n{:<13} {:>7} {:<12} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}",
+            "\n{:<16} {:>7} {:<12} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}",
             "phase", "ops", "unit", "time s", "ops/s", "p50 ms", "p95 ms", "p99 ms", "max ms"
         );
         for phase in &self.phases {
@@ -152,7 +152,7 @@ impl Report {
             let ms = |q: f64| percentile(&latencies, q).map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
             let _ = writeln!(
                 out,
-                "{:<13} {:>7} {:<12} {:>8.2} {:>9.1} {:>8} {:>8} {:>8} {:>8}",
+                "{:<16} {:>7} {:<12} {:>8.2} {:>9.1} {:>8} {:>8} {:>8} {:>8}",
                 phase.name,
                 phase.ops,
                 phase.unit,
@@ -184,7 +184,7 @@ impl Report {
             return;
         }
         let _ = writeln!(out, "\netcd requests per operation (gRPC messages received, all members)");
-        let _ = write!(out, "{:<13}", "phase");
+        let _ = write!(out, "{:<16}", "phase");
         for method in METHODS {
             let _ = write!(out, " {:>8}", short(method));
         }
@@ -192,7 +192,7 @@ impl Report {
         for phase in &self.phases {
             let Some(counters) = &phase.cost.etcd else { continue };
             let per_op = |n: f64| n / phase.ops.max(1) as f64;
-            let _ = write!(out, "{:<13}", phase.name);
+            let _ = write!(out, "{:<16}", phase.name);
             for method in METHODS {
                 let n = counters.requests.get(method).copied().unwrap_or(0.0);
                 let _ = write!(out, " {:>8}", if n == 0.0 { "-".to_owned() } else { format!("{:.3}", per_op(n)) });
@@ -217,7 +217,7 @@ impl Report {
         use std::fmt::Write as _;
         let timed = ["Range", "Txn", "Put", "LeaseGrant", "LeaseRevoke"];
         if self.phases.iter().any(|phase| phase.cost.etcd.as_ref().is_some_and(|c| !c.handling.is_empty())) {
-            let _ = write!(out, "\netcd's time per request, mean ms (server side)\n{:<13}", "phase");
+            let _ = write!(out, "\netcd's time per request, mean ms (server side)\n{:<16}", "phase");
             for method in timed {
                 let _ = write!(out, " {:>8}", short(method));
             }
@@ -225,7 +225,7 @@ impl Report {
             for phase in &self.phases {
                 let Some(counters) = &phase.cost.etcd else { continue };
                 let handling = counters.handling_ms();
-                let _ = write!(out, "{:<13}", phase.name);
+                let _ = write!(out, "{:<16}", phase.name);
                 for method in timed {
                     let ms = handling.get(method).map_or_else(|| "-".to_owned(), |ms| format!("{ms:.2}"));
                     let _ = write!(out, " {ms:>8}");
@@ -313,8 +313,8 @@ mod tests {
     fn the_table_has_a_row_per_phase_and_etcd_sections_only_when_etcd_was_read() {
         let unread = report(None).table("etcd://127.0.0.1:2379/lab");
         assert!(unread.starts_with("lab registry etcd://127.0.0.1:2379/lab (this run under /bench/1/): 2 servers x 2 devices = 4, 1 clients reserving class=03 (4 match)\n"));
-        assert!(unread.contains("\nregister            4 device           2.00       2.0"), "{unread}");
-        assert!(unread.contains("\nlist                4 device"), "{unread}");
+        assert!(unread.contains("\nregister               4 device           2.00       2.0"), "{unread}");
+        assert!(unread.contains("\nlist                   4 device"), "{unread}");
         assert!(unread.ends_with("etcd request counts not read (its /metrics was not reachable over plain HTTP)\n"));
         assert!(!unread.contains("time per request"));
 

@@ -140,7 +140,11 @@ mod tests {
         let held = client.get(keys.catalogs_of(server), Some(GetOptions::new().with_prefix())).await.unwrap();
         let mut expected: HashMap<String, Vec<u8>> =
             held.kvs().iter().map(|kv| (kv.key_str().unwrap().to_owned(), kv.value().to_vec())).collect();
-        assert_eq!(expected.len(), 7, "3 chunks of all 150 devices, 1 of the 8 nucleo, 3 of the 142 other");
+        assert_eq!(
+            expected.len(),
+            9,
+            "3 chunks of all 150 devices, 1 of the 8 nucleo, markers for the 142 other, 0483:374b and 3 classes"
+        );
         expected.insert(keys.device(server, "1-1"), b"kept".to_vec());
         assert_eq!(lease.published, expected);
         let busid = |i: usize| format!("{}-{}", 1 + i / 100, 1 + i % 100);
