@@ -148,10 +148,8 @@ impl Lab {
         let mut revision = revision;
         let mut kvs = Vec::new();
         loop {
-            let mut options = GetOptions::new().with_range(end.clone()).with_limit(PAGE);
-            if let Some(at) = revision {
-                options = options.with_revision(at);
-            }
+            let read = revision.map_or_else(GetOptions::new, request::at);
+            let mut options = read.with_range(end.clone()).with_limit(PAGE);
             if keys_only {
                 options = options.with_keys_only();
             }

@@ -28,7 +28,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 
-use etcd_client::{Client, GetOptions, GetResponse, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Client, GetResponse, Txn, TxnOp, TxnOpResponse};
 
 use crate::entry::{decode, DeviceEntry, Fleet, FleetDevice, Key, Keys, ReservationEntry, ServerEntry, Want};
 use crate::error::LabError;
@@ -72,7 +72,7 @@ impl Read {
         };
         match self {
             Self::Keys(keys) => {
-                let at = || Some(GetOptions::new().with_revision(revision));
+                let at = || Some(request::at(revision));
                 let gets: Vec<TxnOp> = keys.into_iter().map(|key| TxnOp::get(key, at())).collect();
                 let response = request::txn(&client, Txn::new().and_then(gets)).await?;
                 for op in response.op_responses() {
@@ -82,9 +82,7 @@ impl Read {
                 }
             }
             Self::Ranges { prefixes, limit } => {
-                let range = |prefix: &str| {
-                    GetOptions::new().with_range(prefix_end(prefix)).with_limit(limit).with_revision(revision)
-                };
+                let range = |prefix: &str| request::at(revision).with_range(prefix_end(prefix)).with_limit(limit);
                 let ranges: Vec<TxnOp> =
                     prefixes.iter().map(|prefix| TxnOp::get(prefix.clone(), Some(range(prefix)))).collect();
                 let response = request::txn(&client, Txn::new().and_then(ranges)).await?;
@@ -114,7 +112,7 @@ async fn read_on(
 ) -> Result<(), LabError> {
     let end = prefix_end(prefix);
     loop {
-        let options = GetOptions::new().with_range(end.clone()).with_limit(limit).with_revision(revision);
+        let options = request::at(revision).with_range(end.clone()).with_limit(limit);
         let got = request::get(client, from.clone(), Some(options)).await?;
         take(&got);
         match got.kvs().last() {
@@ -316,7 +314,7 @@ impl Lab {
     ) -> Result<Option<BTreeMap<(String, String), ReservationEntry>>, LabError> {
         let [_, _, prefix] = self.keys.fleet_prefixes();
         let limit = i64::try_from(most.max(1)).unwrap_or(i64::MAX);
-        let options = GetOptions::new().with_range(prefix_end(&prefix)).with_limit(limit).with_revision(revision);
+        let options = request::at(revision).with_range(prefix_end(&prefix)).with_limit(limit);
         let got = request::get(&self.client, prefix, Some(options)).await?;
         self.reads.count(&got);
         if got.more() {

@@ -28,7 +28,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
-use etcd_client::{GetOptions, GetResponse, KeyValue};
+use etcd_client::{GetResponse, KeyValue};
 use tokio::task::JoinHandle;
 
 use crate::entry::{decode, DeviceEntry, Fleet, FleetDevice, Key, ReservationEntry, ServerEntry};
@@ -200,8 +200,7 @@ impl FleetPages<'_> {
     /// Starts reading the page of devices that begins at key `from`.
     fn request_devices(&mut self, from: Vec<u8>) {
         let client = self.lab.client.clone();
-        let options =
-            GetOptions::new().with_range(self.devices_end.clone()).with_limit(self.page).with_revision(self.revision);
+        let options = request::at(self.revision).with_range(self.devices_end.clone()).with_limit(self.page);
         self.next = Some(tokio::spawn(async move { request::get(&client, from, Some(options)).await }));
     }
 
@@ -263,7 +262,7 @@ impl FleetPages<'_> {
         end.push(0);
         let mut at = 0;
         while self.reservations_from < end {
-            let options = GetOptions::new().with_range(end.clone()).with_limit(self.page).with_revision(self.revision);
+            let options = request::at(self.revision).with_range(end.clone()).with_limit(self.page);
             let mut response = request::get(&self.lab.client, self.reservations_from.clone(), Some(options)).await?;
             self.lab.reads.count(&response);
             let kvs = response.take_kvs();

@@ -31,16 +31,22 @@ pub(crate) const RETRY_WITHIN: Duration = Duration::from_secs(30);
 const CANCELLED: i32 = 1;
 const DEADLINE_EXCEEDED: i32 = 4;
 const RESOURCE_EXHAUSTED: i32 = 8;
+const OUT_OF_RANGE: i32 = 11;
 const UNAVAILABLE: i32 = 14;
+
+/// What a member says to a read at a revision it has not applied yet.
+const FUTURE_REVISION: &str = "required revision is a future revision";
 
 /// Whether `error` may go away by itself: a deadline that passed (tonic's
 /// own deadline reports `Cancelled`, "Timeout expired"), a member that is
 /// unavailable, has no leader for a moment, or sheds load ("too many
-/// requests"), a connection that broke.
+/// requests"), a connection that broke, a member behind the revision read
+/// at ([`at`]). Not a revision compacted away (also `OutOfRange`).
 pub(crate) fn transient(error: &etcd_client::Error) -> bool {
     match error {
         etcd_client::Error::GRpcStatus(status) => {
             matches!(status.code() as i32, CANCELLED | DEADLINE_EXCEEDED | RESOURCE_EXHAUSTED | UNAVAILABLE)
+                || (status.code() as i32 == OUT_OF_RANGE && status.message().contains(FUTURE_REVISION))
         }
         etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
         _ => false,
@@ -71,6 +77,15 @@ where
             outcome => return outcome,
         }
     }
+}
+
+/// A read at `revision`, which an earlier linearizable read gave: every
+/// member that has applied it holds the same there, so the member asked
+/// answers from what it has (serializable) without asking the leader
+/// first; one that has not applied it yet says so, and the read is tried
+/// again ([`transient`]).
+pub(crate) fn at(revision: i64) -> GetOptions {
+    GetOptions::new().with_revision(revision).with_serializable()
 }
 
 /// `client.get`, retried.

@@ -10,7 +10,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use etcd_client::{Client, GetOptions, KeyValue, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Client, KeyValue, Txn, TxnOp, TxnOpResponse};
 use tokio::task::JoinHandle;
 
 use crate::entry::{FleetDevice, Keys, ServerEntry};
@@ -95,12 +95,12 @@ async fn read_page(
     revision: i64,
     servers: Vec<(String, Arc<ServerEntry>)>,
 ) -> Result<CatalogPage, LabError> {
-    let read = |prefix: &str| GetOptions::new().with_range(prefix_end(prefix)).with_limit(CHUNKS_PER_READ);
+    let read = |prefix: &str| request::at(revision).with_range(prefix_end(prefix)).with_limit(CHUNKS_PER_READ);
     let ranges: Vec<TxnOp> = servers
         .iter()
         .map(|(_, entry)| {
             let prefix = keys.catalog_of(&entry.address);
-            TxnOp::get(prefix.clone(), Some(read(&prefix).with_revision(revision)))
+            TxnOp::get(prefix.clone(), Some(read(&prefix)))
         })
         .collect();
     let response = request::txn(&client, Txn::new().and_then(ranges)).await?;
@@ -115,7 +115,7 @@ async fn read_page(
         let prefix = keys.catalog_of(&entry.address);
         while let (true, Some(last)) = (more, kvs.last()) {
             let from = [last.key(), &[0]].concat();
-            let mut got = request::get(&client, from, Some(read(&prefix).with_revision(revision))).await?;
+            let mut got = request::get(&client, from, Some(read(&prefix))).await?;
             reads.count(&got);
             more = got.more();
             kvs.append(&mut got.take_kvs());

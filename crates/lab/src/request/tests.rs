@@ -88,3 +88,28 @@ async fn a_lease_already_gone_counts_as_revoked() {
     lease_revoke(&client, lease).await.expect("revoked");
     lease_revoke(&client, lease).await.expect("gone is revoked");
 }
+
+/// A read at a revision the member has not applied yet is tried again
+/// until it has, and then reads what was there; a revision compacted
+/// away is not waited for, as it will not come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_at_a_future_revision_waits_for_it_and_one_at_a_compacted_revision_does_not() {
+    let Some(cluster) = Cluster::start(1, "future_revision").await else { return };
+    let mut client = cluster.client(0).await;
+    let first = client.put("k", "1", None).await.unwrap().header().unwrap().revision();
+    client.put("k", "2", None).await.unwrap();
+    let future = client.get("k", Some(at(first + 2))).await.unwrap_err();
+    assert!(transient(&future), "{future}");
+    let reader = client.clone();
+    let reading = tokio::spawn(async move { get(&reader, "k", Some(at(first + 2))).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!reading.is_finished(), "read at a revision no member has");
+    client.put("k", "3", None).await.unwrap();
+    client.put("k", "4", None).await.unwrap();
+    let got = reading.await.unwrap().unwrap();
+    assert_eq!(got.kvs()[0].value(), b"3");
+    client.compact(first + 1, None).await.unwrap();
+    let compacted = client.get("k", Some(at(first))).await.unwrap_err();
+    assert!(!transient(&compacted), "{compacted}");
+    assert_eq!(client.get("k", Some(at(first + 1))).await.unwrap().kvs()[0].value(), b"2");
+}
