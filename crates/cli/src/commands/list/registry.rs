@@ -288,7 +288,15 @@ impl Printer {
 /// `text` with `indent` before each line: pretty JSON nested that deep
 /// (inside a JSON string a line break is `\n`, so every line is structure).
 fn indented(text: &str, indent: &str) -> String {
-    text.lines().map(|line| format!("{indent}{line}")).collect::<Vec<_>>().join("\n")
+    let mut out = String::with_capacity(text.len() + text.len() / 8);
+    for (n, line) in text.lines().enumerate() {
+        if n > 0 {
+            out.push('\n');
+        }
+        out.push_str(indent);
+        out.push_str(line);
+    }
+    out
 }
 
 /// Whether a change is about what a filtered list shows: a device it listed
