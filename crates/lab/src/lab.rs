@@ -130,6 +130,14 @@ impl Lab {
         &self.endpoint
     }
 
+    /// The registry's revision now (a linearizable read of no key): it moves
+    /// with every write, and not with lease renewals or watches.
+    pub async fn revision(&mut self) -> Result<i64, LabError> {
+        let options = GetOptions::new().with_count_only();
+        let got = request::get(&self.client, self.keys.all(), Some(options)).await?;
+        Ok(got.header().map_or(0, |header| header.revision()))
+    }
+
     /// What this connection has read so far.
     pub fn reads(&self) -> Reads {
         self.reads
@@ -469,6 +477,22 @@ mod tests {
         assert_eq!(lab.delete_all().await.unwrap(), planted as i64);
         assert_eq!(count(&mut client, mine.all()).await, 0);
         assert_eq!(count(&mut client, neighbour.all()).await, planted, "the neighbour's keys stay");
+    }
+
+    /// The revision moves with a write anywhere in etcd, and not with a
+    /// lease's renewal: what `bench --registry` waits on for servers to be
+    /// done writing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_revision_moves_with_writes_and_not_with_renewals() {
+        let Some(cluster) = Cluster::start(1, "revision").await else { return };
+        let mut client = cluster.client(0).await;
+        let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
+        let before = lab.revision().await.unwrap();
+        let lease = client.lease_grant(10, None).await.unwrap().id();
+        client.lease_keep_alive(lease).await.unwrap().0.keep_alive().await.unwrap();
+        assert_eq!(lab.revision().await.unwrap(), before, "a grant and a renewal write nothing");
+        let put = client.put("elsewhere", "x", None).await.unwrap().header().unwrap().revision();
+        assert_eq!((put, lab.revision().await.unwrap()), (before + 1, before + 1));
     }
 
     /// The README's etcd roles ("Trusting the registry"), as etcd enforces

@@ -19,6 +19,10 @@ const LIST_CALLS: usize = 20;
 const HOLD: Duration = Duration::from_secs(600);
 /// How long the whole fleet may take to show up before the bench gives up.
 const REGISTRATION_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long the registry's revision must stay put for the servers to count
+/// as done writing; and how often it is read meanwhile.
+const SETTLED_AFTER: Duration = Duration::from_secs(2);
+const SETTLE_POLL: Duration = Duration::from_millis(100);
 
 /// Every phase, with `observer` (one client of its own) to watch and list.
 pub(super) async fn run(
@@ -30,9 +34,10 @@ pub(super) async fn run(
 ) -> Result<Report, LabBenchError> {
     let mut observer = Lab::connect(endpoint.clone()).await?;
     let mut phases = Vec::new();
-    let (registration, matching, registration_lost) =
+    let (registration, matching, registration_lost, started) =
         register(&mut observer, endpoint, metrics, fleet, scale, progress).await?;
     phases.push(registration);
+    let settled_seconds = settle(&mut observer, started).await?;
     let parse =
         |text: String| text.parse().map_err(|e: usbwire_lab::WantError| LabBenchError::Inconsistent(e.to_string()));
     let (want, keyboards): (Want, Want) = (parse(format!("label={LABEL}"))?, parse(KEYBOARD.to_owned())?);
@@ -59,6 +64,7 @@ pub(super) async fn run(
         matching,
         reserved,
         registration_lost,
+        settled_seconds,
         reserved_ms: reserving.reserved_ms,
         reserve_seconds: reserving.seconds,
         none_free: reserving.none_free,
@@ -71,8 +77,9 @@ pub(super) async fn run(
 /// Registration: from spawning every publisher at once until a watch has
 /// seen each server and each of its devices (event-driven, so the bench adds
 /// no polling load to what it measures). Also how many devices carry the
-/// label, and how many entries left the registry meanwhile (a server whose
-/// lease ran out before it was done, which then registers again).
+/// label, how many entries left the registry meanwhile (a server whose
+/// lease ran out before it was done, which then registers again), and when
+/// the publishers were spawned.
 async fn register(
     observer: &mut Lab,
     endpoint: &Endpoint,
@@ -80,7 +87,7 @@ async fn register(
     fleet: &mut SimulatedFleet,
     scale: Scale,
     progress: &dyn Progress,
-) -> Result<(Phase, usize, usize), LabBenchError> {
+) -> Result<(Phase, usize, usize, Instant), LabBenchError> {
     let Scale { servers, devices_per_server: per_server, .. } = scale;
     let devices = servers * per_server;
     let (registrations, matching) = fleet.build(endpoint, servers, per_server);
@@ -165,7 +172,32 @@ async fn register(
             listed.devices.len()
         )));
     }
-    Ok((phase, matching, lost))
+    Ok((phase, matching, lost, started))
+}
+
+/// Waits until the servers have written their last keys: the index and
+/// free-device keys follow the device keys registration waits for, and the
+/// servers pace their writes, so a list right after registration would
+/// measure etcd's backlog of them (a linearizable read waits until etcd has
+/// applied what was committed before it). Done when the registry's
+/// revision has not moved for [`SETTLED_AFTER`]; seconds from `started`
+/// until it last moved.
+async fn settle(observer: &mut Lab, started: Instant) -> Result<f64, LabBenchError> {
+    let mut revision = observer.revision().await?;
+    let mut moved = started.elapsed();
+    while started.elapsed() - moved < SETTLED_AFTER {
+        if started.elapsed() > REGISTRATION_TIMEOUT {
+            return Err(LabBenchError::Unavailable(format!(
+                "the registry's revision was still moving {REGISTRATION_TIMEOUT:?} after the fleet started: some server keeps writing"
+            )));
+        }
+        tokio::time::sleep(SETTLE_POLL).await;
+        let now = observer.revision().await?;
+        if now != revision {
+            (revision, moved) = (now, started.elapsed());
+        }
+    }
+    Ok(moved.as_secs_f64())
 }
 
 /// List latency (phase `name`): one client, one call after another; the

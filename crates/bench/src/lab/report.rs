@@ -73,6 +73,9 @@ pub struct Report {
     /// Server and device entries that left the registry while the fleet
     /// registered: leases that ran out under the load (0 in a storm survived).
     pub(crate) registration_lost: usize,
+    /// Seconds from the start until the servers had written their last key
+    /// (index and free keys follow the device keys the phase waits for).
+    pub(crate) settled_seconds: f64,
     /// Milliseconds each successful `reserve` took.
     pub(crate) reserved_ms: Vec<f64>,
     pub(crate) reserve_seconds: f64,
@@ -99,6 +102,7 @@ impl Report {
             "matching": self.matching,
             "reserved": self.reserved,
             "registration_lost": self.registration_lost,
+            "settled_seconds": self.settled_seconds,
             "reservations_per_second": self.reserved as f64 / self.reserve_seconds.max(1e-9),
             "reserved_latency_ms": latency_json(&self.reserved_ms),
             "none_free": self.none_free,
@@ -140,6 +144,11 @@ impl Report {
             out,
             "while registering, {} server and device entries left the registry (leases that ran out) and were put again",
             self.registration_lost
+        );
+        let _ = writeln!(
+            out,
+            "the servers wrote their last keys (index, free devices) {:.2} s after the start; the phases below began then",
+            self.settled_seconds
         );
         let _ = writeln!(
             out,
@@ -300,6 +309,7 @@ mod tests {
             matching: 4,
             reserved: 1,
             registration_lost: 0,
+            settled_seconds: 2.5,
             reserved_ms: vec![5.0],
             reserve_seconds: 0.5,
             none_free: 0,
