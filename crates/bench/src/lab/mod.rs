@@ -4,7 +4,8 @@
 //! of M virtual devices each, every server with its own publisher task and
 //! etcd connection, as N machines would have; nothing connects to their
 //! (made-up) addresses. Then, in phases: registration (until a watch has seen
-//! every device), list latency (`Lab::fleet`, one client, one call after
+//! every device; the next phase waits until the servers have written their
+//! last keys too, the registry's revision still for 2 s), list latency (`Lab::fleet`, one client, one call after
 //! another; then filtered by `label=nucleo` and by the keyboards' VID:PID,
 //! each a tenth of the fleet, and checked against the fleet filtered at the
 //! same revision), K clients connecting, K clients reserving one device of
