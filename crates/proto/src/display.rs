@@ -49,6 +49,10 @@ pub struct Escaped<'a>(&'a str);
 
 impl fmt::Display for Escaped<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Printable ASCII, what almost every name is: nothing to escape.
+        if self.0.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+            return f.pad(self.0);
+        }
         if f.width().is_some() || f.precision().is_some() {
             // Honour `{:>11}` and friends: pad the escaped text, not the raw one.
             let mut escaped = String::with_capacity(self.0.len());
