@@ -34,7 +34,8 @@ pub(crate) struct ListArgs {
     #[arg(long, requires = "registry")]
     pub(crate) watch: bool,
     /// With --registry: only the devices this selector matches (as `attach --device`), read from
-    /// the registry's index rather than the whole fleet; with --watch, only their changes.
+    /// each server's catalog of the selector's label, VID:PID or class (else the registry's index)
+    /// rather than the whole fleet; with --watch, only their changes.
     #[arg(long, value_name = "SELECTOR", requires = "registry")]
     pub(crate) device: Option<String>,
     /// With --registry: one JSON object per line, printed as the fleet is read: `what` is `fleet`
