@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use serde_json::value::RawValue;
 
-use crate::entry::{chunk_key, decode_str, index_terms, DeviceEntry, Keys, Want};
+use crate::entry::{chunk_key, decode_str, index_terms, DeviceEntry, Keys, Want, SCHEMA_VERSION};
 
 /// Devices in one chunk: a chunk of typical entries is 36 KB of JSON,
 /// a few KiB compressed.
@@ -290,6 +290,12 @@ fn chunk(entries: &[&[u8]]) -> Vec<u8> {
 /// value that is no chunk gives none.
 pub fn read_chunk(server: &str, value: &[u8]) -> Vec<DeviceEntry> {
     let Some(json) = chunk_json(value) else { return Vec::new() };
+    // Every entry readable, as nearly every chunk's are: one pass over the text.
+    if let Ok(mut entries) = serde_json::from_str::<Vec<DeviceEntry>>(&json) {
+        entries.retain(|entry| entry.schema_version <= SCHEMA_VERSION && entry.server == server);
+        return entries;
+    }
+    // Else each entry on its own, so that one that cannot be read spoils no other.
     let Ok(entries) = serde_json::from_str::<Vec<&RawValue>>(&json) else { return Vec::new() };
     entries
         .into_iter()
@@ -350,11 +356,22 @@ mod tests {
         let planted = device_entry("10.0.0.6:3240", "1-2", &[]);
         let mut newer = json(&device_entry("10.0.0.5:3240", "1-3", &[]));
         newer = String::from_utf8(newer).unwrap().replace("\"schema_version\":1", "\"schema_version\":2").into_bytes();
-        let entries = [json(&mine), json(&planted), newer, b"{\"busid\":".to_vec()];
+        let mistyped = String::from_utf8(json(&device_entry("10.0.0.5:3240", "1-4", &[])))
+            .unwrap()
+            .replace("\"labels\":[]", "\"labels\":5")
+            .into_bytes();
+        let also_mine = device_entry("10.0.0.5:3240", "1-5", &["x"]);
+        let entries = [json(&mine), json(&planted), newer, mistyped, json(&also_mine), b"{\"busid\":".to_vec()];
         let chunk = chunks(entries.iter().map(Vec::as_slice)).remove(0);
-        assert_eq!(read_chunk("10.0.0.5:3240", &chunk), [], "an unreadable entry spoils the array");
-        let chunk = chunks(entries[..3].iter().map(Vec::as_slice)).remove(0);
-        assert_eq!(read_chunk("10.0.0.5:3240", &chunk), [mine]);
+        assert_eq!(read_chunk("10.0.0.5:3240", &chunk), [], "JSON that is not JSON spoils the array");
+        let chunk = chunks(entries[..5].iter().map(Vec::as_slice)).remove(0);
+        assert_eq!(
+            read_chunk("10.0.0.5:3240", &chunk),
+            [mine.clone(), also_mine.clone()],
+            "a mistyped entry spoils no other"
+        );
+        let chunk = chunks([json(&mine), json(&planted), json(&also_mine)].iter().map(Vec::as_slice)).remove(0);
+        assert_eq!(read_chunk("10.0.0.5:3240", &chunk), [mine, also_mine], "every entry readable: one pass");
         assert_eq!(read_chunk("10.0.0.5:3240", b"[]"), [], "not compressed");
         assert_eq!(read_chunk("10.0.0.5:3240", &[0x28, 0xb5, 0x2f, 0xfd, 0, 0]), []);
     }
@@ -591,6 +608,43 @@ mod tests {
             if let Err(error) = rewrite(&before, &after, per_chunk) {
                 proptest::prop_assert!(false, "{}", error);
             }
+        }
+    }
+
+    proptest::proptest! {
+        /// A chunk reads as its entries read one by one: those of its
+        /// server, of a schema this reader knows, that can be read at all.
+        #[test]
+        fn a_chunk_reads_as_its_entries_read_one_by_one(
+            entries in proptest::collection::vec((0_u8..2, 0_u32..3, 0_u8..4), 0..80),
+        ) {
+            let encoded: Vec<Vec<u8>> = entries
+                .iter()
+                .enumerate()
+                .map(|(n, &(server, version, how))| {
+                    let mut entry = device_entry(&format!("10.0.0.{server}:3240"), &format!("1-{n}"), &["x"]);
+                    entry.schema_version = version;
+                    let text = String::from_utf8(json(&entry)).unwrap();
+                    match how {
+                        0 => text.replace("\"labels\":[\"x\"]", "\"labels\":\"x\""),
+                        1 => text.replace("\"server\"", "\"\\u0073erver\""),
+                        _ => text,
+                    }
+                    .into_bytes()
+                })
+                .collect();
+            let one_by_one: Vec<DeviceEntry> = encoded
+                .iter()
+                .filter_map(|entry| decode_str::<DeviceEntry>(std::str::from_utf8(entry).unwrap()))
+                .filter(|entry| entry.server == "10.0.0.0:3240")
+                .collect();
+            let expected = entries.iter().filter(|&&(server, version, how)| server == 0 && version <= SCHEMA_VERSION && how != 0).count();
+            proptest::prop_assert_eq!(one_by_one.len(), expected);
+            let read: Vec<DeviceEntry> = chunks(encoded.iter().map(Vec::as_slice))
+                .iter()
+                .flat_map(|chunk| read_chunk("10.0.0.0:3240", chunk))
+                .collect();
+            proptest::prop_assert_eq!(read, one_by_one);
         }
     }
 
