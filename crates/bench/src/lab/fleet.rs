@@ -1,8 +1,9 @@
 //! The simulated lab: its [`Scale`], and the [`SimulatedFleet`] of
 //! in-process servers of loopback devices, each with its own publisher task
 //! and etcd connection, every [`LABEL_EVERY`]th device labelled [`LABEL`],
-//! and every [`LABEL_EVERY`]th (another one) a keyboard ([`KEYBOARD`]) among
-//! loopback devices, so that a VID:PID matches a tenth of the fleet too.
+//! and every [`Scale::keyboard_every`]th (by default another tenth) a
+//! keyboard ([`KEYBOARD`]) among loopback devices, so that a VID:PID matches
+//! part of the fleet too.
 //!
 //! It sits below the phases that build, start and stop it. It is not for
 //! measuring anything (`phases`, `etcd_metrics`).
@@ -24,6 +25,12 @@ pub struct Scale {
     pub servers: usize,
     pub devices_per_server: usize,
     pub clients: usize,
+    /// Every this many devices (counted across servers) is a keyboard, the
+    /// rest loopback devices. At 2 no VID:PID or class is held by more than
+    /// half of a server's devices: each device is then in a catalog of its
+    /// VID:PID and of its class, besides the whole one (the catalogs' worst
+    /// case for writes).
+    pub keyboard_every: usize,
 }
 
 /// The in-process servers and their publishers.
@@ -42,6 +49,7 @@ impl SimulatedFleet {
         endpoint: &Endpoint,
         servers: usize,
         per_server: usize,
+        keyboard_every: usize,
     ) -> (Vec<Registration>, usize) {
         let mut registrations = Vec::with_capacity(servers);
         let mut labelled = 0;
@@ -50,7 +58,7 @@ impl SimulatedFleet {
             let mut labels = Vec::new();
             for j in 0..per_server {
                 let n = i * per_server + j;
-                let busid = if n % LABEL_EVERY == LABEL_EVERY / 2 {
+                let busid = if n % keyboard_every == keyboard_every / 2 {
                     server.export("keyboard", Box::new(usbwire_gadgets::keyboard().0))
                 } else {
                     server.export("loopback", Box::new(usbwire_gadgets::loopback(Speed::HIGH)))

@@ -58,6 +58,7 @@ pub(super) async fn run(
     Ok(Report {
         servers: scale.servers,
         per_server: scale.devices_per_server,
+        keyboard_every: scale.keyboard_every,
         clients: scale.clients,
         prefix: endpoint.url.prefix.clone(),
         want: want.to_string(),
@@ -90,7 +91,7 @@ async fn register(
 ) -> Result<(Phase, usize, usize, Instant), LabBenchError> {
     let Scale { servers, devices_per_server: per_server, .. } = scale;
     let devices = servers * per_server;
-    let (registrations, matching) = fleet.build(endpoint, servers, per_server);
+    let (registrations, matching) = fleet.build(endpoint, servers, per_server, scale.keyboard_every);
     let start_revision = observer.fleet().await?.revision;
     let mut watch = observer.watch(start_revision).await?;
     let before = metrics.begin().await;

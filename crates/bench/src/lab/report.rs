@@ -64,6 +64,7 @@ impl Phase {
 pub struct Report {
     pub(crate) servers: usize,
     pub(crate) per_server: usize,
+    pub(crate) keyboard_every: usize,
     pub(crate) clients: usize,
     /// The prefix the run registered under (deleted afterwards by the caller).
     pub prefix: String,
@@ -96,6 +97,7 @@ impl Report {
             "prefix": self.prefix,
             "servers": self.servers,
             "devices_per_server": self.per_server,
+            "keyboard_every": self.keyboard_every,
             "devices": self.servers * self.per_server,
             "clients": self.clients,
             "want": self.want,
@@ -119,8 +121,8 @@ impl Report {
         let devices = self.servers * self.per_server;
         let _ = writeln!(
             out,
-            "lab registry {registry} (this run under {}/): {} servers x {} devices = {devices}, {} clients reserving {} ({} match)",
-            self.prefix, self.servers, self.per_server, self.clients, self.want, self.matching
+            "lab registry {registry} (this run under {}/): {} servers x {} devices = {devices} (a keyboard every {}), {} clients reserving {} ({} match)",
+            self.prefix, self.servers, self.per_server, self.keyboard_every, self.clients, self.want, self.matching
         );
         let mut reserved_ms = self.reserved_ms.clone();
         reserved_ms.sort_by(f64::total_cmp);
@@ -303,6 +305,7 @@ mod tests {
         Report {
             servers: 2,
             per_server: 2,
+            keyboard_every: 10,
             clients: 1,
             prefix: "/bench/1".to_owned(),
             want: "class=03".to_owned(),
@@ -322,7 +325,7 @@ mod tests {
     #[test]
     fn the_table_has_a_row_per_phase_and_etcd_sections_only_when_etcd_was_read() {
         let unread = report(None).table("etcd://127.0.0.1:2379/lab");
-        assert!(unread.starts_with("lab registry etcd://127.0.0.1:2379/lab (this run under /bench/1/): 2 servers x 2 devices = 4, 1 clients reserving class=03 (4 match)\n"));
+        assert!(unread.starts_with("lab registry etcd://127.0.0.1:2379/lab (this run under /bench/1/): 2 servers x 2 devices = 4 (a keyboard every 10), 1 clients reserving class=03 (4 match)\n"));
         assert!(unread.contains("\nregister               4 device           2.00       2.0"), "{unread}");
         assert!(unread.contains("\nlist                   4 device"), "{unread}");
         assert!(unread.ends_with("etcd request counts not read (its /metrics was not reachable over plain HTTP)\n"));

@@ -93,6 +93,11 @@ pub(crate) struct BenchArgs {
     /// With --registry: virtual devices per simulated server; every 10th is labelled `nucleo` [default: 10].
     #[arg(long, value_name = "M", requires = "registry")]
     pub(crate) devices_per_server: Option<usize>,
+    /// With --registry: every Nth device of the fleet is a keyboard (1209:0001), the others loopback
+    /// devices [default: 10]. At 2 no VID:PID or class is held by more than half of a server's
+    /// devices, so each device is written to a catalog of each (the catalogs' worst case).
+    #[arg(long, value_name = "N", requires = "registry")]
+    pub(crate) keyboard_every: Option<usize>,
     /// With --registry: clients reserving `label=nucleo` at once, each with its own etcd connection [default: 100].
     #[arg(long, value_name = "K", requires = "registry")]
     pub(crate) clients: Option<usize>,

@@ -20,10 +20,12 @@ pub(super) async fn run(args: &BenchArgs) -> Result<(), Failure> {
         servers: args.servers.unwrap_or(100),
         devices_per_server: args.devices_per_server.unwrap_or(10),
         clients: args.clients.unwrap_or(100),
+        keyboard_every: args.keyboard_every.unwrap_or(10),
     };
-    if scale.servers == 0 || scale.devices_per_server == 0 || scale.clients == 0 || scale.servers > 250 * 250 {
+    let counts = [scale.devices_per_server, scale.clients, scale.keyboard_every];
+    if scale.servers == 0 || counts.contains(&0) || scale.servers > 250 * 250 {
         return Err(Failure::usage(anyhow!(
-            "--servers (1..62500), --devices-per-server and --clients must be at least 1"
+            "--servers (1..62500), --devices-per-server, --clients and --keyboard-every must be at least 1"
         )));
     }
     let mut endpoint = crate::commands::common::registry::required(&args.registry)?;
