@@ -492,6 +492,12 @@ fn a_bad_command_line_exits_64_and_each_error_is_said_once() {
     let out = usbwire(&["list", "-r", &format!("127.0.0.1:{port}")]);
     let said = String::from_utf8_lossy(&out.stderr);
     assert_eq!(said.matches("Connection refused").count(), 1, "{said}");
+    // A fleet with no share of keyboards is refused before etcd is asked anything.
+    let registry = format!("etcd://127.0.0.1:{port}/lab");
+    let out = usbwire(&["bench", "--registry", &registry, "--keyboard-every", "0"]);
+    assert_eq!(out.status.code(), Some(64));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("--keyboard-every") && !said.contains("Connection refused"), "{said}");
 }
 
 #[test]
