@@ -4,12 +4,13 @@
 //! One task per server ([`publish`]). It grants a lease, puts the server's
 //! entry and one entry per exported device under it (with the device's index
 //! keys, and its free-device keys while it is available and not reserved:
-//! `entry`), then follows three
-//! things at once: the server's device list (each change is published as it
-//! happens), the lease (renewed every third of its time to live, through
-//! another member when one goes away) and the reservations of this server's
-//! devices (handed to the server, which refuses imports without the
-//! reservation's token). One lease for as long as the server runs: a lost
+//! `entry`), then follows three things at once: the server's device list
+//! (each change is published as it happens), the lease (renewed every third
+//! of its time to live, through another member when one goes away) and the
+//! reservations of this server's devices (handed to the server, which refuses
+//! imports without the reservation's token; the reservation changes that came
+//! while the server was writing are taken in together and written in one
+//! transaction). One lease for as long as the server runs: a lost
 //! connection is set up again under the same lease while etcd keeps it, and
 //! only a lease that expired (etcd unreachable for its time to live) is
 //! replaced. When etcd cannot be reached the server serves on as if it had
@@ -24,7 +25,10 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
+use etcd_client::{
+    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions, WatchResponse,
+};
+use futures_util::{FutureExt as _, StreamExt as _};
 use tracing::{debug, info, warn};
 use usbwire_device::devstate::ReservedFor;
 use usbwire_device::record::DeviceJson;
@@ -50,6 +54,13 @@ use lease::Lease;
 /// registers 10 000 devices from 100 servers in 1.65 s, 25 in 2.58 s
 /// (BENCHMARKS, "Reservations at 100 000 devices").
 const OPS_PER_TXN: usize = 25;
+/// Operations in a transaction that writes what reservations changed (a
+/// device's index keys and free keys, 8-10 operations a device): the
+/// reservations a server takes in at once are few but come in bursts (every
+/// client reserving before a release), each transaction is a proposal every
+/// etcd member applies, and this fits a burst of ten devices in one where
+/// [`OPS_PER_TXN`] would make four (etcd's default limit is 128).
+const OPS_PER_TXN_OF_RESERVATIONS: usize = 100;
 /// A registration that ended sooner than this counts as a failed attempt, so a
 /// registry that accepts and drops at once is retried with [`Retry::PATIENT`]'s
 /// waits, not in a tight loop.
@@ -279,20 +290,19 @@ impl Session {
                     return lost.unwrap_or_else(|_| LabError::LeaseLost { lease: lease.id, reason: "renewal stopped".into() });
                 }
                 message = watch.message() => {
-                    let response = match message {
-                        Ok(Some(response)) => response,
-                        Ok(None) => return LabError::Unreachable { url: registration.endpoint.url.to_string(), reason: "the reservation watch ended".into(), tls: false },
-                        Err(error) => return error.into(),
-                    };
-                    if response.canceled() {
-                        return LabError::Unreachable { url: registration.endpoint.url.to_string(), reason: format!("the reservation watch was cancelled: {}", response.cancel_reason()), tls: false };
-                    }
                     let mut reserved_or_not = Vec::new();
-                    for event in response.events() {
-                        let Some(kv) = event.kv() else { continue };
-                        let value = (event.event_type() == EventType::Put).then(|| kv.value());
-                        reserved_or_not.extend(self.reservation_changed(kv.key(), value));
+                    if let Err(error) = self.take_in(registration, message, &mut reserved_or_not) {
+                        return error;
                     }
+                    // What came meanwhile is taken in too: one write for a burst of reservations.
+                    while let Some(message) = watch.next().now_or_never() {
+                        let message = message.transpose();
+                        if let Err(error) = self.take_in(registration, message, &mut reserved_or_not) {
+                            return error;
+                        }
+                    }
+                    reserved_or_not.sort();
+                    reserved_or_not.dedup();
                     registry.set_reservations(self.reservations.clone());
                     // The index says which devices are reserved: only theirs change.
                     if let Err(error) = self.sync_devices(registration, registry, lease, &reserved_or_not).await {
@@ -301,6 +311,28 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// Takes in one message of the reservation watch: the bus ids of the
+    /// devices whose reservations changed go to `changed`.
+    fn take_in(
+        &mut self,
+        registration: &Registration,
+        message: Result<Option<WatchResponse>, etcd_client::Error>,
+        changed: &mut Vec<String>,
+    ) -> Result<(), LabError> {
+        let unreachable =
+            |reason: String| LabError::Unreachable { url: registration.endpoint.url.to_string(), reason, tls: false };
+        let response = message?.ok_or_else(|| unreachable("the reservation watch ended".into()))?;
+        if response.canceled() {
+            return Err(unreachable(format!("the reservation watch was cancelled: {}", response.cancel_reason())));
+        }
+        for event in response.events() {
+            let Some(kv) = event.kv() else { continue };
+            let value = (event.event_type() == EventType::Put).then(|| kv.value());
+            changed.extend(self.reservation_changed(kv.key(), value));
+        }
+        Ok(())
     }
 
     /// Puts what changed in the device list and its index under `lease`, and
@@ -399,7 +431,7 @@ impl Session {
             let catalog = self.catalog_changes(registration, lease);
             self.write(catalog, lease).await?;
         }
-        self.write(changes, lease).await
+        self.write_in(changes, lease, OPS_PER_TXN_OF_RESERVATIONS).await
     }
 
     /// A device's keys and values: its entry, its index keys with its
@@ -427,8 +459,18 @@ impl Session {
     /// `lease`, [`OPS_PER_TXN`] to a transaction, each after the pause
     /// [`Pace`] asks for, and notes what was published.
     async fn write(&mut self, changes: Vec<(String, Option<Vec<u8>>)>, lease: &mut Lease) -> Result<(), LabError> {
+        self.write_in(changes, lease, OPS_PER_TXN).await
+    }
+
+    /// [`Session::write`], `per_txn` operations to a transaction.
+    async fn write_in(
+        &mut self,
+        changes: Vec<(String, Option<Vec<u8>>)>,
+        lease: &mut Lease,
+        per_txn: usize,
+    ) -> Result<(), LabError> {
         let count = changes.len();
-        for batch in changes.chunks(OPS_PER_TXN) {
+        for batch in changes.chunks(per_txn) {
             let ops: Vec<TxnOp> = batch
                 .iter()
                 .map(|(key, value)| match value {
@@ -554,6 +596,14 @@ mod tests {
 
     fn loopback() -> Box<dyn usbwire_device::Device> {
         Box::new(usbwire_gadgets::loopback(usbwire_device::Speed::HIGH))
+    }
+
+    fn exporting_loopbacks(devices: usize) -> usbwire_server::Server {
+        let mut server = usbwire_server::Server::new(usbwire_server::ServerConfig::default());
+        for _ in 0..devices {
+            server.export("loopback", loopback());
+        }
+        server
     }
 
     /// Every key under the test prefix: (key, lease, revision it was last put at).
@@ -699,10 +749,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_catalog_repeats_the_device_entries_as_devices_come() {
         let Some(cluster) = Cluster::start(1, "catalog").await else { return };
-        let mut server = usbwire_server::Server::new(usbwire_server::ServerConfig::default());
-        for _ in 0..60 {
-            server.export("loopback", loopback());
-        }
+        let mut server = exporting_loopbacks(60);
         let mut registration = registration(cluster.endpoint(&[0]), Duration::from_secs(6));
         registration.labels = vec![("class=03".parse().unwrap(), vec!["kbd".to_owned(), "desk".to_owned()])];
         let publishing = tokio::spawn(publish(registration, server.registry().clone(), std::future::pending()));
@@ -715,6 +762,75 @@ mod tests {
         server.export("keyboard", Box::new(usbwire_gadgets::keyboard().0));
         registered(&mut client, 70).await;
         catalog_agrees(&mut client, 2).await;
+        publishing.abort();
+    }
+
+    /// Issue 36: the reservations a server takes in at once (here eight in
+    /// one transaction, as a burst of clients makes them) are written to the
+    /// index in one transaction, not one for every 25 operations: each is a
+    /// proposal every etcd member applies. The index says so, and nothing
+    /// else was written.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_burst_of_reservations_is_written_to_the_index_in_one_transaction() {
+        let Some(cluster) = Cluster::start(1, "burst").await else { return };
+        let server = exporting_loopbacks(8);
+        let publishing = tokio::spawn(publish(
+            registration(cluster.endpoint(&[0]), Duration::from_secs(6)),
+            server.registry().clone(),
+            std::future::pending(),
+        ));
+        let mut client = cluster.client(0).await;
+        let keys = Keys::new("test");
+        let before = registered(&mut client, 8).await;
+        let free = |published: &[(String, i64, i64)]| {
+            published.iter().filter(|(key, ..)| key.starts_with("test/index/free/")).count()
+        };
+        let index = |published: &[(String, i64, i64)]| -> Vec<(String, i64)> {
+            published
+                .iter()
+                .filter(|(key, ..)| key.starts_with("test/index/") && !key.starts_with("test/index/free/"))
+                .map(|(key, _, revision)| (key.clone(), *revision))
+                .collect()
+        };
+        let ops_a_device = 2 * index(&before).len() / 8;
+        assert!(8 * ops_a_device > OPS_PER_TXN, "the burst takes more than one of the usual transactions");
+        assert_eq!(free(&before), index(&before).len());
+        let entry = ReservationEntry {
+            schema_version: SCHEMA_VERSION,
+            holder: "test@here".to_owned(),
+            client: "usbwire reserve".to_owned(),
+            pid: 1,
+            token_sha256: "5a".repeat(32),
+            since_at: timestamp(std::time::SystemTime::now()),
+            until_at: None,
+        };
+        let json = serde_json::to_vec(&entry).unwrap();
+        let puts: Vec<TxnOp> = server
+            .registry()
+            .list()
+            .iter()
+            .map(|export| {
+                TxnOp::put(keys.reservation("127.0.0.1:3240", export.record.busid.as_str()), json.clone(), None)
+            })
+            .collect();
+        let reserved_at = client.txn(Txn::new().and_then(puts)).await.unwrap().header().unwrap().revision();
+        let mut after = Vec::new();
+        for _ in 0..100 {
+            after = published(&mut client).await;
+            if free(&after) == 0 && index(&after).iter().all(|(_, revision)| *revision > reserved_at) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(free(&after), 0, "every device reserved, none free: {after:?}");
+        let written: std::collections::BTreeSet<i64> = index(&after).iter().map(|(_, revision)| *revision).collect();
+        assert_eq!(written, [reserved_at + 1].into(), "the index written once, just after the reservations");
+        let now = client.get("test/", Some(GetOptions::new().with_count_only())).await.unwrap();
+        assert_eq!(now.header().unwrap().revision(), reserved_at + 1, "one transaction and nothing else");
+        for key in index(&after).iter().map(|(key, _)| key) {
+            let value = client.get(key.as_str(), None).await.unwrap();
+            assert_ne!(value.kvs()[0].value(), Availability::AVAILABLE.as_bytes(), "{key} still says available");
+        }
         publishing.abort();
     }
 
