@@ -292,12 +292,20 @@ impl Availability {
     }
 }
 
+/// The class with no index (nor free keys, nor catalog): `00`, "given per
+/// interface", is the device class of nearly every device, so its index
+/// would repeat the whole lab (two of a loopback device's nine keys) and
+/// narrow nothing. A selector with `class=00` reads the devices themselves.
+pub const UNINDEXED_CLASS: u8 = 0x00;
+
 /// The index terms of a device, as (kind, value): its labels, VID:PID, the
-/// classes of the device and its interfaces, its serial.
+/// classes of the device and its interfaces but [`UNINDEXED_CLASS`], its serial.
 pub(crate) fn index_terms(device: &DeviceEntry) -> Vec<(&'static str, String)> {
     let mut terms: Vec<(&'static str, String)> = device.labels.iter().map(|label| ("label", label.clone())).collect();
     terms.push(("id", format!("{}:{}", device.record.vendor_id, device.record.product_id)));
-    let mut classes: Vec<&String> = std::iter::once(&device.class).chain(&device.interface_classes).collect();
+    let unindexed = format!("{UNINDEXED_CLASS:02x}");
+    let mut classes: Vec<&String> =
+        std::iter::once(&device.class).chain(&device.interface_classes).filter(|class| **class != unindexed).collect();
     classes.sort();
     classes.dedup();
     terms.extend(classes.into_iter().map(|class| ("class", class.clone())));
@@ -506,6 +514,8 @@ impl fmt::Display for Want {
 impl Want {
     /// The index prefixes of the terms that have one (all but bus id and
     /// server); a device the selector matches is under every one of them.
+    /// None for a selector with `class=00`, which has no index (see
+    /// [`UNINDEXED_CLASS`]): it reads the devices themselves.
     pub fn index_prefixes(&self, keys: &Keys) -> Vec<String> {
         self.index_terms().into_iter().map(|(kind, value)| keys.index_of(kind, &value)).collect()
     }
@@ -515,8 +525,12 @@ impl Want {
         self.index_terms().into_iter().map(|(kind, value)| keys.free_of(kind, &value)).collect()
     }
 
-    /// The terms that have an index, as (kind, value).
+    /// The terms that have an index, as (kind, value); none when one of
+    /// them is [`UNINDEXED_CLASS`].
     pub(crate) fn index_terms(&self) -> Vec<(&'static str, String)> {
+        if self.terms.contains(&Term::Device(Selector::Class(UNINDEXED_CLASS))) {
+            return Vec::new();
+        }
         self.terms
             .iter()
             .filter_map(|term| match term {

@@ -371,3 +371,54 @@ async fn a_chain_takes_its_one_free_device_in_one_transaction() {
         reservation.keep();
     }
 }
+
+/// Class `00` ("given per interface", nearly every device's) has no index,
+/// free keys or catalog; a selector with it reads the devices themselves,
+/// alone or with an indexed term, and takes only a device it matches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn class_00_has_no_index_and_a_selector_with_it_reads_the_devices() {
+    let Some(cluster) = Cluster::start(1, "class_00").await else { return };
+    let keys = Keys::new("test");
+    let mut publisher = Publisher::new("127.0.0.1:3240", 2);
+    publisher.start(&cluster);
+    let mut client = cluster.client(0).await;
+    // Class ef devices (interfaces 02 and 0a), all labelled nucleo.
+    plant(&mut client, &keys, "10.0.0.1:3240", 10, 1).await;
+    let registered = all_registered(&mut client, &keys, 12, "registration").await;
+    let loopbacks: BTreeSet<String> = registered
+        .devices
+        .values()
+        .filter(|entry| entry.class == "00")
+        .map(|entry| entry.record.busid.clone())
+        .collect();
+    assert_eq!(loopbacks.len(), 2, "the loopback devices are of class 00");
+    let all = client.get(keys.all(), Some(GetOptions::new().with_prefix().with_keys_only())).await.unwrap();
+    let class_00: Vec<String> = all
+        .kvs()
+        .iter()
+        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+        .filter(|key| key.contains("/class/00/"))
+        .collect();
+    assert_eq!(class_00, Vec::<String>::new(), "no index, free key or catalog of class 00");
+    assert!(all.kvs().iter().any(|kv| kv.key().starts_with(keys.free_of("class", "ff").as_bytes())));
+
+    let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
+    let want: Want = "class=00".parse().unwrap();
+    let listed = lab.fleet_matching(&want).await.unwrap();
+    let listed: BTreeSet<String> = listed.devices.iter().map(|d| d.device.record.busid.clone()).collect();
+    assert_eq!(listed, loopbacks);
+    let hold = Hold::WhileRunning { ttl: LEASE, until: None };
+    let reservation = lab.reserve(&want, hold, "test").await.unwrap();
+    assert!(loopbacks.contains(&reservation.device.record.busid));
+    assert_eq!(reservation.server.address, "127.0.0.1:3240");
+    // The planted devices are labelled nucleo but of class ef: none matches.
+    match lab.reserve(&"label=nucleo,class=00".parse().unwrap(), hold, "test").await {
+        Err(LabError::NoMatch { .. }) => {}
+        other => {
+            panic!("label=nucleo,class=00 matches nothing here: {:?}", other.map(|r| r.device.record.busid.clone()))
+        }
+    }
+    assert_eq!(snapshot(&mut client, &keys).await.reserved.len(), 1, "only the class=00 reservation");
+    reservation.release().await.unwrap();
+    publisher.kill();
+}
