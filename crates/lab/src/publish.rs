@@ -55,11 +55,11 @@ use lease::Lease;
 /// (BENCHMARKS, "Reservations at 100 000 devices").
 const OPS_PER_TXN: usize = 25;
 /// Operations in a transaction that writes what reservations changed (a
-/// device's index keys and free keys, 8-10 operations a device): the
+/// device's index keys and free keys, 6-10 operations a device): the
 /// reservations a server takes in at once are few but come in bursts (every
 /// client reserving before a release), each transaction is a proposal every
 /// etcd member applies, and this fits a burst of ten devices in one where
-/// [`OPS_PER_TXN`] would make four (etcd's default limit is 128).
+/// [`OPS_PER_TXN`] would make three or four (etcd's default limit is 128).
 const OPS_PER_TXN_OF_RESERVATIONS: usize = 100;
 /// A registration that ended sooner than this counts as a failed attempt, so a
 /// registry that accepts and drops at once is retried with [`Retry::PATIENT`]'s
