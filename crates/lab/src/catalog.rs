@@ -95,10 +95,20 @@ pub fn write_order<S: AsRef<str>>(before: &[Vec<S>], after: &[Vec<S>]) -> Vec<us
 
 /// [`write_order`], or `None` when there is none: `before` is not one
 /// catalog in bus id order but chunks of two (a write that failed part way).
+/// A device in two chunks of `before` is such a case too, though an order
+/// of bus ids may exist: the two may hold different entries of it (one
+/// with a label, one without), so each is to be rewritten with its new
+/// entry before either lets it go.
 fn write_order_if_any<S: AsRef<str>>(before: &[Vec<S>], after: &[Vec<S>]) -> Option<Vec<usize>> {
     let count = before.len().max(after.len());
-    let was: HashMap<&str, usize> =
-        before.iter().enumerate().flat_map(|(n, chunk)| chunk.iter().map(move |busid| (busid.as_ref(), n))).collect();
+    let mut was: HashMap<&str, usize> = HashMap::with_capacity(before.iter().map(Vec::len).sum());
+    for (n, chunk) in before.iter().enumerate() {
+        for busid in chunk {
+            if was.insert(busid.as_ref(), n).is_some() {
+                return None;
+            }
+        }
+    }
     // (into, from): `into` is written before `from`.
     let mut moves = BTreeSet::new();
     for (into, chunk) in after.iter().enumerate() {
@@ -228,7 +238,8 @@ pub fn layouts_of<'a>(server: &str, pairs: impl IntoIterator<Item = (&'a str, &'
 }
 
 /// When no order of writes keeps every device in a chunk (`before` holds
-/// chunks of two catalogs after a write that failed part way): first each
+/// chunks of two catalogs after a write that failed part way, or a device
+/// in two chunks, maybe as two entries): first each
 /// chunk is written as its new devices plus those of its old that stay, so
 /// that each staying device is in its old chunk and its new one; then, in
 /// any order, each chunk that held more than its new devices is written as
@@ -580,6 +591,22 @@ mod tests {
         // The first of `b`'s two writes (chunk 1, which 365 moves into) landed;
         // the second (chunk 0, which 365 leaves) failed and did not land.
         assert!(rewrite_after_unknown([&a, &b, &c], 1, false, false).is_err(), "the case needs the read back");
+        rewrite_after_unknown([&a, &b, &c], 1, false, true).unwrap();
+    }
+
+    /// What the property test below found next: a device labelled `t` in
+    /// one chunk (a marker sending `label=t` to the whole catalog) that a
+    /// failed write left in a second chunk too, as an entry without the
+    /// label. Going by bus ids alone, the chunk with the labelled entry was
+    /// rewritten first, and `label=t` did not find the device until the
+    /// label's own catalog was written: two chunks holding a device are
+    /// bridged, so each is rewritten with its new entry first.
+    #[test]
+    fn a_device_a_failed_write_left_in_two_chunks_is_found_by_its_label_throughout() {
+        let a = [(349, true)];
+        let b: Vec<(u16, bool)> = (0..64).chain([349]).map(|n| (n, false)).collect();
+        let c: Vec<(u16, bool)> = (0..69).map(|n| (n, false)).chain([(349, true)]).collect();
+        // `b` moved 349 into chunk 1 (that write landed) and failed to take it out of chunk 0.
         rewrite_after_unknown([&a, &b, &c], 1, false, true).unwrap();
     }
 
