@@ -7,8 +7,9 @@
 #   FUZZ_MODE=auto           libfuzzer | replay | auto (libfuzzer, or replay if cargo-fuzz
 #                            cannot be installed or built)
 #
-# libFuzzer needs nightly-only rustc flags (-Zsanitizer, sancov passes). On a stable
-# toolchain RUSTC_BOOTSTRAP=1 unlocks them; see README.md.
+# libFuzzer is C++ (g++, which scripts/test.sh installs) and needs nightly-only rustc
+# flags (-Zsanitizer, sancov passes). On a stable toolchain RUSTC_BOOTSTRAP=1 unlocks
+# them; see README.md.
 set -euo pipefail
 cd "$(dirname "$0")"
 

@@ -10,7 +10,7 @@ step() { printf '\n==> %s\n' "$*"; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 step "Debian packages"
-packages=(qemu-system-x86 usbip dfu-util busybox-static kmod cpio e2fsprogs python3 gcc libc6-dev hwdata tshark iproute2 usbredirect prometheus man-db systemd chromium protobuf-compiler libprotobuf-dev etcd-server openssl git dpkg-dev python3-pytest python3-venv)
+packages=(qemu-system-x86 usbip dfu-util busybox-static kmod cpio e2fsprogs python3 gcc g++ libc6-dev hwdata tshark iproute2 usbredirect prometheus man-db systemd chromium protobuf-compiler libprotobuf-dev etcd-server openssl git dpkg-dev python3-pytest python3-venv)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
