@@ -431,7 +431,7 @@ impl Session {
             let catalog = self.catalog_changes(registration, lease);
             self.write(catalog, lease).await?;
         }
-        self.write_in(changes, lease, OPS_PER_TXN_OF_RESERVATIONS).await
+        self.write_in(changes, lease, Some(OPS_PER_TXN_OF_RESERVATIONS)).await
     }
 
     /// A device's keys and values: its entry, its index keys with its
@@ -456,21 +456,26 @@ impl Session {
     }
 
     /// Writes `changes` (a key's new value, or `None` to delete it) under
-    /// `lease`, [`OPS_PER_TXN`] to a transaction, each after the pause
-    /// [`Pace`] asks for, and notes what was published.
+    /// `lease`, as many to a transaction as [`Pace::window`] allows, at
+    /// most [`OPS_PER_TXN`], each after the pause [`Pace`] asks for, and
+    /// notes what was published.
     async fn write(&mut self, changes: Vec<(String, Option<Vec<u8>>)>, lease: &mut Lease) -> Result<(), LabError> {
-        self.write_in(changes, lease, OPS_PER_TXN).await
+        self.write_in(changes, lease, None).await
     }
 
-    /// [`Session::write`], `per_txn` operations to a transaction.
+    /// [`Session::write`], `per_txn` operations to a transaction if given.
     async fn write_in(
         &mut self,
         changes: Vec<(String, Option<Vec<u8>>)>,
         lease: &mut Lease,
-        per_txn: usize,
+        per_txn: Option<usize>,
     ) -> Result<(), LabError> {
         let count = changes.len();
-        for batch in changes.chunks(per_txn) {
+        let mut rest = changes.as_slice();
+        while !rest.is_empty() {
+            let size = per_txn.unwrap_or_else(|| self.pace.window(OPS_PER_TXN));
+            let (batch, after) = rest.split_at(size.clamp(1, rest.len()));
+            rest = after;
             let ops: Vec<TxnOp> = batch
                 .iter()
                 .map(|(key, value)| match value {
