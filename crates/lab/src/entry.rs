@@ -8,7 +8,7 @@
 //! PREFIX/devices/SERVER/!catalog/NNNNNN      its entries, 64 a key (`catalog`)
 //! PREFIX/devices/SERVER/!term/KIND/VALUE/NNNNNN  those with a label, alike
 //! PREFIX/reservations/SERVER/BUSID           ReservationEntry  lease: the holder's
-//! PREFIX/index/KIND/VALUE/SERVER/BUSID       its availability  lease: the server's
+//! PREFIX/index/KIND/VALUE/SERVER/BUSID       its state         lease: the server's
 //! PREFIX/index/free/KIND/VALUE/BB/SERVER/BUSID  `available`     lease: the server's
 //! ```
 //!
@@ -19,12 +19,14 @@
 //! The index lets a client find the devices a selector term names without
 //! reading the fleet: one key per device and label (`label/nucleo`), VID:PID
 //! (`id/0483:374b`), class of the device or an interface (`class/08`) and
-//! serial (`serial/…`), whose value is the device's [`Availability`] word.
-//! Its server keeps it current (imports, releases, the reservations it sees).
+//! serial (`serial/…`), whose value is the device's state (`available`,
+//! `in_use`, `resuming`; servers before free keys wrote `reserved` too).
 //! Beside it, the free devices: under `index/free/`, a key per term for each
 //! device that is available and not reserved, spread over 256 buckets `BB`
 //! (a hash of server and bus id), so a reservation reads one short page from
-//! a random bucket instead of every matching device.
+//! a random bucket instead of every matching device. Its server keeps both
+//! current: an import changes its index keys and free keys, a reservation
+//! (or its end) its free keys alone.
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -13,9 +13,10 @@
 //! Uncontended, a reservation reads [`FREE_PAGE`] keys, with one lease grant
 //! at the same time, and runs one transaction, whatever the lab's size. When the free pages hold nothing it can take (a
 //! selector of a bus id or a server alone, every matching device taken,
-//! servers that do not publish free keys), it reads the index in full, as it
-//! did before the free keys: that read also says why none is free. Not for
-//! holding or giving back a reservation (`lab`).
+//! servers that do not publish free keys), it reads the index in full and the
+//! lab's reservation keys at its revision (an index key says its device's
+//! state, not whether it is reserved): that read also says why none is free.
+//! Not for holding or giving back a reservation (`lab`).
 
 use std::time::SystemTime;
 
@@ -25,7 +26,9 @@ use usbwire_proto::reservation::ReservationToken;
 use usbwire_proto::retry::Retry;
 
 use crate::entry::BUCKETS;
-use crate::entry::{decode, timestamp, Availability, DeviceEntry, ReservationEntry, ServerEntry, Want, SCHEMA_VERSION};
+use crate::entry::{
+    decode, timestamp, Availability, DeviceEntry, Key, ReservationEntry, ServerEntry, Want, SCHEMA_VERSION,
+};
 use crate::error::LabError;
 use crate::etcd::keep_alive;
 use crate::lab::{hex, holder_name, names_its_key, prefix_end, Hold, Lab, Reservation};
@@ -251,7 +254,35 @@ impl Lab {
                     .collect(),
             });
         }
-        Ok(found.unwrap_or_default())
+        let mut found = found.unwrap_or_default();
+        if let (Some(revision), true) = (revision, found.iter().any(|c| c.availability == Availability::AVAILABLE)) {
+            self.mark_reserved(&mut found, revision).await?;
+        }
+        Ok(found)
+    }
+
+    /// Marks the candidates that have a reservation at `revision` (the
+    /// index's) as reserved: an index key says its device's state alone
+    /// (older servers also wrote `reserved` there, which reads the same).
+    /// Reads the reservations' keys, not their records.
+    async fn mark_reserved(&mut self, candidates: &mut [Candidate], revision: i64) -> Result<(), LabError> {
+        let [_, _, reservations] = self.keys.fleet_prefixes();
+        let (_, kvs) = self.range(&reservations, Some(revision), true).await?;
+        let reserved: std::collections::HashSet<(String, String)> = kvs
+            .iter()
+            .filter_map(|kv| match self.keys.parse(kv.key()) {
+                Some(Key::Reservation { server, busid }) => Some((server, busid)),
+                _ => None,
+            })
+            .collect();
+        for candidate in candidates.iter_mut() {
+            if candidate.availability == Availability::AVAILABLE
+                && reserved.contains(&(candidate.server.clone(), candidate.busid.clone()))
+            {
+                Availability::RESERVED.clone_into(&mut candidate.availability);
+            }
+        }
+        Ok(())
     }
 
     /// One transaction: the reservation of the first device of `chain` that

@@ -1,4 +1,4 @@
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use etcd_client::{Client, GetOptions};
@@ -54,16 +54,23 @@ struct Snapshot {
     devices: HashMap<(String, String), DeviceEntry>,
     reserved: BTreeSet<(String, String)>,
     free: BTreeSet<String>,
+    /// Index keys (not free keys) and their values.
+    index: BTreeMap<String, String>,
 }
 
 async fn snapshot(client: &mut Client, keys: &Keys) -> Snapshot {
     let all = client.get(keys.all(), Some(GetOptions::new().with_prefix())).await.expect("read the registry");
-    let mut snapshot = Snapshot { devices: HashMap::new(), reserved: BTreeSet::new(), free: BTreeSet::new() };
-    let free_root = format!("{}index/free/", keys.all());
+    let mut snapshot =
+        Snapshot { devices: HashMap::new(), reserved: BTreeSet::new(), free: BTreeSet::new(), index: BTreeMap::new() };
+    let (index_root, free_root) = (format!("{}index/", keys.all()), format!("{}index/free/", keys.all()));
     for kv in all.kvs() {
         let key = String::from_utf8_lossy(kv.key()).into_owned();
         if key.starts_with(&free_root) {
             snapshot.free.insert(key);
+            continue;
+        }
+        if key.starts_with(&index_root) {
+            snapshot.index.insert(key, String::from_utf8_lossy(kv.value()).into_owned());
             continue;
         }
         match keys.parse(kv.key()) {
@@ -91,20 +98,34 @@ fn expected_free(snapshot: &Snapshot, keys: &Keys) -> BTreeSet<String> {
         .collect()
 }
 
-/// Waits (up to 10 s) for the free-device keys to agree with the device
-/// entries and reservations, and returns the snapshot they agree in.
+/// The index keys the registry should hold: every term's key of each
+/// device, saying its state (whether reserved or not).
+fn expected_index(snapshot: &Snapshot, keys: &Keys) -> BTreeMap<String, String> {
+    snapshot
+        .devices
+        .values()
+        .flat_map(|entry| keys.index_entries(entry).into_iter().map(|key| (key, entry.state().to_owned())))
+        .collect()
+}
+
+/// Waits (up to 10 s) for the free-device keys and the index keys to agree
+/// with the device entries and reservations, and returns the snapshot they
+/// agree in.
 async fn index_agrees(client: &mut Client, keys: &Keys, step: &str) -> Snapshot {
     let mut last = String::new();
     for _ in 0..100 {
         let now = snapshot(client, keys).await;
-        let expected = expected_free(&now, keys);
-        if now.free == expected {
+        let (expected, index) = (expected_free(&now, keys), expected_index(&now, keys));
+        if now.free == expected && now.index == index {
             return now;
         }
+        let wrong: Vec<_> = now.index.iter().filter(|(key, value)| index.get(*key) != Some(*value)).collect();
         last = format!(
-            "stale free keys {:?}, missing {:?}",
+            "stale free keys {:?}, missing {:?}; index keys not as the devices say {:?}, missing {:?}",
             now.free.difference(&expected).collect::<Vec<_>>(),
-            expected.difference(&now.free).collect::<Vec<_>>()
+            expected.difference(&now.free).collect::<Vec<_>>(),
+            wrong,
+            index.keys().filter(|key| !now.index.contains_key(*key)).collect::<Vec<_>>()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -335,8 +356,16 @@ async fn a_lost_try_tells_which_others_of_the_page_are_reserved() {
         assert!(taken.insert(busid));
         reservation.keep();
     }
+    // All 30 taken, every free key still there: the pages' chains lose, then the
+    // full read counts the reservations themselves and tries none of them.
+    let before = lab.reads();
     let none = lab.reserve(&"label=nucleo".parse().unwrap(), hold, "test").await;
-    assert!(matches!(none, Err(LabError::NoneFree { .. })), "{:?}", none.err());
+    assert!(matches!(none, Err(LabError::NoneFree { matching: 30, reserved: 30, in_use: 0, .. })), "{:?}", none.err());
+    let transactions = lab.reads().transactions - before.transactions;
+    assert!(
+        transactions <= super::FREE_PAGES as u64,
+        "{transactions} transactions: the full read tried reserved devices"
+    );
 }
 
 /// One transaction takes the first free device of its chain: with every
