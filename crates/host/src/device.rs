@@ -25,7 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -90,8 +90,7 @@ impl HostDevice {
             }
             at = end;
         }
-        let active_value = read_sysfs(&local.sysfs_path, "bConfigurationValue").and_then(|v| v.parse::<u8>().ok());
-        let active = configurations.iter().find(|c| Some(c.value) == active_value).cloned();
+        let active = configuration_in_effect(&local.sysfs_path, &configurations);
         let listed = active.as_ref().or(configurations.first());
         let summary = DeviceSummary {
             speed: local.speed,
@@ -268,6 +267,7 @@ impl Device for HostDevice {
             return;
         }
         if self.claimed.is_empty() {
+            self.learn_configuration();
             self.claim_interfaces();
         }
         if urb.endpoint == 0 {
@@ -360,16 +360,20 @@ impl Device for HostDevice {
         }
         self.give_back_interfaces();
         self.alt_settings.clear();
-        self.active = read_sysfs(&self.sysfs_path, "bConfigurationValue")
-            .and_then(|v| v.parse::<u8>().ok())
-            .and_then(|value| self.configurations.iter().find(|c| c.value == value).cloned())
-            .or_else(|| self.active.take());
+        self.active = configuration_in_effect(&self.sysfs_path, &self.configurations).or_else(|| self.active.take());
         self.refresh_endpoints();
     }
 
     fn is_gone(&self) -> bool {
         self.gone
     }
+}
+
+/// The configuration the kernel has in effect, per sysfs; `None` while it has chosen none.
+/// Reading the attribute waits for a configuration change the kernel is making.
+fn configuration_in_effect(sysfs_path: &Path, configurations: &[ConfigurationInfo]) -> Option<ConfigurationInfo> {
+    let value = read_sysfs(sysfs_path, "bConfigurationValue")?.parse::<u8>().ok()?;
+    configurations.iter().find(|c| c.value == value).cloned()
 }
 
 impl Drop for HostDevice {

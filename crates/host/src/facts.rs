@@ -43,6 +43,7 @@ mod tests {
             subclass: 0,
             protocol: 0,
             interfaces: vec![LocalInterface { number: 0, class: 8, subclass: 6, protocol: 0x50, driver: None }],
+            configuration: Some(1),
             sysfs_path: Default::default(),
         }
     }

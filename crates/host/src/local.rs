@@ -30,6 +30,9 @@ pub struct LocalDevice {
     pub subclass: u8,
     pub protocol: u8,
     pub interfaces: Vec<LocalInterface>,
+    /// The configuration in effect (`bConfigurationValue`); `None` while the kernel has
+    /// not chosen one yet, as just after a hotplug `add` event.
+    pub configuration: Option<u8>,
     pub sysfs_path: PathBuf,
 }
 
@@ -91,6 +94,7 @@ impl LocalDevice {
             subclass: info.subclass(),
             protocol: info.protocol(),
             interfaces,
+            configuration: configuration.parse().ok(),
             sysfs_path,
         })
     }

@@ -39,6 +39,11 @@ use crate::registry::Registry;
 /// Kind label of real devices in listings and access rules.
 pub const HOST_KIND: &str = "host";
 
+/// How long a device just plugged in may stay unconfigured before it is exported as it is.
+const CONFIGURATION_WAIT: Duration = Duration::from_secs(2);
+/// How often an unconfigured arrival is looked at again.
+const CONFIGURATION_POLL: Duration = Duration::from_millis(20);
+
 /// Why `usbwire bind` or `unbind` did nothing; each carries the message for the user.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum BindError {
@@ -362,15 +367,36 @@ impl HostExports {
         }
     }
 
-    /// A device just appeared: export it if a rule wants it. Its usbfs node may
-    /// lag the event (udev sets permissions afterwards), so opening is retried briefly.
+    /// A device just appeared: export it if a rule wants it. The kernel announces a device
+    /// before it chooses a configuration and binds its drivers, so the export waits for the
+    /// configuration ([`CONFIGURATION_WAIT`] at most: a device may stay unconfigured). Its
+    /// usbfs node may lag the event (udev sets permissions afterwards), so opening is
+    /// retried briefly.
     async fn arrived(&self, busid: &str) {
-        for attempt in 0..10 {
+        let announced = tokio::time::Instant::now();
+        let mut waited_for_configuration = false;
+        let mut attempt = 0;
+        while attempt < 10 {
             let found = usbwire_host::list().ok().and_then(|all| all.into_iter().find(|d| d.busid == busid));
             let Some(device) = found else { return };
             if !self.wanted(&device) {
                 return;
             }
+            if device.configuration.is_none() && announced.elapsed() < CONFIGURATION_WAIT {
+                waited_for_configuration = true;
+                tokio::time::sleep(CONFIGURATION_POLL).await;
+                continue;
+            }
+            if std::mem::take(&mut waited_for_configuration) {
+                let waited_ms = announced.elapsed().as_millis();
+                match device.configuration {
+                    Some(configuration) => {
+                        info!(busid, configuration, waited_ms, "the kernel configured it after announcing it")
+                    }
+                    None => info!(busid, waited_ms, "the kernel left it unconfigured; exported as it is"),
+                }
+            }
+            attempt += 1;
             if self.export(&device).is_ok() {
                 info!(busid, "plugged in and exported");
                 return;
@@ -530,6 +556,7 @@ mod tests {
             subclass: 0,
             protocol: 0,
             interfaces: Vec::new(),
+            configuration: Some(1),
             sysfs_path: PathBuf::new(),
         }
     }

@@ -24,6 +24,22 @@ impl HostDevice {
         }
     }
 
+    /// A device opened right after it was plugged in may have had no configuration yet: the
+    /// kernel chooses one (and binds its drivers) after announcing the device. Before its
+    /// interfaces are claimed or a SET_CONFIGURATION is judged, learn what the kernel chose,
+    /// or the kernel's drivers keep the interfaces and SET_CONFIGURATION fails with EBUSY.
+    pub(super) fn learn_configuration(&mut self) {
+        if self.active.is_some() {
+            return;
+        }
+        self.active = super::configuration_in_effect(&self.sysfs_path, &self.configurations);
+        if let Some(active) = &self.active {
+            debug!(busid = %self.busid, configuration = active.value, "the kernel configured the device after it was opened");
+            self.summary.configuration_value = active.value;
+            self.refresh_endpoints();
+        }
+    }
+
     /// Claims every interface of the active configuration, detaching kernel drivers.
     pub(super) fn claim_interfaces(&mut self) {
         let Some(active) = &self.active else { return };
@@ -70,6 +86,7 @@ impl HostDevice {
             // SET_CONFIGURATION.
             (0x00, 0x09) => {
                 let wanted = value as u8;
+                self.learn_configuration();
                 if self.active.as_ref().map(|c| c.value) == Some(wanted) {
                     return Some(urb.complete_with(Status::OK));
                 }
