@@ -162,6 +162,11 @@ impl Keys {
         index_terms(device).into_iter().map(|(kind, value)| self.free_entry(kind, &value, server, busid)).collect()
     }
 
+    /// Whether `key` is a free-device key (of any term).
+    pub fn is_free_entry(&self, key: &str) -> bool {
+        key.strip_prefix(&self.root).is_some_and(|rest| rest.starts_with("index/free/"))
+    }
+
     /// The (server, bus id) a free-device key under `prefix` names.
     pub fn parse_free_entry(&self, prefix: &str, key: &[u8]) -> Option<(String, String)> {
         let rest = std::str::from_utf8(key).ok()?.strip_prefix(prefix)?;

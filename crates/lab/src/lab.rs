@@ -33,6 +33,9 @@ pub struct Lab {
     pub(crate) client: Client,
     pub(crate) keys: Keys,
     pub(crate) reads: Reads,
+    /// Whether a reservation's transaction deletes its device's free keys
+    /// (`take`): until etcd says this user may not.
+    pub(crate) takes_free_keys: bool,
 }
 
 /// The range requests a [`Lab`] made and the bytes they brought back (keys
@@ -129,7 +132,7 @@ impl Lab {
     pub async fn connect(endpoint: Endpoint) -> Result<Self, LabError> {
         let client = endpoint.connect().await?;
         let keys = Keys::new(&endpoint.url.prefix);
-        Ok(Self { endpoint, client, keys, reads: Reads::default() })
+        Ok(Self { endpoint, client, keys, reads: Reads::default(), takes_free_keys: true })
     }
 
     pub fn endpoint(&self) -> &Endpoint {
@@ -577,9 +580,12 @@ mod tests {
             .or_else([TxnOp::put(keys.server(me), entry, on_lease())]);
         server_client.txn(register).await.expect("a server registers itself");
         let own = device(me, "1-1");
-        server_client.put(keys.device(me, "1-1"), json(&own), on_lease()).await.expect("and its devices");
-        for key in keys.index_entries(&own) {
-            server_client.put(key, Availability::AVAILABLE, on_lease()).await.expect("and their index entries");
+        for busid in ["1-1", "1-2"] {
+            let own = device(me, busid);
+            server_client.put(keys.device(me, busid), json(&own), on_lease()).await.expect("and its devices");
+            for key in keys.index_entries(&own).into_iter().chain(keys.free_entries(&own)) {
+                server_client.put(key, Availability::AVAILABLE, on_lease()).await.expect("their index and free keys");
+            }
         }
         server_client
             .get(keys.reservations_of(me), Some(GetOptions::new().with_prefix()))
@@ -603,13 +609,25 @@ mod tests {
             client: client.clone(),
             keys: keys.clone(),
             reads: Reads::default(),
+            takes_free_keys: true,
         };
         let fleet = lab.fleet().await.expect("a client reads the fleet");
-        assert_eq!((fleet.servers.len(), fleet.devices.len()), (1, 1));
+        assert_eq!((fleet.servers.len(), fleet.devices.len()), (1, 2));
         let want: Want = "label=kbd".parse().unwrap();
         let hold = Hold::WhileRunning { ttl: Duration::from_secs(5), until: None };
+        // It may not delete the free keys its reservation's transaction would: refused
+        // once, it takes the device without them (the server deletes them).
+        let free_before = client.get(keys.free_of("label", "kbd"), Some(GetOptions::new().with_prefix())).await;
+        let before = lab.reads();
         let taken = lab.reserve(&want, hold, "test").await.expect("a client reserves");
         assert_eq!(taken.server.address, me);
+        assert_eq!(lab.reads().transactions - before.transactions, 2, "refused once, then taken");
+        let free_after = client.get(keys.free_of("label", "kbd"), Some(GetOptions::new().with_prefix())).await;
+        assert_eq!(free_after.unwrap().count(), free_before.unwrap().count(), "a client deleted a free key");
+        let before = lab.reads();
+        let second = lab.reserve(&want, hold, "test").await.expect("a client reserves again");
+        assert_eq!(lab.reads().transactions - before.transactions, 1, "not refused again");
+        second.release().await.expect("a client releases its reservation");
         for (key, value) in &planted[..2] {
             let result = client.put(key.clone(), value.clone(), None).await;
             assert!(result.is_err(), "a client wrote {key}");

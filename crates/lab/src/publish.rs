@@ -182,6 +182,7 @@ impl Session {
             None => false,
         };
         let kept = if alive { lease.take() } else { None };
+        let taken_up_again = kept.is_some();
         let held = match kept {
             Some(mut held) => {
                 held.client = client.clone();
@@ -261,6 +262,10 @@ impl Session {
         session.watch = Some(watch);
         if held.unsure {
             held.read_back_catalogs(&session.client, &session.keys, &server.address).await?;
+        }
+        // After the reservations' read: what changed since is in the watch.
+        if taken_up_again {
+            held.read_back_free_keys(&session.client, &session.keys).await?;
         }
         session.sync(registration, registry, held).await?;
         Ok((session, held))
@@ -397,7 +402,10 @@ impl Session {
 
     /// [`Session::sync`] for the devices `busids` alone (their reservations
     /// changed): their keys are made again and what changed is written; the
-    /// other devices' are as the last sync left them.
+    /// other devices' are as the last sync left them. Their free keys are
+    /// written whatever was published: a reservation's transaction deletes
+    /// those under its selector's terms (`take`), and one released before
+    /// this server saw it leaves them deleted.
     async fn sync_devices(
         &mut self,
         registration: &Registration,
@@ -413,11 +421,13 @@ impl Session {
             self.term_catalogs.insert(busid.clone(), catalogs);
             let before = self.desired.remove(busid).unwrap_or_default();
             for (key, value) in &keys {
-                if lease.published.get(key) != Some(value) {
+                if lease.published.get(key) != Some(value) || self.keys.is_free_entry(key) {
                     changes.push((key.clone(), Some(value.clone())));
                 }
             }
-            for key in before.keys().filter(|key| !keys.contains_key(*key) && lease.published.contains_key(*key)) {
+            for key in before.keys().filter(|key| {
+                !keys.contains_key(*key) && (lease.published.contains_key(*key) || self.keys.is_free_entry(key))
+            }) {
                 changes.push((key.clone(), None));
             }
             self.desired.insert(busid.clone(), keys);
@@ -804,16 +814,7 @@ mod tests {
         let ops_a_device = free(&before) / 16;
         assert!(16 * ops_a_device > OPS_PER_TXN, "the burst takes more than one of the usual transactions");
         assert_eq!(free(&before), index(&before).len());
-        let entry = ReservationEntry {
-            schema_version: SCHEMA_VERSION,
-            holder: "test@here".to_owned(),
-            client: "usbwire reserve".to_owned(),
-            pid: 1,
-            token_sha256: "5a".repeat(32),
-            since_at: timestamp(std::time::SystemTime::now()),
-            until_at: None,
-        };
-        let json = serde_json::to_vec(&entry).unwrap();
+        let json = reservation_json();
         let puts: Vec<TxnOp> = server
             .registry()
             .list()
@@ -838,6 +839,109 @@ mod tests {
         for key in index(&after).iter().map(|(key, _)| key) {
             let value = client.get(key.as_str(), None).await.unwrap();
             assert_eq!(value.kvs()[0].value(), b"available", "{key} says the device's state");
+        }
+        publishing.abort();
+    }
+
+    /// A reservation's record, as a client writes it.
+    fn reservation_json() -> Vec<u8> {
+        let entry = ReservationEntry {
+            schema_version: SCHEMA_VERSION,
+            holder: "test@here".to_owned(),
+            client: "usbwire reserve".to_owned(),
+            pid: 1,
+            token_sha256: "5a".repeat(32),
+            since_at: timestamp(std::time::SystemTime::now()),
+            until_at: None,
+        };
+        serde_json::to_vec(&entry).unwrap()
+    }
+
+    /// What a client's reservation does to one device of the server's: its
+    /// reservation key put and its free keys of one term deleted, in one
+    /// transaction (`take`); given back at once by deleting the key.
+    async fn reserve_and_give_back(client: &mut Client, keys: &Keys, busid: &str) -> String {
+        let free_key = keys.free_entry("id", "1209:0005", "127.0.0.1:3240", busid);
+        let reservation = keys.reservation("127.0.0.1:3240", busid);
+        let take = Txn::new().and_then([
+            TxnOp::put(reservation.clone(), reservation_json(), None),
+            TxnOp::delete(free_key.clone(), None),
+        ]);
+        client.txn(take).await.unwrap();
+        client.delete(reservation, None).await.unwrap();
+        free_key
+    }
+
+    /// Waits (up to 30 s: a server whose member was down retries with waits
+    /// of up to 5 s) for `key` to be there, and says under which lease.
+    async fn comes_back(client: &mut Client, key: &str, what: &str) -> i64 {
+        for _ in 0..300 {
+            if let Some(kv) = client.get(key, None).await.unwrap().kvs().first() {
+                return kv.lease();
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("{what}: the free key {key} did not come back within 30 s");
+    }
+
+    /// A server of two devices registered through a follower of a
+    /// three-member cluster, and a client of another member.
+    struct FollowerServer {
+        server: usbwire_server::Server,
+        member: usize,
+        publishing: tokio::task::JoinHandle<()>,
+        client: Client,
+        lease: i64,
+    }
+
+    impl FollowerServer {
+        async fn start(cluster: &Cluster) -> Self {
+            let server = exporting_loopbacks(2);
+            let member = cluster.follower().await;
+            let publishing = tokio::spawn(publish(
+                registration(cluster.endpoint(&[member]), Duration::from_secs(20)),
+                server.registry().clone(),
+                std::future::pending(),
+            ));
+            let mut client = cluster.client((member + 1) % 3).await;
+            let lease = one_lease(&registered(&mut client, 2).await);
+            Self { server, member, publishing, client, lease }
+        }
+    }
+
+    /// Issue 36: a reservation's transaction deletes free keys of its device
+    /// that the server published. Taken and given back while the server was
+    /// not connected (its member down, its lease kept by the others), the
+    /// server sees neither; once connected again under the same lease it
+    /// reads back what etcd holds under it and puts the free keys back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn free_keys_deleted_while_the_server_was_away_come_back() {
+        let Some(mut cluster) = Cluster::start(3, "free_keys_away").await else { return };
+        let FollowerServer { server, member, publishing, mut client, lease } = FollowerServer::start(&cluster).await;
+        let keys = Keys::new("test");
+        let busid = server.registry().list()[0].record.busid.to_string();
+        cluster.kill(member);
+        let free_key = reserve_and_give_back(&mut client, &keys, &busid).await;
+        cluster.restart(member).await;
+        let under = comes_back(&mut client, &free_key, "after the connection came back").await;
+        assert_eq!(under, lease, "the server took its lease up again (not a new one, which puts everything)");
+        publishing.abort();
+    }
+
+    /// Issue 36: a reservation taken and given back before the server wrote
+    /// anything for it (both changes in the server's hands at once: its
+    /// member was stopped meanwhile) leaves the device free, and its free
+    /// keys there, whatever the server had published.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn free_keys_of_a_reservation_given_back_at_once_come_back() {
+        let Some(cluster) = Cluster::start(3, "free_keys_at_once").await else { return };
+        let FollowerServer { server, member, publishing, mut client, .. } = FollowerServer::start(&cluster).await;
+        let keys = Keys::new("test");
+        for export in server.registry().list() {
+            cluster.signal(member, "-STOP");
+            let free_key = reserve_and_give_back(&mut client, &keys, export.record.busid.as_str()).await;
+            cluster.signal(member, "-CONT");
+            comes_back(&mut client, &free_key, "after a reservation given back at once").await;
         }
         publishing.abort();
     }

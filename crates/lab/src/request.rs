@@ -33,6 +33,8 @@ const DEADLINE_EXCEEDED: i32 = 4;
 const RESOURCE_EXHAUSTED: i32 = 8;
 const OUT_OF_RANGE: i32 = 11;
 const UNAVAILABLE: i32 = 14;
+/// And the one that says a user's roles do not allow a request.
+const PERMISSION_DENIED: i32 = 7;
 
 /// What a member says to a read at a revision it has not applied yet.
 const FUTURE_REVISION: &str = "required revision is a future revision";
@@ -51,6 +53,12 @@ pub(crate) fn transient(error: &etcd_client::Error) -> bool {
         etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
         _ => false,
     }
+}
+
+/// Whether etcd refused a request for want of a permission (auth enabled,
+/// and the user's roles do not cover a key it writes): never transient.
+pub(crate) fn permission_denied(error: &etcd_client::Error) -> bool {
+    matches!(error, etcd_client::Error::GRpcStatus(status) if status.code() as i32 == PERMISSION_DENIED)
 }
 
 /// Runs `attempt` until it succeeds, fails for good, or transient failures

@@ -7,9 +7,12 @@
 //! that reserves the first of its devices that has no reservation and is
 //! still free under every indexed term of the selector (so it matches all of
 //! them), each device's test and reservation nested in the previous one's
-//! failure branch (etcd ≥ 3.3). A free key goes only once its server has seen
-//! the reservation, so racing clients read keys of devices already taken: a
-//! chain still takes one of its other devices in the same transaction.
+//! failure branch (etcd ≥ 3.3). The transaction that takes a device deletes
+//! its free keys under the selector's terms; its server deletes those of its
+//! other terms once it sees the reservation (and writes them all again when
+//! the reservation ends: `publish`). A page read from a member that is behind
+//! may still show devices already taken: a chain still takes one of its
+//! other devices in the same transaction.
 //! Uncontended, a reservation reads [`FREE_PAGE`] keys, with one lease grant
 //! at the same time, and runs one transaction, whatever the lab's size. When the free pages hold nothing it can take (a
 //! selector of a bus id or a server alone, every matching device taken,
@@ -32,7 +35,7 @@ use crate::entry::{
 use crate::error::LabError;
 use crate::etcd::keep_alive;
 use crate::lab::{hex, holder_name, names_its_key, prefix_end, Hold, Lab, Reservation};
-use crate::request::{self, transient, RETRY_WITHIN};
+use crate::request::{self, permission_denied, transient, RETRY_WITHIN};
 
 /// Free-device keys one page reads.
 pub(crate) const FREE_PAGE: i64 = 32;
@@ -77,9 +80,9 @@ impl Lab {
                 if page.is_empty() {
                     break;
                 }
-                // A free key goes only once its server has seen the reservation: after
-                // two chains lost, the page is likely stale where racing clients took
-                // from it. A lost chain also says which others of the page are reserved.
+                // A page is read from whichever member answers, and may be behind: after
+                // two chains lost, it is likely stale where racing clients took from it.
+                // A lost chain also says which others of the page are reserved.
                 let mut lost = 0;
                 let mut left = page;
                 while !left.is_empty() && lost < 2 {
@@ -121,14 +124,11 @@ impl Lab {
             .filter_map(|key| self.keys.parse_free_entry(first, key))
             .filter(|(server, busid)| want.matches_place(server, busid))
             .map(|(server, busid)| {
-                let conditions = free
-                    .iter()
-                    .map(|prefix| {
-                        let key = self.keys.free_entry_under(prefix, &server, &busid);
-                        Compare::create_revision(key, CompareOp::NotEqual, 0)
-                    })
-                    .collect();
-                Candidate { server, busid, conditions, availability: Availability::AVAILABLE.to_owned() }
+                let free_keys: Vec<String> =
+                    free.iter().map(|prefix| self.keys.free_entry_under(prefix, &server, &busid)).collect();
+                let conditions =
+                    free_keys.iter().map(|key| Compare::create_revision(key.clone(), CompareOp::NotEqual, 0)).collect();
+                Candidate { server, busid, conditions, free_keys, availability: Availability::AVAILABLE.to_owned() }
             })
             .collect();
         page.shuffle(&mut rand::thread_rng());
@@ -224,6 +224,7 @@ impl Lab {
                         server: d.device.server.clone(),
                         busid: d.device.record.busid.clone(),
                         conditions: vec![still_available(index_key)],
+                        free_keys: Vec::new(),
                         availability,
                     }
                 })
@@ -242,6 +243,7 @@ impl Lab {
                         server,
                         busid,
                         conditions: vec![still_available(String::from_utf8_lossy(kv.key()).into_owned())],
+                        free_keys: Vec::new(),
                         availability: String::from_utf8_lossy(kv.value()).into_owned(),
                     })
                 })
@@ -298,38 +300,24 @@ impl Lab {
             Some(lease) => lease,
             None => *taking.lease.insert(request::lease_grant(&self.client, taking.ttl_secs).await?),
         };
-        let reads = |candidate: &Candidate| {
-            [
-                TxnOp::get(self.keys.device(&candidate.server, &candidate.busid), None),
-                TxnOp::get(self.keys.server(&candidate.server), None),
-            ]
+        let Some((take, landed)) = self.chain_txns(chain, rest, taking, lease) else {
+            return Ok(Tried::Lost(vec![false; rest.len()]));
         };
-        // Lost, it tells which of `rest` are reserved by then (count only: nothing else is read).
-        let who_else: Vec<TxnOp> = rest
-            .iter()
-            .map(|other| {
-                let key = self.keys.reservation(&other.server, &other.busid);
-                TxnOp::get(key, Some(GetOptions::new().with_count_only()))
-            })
-            .collect();
-        // Built from the chain's last device on: each in the failure branch of the one before.
-        let (mut take, mut landed): (Option<Txn>, Option<Txn>) = (None, None);
-        for candidate in chain.iter().rev() {
-            let key = self.keys.reservation(&candidate.server, &candidate.busid);
-            let mut conditions = vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)];
-            conditions.extend(candidate.conditions.iter().cloned());
-            let put = TxnOp::put(key.clone(), taking.json.clone(), Some(PutOptions::new().with_lease(lease)));
-            let otherwise = take.take().map_or_else(|| who_else.clone(), |inner| vec![TxnOp::txn(inner)]);
-            let then = [&[put], &reads(candidate)[..]].concat();
-            take = Some(Txn::new().when(conditions).and_then(then).or_else(otherwise));
-            // If a try's answer is lost, the reservation may be ours already.
-            let ours = Compare::value(key, CompareOp::Equal, taking.json.clone());
-            let otherwise = landed.take().map(|inner| vec![TxnOp::txn(inner)]).unwrap_or_default();
-            landed = Some(Txn::new().when([ours]).and_then(reads(candidate)).or_else(otherwise));
-        }
-        let (Some(take), Some(landed)) = (take, landed) else { return Ok(Tried::Lost(vec![false; rest.len()])) };
         self.reads.transactions += 1;
-        let response = self.take_once(take, landed, taking).await?;
+        let response = match self.take_once(take, landed.clone(), taking).await {
+            Err(LabError::Request(error)) if self.takes_free_keys && permission_denied(&error) => {
+                // A role that may write reservations but not the index (README): the
+                // servers delete the free keys, as they do those of other terms.
+                tracing::debug!(%error, "this registry user may not delete free-device keys; left to their servers");
+                self.takes_free_keys = false;
+                let Some((take, _)) = self.chain_txns(chain, rest, taking, lease) else {
+                    return Ok(Tried::Lost(vec![false; rest.len()]));
+                };
+                self.reads.transactions += 1;
+                self.take_once(take, landed, taking).await?
+            }
+            answered => answered?,
+        };
         let (depth, answered) = branch_taken(response);
         let Some(candidate) = chain.get(depth) else {
             let reserved = answered.iter().map(|op| matches!(op, TxnOpResponse::Get(got) if got.count() > 0)).collect();
@@ -373,6 +361,48 @@ impl Lab {
             client: self.client.clone(),
             renewing,
         })))
+    }
+
+    /// A chain's transaction, and the question whether it landed: the
+    /// reservation of the first device of `chain` that has none and whose
+    /// conditions hold (with its free keys under the selector's terms
+    /// deleted, if this user may), its device and server entries read back;
+    /// lost, the reservations of `rest` counted. `None` for an empty chain.
+    fn chain_txns(&self, chain: &[Candidate], rest: &[Candidate], taking: &Taking, lease: i64) -> Option<(Txn, Txn)> {
+        let reads = |candidate: &Candidate| {
+            [
+                TxnOp::get(self.keys.device(&candidate.server, &candidate.busid), None),
+                TxnOp::get(self.keys.server(&candidate.server), None),
+            ]
+        };
+        // Lost, it tells which of `rest` are reserved by then (count only: nothing else is read).
+        let who_else: Vec<TxnOp> = rest
+            .iter()
+            .map(|other| {
+                let key = self.keys.reservation(&other.server, &other.busid);
+                TxnOp::get(key, Some(GetOptions::new().with_count_only()))
+            })
+            .collect();
+        // Built from the chain's last device on: each in the failure branch of the one before.
+        let (mut take, mut landed): (Option<Txn>, Option<Txn>) = (None, None);
+        for candidate in chain.iter().rev() {
+            let key = self.keys.reservation(&candidate.server, &candidate.busid);
+            let mut conditions = vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)];
+            conditions.extend(candidate.conditions.iter().cloned());
+            let put = TxnOp::put(key.clone(), taking.json.clone(), Some(PutOptions::new().with_lease(lease)));
+            let otherwise = take.take().map_or_else(|| who_else.clone(), |inner| vec![TxnOp::txn(inner)]);
+            // Its free keys under the selector's terms go with it: racing clients' pages
+            // no longer show it (its server deletes the rest when it sees the reservation).
+            let free_keys = if self.takes_free_keys { candidate.free_keys.as_slice() } else { &[] };
+            let taken = free_keys.iter().map(|free| TxnOp::delete(free.clone(), None));
+            let then: Vec<TxnOp> = std::iter::once(put).chain(taken).chain(reads(candidate)).collect();
+            take = Some(Txn::new().when(conditions).and_then(then).or_else(otherwise));
+            // If a try's answer is lost, the reservation may be ours already.
+            let ours = Compare::value(key, CompareOp::Equal, taking.json.clone());
+            let otherwise = landed.take().map(|inner| vec![TxnOp::txn(inner)]).unwrap_or_default();
+            landed = Some(Txn::new().when([ours]).and_then(reads(candidate)).or_else(otherwise));
+        }
+        take.zip(landed)
     }
 
     /// Runs `take` (a reservation's transaction) once; when its answer is
@@ -538,6 +568,9 @@ pub(crate) struct Candidate {
     pub(crate) busid: String,
     /// What the reservation's transaction checks besides the reservation's absence.
     pub(crate) conditions: Vec<Compare>,
+    /// Its free keys that the reservation's transaction deletes: those under
+    /// the selector's terms, when it was found in their pages.
+    pub(crate) free_keys: Vec<String>,
     /// Its availability word when it was read.
     pub(crate) availability: String,
 }

@@ -1,12 +1,13 @@
 //! [`Lease`]: a registered server's lease and what it has published under
 //! it, kept across connections while etcd keeps the lease; whether it is
 //! alive, reading the catalogs back after a write whose outcome is not
-//! known, and revoking it. Not for what is written (`publish`).
+//! known and the free-device keys back after a connection lost, and
+//! revoking it. Not for what is written (`publish`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use etcd_client::{Client, GetOptions};
+use etcd_client::{Client, GetOptions, LeaseTimeToLiveOptions};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
@@ -72,6 +73,27 @@ impl Lease {
         self.layouts = crate::catalog::layouts_of(server, chunks.iter().map(|(k, v)| (k.as_str(), v.as_slice())));
         self.published.extend(chunks);
         self.unsure = false;
+        Ok(())
+    }
+
+    /// Forgets the free-device keys it published that etcd no longer holds
+    /// under it: a reservation's transaction deletes some of its device's
+    /// free keys (`take`), and one taken and given back while this server
+    /// was not connected left them deleted with nothing that tells it. Read
+    /// when a connection is set up again under the same lease, so the next
+    /// sync puts back those the devices still want; the rest stay published
+    /// as they were, and nothing is written for them.
+    pub(super) async fn read_back_free_keys(&mut self, client: &Client, keys: &Keys) -> Result<(), LabError> {
+        let id = self.id;
+        let options = LeaseTimeToLiveOptions::new().with_keys();
+        let held = request::retried("lease keys", || {
+            let mut client = client.clone();
+            let options = options.clone();
+            async move { client.lease_time_to_live(id, Some(options)).await }
+        })
+        .await?;
+        let held: HashSet<&[u8]> = held.keys().iter().map(Vec::as_slice).collect();
+        self.published.retain(|key, _| !keys.is_free_entry(key) || held.contains(key.as_bytes()));
         Ok(())
     }
 

@@ -185,8 +185,8 @@ async fn all_registered(client: &mut Client, keys: &Keys, devices: usize, step: 
 }
 
 /// Issue 36: the free-device index stays true while servers die and come
-/// back, reservations are taken (several at once), released and left to
-/// expire; no device is ever held twice, and a reservation reads a page of
+/// back, reservations are taken (several at once), released (one at once
+/// after it was taken) and left to expire; no device is ever held twice, and a reservation reads a page of
 /// the index, not every matching device.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_free_index_stays_true_and_no_device_is_held_twice() {
@@ -207,7 +207,7 @@ async fn the_free_index_stays_true_and_no_device_is_held_twice() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
     let mut steps = Vec::new();
     for step in 0..24 {
-        let action = rng.gen_range(0..6);
+        let action = rng.gen_range(0..7);
         let what = match action {
             // Several clients at once.
             0 | 1 => {
@@ -251,6 +251,16 @@ async fn the_free_index_stays_true_and_no_device_is_held_twice() {
                     tokio::time::sleep(Duration::from_millis(500)).await;
                     format!("restart {}", publishers[i].address)
                 }
+            }
+            5 => {
+                // Taken and given back at once, likely before its server saw it: the
+                // free keys its transaction deleted come back.
+                match lab.reserve(&want, hold, "test").await {
+                    Ok(reservation) => reservation.release().await.unwrap(),
+                    Err(LabError::NoneFree { .. } | LabError::NoMatch { .. }) => {}
+                    Err(error) => panic!("step {step}: reserving failed: {error}"),
+                }
+                "reserve and release".to_owned()
             }
             _ => "nothing".to_owned(),
         };
@@ -450,4 +460,38 @@ async fn class_00_has_no_index_and_a_selector_with_it_reads_the_devices() {
     assert_eq!(snapshot(&mut client, &keys).await.reserved.len(), 1, "only the class=00 reservation");
     reservation.release().await.unwrap();
     publisher.kill();
+}
+
+/// A reservation's transaction deletes its device's free keys under the
+/// selector's terms (racing clients' pages no longer show it); those of its
+/// other terms are its server's to delete once it sees the reservation
+/// (here there is none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_takes_its_free_keys_under_the_selectors_terms() {
+    let Some(cluster) = Cluster::start(1, "takes_free_keys").await else { return };
+    let keys = Keys::new("test");
+    let mut client = cluster.client(0).await;
+    let server = "10.0.0.1:3240";
+    plant(&mut client, &keys, server, 4, 1).await;
+    let mut lab = Lab::connect(cluster.endpoint(&[0])).await.unwrap();
+    let hold = Hold::WhileRunning { ttl: Duration::from_secs(5), until: None };
+    let free_keys = |snapshot: &Snapshot, busid: &str| -> BTreeSet<String> {
+        snapshot.free.iter().filter(|key| key.ends_with(&format!("/{server}/{busid}"))).cloned().collect()
+    };
+    for (selector, taken) in [("label=nucleo", vec!["label"]), ("label=nucleo,0483:374b", vec!["label", "id"])] {
+        let before = snapshot(&mut client, &keys).await;
+        let reservation = lab.reserve(&selector.parse().unwrap(), hold, "test").await.unwrap();
+        let busid = reservation.device.record.busid.clone();
+        let after = snapshot(&mut client, &keys).await;
+        let (had, has) = (free_keys(&before, &busid), free_keys(&after, &busid));
+        let gone: BTreeSet<&String> = had.difference(&has).collect();
+        let expected: BTreeSet<&String> = had
+            .iter()
+            .filter(|key| taken.iter().any(|kind| key.starts_with(&format!("{}index/free/{kind}/", keys.all()))))
+            .collect();
+        assert_eq!(gone, expected, "{selector}: the free keys its reservation deleted");
+        assert!(!has.is_empty(), "{selector}: the device's other terms keep their free keys: {had:?}");
+        assert_eq!(before.free.len() - after.free.len(), taken.len(), "{selector}: no other device's free key went");
+        reservation.keep();
+    }
 }
