@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use etcd_client::{Client, GetOptions, LeaseTimeToLiveOptions};
 use tokio::task::JoinHandle;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::entry::Keys;
 use crate::error::LabError;
@@ -86,14 +86,23 @@ impl Lease {
     pub(super) async fn read_back_free_keys(&mut self, client: &Client, keys: &Keys) -> Result<(), LabError> {
         let id = self.id;
         let options = LeaseTimeToLiveOptions::new().with_keys();
-        let held = request::retried("lease keys", || {
+        let answer = request::retried("lease keys", || {
             let mut client = client.clone();
             let options = options.clone();
             async move { client.lease_time_to_live(id, Some(options)).await }
         })
-        .await?;
-        let held: HashSet<&[u8]> = held.keys().iter().map(Vec::as_slice).collect();
-        self.published.retain(|key, _| !keys.is_free_entry(key) || held.contains(key.as_bytes()));
+        .await;
+        match answer {
+            Ok(answer) => {
+                forget_free_keys(&mut self.published, keys, Some(&answer.keys().iter().map(Vec::as_slice).collect()));
+            }
+            // An answer too large to take (some thousands of devices, 4 MiB): all written again.
+            Err(error) if !request::transient(&error) => {
+                debug!(%error, "the lease's keys could not be read back; its free-device keys are written again");
+                forget_free_keys(&mut self.published, keys, None);
+            }
+            Err(error) => return Err(error.into()),
+        }
         Ok(())
     }
 
@@ -125,6 +134,20 @@ impl Lease {
     }
 }
 
+/// Of the free-device keys `published`, forgets those not in `held` (the
+/// keys etcd holds under the lease); with none known, takes each for
+/// unknown, so the next sync puts it again or deletes it.
+fn forget_free_keys(published: &mut HashMap<String, Vec<u8>>, keys: &Keys, held: Option<&HashSet<&[u8]>>) {
+    match held {
+        Some(held) => published.retain(|key, _| !keys.is_free_entry(key) || held.contains(key.as_bytes())),
+        None => {
+            for (_, value) in published.iter_mut().filter(|(key, _)| keys.is_free_entry(key)) {
+                *value = super::UNKNOWN.to_vec();
+            }
+        }
+    }
+}
+
 impl Drop for Lease {
     fn drop(&mut self) {
         self.renewing.abort();
@@ -135,6 +158,37 @@ impl Drop for Lease {
 mod tests {
     use super::*;
     use crate::testing::{plant_as, Cluster};
+
+    /// Read back after a connection lost, the free keys etcd no longer holds
+    /// under the lease are forgotten (the next sync puts them again where
+    /// the devices want them) and the rest kept as published; when the
+    /// lease's keys cannot be listed, every free key is taken for unknown
+    /// (put again or deleted). Other keys stay as they were either way.
+    #[test]
+    fn free_keys_gone_from_the_lease_are_forgotten() {
+        let keys = Keys::new("test");
+        let kept = keys.free_entry("id", "1209:0005", "s:1", "1-1");
+        let gone = keys.free_entry("id", "1209:0005", "s:1", "1-2");
+        let device = keys.device("s:1", "1-2");
+        let published = HashMap::from([
+            (kept.clone(), b"available".to_vec()),
+            (gone.clone(), b"available".to_vec()),
+            (device.clone(), b"{}".to_vec()),
+        ]);
+        let mut read_back = published.clone();
+        let held: HashSet<&[u8]> = [kept.as_bytes(), device.as_bytes()].into();
+        forget_free_keys(&mut read_back, &keys, Some(&held));
+        let expected = HashMap::from([(kept.clone(), b"available".to_vec()), (device.clone(), b"{}".to_vec())]);
+        assert_eq!(read_back, expected);
+        let mut unknown = published;
+        forget_free_keys(&mut unknown, &keys, None);
+        let expected = HashMap::from([
+            (kept, super::super::UNKNOWN.to_vec()),
+            (gone, super::super::UNKNOWN.to_vec()),
+            (device, b"{}".to_vec()),
+        ]);
+        assert_eq!(unknown, expected);
+    }
 
     /// After a write whose outcome is not known, the lease takes what etcd
     /// holds of the server's catalogs as published and as their layouts;
