@@ -44,7 +44,7 @@ use crate::pace::Pace;
 
 mod lease;
 use crate::request;
-use lease::Lease;
+use lease::{Lease, UNKNOWN};
 
 /// Operations in one of a server's transactions (etcd's default limit is
 /// 128). A thousand servers starting at once each keep one transaction in
@@ -70,9 +70,6 @@ const SETTLED: Duration = Duration::from_secs(1);
 /// while etcd works through the queue, never sent again meanwhile (see
 /// [`Endpoint::connect_with`]).
 const WRITE_DEADLINE: Duration = Duration::from_secs(30);
-/// What [`Session::sync`] remembers of a put whose transaction failed: no
-/// value equals it, so the next sync puts the key again (or deletes it).
-const UNKNOWN: &[u8] = b"\0unknown";
 
 /// What a server registers, and where.
 #[derive(Clone, Debug)]

@@ -20,6 +20,12 @@ use crate::request;
 /// registry must not hold the shutdown up (the lease then expires by itself).
 const DEREGISTER_WITHIN: Duration = Duration::from_secs(2);
 
+/// What is remembered of a key whose value etcd may not hold (a put whose
+/// transaction failed, a free key after a connection lost whose keys could
+/// not be listed): no value equals it, so the next sync puts the key again
+/// (or deletes it).
+pub(super) const UNKNOWN: &[u8] = b"\0unknown";
+
 /// The server's lease and what is published under it: kept across
 /// connections for as long as etcd keeps the lease.
 pub(super) struct Lease {
@@ -142,7 +148,7 @@ fn forget_free_keys(published: &mut HashMap<String, Vec<u8>>, keys: &Keys, held:
         Some(held) => published.retain(|key, _| !keys.is_free_entry(key) || held.contains(key.as_bytes())),
         None => {
             for (_, value) in published.iter_mut().filter(|(key, _)| keys.is_free_entry(key)) {
-                *value = super::UNKNOWN.to_vec();
+                *value = UNKNOWN.to_vec();
             }
         }
     }
@@ -182,11 +188,7 @@ mod tests {
         assert_eq!(read_back, expected);
         let mut unknown = published;
         forget_free_keys(&mut unknown, &keys, None);
-        let expected = HashMap::from([
-            (kept, super::super::UNKNOWN.to_vec()),
-            (gone, super::super::UNKNOWN.to_vec()),
-            (device, b"{}".to_vec()),
-        ]);
+        let expected = HashMap::from([(kept, UNKNOWN.to_vec()), (gone, UNKNOWN.to_vec()), (device, b"{}".to_vec())]);
         assert_eq!(unknown, expected);
     }
 
